@@ -1,0 +1,505 @@
+//! BMDB benchmark (issue: BMDB core). Measures on Postgres and SQLite, in one run:
+//! (a) claim+finish throughput with parallel workers; (b) the same with upstream's claim shape;
+//! (c) the raw single-row UPDATE transaction ceiling with as many connections; (d) claim
+//! latency with 1k and 100k machines in the database.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use shepherd_bmdb::testing::{self, TestDb};
+use shepherd_bmdb::*;
+
+use crate::stats::{ms, quantile};
+
+/// Settings of the BMDB benchmark.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Eligible machines for the throughput runs (a) and (b).
+    #[arg(long, default_value_t = 10_000)]
+    machines: usize,
+    /// Parallel workers (and connections for the ceiling).
+    #[arg(long, default_value_t = 16)]
+    workers: usize,
+    /// Sessions the workers are spread over (SPEC §10: one per worker).
+    #[arg(long, default_value_t = 16)]
+    sessions: usize,
+    /// Upper bound on one throughput run; a run stops early when every machine is processed.
+    #[arg(long, default_value_t = 30)]
+    max_run_seconds: u64,
+    /// Length of the raw write ceiling measurement.
+    #[arg(long, default_value_t = 10)]
+    ceiling_seconds: u64,
+    /// Timed claims per latency measurement.
+    #[arg(long, default_value_t = 1000)]
+    latency_samples: usize,
+    /// Machines in the small and the large database of the latency measurement.
+    #[arg(long, value_delimiter = ',', default_values_t = [1_000usize, 100_000])]
+    latency_sizes: Vec<usize>,
+    /// Where to write the report.
+    #[arg(long, default_value = "bench/results/bmdb.md")]
+    out: PathBuf,
+}
+
+const START: Retrieval = Retrieval::AgentStart {
+    provider: Provider::Sim,
+};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Backend {
+    Postgres,
+    Sqlite,
+}
+
+async fn fresh(backend: Backend) -> Result<TestDb> {
+    Ok(match backend {
+        Backend::Sqlite => testing::sqlite().await,
+        Backend::Postgres => match testing::postgres().await {
+            Some(t) => t,
+            None => {
+                bail!("Postgres is unreachable; the benchmark needs it (see scripts/test-deps.sh)")
+            }
+        },
+    })
+}
+
+/// Adds `n` machines provided by the sim provider, in batches, then refreshes planner
+/// statistics as autovacuum would on a live system.
+async fn provision(t: &TestDb, n: usize) -> Result<()> {
+    let mut left = n;
+    while left > 0 {
+        let batch = left.min(2000);
+        t.db.transact(move |tx| {
+            Box::pin(async move {
+                for _ in 0..batch {
+                    let id = tx.create_machine().await?;
+                    tx.set_provided(id, &Provided::new(Provider::Sim, id.simple().to_string()))
+                        .await?;
+                }
+                Ok(())
+            })
+        })
+        .await?;
+        left -= batch;
+    }
+    if t.url.starts_with("postgres") {
+        let pool = sqlx::PgPool::connect(&t.url).await?;
+        sqlx::query("ANALYZE").execute(&pool).await?;
+        pool.close().await;
+    }
+    Ok(())
+}
+
+struct Throughput {
+    processed: u64,
+    conflicts: u64,
+    elapsed: Duration,
+}
+
+impl Throughput {
+    fn per_second(&self) -> f64 {
+        self.processed as f64 / self.elapsed.as_secs_f64()
+    }
+    fn conflict_rate(&self) -> f64 {
+        self.conflicts as f64 / (self.processed + self.conflicts).max(1) as f64
+    }
+}
+
+/// Workers claim, do nothing, and finish (setting `agent_started`, which makes the machine
+/// ineligible), until nothing is left or the time bound passes.
+async fn claim_finish(db: &Bmdb, args: &Args, strategy: ClaimStrategy) -> Result<Throughput> {
+    let processed = Arc::new(AtomicU64::new(0));
+    let conflicts = Arc::new(AtomicU64::new(0));
+    let deadline = Instant::now() + Duration::from_secs(args.max_run_seconds);
+    let mut sessions = vec![];
+    for i in 0..args.sessions {
+        sessions.push(
+            db.start_session(SessionConfig::new(
+                format!("bench-{i}"),
+                Processor::ShepherdInitializer,
+            ))
+            .await?,
+        );
+    }
+    let started = Instant::now();
+    let mut workers = vec![];
+    for w in 0..args.workers {
+        let session = sessions[w % sessions.len()].clone();
+        let (processed, conflicts) = (processed.clone(), conflicts.clone());
+        workers.push(tokio::spawn(async move {
+            while Instant::now() < deadline {
+                match session
+                    .work_with_strategy(Process::ShepherdAgentStart, START, strategy)
+                    .await?
+                {
+                    Claim::Work(mut work) => {
+                        let id = work.machine_id();
+                        work.finish(move |tx| {
+                            Box::pin(
+                                async move { tx.set_agent_started(id, &[7; AGENT_KEY_LEN]).await },
+                            )
+                        })
+                        .await?;
+                        processed.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Claim::Conflict => {
+                        conflicts.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Claim::NothingToDo => break,
+                }
+            }
+            Ok::<_, Error>(())
+        }));
+    }
+    for w in workers {
+        w.await??;
+    }
+    let elapsed = started.elapsed();
+    for s in sessions {
+        s.close().await?;
+    }
+    Ok(Throughput {
+        processed: processed.load(Ordering::Relaxed),
+        conflicts: conflicts.load(Ordering::Relaxed),
+        elapsed,
+    })
+}
+
+/// Raw ceiling: `workers` connections each updating its own row in single-row transactions, as
+/// fast as they can; `explicit` wraps each UPDATE in BEGIN/COMMIT, otherwise it autocommits.
+async fn write_ceiling(backend: Backend, args: &Args, explicit: bool) -> Result<f64> {
+    let t = fresh(backend).await?;
+    let n = args.workers;
+    let duration = Duration::from_secs(args.ceiling_seconds);
+    let count = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    match backend {
+        Backend::Postgres => {
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(n as u32)
+                .connect(&t.url)
+                .await?;
+            sqlx::query("CREATE TABLE ceiling (id int PRIMARY KEY, n bigint NOT NULL)")
+                .execute(&pool)
+                .await?;
+            sqlx::query("INSERT INTO ceiling SELECT i, 0 FROM generate_series(0, $1) i")
+                .bind(n as i32)
+                .execute(&pool)
+                .await?;
+            let mut tasks = vec![];
+            for i in 0..n {
+                let (pool, count) = (pool.clone(), count.clone());
+                tasks.push(tokio::spawn(async move {
+                    let update = "UPDATE ceiling SET n = n + 1 WHERE id = $1";
+                    while started.elapsed() < duration {
+                        if explicit {
+                            let mut tx = pool.begin().await?;
+                            sqlx::query(update).bind(i as i32).execute(&mut *tx).await?;
+                            tx.commit().await?;
+                        } else {
+                            sqlx::query(update).bind(i as i32).execute(&pool).await?;
+                        }
+                        count.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok::<_, sqlx::Error>(())
+                }));
+            }
+            for task in tasks {
+                task.await??;
+            }
+            pool.close().await;
+        }
+        Backend::Sqlite => {
+            let path = t
+                .url
+                .strip_prefix("sqlite:")
+                .context("sqlite url")?
+                .to_string();
+            let opts = sqlx::sqlite::SqliteConnectOptions::new()
+                .filename(&path)
+                .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+                .synchronous(sqlx::sqlite::SqliteSynchronous::Normal)
+                .busy_timeout(Duration::from_secs(30));
+            let pool = sqlx::sqlite::SqlitePoolOptions::new()
+                .max_connections(n as u32)
+                .connect_with(opts)
+                .await?;
+            sqlx::query("CREATE TABLE ceiling (id INTEGER PRIMARY KEY, n INTEGER NOT NULL)")
+                .execute(&pool)
+                .await?;
+            for i in 0..n {
+                sqlx::query("INSERT INTO ceiling VALUES ($1, 0)")
+                    .bind(i as i64)
+                    .execute(&pool)
+                    .await?;
+            }
+            let mut tasks = vec![];
+            for i in 0..n {
+                let (pool, count) = (pool.clone(), count.clone());
+                tasks.push(tokio::spawn(async move {
+                    while started.elapsed() < duration {
+                        let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+                        sqlx::query("UPDATE ceiling SET n = n + 1 WHERE id = $1")
+                            .bind(i as i64)
+                            .execute(&mut *tx)
+                            .await?;
+                        tx.commit().await?;
+                        count.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok::<_, sqlx::Error>(())
+                }));
+            }
+            for task in tasks {
+                task.await??;
+            }
+            pool.close().await;
+        }
+    }
+    let rate = count.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
+    t.cleanup().await;
+    Ok(rate)
+}
+
+struct Latency {
+    p50: Duration,
+    p99: Duration,
+}
+
+/// One worker claims and finishes (without changing eligibility) `samples` times in a database
+/// of `size` eligible machines; only the claim is timed.
+async fn claim_latency(backend: Backend, size: usize, samples: usize) -> Result<Latency> {
+    let t = fresh(backend).await?;
+    provision(&t, size).await?;
+    let session =
+        t.db.start_session(SessionConfig::new(
+            "bench-latency",
+            Processor::ShepherdInitializer,
+        ))
+        .await?;
+    let mut times = Vec::with_capacity(samples);
+    for i in 0..samples + 50 {
+        let begun = Instant::now();
+        let claim = session.work(Process::ShepherdAgentStart, START).await?;
+        let took = begun.elapsed();
+        let Claim::Work(mut work) = claim else {
+            bail!("no eligible machine in the latency run")
+        };
+        work.finish(|_| Box::pin(async { Ok(()) })).await?;
+        if i >= 50 {
+            times.push(took);
+        }
+    }
+    session.close().await?;
+    t.cleanup().await;
+    Ok(Latency {
+        p50: quantile(&mut times, 0.5),
+        p99: quantile(&mut times, 0.99),
+    })
+}
+
+struct Report {
+    ours: Throughput,
+    upstream: Throughput,
+    ceiling_autocommit: f64,
+    ceiling_explicit: f64,
+    latency: Vec<(usize, Latency)>,
+}
+
+impl Report {
+    /// The stricter ceiling of the two shapes of a single-row UPDATE transaction.
+    fn ceiling(&self) -> f64 {
+        self.ceiling_autocommit.max(self.ceiling_explicit)
+    }
+    fn claim_vs_ceiling(&self) -> f64 {
+        self.ours.per_second() / (self.ceiling() / 2.0)
+    }
+    fn claim_vs_upstream(&self) -> f64 {
+        self.ours.per_second() / self.upstream.per_second()
+    }
+    fn latency_ratio(&self) -> f64 {
+        let first = self
+            .latency
+            .first()
+            .map(|(_, l)| l.p99.as_secs_f64())
+            .unwrap_or(0.0);
+        let last = self
+            .latency
+            .last()
+            .map(|(_, l)| l.p99.as_secs_f64())
+            .unwrap_or(0.0);
+        last / first
+    }
+}
+
+async fn measure(backend: Backend, args: &Args) -> Result<Report> {
+    eprintln!(
+        "[{backend:?}] (a) claim+finish, {} workers, {} machines",
+        args.workers, args.machines
+    );
+    let t = fresh(backend).await?;
+    provision(&t, args.machines).await?;
+    let ours = claim_finish(&t.db, args, ClaimStrategy::SkipLocked).await?;
+    t.cleanup().await;
+    eprintln!(
+        "[{backend:?}]     {:.0} machines/s, {} conflicts",
+        ours.per_second(),
+        ours.conflicts
+    );
+
+    eprintln!("[{backend:?}] (b) upstream-style claimer");
+    let t = fresh(backend).await?;
+    provision(&t, args.machines).await?;
+    let upstream = claim_finish(&t.db, args, ClaimStrategy::UpstreamFirstRow).await?;
+    t.cleanup().await;
+    eprintln!(
+        "[{backend:?}]     {:.0} machines/s, {} conflicts",
+        upstream.per_second(),
+        upstream.conflicts
+    );
+
+    eprintln!(
+        "[{backend:?}] (c) raw write ceiling, {} connections",
+        args.workers
+    );
+    let ceiling_autocommit = write_ceiling(backend, args, false).await?;
+    let ceiling_explicit = write_ceiling(backend, args, true).await?;
+    eprintln!("[{backend:?}]     {ceiling_autocommit:.0} txn/s autocommit, {ceiling_explicit:.0} txn/s BEGIN/COMMIT");
+
+    let mut latency = vec![];
+    for &size in &args.latency_sizes {
+        eprintln!("[{backend:?}] (d) claim latency with {size} machines");
+        let l = claim_latency(backend, size, args.latency_samples).await?;
+        eprintln!(
+            "[{backend:?}]     p50 {} ms, p99 {} ms",
+            ms(l.p50),
+            ms(l.p99)
+        );
+        latency.push((size, l));
+    }
+    Ok(Report {
+        ours,
+        upstream,
+        ceiling_autocommit,
+        ceiling_explicit,
+        latency,
+    })
+}
+
+async fn environment() -> String {
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
+    let pg = match sqlx::PgPool::connect(&testing::postgres_admin_url()).await {
+        Ok(pool) => sqlx::query_scalar::<_, String>("SHOW server_version")
+            .fetch_one(&pool)
+            .await
+            .unwrap_or_default(),
+        Err(_) => "unreachable".into(),
+    };
+    let sqlite = match sqlx::SqlitePool::connect("sqlite::memory:").await {
+        Ok(pool) => sqlx::query_scalar::<_, String>("SELECT sqlite_version()")
+            .fetch_one(&pool)
+            .await
+            .unwrap_or_default(),
+        Err(_) => "unknown".into(),
+    };
+    format!("{cores} cores; PostgreSQL {pg} on loopback; SQLite {sqlite} (bundled, WAL, synchronous=NORMAL)")
+}
+
+/// Runs the whole benchmark and writes the report.
+pub async fn run(args: Args) -> Result<()> {
+    if args.latency_sizes.len() < 2 {
+        bail!("--latency-sizes needs a small and a large size");
+    }
+    let pg = measure(Backend::Postgres, &args).await?;
+    let lite = measure(Backend::Sqlite, &args).await?;
+    let mut md = String::new();
+    md.push_str("# BMDB benchmark\n\n");
+    md.push_str(&format!(
+        "Run on {} with `cargo run --release -p shepherd-bench -- bmdb` ({}). Workers: {} over {} sessions; \
+         throughput runs use {} eligible machines, no-op work, and a finish that sets `agent_started`. \
+         A claim+finish is two transactions, so the ratio to the ceiling uses half the faster (c).\n\n",
+        chrono::Utc::now().format("%Y-%m-%d %H:%M UTC"),
+        environment().await,
+        args.workers,
+        args.sessions,
+        args.machines
+    ));
+    md.push_str("| measurement | Postgres | SQLite |\n|---|---:|---:|\n");
+    let row = |md: &mut String, name: &str, a: String, b: String| {
+        md.push_str(&format!("| {name} | {a} | {b} |\n"))
+    };
+    row(
+        &mut md,
+        "(a) claim+finish, machines/s",
+        format!("{:.0}", pg.ours.per_second()),
+        format!("{:.0}", lite.ours.per_second()),
+    );
+    row(
+        &mut md,
+        "(a) machines processed / conflicts",
+        format!("{} / {}", pg.ours.processed, pg.ours.conflicts),
+        format!("{} / {}", lite.ours.processed, lite.ours.conflicts),
+    );
+    row(
+        &mut md,
+        "(b) upstream-style claimer, machines/s",
+        format!("{:.0}", pg.upstream.per_second()),
+        format!("{:.0}", lite.upstream.per_second()),
+    );
+    row(
+        &mut md,
+        "(b) machines processed / conflicts",
+        format!("{} / {}", pg.upstream.processed, pg.upstream.conflicts),
+        format!("{} / {}", lite.upstream.processed, lite.upstream.conflicts),
+    );
+    row(
+        &mut md,
+        "(c) raw single-row UPDATE transactions/s, autocommit",
+        format!("{:.0}", pg.ceiling_autocommit),
+        format!("{:.0}", lite.ceiling_autocommit),
+    );
+    row(
+        &mut md,
+        "(c) raw single-row UPDATE transactions/s, BEGIN; UPDATE; COMMIT",
+        format!("{:.0}", pg.ceiling_explicit),
+        format!("{:.0}", lite.ceiling_explicit),
+    );
+    for (i, (size, _)) in pg.latency.iter().enumerate() {
+        let (p, l) = (&pg.latency[i].1, &lite.latency[i].1);
+        row(
+            &mut md,
+            &format!("(d) claim latency p50 / p99 with {size} machines, ms"),
+            format!("{} / {}", ms(p.p50), ms(p.p99)),
+            format!("{} / {}", ms(l.p50), ms(l.p99)),
+        );
+    }
+    md.push_str(&format!(
+        "\nSQLite (for comparison; one writer, so claims never conflict): claim_vs_ceiling = {:.2}, \
+         claim_vs_upstream = {:.2}, latency_100k_vs_1k = {:.2}.\n\n",
+        lite.claim_vs_ceiling(),
+        lite.claim_vs_upstream(),
+        lite.latency_ratio()
+    ));
+    md.push_str(&format!(
+        "ratio p1_claim_vs_ceiling = {:.2}\n",
+        pg.claim_vs_ceiling()
+    ));
+    md.push_str(&format!(
+        "ratio p1_claim_vs_upstream = {:.2}\n",
+        pg.claim_vs_upstream()
+    ));
+    md.push_str(&format!("conflict_rate = {:.4}\n", pg.ours.conflict_rate()));
+    md.push_str(&format!(
+        "ratio p2_latency_100k_vs_1k = {:.2}\n",
+        pg.latency_ratio()
+    ));
+    if let Some(dir) = args.out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&args.out, &md).with_context(|| format!("writing {}", args.out.display()))?;
+    print!("{md}");
+    Ok(())
+}

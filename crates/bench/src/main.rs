@@ -1,0 +1,27 @@
+//! `shepherd-bench`: benchmarks that compare Shepherd with a baseline measured in the same run
+//! and write a markdown report under `bench/results/`.
+
+mod bmdb;
+mod stats;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(about = "Shepherd benchmarks; each writes bench/results/<name>.md")]
+struct Cli {
+    #[command(subcommand)]
+    bench: Bench,
+}
+
+#[derive(Debug, Subcommand)]
+enum Bench {
+    /// Claim throughput and latency of the BMDB on Postgres and SQLite.
+    Bmdb(bmdb::Args),
+}
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() -> anyhow::Result<()> {
+    match Cli::parse().bench {
+        Bench::Bmdb(args) => bmdb::run(args).await,
+    }
+}

@@ -1,0 +1,31 @@
+//! Small statistics helpers for benchmark reports.
+
+use std::time::Duration;
+
+/// The `q` quantile (0..=1) of `samples` by nearest rank; zero for no samples.
+pub fn quantile(samples: &mut [Duration], q: f64) -> Duration {
+    if samples.is_empty() {
+        return Duration::ZERO;
+    }
+    samples.sort_unstable();
+    let rank = ((q * samples.len() as f64).ceil() as usize).clamp(1, samples.len());
+    samples[rank - 1]
+}
+
+/// Milliseconds with two decimals.
+pub fn ms(d: Duration) -> String {
+    format!("{:.2}", d.as_secs_f64() * 1e3)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_quantiles() {
+        let mut v: Vec<Duration> = (1..=100).map(Duration::from_millis).collect();
+        assert_eq!(quantile(&mut v, 0.5), Duration::from_millis(50));
+        assert_eq!(quantile(&mut v, 0.99), Duration::from_millis(99));
+        assert_eq!(quantile(&mut [], 0.5), Duration::ZERO);
+    }
+}

@@ -1,0 +1,346 @@
+//! [`Bmdb`]: a connection pool to one BMDB, its schema, and transactions with retries.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::Utc;
+use futures::future::BoxFuture;
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+use sqlx::{ConnectOptions, Connection};
+
+use crate::backend::{postgres, sqlite};
+use crate::metrics::BmdbMetrics;
+use crate::migrations::{MIGRATIONS, SCHEMA_VERSION};
+use crate::retry::Retry;
+use crate::tx::{dispatch, Tx, TxInner};
+use crate::url::DatabaseUrl;
+use crate::{Error, Processor};
+
+/// The future a transaction body returns; see [`Bmdb::transact`].
+pub type TxFuture<'t, T> = BoxFuture<'t, Result<T, Error>>;
+
+/// Settings for opening a BMDB.
+#[derive(Debug, Clone)]
+pub struct OpenOptions {
+    /// Create the SQLite file if it does not exist (only `bmdb migrate` and demos want this).
+    pub create: bool,
+    /// Apply pending migrations on open.
+    pub migrate: bool,
+    /// Maximum Postgres connections in the pool.
+    pub max_connections: u32,
+    /// How long to wait for a connection (also bounds connecting to an unreachable server).
+    pub connect_timeout: Duration,
+    /// SQLite busy timeout: how long to wait for another process's write lock.
+    pub busy_timeout: Duration,
+}
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        OpenOptions {
+            create: false,
+            migrate: false,
+            max_connections: 32,
+            connect_timeout: Duration::from_secs(10),
+            busy_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Which database engine backs a [`Bmdb`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendKind {
+    /// Embedded SQLite file.
+    Sqlite,
+    /// PostgreSQL server.
+    Postgres,
+}
+
+pub(crate) enum Pools {
+    /// One writer connection (all read-then-write transactions) and a small pool of readers.
+    Sqlite {
+        writer: SqlitePool,
+        reader: SqlitePool,
+    },
+    Postgres(PgPool),
+}
+
+pub(crate) struct Inner {
+    pub(crate) pools: Pools,
+    pub(crate) metrics: BmdbMetrics,
+    target: String,
+}
+
+/// A handle to one BMDB. Cheap to clone; all clones share the pool and metrics.
+#[derive(Clone)]
+pub struct Bmdb {
+    pub(crate) inner: Arc<Inner>,
+}
+
+/// Whether a transaction may write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    Write,
+    Read,
+}
+
+impl Bmdb {
+    /// Opens the database at `url` with default options: it must exist and have exactly the
+    /// schema this binary knows.
+    pub async fn open(url: &str) -> Result<Bmdb, Error> {
+        Self::open_with(url, &OpenOptions::default()).await
+    }
+
+    /// Opens the database at `url`, optionally creating and migrating it, and checks its schema.
+    pub async fn open_with(url: &str, opts: &OpenOptions) -> Result<Bmdb, Error> {
+        let db = Self::connect(url, opts).await?;
+        if opts.migrate {
+            db.migrate().await?;
+        }
+        db.check_schema().await?;
+        Ok(db)
+    }
+
+    /// Connects without looking at the schema (for `bmdb migrate`).
+    pub async fn connect(url: &str, opts: &OpenOptions) -> Result<Bmdb, Error> {
+        let parsed = DatabaseUrl::parse(url)?;
+        let target = parsed.display_target();
+        let connect_err = |source| Error::Connect {
+            target: target.clone(),
+            source,
+        };
+        let pools = match parsed {
+            DatabaseUrl::Sqlite(path) => {
+                if !opts.create && !path.exists() {
+                    return Err(Error::MissingDatabaseFile(path.display().to_string()));
+                }
+                let base = SqliteConnectOptions::new()
+                    .filename(&path)
+                    .create_if_missing(opts.create)
+                    .journal_mode(SqliteJournalMode::Wal)
+                    .synchronous(SqliteSynchronous::Normal)
+                    .busy_timeout(opts.busy_timeout)
+                    .foreign_keys(true);
+                let writer = SqlitePoolOptions::new()
+                    .max_connections(1)
+                    .acquire_timeout(opts.connect_timeout.max(opts.busy_timeout))
+                    .connect_with(base.clone())
+                    .await
+                    .map_err(connect_err)?;
+                let reader = SqlitePoolOptions::new()
+                    .max_connections(4)
+                    .acquire_timeout(opts.connect_timeout.max(opts.busy_timeout))
+                    .connect_with(base)
+                    .await
+                    .map_err(connect_err)?;
+                Pools::Sqlite { writer, reader }
+            }
+            DatabaseUrl::Postgres(pg) => {
+                // One direct connection first: the pool retries refused connections until its
+                // timeout and then reports only "timed out", hiding the real cause.
+                let probe = tokio::time::timeout(opts.connect_timeout, pg.connect())
+                    .await
+                    .map_err(|_| connect_err(sqlx::Error::PoolTimedOut))?
+                    .map_err(connect_err)?;
+                probe.close().await.map_err(connect_err)?;
+                let pool = PgPoolOptions::new()
+                    .max_connections(opts.max_connections)
+                    .acquire_timeout(opts.connect_timeout)
+                    .connect_with(*pg)
+                    .await
+                    .map_err(connect_err)?;
+                Pools::Postgres(pool)
+            }
+        };
+        Ok(Bmdb {
+            inner: Arc::new(Inner {
+                pools,
+                metrics: BmdbMetrics::default(),
+                target,
+            }),
+        })
+    }
+
+    /// The engine behind this handle.
+    pub fn backend(&self) -> BackendKind {
+        match self.inner.pools {
+            Pools::Sqlite { .. } => BackendKind::Sqlite,
+            Pools::Postgres(_) => BackendKind::Postgres,
+        }
+    }
+
+    /// Where this handle points, without secrets.
+    pub fn target(&self) -> &str {
+        &self.inner.target
+    }
+
+    /// Counters of this handle's sessions, transactions and work.
+    pub fn metrics(&self) -> &BmdbMetrics {
+        &self.inner.metrics
+    }
+
+    /// The schema version stored in the database (0 if never migrated).
+    pub async fn schema_version(&self) -> Result<i64, Error> {
+        let mut tx = self.begin(Mode::Read).await?;
+        let v = dispatch!(tx.schema_version())?;
+        tx.rollback().await?;
+        Ok(v)
+    }
+
+    /// Fails unless the database has exactly the schema this binary knows.
+    pub async fn check_schema(&self) -> Result<(), Error> {
+        let found = self.schema_version().await?;
+        if found > SCHEMA_VERSION {
+            return Err(Error::SchemaTooNew {
+                found,
+                known: SCHEMA_VERSION,
+            });
+        }
+        if found < SCHEMA_VERSION {
+            return Err(Error::SchemaOutdated {
+                found,
+                known: SCHEMA_VERSION,
+            });
+        }
+        Ok(())
+    }
+
+    /// Applies pending migrations in one transaction; concurrent migrators wait for each
+    /// other. Returns the versions before and after. Refuses (writing nothing) a schema newer
+    /// than this binary knows.
+    pub async fn migrate(&self) -> Result<(i64, i64), Error> {
+        let mut tx = self.begin(Mode::Write).await?;
+        if let TxInner::Postgres(c) = &mut tx.inner {
+            postgres::lock_for_migration(c).await?;
+        }
+        let found = dispatch!(tx.schema_version())?;
+        if found > SCHEMA_VERSION {
+            tx.rollback().await?;
+            return Err(Error::SchemaTooNew {
+                found,
+                known: SCHEMA_VERSION,
+            });
+        }
+        for m in MIGRATIONS.iter().filter(|m| m.version > found) {
+            match &mut tx.inner {
+                TxInner::Sqlite(c) => {
+                    sqlite::apply_migration(c, m.version, m.name, m.sqlite).await?
+                }
+                TxInner::Postgres(c) => {
+                    postgres::apply_migration(c, m.version, m.name, m.postgres).await?
+                }
+            }
+            tracing::info!(version = m.version, name = m.name, "applied BMDB migration");
+        }
+        tx.commit().await?;
+        Ok((found, SCHEMA_VERSION.max(found)))
+    }
+
+    pub(crate) async fn begin(&self, mode: Mode) -> Result<Tx, Error> {
+        let inner = match (&self.inner.pools, mode) {
+            (Pools::Sqlite { writer, .. }, Mode::Write) => {
+                let tx = writer.begin_with("BEGIN IMMEDIATE").await?;
+                TxInner::Sqlite(sqlite::SqliteTx {
+                    tx,
+                    now: Utc::now().timestamp_micros(),
+                })
+            }
+            (Pools::Sqlite { reader, .. }, Mode::Read) => {
+                let tx = reader.begin().await?;
+                TxInner::Sqlite(sqlite::SqliteTx {
+                    tx,
+                    now: Utc::now().timestamp_micros(),
+                })
+            }
+            (Pools::Postgres(pool), _) => TxInner::Postgres(pool.begin().await?),
+        };
+        Ok(Tx { inner })
+    }
+
+    /// Runs `body` in a read-write transaction and commits it, retrying (bounded, jittered)
+    /// on serialization failures and lock contention. `body` may run more than once, so it
+    /// must have no side effects outside the database.
+    ///
+    /// ```ignore
+    /// let id = db.transact(|tx| Box::pin(async move { tx.create_machine().await })).await?;
+    /// ```
+    pub async fn transact<T, F>(&self, body: F) -> Result<T, Error>
+    where
+        F: for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, T>,
+    {
+        self.run(Processor::Unknown, Mode::Write, None, body).await
+    }
+
+    /// Like [`Bmdb::transact`] for read-only work; on SQLite it does not wait for the writer.
+    pub async fn read<T, F>(&self, body: F) -> Result<T, Error>
+    where
+        F: for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, T>,
+    {
+        self.run(Processor::Unknown, Mode::Read, None, body).await
+    }
+
+    /// The retry loop shared by plain and session transactions. With a session, the session's
+    /// liveness is checked inside the transaction before `body` runs.
+    pub(crate) async fn run<T, F>(
+        &self,
+        processor: Processor,
+        mode: Mode,
+        session: Option<&crate::session::SessionInner>,
+        mut body: F,
+    ) -> Result<T, Error>
+    where
+        F: for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, T>,
+    {
+        let mut retry = Retry::new(&self.inner.metrics, processor);
+        loop {
+            match self.attempt(mode, session, &mut body).await {
+                Ok(v) => {
+                    retry.succeeded();
+                    return Ok(v);
+                }
+                Err(e) => retry.on_error(e).await?,
+            }
+        }
+    }
+
+    async fn attempt<T, F>(
+        &self,
+        mode: Mode,
+        session: Option<&crate::session::SessionInner>,
+        body: &mut F,
+    ) -> Result<T, Error>
+    where
+        F: for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, T>,
+    {
+        if let Some(s) = session {
+            s.ensure_alive()?;
+        }
+        let mut tx = self.begin(mode).await?;
+        if let Some(s) = session {
+            s.check_in(&mut tx).await?;
+        }
+        let v = body(&mut tx).await?;
+        tx.commit().await?;
+        Ok(v)
+    }
+
+    /// Deletes expired sessions and their work (recording Canceled history); returns how
+    /// many sessions were removed. Sessions run this periodically; it is safe to run anywhere.
+    pub async fn collect_garbage(&self) -> Result<u64, Error> {
+        self.transact(|tx| Box::pin(async move { dispatch!(tx.collect_garbage()) }))
+            .await
+    }
+
+    /// Closes the pools, waiting for connections to be returned.
+    pub async fn close(&self) {
+        match &self.inner.pools {
+            Pools::Sqlite { writer, reader } => {
+                reader.close().await;
+                writer.close().await;
+            }
+            Pools::Postgres(p) => p.close().await,
+        }
+    }
+}

@@ -1,0 +1,69 @@
+//! Which machines a process may claim (SPEC §5). The SQL for each rule lives in the backend
+//! modules; this is the backend-neutral description of the rule and its parameters.
+
+use std::time::Duration;
+
+use crate::{Process, Provider};
+
+/// When a started agent counts as lost and the machine becomes eligible for recovery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecoveryThresholds {
+    /// The agent never heartbeated and was started longer ago than this.
+    pub no_heartbeat_after_start: Duration,
+    /// The last heartbeat is older than this.
+    pub heartbeat_older_than: Duration,
+}
+
+impl Default for RecoveryThresholds {
+    /// Upstream's defaults: 30 minutes without a first heartbeat, or 10 minutes of silence.
+    fn default() -> Self {
+        RecoveryThresholds {
+            no_heartbeat_after_start: Duration::from_secs(30 * 60),
+            heartbeat_older_than: Duration::from_secs(10 * 60),
+        }
+    }
+}
+
+/// A rule selecting machines in a state a process can act on.
+///
+/// Every rule also requires, for the claiming process: no active work of any process in its
+/// [`Process::exclusion_set`] and no active backoff of that process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retrieval {
+    /// Provided by `provider`, agent not started, and no fulfilled-or-pending installation
+    /// blocking it (no request, or a request whose generation differs from the report's).
+    AgentStart {
+        /// Only machines of this provider.
+        provider: Provider,
+    },
+    /// Provided by `provider`, agent started, no successful installation for the current
+    /// request, and the agent never heartbeated or stopped heartbeating (see thresholds).
+    AgentRecovery {
+        /// Only machines of this provider.
+        provider: Provider,
+        /// When an agent counts as lost.
+        thresholds: RecoveryThresholds,
+    },
+}
+
+impl Retrieval {
+    /// The provider the rule is scoped to.
+    pub fn provider(&self) -> Provider {
+        match self {
+            Retrieval::AgentStart { provider } | Retrieval::AgentRecovery { provider, .. } => {
+                *provider
+            }
+        }
+    }
+}
+
+/// SQL list literal of a process's exclusion set, e.g. `'A', 'B'`. Values come from the
+/// closed [`Process`] enumeration, so inlining them is safe and lets statements be cached.
+pub(crate) fn exclusion_list(process: Process) -> String {
+    process
+        .exclusion_set()
+        .iter()
+        .map(|p| format!("'{}'", p.as_str()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}

@@ -1,0 +1,93 @@
+//! The one error type of the BMDB library.
+
+/// Everything that can go wrong talking to the BMDB.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The database URL could not be understood.
+    #[error(
+        "invalid database URL {url:?}: {reason} (expected sqlite:PATH or postgres://USER@HOST/DB)"
+    )]
+    InvalidUrl {
+        /// The URL as given (passwords are not echoed back: only the scheme and host part).
+        url: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The database could not be reached or opened.
+    #[error("cannot connect to database {target}: {source}")]
+    Connect {
+        /// Where we tried to connect (no password).
+        target: String,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// The SQLite database file does not exist and we were not asked to create it.
+    #[error("database file {0} does not exist; create it with `shepherd bmdb migrate`")]
+    MissingDatabaseFile(String),
+    /// The schema was written by a newer binary.
+    #[error("database schema version {found} is newer than this binary knows ({known}); upgrade shepherd before using this database")]
+    SchemaTooNew {
+        /// Version found in the database.
+        found: i64,
+        /// Newest version this binary knows.
+        known: i64,
+    },
+    /// The schema is older than this binary needs.
+    #[error("database schema version {found} is older than this binary needs ({known}); run `shepherd bmdb migrate`")]
+    SchemaOutdated {
+        /// Version found in the database.
+        found: i64,
+        /// Version this binary needs.
+        known: i64,
+    },
+    /// The session is gone or past its deadline; start a new one.
+    #[error("session expired")]
+    SessionExpired,
+    /// The work lock was lost (e.g. garbage-collected after the session expired).
+    #[error("work on machine {machine_id} for {process} is no longer held by this session")]
+    WorkLost {
+        /// The machine.
+        machine_id: uuid::Uuid,
+        /// The process.
+        process: crate::Process,
+    },
+    /// Finish or Fail was called on work that was already finished, failed or canceled.
+    #[error("work was already {0}")]
+    WorkAlreadyDone(&'static str),
+    /// A value read from or about to be written to the database is invalid.
+    #[error("invalid value: {0}")]
+    InvalidValue(String),
+    /// A database error that was not retried or kept failing after retries.
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+impl Error {
+    /// Whether retrying the same transaction may succeed (serialization failure, deadlock,
+    /// SQLite busy/locked).
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::Database(e) => is_retryable_sqlx(e),
+            _ => false,
+        }
+    }
+}
+
+pub(crate) fn is_retryable_sqlx(e: &sqlx::Error) -> bool {
+    let Some(db) = e.as_database_error() else {
+        return false;
+    };
+    let Some(code) = db.code() else {
+        return false;
+    };
+    // Postgres: serialization_failure, deadlock_detected.
+    if code == "40001" || code == "40P01" {
+        return true;
+    }
+    // SQLite: primary result codes SQLITE_BUSY (5) and SQLITE_LOCKED (6), extended codes too.
+    match code.parse::<i64>() {
+        Ok(n) => matches!(n & 0xff, 5 | 6),
+        Err(_) => false,
+    }
+}

@@ -1,0 +1,35 @@
+//! The Bare Metal Database (BMDB): machines, facts about them (tags), sessions, per-machine
+//! work locks, backoff and an audit history, on embedded SQLite or PostgreSQL behind one API.
+//!
+//! Every Shepherd component coordinates only through this crate. See `ARCHITECTURE.md` and
+//! SPEC §2–§5 for the model; the SQL for each backend lives in `backend/`.
+
+mod backend;
+mod backoff;
+mod db;
+mod eligibility;
+mod error;
+mod metrics;
+mod migrations;
+mod model;
+mod retry;
+mod session;
+mod tx;
+mod url;
+mod work;
+
+#[cfg(feature = "testing")]
+pub mod testing;
+
+pub use backend::{ClaimStrategy, StatusCounts};
+pub use backoff::{default_interval_seconds, Backoff};
+pub use db::{BackendKind, Bmdb, OpenOptions, TxFuture};
+pub use eligibility::{RecoveryThresholds, Retrieval};
+pub use error::Error;
+pub use metrics::BmdbMetrics;
+pub use migrations::SCHEMA_VERSION;
+pub use model::*;
+pub use session::{Session, SessionConfig, DEFAULT_SESSION_INTERVAL};
+pub use tx::{Tx, AGENT_KEY_LEN};
+pub use url::{DatabaseUrl, DEFAULT_DATABASE_URL};
+pub use work::{Claim, Work, MAX_CAUSE_LEN};

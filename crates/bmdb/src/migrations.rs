@@ -1,0 +1,33 @@
+//! Numbered, forward-only schema migrations, one SQL file per version and backend.
+
+/// One schema step.
+pub(crate) struct Migration {
+    pub(crate) version: i64,
+    pub(crate) name: &'static str,
+    pub(crate) sqlite: &'static str,
+    pub(crate) postgres: &'static str,
+}
+
+/// Every migration this binary knows, in order.
+pub(crate) const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "init",
+    sqlite: include_str!("../migrations/sqlite/0001_init.sql"),
+    postgres: include_str!("../migrations/postgres/0001_init.sql"),
+}];
+
+/// The schema version this binary needs and writes.
+pub const SCHEMA_VERSION: i64 = 1;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_are_dense_and_end_at_schema_version() {
+        for (i, m) in MIGRATIONS.iter().enumerate() {
+            assert_eq!(m.version, i as i64 + 1, "{}", m.name);
+        }
+        assert_eq!(MIGRATIONS.last().unwrap().version, SCHEMA_VERSION);
+    }
+}

@@ -1,0 +1,317 @@
+//! Portable enumerations and tag records of the BMDB data model (SPEC §2).
+//!
+//! Enumerations are stored as text and validated both by the database (CHECK constraints) and
+//! by [`std::str::FromStr`] here, so a row written by a newer binary with an unknown value is a
+//! clear error instead of silently misread data.
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use crate::Error;
+
+macro_rules! text_enum {
+    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident),+ $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum $name { $($(#[$vmeta])* $variant),+ }
+
+        impl $name {
+            /// Every value, in declaration order.
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+
+            /// The value as stored in the database.
+            pub fn as_str(self) -> &'static str {
+                match self { $($name::$variant => stringify!($variant)),+ }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = Error;
+            fn from_str(s: &str) -> Result<Self, Error> {
+                match s {
+                    $(stringify!($variant) => Ok($name::$variant),)+
+                    other => Err(Error::InvalidValue(format!(
+                        concat!("unknown ", stringify!($name), " {:?}"), other
+                    ))),
+                }
+            }
+        }
+    };
+}
+
+text_enum! {
+    /// A kind of work that can hold a per-machine lock.
+    Process {
+        /// Reserved for tests of the work mechanism itself.
+        UnitTest1,
+        /// Reserved for tests of the work mechanism itself.
+        UnitTest2,
+        /// Legacy upstream process; kept so old rows stay readable and keep excluding.
+        ShepherdAccess,
+        /// The Initializer taking a machine over and starting its agent.
+        ShepherdAgentStart,
+        /// The Recoverer rebooting a machine whose agent is not heartbeating.
+        ShepherdRecovery,
+    }
+}
+
+impl Process {
+    /// Processes that must never run at the same time on one machine as `self`.
+    ///
+    /// Agent start and recovery both take a machine over by SSH or power control, so they
+    /// (and the legacy access process) exclude each other.
+    pub fn exclusion_set(self) -> &'static [Process] {
+        use Process::*;
+        match self {
+            ShepherdAccess | ShepherdAgentStart | ShepherdRecovery => {
+                &[ShepherdAccess, ShepherdAgentStart, ShepherdRecovery]
+            }
+            UnitTest1 => &[UnitTest1],
+            UnitTest2 => &[UnitTest2],
+        }
+    }
+}
+
+text_enum! {
+    /// Where a machine came from.
+    Provider { Equinix, Lumen, None, Static, Redfish, Sim }
+}
+
+text_enum! {
+    /// A provider's last known view of a machine's state.
+    ProviderStatus { Missing, Provisioning, ProvisioningFailedPermanent, Running, Stopped, Unknown }
+}
+
+text_enum! {
+    /// Outcome of an OS installation as reported by the agent.
+    InstallationResult { Success, Error }
+}
+
+text_enum! {
+    /// An entry of the work audit history.
+    WorkEvent { Started, Finished, Failed, Canceled }
+}
+
+text_enum! {
+    /// Which component a session belongs to; the `processor` label of BMDB metrics (SPEC §16).
+    Processor {
+        /// Shown as `shepherd-initializer`.
+        ShepherdInitializer,
+        /// Shown as `shepherd-provisioner`.
+        ShepherdProvisioner,
+        /// Shown as `shepherd-recoverer`.
+        ShepherdRecoverer,
+        /// Shown as `shepherd-updater`.
+        ShepherdUpdater,
+        /// Shown as `bmsrv`.
+        Bmsrv,
+        /// Shown as `scruffy-stats`.
+        ScruffyStats,
+        /// Shown as `unknown`.
+        Unknown,
+    }
+}
+
+impl Processor {
+    /// The metrics label value, spelled as SPEC §16 requires.
+    pub fn label(self) -> &'static str {
+        match self {
+            Processor::ShepherdInitializer => "shepherd-initializer",
+            Processor::ShepherdProvisioner => "shepherd-provisioner",
+            Processor::ShepherdRecoverer => "shepherd-recoverer",
+            Processor::ShepherdUpdater => "shepherd-updater",
+            Processor::Bmsrv => "bmsrv",
+            Processor::ScruffyStats => "scruffy-stats",
+            Processor::Unknown => "unknown",
+        }
+    }
+}
+
+/// Longest provider id accepted, as the schema bounds it.
+pub const MAX_PROVIDER_ID_LEN: usize = 128;
+
+/// The `machine_provided` tag: which provider a machine came from and how to reach it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Provided {
+    /// Provider the machine belongs to.
+    pub provider: Provider,
+    /// The provider's own id of the machine; unique within the provider.
+    pub provider_id: String,
+    /// Reservation the machine was created from, if the provider has such a notion.
+    pub reservation_id: Option<String>,
+    /// Address reachable over SSH, if known.
+    pub ip_address: Option<String>,
+    /// Free-form location (site, rack, metro).
+    pub location: Option<String>,
+    /// The provider's last known status of the machine.
+    pub status: Option<ProviderStatus>,
+}
+
+impl Provided {
+    /// A tag with only the mandatory fields set.
+    pub fn new(provider: Provider, provider_id: impl Into<String>) -> Self {
+        Provided {
+            provider,
+            provider_id: provider_id.into(),
+            reservation_id: None,
+            ip_address: None,
+            location: None,
+            status: None,
+        }
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), Error> {
+        if self.provider_id.is_empty() || self.provider_id.len() > MAX_PROVIDER_ID_LEN {
+            return Err(Error::InvalidValue(format!(
+                "provider id must be 1..={MAX_PROVIDER_ID_LEN} bytes, got {}",
+                self.provider_id.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The `machine_agent_started` tag: the agent was started and this is its public key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentStarted {
+    /// When the Initializer finished the takeover.
+    pub started_at: DateTime<Utc>,
+    /// The agent's ed25519 public key (32 bytes).
+    pub public_key: Vec<u8>,
+}
+
+/// The `machine_os_installation_request` tag.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OsInstallationRequest {
+    /// Bumped by every new request; a report with the same generation fulfils it.
+    pub generation: i64,
+    /// Serialized `OSInstallationRequest` protobuf.
+    pub request_raw: Vec<u8>,
+}
+
+/// The `machine_os_installation_report` tag.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OsInstallationReport {
+    /// Generation of the request this report answers.
+    pub generation: i64,
+    /// Whether the installation succeeded.
+    pub result: InstallationResult,
+    /// Serialized `OSInstallationReport` protobuf.
+    pub report_raw: Vec<u8>,
+}
+
+/// The `machine_ssh_host_key` tag: the pinned SSH host key of a machine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SshHostKey {
+    /// The host key in OpenSSH public key format.
+    pub key: String,
+    /// When it was first seen (and pinned).
+    pub first_seen_at: DateTime<Utc>,
+}
+
+/// One entry of a machine's work history.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HistoryEntry {
+    /// Monotonic id; orders entries written in the same instant.
+    pub id: i64,
+    /// The machine the work was about.
+    pub machine_id: Uuid,
+    /// The process of the work.
+    pub process: Process,
+    /// What happened.
+    pub event: WorkEvent,
+    /// When it happened (database clock).
+    pub at: DateTime<Utc>,
+    /// The session that did it, if known.
+    pub session_id: Option<Uuid>,
+    /// Why the work failed or was canceled, if it did.
+    pub cause: Option<String>,
+}
+
+/// A row of the `work` table: a machine locked for a process by a session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ActiveWork {
+    /// The locked machine.
+    pub machine_id: Uuid,
+    /// The process holding the lock.
+    pub process: Process,
+    /// The session holding the lock.
+    pub session_id: Uuid,
+}
+
+/// A row of the `work_backoff` table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackoffEntry {
+    /// The machine in backoff.
+    pub machine_id: Uuid,
+    /// The process that failed.
+    pub process: Process,
+    /// Until when the machine is not eligible again for the process.
+    pub until: DateTime<Utc>,
+    /// Why the last attempt failed.
+    pub cause: String,
+    /// The interval that produced `until`; the base of the next exponential step.
+    pub last_interval_seconds: i64,
+}
+
+/// A row of the `sessions` table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionInfo {
+    /// Session id.
+    pub session_id: Uuid,
+    /// Component that started it, e.g. `shepherd-initializer`.
+    pub component_name: String,
+    /// Free-form runtime description (host, pid, version).
+    pub runtime_info: String,
+    /// Metrics processor label.
+    pub processor: String,
+    /// When it was started.
+    pub created_at: DateTime<Utc>,
+    /// Keep-alive interval.
+    pub interval_seconds: i64,
+    /// It is expired once the database clock passes this.
+    pub deadline: DateTime<Utc>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::str::FromStr;
+
+    #[test]
+    fn enums_round_trip_and_reject_unknown_values() {
+        for p in Process::ALL {
+            assert_eq!(Process::from_str(p.as_str()).unwrap(), *p);
+        }
+        for p in Provider::ALL {
+            assert_eq!(Provider::from_str(p.as_str()).unwrap(), *p);
+        }
+        let err = Process::from_str("Nope").unwrap_err().to_string();
+        assert!(err.contains("unknown Process \"Nope\""), "{err}");
+    }
+
+    #[test]
+    fn shepherd_processes_exclude_each_other_but_not_tests() {
+        assert!(Process::ShepherdRecovery
+            .exclusion_set()
+            .contains(&Process::ShepherdAgentStart));
+        assert_eq!(Process::UnitTest1.exclusion_set(), &[Process::UnitTest1]);
+    }
+
+    #[test]
+    fn provider_id_is_bounded() {
+        assert!(Provided::new(Provider::Sim, "x".repeat(128))
+            .validate()
+            .is_ok());
+        assert!(Provided::new(Provider::Sim, "x".repeat(129))
+            .validate()
+            .is_err());
+        assert!(Provided::new(Provider::Sim, "").validate().is_err());
+    }
+}

@@ -1,0 +1,368 @@
+//! Sessions (SPEC §3): a component's lease on the BMDB, kept alive in the background. Work
+//! and transactions run through a session can never commit after the session died.
+
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use uuid::Uuid;
+
+use crate::backend::{postgres, sqlite, ClaimOutcome, ClaimStrategy};
+use crate::db::{Mode, Pools, TxFuture};
+use crate::metrics::WorkResult;
+use crate::retry::Retry;
+use crate::tx::{dispatch, Tx, TxInner};
+use crate::work::{Claim, Work};
+use crate::{Bmdb, Error, Process, Processor, Retrieval};
+
+/// Default keep-alive interval (SPEC §17).
+pub const DEFAULT_SESSION_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Run garbage collection of expired sessions every this many successful pokes.
+const GC_EVERY_POKES: u32 = 10;
+
+/// What a new session says about itself.
+#[derive(Debug, Clone)]
+pub struct SessionConfig {
+    /// Component name, e.g. `shepherd-initializer`.
+    pub component_name: String,
+    /// Free-form runtime description; defaults to host, pid and version.
+    pub runtime_info: String,
+    /// Metrics processor label.
+    pub processor: Processor,
+    /// Keep-alive interval; the session expires if not poked for this long. Rounded up to
+    /// whole seconds, at least one.
+    pub interval: Duration,
+}
+
+impl SessionConfig {
+    /// A config with the default interval and runtime info.
+    pub fn new(component_name: impl Into<String>, processor: Processor) -> Self {
+        let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "unknown-host".into());
+        SessionConfig {
+            component_name: component_name.into(),
+            runtime_info: format!(
+                "host={host} pid={} version={}",
+                std::process::id(),
+                env!("CARGO_PKG_VERSION")
+            ),
+            processor,
+            interval: DEFAULT_SESSION_INTERVAL,
+        }
+    }
+
+    /// The same config with another keep-alive interval.
+    pub fn with_interval(self, interval: Duration) -> Self {
+        SessionConfig { interval, ..self }
+    }
+}
+
+struct LocalState {
+    expired: bool,
+    /// If no poke succeeds before this instant, the session counts as expired locally.
+    deadline: Instant,
+}
+
+pub(crate) struct SessionInner {
+    pub(crate) id: Uuid,
+    pub(crate) db: Bmdb,
+    pub(crate) processor: Processor,
+    interval: Duration,
+    state: Mutex<LocalState>,
+    keepalive: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl SessionInner {
+    fn mark_expired(&self) {
+        self.state.lock().unwrap().expired = true;
+    }
+
+    pub(crate) fn ensure_alive(&self) -> Result<(), Error> {
+        let mut st = self.state.lock().unwrap();
+        if !st.expired && Instant::now() >= st.deadline {
+            st.expired = true;
+        }
+        if st.expired {
+            Err(Error::SessionExpired)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Checks inside `tx` that the session row is alive (and, on Postgres, keeps it from being
+    /// deleted until `tx` ends).
+    pub(crate) async fn check_in(&self, tx: &mut Tx) -> Result<(), Error> {
+        let id = self.id;
+        if dispatch!(tx.check_session(id))? {
+            Ok(())
+        } else {
+            self.mark_expired();
+            Err(Error::SessionExpired)
+        }
+    }
+
+    fn stop_keepalive(&self) {
+        if let Some(h) = self.keepalive.lock().unwrap().take() {
+            h.abort();
+        }
+    }
+}
+
+impl Drop for SessionInner {
+    fn drop(&mut self) {
+        self.stop_keepalive();
+    }
+}
+
+/// A live session. Cheap to clone; the keep-alive stops when the last clone is dropped (the
+/// row then expires at its deadline) or on [`Session::close`].
+#[derive(Clone)]
+pub struct Session {
+    pub(crate) inner: Arc<SessionInner>,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("id", &self.inner.id)
+            .finish()
+    }
+}
+
+impl Bmdb {
+    /// Starts a session and its background keep-alive.
+    pub async fn start_session(&self, config: SessionConfig) -> Result<Session, Error> {
+        let interval_secs = config.interval.as_secs().max(1)
+            + u64::from(config.interval.subsec_nanos() != 0 && config.interval.as_secs() >= 1);
+        let interval = Duration::from_secs(interval_secs);
+        let id = Uuid::new_v4();
+        let started = Instant::now();
+        let (component, runtime, processor) = (
+            config.component_name.clone(),
+            config.runtime_info.clone(),
+            config.processor.label(),
+        );
+        self.run(config.processor, Mode::Write, None, |tx| {
+            let (component, runtime) = (component.clone(), runtime.clone());
+            Box::pin(async move {
+                dispatch!(tx.create_session(
+                    id,
+                    &component,
+                    &runtime,
+                    processor,
+                    interval_secs as i64
+                ))
+            })
+        })
+        .await?;
+        self.metrics().session_started(config.processor);
+        let inner = Arc::new(SessionInner {
+            id,
+            db: self.clone(),
+            processor: config.processor,
+            interval,
+            state: Mutex::new(LocalState {
+                expired: false,
+                deadline: started + interval,
+            }),
+            keepalive: Mutex::new(None),
+        });
+        let task = tokio::spawn(keepalive(Arc::downgrade(&inner), interval));
+        *inner.keepalive.lock().unwrap() = Some(task);
+        tracing::debug!(session = %id, component = %config.component_name, "session started");
+        Ok(Session { inner })
+    }
+}
+
+async fn keepalive(session: Weak<SessionInner>, interval: Duration) {
+    let mut pokes: u32 = rand::random::<u32>() % GC_EVERY_POKES;
+    loop {
+        tokio::time::sleep(interval / 2).await;
+        let Some(s) = session.upgrade() else { return };
+        let attempt_started = Instant::now();
+        let id = s.id;
+        let poked =
+            s.db.run(s.processor, Mode::Write, None, |tx| {
+                Box::pin(async move { dispatch!(tx.poke_session(id)) })
+            })
+            .await;
+        match poked {
+            Ok(true) => s.state.lock().unwrap().deadline = attempt_started + s.interval,
+            Ok(false) => {
+                tracing::warn!(session = %id, "session expired: its row is gone or past its deadline");
+                s.mark_expired();
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(session = %id, error = %e, "session keep-alive failed");
+                if s.ensure_alive().is_err() {
+                    tracing::warn!(session = %id, "session expired: keep-alive failed until the deadline");
+                    return;
+                }
+                continue;
+            }
+        }
+        pokes = pokes.wrapping_add(1);
+        if pokes.is_multiple_of(GC_EVERY_POKES) {
+            match s.db.collect_garbage().await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(sessions = n, "garbage-collected expired sessions"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "garbage collection of expired sessions failed")
+                }
+            }
+        }
+    }
+}
+
+impl Session {
+    /// The session id.
+    pub fn id(&self) -> Uuid {
+        self.inner.id
+    }
+
+    /// The metrics processor label of this session.
+    pub fn processor(&self) -> Processor {
+        self.inner.processor
+    }
+
+    /// The database this session lives in.
+    pub fn db(&self) -> &Bmdb {
+        &self.inner.db
+    }
+
+    /// Whether the session is known to be expired. A false answer can turn true at any time.
+    pub fn is_expired(&self) -> bool {
+        self.inner.ensure_alive().is_err()
+    }
+
+    /// Runs `body` in a transaction that first checks, inside the same transaction, that this
+    /// session is alive; retried like [`Bmdb::transact`]. Fails with [`Error::SessionExpired`]
+    /// once the session is gone.
+    pub async fn transact<T, F>(&self, body: F) -> Result<T, Error>
+    where
+        F: for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, T>,
+    {
+        self.inner
+            .db
+            .run(self.inner.processor, Mode::Write, Some(&self.inner), body)
+            .await
+    }
+
+    /// Claims one machine eligible under `retrieval` for `process` (SPEC §4). Returns
+    /// [`Claim::NothingToDo`] when none is eligible and [`Claim::Conflict`] when every candidate
+    /// was taken by concurrent claimers.
+    pub async fn work(&self, process: Process, retrieval: Retrieval) -> Result<Claim, Error> {
+        self.work_with_strategy(process, retrieval, ClaimStrategy::SkipLocked)
+            .await
+    }
+
+    /// [`Session::work`] with a chosen claim shape; only benchmarks use anything but the default.
+    #[doc(hidden)]
+    pub async fn work_with_strategy(
+        &self,
+        process: Process,
+        retrieval: Retrieval,
+        strategy: ClaimStrategy,
+    ) -> Result<Claim, Error> {
+        let db = &self.inner.db;
+        let mut retry = Retry::new(db.metrics(), self.inner.processor);
+        loop {
+            match self.attempt_claim(process, &retrieval, strategy).await {
+                Ok(claim) => {
+                    retry.succeeded();
+                    return Ok(claim);
+                }
+                Err(e) => retry.on_error(e).await?,
+            }
+        }
+    }
+
+    async fn attempt_claim(
+        &self,
+        process: Process,
+        retrieval: &Retrieval,
+        strategy: ClaimStrategy,
+    ) -> Result<Claim, Error> {
+        self.inner.ensure_alive()?;
+        let session = self.inner.id;
+        let outcome = match &self.inner.db.inner.pools {
+            // Several statements: one IMMEDIATE transaction, committed only if it claimed.
+            Pools::Sqlite { .. } => {
+                let mut tx = self.inner.db.begin(Mode::Write).await?;
+                let TxInner::Sqlite(c) = &mut tx.inner else {
+                    unreachable!("a SQLite pool gave a non-SQLite transaction")
+                };
+                let outcome = sqlite::claim(c, session, process, retrieval).await?;
+                if matches!(outcome, ClaimOutcome::Claimed { .. }) {
+                    tx.commit().await?;
+                } else {
+                    tx.rollback().await?;
+                }
+                outcome
+            }
+            // One statement, atomic on its own: no BEGIN/COMMIT round trips.
+            Pools::Postgres(pool) => {
+                let mut conn = pool.acquire().await?;
+                postgres::claim(&mut conn, session, process, retrieval, strategy).await?
+            }
+        };
+        match outcome {
+            ClaimOutcome::Claimed {
+                machine_id,
+                last_interval,
+            } => {
+                self.inner
+                    .db
+                    .metrics()
+                    .work_started(self.inner.processor, process);
+                Ok(Claim::Work(Work::new(
+                    self.clone(),
+                    machine_id,
+                    process,
+                    last_interval,
+                )))
+            }
+            ClaimOutcome::SessionExpired => {
+                self.inner.mark_expired();
+                Err(Error::SessionExpired)
+            }
+            ClaimOutcome::Nothing => Ok(Claim::NothingToDo),
+            ClaimOutcome::Conflict => Ok(Claim::Conflict),
+        }
+    }
+
+    pub(crate) fn record_work_end(&self, process: Process, result: WorkResult) {
+        self.inner
+            .db
+            .metrics()
+            .work_ended(self.inner.processor, process, result);
+    }
+
+    pub(crate) fn mark_expired(&self) {
+        self.inner.mark_expired();
+    }
+
+    /// Stops poking without closing: the session expires at its deadline, exactly as if this
+    /// process had crashed or lost the database. For failure drills and tests.
+    pub fn stop_keepalive(&self) {
+        self.inner.stop_keepalive();
+    }
+
+    /// Closes the session: stops the keep-alive and deletes the row; work it still held is
+    /// released (recorded as Canceled). Later use fails with [`Error::SessionExpired`].
+    pub async fn close(&self) -> Result<(), Error> {
+        self.inner.stop_keepalive();
+        let id = self.inner.id;
+        let result = self
+            .inner
+            .db
+            .run(self.inner.processor, Mode::Write, None, |tx| {
+                Box::pin(async move { dispatch!(tx.delete_session(id)) })
+            })
+            .await;
+        self.inner.mark_expired();
+        result
+    }
+}

@@ -1,0 +1,165 @@
+//! Test support shared by every crate's tests: fresh SQLite and Postgres databases, and a
+//! macro that runs one test body against both backends.
+//!
+//! Postgres comes from `SHEPHERD_TEST_POSTGRES` (default `postgres://postgres@127.0.0.1/test`);
+//! each test gets its own database so tests run in parallel. If Postgres is unreachable the
+//! Postgres variant prints a skip notice, unless `SHEPHERD_REQUIRE_POSTGRES=1`, which makes it
+//! fail (CI sets it).
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::ConnectOptions;
+
+use crate::{Bmdb, OpenOptions};
+
+/// Admin URL of the Postgres used by tests.
+pub fn postgres_admin_url() -> String {
+    std::env::var("SHEPHERD_TEST_POSTGRES")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1/test".into())
+}
+
+/// Whether Postgres tests must run (CI) rather than skip.
+pub fn postgres_required() -> bool {
+    std::env::var("SHEPHERD_REQUIRE_POSTGRES").is_ok_and(|v| v == "1")
+}
+
+/// A fresh, migrated database for one test.
+pub struct TestDb {
+    /// The opened database.
+    pub db: Bmdb,
+    /// Its URL, for handing to a CLI or another process.
+    pub url: String,
+    dropper: Option<(String, String)>,
+    _dir: Option<tempfile::TempDir>,
+}
+
+impl TestDb {
+    /// Closes the pool and removes the database (Postgres) or file (SQLite).
+    pub async fn cleanup(self) {
+        self.db.close().await;
+        if let Some((admin, name)) = &self.dropper {
+            if let Ok(pool) = PgPoolOptions::new().max_connections(1).connect(admin).await {
+                let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
+                    .execute(&pool)
+                    .await;
+                pool.close().await;
+            }
+        }
+    }
+}
+
+/// A fresh SQLite database in a temporary directory.
+pub async fn sqlite() -> TestDb {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let url = format!("sqlite:{}", dir.path().join("bmdb.sqlite").display());
+    let db = Bmdb::open_with(
+        &url,
+        &OpenOptions {
+            create: true,
+            migrate: true,
+            ..Default::default()
+        },
+    )
+    .await
+    .expect("open sqlite test database");
+    TestDb {
+        db,
+        url,
+        dropper: None,
+        _dir: Some(dir),
+    }
+}
+
+/// A fresh Postgres database, or `None` (after printing a notice) if Postgres is unreachable
+/// and not required.
+pub async fn postgres() -> Option<TestDb> {
+    let url = fresh_postgres_database().await?;
+    let db = Bmdb::open_with(
+        &url,
+        &OpenOptions {
+            migrate: true,
+            ..Default::default()
+        },
+    )
+    .await
+    .expect("open postgres test database");
+    let name = url.rsplit('/').next().unwrap().to_string();
+    Some(TestDb {
+        db,
+        url,
+        dropper: Some((postgres_admin_url(), name)),
+        _dir: None,
+    })
+}
+
+/// Creates an empty Postgres database and returns its URL (not migrated).
+pub async fn fresh_postgres_database() -> Option<String> {
+    let admin = postgres_admin_url();
+    let pool = match PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(&admin)
+        .await
+    {
+        Ok(p) => p,
+        Err(e) => {
+            if postgres_required() {
+                panic!("Postgres is required (SHEPHERD_REQUIRE_POSTGRES=1) but unreachable at {admin}: {e}");
+            }
+            eprintln!("SKIP: Postgres unreachable at {admin} ({e}); set SHEPHERD_TEST_POSTGRES or start Postgres");
+            return None;
+        }
+    };
+    let name = format!("shepherd_t_{}", uuid::Uuid::new_v4().simple());
+    let mut last_err = None;
+    for _ in 0..5 {
+        match sqlx::query(&format!("CREATE DATABASE \"{name}\""))
+            .execute(&pool)
+            .await
+        {
+            Ok(_) => {
+                last_err = None;
+                break;
+            }
+            Err(e) => {
+                last_err = Some(e);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+    if let Some(e) = last_err {
+        panic!("cannot create test database {name}: {e}");
+    }
+    pool.close().await;
+    let opts = PgConnectOptions::from_str(&admin)
+        .expect("admin URL")
+        .database(&name);
+    Some(opts.to_url_lossy().to_string())
+}
+
+/// Defines, for each named `async fn NAME(db: Bmdb)`, a module `NAME` with two tests,
+/// `sqlite` and `postgres`, running the body against a fresh database of each backend.
+#[macro_export]
+macro_rules! conformance_tests {
+    ($($name:ident),+ $(,)?) => {
+        $(
+            mod $name {
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn sqlite() {
+                    let t = $crate::testing::sqlite().await;
+                    super::$name(t.db.clone()).await;
+                    t.cleanup().await;
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn postgres() {
+                    let Some(t) = $crate::testing::postgres().await else { return };
+                    super::$name(t.db.clone()).await;
+                    t.cleanup().await;
+                }
+            }
+        )+
+    };
+}

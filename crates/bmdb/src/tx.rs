@@ -1,0 +1,305 @@
+//! [`Tx`]: one database transaction and the typed queries that run inside it.
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use crate::backend::{postgres, sqlite, StatusCounts};
+use crate::model::*;
+use crate::{Error, Retrieval};
+
+pub(crate) enum TxInner {
+    Sqlite(sqlite::SqliteTx),
+    Postgres(postgres::PgTx),
+}
+
+/// An open transaction. Obtained inside [`crate::Bmdb::transact`], [`crate::Session::transact`]
+/// or [`crate::Work::finish`]; every typed query of the BMDB is a method here, so callers never
+/// write SQL and the same code runs on SQLite and Postgres.
+pub struct Tx {
+    pub(crate) inner: TxInner,
+}
+
+macro_rules! dispatch {
+    ($self:ident . $f:ident ( $($arg:expr),* )) => {
+        match &mut $self.inner {
+            TxInner::Sqlite(c) => sqlite::$f(c, $($arg),*).await,
+            TxInner::Postgres(c) => postgres::$f(c, $($arg),*).await,
+        }
+    };
+}
+pub(crate) use dispatch;
+
+/// The public key length of an ed25519 agent key.
+pub const AGENT_KEY_LEN: usize = 32;
+
+impl Tx {
+    pub(crate) async fn commit(self) -> Result<(), Error> {
+        match self.inner {
+            TxInner::Sqlite(c) => c.tx.commit().await?,
+            TxInner::Postgres(c) => c.commit().await?,
+        }
+        Ok(())
+    }
+
+    pub(crate) async fn rollback(self) -> Result<(), Error> {
+        match self.inner {
+            TxInner::Sqlite(c) => c.tx.rollback().await?,
+            TxInner::Postgres(c) => c.rollback().await?,
+        }
+        Ok(())
+    }
+
+    /// The transaction's notion of the current time (the database clock on Postgres).
+    pub async fn now(&mut self) -> Result<DateTime<Utc>, Error> {
+        match &mut self.inner {
+            TxInner::Sqlite(c) => sqlite::now(c),
+            TxInner::Postgres(c) => postgres::now(c).await,
+        }
+    }
+
+    /// Adds a new machine with a fresh id and returns the id.
+    pub async fn create_machine(&mut self) -> Result<Uuid, Error> {
+        let id = Uuid::new_v4();
+        dispatch!(self.create_machine(id))?;
+        Ok(id)
+    }
+
+    /// Whether a machine with this id exists.
+    pub async fn machine_exists(&mut self, id: Uuid) -> Result<bool, Error> {
+        dispatch!(self.machine_exists(id))
+    }
+
+    /// Machine ids in id order, starting after `after`, at most `limit` of them (for paging).
+    pub async fn machine_ids(
+        &mut self,
+        after: Option<Uuid>,
+        limit: i64,
+    ) -> Result<Vec<Uuid>, Error> {
+        dispatch!(self.machine_ids(after, limit))
+    }
+
+    /// Sets (or replaces) the `machine_provided` tag.
+    pub async fn set_provided(&mut self, id: Uuid, p: &Provided) -> Result<(), Error> {
+        p.validate()?;
+        dispatch!(self.set_provided(id, p))
+    }
+
+    /// The `machine_provided` tag of a machine.
+    pub async fn provided(&mut self, id: Uuid) -> Result<Option<Provided>, Error> {
+        dispatch!(self.provided(id))
+    }
+
+    /// Every machine the BMDB says `provider` provided, ordered by provider id.
+    pub async fn provided_by(
+        &mut self,
+        provider: Provider,
+    ) -> Result<Vec<(Uuid, Provided)>, Error> {
+        dispatch!(self.provided_by(provider))
+    }
+
+    /// The machine a provider knows by `provider_id`, if any.
+    pub async fn machine_by_provider_id(
+        &mut self,
+        provider: Provider,
+        provider_id: &str,
+    ) -> Result<Option<Uuid>, Error> {
+        dispatch!(self.machine_by_provider_id(provider, provider_id))
+    }
+
+    /// Records that the agent was started now with this ed25519 public key.
+    pub async fn set_agent_started(&mut self, id: Uuid, public_key: &[u8]) -> Result<(), Error> {
+        self.set_agent_started_at(id, None, public_key).await
+    }
+
+    /// Like [`Tx::set_agent_started`] with an explicit start time (`None` = now).
+    pub async fn set_agent_started_at(
+        &mut self,
+        id: Uuid,
+        at: Option<DateTime<Utc>>,
+        public_key: &[u8],
+    ) -> Result<(), Error> {
+        if public_key.len() != AGENT_KEY_LEN {
+            return Err(Error::InvalidValue(format!(
+                "agent public key must be {AGENT_KEY_LEN} bytes, got {}",
+                public_key.len()
+            )));
+        }
+        dispatch!(self.set_agent_started(id, at, public_key))
+    }
+
+    /// The `agent_started` tag of a machine.
+    pub async fn agent_started(&mut self, id: Uuid) -> Result<Option<AgentStarted>, Error> {
+        dispatch!(self.agent_started(id))
+    }
+
+    /// Removes the `agent_started` tag; true if there was one.
+    pub async fn delete_agent_started(&mut self, id: Uuid) -> Result<bool, Error> {
+        dispatch!(self.delete_tag("machine_agent_started", id))
+    }
+
+    /// Whether `key` is the public key recorded for the machine's started agent.
+    pub async fn agent_key_matches(&mut self, id: Uuid, key: &[u8]) -> Result<bool, Error> {
+        dispatch!(self.agent_key_matches(id, key))
+    }
+
+    /// Records a heartbeat now.
+    pub async fn set_heartbeat(&mut self, id: Uuid) -> Result<(), Error> {
+        dispatch!(self.set_heartbeat(id, None))
+    }
+
+    /// Records a heartbeat at an explicit time.
+    pub async fn set_heartbeat_at(&mut self, id: Uuid, at: DateTime<Utc>) -> Result<(), Error> {
+        dispatch!(self.set_heartbeat(id, Some(at)))
+    }
+
+    /// The last heartbeat of a machine's agent.
+    pub async fn heartbeat(&mut self, id: Uuid) -> Result<Option<DateTime<Utc>>, Error> {
+        dispatch!(self.heartbeat(id))
+    }
+
+    /// Removes the heartbeat tag; true if there was one.
+    pub async fn delete_heartbeat(&mut self, id: Uuid) -> Result<bool, Error> {
+        dispatch!(self.delete_tag("machine_agent_heartbeat", id))
+    }
+
+    /// Stores the serialized hardware report.
+    pub async fn set_hardware_report(&mut self, id: Uuid, raw: &[u8]) -> Result<(), Error> {
+        dispatch!(self.set_hardware_report(id, raw))
+    }
+
+    /// The serialized hardware report of a machine.
+    pub async fn hardware_report(&mut self, id: Uuid) -> Result<Option<Vec<u8>>, Error> {
+        dispatch!(self.hardware_report(id))
+    }
+
+    /// Sets the OS installation request.
+    pub async fn set_os_installation_request(
+        &mut self,
+        id: Uuid,
+        r: &OsInstallationRequest,
+    ) -> Result<(), Error> {
+        dispatch!(self.set_os_installation_request(id, r))
+    }
+
+    /// The OS installation request of a machine.
+    pub async fn os_installation_request(
+        &mut self,
+        id: Uuid,
+    ) -> Result<Option<OsInstallationRequest>, Error> {
+        dispatch!(self.os_installation_request(id))
+    }
+
+    /// Sets the OS installation report.
+    pub async fn set_os_installation_report(
+        &mut self,
+        id: Uuid,
+        r: &OsInstallationReport,
+    ) -> Result<(), Error> {
+        dispatch!(self.set_os_installation_report(id, r))
+    }
+
+    /// The OS installation report of a machine.
+    pub async fn os_installation_report(
+        &mut self,
+        id: Uuid,
+    ) -> Result<Option<OsInstallationReport>, Error> {
+        dispatch!(self.os_installation_report(id))
+    }
+
+    /// Pins `key` as the machine's SSH host key unless one is pinned already; returns the
+    /// pinned key, which the caller compares with what it saw.
+    pub async fn pin_ssh_host_key(&mut self, id: Uuid, key: &str) -> Result<SshHostKey, Error> {
+        dispatch!(self.pin_ssh_host_key(id, key))
+    }
+
+    /// The pinned SSH host key of a machine.
+    pub async fn ssh_host_key(&mut self, id: Uuid) -> Result<Option<SshHostKey>, Error> {
+        dispatch!(self.ssh_host_key(id))
+    }
+
+    /// Forgets the pinned SSH host key (an operator re-keyed the machine on purpose).
+    pub async fn delete_ssh_host_key(&mut self, id: Uuid) -> Result<bool, Error> {
+        dispatch!(self.delete_tag("machine_ssh_host_key", id))
+    }
+
+    /// Machines `process` may claim under `retrieval`, in id order, at most `limit`.
+    pub async fn eligible_machines(
+        &mut self,
+        process: Process,
+        retrieval: &Retrieval,
+        limit: i64,
+    ) -> Result<Vec<Uuid>, Error> {
+        dispatch!(self.eligible(process, retrieval, limit))
+    }
+
+    /// How many machines [`Tx::eligible_machines`] would return without a limit.
+    pub async fn count_eligible(
+        &mut self,
+        process: Process,
+        retrieval: &Retrieval,
+    ) -> Result<i64, Error> {
+        dispatch!(self.count_eligible(process, retrieval))
+    }
+
+    /// A machine's work history, oldest first.
+    pub async fn machine_history(&mut self, id: Uuid) -> Result<Vec<HistoryEntry>, Error> {
+        dispatch!(self.machine_history(id))
+    }
+
+    /// History entries of all machines with id above `after_id`, oldest first, at most `limit`.
+    pub async fn history_after(
+        &mut self,
+        after_id: i64,
+        limit: i64,
+    ) -> Result<Vec<HistoryEntry>, Error> {
+        dispatch!(self.history_after(after_id, limit))
+    }
+
+    /// Work currently held on a machine.
+    pub async fn machine_work(&mut self, id: Uuid) -> Result<Vec<ActiveWork>, Error> {
+        dispatch!(self.machine_work(id))
+    }
+
+    /// Backoffs recorded for a machine (active or expired).
+    pub async fn machine_backoffs(&mut self, id: Uuid) -> Result<Vec<BackoffEntry>, Error> {
+        dispatch!(self.machine_backoffs(id))
+    }
+
+    /// One session by id.
+    pub async fn session(&mut self, id: Uuid) -> Result<Option<SessionInfo>, Error> {
+        dispatch!(self.session(id))
+    }
+
+    /// All sessions, oldest first.
+    pub async fn sessions(&mut self) -> Result<Vec<SessionInfo>, Error> {
+        dispatch!(self.sessions())
+    }
+
+    /// Counts for `shepherd bmdb status`.
+    pub async fn status_counts(&mut self) -> Result<StatusCounts, Error> {
+        dispatch!(self.status_counts())
+    }
+
+    /// Test support: inserts a work row without claiming (to build arbitrary fleets).
+    #[cfg(feature = "testing")]
+    pub async fn insert_work_raw(
+        &mut self,
+        machine: Uuid,
+        session: Uuid,
+        process: Process,
+    ) -> Result<(), Error> {
+        dispatch!(self.insert_work_raw(machine, session, process))
+    }
+
+    /// Test support: sets a backoff row directly.
+    #[cfg(feature = "testing")]
+    pub async fn set_backoff_raw(
+        &mut self,
+        machine: Uuid,
+        process: Process,
+        until: DateTime<Utc>,
+        last_interval: i64,
+    ) -> Result<(), Error> {
+        dispatch!(self.set_backoff_raw(machine, process, until, last_interval))
+    }
+}

@@ -1,0 +1,811 @@
+//! One conformance suite for the BMDB, run against SQLite and Postgres (SPEC §2–§5).
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::Utc;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use shepherd_bmdb::*;
+use uuid::Uuid;
+
+const START: Retrieval = Retrieval::AgentStart {
+    provider: Provider::Sim,
+};
+
+fn key(byte: u8) -> Vec<u8> {
+    vec![byte; AGENT_KEY_LEN]
+}
+
+async fn session(db: &Bmdb, name: &str) -> Session {
+    db.start_session(SessionConfig::new(name, Processor::ShepherdInitializer))
+        .await
+        .expect("start session")
+}
+
+/// Creates `n` machines provided by `provider` in one transaction.
+async fn provision(db: &Bmdb, n: usize, provider: Provider) -> Vec<Uuid> {
+    db.transact(|tx| {
+        Box::pin(async move {
+            let mut ids = Vec::with_capacity(n);
+            for _ in 0..n {
+                let id = tx.create_machine().await?;
+                tx.set_provided(id, &Provided::new(provider, id.simple().to_string()))
+                    .await?;
+                ids.push(id);
+            }
+            Ok(ids)
+        })
+    })
+    .await
+    .expect("provision")
+}
+
+fn claimed(c: Claim) -> Work {
+    match c {
+        Claim::Work(w) => w,
+        other => panic!("expected work, got {other:?}"),
+    }
+}
+
+async fn history(db: &Bmdb, id: Uuid) -> Vec<HistoryEntry> {
+    db.read(|tx| Box::pin(async move { tx.machine_history(id).await }))
+        .await
+        .unwrap()
+}
+
+async fn count_start(db: &Bmdb) -> i64 {
+    db.read(|tx| {
+        Box::pin(async move { tx.count_eligible(Process::ShepherdAgentStart, &START).await })
+    })
+    .await
+    .unwrap()
+}
+
+// -------------------------------------------------------------------------------------------
+
+async fn migrations_are_idempotent(db: Bmdb) {
+    assert_eq!(db.schema_version().await.unwrap(), SCHEMA_VERSION);
+    assert_eq!(
+        db.migrate().await.unwrap(),
+        (SCHEMA_VERSION, SCHEMA_VERSION)
+    );
+    db.check_schema().await.unwrap();
+}
+
+async fn tags_round_trip(db: Bmdb) {
+    let id = provision(&db, 1, Provider::Static).await[0];
+    let t0 = Utc::now() - chrono::Duration::minutes(3);
+    db.transact(move |tx| {
+        Box::pin(async move {
+            let mut p = Provided::new(Provider::Static, id.simple().to_string());
+            p.ip_address = Some("192.0.2.1".into());
+            p.location = Some("rack-1".into());
+            p.status = Some(ProviderStatus::Running);
+            p.reservation_id = Some("res-1".into());
+            tx.set_provided(id, &p).await?;
+            tx.set_agent_started_at(id, Some(t0), &key(7)).await?;
+            tx.set_heartbeat(id).await?;
+            tx.set_hardware_report(id, b"hw").await?;
+            tx.set_os_installation_request(
+                id,
+                &OsInstallationRequest {
+                    generation: 3,
+                    request_raw: b"req".to_vec(),
+                },
+            )
+            .await?;
+            tx.set_os_installation_report(
+                id,
+                &OsInstallationReport {
+                    generation: 3,
+                    result: InstallationResult::Error,
+                    report_raw: b"rep".to_vec(),
+                },
+            )
+            .await?;
+            let pinned = tx.pin_ssh_host_key(id, "ssh-ed25519 AAAA first").await?;
+            assert_eq!(pinned.key, "ssh-ed25519 AAAA first");
+            // A second pin keeps the first key: the caller compares and fails on mismatch.
+            let again = tx.pin_ssh_host_key(id, "ssh-ed25519 BBBB second").await?;
+            assert_eq!(again.key, "ssh-ed25519 AAAA first");
+            Ok(())
+        })
+    })
+    .await
+    .unwrap();
+
+    db.read(move |tx| {
+        Box::pin(async move {
+            let p = tx.provided(id).await?.unwrap();
+            assert_eq!(p.ip_address.as_deref(), Some("192.0.2.1"));
+            assert_eq!(p.status, Some(ProviderStatus::Running));
+            assert_eq!(
+                tx.machine_by_provider_id(Provider::Static, &p.provider_id)
+                    .await?,
+                Some(id)
+            );
+            let started = tx.agent_started(id).await?.unwrap();
+            assert_eq!(started.public_key, key(7));
+            assert_eq!(started.started_at.timestamp_micros(), t0.timestamp_micros());
+            assert!(tx.agent_key_matches(id, &key(7)).await?);
+            assert!(!tx.agent_key_matches(id, &key(8)).await?);
+            let hb = tx.heartbeat(id).await?.unwrap();
+            assert!(
+                (Utc::now() - hb).num_seconds().abs() < 60,
+                "heartbeat time {hb}"
+            );
+            assert_eq!(tx.hardware_report(id).await?.unwrap(), b"hw");
+            assert_eq!(tx.os_installation_request(id).await?.unwrap().generation, 3);
+            assert_eq!(
+                tx.os_installation_report(id).await?.unwrap().result,
+                InstallationResult::Error
+            );
+            assert_eq!(tx.provided_by(Provider::Static).await?.len(), 1);
+            assert!(tx.provided_by(Provider::Sim).await?.is_empty());
+            Ok(())
+        })
+    })
+    .await
+    .unwrap();
+
+    // Bad values are refused with a clear error and write nothing.
+    let err = db
+        .transact(move |tx| Box::pin(async move { tx.set_agent_started(id, &[1, 2, 3]).await }))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("32 bytes"), "{err}");
+    let err = db
+        .transact(move |tx| {
+            Box::pin(async move {
+                tx.set_provided(id, &Provided::new(Provider::Static, "x".repeat(129)))
+                    .await
+            })
+        })
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("provider id"), "{err}");
+    // Unique (provider, provider_id): a second machine cannot claim the same provider id.
+    let other = provision(&db, 1, Provider::Sim).await[0];
+    let dup = db
+        .transact(move |tx| {
+            Box::pin(async move {
+                tx.set_provided(
+                    other,
+                    &Provided::new(Provider::Static, id.simple().to_string()),
+                )
+                .await
+            })
+        })
+        .await;
+    assert!(dup.is_err(), "duplicate provider id accepted");
+
+    let deleted = db
+        .transact(move |tx| {
+            Box::pin(async move {
+                Ok((
+                    tx.delete_agent_started(id).await?,
+                    tx.delete_heartbeat(id).await?,
+                    tx.delete_heartbeat(id).await?,
+                ))
+            })
+        })
+        .await
+        .unwrap();
+    assert_eq!(deleted, (true, true, false));
+}
+
+async fn session_expiry_releases_work(db: Bmdb) {
+    let ids = provision(&db, 1, Provider::Sim).await;
+    let a = db
+        .start_session(
+            SessionConfig::new("doomed", Processor::ShepherdInitializer)
+                .with_interval(Duration::from_secs(1)),
+        )
+        .await
+        .unwrap();
+    let mut work = claimed(a.work(Process::ShepherdAgentStart, START).await.unwrap());
+    assert_eq!(work.machine_id(), ids[0]);
+
+    // A live session keeps itself alive well past its interval.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(!a.is_expired());
+    a.transact(|_| Box::pin(async { Ok(()) })).await.unwrap();
+
+    // The process "crashes": no more pokes.
+    a.stop_keepalive();
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    assert!(matches!(
+        a.transact(|_| Box::pin(async { Ok(()) })).await,
+        Err(Error::SessionExpired)
+    ));
+    assert!(matches!(
+        work.finish(|_| Box::pin(async { Ok(()) })).await,
+        Err(Error::SessionExpired)
+    ));
+    assert!(matches!(
+        a.work(Process::ShepherdAgentStart, START).await,
+        Err(Error::SessionExpired)
+    ));
+
+    // Until garbage collection its lock still holds; after it, another session can claim.
+    let b = session(&db, "successor").await;
+    assert!(matches!(
+        b.work(Process::ShepherdAgentStart, START).await.unwrap(),
+        Claim::NothingToDo
+    ));
+    assert!(db.collect_garbage().await.unwrap() >= 1);
+    let sessions = db
+        .read(|tx| Box::pin(async move { tx.sessions().await }))
+        .await
+        .unwrap();
+    assert_eq!(
+        sessions.iter().map(|s| s.session_id).collect::<Vec<_>>(),
+        vec![b.id()]
+    );
+    let mut w2 = claimed(b.work(Process::ShepherdAgentStart, START).await.unwrap());
+    assert_eq!(w2.machine_id(), ids[0]);
+    let first = ids[0];
+    w2.finish(move |tx| Box::pin(async move { tx.set_agent_started(first, &key(1)).await }))
+        .await
+        .unwrap();
+
+    let h: Vec<_> = history(&db, ids[0])
+        .await
+        .into_iter()
+        .map(|e| (e.event, e.session_id, e.cause))
+        .collect();
+    assert_eq!(
+        h,
+        vec![
+            (WorkEvent::Started, Some(a.id()), None),
+            (
+                WorkEvent::Canceled,
+                Some(a.id()),
+                Some("session expired".into())
+            ),
+            (WorkEvent::Started, Some(b.id()), None),
+            (WorkEvent::Finished, Some(b.id()), None),
+        ]
+    );
+    // Canceling the dead session's work later is a harmless no-op.
+    work.cancel().await.unwrap();
+    assert_eq!(history(&db, ids[0]).await.len(), 4);
+    b.close().await.unwrap();
+}
+
+async fn closing_a_session_releases_its_work(db: Bmdb) {
+    let ids = provision(&db, 2, Provider::Sim).await;
+    let a = session(&db, "a").await;
+    let w1 = claimed(a.work(Process::ShepherdAgentStart, START).await.unwrap());
+    let w2 = claimed(a.work(Process::ShepherdAgentStart, START).await.unwrap());
+    assert_eq!(
+        BTreeSet::from([w1.machine_id(), w2.machine_id()]),
+        ids.iter().copied().collect()
+    );
+    assert_eq!(count_start(&db).await, 0);
+    a.close().await.unwrap();
+    assert!(a.is_expired());
+    assert_eq!(count_start(&db).await, 2);
+    for id in &ids {
+        let last = history(&db, *id).await.pop().unwrap();
+        assert_eq!(
+            (last.event, last.cause.as_deref()),
+            (WorkEvent::Canceled, Some("session closed"))
+        );
+    }
+    std::mem::forget((w1, w2));
+}
+
+async fn work_endings(db: Bmdb) {
+    let ids = provision(&db, 1, Provider::Sim).await;
+    let id = ids[0];
+    let s = session(&db, "endings").await;
+
+    // Cancel: lock released, no backoff, Canceled history; cancel again is a no-op.
+    let mut w = claimed(s.work(Process::ShepherdAgentStart, START).await.unwrap());
+    // While held, the machine is not eligible for any process of its exclusion set.
+    let rec = Retrieval::AgentRecovery {
+        provider: Provider::Sim,
+        thresholds: RecoveryThresholds::default(),
+    };
+    assert!(matches!(
+        s.work(Process::ShepherdAgentStart, START).await.unwrap(),
+        Claim::NothingToDo
+    ));
+    let held = db
+        .read(move |tx| Box::pin(async move { tx.machine_work(id).await }))
+        .await
+        .unwrap();
+    assert_eq!(
+        held,
+        vec![ActiveWork {
+            machine_id: id,
+            process: Process::ShepherdAgentStart,
+            session_id: s.id()
+        }]
+    );
+    w.cancel().await.unwrap();
+    w.cancel().await.unwrap();
+    assert!(matches!(
+        w.finish(|_| Box::pin(async { Ok(()) })).await,
+        Err(Error::WorkAlreadyDone("canceled"))
+    ));
+    assert_eq!(count_start(&db).await, 1);
+    let _ = rec;
+
+    // Finish twice is an error, cancel after finish a no-op, and the commit runs in the same
+    // transaction (an error in it rolls the whole ending back).
+    let mut w = claimed(s.work(Process::ShepherdAgentStart, START).await.unwrap());
+    let bad = w
+        .finish(move |tx| Box::pin(async move { tx.set_agent_started(id, &[0; 3]).await }))
+        .await;
+    assert!(matches!(bad, Err(Error::InvalidValue(_))), "{bad:?}");
+    let still_held = db
+        .read(move |tx| Box::pin(async move { tx.machine_work(id).await }))
+        .await
+        .unwrap();
+    assert_eq!(
+        still_held.len(),
+        1,
+        "a failed commit must not release the lock"
+    );
+    w.finish(move |tx| Box::pin(async move { tx.set_agent_started(id, &key(2)).await }))
+        .await
+        .unwrap();
+    assert!(matches!(
+        w.finish(|_| Box::pin(async { Ok(()) })).await,
+        Err(Error::WorkAlreadyDone("finished"))
+    ));
+    assert!(matches!(
+        w.fail(None, "late").await,
+        Err(Error::WorkAlreadyDone("finished"))
+    ));
+    w.cancel().await.unwrap();
+    let events: Vec<_> = history(&db, id)
+        .await
+        .into_iter()
+        .map(|e| e.event)
+        .collect();
+    use WorkEvent::*;
+    assert_eq!(events, vec![Started, Canceled, Started, Finished]);
+
+    // Dropping unended work cancels it in the background.
+    db.transact(move |tx| Box::pin(async move { tx.delete_agent_started(id).await.map(|_| ()) }))
+        .await
+        .unwrap();
+    let w = claimed(s.work(Process::ShepherdAgentStart, START).await.unwrap());
+    drop(w);
+    for _ in 0..100 {
+        if count_start(&db).await == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(count_start(&db).await, 1);
+    assert_eq!(history(&db, id).await.last().unwrap().event, Canceled);
+}
+
+async fn backoff_is_persisted_and_grows(db: Bmdb) {
+    let id = provision(&db, 1, Provider::Sim).await[0];
+    let s = session(&db, "backoff").await;
+    let b = Backoff::exponential(Duration::from_secs(1), Duration::from_secs(60), 2.0);
+    let backoff_row = |db: Bmdb| async move {
+        let rows = db
+            .read(move |tx| Box::pin(async move { tx.machine_backoffs(id).await }))
+            .await
+            .unwrap();
+        let now = db
+            .read(|tx| Box::pin(async move { tx.now().await }))
+            .await
+            .unwrap();
+        rows.into_iter().next().map(|r| {
+            (
+                r.last_interval_seconds,
+                (r.until - now).num_milliseconds(),
+                r.cause,
+            )
+        })
+    };
+
+    let mut w = claimed(s.work(Process::ShepherdAgentStart, START).await.unwrap());
+    assert_eq!(w.previous_backoff_seconds(), None);
+    w.fail(Some(&b), "first failure").await.unwrap();
+    let (last, remaining_ms, cause) = backoff_row(db.clone()).await.unwrap();
+    assert_eq!((last, cause.as_str()), (1, "first failure"));
+    assert!((0..=1000).contains(&remaining_ms), "{remaining_ms}");
+    assert_eq!(count_start(&db).await, 0);
+    assert!(matches!(
+        s.work(Process::ShepherdAgentStart, START).await.unwrap(),
+        Claim::NothingToDo
+    ));
+    // Another process is not held back by this process's backoff.
+    let unit = db
+        .read(|tx| Box::pin(async move { tx.count_eligible(Process::UnitTest1, &START).await }))
+        .await
+        .unwrap();
+    assert_eq!(unit, 1);
+
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let mut w = claimed(s.work(Process::ShepherdAgentStart, START).await.unwrap());
+    assert_eq!(w.previous_backoff_seconds(), Some(1));
+    w.fail(Some(&b), "second failure").await.unwrap();
+    let (last, remaining_ms, _) = backoff_row(db.clone()).await.unwrap();
+    assert_eq!(last, 2);
+    assert!((1000..=2000).contains(&remaining_ms), "{remaining_ms}");
+
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    let mut w = claimed(s.work(Process::ShepherdAgentStart, START).await.unwrap());
+    assert_eq!(w.previous_backoff_seconds(), Some(2));
+    w.finish(|_| Box::pin(async { Ok(()) })).await.unwrap();
+    assert_eq!(
+        backoff_row(db.clone()).await,
+        None,
+        "finish clears the backoff"
+    );
+
+    // After a finish the next failure starts again at the initial interval.
+    let mut w = claimed(s.work(Process::ShepherdAgentStart, START).await.unwrap());
+    assert_eq!(w.previous_backoff_seconds(), None);
+    w.fail(None, "no descriptor").await.unwrap();
+    assert_eq!(backoff_row(db.clone()).await.unwrap().0, 1);
+    let failed = history(&db, id)
+        .await
+        .into_iter()
+        .filter(|e| e.event == WorkEvent::Failed)
+        .count();
+    assert_eq!(failed, 3);
+}
+
+/// 16 workers in 4 sessions over 1,000 machines: every machine is processed exactly once and
+/// no two work intervals on one machine overlap, as the audit history shows.
+async fn claims_are_exclusive_under_parallelism(db: Bmdb) {
+    const MACHINES: usize = 1000;
+    provision(&db, MACHINES, Provider::Sim).await;
+    let conflicts = Arc::new(AtomicU64::new(0));
+    let claims = Arc::new(AtomicU64::new(0));
+    let mut workers = vec![];
+    for s in 0..4 {
+        let session = session(&db, &format!("replica-{s}")).await;
+        for _ in 0..4 {
+            let (session, conflicts, claims) = (session.clone(), conflicts.clone(), claims.clone());
+            workers.push(tokio::spawn(async move {
+                let mut idle = 0;
+                while idle < 3 {
+                    match session
+                        .work(Process::ShepherdAgentStart, START)
+                        .await
+                        .unwrap()
+                    {
+                        Claim::Work(mut w) => {
+                            idle = 0;
+                            claims.fetch_add(1, Ordering::Relaxed);
+                            let id = w.machine_id();
+                            tokio::task::yield_now().await;
+                            w.finish(move |tx| {
+                                Box::pin(async move { tx.set_agent_started(id, &key(9)).await })
+                            })
+                            .await
+                            .unwrap();
+                        }
+                        Claim::Conflict => {
+                            conflicts.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Claim::NothingToDo => {
+                            idle += 1;
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                    }
+                }
+            }));
+        }
+    }
+    for w in workers {
+        w.await.unwrap();
+    }
+    let claims = claims.load(Ordering::Relaxed);
+    let conflicts = conflicts.load(Ordering::Relaxed);
+    assert_eq!(claims, MACHINES as u64, "each machine claimed exactly once");
+    assert!(
+        (conflicts as f64) < 0.01 * (claims + conflicts) as f64,
+        "conflict rate too high: {conflicts} conflicts in {} attempts",
+        claims + conflicts
+    );
+    let status = db
+        .read(|tx| Box::pin(async move { tx.status_counts().await }))
+        .await
+        .unwrap();
+    assert_eq!(status.agent_started, MACHINES as i64);
+    assert!(status.work.is_empty());
+
+    // Audit: per (machine, process) events alternate Started / ending, never two Started in a row.
+    let mut entries = vec![];
+    let mut after = 0;
+    loop {
+        let page = db
+            .read(move |tx| Box::pin(async move { tx.history_after(after, 5000).await }))
+            .await
+            .unwrap();
+        let Some(last) = page.last() else { break };
+        after = last.id;
+        entries.extend(page);
+    }
+    let mut open: HashMap<(Uuid, Process), Uuid> = HashMap::new();
+    let mut started: HashMap<Uuid, u32> = HashMap::new();
+    for e in &entries {
+        let k = (e.machine_id, e.process);
+        match e.event {
+            WorkEvent::Started => {
+                assert!(
+                    open.insert(k, e.session_id.unwrap()).is_none(),
+                    "overlapping work on {k:?}"
+                );
+                *started.entry(e.machine_id).or_default() += 1;
+            }
+            _ => {
+                let holder = open
+                    .remove(&k)
+                    .unwrap_or_else(|| panic!("{:?} without Started on {k:?}", e.event));
+                assert_eq!(Some(holder), e.session_id, "ended by another session");
+            }
+        }
+    }
+    assert!(open.is_empty());
+    assert_eq!(started.len(), MACHINES);
+    assert!(started.values().all(|n| *n == 1));
+}
+
+// -------------------------------------------------------------------------------------------
+// Eligibility against a plain-Rust model of SPEC §5
+
+#[derive(Debug, Clone)]
+struct Fleet {
+    id: Uuid,
+    provider: Provider,
+    started_min_ago: Option<i64>,
+    heartbeat_min_ago: Option<i64>,
+    request_gen: Option<i64>,
+    report: Option<(i64, InstallationResult)>,
+    work: Option<Process>,
+    backoff: Option<(Process, bool)>,
+}
+
+fn model_eligible(m: &Fleet, process: Process, retrieval: &Retrieval) -> bool {
+    if m.provider != retrieval.provider() {
+        return false;
+    }
+    if m.work.is_some_and(|w| process.exclusion_set().contains(&w)) {
+        return false;
+    }
+    if m.backoff.is_some_and(|(p, active)| p == process && active) {
+        return false;
+    }
+    let report_gen_matches = |req: i64, need_success: bool| {
+        m.report
+            .is_some_and(|(g, r)| g == req && (!need_success || r == InstallationResult::Success))
+    };
+    match retrieval {
+        Retrieval::AgentStart { .. } => {
+            m.started_min_ago.is_none()
+                && !m.request_gen.is_some_and(|g| report_gen_matches(g, false))
+        }
+        Retrieval::AgentRecovery { thresholds, .. } => {
+            let Some(started) = m.started_min_ago else {
+                return false;
+            };
+            if m.request_gen.is_some_and(|g| report_gen_matches(g, true)) {
+                return false;
+            }
+            let start_limit = thresholds.no_heartbeat_after_start.as_secs() as i64 / 60;
+            let hb_limit = thresholds.heartbeat_older_than.as_secs() as i64 / 60;
+            match m.heartbeat_min_ago {
+                None => started > start_limit,
+                Some(hb) => hb > hb_limit,
+            }
+        }
+    }
+}
+
+async fn eligibility_matches_model(db: Bmdb) {
+    let seed: u64 = rand::random();
+    eprintln!("eligibility fleet seed {seed}");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let holder = session(&db, "holder").await;
+    let procs = [
+        Process::ShepherdAgentStart,
+        Process::ShepherdRecovery,
+        Process::ShepherdAccess,
+        Process::UnitTest1,
+    ];
+    let mut fleet = vec![];
+    for _ in 0..400 {
+        let pick = |rng: &mut StdRng, p: f64| rng.random_bool(p);
+        let started = pick(&mut rng, 0.6).then(|| [1, 20, 45, 120][rng.random_range(0..4)]);
+        fleet.push(Fleet {
+            id: Uuid::nil(),
+            provider: if pick(&mut rng, 0.8) {
+                Provider::Sim
+            } else {
+                Provider::Static
+            },
+            started_min_ago: started,
+            heartbeat_min_ago: (started.is_some() && pick(&mut rng, 0.6))
+                .then(|| [1, 5, 15, 60][rng.random_range(0..4)]),
+            request_gen: pick(&mut rng, 0.3).then(|| rng.random_range(1..3)),
+            report: pick(&mut rng, 0.3).then(|| {
+                let r = if pick(&mut rng, 0.5) {
+                    InstallationResult::Success
+                } else {
+                    InstallationResult::Error
+                };
+                (rng.random_range(1..3), r)
+            }),
+            work: pick(&mut rng, 0.2).then(|| procs[rng.random_range(0..procs.len())]),
+            backoff: pick(&mut rng, 0.25).then(|| {
+                let p = if pick(&mut rng, 0.5) {
+                    Process::ShepherdAgentStart
+                } else {
+                    Process::ShepherdRecovery
+                };
+                (p, pick(&mut rng, 0.5))
+            }),
+        });
+    }
+    let sid = holder.id();
+    let fleet = db
+        .transact(move |tx| {
+            let mut fleet = fleet.clone();
+            Box::pin(async move {
+                let now = tx.now().await?;
+                let ago = |min: i64| now - chrono::Duration::minutes(min);
+                for m in fleet.iter_mut() {
+                    m.id = tx.create_machine().await?;
+                    tx.set_provided(m.id, &Provided::new(m.provider, m.id.to_string()))
+                        .await?;
+                    if let Some(min) = m.started_min_ago {
+                        tx.set_agent_started_at(m.id, Some(ago(min)), &key(3))
+                            .await?;
+                    }
+                    if let Some(min) = m.heartbeat_min_ago {
+                        tx.set_heartbeat_at(m.id, ago(min)).await?;
+                    }
+                    if let Some(g) = m.request_gen {
+                        tx.set_os_installation_request(
+                            m.id,
+                            &OsInstallationRequest {
+                                generation: g,
+                                request_raw: vec![],
+                            },
+                        )
+                        .await?;
+                    }
+                    if let Some((g, result)) = m.report {
+                        tx.set_os_installation_report(
+                            m.id,
+                            &OsInstallationReport {
+                                generation: g,
+                                result,
+                                report_raw: vec![],
+                            },
+                        )
+                        .await?;
+                    }
+                    if let Some(p) = m.work {
+                        tx.insert_work_raw(m.id, sid, p).await?;
+                    }
+                    if let Some((p, active)) = m.backoff {
+                        let until = if active {
+                            now + chrono::Duration::hours(1)
+                        } else {
+                            ago(1)
+                        };
+                        tx.set_backoff_raw(m.id, p, until, 60).await?;
+                    }
+                }
+                Ok(fleet)
+            })
+        })
+        .await
+        .unwrap();
+
+    let thresholds = RecoveryThresholds::default();
+    let short = RecoveryThresholds {
+        no_heartbeat_after_start: Duration::from_secs(600),
+        heartbeat_older_than: Duration::from_secs(180),
+    };
+    let cases = [
+        (
+            Process::ShepherdAgentStart,
+            Retrieval::AgentStart {
+                provider: Provider::Sim,
+            },
+        ),
+        (
+            Process::ShepherdAgentStart,
+            Retrieval::AgentStart {
+                provider: Provider::Static,
+            },
+        ),
+        (
+            Process::UnitTest1,
+            Retrieval::AgentStart {
+                provider: Provider::Sim,
+            },
+        ),
+        (
+            Process::ShepherdRecovery,
+            Retrieval::AgentRecovery {
+                provider: Provider::Sim,
+                thresholds,
+            },
+        ),
+        (
+            Process::ShepherdRecovery,
+            Retrieval::AgentRecovery {
+                provider: Provider::Static,
+                thresholds,
+            },
+        ),
+        (
+            Process::ShepherdRecovery,
+            Retrieval::AgentRecovery {
+                provider: Provider::Sim,
+                thresholds: short,
+            },
+        ),
+    ];
+    for (process, retrieval) in cases {
+        let want: BTreeSet<Uuid> = fleet
+            .iter()
+            .filter(|m| model_eligible(m, process, &retrieval))
+            .map(|m| m.id)
+            .collect();
+        let (got, count) = db
+            .read(move |tx| {
+                Box::pin(async move {
+                    Ok((
+                        tx.eligible_machines(process, &retrieval, 10_000).await?,
+                        tx.count_eligible(process, &retrieval).await?,
+                    ))
+                })
+            })
+            .await
+            .unwrap();
+        let got: BTreeSet<Uuid> = got.into_iter().collect();
+        assert_eq!(
+            count as usize,
+            got.len(),
+            "count query disagrees for {process} {retrieval:?}"
+        );
+        if got != want {
+            let extra: Vec<_> = fleet
+                .iter()
+                .filter(|m| got.contains(&m.id) && !want.contains(&m.id))
+                .collect();
+            let missing: Vec<_> = fleet
+                .iter()
+                .filter(|m| !got.contains(&m.id) && want.contains(&m.id))
+                .collect();
+            panic!(
+                "{process} {retrieval:?} (seed {seed}):\nextra {extra:#?}\nmissing {missing:#?}"
+            );
+        }
+        assert!(
+            !want.is_empty() || process == Process::ShepherdRecovery,
+            "degenerate fleet for {process}"
+        );
+    }
+}
+
+shepherd_bmdb::conformance_tests!(
+    migrations_are_idempotent,
+    tags_round_trip,
+    session_expiry_releases_work,
+    closing_a_session_releases_its_work,
+    work_endings,
+    backoff_is_persisted_and_grows,
+    claims_are_exclusive_under_parallelism,
+    eligibility_matches_model,
+);

@@ -1,0 +1,83 @@
+//! `shepherd bmdb …`: schema migration and a status summary.
+
+use anyhow::Result;
+use clap::Subcommand;
+use shepherd_bmdb::{Bmdb, OpenOptions, StatusCounts, SCHEMA_VERSION};
+
+/// Subcommands of `shepherd bmdb`.
+#[derive(Debug, Subcommand)]
+pub enum BmdbCommand {
+    /// Create the database if needed and apply pending schema migrations.
+    Migrate,
+    /// Show the schema version and what the database holds.
+    Status,
+}
+
+/// Runs a `bmdb` subcommand against `url`.
+pub async fn run(url: &str, command: BmdbCommand) -> Result<()> {
+    match command {
+        BmdbCommand::Migrate => {
+            let db = Bmdb::connect(
+                url,
+                &OpenOptions {
+                    create: true,
+                    ..Default::default()
+                },
+            )
+            .await?;
+            let (from, to) = db.migrate().await?;
+            if from == to {
+                println!("{}: schema is up to date (version {to})", db.target());
+            } else {
+                println!(
+                    "{}: migrated schema from version {from} to {to}",
+                    db.target()
+                );
+            }
+            db.close().await;
+        }
+        BmdbCommand::Status => {
+            let db = Bmdb::open(url).await?;
+            let counts = db
+                .read(|tx| Box::pin(async move { tx.status_counts().await }))
+                .await?;
+            print!("{}", render_status(db.target(), &counts));
+            db.close().await;
+        }
+    }
+    Ok(())
+}
+
+fn render_status(target: &str, c: &StatusCounts) -> String {
+    let per_process = |v: &[(shepherd_bmdb::Process, i64)]| {
+        if v.is_empty() {
+            "none".to_string()
+        } else {
+            v.iter()
+                .map(|(p, n)| format!("{p}={n}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
+    };
+    format!(
+        "database:        {target}\n\
+         schema version:  {SCHEMA_VERSION}\n\
+         machines:        {}\n\
+         provided:        {}\n\
+         agent started:   {}\n\
+         heartbeating:    {}\n\
+         sessions:        {} live, {} expired\n\
+         active work:     {}\n\
+         active backoffs: {}\n\
+         history entries: {}\n",
+        c.machines,
+        c.provided,
+        c.agent_started,
+        c.heartbeating,
+        c.sessions_live,
+        c.sessions_expired,
+        per_process(&c.work),
+        per_process(&c.backoffs),
+        c.history_entries,
+    )
+}

@@ -1,0 +1,195 @@
+//! `shepherd bmdb migrate/status` as an operator runs them: real binary, real databases.
+
+use std::process::{Command, Output};
+
+use shepherd_bmdb::testing;
+
+fn shepherd(args: &[&str], database: Option<&str>) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_shepherd"));
+    cmd.args(args).env_remove("SHEPHERD_DATABASE");
+    if let Some(db) = database {
+        cmd.env("SHEPHERD_DATABASE", db);
+    }
+    cmd.output().expect("run shepherd")
+}
+
+fn text(o: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn migrate_then_status_on_sqlite_via_flag_and_env() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("s.db").display());
+    let o = shepherd(&["bmdb", "migrate", "--database", &url], None);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(out.contains("migrated schema from version 0 to 1"), "{out}");
+    let o = shepherd(&["bmdb", "migrate"], Some(&url));
+    assert!(
+        text(&o).0.contains("up to date (version 1)"),
+        "{:?}",
+        text(&o)
+    );
+    let o = shepherd(&["bmdb", "status"], Some(&url));
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(out.contains("schema version:  1"), "{out}");
+    assert!(out.contains("machines:        0"), "{out}");
+}
+
+#[test]
+fn bad_urls_fail_clearly_and_create_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    for (url, want) in [
+        ("mysql://root@127.0.0.1/db", "invalid database URL"),
+        ("sqlite:", "missing file path"),
+        ("postgres://u:hunter2@127.0.0.1:notaport/db", "invalid port"),
+        (
+            "postgres://postgres@127.0.0.1:1/test",
+            "cannot connect to database",
+        ),
+    ] {
+        for cmd in ["migrate", "status"] {
+            let o = shepherd(&["bmdb", cmd, "--database", url], None);
+            let (_, err) = text(&o);
+            assert!(!o.status.success(), "{url} {cmd} succeeded");
+            assert!(err.contains(want), "{url} {cmd}: {err}");
+            assert!(!err.contains("hunter2"), "password leaked: {err}");
+        }
+    }
+    // Status on a missing SQLite file explains itself and does not create the file.
+    let path = dir.path().join("absent.db");
+    let o = shepherd(
+        &[
+            "bmdb",
+            "status",
+            "--database",
+            &format!("sqlite:{}", path.display()),
+        ],
+        None,
+    );
+    assert!(!o.status.success());
+    assert!(text(&o).1.contains("does not exist"), "{:?}", text(&o));
+    assert!(!path.exists());
+    // Migrate into a directory that does not exist fails without creating it.
+    let deep = dir.path().join("no/such/dir/x.db");
+    let o = shepherd(
+        &[
+            "bmdb",
+            "migrate",
+            "--database",
+            &format!("sqlite:{}", deep.display()),
+        ],
+        None,
+    );
+    assert!(!o.status.success());
+    assert!(text(&o).1.contains("cannot connect"), "{:?}", text(&o));
+    assert!(!dir.path().join("no").exists());
+}
+
+/// Marks the schema as written by a future binary, then checks both commands refuse it and
+/// change nothing.
+async fn newer_schema_is_refused(url: &str) {
+    let o = shepherd(&["bmdb", "migrate", "--database", url], None);
+    assert!(o.status.success(), "{:?}", text(&o));
+    run_sql(
+        url,
+        "INSERT INTO bmdb_schema_migrations (version, name, applied_at) VALUES (99, 'future', 0)",
+    )
+    .await;
+    let before = dump(url).await;
+    for cmd in ["migrate", "status"] {
+        let o = shepherd(&["bmdb", cmd, "--database", url], None);
+        let (_, err) = text(&o);
+        assert!(!o.status.success(), "{cmd} accepted a newer schema");
+        assert!(
+            err.contains("schema version 99 is newer than this binary knows (1)"),
+            "{cmd}: {err}"
+        );
+    }
+    assert_eq!(dump(url).await, before, "a refused command wrote something");
+}
+
+async fn run_sql(url: &str, sql: &str) {
+    if url.starts_with("sqlite:") {
+        let pool = sqlx::SqlitePool::connect(url).await.unwrap();
+        sqlx::query(sql).execute(&pool).await.unwrap();
+        pool.close().await;
+    } else {
+        let pool = sqlx::PgPool::connect(url).await.unwrap();
+        sqlx::query(&sql.replace(", 0)", ", now())"))
+            .execute(&pool)
+            .await
+            .unwrap();
+        pool.close().await;
+    }
+}
+
+/// The migration rows and the list of tables: what a migration would change.
+async fn dump(url: &str) -> (Vec<i64>, Vec<String>) {
+    if url.starts_with("sqlite:") {
+        let pool = sqlx::SqlitePool::connect(url).await.unwrap();
+        let v = sqlx::query_scalar("SELECT version FROM bmdb_schema_migrations ORDER BY version")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+        let t =
+            sqlx::query_scalar("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        pool.close().await;
+        (v, t)
+    } else {
+        let pool = sqlx::PgPool::connect(url).await.unwrap();
+        let v = sqlx::query_scalar("SELECT version FROM bmdb_schema_migrations ORDER BY version")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+        let t = sqlx::query_scalar(
+            "SELECT tablename::text FROM pg_tables WHERE schemaname = 'public' ORDER BY 1",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        pool.close().await;
+        (v, t)
+    }
+}
+
+#[tokio::test]
+async fn newer_schema_is_refused_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    newer_schema_is_refused(&format!("sqlite:{}", dir.path().join("n.db").display())).await;
+}
+
+#[tokio::test]
+async fn newer_schema_is_refused_on_postgres() {
+    let Some(url) = testing::fresh_postgres_database().await else {
+        return;
+    };
+    newer_schema_is_refused(&url).await;
+}
+
+#[tokio::test]
+async fn status_reports_counts_on_postgres() {
+    let Some(t) = testing::postgres().await else {
+        return;
+    };
+    t.db.transact(|tx| Box::pin(async move { tx.create_machine().await }))
+        .await
+        .unwrap();
+    let o = shepherd(&["bmdb", "status", "--database", &t.url], None);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(out.contains("machines:        1"), "{out}");
+    assert!(
+        out.starts_with("database:        postgres://postgres@127.0.0.1:5432/shepherd_t_"),
+        "{out}"
+    );
+    t.cleanup().await;
+}

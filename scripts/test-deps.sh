@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Installs and starts everything the test suite needs on a fresh Debian machine, and checks
+# it is reachable. Safe to run repeatedly. Today: PostgreSQL on 127.0.0.1:5432 with trust
+# auth for local connections and a database named `test`.
+set -euo pipefail
+
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+
+pg_ready() { pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; }
+
+ensure_postgres() {
+  if ! command -v pg_ctlcluster >/dev/null 2>&1; then
+    echo "test-deps: installing PostgreSQL"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+  fi
+  if ! pg_ready; then
+    local version
+    version=$(ls /etc/postgresql | sort -V | tail -n 1)
+    echo "test-deps: starting PostgreSQL $version"
+    as_root pg_ctlcluster --skip-systemctl-redirect "$version" main start || true
+    for _ in $(seq 1 30); do pg_ready && break; sleep 1; done
+  fi
+  pg_ready || { echo "test-deps: PostgreSQL is not accepting connections on 127.0.0.1:5432" >&2; exit 1; }
+  # The tests connect as postgres without a password over TCP (trust auth, as on the CI kind).
+  if ! psql "postgres://postgres@127.0.0.1/postgres" -Atqc 'select 1' >/dev/null 2>&1; then
+    echo "test-deps: cannot log in as postgres over TCP without a password; configure trust auth for 127.0.0.1" >&2
+    exit 1
+  fi
+  if [ "$(psql "postgres://postgres@127.0.0.1/postgres" -Atqc "select count(*) from pg_database where datname = 'test'")" = "0" ]; then
+    psql "postgres://postgres@127.0.0.1/postgres" -qc 'CREATE DATABASE test' >/dev/null
+  fi
+  # Test databases left behind by interrupted runs.
+  psql "postgres://postgres@127.0.0.1/postgres" -Atqc \
+    "select datname from pg_database where datname like 'shepherd\_t\_%'" | while read -r db; do
+      [ -n "$db" ] && psql "postgres://postgres@127.0.0.1/postgres" -qc "DROP DATABASE IF EXISTS \"$db\" WITH (FORCE)" >/dev/null || true
+    done
+}
+
+ensure_postgres
+echo "test-deps: ready"

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The project's test command: sets up what the tests need, then runs every test of the
+# workspace. Tests that need a service fail (rather than skip) when it is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/test-deps.sh
+export SHEPHERD_REQUIRE_POSTGRES="${SHEPHERD_REQUIRE_POSTGRES:-1}"
+cargo test --workspace --all-targets "$@"
