@@ -267,36 +267,63 @@ struct Latency {
     p99: Duration,
 }
 
-/// One worker claims and finishes (without changing eligibility) `samples` times in a database
-/// of `size` eligible machines; only the claim is timed.
-async fn claim_latency(backend: Backend, size: usize, samples: usize) -> Result<Latency> {
-    let t = fresh(backend).await?;
-    provision(&t, size).await?;
-    let session =
-        t.db.start_session(SessionConfig::new(
-            "bench-latency",
-            Processor::ShepherdInitializer,
-        ))
-        .await?;
-    let mut times = Vec::with_capacity(samples);
-    for i in 0..samples + 50 {
-        let begun = Instant::now();
-        let claim = session.work(Process::ShepherdAgentStart, START).await?;
-        let took = begun.elapsed();
-        let Claim::Work(mut work) = claim else {
-            bail!("no eligible machine in the latency run")
-        };
-        work.finish(|_| Box::pin(async { Ok(()) })).await?;
-        if i >= 50 {
-            times.push(took);
+/// Claim latency in databases of each size in `sizes`, all machines eligible. One worker per
+/// database claims and finishes (without changing eligibility); only the claim is timed. The
+/// databases are measured in interleaved rounds so background activity (checkpoints,
+/// autovacuum) falls on all sizes alike.
+async fn claim_latency(
+    backend: Backend,
+    sizes: &[usize],
+    samples: usize,
+) -> Result<Vec<(usize, Latency)>> {
+    const ROUNDS: usize = 5;
+    let mut dbs = vec![];
+    for &size in sizes {
+        let t = fresh(backend).await?;
+        provision(&t, size).await?;
+        let session =
+            t.db.start_session(SessionConfig::new(
+                "bench-latency",
+                Processor::ShepherdInitializer,
+            ))
+            .await?;
+        // Warm up statement caches and plans.
+        for _ in 0..50 {
+            claim_once(&session).await?;
+        }
+        dbs.push((size, t, session, Vec::with_capacity(samples)));
+    }
+    for _ in 0..ROUNDS {
+        for (_, _, session, times) in dbs.iter_mut() {
+            for _ in 0..samples.div_ceil(ROUNDS) {
+                times.push(claim_once(session).await?);
+            }
         }
     }
-    session.close().await?;
-    t.cleanup().await;
-    Ok(Latency {
-        p50: quantile(&mut times, 0.5),
-        p99: quantile(&mut times, 0.99),
-    })
+    let mut out = vec![];
+    for (size, t, session, mut times) in dbs {
+        session.close().await?;
+        t.cleanup().await;
+        out.push((
+            size,
+            Latency {
+                p50: quantile(&mut times, 0.5),
+                p99: quantile(&mut times, 0.99),
+            },
+        ));
+    }
+    Ok(out)
+}
+
+async fn claim_once(session: &Session) -> Result<Duration> {
+    let begun = Instant::now();
+    let claim = session.work(Process::ShepherdAgentStart, START).await?;
+    let took = begun.elapsed();
+    let Claim::Work(mut work) = claim else {
+        bail!("no eligible machine in the latency run")
+    };
+    work.finish(|_| Box::pin(async { Ok(()) })).await?;
+    Ok(took)
 }
 
 struct Report {
@@ -367,16 +394,17 @@ async fn measure(backend: Backend, args: &Args) -> Result<Report> {
     let ceiling_explicit = write_ceiling(backend, args, true).await?;
     eprintln!("[{backend:?}]     {ceiling_autocommit:.0} txn/s autocommit, {ceiling_explicit:.0} txn/s BEGIN/COMMIT");
 
-    let mut latency = vec![];
-    for &size in &args.latency_sizes {
-        eprintln!("[{backend:?}] (d) claim latency with {size} machines");
-        let l = claim_latency(backend, size, args.latency_samples).await?;
+    eprintln!(
+        "[{backend:?}] (d) claim latency with {:?} machines",
+        args.latency_sizes
+    );
+    let latency = claim_latency(backend, &args.latency_sizes, args.latency_samples).await?;
+    for (size, l) in &latency {
         eprintln!(
-            "[{backend:?}]     p50 {} ms, p99 {} ms",
+            "[{backend:?}]     {size}: p50 {} ms, p99 {} ms",
             ms(l.p50),
             ms(l.p99)
         );
-        latency.push((size, l));
     }
     Ok(Report {
         ours,

@@ -557,6 +557,46 @@ async fn claims_are_exclusive_under_parallelism(db: Bmdb) {
     assert!(started.values().all(|n| *n == 1));
 }
 
+/// A fleet where almost every machine is ineligible (agents started): claims still find the
+/// few eligible ones wherever they are, then report nothing to do.
+async fn sparse_eligible_machines_are_found(db: Bmdb) {
+    let ids = provision(&db, 1500, Provider::Sim).await;
+    let keep: BTreeSet<Uuid> = [ids[3], ids[700], ids[1499]].into_iter().collect();
+    let started: Vec<Uuid> = ids
+        .iter()
+        .copied()
+        .filter(|id| !keep.contains(id))
+        .collect();
+    db.transact(move |tx| {
+        let started = started.clone();
+        Box::pin(async move {
+            for id in started {
+                tx.set_agent_started(id, &key(4)).await?;
+            }
+            Ok(())
+        })
+    })
+    .await
+    .unwrap();
+    let s = session(&db, "sparse").await;
+    let mut found = BTreeSet::new();
+    for _ in 0..3 {
+        let mut w = claimed(s.work(Process::ShepherdAgentStart, START).await.unwrap());
+        found.insert(w.machine_id());
+        let id = w.machine_id();
+        w.finish(move |tx| Box::pin(async move { tx.set_agent_started(id, &key(4)).await }))
+            .await
+            .unwrap();
+    }
+    assert_eq!(found, keep);
+    for _ in 0..5 {
+        assert!(matches!(
+            s.work(Process::ShepherdAgentStart, START).await.unwrap(),
+            Claim::NothingToDo
+        ));
+    }
+}
+
 // -------------------------------------------------------------------------------------------
 // Eligibility against a plain-Rust model of SPEC §5
 
@@ -807,5 +847,51 @@ shepherd_bmdb::conformance_tests!(
     work_endings,
     backoff_is_persisted_and_grows,
     claims_are_exclusive_under_parallelism,
+    sparse_eligible_machines_are_found,
     eligibility_matches_model,
 );
+
+/// Two handles on one SQLite file behave like two processes: they contend for the file's write
+/// lock (BEGIN IMMEDIATE plus the busy timeout) and still never claim a machine twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_processes_share_one_sqlite_file() {
+    let t = shepherd_bmdb::testing::sqlite().await;
+    let other = Bmdb::open(&t.url).await.expect("second handle");
+    provision(&t.db, 300, Provider::Sim).await;
+    let mut workers = vec![];
+    for db in [t.db.clone(), other.clone()] {
+        for w in 0..4 {
+            let s = session(&db, &format!("proc-worker-{w}")).await;
+            workers.push(tokio::spawn(async move {
+                let mut done = 0u32;
+                loop {
+                    match s.work(Process::ShepherdAgentStart, START).await.unwrap() {
+                        Claim::Work(mut work) => {
+                            let id = work.machine_id();
+                            work.finish(move |tx| {
+                                Box::pin(async move { tx.set_agent_started(id, &key(5)).await })
+                            })
+                            .await
+                            .unwrap();
+                            done += 1;
+                        }
+                        Claim::Conflict => {}
+                        Claim::NothingToDo => return done,
+                    }
+                }
+            }));
+        }
+    }
+    let mut total = 0;
+    for w in workers {
+        total += w.await.unwrap();
+    }
+    assert_eq!(total, 300);
+    let counts = other
+        .read(|tx| Box::pin(async move { tx.status_counts().await }))
+        .await
+        .unwrap();
+    assert_eq!((counts.agent_started, counts.history_entries), (300, 600));
+    other.close().await;
+    t.cleanup().await;
+}

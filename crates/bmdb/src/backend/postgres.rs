@@ -511,15 +511,14 @@ fn eligibility(process: Process, retrieval: &Retrieval, first: usize, shape: Sha
     );
     match retrieval {
         Retrieval::AgentStart { .. } => format!(
-            "{common}
-             AND NOT EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id{fence})
+            "NOT EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id{fence})
              AND NOT EXISTS (SELECT 1 FROM machine_os_installation_request r
                              JOIN machine_os_installation_report o ON o.machine_id = r.machine_id
-                             WHERE r.machine_id = p.machine_id AND o.generation = r.generation{fence})"
+                             WHERE r.machine_id = p.machine_id AND o.generation = r.generation{fence})
+             AND {common}"
         ),
         Retrieval::AgentRecovery { .. } => format!(
-            "{common}
-             AND NOT EXISTS (SELECT 1 FROM machine_os_installation_request r
+            "NOT EXISTS (SELECT 1 FROM machine_os_installation_request r
                              JOIN machine_os_installation_report o ON o.machine_id = r.machine_id
                              WHERE r.machine_id = p.machine_id AND o.generation = r.generation
                              AND o.result = 'Success'{fence})
@@ -527,7 +526,8 @@ fn eligibility(process: Process, retrieval: &Retrieval, first: usize, shape: Sha
                     (s.started_at < now() - make_interval(secs => ${first}::float8)
                      AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id{fence}))
                  OR EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
-                            AND h.heartbeat_at < now() - make_interval(secs => ${second}::float8){fence})){fence})",
+                            AND h.heartbeat_at < now() - make_interval(secs => ${second}::float8){fence})){fence})
+             AND {common}",
             second = first + 1
         ),
     }
@@ -576,9 +576,12 @@ pub(crate) async fn count_eligible(
 // ---------------------------------------------------------------------------------------------
 // Work (SPEC §4)
 
-/// Claims one eligible machine for `process`: one autocommitted statement from a random point of
-/// the id space, and a second one from the lowest id only if the first saw every remaining
-/// candidate and could lock none (wrap-around).
+/// Claims one eligible machine for `process` with at most two autocommitted statements. The
+/// first looks only at a small window of the id index after a random point, checking each
+/// machine with index probes: cheap when eligible machines are common, and it spreads parallel
+/// claimers over the fleet. If that window yields no machine to lock, the second searches the
+/// whole provider (wrapping around) with a join-shaped query the planner can run as an
+/// anti-join, which stays cheap when eligible machines are rare or absent.
 pub(crate) async fn claim(
     conn: &mut PgConnection,
     session: Uuid,
@@ -596,33 +599,68 @@ pub(crate) async fn claim(
         }
         return Ok(outcome);
     }
-    match claim_from(conn, session, process, retrieval, Uuid::new_v4()).await? {
-        ClaimOutcome::Nothing => claim_from(conn, session, process, retrieval, Uuid::nil()).await,
-        other => Ok(other),
+    let start = Uuid::new_v4();
+    match claim_statement(conn, session, process, retrieval, start, Search::Window).await? {
+        ClaimOutcome::Nothing | ClaimOutcome::Conflict => {
+            claim_statement(conn, session, process, retrieval, start, Search::Everywhere).await
+        }
+        decided => Ok(decided),
     }
 }
 
-/// One claim statement over candidates with id at or above `start`, in id order: live-session
-/// check; candidates evaluated lazily until one locks; a `SKIP LOCKED` row lock that also skips
-/// machines claimed since our snapshot (their `claim_count` moved on, and READ COMMITTED
-/// re-checks the condition against the newest version of the locked row while `seen` keeps the
-/// snapshot's); the lock insert (a lost race yields no row instead of an error); Started
-/// history; the previous backoff interval.
-async fn claim_from(
+/// Where a claim statement looks for candidates.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Search {
+    /// The next `CLAIM_WINDOW` machines of the provider at or after the start point.
+    Window,
+    /// Every machine of the provider, from the start point, wrapping around.
+    Everywhere,
+}
+
+/// Index entries the window search looks at.
+const CLAIM_WINDOW: i64 = 64;
+
+/// One claim statement: live-session check; candidates evaluated lazily until one locks; a
+/// `SKIP LOCKED` row lock that also skips machines claimed since our snapshot (their
+/// `claim_count` moved on, and READ COMMITTED re-checks the condition against the newest
+/// version of the locked row while `seen` keeps the snapshot's); the lock insert (a lost race
+/// yields no row instead of an error); Started history; the previous backoff interval.
+async fn claim_statement(
     conn: &mut PgConnection,
     session: Uuid,
     process: Process,
     retrieval: &Retrieval,
     start: Uuid,
+    search: Search,
 ) -> Result<ClaimOutcome> {
-    let cond = eligibility(process, retrieval, 4, Shape::Probe);
+    let provider = retrieval.provider().as_str();
+    let candidates = match search {
+        Search::Window => {
+            let cond = eligibility(process, retrieval, 4, Shape::Probe);
+            format!(
+                "SELECT p.machine_id FROM (
+                    SELECT * FROM machine_provided WHERE provider = '{provider}' AND machine_id >= $2
+                    ORDER BY machine_id LIMIT {CLAIM_WINDOW}) p
+                 WHERE {cond} ORDER BY p.machine_id LIMIT $3"
+            )
+        }
+        Search::Everywhere => {
+            let cond = eligibility(process, retrieval, 4, Shape::Join);
+            format!(
+                "(SELECT p.machine_id FROM machine_provided p
+                  WHERE p.machine_id >= $2 AND {cond} ORDER BY p.machine_id LIMIT $3)
+                 UNION ALL
+                 (SELECT p.machine_id FROM machine_provided p
+                  WHERE p.machine_id < $2 AND {cond} ORDER BY p.machine_id LIMIT $3)
+                 LIMIT $3"
+            )
+        }
+    };
     let proc = process.as_str();
     let sql = format!(
         "WITH sess AS (
             SELECT session_id FROM sessions WHERE session_id = $1 AND deadline > now()),
-         cand AS (
-            SELECT p.machine_id FROM machine_provided p
-            WHERE p.machine_id >= $2 AND {cond} ORDER BY p.machine_id LIMIT $3),
+         cand AS ({candidates}),
          locked AS (
             SELECT m.machine_id FROM cand
             JOIN machines seen ON seen.machine_id = cand.machine_id
@@ -667,8 +705,8 @@ async fn claim_from(
         None if !session_ok => ClaimOutcome::SessionExpired,
         // Locked a row but the unique lock said no: the constraint backstop caught a race.
         None if locked => ClaimOutcome::Conflict,
-        // Every candidate we saw is being or has been claimed by others. If the window was
-        // full, more may lie beyond it; otherwise nothing is left at or after `start`.
+        // Every candidate we saw is being or has been claimed by others. If the search was cut
+        // at the candidate limit, more may lie beyond it; otherwise nothing is left for us.
         None if candidates >= CLAIM_CANDIDATES => ClaimOutcome::Conflict,
         None => ClaimOutcome::Nothing,
     })

@@ -510,15 +510,14 @@ fn eligibility(process: Process, retrieval: &Retrieval, first: usize) -> String 
     );
     match retrieval {
         Retrieval::AgentStart { .. } => format!(
-            "{common}
-             AND NOT EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id)
+            "NOT EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id)
              AND NOT EXISTS (SELECT 1 FROM machine_os_installation_request r
                              JOIN machine_os_installation_report o ON o.machine_id = r.machine_id
-                             WHERE r.machine_id = p.machine_id AND o.generation = r.generation)"
+                             WHERE r.machine_id = p.machine_id AND o.generation = r.generation)
+             AND {common}"
         ),
         Retrieval::AgentRecovery { .. } => format!(
-            "{common}
-             AND NOT EXISTS (SELECT 1 FROM machine_os_installation_request r
+            "NOT EXISTS (SELECT 1 FROM machine_os_installation_request r
                              JOIN machine_os_installation_report o ON o.machine_id = r.machine_id
                              WHERE r.machine_id = p.machine_id AND o.generation = r.generation
                              AND o.result = 'Success')
@@ -526,7 +525,8 @@ fn eligibility(process: Process, retrieval: &Retrieval, first: usize) -> String 
                     (s.started_at < ${first} - ${a}
                      AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id))
                  OR EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
-                            AND h.heartbeat_at < ${first} - ${b})))",
+                            AND h.heartbeat_at < ${first} - ${b})))
+             AND {common}",
             a = first + 1,
             b = first + 2
         ),
