@@ -27,7 +27,9 @@ impl RateSpec {
 
 /// Why a rate setting was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid rate {input:?}: {reason} (expected \"DURATION,BURST\", e.g. \"250ms,8\" or \"2m,10\")")]
+#[error(
+    "invalid rate {input:?}: {reason} (expected \"DURATION,BURST\", e.g. \"250ms,8\" or \"2m,10\")"
+)]
 pub struct RateSpecError {
     input: String,
     reason: String,
@@ -37,13 +39,20 @@ impl FromStr for RateSpec {
     type Err = RateSpecError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let err = |reason: &str| RateSpecError { input: s.to_string(), reason: reason.to_string() };
+        let err = |reason: &str| RateSpecError {
+            input: s.to_string(),
+            reason: reason.to_string(),
+        };
         let (d, b) = s.split_once(',').ok_or_else(|| err("missing ','"))?;
-        let every = humantime::parse_duration(d.trim()).map_err(|e| err(&format!("bad duration: {e}")))?;
+        let every =
+            humantime::parse_duration(d.trim()).map_err(|e| err(&format!("bad duration: {e}")))?;
         if every.is_zero() {
             return Err(err("duration must be positive"));
         }
-        let burst: u32 = b.trim().parse().map_err(|_| err("burst must be a whole number"))?;
+        let burst: u32 = b
+            .trim()
+            .parse()
+            .map_err(|_| err("burst must be a whole number"))?;
         if burst == 0 {
             return Err(err("burst must be at least 1"));
         }
@@ -53,7 +62,12 @@ impl FromStr for RateSpec {
 
 impl fmt::Display for RateSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{},{}", humantime::format_duration(self.every), self.burst)
+        write!(
+            f,
+            "{},{}",
+            humantime::format_duration(self.every),
+            self.burst
+        )
     }
 }
 
@@ -71,7 +85,13 @@ pub struct Limiter {
 impl Limiter {
     /// A full bucket.
     pub fn new(spec: RateSpec) -> Self {
-        Limiter { spec, bucket: Mutex::new(Bucket { tokens: f64::from(spec.burst), last: Instant::now() }) }
+        Limiter {
+            spec,
+            bucket: Mutex::new(Bucket {
+                tokens: f64::from(spec.burst),
+                last: Instant::now(),
+            }),
+        }
     }
 
     /// The setting this limiter enforces.
@@ -144,7 +164,11 @@ mod tests {
         for _ in 0..3 {
             l.wait().await;
         }
-        assert_eq!(t0.elapsed(), Duration::ZERO, "a full bucket lets the burst through at once");
+        assert_eq!(
+            t0.elapsed(),
+            Duration::ZERO,
+            "a full bucket lets the burst through at once"
+        );
         l.wait().await;
         assert_eq!(t0.elapsed(), Duration::from_secs(1));
         l.wait().await;
@@ -165,7 +189,9 @@ mod tests {
         let l = Limiter::new("10s,1".parse().unwrap());
         l.wait().await;
         // This waiter gives up after 5 s; the token that arrives at 10 s must still be there.
-        assert!(tokio::time::timeout(Duration::from_secs(5), l.wait()).await.is_err());
+        assert!(tokio::time::timeout(Duration::from_secs(5), l.wait())
+            .await
+            .is_err());
         let t = Instant::now();
         l.wait().await;
         assert_eq!(t.elapsed(), Duration::from_secs(5));
