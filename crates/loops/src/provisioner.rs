@@ -1,0 +1,132 @@
+//! The Provisioner (SPEC §7): reconciles the provider's view with the BMDB and brings unused
+//! capacity in, within limits and rate limits.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use shepherd_bmdb::{Bmdb, Processor, Session, SessionConfig};
+use tokio_util::sync::CancellationToken;
+
+use crate::limiter::{Limiter, RateSpec};
+use crate::provider::Provider;
+use crate::reconcile::{reconcile, Limits};
+
+/// Provisioner settings (SPEC §17 defaults).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProvisionerConfig {
+    /// Managed-machine limit and per-iteration chunk.
+    pub limits: Limits,
+    /// How often to reconcile (`1m,1`).
+    pub reconcile_rate: RateSpec,
+    /// How fast to create machines at the provider (`5s,1`).
+    pub creation_rate: RateSpec,
+}
+
+impl Default for ProvisionerConfig {
+    fn default() -> Self {
+        ProvisionerConfig {
+            limits: Limits::default(),
+            reconcile_rate: RateSpec::new(Duration::from_secs(60), 1),
+            creation_rate: RateSpec::new(Duration::from_secs(5), 1),
+        }
+    }
+}
+
+/// What one reconciliation did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct IterationReport {
+    /// Machines both the provider and the BMDB know.
+    pub managed: usize,
+    /// Machines brought in this iteration.
+    pub created: usize,
+    /// Creations that failed (logged and skipped).
+    pub failed: usize,
+}
+
+/// The provisioner for one provider.
+pub struct Provisioner<P: Provider> {
+    provider: Arc<P>,
+    config: ProvisionerConfig,
+    creation: Limiter,
+}
+
+impl<P: Provider> Provisioner<P> {
+    /// A provisioner; nothing runs until [`Provisioner::run`] or [`Provisioner::iterate`].
+    pub fn new(provider: Arc<P>, config: ProvisionerConfig) -> Self {
+        Provisioner {
+            provider,
+            creation: Limiter::new(config.creation_rate),
+            config,
+        }
+    }
+
+    /// One reconciliation (SPEC §7 steps 1–5). A discrepancy between the provider and the
+    /// BMDB is an error and nothing is created.
+    pub async fn iterate(&self, session: &Session) -> anyhow::Result<IterationReport> {
+        let kind = self.provider.kind();
+        let (listed, recorded) = tokio::join!(
+            self.provider.list_machines(),
+            session.transact(move |tx| Box::pin(async move { tx.provided_by(kind).await }))
+        );
+        let listed = listed?;
+        let in_bmdb: BTreeSet<String> = recorded?.into_iter().map(|(_, p)| p.provider_id).collect();
+        let plan = reconcile(&listed, &in_bmdb, self.config.limits)?;
+        let mut report = IterationReport {
+            managed: plan.managed,
+            ..Default::default()
+        };
+        for machine in &plan.create {
+            self.creation.wait().await;
+            match self.provider.create_machine(session, machine).await {
+                Ok(id) => {
+                    tracing::info!(machine = %id, provider_id = ?machine.id, "brought a new machine in");
+                    report.created += 1;
+                }
+                Err(e) => {
+                    tracing::warn!(provider_id = ?machine.id, addr = ?machine.addr, error = %e, "creating a machine failed; skipping it");
+                    report.failed += 1;
+                }
+            }
+        }
+        Ok(report)
+    }
+
+    /// Reconciles at the configured rate until `cancel`, keeping a session (re-created when it
+    /// expires). Errors of an iteration are logged; the next iteration tries again.
+    pub async fn run(&self, db: Bmdb, session_config: SessionConfig, cancel: CancellationToken) {
+        let reconcile_limiter = Limiter::new(self.config.reconcile_rate);
+        let session_config = SessionConfig {
+            processor: Processor::ShepherdProvisioner,
+            ..session_config
+        };
+        let mut session: Option<Session> = None;
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => break,
+                _ = reconcile_limiter.wait() => {}
+            }
+            let s = match session.take().filter(|s| !s.is_expired()) {
+                Some(s) => s,
+                None => match db.start_session(session_config.clone()).await {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "provisioner cannot start a session");
+                        continue;
+                    }
+                },
+            };
+            tokio::select! {
+                _ = cancel.cancelled() => { session = Some(s); break }
+                r = self.iterate(&s) => match r {
+                    Ok(r) => tracing::debug!(managed = r.managed, created = r.created, failed = r.failed, "reconciled"),
+                    Err(e) => tracing::error!(error = %format!("{e:#}"), "reconciliation failed"),
+                },
+            }
+            session = Some(s);
+        }
+        if let Some(s) = session {
+            let _ = s.close().await;
+        }
+    }
+}

@@ -1,0 +1,169 @@
+//! The control loop runner shared by the Initializer, the Recoverer and later loops (SPEC §10):
+//! N workers, each with its own session, claim one machine at a time at a rate-limited pace,
+//! process it, and finish or fail the work with the loop's backoff.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use shepherd_bmdb::{
+    Backoff, Bmdb, Claim, Error as BmdbError, Process, Processor, Retrieval, Session,
+    SessionConfig, Tx, TxFuture,
+};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::limiter::{Limiter, RateSpec};
+
+/// The tag writes that end a successful unit of work, run in the same transaction as the
+/// work's Finish. May run more than once if that transaction is retried.
+pub type Commit = Box<dyn for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, ()> + Send>;
+
+/// What a control loop does with one machine.
+#[async_trait]
+pub trait MachineTask: Send + Sync + 'static {
+    /// The work process (and lock) of this loop.
+    fn process(&self) -> Process;
+    /// Metrics label of the loop's sessions.
+    fn processor(&self) -> Processor;
+    /// Which machines the loop takes.
+    fn retrieval(&self) -> Retrieval;
+    /// Backoff after a failure.
+    fn backoff(&self) -> Backoff;
+    /// Processes one claimed machine; an error fails the work with its text as the cause.
+    async fn process_machine(&self, session: &Session, machine: Uuid) -> anyhow::Result<Commit>;
+}
+
+/// Runner settings (SPEC §17 defaults: one worker, `250ms,8`, 5 s sessions).
+#[derive(Debug, Clone)]
+pub struct RunnerConfig {
+    /// Independent workers, each with its own session.
+    pub parallelism: usize,
+    /// Pace of claim attempts, shared by the loop's workers.
+    pub db_rate: RateSpec,
+    /// Session settings (component name, interval).
+    pub session: SessionConfig,
+}
+
+/// Runs `task` until `cancel`; returns once every worker stopped and closed its session. Work
+/// held at cancellation is canceled (not failed), so no backoff is charged for the shutdown.
+pub async fn run<T: MachineTask>(
+    db: Bmdb,
+    task: Arc<T>,
+    config: RunnerConfig,
+    cancel: CancellationToken,
+) {
+    let limiter = Arc::new(Limiter::new(config.db_rate));
+    let session = SessionConfig {
+        processor: task.processor(),
+        ..config.session
+    };
+    let workers: Vec<_> = (0..config.parallelism.max(1))
+        .map(|n| {
+            let (db, task, limiter, cancel, session) = (
+                db.clone(),
+                task.clone(),
+                limiter.clone(),
+                cancel.clone(),
+                session.clone(),
+            );
+            tokio::spawn(async move { worker(n, db, task, limiter, session, cancel).await })
+        })
+        .collect();
+    for w in workers {
+        let _ = w.await;
+    }
+}
+
+/// Bounded, jittered delay after a loop error or a failed session start.
+fn error_delay(attempt: u32) -> Duration {
+    let cap = Duration::from_millis(100)
+        .saturating_mul(1 << attempt.min(7))
+        .min(Duration::from_secs(10));
+    cap.mul_f64(0.5 + rand::random::<f64>() / 2.0)
+}
+
+async fn worker<T: MachineTask>(
+    n: usize,
+    db: Bmdb,
+    task: Arc<T>,
+    limiter: Arc<Limiter>,
+    session_config: SessionConfig,
+    cancel: CancellationToken,
+) {
+    let mut session: Option<Session> = None;
+    let mut errors = 0u32;
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => break,
+            _ = limiter.wait() => {}
+        }
+        let s = match session.take().filter(|s| !s.is_expired()) {
+            Some(s) => s,
+            None => match db.start_session(session_config.clone()).await {
+                Ok(s) => s,
+                Err(e) => {
+                    errors += 1;
+                    tracing::warn!(worker = n, error = %e, "cannot start a session");
+                    tokio::select! { _ = cancel.cancelled() => break, _ = tokio::time::sleep(error_delay(errors)) => {} }
+                    continue;
+                }
+            },
+        };
+        match s.work(task.process(), task.retrieval()).await {
+            Ok(Claim::Work(mut work)) => {
+                errors = 0;
+                let machine = work.machine_id();
+                let span = tracing::info_span!("work", %machine, process = %task.process());
+                let _enter = span.enter();
+                let outcome = tokio::select! {
+                    _ = cancel.cancelled() => None,
+                    r = task.process_machine(&s, machine) => Some(r),
+                };
+                let ended = match outcome {
+                    None => work.cancel().await,
+                    Some(Ok(commit)) => work.finish(commit).await,
+                    Some(Err(e)) => {
+                        tracing::warn!(error = %format!("{e:#}"), "processing failed");
+                        work.fail(Some(&task.backoff()), &format!("{e:#}")).await
+                    }
+                };
+                if let Err(e) = ended {
+                    tracing::warn!(error = %e, "ending work failed");
+                }
+            }
+            Ok(Claim::NothingToDo) | Ok(Claim::Conflict) => errors = 0,
+            Err(BmdbError::SessionExpired) => {
+                tracing::warn!(worker = n, "session expired; starting a new one");
+                continue;
+            }
+            Err(e) => {
+                errors += 1;
+                tracing::warn!(worker = n, error = %e, "claiming work failed");
+                tokio::select! { _ = cancel.cancelled() => { session = Some(s); break }, _ = tokio::time::sleep(error_delay(errors)) => {} }
+            }
+        }
+        session = Some(s);
+    }
+    if let Some(s) = session {
+        let _ = s.close().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_delays_are_bounded_and_jittered() {
+        for attempt in 0..50 {
+            let d = error_delay(attempt);
+            assert!(
+                d <= Duration::from_secs(10) && d >= Duration::from_millis(50),
+                "{d:?}"
+            );
+        }
+        let samples: std::collections::BTreeSet<_> = (0..20).map(|_| error_delay(3)).collect();
+        assert!(samples.len() > 1, "no jitter");
+    }
+}

@@ -1,0 +1,378 @@
+//! Provisioner and recoverer against a dummy provider, on both BMDB backends.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use shepherd_bmdb::*;
+use shepherd_loops::limiter::RateSpec;
+use shepherd_loops::provider::{
+    record_new_machine, Availability, Provider as ProviderTrait, ProviderError, ProviderMachine,
+    Recoverer as RecovererTrait,
+};
+use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
+use shepherd_loops::reconcile::Limits;
+use shepherd_loops::recoverer::Recoverer;
+use shepherd_loops::runner::{self, RunnerConfig};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+/// A provider with fixed capacity: `dummy-N` machines start unused and become used when
+/// created. Creations of ids in `fail_create` and reboots of ids in `fail_reboot` fail.
+#[derive(Default)]
+struct Dummy {
+    machines: Mutex<BTreeMap<String, Availability>>,
+    fail_create: BTreeSet<String>,
+    fail_reboot: BTreeSet<String>,
+    reboots: Mutex<Vec<String>>,
+}
+
+impl Dummy {
+    fn with_capacity(n: usize) -> Self {
+        let d = Dummy::default();
+        for i in 0..n {
+            d.machines
+                .lock()
+                .unwrap()
+                .insert(format!("dummy-{i:03}"), Availability::KnownUnused);
+        }
+        d
+    }
+
+    fn machine(id: &str, a: Availability) -> ProviderMachine {
+        ProviderMachine::new(id, Some("192.0.2.10".into()), a)
+    }
+}
+
+#[async_trait]
+impl ProviderTrait for Dummy {
+    fn kind(&self) -> Provider {
+        Provider::None
+    }
+
+    async fn list_machines(&self) -> Result<Vec<ProviderMachine>, ProviderError> {
+        Ok(self
+            .machines
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(id, a)| Self::machine(id, *a))
+            .collect())
+    }
+
+    async fn get_machine(&self, id: &str) -> Result<ProviderMachine, ProviderError> {
+        let a = self
+            .machines
+            .lock()
+            .unwrap()
+            .get(id)
+            .copied()
+            .ok_or_else(|| ProviderError::NotFound(id.into()))?;
+        Ok(Self::machine(id, a))
+    }
+
+    async fn create_machine(
+        &self,
+        session: &Session,
+        unused: &ProviderMachine,
+    ) -> Result<Uuid, ProviderError> {
+        let id = unused.id.clone().unwrap();
+        if self.fail_create.contains(&id) {
+            return Err(ProviderError::Other(anyhow::anyhow!(
+                "injected creation failure"
+            )));
+        }
+        self.machines
+            .lock()
+            .unwrap()
+            .insert(id.clone(), Availability::KnownUsed);
+        Ok(record_new_machine(
+            session,
+            self.kind(),
+            &Self::machine(&id, Availability::KnownUsed),
+        )
+        .await?)
+    }
+}
+
+#[async_trait]
+impl RecovererTrait for Dummy {
+    async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
+        let id = machine.id.clone().unwrap();
+        if self.fail_reboot.contains(&id) {
+            return Err(ProviderError::Other(anyhow::anyhow!("BMC did not answer")));
+        }
+        self.reboots.lock().unwrap().push(id);
+        Ok(())
+    }
+}
+
+fn fast() -> RateSpec {
+    RateSpec::new(Duration::from_millis(1), 100)
+}
+
+async fn provided_ids(db: &Bmdb) -> Vec<String> {
+    db.read(|tx| Box::pin(async move { tx.provided_by(Provider::None).await }))
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(_, p)| p.provider_id)
+        .collect()
+}
+
+async fn provisioner_stops_at_max(db: Bmdb) {
+    let provider = Arc::new(Dummy::with_capacity(100));
+    let config = ProvisionerConfig {
+        limits: Limits {
+            max_machines: 10,
+            chunk_size: 4,
+        },
+        reconcile_rate: fast(),
+        creation_rate: fast(),
+    };
+    let p = Provisioner::new(provider.clone(), config);
+    let s = db
+        .start_session(SessionConfig::new(
+            "provisioner",
+            Processor::ShepherdProvisioner,
+        ))
+        .await
+        .unwrap();
+    let mut created = vec![];
+    for _ in 0..5 {
+        created.push(p.iterate(&s).await.unwrap().created);
+    }
+    assert_eq!(created, vec![4, 4, 2, 0, 0]);
+    assert_eq!(provided_ids(&db).await.len(), 10);
+
+    // The long-running loop form reaches the same state and stops on cancellation.
+    let cancel = CancellationToken::new();
+    let run = tokio::spawn({
+        let (db, cancel) = (db.clone(), cancel.clone());
+        async move {
+            p.run(
+                db,
+                SessionConfig::new("provisioner", Processor::ShepherdProvisioner),
+                cancel,
+            )
+            .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    cancel.cancel();
+    run.await.unwrap();
+    assert_eq!(provided_ids(&db).await.len(), 10);
+}
+
+async fn failed_creations_do_not_stop_the_others(db: Bmdb) {
+    let provider = Arc::new(Dummy {
+        fail_create: ["dummy-001".to_string(), "dummy-002".to_string()].into(),
+        ..Dummy::with_capacity(6)
+    });
+    let config = ProvisionerConfig {
+        limits: Limits {
+            max_machines: 0,
+            chunk_size: 4,
+        },
+        reconcile_rate: fast(),
+        creation_rate: fast(),
+    };
+    let p = Provisioner::new(provider, config);
+    let s = db
+        .start_session(SessionConfig::new(
+            "provisioner",
+            Processor::ShepherdProvisioner,
+        ))
+        .await
+        .unwrap();
+    let r = p.iterate(&s).await.unwrap();
+    assert_eq!((r.created, r.failed), (2, 2));
+    assert_eq!(provided_ids(&db).await, vec!["dummy-000", "dummy-003"]);
+}
+
+async fn discrepancy_means_no_action(db: Bmdb) {
+    // The BMDB knows a machine the provider does not list.
+    db.transact(|tx| {
+        Box::pin(async move {
+            let id = tx.create_machine().await?;
+            tx.set_provided(id, &Provided::new(Provider::None, "ghost"))
+                .await
+        })
+    })
+    .await
+    .unwrap();
+    let p = Provisioner::new(
+        Arc::new(Dummy::with_capacity(5)),
+        ProvisionerConfig {
+            reconcile_rate: fast(),
+            creation_rate: fast(),
+            ..Default::default()
+        },
+    );
+    let s = db
+        .start_session(SessionConfig::new(
+            "provisioner",
+            Processor::ShepherdProvisioner,
+        ))
+        .await
+        .unwrap();
+    let err = p.iterate(&s).await.unwrap_err().to_string();
+    assert!(
+        err.contains("BMDB machine ghost is missing at the provider"),
+        "{err}"
+    );
+    assert_eq!(provided_ids(&db).await, vec!["ghost"]);
+}
+
+/// Machines provided by the dummy, with agent state: (provider id, started minutes ago,
+/// heartbeat minutes ago).
+async fn fleet(
+    db: &Bmdb,
+    provider: &Dummy,
+    spec: &[(&str, i64, Option<i64>)],
+) -> BTreeMap<String, Uuid> {
+    let spec: Vec<(String, i64, Option<i64>)> = spec
+        .iter()
+        .map(|(a, b, c)| (a.to_string(), *b, *c))
+        .collect();
+    for (id, ..) in &spec {
+        provider
+            .machines
+            .lock()
+            .unwrap()
+            .insert(id.clone(), Availability::KnownUsed);
+    }
+    db.transact(move |tx| {
+        let spec = spec.clone();
+        Box::pin(async move {
+            let now = tx.now().await?;
+            let mut ids = BTreeMap::new();
+            for (pid, started, hb) in spec {
+                let id = tx.create_machine().await?;
+                tx.set_provided(id, &Provided::new(Provider::None, &pid))
+                    .await?;
+                tx.set_agent_started_at(
+                    id,
+                    Some(now - chrono::Duration::minutes(started)),
+                    &[1; AGENT_KEY_LEN],
+                )
+                .await?;
+                if let Some(hb) = hb {
+                    tx.set_heartbeat_at(id, now - chrono::Duration::minutes(hb))
+                        .await?;
+                }
+                ids.insert(pid, id);
+            }
+            Ok(ids)
+        })
+    })
+    .await
+    .unwrap()
+}
+
+async fn recoverer_reboots_silent_machines(db: Bmdb) {
+    let provider = Arc::new(Dummy {
+        fail_reboot: ["broken-bmc".to_string()].into(),
+        ..Dummy::default()
+    });
+    let ids = fleet(
+        &db,
+        &provider,
+        &[
+            ("never-heartbeated", 45, None),
+            ("went-silent", 120, Some(20)),
+            ("healthy", 120, Some(1)),
+            ("just-started", 5, None),
+            ("broken-bmc", 60, None),
+        ],
+    )
+    .await;
+    let task = Arc::new(
+        Recoverer::new(provider.clone(), RecoveryThresholds::default()).with_backoff(
+            Backoff::exponential(Duration::from_secs(60), Duration::from_secs(600), 2.0),
+        ),
+    );
+    let cancel = CancellationToken::new();
+    let config = RunnerConfig {
+        parallelism: 3,
+        db_rate: fast(),
+        session: SessionConfig::new("recoverer", Processor::ShepherdRecoverer),
+    };
+    let run = tokio::spawn(runner::run(db.clone(), task, config, cancel.clone()));
+    for _ in 0..200 {
+        let failed = db
+            .read({
+                let id = ids["broken-bmc"];
+                move |tx| Box::pin(async move { tx.machine_backoffs(id).await })
+            })
+            .await
+            .unwrap();
+        if provider.reboots.lock().unwrap().len() >= 2 && !failed.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    cancel.cancel();
+    run.await.unwrap();
+
+    let mut rebooted = provider.reboots.lock().unwrap().clone();
+    rebooted.sort();
+    assert_eq!(rebooted, vec!["never-heartbeated", "went-silent"]);
+    for (name, cleared) in [
+        ("never-heartbeated", true),
+        ("went-silent", true),
+        ("healthy", false),
+        ("just-started", false),
+        ("broken-bmc", false),
+    ] {
+        let id = ids[name];
+        let (started, hb) = db
+            .read(move |tx| {
+                Box::pin(async move { Ok((tx.agent_started(id).await?, tx.heartbeat(id).await?)) })
+            })
+            .await
+            .unwrap();
+        assert_eq!(started.is_none(), cleared, "{name} agent tag");
+        if cleared {
+            assert!(hb.is_none(), "{name} heartbeat tag");
+        }
+    }
+    // The failed reboot is in backoff with its cause, and history says so.
+    let id = ids["broken-bmc"];
+    let (backoffs, history) = db
+        .read(move |tx| {
+            Box::pin(async move {
+                Ok((
+                    tx.machine_backoffs(id).await?,
+                    tx.machine_history(id).await?,
+                ))
+            })
+        })
+        .await
+        .unwrap();
+    assert_eq!(backoffs.len(), 1);
+    assert_eq!(
+        (backoffs[0].process, backoffs[0].last_interval_seconds),
+        (Process::ShepherdRecovery, 60)
+    );
+    assert!(
+        backoffs[0].cause.contains("BMC did not answer"),
+        "{}",
+        backoffs[0].cause
+    );
+    assert_eq!(history.last().unwrap().event, WorkEvent::Failed);
+    // All workers closed their sessions on cancellation.
+    let sessions = db
+        .read(|tx| Box::pin(async move { tx.sessions().await }))
+        .await
+        .unwrap();
+    assert!(sessions.is_empty(), "{sessions:?}");
+}
+
+shepherd_bmdb::conformance_tests!(
+    provisioner_stops_at_max,
+    failed_creations_do_not_stop_the_others,
+    discrepancy_means_no_action,
+    recoverer_reboots_silent_machines,
+);
