@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 use crate::limiter::{Limiter, RateSpec};
 use crate::provider::Provider;
 use crate::reconcile::{reconcile, Limits};
+use crate::runner::live_session;
 
 /// Provisioner settings (SPEC §17 defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,15 +107,12 @@ impl<P: Provider> Provisioner<P> {
                 _ = cancel.cancelled() => break,
                 _ = reconcile_limiter.wait() => {}
             }
-            let s = match session.take().filter(|s| !s.is_expired()) {
-                Some(s) => s,
-                None => match db.start_session(session_config.clone()).await {
-                    Ok(s) => s,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "provisioner cannot start a session");
-                        continue;
-                    }
-                },
+            let s = match live_session(&db, &session_config, session.take()).await {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(error = %e, "provisioner cannot start a session");
+                    continue;
+                }
             };
             tokio::select! {
                 _ = cancel.cancelled() => { session = Some(s); break }

@@ -75,6 +75,18 @@ pub async fn run<T: MachineTask>(
     }
 }
 
+/// The held session if it is still alive, else a new one (the old one expired).
+pub(crate) async fn live_session(
+    db: &Bmdb,
+    config: &SessionConfig,
+    held: Option<Session>,
+) -> Result<Session, BmdbError> {
+    match held.filter(|s| !s.is_expired()) {
+        Some(s) => Ok(s),
+        None => db.start_session(config.clone()).await,
+    }
+}
+
 /// Bounded, jittered delay after a loop error or a failed session start.
 fn error_delay(attempt: u32) -> Duration {
     let cap = Duration::from_millis(100)
@@ -98,17 +110,14 @@ async fn worker<T: MachineTask>(
             _ = cancel.cancelled() => break,
             _ = limiter.wait() => {}
         }
-        let s = match session.take().filter(|s| !s.is_expired()) {
-            Some(s) => s,
-            None => match db.start_session(session_config.clone()).await {
-                Ok(s) => s,
-                Err(e) => {
-                    errors += 1;
-                    tracing::warn!(worker = n, error = %e, "cannot start a session");
-                    tokio::select! { _ = cancel.cancelled() => break, _ = tokio::time::sleep(error_delay(errors)) => {} }
-                    continue;
-                }
-            },
+        let s = match live_session(&db, &session_config, session.take()).await {
+            Ok(s) => s,
+            Err(e) => {
+                errors += 1;
+                tracing::warn!(worker = n, error = %e, "cannot start a session");
+                tokio::select! { _ = cancel.cancelled() => break, _ = tokio::time::sleep(error_delay(errors)) => {} }
+                continue;
+            }
         };
         match s.work(task.process(), task.retrieval()).await {
             Ok(Claim::Work(mut work)) => {
