@@ -9,3 +9,4 @@ pub mod provisioner;
 pub mod reconcile;
 pub mod recoverer;
 pub mod runner;
+pub mod static_provider;
