@@ -70,9 +70,9 @@ mod tests {
         let mut r = Retry::new(&metrics, Processor::Unknown);
         assert!(r.on_error(Error::SessionExpired).await.is_err());
         let mut r = Retry::new(&metrics, Processor::Unknown);
-        let busy = || Error::Database(sqlx::Error::Protocol("busy".into()));
-        // Protocol errors are not retryable either.
-        assert!(r.on_error(busy()).await.is_err());
+        // A protocol error is not a serialization or lock error: not retried either.
+        let protocol = Error::Database(sqlx::Error::Protocol("unexpected message".into()));
+        assert!(r.on_error(protocol).await.is_err());
         assert_eq!(metrics.transactions_retried(Processor::Unknown), 0);
     }
 }
