@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs and starts everything the test suite needs on a fresh Debian machine, and checks
-# it is reachable. Safe to run repeatedly. Today: PostgreSQL on 127.0.0.1:5432 with trust
-# auth for local connections and a database named `test`.
+# it is reachable. Safe to run repeatedly: PostgreSQL on 127.0.0.1:5432 with trust auth for
+# local connections and a database named `test`; OpenSSH's sshd binary (the tests start their
+# own daemons on loopback ports; no system sshd is started or configured).
 set -euo pipefail
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
@@ -37,5 +38,18 @@ ensure_postgres() {
     done
 }
 
+ensure_sshd() {
+  if [ ! -x /usr/sbin/sshd ] || ! command -v ssh >/dev/null 2>&1 || ! command -v scp >/dev/null 2>&1; then
+    echo "test-deps: installing openssh-server and openssh-client"
+    as_root apt-get update -qq
+    # RUNLEVEL=1 keeps the package scripts from starting a system sshd on port 22.
+    as_root env DEBIAN_FRONTEND=noninteractive RUNLEVEL=1 apt-get install -y -qq openssh-server openssh-client >/dev/null
+  fi
+  # sshd refuses to start without its privilege separation directory.
+  as_root mkdir -p /run/sshd
+  /usr/sbin/sshd -V 2>&1 | head -n 1 | sed 's/^/test-deps: /' || true
+}
+
 ensure_postgres
+ensure_sshd
 echo "test-deps: ready"

@@ -1,0 +1,221 @@
+//! The SSH client against a real OpenSSH sshd on loopback.
+
+use std::os::unix::fs::PermissionsExt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use shepherd_ssh::testing::{random_key, Sshd};
+use shepherd_ssh::{parse_public_key, Auth, SshClient, SshConfig, SshError};
+
+fn client(key: &shepherd_ssh::PrivateKey) -> SshClient {
+    let mut config = SshConfig::new(Auth::Key(Arc::new(key.clone())));
+    config.user = whoami();
+    config.connect_timeout = Duration::from_secs(5);
+    SshClient::new(config)
+}
+
+fn whoami() -> String {
+    let out = std::process::Command::new("id")
+        .arg("-un")
+        .output()
+        .unwrap();
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+#[tokio::test]
+async fn exec_upload_and_host_key() {
+    let key = random_key();
+    let sshd = Sshd::start(&[key.public_key()]);
+    let ssh = client(&key);
+    let session = ssh.connect(&sshd.addr(), None).await.unwrap();
+    assert_eq!(session.host_key(), sshd.host_key());
+
+    let out = session
+        .exec(
+            "cat; echo err >&2; exit 3",
+            b"from stdin",
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, b"from stdin");
+    assert_eq!(out.stderr, b"err\n");
+    assert_eq!(out.exit_status, Some(3));
+    assert!(!out.truncated);
+
+    let target = sshd.dir().join("agent");
+    let payload: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+    session
+        .upload(target.to_str().unwrap(), &payload, 0o755)
+        .await
+        .unwrap();
+    assert_eq!(std::fs::read(&target).unwrap(), payload);
+    let mode = std::fs::metadata(&target).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o755);
+    // Uploading again replaces the file; no temporary files are left behind.
+    session
+        .upload(target.to_str().unwrap(), b"#!/bin/sh\necho v2\n", 0o755)
+        .await
+        .unwrap();
+    let out = session
+        .exec(target.to_str().unwrap(), b"", Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, b"v2\n");
+    let leftovers: Vec<_> = std::fs::read_dir(sshd.dir())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains(".upload-"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    session.close().await;
+}
+
+#[tokio::test]
+async fn stdout_is_bounded() {
+    let key = random_key();
+    let sshd = Sshd::start(&[key.public_key()]);
+    let mut config = SshConfig::new(Auth::Key(Arc::new(key.clone())));
+    config.user = whoami();
+    config.max_stdout = 1000;
+    let session = SshClient::new(config)
+        .connect(&sshd.addr(), None)
+        .await
+        .unwrap();
+    let out = session
+        .exec("head -c 5000000 /dev/zero", b"", Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert_eq!(out.stdout.len(), 1000);
+    assert!(out.truncated);
+    assert_eq!(out.exit_status, Some(0));
+}
+
+#[tokio::test]
+async fn pinned_host_key_must_match() {
+    let key = random_key();
+    let mut sshd = Sshd::start(&[key.public_key()]);
+    let ssh = client(&key);
+    let pinned = parse_public_key(&sshd.host_key()).unwrap();
+    ssh.connect(&sshd.addr(), Some(&pinned))
+        .await
+        .unwrap()
+        .close()
+        .await;
+
+    sshd.change_host_key();
+    let err = match ssh.connect(&sshd.addr(), Some(&pinned)).await {
+        Err(e) => e,
+        Ok(_) => panic!("connected despite a changed host key"),
+    };
+    match &err {
+        SshError::HostKeyMismatch {
+            pinned: p,
+            presented,
+        } => {
+            assert_eq!(p, &pinned.to_openssh().unwrap());
+            assert_eq!(presented, &sshd.host_key());
+        }
+        other => panic!("want a host key mismatch, got {other}"),
+    }
+    assert!(err.to_string().contains("host key mismatch"), "{err}");
+}
+
+#[tokio::test]
+async fn unknown_client_key_is_rejected() {
+    let trusted = random_key();
+    let sshd = Sshd::start(&[trusted.public_key()]);
+    let stranger = random_key();
+    match client(&stranger).connect(&sshd.addr(), None).await {
+        Err(SshError::AuthRejected { .. }) => {}
+        Err(other) => panic!("want AuthRejected, got {other}"),
+        Ok(_) => panic!("a stranger's key was accepted"),
+    }
+}
+
+#[tokio::test]
+async fn exec_timeout_closes_the_channel() {
+    let key = random_key();
+    let sshd = Sshd::start(&[key.public_key()]);
+    let session = client(&key).connect(&sshd.addr(), None).await.unwrap();
+    let marker = sshd.dir().join("still-running");
+    let cmd = format!("sleep 30; touch {}", marker.display());
+    let started = Instant::now();
+    let err = session
+        .exec(&cmd, b"", Duration::from_millis(500))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, SshError::ExecTimeout { .. }), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    // The connection stays usable after a timed-out command.
+    let out = session
+        .exec("echo ok", b"", Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, b"ok\n");
+    session.close().await;
+}
+
+#[tokio::test]
+async fn connect_failures_are_told_apart() {
+    let key = random_key();
+    // Nothing listens: connection refused.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    match client(&key)
+        .connect(&format!("127.0.0.1:{port}"), None)
+        .await
+    {
+        Err(SshError::Connect { .. }) => {}
+        Err(other) => panic!("want Connect, got {other}"),
+        Ok(_) => panic!("connected to nothing"),
+    }
+    // Something accepts TCP but never speaks SSH: the connect timeout fires.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = silent.local_addr().unwrap().to_string();
+    let _hold = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = silent.accept().await {
+            held.push(s);
+        }
+    });
+    let mut config = SshConfig::new(Auth::Key(Arc::new(key)));
+    config.connect_timeout = Duration::from_millis(300);
+    match SshClient::new(config).connect(&addr, None).await {
+        Err(SshError::ConnectTimeout { after, .. }) => {
+            assert_eq!(after, Duration::from_millis(300))
+        }
+        Err(other) => panic!("want ConnectTimeout, got {other}"),
+        Ok(_) => panic!("connected to a silent listener"),
+    }
+}
+
+#[tokio::test]
+async fn handshake_bursts_beyond_the_cap_all_succeed() {
+    let key = random_key();
+    let sshd = Sshd::start(&[key.public_key()]);
+    let mut config = SshConfig::new(Auth::Key(Arc::new(key.clone())));
+    config.user = whoami();
+    config.max_handshakes = 4;
+    config.connect_timeout = Duration::from_secs(20);
+    let ssh = Arc::new(SshClient::new(config));
+    let tasks: Vec<_> = (0..24)
+        .map(|i| {
+            let (ssh, addr) = (ssh.clone(), sshd.addr());
+            tokio::spawn(async move {
+                let s = ssh.connect(&addr, None).await?;
+                let out = s
+                    .exec(&format!("echo {i}"), b"", Duration::from_secs(20))
+                    .await?;
+                s.close().await;
+                Ok::<_, SshError>(out.stdout)
+            })
+        })
+        .collect();
+    for (i, t) in tasks.into_iter().enumerate() {
+        assert_eq!(t.await.unwrap().unwrap(), format!("{i}\n").into_bytes());
+    }
+}

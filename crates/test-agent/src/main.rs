@@ -1,0 +1,99 @@
+//! The test agent (SPEC §13): reads a `TakeoverInit` from stdin, answers a `TakeoverResponse`
+//! carrying the init echoed and a fresh random 32-byte key, and exits.
+//!
+//! `--misbehave MODE` makes it a broken agent, so tests can check that the Initializer refuses
+//! each kind of bad answer: `garbage` (not protobuf), `error` (an error response), `wrong-echo`
+//! (echoes a different init), `short-key` (a 16-byte key), `hang` (never answers), `exit-1`
+//! (fails without output).
+
+use std::io::{Read, Write};
+use std::process::ExitCode;
+
+use shepherd_proto::agent::{
+    takeover_response, TakeoverError, TakeoverInit, TakeoverResponse, TakeoverSuccess,
+};
+use shepherd_proto::Message;
+
+/// Largest init message read from stdin; real ones are a few KiB (a CA certificate at most).
+const MAX_INIT_LEN: u64 = 1 << 20;
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mode = match args.as_slice() {
+        [] => None,
+        [flag, mode] if flag == "--misbehave" => Some(mode.as_str()),
+        _ => {
+            eprintln!("usage: shepherd-test-agent [--misbehave garbage|error|wrong-echo|short-key|hang|exit-1]");
+            return ExitCode::from(2);
+        }
+    };
+    let mut raw = Vec::new();
+    if let Err(e) = std::io::stdin().take(MAX_INIT_LEN).read_to_end(&mut raw) {
+        eprintln!("reading stdin: {e}");
+        return ExitCode::from(1);
+    }
+    let response = match mode {
+        Some("garbage") => return write(b"this is not a protobuf message\xff\xff\xff"),
+        Some("hang") => loop {
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        },
+        Some("exit-1") => {
+            eprintln!("test agent: failing on purpose");
+            return ExitCode::from(1);
+        }
+        Some("error") => error("test agent: refusing on purpose"),
+        Some(other @ ("wrong-echo" | "short-key")) => match TakeoverInit::decode(raw.as_slice()) {
+            Ok(mut init) => {
+                let key_len = if other == "short-key" { 16 } else { 32 };
+                if other == "wrong-echo" {
+                    init.machine_id.push_str("-tampered");
+                }
+                success(init, key_len)
+            }
+            Err(e) => error(&format!("decoding TakeoverInit: {e}")),
+        },
+        Some(other) => {
+            eprintln!("unknown misbehaviour {other:?}");
+            return ExitCode::from(2);
+        }
+        None => match TakeoverInit::decode(raw.as_slice()) {
+            Ok(init) if init.bmaas_endpoint.is_empty() => {
+                error("no BMaaS endpoint in TakeoverInit")
+            }
+            Ok(init) => success(init, 32),
+            Err(e) => error(&format!("decoding TakeoverInit: {e}")),
+        },
+    };
+    write(&response.encode_to_vec())
+}
+
+fn success(init: TakeoverInit, key_len: usize) -> TakeoverResponse {
+    let mut key = vec![0u8; key_len];
+    rand::fill(key.as_mut_slice());
+    TakeoverResponse {
+        result: Some(takeover_response::Result::Success(TakeoverSuccess {
+            init_message: Some(init),
+            key,
+            warning: vec!["test agent: no background agent started".into()],
+        })),
+    }
+}
+
+fn error(message: &str) -> TakeoverResponse {
+    TakeoverResponse {
+        result: Some(takeover_response::Result::Error(TakeoverError {
+            message: message.into(),
+        })),
+    }
+}
+
+fn write(bytes: &[u8]) -> ExitCode {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(bytes).and_then(|_| out.flush()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("writing stdout: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
