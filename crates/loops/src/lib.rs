@@ -2,6 +2,7 @@
 //! generic loop runner with the recoverer on top, and the rate limiter they share
 //! (SPEC §6–§10).
 
+pub mod initializer;
 pub mod limiter;
 pub mod penalty;
 pub mod provider;
@@ -10,3 +11,6 @@ pub mod reconcile;
 pub mod recoverer;
 pub mod runner;
 pub mod static_provider;
+#[cfg(feature = "testing")]
+pub mod testing;
+pub mod transport;

@@ -104,6 +104,7 @@ impl<P: Provider> Provisioner<P> {
         let mut session: Option<Session> = None;
         loop {
             tokio::select! {
+                biased;
                 _ = cancel.cancelled() => break,
                 _ = reconcile_limiter.wait() => {}
             }

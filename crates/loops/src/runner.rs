@@ -107,6 +107,7 @@ async fn worker<T: MachineTask>(
     let mut errors = 0u32;
     loop {
         tokio::select! {
+            biased; // a cancelled loop must not claim more work
             _ = cancel.cancelled() => break,
             _ = limiter.wait() => {}
         }

@@ -3,7 +3,7 @@
 //!
 //! `--misbehave MODE` makes it a broken agent, so tests can check that the Initializer refuses
 //! each kind of bad answer: `garbage` (not protobuf), `error` (an error response), `wrong-echo`
-//! (echoes a different init), `short-key` (a 16-byte key), `hang` (never answers), `exit-1`
+//! (echoes a different init), `short-key` (a 16-byte key), `hang` (answers nothing for a minute), `exit-1`
 //! (fails without output).
 
 use std::io::{Read, Write};
@@ -34,9 +34,11 @@ fn main() -> ExitCode {
     }
     let response = match mode {
         Some("garbage") => return write(b"this is not a protobuf message\xff\xff\xff"),
-        Some("hang") => loop {
-            std::thread::sleep(std::time::Duration::from_secs(3600));
-        },
+        Some("hang") => {
+            // Longer than any test's exec timeout, short enough not to pile up orphans.
+            std::thread::sleep(std::time::Duration::from_secs(60));
+            return ExitCode::from(1);
+        }
         Some("exit-1") => {
             eprintln!("test agent: failing on purpose");
             return ExitCode::from(1);

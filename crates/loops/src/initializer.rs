@@ -1,0 +1,349 @@
+//! The Initializer (SPEC §8): takes over newly provided machines by starting the agent on them
+//! and records the agent's key, pinning the machine's SSH host key on first success.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use async_trait::async_trait;
+use shepherd_bmdb::{Backoff, Process, Processor, Retrieval, Session, AGENT_KEY_LEN};
+use shepherd_proto::agent::{takeover_response, TakeoverInit, TakeoverResponse};
+use shepherd_proto::Message;
+use uuid::Uuid;
+
+use crate::provider::Provider;
+use crate::runner::{Commit, MachineTask};
+use crate::transport::{AgentRun, Transport};
+
+/// Most stderr shown in logs per takeover.
+const MAX_LOGGED_STDERR: usize = 2048;
+
+/// Initializer settings (SPEC §17 defaults where there are any).
+#[derive(Clone)]
+pub struct InitializerConfig {
+    /// The agent executable uploaded to each machine.
+    pub agent: Arc<Vec<u8>>,
+    /// Where it goes on the machine (`/root/agent`).
+    pub target_path: String,
+    /// The BMaaS endpoint agents heartbeat to (required).
+    pub bmaas_endpoint: String,
+    /// DER of the CA that signs the BMaaS server's certificate, if not a public one.
+    pub ca_certificate: Option<Vec<u8>>,
+    /// Bound on connect + upload + run (60 s).
+    pub exec_timeout: Duration,
+    /// Backoff after a failed takeover (5 min → 4 h, ×1.2).
+    pub backoff: Backoff,
+}
+
+impl std::fmt::Debug for InitializerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InitializerConfig")
+            .field("agent_bytes", &self.agent.len())
+            .field("target_path", &self.target_path)
+            .field("bmaas_endpoint", &self.bmaas_endpoint)
+            .field("exec_timeout", &self.exec_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl InitializerConfig {
+    /// Upstream's defaults for everything but the agent and the endpoint.
+    pub fn new(agent: Vec<u8>, bmaas_endpoint: impl Into<String>) -> Self {
+        InitializerConfig {
+            agent: Arc::new(agent),
+            target_path: "/root/agent".into(),
+            bmaas_endpoint: bmaas_endpoint.into(),
+            ca_certificate: None,
+            exec_timeout: Duration::from_secs(60),
+            backoff: Backoff::exponential(
+                Duration::from_secs(5 * 60),
+                Duration::from_secs(4 * 3600),
+                1.2,
+            ),
+        }
+    }
+
+    /// The start-up checks of SPEC §8; the message names the bad setting.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.agent.is_empty() {
+            bail!("agent executable: is empty");
+        }
+        if !self.target_path.starts_with('/') {
+            bail!(
+                "agent target path: {:?} is not an absolute path",
+                self.target_path
+            );
+        }
+        if self.bmaas_endpoint.trim().is_empty() {
+            bail!("BMaaS endpoint: is required");
+        }
+        if self.exec_timeout.is_zero() {
+            bail!("SSH exec timeout: must be more than zero");
+        }
+        Ok(())
+    }
+}
+
+/// The initializer for one provider.
+pub struct Initializer<P: Provider> {
+    provider: Arc<P>,
+    transport: Arc<dyn Transport>,
+    config: InitializerConfig,
+}
+
+impl<P: Provider> Initializer<P> {
+    /// An initializer; fails if the configuration does not pass [`InitializerConfig::validate`].
+    pub fn new(
+        provider: Arc<P>,
+        transport: Arc<dyn Transport>,
+        config: InitializerConfig,
+    ) -> anyhow::Result<Self> {
+        config.validate()?;
+        Ok(Initializer {
+            provider,
+            transport,
+            config,
+        })
+    }
+}
+
+/// Checks the agent's answer: a success that echoes `sent` and carries an ed25519 public key.
+pub fn verify_response(sent: &TakeoverInit, stdout: &[u8]) -> anyhow::Result<Vec<u8>> {
+    let response =
+        TakeoverResponse::decode(stdout).context("agent response is not a TakeoverResponse")?;
+    match response.result {
+        None => bail!("agent response carries neither success nor error"),
+        Some(takeover_response::Result::Error(e)) => {
+            bail!("agent reported an error: {}", e.message)
+        }
+        Some(takeover_response::Result::Success(ok)) => {
+            if ok.init_message.as_ref() != Some(sent) {
+                bail!("agent echoed a different TakeoverInit than it was sent");
+            }
+            if ok.key.len() != AGENT_KEY_LEN {
+                bail!(
+                    "agent key is {} bytes, want a {AGENT_KEY_LEN}-byte ed25519 public key",
+                    ok.key.len()
+                );
+            }
+            for w in &ok.warning {
+                tracing::warn!(warning = %w, "agent warning");
+            }
+            Ok(ok.key)
+        }
+    }
+}
+
+fn trimmed_stderr(stderr: &[u8]) -> String {
+    let text = String::from_utf8_lossy(stderr);
+    let text = text.trim();
+    match text.char_indices().nth(MAX_LOGGED_STDERR) {
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+        None => text.to_string(),
+    }
+}
+
+#[async_trait]
+impl<P: Provider + 'static> MachineTask for Initializer<P> {
+    fn process(&self) -> Process {
+        Process::ShepherdAgentStart
+    }
+
+    fn processor(&self) -> Processor {
+        Processor::ShepherdInitializer
+    }
+
+    fn retrieval(&self) -> Retrieval {
+        Retrieval::AgentStart {
+            provider: self.provider.kind(),
+        }
+    }
+
+    fn backoff(&self) -> Backoff {
+        self.config.backoff
+    }
+
+    async fn process_machine(&self, session: &Session, machine: Uuid) -> anyhow::Result<Commit> {
+        let (provided, pinned) = session
+            .transact(move |tx| {
+                Box::pin(async move {
+                    Ok((tx.provided(machine).await?, tx.ssh_host_key(machine).await?))
+                })
+            })
+            .await?;
+        let provided = provided.context("machine has no provided tag")?;
+        let at_provider = self
+            .provider
+            .get_machine(&provided.provider_id)
+            .await
+            .with_context(|| format!("looking up {} at the provider", provided.provider_id))?;
+        let addr = at_provider
+            .addr
+            .filter(|a| !a.is_empty())
+            .context("the provider has no address for this machine")?;
+
+        let init = TakeoverInit {
+            machine_id: machine.to_string(),
+            bmaas_endpoint: self.config.bmaas_endpoint.clone(),
+            ca_certificate: self.config.ca_certificate.clone().unwrap_or_default(),
+        };
+        let stdin = init.encode_to_vec();
+        let output = self
+            .transport
+            .run_agent(AgentRun {
+                addr: &addr,
+                pinned_host_key: pinned.as_ref().map(|p| p.key.as_str()),
+                agent: &self.config.agent,
+                target_path: &self.config.target_path,
+                stdin: &stdin,
+                timeout: self.config.exec_timeout,
+            })
+            .await?;
+        let stderr = trimmed_stderr(&output.stderr);
+        if !stderr.is_empty() {
+            tracing::info!(%addr, stderr = %stderr, "agent stderr");
+        }
+        let key = verify_response(&init, &output.stdout).map_err(|e| match output.exit_status {
+            Some(0) | None => e,
+            Some(status) => e.context(format!("agent exited with status {status}")),
+        })?;
+        tracing::info!(%addr, "agent started");
+
+        let host_key = output.host_key;
+        Ok(Box::new(move |tx| {
+            let (key, host_key) = (key.clone(), host_key.clone());
+            Box::pin(async move {
+                if !host_key.is_empty() {
+                    let pinned = tx.pin_ssh_host_key(machine, &host_key).await?;
+                    if pinned.key != host_key {
+                        return Err(shepherd_bmdb::Error::InvalidValue(format!(
+                            "host key mismatch: {host_key} presented, {} pinned meanwhile",
+                            pinned.key
+                        )));
+                    }
+                }
+                tx.set_agent_started(machine, &key).await
+            })
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shepherd_proto::agent::{TakeoverError, TakeoverSuccess};
+
+    fn init() -> TakeoverInit {
+        TakeoverInit {
+            machine_id: "m".into(),
+            bmaas_endpoint: "bmaas:443".into(),
+            ca_certificate: vec![1, 2],
+        }
+    }
+
+    fn success(init: Option<TakeoverInit>, key_len: usize) -> Vec<u8> {
+        TakeoverResponse {
+            result: Some(takeover_response::Result::Success(TakeoverSuccess {
+                init_message: init,
+                key: vec![7; key_len],
+                warning: vec![],
+            })),
+        }
+        .encode_to_vec()
+    }
+
+    #[test]
+    fn responses_are_verified() {
+        assert_eq!(
+            verify_response(&init(), &success(Some(init()), 32)).unwrap(),
+            vec![7; 32]
+        );
+        let cases: Vec<(Vec<u8>, &str)> = vec![
+            (b"garbage\xff\xff".to_vec(), "not a TakeoverResponse"),
+            (Vec::new(), "neither success nor error"),
+            (
+                TakeoverResponse {
+                    result: Some(takeover_response::Result::Error(TakeoverError {
+                        message: "disk on fire".into(),
+                    })),
+                }
+                .encode_to_vec(),
+                "agent reported an error: disk on fire",
+            ),
+            (success(None, 32), "different TakeoverInit"),
+            (
+                success(
+                    Some(TakeoverInit {
+                        machine_id: "other".into(),
+                        ..init()
+                    }),
+                    32,
+                ),
+                "different TakeoverInit",
+            ),
+            (success(Some(init()), 31), "31 bytes"),
+            (success(Some(init()), 0), "0 bytes"),
+        ];
+        for (stdout, want) in cases {
+            let err = format!("{:#}", verify_response(&init(), &stdout).unwrap_err());
+            assert!(err.contains(want), "want {want:?} in {err:?}");
+        }
+    }
+
+    #[test]
+    fn config_is_checked() {
+        let ok = InitializerConfig::new(vec![1], "bmaas:443");
+        ok.validate().unwrap();
+        let cases = [
+            (
+                InitializerConfig {
+                    agent: Arc::new(vec![]),
+                    ..ok.clone()
+                },
+                "agent executable",
+            ),
+            (
+                InitializerConfig {
+                    target_path: "agent".into(),
+                    ..ok.clone()
+                },
+                "target path",
+            ),
+            (
+                InitializerConfig {
+                    bmaas_endpoint: " ".into(),
+                    ..ok.clone()
+                },
+                "BMaaS endpoint",
+            ),
+            (
+                InitializerConfig {
+                    exec_timeout: Duration::ZERO,
+                    ..ok.clone()
+                },
+                "exec timeout",
+            ),
+        ];
+        for (config, want) in cases {
+            let err = config.validate().unwrap_err().to_string();
+            assert!(err.contains(want), "want {want:?} in {err:?}");
+        }
+    }
+
+    #[test]
+    fn default_backoff_is_upstreams() {
+        let b = InitializerConfig::new(vec![1], "x").backoff;
+        assert_eq!(
+            b,
+            Backoff::exponential(Duration::from_secs(300), Duration::from_secs(14400), 1.2)
+        );
+    }
+
+    #[test]
+    fn logged_stderr_is_trimmed_and_bounded() {
+        assert_eq!(trimmed_stderr(b"  hi\n"), "hi");
+        let long = "é".repeat(5000);
+        let t = trimmed_stderr(long.as_bytes());
+        assert_eq!(t.chars().count(), MAX_LOGGED_STDERR + 1);
+    }
+}
