@@ -10,6 +10,7 @@ pub mod provisioner;
 pub mod reconcile;
 pub mod recoverer;
 pub mod runner;
+pub mod sim;
 pub mod static_provider;
 #[cfg(feature = "testing")]
 pub mod testing;

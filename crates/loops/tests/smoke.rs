@@ -1,4 +1,4 @@
-//! Provisioner and recoverer against a dummy provider, on both BMDB backends.
+//! Provisioner, initializer and recoverer against a dummy provider, on both BMDB backends.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use shepherd_bmdb::*;
+use shepherd_loops::initializer::{Initializer, InitializerConfig};
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::provider::{
     record_new_machine, Availability, Provider as ProviderTrait, ProviderError, ProviderMachine,
@@ -15,6 +16,8 @@ use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
 use shepherd_loops::reconcile::Limits;
 use shepherd_loops::recoverer::Recoverer;
 use shepherd_loops::runner::{self, RunnerConfig};
+use shepherd_loops::testing::test_agent_path;
+use shepherd_loops::transport::{AgentOutput, AgentRun, Transport};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -370,8 +373,119 @@ async fn recoverer_reboots_silent_machines(db: Bmdb) {
     assert!(sessions.is_empty(), "{sessions:?}");
 }
 
+/// Runs the agent as a local process instead of over SSH (the SSH path has its own tests
+/// against a real sshd); the agent itself is the real test agent.
+struct LocalTransport;
+
+#[async_trait]
+impl Transport for LocalTransport {
+    async fn run_agent(&self, run: AgentRun<'_>) -> anyhow::Result<AgentOutput> {
+        use tokio::io::AsyncWriteExt;
+        let mut child = tokio::process::Command::new(test_agent_path())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()?;
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(run.stdin).await?;
+        drop(stdin);
+        let out = child.wait_with_output().await?;
+        Ok(AgentOutput {
+            host_key: String::new(),
+            exit_status: out.status.code().map(|c| c as u32),
+            stdout: out.stdout,
+            stderr: out.stderr,
+        })
+    }
+}
+
+async fn initializer_starts_the_agent_on_all_provided(db: Bmdb) {
+    let provider = Arc::new(Dummy::with_capacity(100));
+    let config = ProvisionerConfig {
+        limits: Limits {
+            max_machines: 10,
+            chunk_size: 4,
+        },
+        reconcile_rate: fast(),
+        creation_rate: fast(),
+    };
+    let p = Provisioner::new(provider.clone(), config);
+    let s = db
+        .start_session(SessionConfig::new(
+            "provisioner",
+            Processor::ShepherdProvisioner,
+        ))
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        p.iterate(&s).await.unwrap();
+    }
+    s.close().await.unwrap();
+
+    let init = Initializer::new(
+        provider.clone(),
+        Arc::new(LocalTransport),
+        InitializerConfig::new(vec![0x7f], "bmaas.example:443"),
+    )
+    .unwrap();
+    let cancel = CancellationToken::new();
+    let run = tokio::spawn(runner::run(
+        db.clone(),
+        Arc::new(init),
+        RunnerConfig {
+            parallelism: 3,
+            db_rate: fast(),
+            session: SessionConfig::new("initializer", Processor::ShepherdInitializer),
+        },
+        cancel.clone(),
+    ));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let machines = loop {
+        let started = db
+            .read(|tx| {
+                Box::pin(async move {
+                    let mut started = Vec::new();
+                    for (id, _) in tx.provided_by(Provider::None).await? {
+                        if let Some(a) = tx.agent_started(id).await? {
+                            started.push((id, a.public_key));
+                        }
+                    }
+                    Ok(started)
+                })
+            })
+            .await
+            .unwrap();
+        if started.len() == 10 {
+            break started;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "only {} started",
+            started.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    cancel.cancel();
+    run.await.unwrap();
+    let keys: BTreeSet<_> = machines.iter().map(|(_, k)| k.clone()).collect();
+    assert_eq!(keys.len(), 10, "every agent has its own key");
+    for (id, _) in machines {
+        let history = db
+            .read(move |tx| Box::pin(async move { tx.machine_history(id).await }))
+            .await
+            .unwrap();
+        let events: Vec<_> = history.iter().map(|h| h.event).collect();
+        assert_eq!(
+            events,
+            vec![WorkEvent::Started, WorkEvent::Finished],
+            "{id}"
+        );
+    }
+}
+
 shepherd_bmdb::conformance_tests!(
     provisioner_stops_at_max,
+    initializer_starts_the_agent_on_all_provided,
     failed_creations_do_not_stop_the_others,
     discrepancy_means_no_action,
     recoverer_reboots_silent_machines,

@@ -1,0 +1,419 @@
+//! A simulated fleet (SPEC §6 "sim"): in-process machines with addresses, host keys and an
+//! agent that answers the takeover protocol, reboots, heartbeats written the way the BMaaS
+//! server would write them, and knobs to inject failures. Used by `shepherd demo`, benchmarks
+//! and multi-replica tests; nothing leaves the process.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use async_trait::async_trait;
+use rand::Rng;
+use shepherd_bmdb::{Bmdb, Processor, Provider as ProviderKind, Session, SessionConfig};
+use shepherd_proto::agent::{takeover_response, TakeoverInit, TakeoverResponse, TakeoverSuccess};
+use shepherd_proto::Message;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::provider::{
+    record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Recoverer,
+};
+use crate::runner::live_session;
+use crate::transport::{AgentOutput, AgentRun, Transport};
+
+/// Failure injection and timing of the simulated fleet. Rates are probabilities per attempt.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SimKnobs {
+    /// An SSH connection is refused.
+    pub connect_failure: f64,
+    /// The agent answers garbage instead of a TakeoverResponse.
+    pub bad_agent: f64,
+    /// The agent starts but never heartbeats (until the machine is rebooted and retaken).
+    pub silent_agent: f64,
+    /// A machine creation fails at the provider.
+    pub create_failure: f64,
+    /// Time a takeover takes (connect, upload, run), ±50 % jitter.
+    pub takeover_time: Duration,
+    /// Time a reboot takes.
+    pub reboot_time: Duration,
+    /// How often running agents heartbeat.
+    pub heartbeat_interval: Duration,
+}
+
+impl Default for SimKnobs {
+    fn default() -> Self {
+        SimKnobs {
+            connect_failure: 0.0,
+            bad_agent: 0.0,
+            silent_agent: 0.0,
+            create_failure: 0.0,
+            takeover_time: Duration::from_millis(50),
+            reboot_time: Duration::from_millis(100),
+            heartbeat_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+impl SimKnobs {
+    /// Checks that rates are probabilities.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        for (name, rate) in [
+            ("sim connect failure rate", self.connect_failure),
+            ("sim bad agent rate", self.bad_agent),
+            ("sim silent agent rate", self.silent_agent),
+            ("sim create failure rate", self.create_failure),
+        ] {
+            if !(0.0..=1.0).contains(&rate) {
+                bail!("{name}: {rate} is not between 0 and 1");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What the simulation did, for summaries and tests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SimCounters {
+    /// Takeovers attempted.
+    pub takeovers: u64,
+    /// Takeovers that started an agent.
+    pub agents_started: u64,
+    /// Injected connection failures.
+    pub connect_failures: u64,
+    /// Injected garbage answers.
+    pub bad_agents: u64,
+    /// Reboots.
+    pub reboots: u64,
+    /// Heartbeats written.
+    pub heartbeats: u64,
+}
+
+#[derive(Debug, Clone)]
+struct SimAgent {
+    machine_id: Uuid,
+    key: Vec<u8>,
+    silent: bool,
+}
+
+#[derive(Debug, Clone)]
+struct SimMachine {
+    id: String,
+    addr: String,
+    used: bool,
+    host_key: String,
+    agent: Option<SimAgent>,
+}
+
+struct State {
+    machines: Vec<SimMachine>,
+    by_id: HashMap<String, usize>,
+    by_addr: HashMap<String, usize>,
+    counters: SimCounters,
+}
+
+/// The simulated fleet: a provider, a recoverer and a transport in one.
+pub struct SimFleet {
+    state: Mutex<State>,
+    knobs: SimKnobs,
+}
+
+fn fake_host_key() -> String {
+    // Shaped like an OpenSSH ed25519 key line; the sim compares it as a string only.
+    let mut raw = [0u8; 32];
+    rand::fill(&mut raw);
+    let hex: String = raw.iter().map(|b| format!("{b:02x}")).collect();
+    format!("ssh-ed25519 SIM{hex}")
+}
+
+impl SimFleet {
+    /// A fleet of `n` unused machines `sim-00000`… at addresses `10.a.b.c`.
+    pub fn new(n: usize, knobs: SimKnobs) -> anyhow::Result<Self> {
+        knobs.validate()?;
+        if n >= 1 << 24 {
+            bail!("sim machines: {n} is more than the simulated 10.0.0.0/8 holds");
+        }
+        let machines: Vec<SimMachine> = (0..n)
+            .map(|i| SimMachine {
+                id: format!("sim-{i:05}"),
+                addr: format!("10.{}.{}.{}:22", i >> 16, (i >> 8) & 255, i & 255),
+                used: false,
+                host_key: fake_host_key(),
+                agent: None,
+            })
+            .collect();
+        let by_id = machines
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (m.id.clone(), i))
+            .collect();
+        let by_addr = machines
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (m.addr.clone(), i))
+            .collect();
+        Ok(SimFleet {
+            state: Mutex::new(State {
+                machines,
+                by_id,
+                by_addr,
+                counters: SimCounters::default(),
+            }),
+            knobs,
+        })
+    }
+
+    /// What happened so far.
+    pub fn counters(&self) -> SimCounters {
+        self.state.lock().unwrap().counters
+    }
+
+    /// Gives the machine a new host key, as a reinstall would.
+    pub fn change_host_key(&self, provider_id: &str) {
+        let mut s = self.state.lock().unwrap();
+        if let Some(&i) = s.by_id.get(provider_id) {
+            s.machines[i].host_key = fake_host_key();
+        }
+    }
+
+    fn view(m: &SimMachine) -> ProviderMachine {
+        ProviderMachine::new(
+            m.id.clone(),
+            Some(m.addr.clone()),
+            if m.used {
+                Availability::KnownUsed
+            } else {
+                Availability::KnownUnused
+            },
+        )
+    }
+
+    /// Runs the simulated agents until `cancel`: every heartbeat interval, writes a heartbeat
+    /// for each running, non-silent agent whose key the BMDB knows for its machine (as the
+    /// BMaaS server authorizes heartbeats), all in one transaction.
+    pub async fn run_agents(self: Arc<Self>, db: Bmdb, cancel: CancellationToken) {
+        let config = SessionConfig::new("sim-agents", Processor::Bmsrv);
+        let mut session: Option<Session> = None;
+        let mut tick = tokio::time::interval(self.knobs.heartbeat_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                biased;
+                _ = cancel.cancelled() => break,
+                _ = tick.tick() => {}
+            }
+            let agents: Vec<(Uuid, Vec<u8>)> = {
+                let s = self.state.lock().unwrap();
+                s.machines
+                    .iter()
+                    .filter_map(|m| m.agent.as_ref())
+                    .filter(|a| !a.silent)
+                    .map(|a| (a.machine_id, a.key.clone()))
+                    .collect()
+            };
+            if agents.is_empty() {
+                continue;
+            }
+            let s = match live_session(&db, &config, session.take()).await {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(error = %e, "sim agents cannot start a session");
+                    continue;
+                }
+            };
+            let written = s
+                .transact(move |tx| {
+                    let agents = agents.clone();
+                    Box::pin(async move {
+                        let mut n = 0u64;
+                        for (machine, key) in agents {
+                            if tx.agent_key_matches(machine, &key).await? {
+                                tx.set_heartbeat(machine).await?;
+                                n += 1;
+                            }
+                        }
+                        Ok(n)
+                    })
+                })
+                .await;
+            match written {
+                Ok(n) => self.state.lock().unwrap().counters.heartbeats += n,
+                Err(e) => tracing::warn!(error = %e, "sim heartbeats failed"),
+            }
+            session = Some(s);
+        }
+        if let Some(s) = session {
+            let _ = s.close().await;
+        }
+    }
+
+    fn roll(&self, p: f64) -> bool {
+        p > 0.0 && rand::rng().random_bool(p)
+    }
+}
+
+#[async_trait]
+impl Provider for SimFleet {
+    fn kind(&self) -> ProviderKind {
+        ProviderKind::Sim
+    }
+
+    async fn list_machines(&self) -> Result<Vec<ProviderMachine>, ProviderError> {
+        Ok(self
+            .state
+            .lock()
+            .unwrap()
+            .machines
+            .iter()
+            .map(Self::view)
+            .collect())
+    }
+
+    async fn get_machine(&self, id: &str) -> Result<ProviderMachine, ProviderError> {
+        let s = self.state.lock().unwrap();
+        let i = *s
+            .by_id
+            .get(id)
+            .ok_or_else(|| ProviderError::NotFound(id.into()))?;
+        Ok(Self::view(&s.machines[i]))
+    }
+
+    async fn create_machine(
+        &self,
+        session: &Session,
+        unused: &ProviderMachine,
+    ) -> Result<Uuid, ProviderError> {
+        let id = unused
+            .valid_id()
+            .context("unused machine without an id")?
+            .to_string();
+        if self.roll(self.knobs.create_failure) {
+            return Err(anyhow::anyhow!("simulated provider error creating {id}").into());
+        }
+        let view = {
+            let mut s = self.state.lock().unwrap();
+            let i = *s
+                .by_id
+                .get(&id)
+                .ok_or_else(|| ProviderError::NotFound(id.clone()))?;
+            s.machines[i].used = true;
+            Self::view(&s.machines[i])
+        };
+        Ok(record_new_machine(session, ProviderKind::Sim, &view).await?)
+    }
+}
+
+#[async_trait]
+impl Recoverer for SimFleet {
+    async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
+        let id = machine.valid_id().context("machine without an id")?;
+        {
+            let mut s = self.state.lock().unwrap();
+            let i = *s
+                .by_id
+                .get(id)
+                .ok_or_else(|| ProviderError::NotFound(id.into()))?;
+            s.machines[i].agent = None;
+            s.counters.reboots += 1;
+        }
+        tokio::time::sleep(self.knobs.reboot_time).await;
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Transport for SimFleet {
+    async fn run_agent(&self, run: AgentRun<'_>) -> anyhow::Result<AgentOutput> {
+        let jitter = 0.5 + rand::random::<f64>();
+        let took = self.knobs.takeover_time.mul_f64(jitter);
+        if took > run.timeout {
+            tokio::time::sleep(run.timeout).await;
+            bail!("command did not finish within {:?}", run.timeout);
+        }
+        tokio::time::sleep(took).await;
+        let (connect_failure, bad_agent, silent) = (
+            self.roll(self.knobs.connect_failure),
+            self.roll(self.knobs.bad_agent),
+            self.roll(self.knobs.silent_agent),
+        );
+        let mut s = self.state.lock().unwrap();
+        s.counters.takeovers += 1;
+        let i = *s
+            .by_addr
+            .get(run.addr)
+            .with_context(|| format!("connecting to {}: no route to host (simulated)", run.addr))?;
+        if connect_failure {
+            s.counters.connect_failures += 1;
+            bail!("connecting to {}: connection refused (simulated)", run.addr);
+        }
+        let host_key = s.machines[i].host_key.clone();
+        if let Some(pinned) = run.pinned_host_key {
+            if pinned != host_key {
+                bail!("host key mismatch: the machine presented {host_key} but {pinned} is pinned for it");
+            }
+        }
+        if bad_agent {
+            s.counters.bad_agents += 1;
+            return Ok(AgentOutput {
+                host_key,
+                exit_status: Some(0),
+                stdout: b"\xffsimulated garbage".to_vec(),
+                stderr: Vec::new(),
+            });
+        }
+        let init = TakeoverInit::decode(run.stdin).context("sim agent: decoding TakeoverInit")?;
+        let machine_id: Uuid = init.machine_id.parse().context("sim agent: machine id")?;
+        let mut key = vec![0u8; 32];
+        rand::fill(key.as_mut_slice());
+        s.machines[i].agent = Some(SimAgent {
+            machine_id,
+            key: key.clone(),
+            silent,
+        });
+        s.counters.agents_started += 1;
+        let response = TakeoverResponse {
+            result: Some(takeover_response::Result::Success(TakeoverSuccess {
+                init_message: Some(init),
+                key,
+                warning: Vec::new(),
+            })),
+        };
+        Ok(AgentOutput {
+            host_key,
+            exit_status: Some(0),
+            stdout: response.encode_to_vec(),
+            stderr: Vec::new(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn knobs_are_checked() {
+        let bad = SimKnobs {
+            bad_agent: 1.5,
+            ..Default::default()
+        };
+        let err = SimFleet::new(3, bad).err().unwrap().to_string();
+        assert!(err.contains("sim bad agent rate"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn machines_have_distinct_ids_and_addresses() {
+        let fleet = SimFleet::new(70_000, SimKnobs::default()).unwrap();
+        let list = fleet.list_machines().await.unwrap();
+        let ids: std::collections::HashSet<_> = list.iter().map(|m| m.id.clone()).collect();
+        let addrs: std::collections::HashSet<_> = list.iter().map(|m| m.addr.clone()).collect();
+        assert_eq!((ids.len(), addrs.len()), (70_000, 70_000));
+        assert!(list
+            .iter()
+            .all(|m| m.availability == Availability::KnownUnused));
+        assert!(matches!(
+            fleet.get_machine("nope").await,
+            Err(ProviderError::NotFound(_))
+        ));
+    }
+}

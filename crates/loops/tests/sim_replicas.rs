@@ -1,0 +1,150 @@
+//! Two shepherd replicas (separate BMDB handles and sessions; provisioner + 4 initializer
+//! workers each) over one simulated fleet of 200 machines, with injected connection
+//! failures: every machine is taken over exactly once, asserted from the work history.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use shepherd_bmdb::*;
+use shepherd_loops::initializer::{Initializer, InitializerConfig};
+use shepherd_loops::limiter::RateSpec;
+use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
+use shepherd_loops::reconcile::Limits;
+use shepherd_loops::runner::{run, RunnerConfig};
+use shepherd_loops::sim::{SimFleet, SimKnobs};
+use tokio_util::sync::CancellationToken;
+
+const MACHINES: usize = 200;
+
+async fn replica(db: Bmdb, fleet: Arc<SimFleet>, name: &str, cancel: CancellationToken) {
+    let provisioner = Provisioner::new(
+        fleet.clone(),
+        ProvisionerConfig {
+            limits: Limits {
+                max_machines: 0,
+                chunk_size: 50,
+            },
+            reconcile_rate: RateSpec::new(Duration::from_millis(100), 1),
+            creation_rate: RateSpec::new(Duration::from_millis(1), 50),
+        },
+    );
+    let mut config = InitializerConfig::new(vec![0x7f], "bmaas.example:443");
+    config.backoff = Backoff::exponential(Duration::from_secs(1), Duration::from_secs(2), 1.2);
+    let init = Initializer::new(fleet.clone(), fleet.clone(), config).unwrap();
+    let runner = RunnerConfig {
+        parallelism: 4,
+        db_rate: RateSpec::new(Duration::from_millis(5), 8),
+        session: SessionConfig::new(name, Processor::ShepherdInitializer),
+    };
+    tokio::join!(
+        provisioner.run(
+            db.clone(),
+            SessionConfig::new(name, Processor::ShepherdProvisioner),
+            cancel.clone()
+        ),
+        run(db, Arc::new(init), runner, cancel),
+    );
+}
+
+async fn two_replicas_take_each_machine_over_once(db: Bmdb, url: String) {
+    let second = Bmdb::open(&url).await.unwrap();
+    let knobs = SimKnobs {
+        connect_failure: 0.1,
+        takeover_time: Duration::from_millis(20),
+        ..Default::default()
+    };
+    let fleet = Arc::new(SimFleet::new(MACHINES, knobs).unwrap());
+    let cancel = CancellationToken::new();
+    let a = tokio::spawn(replica(
+        db.clone(),
+        fleet.clone(),
+        "replica-a",
+        cancel.clone(),
+    ));
+    let b = tokio::spawn(replica(
+        second.clone(),
+        fleet.clone(),
+        "replica-b",
+        cancel.clone(),
+    ));
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let counts = db
+            .read(|tx| Box::pin(async move { tx.status_counts().await }))
+            .await
+            .unwrap();
+        if counts.agent_started == MACHINES as i64 {
+            assert_eq!(counts.provided, MACHINES as i64);
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "stuck at {counts:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    cancel.cancel();
+    a.await.unwrap();
+    b.await.unwrap();
+
+    let history = db
+        .read(|tx| Box::pin(async move { tx.history_after(0, 1_000_000).await }))
+        .await
+        .unwrap();
+    let mut finished: HashMap<uuid::Uuid, usize> = HashMap::new();
+    let mut sessions = std::collections::HashSet::new();
+    let mut open: HashMap<uuid::Uuid, bool> = HashMap::new();
+    for h in history
+        .iter()
+        .filter(|h| h.process == Process::ShepherdAgentStart)
+    {
+        match h.event {
+            WorkEvent::Started => {
+                let was_open = open.insert(h.machine_id, true).unwrap_or(false);
+                assert!(!was_open, "overlapping work on {}", h.machine_id);
+                sessions.insert(h.session_id);
+            }
+            end => {
+                open.insert(h.machine_id, false);
+                if end == WorkEvent::Finished {
+                    *finished.entry(h.machine_id).or_default() += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(finished.len(), MACHINES);
+    assert!(
+        finished.values().all(|&n| n == 1),
+        "a machine was taken over twice"
+    );
+    assert!(
+        sessions.len() >= 8,
+        "want work from 8 workers' sessions, saw {}",
+        sessions.len()
+    );
+    let c = fleet.counters();
+    assert_eq!(c.agents_started, MACHINES as u64);
+    assert!(
+        c.connect_failures > 0,
+        "failure injection did nothing: {c:?}"
+    );
+    second.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite() {
+    let t = shepherd_bmdb::testing::sqlite().await;
+    two_replicas_take_each_machine_over_once(t.db.clone(), t.url.clone()).await;
+    t.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres() {
+    let Some(t) = shepherd_bmdb::testing::postgres().await else {
+        return;
+    };
+    two_replicas_take_each_machine_over_once(t.db.clone(), t.url.clone()).await;
+    t.cleanup().await;
+}
