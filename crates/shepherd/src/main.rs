@@ -1,9 +1,15 @@
-//! `shepherd`: one binary for every Shepherd role. Subcommands grow with the system; today:
-//! `bmdb migrate` and `bmdb status`.
+//! `shepherd`: one binary for every Shepherd role: `run` (the control loops), `demo` (the
+//! whole lifecycle over a simulated fleet), `bmdb migrate` and `bmdb status`.
 
 mod bmdb_cmd;
+mod config_file;
+mod demo;
+mod fleet;
+mod run_cmd;
 
-use clap::{Parser, Subcommand};
+use std::io::IsTerminal;
+
+use clap::{CommandFactory, Parser, Subcommand};
 use shepherd_bmdb::DEFAULT_DATABASE_URL;
 
 /// Bare-metal fleet lifecycle manager.
@@ -20,6 +26,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the provisioner, initializer and recoverer until SIGINT/SIGTERM.
+    Run(Box<run_cmd::RunArgs>),
+    /// Watch a simulated fleet of machines go through the whole lifecycle (SQLite, in-process).
+    Demo(demo::DemoArgs),
     /// Manage the Bare Metal Database itself.
     Bmdb {
         #[command(subcommand)]
@@ -29,15 +39,30 @@ enum Command {
 
 #[tokio::main]
 async fn main() {
+    let argv = match config_file::merge(&Cli::command(), "run", std::env::args_os().collect()) {
+        Ok(argv) => argv,
+        Err(e) => {
+            eprintln!("error: {}", error_chain(&e));
+            std::process::exit(2);
+        }
+    };
+    let cli = Cli::parse_from(argv);
+    // The demo injects failures on purpose; their warnings would bury the progress bars.
+    let default_level = match cli.command {
+        Command::Demo(_) => "error",
+        _ => "warn",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("SHEPHERD_LOG")
-                .unwrap_or_else(|_| "warn".into()),
+                .unwrap_or_else(|_| default_level.into()),
         )
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
     let result = match cli.command {
+        Command::Run(args) => run_cmd::run(&cli.database, *args).await,
+        Command::Demo(args) => demo::run(args).await,
         Command::Bmdb { command } => bmdb_cmd::run(&cli.database, command).await,
     };
     if let Err(e) = result {

@@ -1,0 +1,312 @@
+//! `shepherd demo`: the whole lifecycle on one machine. A fresh SQLite BMDB, a simulated fleet
+//! with injected failures, and every loop running with demo-speed settings; live progress bars
+//! per lifecycle state, and a summary table once every machine's agent is heartbeating.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use clap::Args;
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+use shepherd_bmdb::{
+    Backoff, Bmdb, OpenOptions, Process, RecoveryThresholds, StatusCounts, WorkEvent,
+};
+use shepherd_loops::initializer::InitializerConfig;
+use shepherd_loops::limiter::RateSpec;
+use shepherd_loops::provisioner::ProvisionerConfig;
+use shepherd_loops::reconcile::Limits;
+use shepherd_loops::sim::{SimCounters, SimFleet, SimKnobs};
+
+use crate::fleet::{run_loops, shutdown_on_signals, FleetSettings, LoopSettings};
+
+fn duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("{e} (want e.g. 500ms, 2s, 5m)"))
+}
+
+/// Settings of the demo.
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    /// Simulated machines.
+    #[arg(long, default_value_t = 1000)]
+    pub machines: usize,
+    /// Give up (exit 1) if the fleet has not converged by then.
+    #[arg(long, default_value = "5m", value_parser = duration)]
+    pub timeout: Duration,
+    /// Initializer workers.
+    #[arg(long, default_value_t = 16)]
+    pub initializer_parallelism: usize,
+    /// Probability an SSH connection fails.
+    #[arg(long, default_value_t = 0.03)]
+    pub connect_failure_rate: f64,
+    /// Probability an agent answers garbage.
+    #[arg(long, default_value_t = 0.02)]
+    pub bad_agent_rate: f64,
+    /// Probability an agent never heartbeats (its machine gets rebooted and retaken).
+    #[arg(long, default_value_t = 0.02)]
+    pub silent_agent_rate: f64,
+    /// Time one simulated takeover takes.
+    #[arg(long, default_value = "100ms", value_parser = duration)]
+    pub takeover_time: Duration,
+    /// Keep the demo database (its path is printed) instead of deleting it.
+    #[arg(long)]
+    pub keep: bool,
+}
+
+struct Bars {
+    multi: MultiProgress,
+    provided: ProgressBar,
+    started: ProgressBar,
+    heartbeating: ProgressBar,
+    status: ProgressBar,
+    plain: bool,
+    last_plain: Instant,
+}
+
+impl Bars {
+    fn new(n: u64) -> Self {
+        let multi = MultiProgress::with_draw_target(ProgressDrawTarget::stderr_with_hz(8));
+        let plain = multi.is_hidden();
+        let style =
+            ProgressStyle::with_template("{prefix:>14} [{bar:40.green/white}] {pos:>6}/{len}")
+                .expect("static template")
+                .progress_chars("█▉▊▋▌▍▎▏ ");
+        let bar = |name: &str| {
+            let b = multi.add(ProgressBar::new(n).with_style(style.clone()));
+            b.set_prefix(name.to_string());
+            b
+        };
+        let (provided, started, heartbeating) =
+            (bar("provided"), bar("agent started"), bar("heartbeating"));
+        let status = multi.add(ProgressBar::new_spinner());
+        Bars {
+            multi,
+            provided,
+            started,
+            heartbeating,
+            status,
+            plain,
+            last_plain: Instant::now(),
+        }
+    }
+
+    fn update(&mut self, c: &StatusCounts, sim: &SimCounters, elapsed: Duration) {
+        self.provided.set_position(c.provided as u64);
+        self.started.set_position(c.agent_started as u64);
+        self.heartbeating.set_position(c.heartbeating as u64);
+        let work: i64 = c.work.iter().map(|(_, n)| n).sum();
+        let backoffs: i64 = c.backoffs.iter().map(|(_, n)| n).sum();
+        let line = format!(
+            "{:>5.1}s  working on {work} · in backoff {backoffs} · takeovers {} · reboots {} · heartbeats {}",
+            elapsed.as_secs_f64(),
+            sim.takeovers,
+            sim.reboots,
+            sim.heartbeats
+        );
+        if self.plain {
+            if self.last_plain.elapsed() >= Duration::from_secs(2) {
+                self.last_plain = Instant::now();
+                eprintln!(
+                    "provided {} · agent started {} · heartbeating {} · {line}",
+                    c.provided, c.agent_started, c.heartbeating
+                );
+            }
+        } else {
+            self.status.set_message(line);
+        }
+    }
+
+    fn finish(&self) {
+        for b in [
+            &self.provided,
+            &self.started,
+            &self.heartbeating,
+            &self.status,
+        ] {
+            b.finish();
+        }
+        let _ = self.multi.clear();
+    }
+}
+
+fn settings(args: &DemoArgs) -> FleetSettings {
+    let fast = |ms, burst| RateSpec::new(Duration::from_millis(ms), burst);
+    let mut initializer =
+        InitializerConfig::new(b"simulated agent".to_vec(), "bmaas.demo.invalid:443");
+    initializer.exec_timeout = Duration::from_secs(10);
+    initializer.backoff =
+        Backoff::exponential(Duration::from_secs(1), Duration::from_secs(10), 1.5);
+    FleetSettings {
+        provisioner: ProvisionerConfig {
+            limits: Limits {
+                max_machines: 0,
+                chunk_size: 100,
+            },
+            reconcile_rate: fast(500, 1),
+            creation_rate: fast(2, 20),
+        },
+        initializer,
+        initializer_loop: LoopSettings {
+            parallelism: args.initializer_parallelism.max(1),
+            db_rate: fast(1, 32),
+        },
+        recoverer_loop: LoopSettings {
+            parallelism: 4,
+            db_rate: fast(50, 8),
+        },
+        recovery: RecoveryThresholds {
+            no_heartbeat_after_start: Duration::from_secs(5),
+            heartbeat_older_than: Duration::from_secs(5),
+        },
+        recoverer_backoff: Backoff::exponential(
+            Duration::from_secs(1),
+            Duration::from_secs(10),
+            1.5,
+        ),
+        session_interval: Duration::from_secs(5),
+    }
+}
+
+/// Work history counts per (process, event).
+async fn history_counts(db: &Bmdb) -> Result<BTreeMap<(Process, WorkEvent), u64>> {
+    let mut counts = BTreeMap::new();
+    let mut after = 0;
+    loop {
+        let page = db
+            .read(move |tx| Box::pin(async move { tx.history_after(after, 10_000).await }))
+            .await?;
+        let Some(last) = page.last() else { break };
+        after = last.id;
+        for h in &page {
+            *counts.entry((h.process, h.event)).or_default() += 1;
+        }
+    }
+    Ok(counts)
+}
+
+/// Runs the demo.
+pub async fn run(args: DemoArgs) -> Result<()> {
+    if args.machines == 0 {
+        bail!("machines: must be at least 1");
+    }
+    let knobs = SimKnobs {
+        connect_failure: args.connect_failure_rate,
+        bad_agent: args.bad_agent_rate,
+        silent_agent: args.silent_agent_rate,
+        takeover_time: args.takeover_time,
+        heartbeat_interval: Duration::from_secs(1),
+        ..SimKnobs::default()
+    };
+    let fleet = Arc::new(SimFleet::new(args.machines, knobs)?);
+    let dir = tempfile::Builder::new()
+        .prefix("shepherd-demo-")
+        .tempdir()?;
+    let url = format!("sqlite:{}", dir.path().join("bmdb.sqlite").display());
+    let db = Bmdb::open_with(
+        &url,
+        &OpenOptions {
+            create: true,
+            migrate: true,
+            ..Default::default()
+        },
+    )
+    .await?;
+    eprintln!(
+        "shepherd demo: {} simulated machines, BMDB {url}\n  injected: {:.0}% SSH connect failures, {:.0}% garbage agent answers, {:.0}% silent agents (rebooted by the recoverer)",
+        args.machines,
+        args.connect_failure_rate * 100.0,
+        args.bad_agent_rate * 100.0,
+        args.silent_agent_rate * 100.0
+    );
+    let cancel = shutdown_on_signals();
+    let started = Instant::now();
+    let agents = tokio::spawn(fleet.clone().run_agents(db.clone(), cancel.clone()));
+    let loops = tokio::spawn(run_loops(
+        db.clone(),
+        fleet.clone(),
+        fleet.clone(),
+        Some(fleet.clone()),
+        settings(&args),
+        cancel.clone(),
+    ));
+
+    let mut bars = Bars::new(args.machines as u64);
+    let n = args.machines as i64;
+    let converged = loop {
+        let counts = db
+            .read(|tx| Box::pin(async move { tx.status_counts().await }))
+            .await?;
+        bars.update(&counts, &fleet.counters(), started.elapsed());
+        if counts.heartbeating == n && counts.agent_started == n {
+            break true;
+        }
+        if cancel.is_cancelled() || started.elapsed() > args.timeout {
+            break false;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let elapsed = started.elapsed();
+    bars.finish();
+    cancel.cancel();
+    loops.await??;
+    agents.await?;
+
+    let counts = db
+        .read(|tx| Box::pin(async move { tx.status_counts().await }))
+        .await?;
+    let history = history_counts(&db).await?;
+    let sim = fleet.counters();
+    let h = |p, e| history.get(&(p, e)).copied().unwrap_or(0);
+    let rows: Vec<(&str, String)> = vec![
+        ("machines provided", counts.provided.to_string()),
+        ("agents started", counts.agent_started.to_string()),
+        ("agents heartbeating", counts.heartbeating.to_string()),
+        (
+            "takeovers finished",
+            h(Process::ShepherdAgentStart, WorkEvent::Finished).to_string(),
+        ),
+        (
+            "takeovers failed (retried)",
+            h(Process::ShepherdAgentStart, WorkEvent::Failed).to_string(),
+        ),
+        (
+            "  injected connect failures",
+            sim.connect_failures.to_string(),
+        ),
+        ("  injected garbage answers", sim.bad_agents.to_string()),
+        (
+            "recoveries (reboots)",
+            h(Process::ShepherdRecovery, WorkEvent::Finished).to_string(),
+        ),
+        (
+            "work canceled at shutdown",
+            (h(Process::ShepherdAgentStart, WorkEvent::Canceled)
+                + h(Process::ShepherdRecovery, WorkEvent::Canceled))
+            .to_string(),
+        ),
+        ("heartbeats written", sim.heartbeats.to_string()),
+        (
+            "time to converge",
+            if converged {
+                format!("{:.1} s", elapsed.as_secs_f64())
+            } else {
+                format!("did not converge in {:?}", args.timeout)
+            },
+        ),
+    ];
+    let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    println!("{:<width$}  value", "summary");
+    println!("{:-<width$}  {:-<8}", "", "");
+    for (k, v) in rows {
+        println!("{k:<width$}  {v}");
+    }
+    db.close().await;
+    if args.keep {
+        let path = dir.keep();
+        println!("BMDB kept at {}", path.join("bmdb.sqlite").display());
+    }
+    if !converged {
+        bail!("the fleet did not converge (interrupted or timed out)");
+    }
+    Ok(())
+}

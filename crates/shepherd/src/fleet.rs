@@ -1,0 +1,123 @@
+//! Assembling and running the control loops over one provider; shared by `run` and `demo`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use shepherd_bmdb::{Backoff, Bmdb, Processor, RecoveryThresholds, SessionConfig};
+use shepherd_loops::initializer::{Initializer, InitializerConfig};
+use shepherd_loops::limiter::RateSpec;
+use shepherd_loops::provider::{Provider, Recoverer as RecovererProvider};
+use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
+use shepherd_loops::recoverer::Recoverer;
+use shepherd_loops::runner::{self, RunnerConfig};
+use shepherd_loops::transport::Transport;
+use tokio_util::sync::CancellationToken;
+
+/// Settings of one runner-driven loop.
+#[derive(Debug, Clone, Copy)]
+pub struct LoopSettings {
+    /// Workers.
+    pub parallelism: usize,
+    /// Claim pace.
+    pub db_rate: RateSpec,
+}
+
+/// Everything the loops need besides the provider and transport.
+#[derive(Debug, Clone)]
+pub struct FleetSettings {
+    /// Provisioner limits and rates.
+    pub provisioner: ProvisionerConfig,
+    /// Initializer settings.
+    pub initializer: InitializerConfig,
+    /// Initializer runner settings.
+    pub initializer_loop: LoopSettings,
+    /// Recoverer runner settings.
+    pub recoverer_loop: LoopSettings,
+    /// When a silent agent gets its machine rebooted.
+    pub recovery: RecoveryThresholds,
+    /// Recoverer backoff (upstream: 1 min → 1 h, ×1.2).
+    pub recoverer_backoff: Backoff,
+    /// Session keep-alive interval.
+    pub session_interval: Duration,
+}
+
+fn session(name: &str, processor: Processor, interval: Duration) -> SessionConfig {
+    SessionConfig::new(name, processor).with_interval(interval)
+}
+
+/// Runs the provisioner, the initializer and, if `recoverer` is given, the recoverer until
+/// `cancel`; returns once every loop canceled its work and closed its sessions.
+pub async fn run_loops<P, R>(
+    db: Bmdb,
+    provider: Arc<P>,
+    transport: Arc<dyn Transport>,
+    recoverer: Option<Arc<R>>,
+    settings: FleetSettings,
+    cancel: CancellationToken,
+) -> anyhow::Result<()>
+where
+    P: Provider + 'static,
+    R: RecovererProvider + 'static,
+{
+    let interval = settings.session_interval;
+    let initializer = Initializer::new(provider.clone(), transport, settings.initializer)?;
+    let provisioner = Provisioner::new(provider, settings.provisioner);
+    let provisioning = provisioner.run(
+        db.clone(),
+        session(
+            "shepherd-provisioner",
+            Processor::ShepherdProvisioner,
+            interval,
+        ),
+        cancel.clone(),
+    );
+    let initializing = runner::run(
+        db.clone(),
+        Arc::new(initializer),
+        RunnerConfig {
+            parallelism: settings.initializer_loop.parallelism,
+            db_rate: settings.initializer_loop.db_rate,
+            session: session(
+                "shepherd-initializer",
+                Processor::ShepherdInitializer,
+                interval,
+            ),
+        },
+        cancel.clone(),
+    );
+    let recovering = async {
+        if let Some(r) = recoverer {
+            let task =
+                Recoverer::new(r, settings.recovery).with_backoff(settings.recoverer_backoff);
+            runner::run(
+                db.clone(),
+                Arc::new(task),
+                RunnerConfig {
+                    parallelism: settings.recoverer_loop.parallelism,
+                    db_rate: settings.recoverer_loop.db_rate,
+                    session: session("shepherd-recoverer", Processor::ShepherdRecoverer, interval),
+                },
+                cancel.clone(),
+            )
+            .await
+        }
+    };
+    tokio::join!(provisioning, initializing, recovering);
+    Ok(())
+}
+
+/// A token cancelled on SIGINT or SIGTERM.
+pub fn shutdown_on_signals() -> CancellationToken {
+    let cancel = CancellationToken::new();
+    let token = cancel.clone();
+    tokio::spawn(async move {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("installing a SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => tracing::warn!("SIGINT: shutting down"),
+            _ = term.recv() => tracing::warn!("SIGTERM: shutting down"),
+        }
+        token.cancel();
+    });
+    cancel
+}

@@ -1,0 +1,368 @@
+//! `shepherd run`: the provisioner, initializer and recoverer against a real provider.
+//! Every setting is a flag, an environment variable (`SHEPHERD_` + the flag in upper snake
+//! case) and a config-file key (the flag name); see `config_file.rs` for precedence.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use shepherd_bmdb::{Backoff, Bmdb, OpenOptions, Provider as ProviderKind, RecoveryThresholds};
+use shepherd_loops::initializer::InitializerConfig;
+use shepherd_loops::limiter::RateSpec;
+use shepherd_loops::provisioner::ProvisionerConfig;
+use shepherd_loops::reconcile::Limits;
+use shepherd_loops::sim::{SimFleet, SimKnobs};
+use shepherd_loops::static_provider::StaticProvider;
+use shepherd_loops::transport::SshTransport;
+use shepherd_ssh::{load_or_generate_key, public_key_openssh, Auth, SshClient, SshConfig};
+
+use crate::fleet::{run_loops, shutdown_on_signals, FleetSettings, LoopSettings};
+
+/// Where machines come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ProviderChoice {
+    /// A JSON inventory (`--static-inventory`).
+    Static,
+    /// An in-process simulated fleet (`--sim-machines`).
+    Sim,
+}
+
+/// Provider type recorded for machines of a static inventory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum StaticKind {
+    /// `Static`.
+    Static,
+    /// `Lumen`.
+    Lumen,
+    /// `Equinix`.
+    Equinix,
+    /// `None`.
+    None,
+}
+
+impl From<StaticKind> for ProviderKind {
+    fn from(k: StaticKind) -> Self {
+        match k {
+            StaticKind::Static => ProviderKind::Static,
+            StaticKind::Lumen => ProviderKind::Lumen,
+            StaticKind::Equinix => ProviderKind::Equinix,
+            StaticKind::None => ProviderKind::None,
+        }
+    }
+}
+
+fn duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("{e} (want e.g. 500ms, 2s, 5m)"))
+}
+
+/// Settings of `shepherd run` (SPEC §17).
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    /// TOML file whose keys are these flags' names; flags and environment variables win.
+    #[arg(long, env = "SHEPHERD_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Apply pending BMDB migrations at start-up.
+    #[arg(long, env = "SHEPHERD_MIGRATE")]
+    pub migrate: bool,
+    /// Where machines come from.
+    #[arg(long, env = "SHEPHERD_PROVIDER", value_enum, default_value = "static")]
+    pub provider: ProviderChoice,
+    /// Static provider: inventory URL (file:// or http(s)://).
+    #[arg(long, env = "SHEPHERD_STATIC_INVENTORY")]
+    pub static_inventory: Option<String>,
+    /// Static provider: provider type recorded for its machines.
+    #[arg(
+        long,
+        env = "SHEPHERD_STATIC_PROVIDER_TYPE",
+        value_enum,
+        default_value = "static"
+    )]
+    pub static_provider_type: StaticKind,
+    /// Sim provider: fleet size.
+    #[arg(long, env = "SHEPHERD_SIM_MACHINES", default_value_t = 1000)]
+    pub sim_machines: usize,
+    /// Sim provider: probability an SSH connection fails.
+    #[arg(long, env = "SHEPHERD_SIM_CONNECT_FAILURE_RATE", default_value_t = 0.0)]
+    pub sim_connect_failure_rate: f64,
+    /// Sim provider: probability an agent answers garbage.
+    #[arg(long, env = "SHEPHERD_SIM_BAD_AGENT_RATE", default_value_t = 0.0)]
+    pub sim_bad_agent_rate: f64,
+    /// Sim provider: probability an agent never heartbeats.
+    #[arg(long, env = "SHEPHERD_SIM_SILENT_AGENT_RATE", default_value_t = 0.0)]
+    pub sim_silent_agent_rate: f64,
+    /// Sim provider: time one takeover takes.
+    #[arg(long, env = "SHEPHERD_SIM_TAKEOVER_TIME", default_value = "100ms", value_parser = duration)]
+    pub sim_takeover_time: Duration,
+
+    /// Provisioner: most machines to manage (0 = no limit).
+    #[arg(long, env = "SHEPHERD_PROVISIONER_MAX_MACHINES", default_value_t = 50)]
+    pub provisioner_max_machines: usize,
+    /// Provisioner: most machines created per reconciliation.
+    #[arg(long, env = "SHEPHERD_PROVISIONER_CHUNK_SIZE", default_value_t = 20)]
+    pub provisioner_chunk_size: usize,
+    /// Provisioner: reconciliation rate, "DURATION,BURST".
+    #[arg(
+        long,
+        env = "SHEPHERD_PROVISIONER_RECONCILE_RATE",
+        default_value = "1m,1"
+    )]
+    pub provisioner_reconcile_rate: RateSpec,
+    /// Provisioner: machine creation rate, "DURATION,BURST".
+    #[arg(
+        long,
+        env = "SHEPHERD_PROVISIONER_CREATION_RATE",
+        default_value = "5s,1"
+    )]
+    pub provisioner_creation_rate: RateSpec,
+
+    /// Initializer: parallel workers.
+    #[arg(long, env = "SHEPHERD_INITIALIZER_PARALLELISM", default_value_t = 1)]
+    pub initializer_parallelism: usize,
+    /// Initializer: BMDB query rate, "DURATION,BURST".
+    #[arg(long, env = "SHEPHERD_INITIALIZER_DB_RATE", default_value = "250ms,8")]
+    pub initializer_db_rate: RateSpec,
+    /// Recoverer: parallel workers.
+    #[arg(long, env = "SHEPHERD_RECOVERER_PARALLELISM", default_value_t = 1)]
+    pub recoverer_parallelism: usize,
+    /// Recoverer: BMDB query rate, "DURATION,BURST".
+    #[arg(long, env = "SHEPHERD_RECOVERER_DB_RATE", default_value = "250ms,8")]
+    pub recoverer_db_rate: RateSpec,
+    /// Recoverer: reboot when an agent never heartbeated this long after its start.
+    #[arg(long, env = "SHEPHERD_RECOVERY_NO_HEARTBEAT_AFTER", default_value = "30m", value_parser = duration)]
+    pub recovery_no_heartbeat_after: Duration,
+    /// Recoverer: reboot when the last heartbeat is older than this.
+    #[arg(long, env = "SHEPHERD_RECOVERY_HEARTBEAT_OLDER_THAN", default_value = "10m", value_parser = duration)]
+    pub recovery_heartbeat_older_than: Duration,
+
+    /// Agent executable uploaded to each machine (not needed with the sim provider).
+    #[arg(long, env = "SHEPHERD_AGENT_EXECUTABLE")]
+    pub agent_executable: Option<PathBuf>,
+    /// Where the agent is put on the machine.
+    #[arg(
+        long,
+        env = "SHEPHERD_AGENT_TARGET_PATH",
+        default_value = "/root/agent"
+    )]
+    pub agent_target_path: String,
+    /// BMaaS endpoint agents heartbeat to (required).
+    #[arg(long, env = "SHEPHERD_AGENT_ENDPOINT")]
+    pub agent_endpoint: Option<String>,
+    /// PEM file of the CA that signs the BMaaS server's certificate.
+    #[arg(long, env = "SHEPHERD_AGENT_CA")]
+    pub agent_ca: Option<PathBuf>,
+
+    /// SSH: connect (TCP + handshake + auth) timeout.
+    #[arg(long, env = "SHEPHERD_SSH_CONNECT_TIMEOUT", default_value = "2s", value_parser = duration)]
+    pub ssh_connect_timeout: Duration,
+    /// SSH: bound on connect + upload + run of the agent.
+    #[arg(long, env = "SHEPHERD_SSH_EXEC_TIMEOUT", default_value = "60s", value_parser = duration)]
+    pub ssh_exec_timeout: Duration,
+    /// SSH: ed25519 private key; generated (mode 0400) if missing. Required unless a password is set.
+    #[arg(long, env = "SHEPHERD_SSH_KEY")]
+    pub ssh_key: Option<PathBuf>,
+    /// SSH: remote user.
+    #[arg(long, env = "SHEPHERD_SSH_USER", default_value = "root")]
+    pub ssh_user: String,
+    /// SSH: password (prefer the environment variable or config file over the command line).
+    #[arg(long, env = "SHEPHERD_SSH_PASSWORD", hide_env_values = true)]
+    pub ssh_password: Option<String>,
+    /// SSH: most handshakes in flight at once.
+    #[arg(long, env = "SHEPHERD_SSH_MAX_HANDSHAKES", default_value_t = 8)]
+    pub ssh_max_handshakes: usize,
+
+    /// BMDB session keep-alive interval.
+    #[arg(long, env = "SHEPHERD_SESSION_INTERVAL", default_value = "5s", value_parser = duration)]
+    pub session_interval: Duration,
+}
+
+impl RunArgs {
+    /// Checks and converts everything that does not need I/O; the message names the setting.
+    pub fn settings(&self, agent: Vec<u8>, ca: Option<Vec<u8>>) -> Result<FleetSettings> {
+        let endpoint = self
+            .agent_endpoint
+            .clone()
+            .filter(|e| !e.trim().is_empty())
+            .context("agent-endpoint: is required (the BMaaS address agents heartbeat to)")?;
+        for (name, d) in [
+            ("ssh-connect-timeout", self.ssh_connect_timeout),
+            ("ssh-exec-timeout", self.ssh_exec_timeout),
+            ("session-interval", self.session_interval),
+        ] {
+            if d.is_zero() {
+                bail!("{name}: must be more than zero");
+            }
+        }
+        if self.provisioner_chunk_size == 0 {
+            bail!("provisioner-chunk-size: must be at least 1");
+        }
+        let mut initializer = InitializerConfig::new(agent, endpoint);
+        initializer.target_path = self.agent_target_path.clone();
+        initializer.ca_certificate = ca;
+        initializer.exec_timeout = self.ssh_exec_timeout;
+        initializer.validate()?;
+        Ok(FleetSettings {
+            provisioner: ProvisionerConfig {
+                limits: Limits {
+                    max_machines: self.provisioner_max_machines,
+                    chunk_size: self.provisioner_chunk_size,
+                },
+                reconcile_rate: self.provisioner_reconcile_rate,
+                creation_rate: self.provisioner_creation_rate,
+            },
+            initializer,
+            initializer_loop: LoopSettings {
+                parallelism: self.initializer_parallelism.max(1),
+                db_rate: self.initializer_db_rate,
+            },
+            recoverer_loop: LoopSettings {
+                parallelism: self.recoverer_parallelism.max(1),
+                db_rate: self.recoverer_db_rate,
+            },
+            recovery: RecoveryThresholds {
+                no_heartbeat_after_start: self.recovery_no_heartbeat_after,
+                heartbeat_older_than: self.recovery_heartbeat_older_than,
+            },
+            recoverer_backoff: Backoff::exponential(
+                Duration::from_secs(60),
+                Duration::from_secs(3600),
+                1.2,
+            ),
+            session_interval: self.session_interval,
+        })
+    }
+
+    fn sim_knobs(&self) -> SimKnobs {
+        SimKnobs {
+            connect_failure: self.sim_connect_failure_rate,
+            bad_agent: self.sim_bad_agent_rate,
+            silent_agent: self.sim_silent_agent_rate,
+            takeover_time: self.sim_takeover_time,
+            ..SimKnobs::default()
+        }
+    }
+
+    fn ssh_client(&self) -> Result<SshClient> {
+        let auth = match (&self.ssh_key, &self.ssh_password) {
+            (Some(path), _) => {
+                let key = load_or_generate_key(path)?;
+                tracing::info!(public_key = %public_key_openssh(&key), "SSH key loaded; machines must trust it");
+                Auth::Key(Arc::new(key))
+            }
+            (None, Some(pw)) if !pw.is_empty() => Auth::Password(pw.clone()),
+            _ => bail!("ssh-key: is required unless ssh-password is set"),
+        };
+        let mut config = SshConfig::new(auth);
+        config.user = self.ssh_user.clone();
+        config.connect_timeout = self.ssh_connect_timeout;
+        config.max_handshakes = self.ssh_max_handshakes.max(1);
+        Ok(SshClient::new(config))
+    }
+}
+
+fn read_ca(path: &PathBuf) -> Result<Vec<u8>> {
+    let pem =
+        std::fs::read_to_string(path).with_context(|| format!("agent-ca: {}", path.display()))?;
+    let der = pem_to_der(&pem).with_context(|| format!("agent-ca: {}", path.display()))?;
+    Ok(der)
+}
+
+/// The DER bytes of the first certificate in a PEM text.
+fn pem_to_der(pem: &str) -> Result<Vec<u8>> {
+    use base64::Engine;
+    let begin = "-----BEGIN CERTIFICATE-----";
+    let end = "-----END CERTIFICATE-----";
+    let start = pem.find(begin).context("no PEM certificate found")? + begin.len();
+    let stop = pem[start..]
+        .find(end)
+        .context("unterminated PEM certificate")?
+        + start;
+    let b64: String = pem[start..stop].split_whitespace().collect();
+    base64::engine::general_purpose::STANDARD
+        .decode(b64)
+        .context("PEM certificate is not valid base64")
+}
+
+/// The provider (and how to reach its machines) chosen at start-up.
+enum Chosen {
+    Static(Arc<StaticProvider>, Arc<SshTransport>),
+    Sim(Arc<SimFleet>),
+}
+
+/// Runs `shepherd run` until SIGINT/SIGTERM.
+pub async fn run(database: &str, args: RunArgs) -> Result<()> {
+    let ca = args.agent_ca.as_ref().map(read_ca).transpose()?;
+    let agent = match (&args.agent_executable, args.provider) {
+        (Some(path), _) => {
+            std::fs::read(path).with_context(|| format!("agent-executable: {}", path.display()))?
+        }
+        // The simulated agent is in-process; the bytes are never run.
+        (None, ProviderChoice::Sim) => b"simulated agent".to_vec(),
+        (None, _) => bail!("agent-executable: is required"),
+    };
+    let settings = args.settings(agent, ca)?;
+    // Everything that can be checked without the database is checked before connecting.
+    let chosen = match args.provider {
+        ProviderChoice::Static => {
+            let url = args
+                .static_inventory
+                .as_deref()
+                .context("static-inventory: is required with --provider static")?;
+            let provider = Arc::new(StaticProvider::new(url, args.static_provider_type.into())?);
+            let transport = Arc::new(SshTransport::new(Arc::new(args.ssh_client()?)));
+            Chosen::Static(provider, transport)
+        }
+        ProviderChoice::Sim => Chosen::Sim(Arc::new(SimFleet::new(
+            args.sim_machines,
+            args.sim_knobs(),
+        )?)),
+    };
+    let db = Bmdb::open_with(
+        database,
+        &OpenOptions {
+            create: args.migrate,
+            migrate: args.migrate,
+            ..Default::default()
+        },
+    )
+    .await?;
+    let cancel = shutdown_on_signals();
+    let result = match chosen {
+        Chosen::Static(provider, transport) => {
+            tracing::warn!(
+                "the static provider cannot reboot machines: the recoverer is not running"
+            );
+            run_loops::<_, SimFleet>(db.clone(), provider, transport, None, settings, cancel).await
+        }
+        Chosen::Sim(fleet) => {
+            let agents = tokio::spawn(fleet.clone().run_agents(db.clone(), cancel.clone()));
+            let r = run_loops(
+                db.clone(),
+                fleet.clone(),
+                fleet.clone(),
+                Some(fleet),
+                settings,
+                cancel,
+            )
+            .await;
+            let _ = agents.await;
+            r
+        }
+    };
+    db.close().await;
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pem_certificates_are_decoded() {
+        let pem = "junk\n-----BEGIN CERTIFICATE-----\nAQID\nBA==\n-----END CERTIFICATE-----\n";
+        assert_eq!(pem_to_der(pem).unwrap(), vec![1, 2, 3, 4]);
+        assert!(pem_to_der("nothing").is_err());
+        assert!(pem_to_der("-----BEGIN CERTIFICATE-----\n!!\n-----END CERTIFICATE-----").is_err());
+    }
+}

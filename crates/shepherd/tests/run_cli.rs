@@ -1,0 +1,400 @@
+//! `shepherd run` as an operator runs it: settings from flags, environment and config file,
+//! start-up errors naming the setting, the sim and static providers (the latter over a real
+//! sshd), and graceful shutdown on SIGTERM.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use shepherd_bmdb::{testing, Bmdb, StatusCounts};
+
+/// `shepherd` with no SHEPHERD_* variables inherited from the caller.
+fn shepherd() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_shepherd"));
+    for (k, _) in std::env::vars() {
+        if k.starts_with("SHEPHERD_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn bad_settings_fail_at_start_up_naming_the_setting() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite:{}", dir.path().join("s.db").display());
+    let base = ["run", "--provider", "sim", "--migrate", "--database", &db];
+    type Case<'a> = (Vec<&'a str>, Vec<(&'a str, &'a str)>, &'a str);
+    let cases: Vec<Case> = vec![
+        (
+            vec!["--provisioner-reconcile-rate", "5x"],
+            vec![],
+            "--provisioner-reconcile-rate",
+        ),
+        (
+            vec!["--initializer-db-rate", "1s"],
+            vec![("SHEPHERD_AGENT_ENDPOINT", "x:1")],
+            "--initializer-db-rate",
+        ),
+        (
+            vec!["--ssh-exec-timeout", "soon"],
+            vec![],
+            "--ssh-exec-timeout",
+        ),
+        (vec![], vec![], "agent-endpoint: is required"),
+        (
+            vec!["--agent-endpoint", "x:1", "--agent-target-path", "agent"],
+            vec![],
+            "target path",
+        ),
+        (
+            vec!["--agent-endpoint", "x:1", "--sim-bad-agent-rate", "2"],
+            vec![],
+            "sim bad agent rate",
+        ),
+        (
+            vec!["--agent-endpoint", "x:1"],
+            vec![("SHEPHERD_SSH_CONNECT_TIMEOUT", "0s")],
+            "ssh-connect-timeout",
+        ),
+    ];
+    for (args, env, want) in cases {
+        let o = shepherd()
+            .args(base)
+            .args(&args)
+            .envs(env.clone())
+            .output()
+            .unwrap();
+        assert!(!o.status.success(), "{args:?} {env:?} succeeded");
+        assert!(
+            stderr(&o).contains(want),
+            "{args:?} {env:?}: want {want:?} in {}",
+            stderr(&o)
+        );
+    }
+
+    // Static provider: inventory and SSH credentials are required; a key file others can
+    // read is refused.
+    let key = dir.path().join("id");
+    std::fs::write(&key, "x").unwrap();
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let agent = dir.path().join("agent");
+    std::fs::write(&agent, "#!/bin/sh\n").unwrap();
+    let static_base = [
+        "run",
+        "--migrate",
+        "--database",
+        &db,
+        "--agent-endpoint",
+        "x:1",
+    ];
+    let agent_flag = ["--agent-executable", agent.to_str().unwrap()];
+    let inventory = ["--static-inventory", "file:///nonexistent.json"];
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec![], "agent-executable: is required"),
+        (agent_flag.to_vec(), "static-inventory: is required"),
+        (
+            [&agent_flag[..], &inventory[..]].concat(),
+            "ssh-key: is required unless ssh-password is set",
+        ),
+        (
+            [
+                &agent_flag[..],
+                &inventory[..],
+                &["--ssh-key", key.to_str().unwrap()],
+            ]
+            .concat(),
+            "chmod 400",
+        ),
+    ];
+    for (args, want) in cases {
+        let o = shepherd().args(static_base).args(&args).output().unwrap();
+        assert!(!o.status.success(), "{args:?} succeeded");
+        assert!(
+            stderr(&o).contains(want),
+            "{args:?}: want {want:?} in {}",
+            stderr(&o)
+        );
+    }
+}
+
+#[test]
+fn config_file_is_below_flags_and_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite:{}", dir.path().join("s.db").display());
+    let config = dir.path().join("shepherd.toml");
+    let run = |extra: &[&str], env: &[(&str, &str)]| {
+        shepherd()
+            .args([
+                "run",
+                "--provider",
+                "sim",
+                "--migrate",
+                "--database",
+                &db,
+                "--config",
+            ])
+            .arg(&config)
+            .args(extra)
+            .envs(env.iter().copied())
+            .output()
+            .unwrap()
+    };
+    // A bad value in the file is reported like a bad flag.
+    std::fs::write(
+        &config,
+        "agent-endpoint = \"x:1\"\nprovisioner-creation-rate = \"often\"\n",
+    )
+    .unwrap();
+    let o = run(&[], &[]);
+    assert!(
+        stderr(&o).contains("--provisioner-creation-rate"),
+        "{}",
+        stderr(&o)
+    );
+    // A flag or an environment variable overrides the file, so the bad value is never read;
+    // the next error (a bad sim rate from the file) shows the file's other keys still apply.
+    std::fs::write(
+        &config,
+        "agent-endpoint = \"x:1\"\nprovisioner-creation-rate = \"often\"\nsim-silent-agent-rate = 3.5\n",
+    )
+    .unwrap();
+    for o in [
+        run(&["--provisioner-creation-rate", "1s,1"], &[]),
+        run(&[], &[("SHEPHERD_PROVISIONER_CREATION_RATE", "1s,1")]),
+    ] {
+        assert!(
+            stderr(&o).contains("sim silent agent rate: 3.5"),
+            "{}",
+            stderr(&o)
+        );
+    }
+    // Unknown keys and wrong types are refused.
+    std::fs::write(&config, "agent-endpont = \"x:1\"\n").unwrap();
+    let o = run(&[], &[]);
+    assert!(
+        stderr(&o).contains("unknown setting \"agent-endpont\""),
+        "{}",
+        stderr(&o)
+    );
+    std::fs::write(&config, "agent-endpoint = [1]\n").unwrap();
+    let o = run(&[], &[]);
+    assert!(
+        stderr(&o).contains("must be a string, number or boolean"),
+        "{}",
+        stderr(&o)
+    );
+    // SHEPHERD_CONFIG names the file too.
+    std::fs::write(
+        &config,
+        "agent-endpoint = \"x:1\"\nsim-machines = \"many\"\n",
+    )
+    .unwrap();
+    let o = shepherd()
+        .args(["run", "--provider", "sim", "--database", &db])
+        .env("SHEPHERD_CONFIG", &config)
+        .output()
+        .unwrap();
+    assert!(stderr(&o).contains("--sim-machines"), "{}", stderr(&o));
+}
+
+/// The database's counts; `None` while `shepherd run` has not created and migrated it yet.
+async fn counts(url: &str) -> Option<StatusCounts> {
+    let db = Bmdb::open(url).await.ok()?;
+    let c = db
+        .read(|tx| Box::pin(async move { tx.status_counts().await }))
+        .await
+        .unwrap();
+    db.close().await;
+    Some(c)
+}
+
+/// Waits until `done(counts)`, then SIGTERMs the child and checks it exits cleanly with no
+/// sessions or work left behind.
+async fn run_until_then_terminate(
+    mut child: Child,
+    url: &str,
+    done: impl Fn(&StatusCounts) -> bool,
+) -> StatusCounts {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let out = child.wait_with_output().unwrap();
+            panic!("shepherd run exited early with {status}: {}", stderr(&out));
+        }
+        let c = counts(url).await;
+        if c.as_ref().is_some_and(&done) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no progress: {c:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let pid = child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let started = Instant::now();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "exit {}: {}",
+        out.status,
+        stderr(&out)
+    );
+    assert!(started.elapsed() < Duration::from_secs(15), "slow shutdown");
+    let c = counts(url).await.unwrap();
+    assert_eq!(
+        c.sessions_live + c.sessions_expired,
+        0,
+        "sessions left: {c:?}"
+    );
+    assert!(c.work.iter().all(|(_, n)| *n == 0), "work left: {c:?}");
+    c
+}
+
+async fn sim_run_converges_and_shuts_down(url: &str) {
+    let child = shepherd()
+        .args([
+            "run",
+            "--provider",
+            "sim",
+            "--sim-machines",
+            "30",
+            "--migrate",
+            "--database",
+            url,
+        ])
+        .args([
+            "--agent-endpoint",
+            "bmaas.test:443",
+            "--provisioner-max-machines",
+            "0",
+        ])
+        .args([
+            "--provisioner-reconcile-rate",
+            "100ms,1",
+            "--provisioner-creation-rate",
+            "1ms,30",
+        ])
+        .args([
+            "--initializer-parallelism",
+            "4",
+            "--initializer-db-rate",
+            "1ms,8",
+        ])
+        .args(["--sim-takeover-time", "20ms"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let c = run_until_then_terminate(child, url, |c| {
+        c.agent_started == 30 && c.heartbeating == 30
+    })
+    .await;
+    assert_eq!(c.provided, 30);
+}
+
+#[tokio::test]
+async fn sim_run_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("s.db").display());
+    sim_run_converges_and_shuts_down(&url).await;
+}
+
+#[tokio::test]
+async fn sim_run_on_postgres() {
+    let Some(url) = testing::fresh_postgres_database().await else {
+        return;
+    };
+    sim_run_converges_and_shuts_down(&url).await;
+}
+
+#[tokio::test]
+async fn static_run_takes_a_real_sshd_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("s.db").display());
+    // The operator's key is generated by shepherd itself on first start; here we create it
+    // first so the machine can trust it.
+    let key_path = dir.path().join("id_ed25519");
+    let key = shepherd_ssh::load_or_generate_key(&key_path).unwrap();
+    let sshd = shepherd_ssh::testing::Sshd::start(&[key.public_key()]);
+    let inventory = dir.path().join("inventory.json");
+    std::fs::write(
+        &inventory,
+        serde_json::to_vec(
+            &serde_json::json!([{"ID": "rack1-box1", "Addr": sshd.addr(), "Location": "rack1"}]),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let agent = shepherd_loops::testing::test_agent_path();
+    let target = sshd.dir().join("agent");
+    let config = dir.path().join("shepherd.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "provider = \"static\"\nstatic-inventory = \"file://{}\"\nagent-executable = \"{}\"\n\
+             agent-target-path = \"{}\"\nagent-endpoint = \"bmaas.test:443\"\nssh-key = \"{}\"\n\
+             ssh-user = \"{}\"\nssh-connect-timeout = \"10s\"\nprovisioner-reconcile-rate = \"100ms,1\"\n\
+             provisioner-creation-rate = \"1ms,1\"\ninitializer-db-rate = \"10ms,1\"\nmigrate = true\n",
+            inventory.display(),
+            agent.display(),
+            target.display(),
+            key_path.display(),
+            std::env::var("USER").unwrap_or_else(|_| "root".into()),
+        ),
+    )
+    .unwrap();
+    let child = shepherd()
+        .args(["run", "--database", &url, "--config"])
+        .arg(&config)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let c = run_until_then_terminate(child, &url, |c| c.agent_started == 1).await;
+    assert_eq!(c.provided, 1);
+    assert!(Path::new(&target).exists());
+    assert_eq!(
+        std::fs::read(&target).unwrap(),
+        std::fs::read(&agent).unwrap()
+    );
+}
+
+#[test]
+fn demo_converges_and_prints_a_summary() {
+    let o = shepherd()
+        .args(["demo", "--machines", "60", "--takeover-time", "10ms"])
+        .args([
+            "--silent-agent-rate",
+            "0.1",
+            "--connect-failure-rate",
+            "0.1",
+            "--timeout",
+            "90s",
+        ])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    let value = |name: &str| -> String {
+        out.lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("no {name:?} row in {out}"))[name.len()..]
+            .trim()
+            .to_string()
+    };
+    assert_eq!(value("machines provided"), "60");
+    assert_eq!(value("agents heartbeating"), "60");
+    assert!(value("time to converge").ends_with(" s"), "{out}");
+    // Failures were injected, retried and recovered from.
+    let finished: u64 = value("takeovers finished").parse().unwrap();
+    assert!(finished >= 60, "{out}");
+}
