@@ -2,6 +2,7 @@
 //! and write a markdown report under `bench/results/`.
 
 mod bmdb;
+mod ssh;
 mod stats;
 
 use clap::{Parser, Subcommand};
@@ -17,11 +18,14 @@ struct Cli {
 enum Bench {
     /// Claim throughput and latency of the BMDB on Postgres and SQLite.
     Bmdb(bmdb::Args),
+    /// Takeovers over a real sshd: Shepherd's SSH transport against OpenSSH scp + ssh.
+    Ssh(ssh::Args),
 }
 
 #[tokio::main(flavor = "multi_thread")]
 async fn main() -> anyhow::Result<()> {
     match Cli::parse().bench {
         Bench::Bmdb(args) => bmdb::run(args).await,
+        Bench::Ssh(args) => ssh::run(args).await,
     }
 }

@@ -12,6 +12,7 @@ pub mod testing;
 pub use client::{Auth, ExecOutput, SshClient, SshConfig, SshSession};
 pub use error::SshError;
 pub use key::{load_or_generate_key, public_key_openssh, KeyError};
+pub use russh::keys::ssh_key::LineEnding;
 pub use russh::keys::{PrivateKey, PublicKey};
 
 /// Parses an OpenSSH public key line (`ssh-ed25519 AAAA… [comment]`), e.g. a pinned host key.
