@@ -1,0 +1,13 @@
+//! The BMaaS server (SPEC §12): agents heartbeat over gRPC with TLS, presenting self-signed
+//! certificates of their ed25519 key; each request is authorized against the `agent_started`
+//! tag, and heartbeats, hardware reports and installation reports land in the BMDB.
+
+pub mod pool;
+pub mod serve;
+pub mod service;
+pub mod tls;
+
+pub use pool::SessionPool;
+pub use serve::{serve, ServerLimits};
+pub use service::{BmaasService, MAX_MESSAGE_BYTES};
+pub use tls::{dev_certs, load_server_config, peer_ed25519_key, DevCerts};

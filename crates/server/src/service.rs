@@ -1,0 +1,128 @@
+//! The `AgentCallback` service: authorize the agent, store what it reports, answer with the
+//! pending installation request.
+
+use std::sync::Arc;
+
+use shepherd_bmdb::{Error as BmdbError, InstallationResult, OsInstallationReport as ReportTag};
+use shepherd_proto::bmaas::agent_callback_server::AgentCallback;
+use shepherd_proto::bmaas::{
+    os_installation_report, HeartbeatRequest, HeartbeatResponse, OsInstallationRequest,
+};
+use shepherd_proto::Message;
+use tonic::{Request, Response, Status};
+use uuid::Uuid;
+
+use crate::pool::SessionPool;
+use crate::tls::peer_ed25519_key;
+
+/// Largest request accepted (a hardware report of a big machine is tens of KiB).
+pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
+
+/// The same answer for an unknown machine and a wrong key, so callers cannot probe ids.
+const UNAUTHENTICATED: &str = "unknown machine or wrong agent key";
+
+/// The agent-facing service.
+pub struct BmaasService {
+    pool: Arc<SessionPool>,
+}
+
+impl BmaasService {
+    /// A service writing through `pool`.
+    pub fn new(pool: Arc<SessionPool>) -> Self {
+        BmaasService { pool }
+    }
+}
+
+enum Outcome {
+    Unauthorized,
+    Done(Option<Vec<u8>>),
+}
+
+fn unavailable(e: BmdbError) -> Status {
+    tracing::warn!(error = %e, "heartbeat transaction failed");
+    Status::unavailable("database unavailable, retry later")
+}
+
+#[tonic::async_trait]
+impl AgentCallback for BmaasService {
+    async fn heartbeat(
+        &self,
+        request: Request<HeartbeatRequest>,
+    ) -> Result<Response<HeartbeatResponse>, Status> {
+        let key = request
+            .peer_certs()
+            .and_then(|certs| certs.first().and_then(|c| peer_ed25519_key(c)))
+            .ok_or_else(|| {
+                Status::unauthenticated("client certificate must certify an ed25519 key")
+            })?;
+        let req = request.into_inner();
+        let machine: Uuid = req
+            .machine_id
+            .parse()
+            .map_err(|_| Status::invalid_argument("machine_id is not a UUID"))?;
+        let hardware = req.hardware_report.as_ref().map(|r| r.encode_to_vec());
+        let installation = match &req.installation_report {
+            None => None,
+            Some(r) => {
+                let result = match &r.result {
+                    Some(os_installation_report::Result::Success(_)) => InstallationResult::Success,
+                    Some(os_installation_report::Result::Error(_)) => InstallationResult::Error,
+                    None => {
+                        return Err(Status::invalid_argument(
+                            "installation_report has neither success nor error",
+                        ))
+                    }
+                };
+                Some(ReportTag {
+                    generation: r.generation,
+                    result,
+                    report_raw: r.encode_to_vec(),
+                })
+            }
+        };
+        let session = self.pool.get().await.map_err(unavailable)?;
+        let outcome = session
+            .transact(move |tx| {
+                let (hardware, installation) = (hardware.clone(), installation.clone());
+                Box::pin(async move {
+                    if !tx.agent_key_matches(machine, &key).await? {
+                        return Ok(Outcome::Unauthorized);
+                    }
+                    if let Some(raw) = &hardware {
+                        tx.set_hardware_report(machine, raw).await?;
+                    }
+                    if let Some(report) = &installation {
+                        tx.set_os_installation_report(machine, report).await?;
+                    }
+                    tx.set_heartbeat(machine).await?;
+                    let pending = match tx.os_installation_request(machine).await? {
+                        None => None,
+                        Some(request) => {
+                            let fulfilled = tx
+                                .os_installation_report(machine)
+                                .await?
+                                .is_some_and(|r| r.generation == request.generation);
+                            (!fulfilled).then_some(request.request_raw)
+                        }
+                    };
+                    Ok(Outcome::Done(pending))
+                })
+            })
+            .await
+            .map_err(unavailable)?;
+        let pending = match outcome {
+            Outcome::Unauthorized => return Err(Status::unauthenticated(UNAUTHENTICATED)),
+            Outcome::Done(pending) => pending,
+        };
+        let installation_request = pending.and_then(|raw| match OsInstallationRequest::decode(raw.as_slice()) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::error!(%machine, error = %e, "stored installation request does not decode; not sent");
+                None
+            }
+        });
+        Ok(Response::new(HeartbeatResponse {
+            installation_request,
+        }))
+    }
+}

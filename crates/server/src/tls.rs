@@ -1,0 +1,176 @@
+//! TLS for the agent-facing server: our certificate from files (or generated for development),
+//! and a client-certificate verifier that accepts any certificate — agents' certificates are
+//! self-signed — while still checking the handshake signature, which proves the client holds
+//! the key in its certificate. Authorization happens per request, against the BMDB.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use rustls::client::danger::HandshakeSignatureValid;
+use rustls::crypto::{
+    verify_tls12_signature, verify_tls13_signature, CryptoProvider, WebPkiSupportedAlgorithms,
+};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::{DigitallySignedStruct, DistinguishedName, ServerConfig, SignatureScheme};
+
+/// Accepts any client certificate, but verifies the handshake signature made with its key.
+#[derive(Debug)]
+struct AnyClientCert {
+    algorithms: WebPkiSupportedAlgorithms,
+}
+
+impl ClientCertVerifier for AnyClientCert {
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        &[]
+    }
+
+    fn verify_client_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        Ok(ClientCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls12_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls13_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.algorithms.supported_schemes()
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        true
+    }
+}
+
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn server_config(
+    chain: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+) -> Result<ServerConfig> {
+    let provider = provider();
+    let verifier = Arc::new(AnyClientCert {
+        algorithms: provider.signature_verification_algorithms,
+    });
+    let mut config = ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(chain, key)
+        .context("server certificate and key do not match")?;
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(config)
+}
+
+/// A server config from a PEM certificate chain and a PEM private key.
+pub fn load_server_config(cert: &Path, key: &Path) -> Result<ServerConfig> {
+    let chain = rustls_pemfile::certs(&mut std::io::BufReader::new(
+        std::fs::File::open(cert).with_context(|| format!("tls-cert: {}", cert.display()))?,
+    ))
+    .collect::<Result<Vec<_>, _>>()
+    .with_context(|| format!("tls-cert: {}", cert.display()))?;
+    if chain.is_empty() {
+        bail!("tls-cert: {} holds no certificate", cert.display());
+    }
+    let key = rustls_pemfile::private_key(&mut std::io::BufReader::new(
+        std::fs::File::open(key).with_context(|| format!("tls-key: {}", key.display()))?,
+    ))
+    .with_context(|| format!("tls-key: {}", key.display()))?
+    .with_context(|| format!("tls-key: {} holds no private key", key.display()))?;
+    server_config(chain, key)
+}
+
+/// Development certificates: a CA and a server certificate signed by it, kept in a directory
+/// and reused on later starts (private keys 0600).
+#[derive(Debug, Clone)]
+pub struct DevCerts {
+    /// The CA certificate agents must trust (PEM).
+    pub ca_pem: PathBuf,
+    /// The server certificate (PEM).
+    pub cert_pem: PathBuf,
+    /// The server key (PEM).
+    pub key_pem: PathBuf,
+}
+
+/// Creates (or reuses) development certificates in `dir` for the DNS names / IPs in `names`.
+pub fn dev_certs(dir: &Path, names: &[String]) -> Result<DevCerts> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let certs = DevCerts {
+        ca_pem: dir.join("ca.pem"),
+        cert_pem: dir.join("server.pem"),
+        key_pem: dir.join("server.key"),
+    };
+    if certs.ca_pem.exists() && certs.cert_pem.exists() && certs.key_pem.exists() {
+        let mode = std::fs::metadata(&certs.key_pem)?.permissions().mode();
+        if mode & 0o077 != 0 {
+            bail!(
+                "dev-certs: {} is readable by group or others; chmod 600 it",
+                certs.key_pem.display()
+            );
+        }
+        return Ok(certs);
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("dev-certs: {}", dir.display()))?;
+    let ca_key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ED25519)?;
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new())?;
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "shepherd dev CA");
+    let ca = ca_params.self_signed(&ca_key)?;
+    let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ED25519)?;
+    let mut params = rcgen::CertificateParams::new(names.to_vec())?;
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "shepherd BMaaS server");
+    let issuer = rcgen::Issuer::from_params(&ca_params, &ca_key);
+    let cert = params.signed_by(&key, &issuer)?;
+    let write = |path: &Path, text: &str, mode: u32| -> Result<()> {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(mode)
+            .open(path)
+            .with_context(|| format!("dev-certs: {}", path.display()))?;
+        std::io::Write::write_all(&mut f, text.as_bytes())?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+        Ok(())
+    };
+    write(&certs.key_pem, &key.serialize_pem(), 0o600)?;
+    write(&certs.cert_pem, &cert.pem(), 0o644)?;
+    write(&certs.ca_pem, &ca.pem(), 0o644)?;
+    Ok(certs)
+}
+
+/// The ed25519 public key in a DER certificate, if that is what it certifies.
+pub fn peer_ed25519_key(cert: &[u8]) -> Option<[u8; 32]> {
+    const ED25519: &str = "1.3.101.112";
+    let (_, cert) = x509_parser::parse_x509_certificate(cert).ok()?;
+    let spki = cert.public_key();
+    if spki.algorithm.algorithm.to_id_string() != ED25519 {
+        return None;
+    }
+    spki.subject_public_key.data.as_ref().try_into().ok()
+}

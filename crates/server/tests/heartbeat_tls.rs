@@ -1,0 +1,316 @@
+//! The BMaaS server over real TLS on both backends: authorization by agent key, what a
+//! heartbeat writes, size bounds, and the installation request/report cycle.
+
+use std::sync::Arc;
+
+use shepherd_bmdb::{Bmdb, InstallationResult, Processor, SessionConfig};
+use shepherd_proto::agent::Node;
+use shepherd_proto::bmaas::agent_callback_client::AgentCallbackClient;
+use shepherd_proto::bmaas::*;
+use shepherd_proto::Message;
+use shepherd_server::*;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+use tonic::Code;
+use uuid::Uuid;
+
+struct Server {
+    addr: String,
+    ca_pem: String,
+    cancel: CancellationToken,
+    _dir: tempfile::TempDir,
+}
+
+async fn start(db: &Bmdb) -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dev_certs(dir.path(), &["localhost".into()]).unwrap();
+    let tls = load_server_config(&certs.cert_pem, &certs.key_pem).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let pool = Arc::new(SessionPool::new(
+        db.clone(),
+        SessionConfig::new("bmsrv-test", Processor::Bmsrv),
+        2,
+    ));
+    let cancel = CancellationToken::new();
+    tokio::spawn(serve(
+        listener,
+        Arc::new(tls),
+        BmaasService::new(pool),
+        ServerLimits::default(),
+        cancel.clone(),
+    ));
+    Server {
+        addr,
+        ca_pem: std::fs::read_to_string(&certs.ca_pem).unwrap(),
+        cancel,
+        _dir: dir,
+    }
+}
+
+/// An agent identity: a self-signed certificate of a fresh ed25519 key.
+struct Agent {
+    key: Vec<u8>,
+    cert_pem: String,
+    key_pem: String,
+}
+
+fn agent() -> Agent {
+    let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ED25519).unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["agent".into()])
+        .unwrap()
+        .self_signed(&key)
+        .unwrap();
+    Agent {
+        key: key.public_key_raw().to_vec(),
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+    }
+}
+
+async fn client(
+    server: &Server,
+    agent: Option<&Agent>,
+) -> Result<AgentCallbackClient<Channel>, tonic::transport::Error> {
+    let mut tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&server.ca_pem))
+        .domain_name("localhost");
+    if let Some(a) = agent {
+        tls = tls.identity(Identity::from_pem(&a.cert_pem, &a.key_pem));
+    }
+    let channel = Endpoint::from_shared(format!("https://{}", server.addr))?
+        .tls_config(tls)?
+        .connect()
+        .await?;
+    Ok(AgentCallbackClient::new(channel).max_encoding_message_size(8 << 20))
+}
+
+async fn machine_with_agent(db: &Bmdb, key: &[u8]) -> Uuid {
+    let key = key.to_vec();
+    db.transact(move |tx| {
+        let key = key.clone();
+        Box::pin(async move {
+            let id = tx.create_machine().await?;
+            tx.set_agent_started(id, &key).await?;
+            Ok(id)
+        })
+    })
+    .await
+    .unwrap()
+}
+
+async fn heartbeat_of(db: &Bmdb, id: Uuid) -> Option<chrono::DateTime<chrono::Utc>> {
+    db.read(move |tx| Box::pin(async move { tx.heartbeat(id).await }))
+        .await
+        .unwrap()
+}
+
+fn beat(id: &str) -> HeartbeatRequest {
+    HeartbeatRequest {
+        machine_id: id.into(),
+        ..Default::default()
+    }
+}
+
+async fn agents_are_authorized_by_key(db: Bmdb) {
+    let server = start(&db).await;
+    let (good, other) = (agent(), agent());
+    let m = machine_with_agent(&db, &good.key).await;
+    let mut c = client(&server, Some(&good)).await.unwrap();
+
+    let report = AgentHardwareReport {
+        report: Some(Node {
+            manufacturer: "Acme".into(),
+            memory_installed_bytes: 64 << 30,
+            ..Default::default()
+        }),
+        warning: vec!["no DMI".into()],
+    };
+    let resp = c
+        .heartbeat(HeartbeatRequest {
+            machine_id: m.to_string(),
+            hardware_report: Some(report.clone()),
+            installation_report: None,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(resp.installation_request.is_none());
+    assert!(heartbeat_of(&db, m).await.is_some());
+    let stored = db
+        .read(move |tx| Box::pin(async move { tx.hardware_report(m).await }))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        AgentHardwareReport::decode(stored.as_slice()).unwrap(),
+        report
+    );
+
+    // Another key for this machine, and any key for an unknown machine: the same answer.
+    let m2 = machine_with_agent(&db, &good.key).await;
+    let mut wrong = client(&server, Some(&other)).await.unwrap();
+    let e1 = wrong.heartbeat(beat(&m2.to_string())).await.unwrap_err();
+    let e2 = c
+        .heartbeat(beat(&Uuid::new_v4().to_string()))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (e1.code(), e2.code()),
+        (Code::Unauthenticated, Code::Unauthenticated)
+    );
+    assert_eq!(e1.message(), e2.message());
+    assert!(
+        heartbeat_of(&db, m2).await.is_none(),
+        "nothing written for a wrong key"
+    );
+
+    let e = c.heartbeat(beat("not-a-uuid")).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+
+    // An oversized report is refused and nothing is written.
+    let m3 = machine_with_agent(&db, &good.key).await;
+    let huge = HeartbeatRequest {
+        machine_id: m3.to_string(),
+        hardware_report: Some(AgentHardwareReport {
+            report: None,
+            warning: vec!["x".repeat(MAX_MESSAGE_BYTES + 1)],
+        }),
+        installation_report: None,
+    };
+    let e = c.heartbeat(huge).await.unwrap_err();
+    assert_eq!(e.code(), Code::OutOfRange, "{e}");
+    assert!(heartbeat_of(&db, m3).await.is_none());
+
+    // No client certificate: the TLS handshake itself fails.
+    let anonymous = match client(&server, None).await {
+        Ok(mut c) => c.heartbeat(beat(&m.to_string())).await.err(),
+        Err(e) => Some(tonic::Status::unavailable(e.to_string())),
+    };
+    assert!(
+        anonymous.is_some(),
+        "a client without a certificate got through"
+    );
+    server.cancel.cancel();
+}
+
+async fn installation_requests_until_reported(db: Bmdb) {
+    let server = start(&db).await;
+    let a = agent();
+    let m = machine_with_agent(&db, &a.key).await;
+    let mut c = client(&server, Some(&a)).await.unwrap();
+    let request = |generation| OsInstallationRequest {
+        generation,
+        r#type: Some(os_installation_request::Type::Image(
+            ImageInstallationRequest {
+                url: "https://images.example/os.img".into(),
+                sha256: "00".repeat(32),
+                target_device: "/dev/sda".into(),
+            },
+        )),
+    };
+    let set = |generation| {
+        let raw = request(generation).encode_to_vec();
+        let db = db.clone();
+        async move {
+            db.transact(move |tx| {
+                let raw = raw.clone();
+                Box::pin(async move {
+                    tx.set_os_installation_request(
+                        m,
+                        &shepherd_bmdb::OsInstallationRequest {
+                            generation,
+                            request_raw: raw,
+                        },
+                    )
+                    .await
+                })
+            })
+            .await
+            .unwrap()
+        }
+    };
+    set(1).await;
+    for _ in 0..2 {
+        let resp = c
+            .heartbeat(beat(&m.to_string()))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(resp.installation_request, Some(request(1)));
+    }
+    let report = |generation, error: Option<&str>| OsInstallationReport {
+        generation,
+        result: Some(match error {
+            Some(e) => os_installation_report::Result::Error(os_installation_report::Error {
+                error: e.into(),
+            }),
+            None => os_installation_report::Result::Success(os_installation_report::Success {}),
+        }),
+    };
+    let resp = c
+        .heartbeat(HeartbeatRequest {
+            machine_id: m.to_string(),
+            installation_report: Some(report(1, Some("checksum mismatch"))),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        resp.installation_request.is_none(),
+        "a reported generation is no longer pending"
+    );
+    let stored = db
+        .read(move |tx| Box::pin(async move { tx.os_installation_report(m).await }))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (stored.generation, stored.result),
+        (1, InstallationResult::Error)
+    );
+
+    // A new generation is pending again; a report without a result is refused.
+    set(2).await;
+    let resp = c
+        .heartbeat(beat(&m.to_string()))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(resp.installation_request, Some(request(2)));
+    let e = c
+        .heartbeat(HeartbeatRequest {
+            machine_id: m.to_string(),
+            installation_report: Some(OsInstallationReport {
+                generation: 2,
+                result: None,
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    c.heartbeat(HeartbeatRequest {
+        machine_id: m.to_string(),
+        installation_report: Some(report(2, None)),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let stored = db
+        .read(move |tx| Box::pin(async move { tx.os_installation_report(m).await }))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (stored.generation, stored.result),
+        (2, InstallationResult::Success)
+    );
+    server.cancel.cancel();
+}
+
+shepherd_bmdb::conformance_tests!(
+    agents_are_authorized_by_key,
+    installation_requests_until_reported
+);
