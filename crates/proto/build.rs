@@ -5,6 +5,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "proto/cloud/agent/api/takeover.proto",
         "proto/cloud/agent/api/hwreport.proto",
         "proto/cloud/bmaas/server/api/agentcallback.proto",
+        "proto/shepherd/agent/state.proto",
     ];
     let descriptors = protox::compile(files, ["proto"])?;
     tonic_prost_build::configure().compile_fds(descriptors)?;

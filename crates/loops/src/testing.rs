@@ -8,7 +8,20 @@ use std::sync::OnceLock;
 /// (built on first call, so a test run of a single crate still finds it).
 pub fn test_agent_path() -> PathBuf {
     static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
+    PATH.get_or_init(|| workspace_binary("shepherd-test-agent"))
+        .clone()
+}
+
+/// Path of a freshly built `shepherd-agent` binary (the real agent).
+pub fn agent_path() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| workspace_binary("shepherd-agent"))
+        .clone()
+}
+
+/// Builds the binary of workspace package `package` (same name) in the current profile.
+fn workspace_binary(package: &str) -> PathBuf {
+    {
         let exe = std::env::current_exe().expect("current exe");
         // target/<profile>/deps/<test> or target/<profile>/<bin>
         let mut profile_dir = exe.parent().expect("exe dir").to_path_buf();
@@ -18,15 +31,14 @@ pub fn test_agent_path() -> PathBuf {
         let release = profile_dir.ends_with("release");
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut build = Command::new(cargo);
-        build.args(["build", "--quiet", "-p", "shepherd-test-agent"]);
+        build.args(["build", "--quiet", "-p", package]);
         if release {
             build.arg("--release");
         }
         let status = build.status().expect("running cargo build");
-        assert!(status.success(), "building shepherd-test-agent failed");
-        let path = profile_dir.join("shepherd-test-agent");
+        assert!(status.success(), "building {package} failed");
+        let path = profile_dir.join(package);
         assert!(path.exists(), "{} missing after build", path.display());
         path
-    })
-    .clone()
+    }
 }

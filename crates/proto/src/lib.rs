@@ -23,6 +23,15 @@ pub mod cloud {
     }
 }
 
+/// Shepherd's own messages.
+#[allow(missing_docs, clippy::all)]
+pub mod shepherd {
+    /// Package `shepherd.agent`: the agent's state file.
+    pub mod agent {
+        tonic::include_proto!("shepherd.agent");
+    }
+}
+
 /// Messages the agent speaks: the takeover protocol and the hardware report.
 pub use cloud::agent::api as agent;
 /// The agent-facing BMaaS service and its messages.

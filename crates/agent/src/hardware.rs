@@ -1,0 +1,313 @@
+//! The hardware report, read from /proc, /sys and DMI. Whatever cannot be read (inside VMs
+//! and containers, or without root) becomes a warning rather than a failure.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use shepherd_proto::agent::{
+    block_device, cpu, BlockDevice, Cpu, EfiSupport, NetworkInterface, Node,
+};
+use shepherd_proto::bmaas::AgentHardwareReport;
+
+fn read(path: impl AsRef<Path>) -> Option<String> {
+    std::fs::read_to_string(path)
+        .ok()
+        .map(|s| s.trim().to_string())
+}
+
+fn read_num(path: impl AsRef<Path>) -> Option<i64> {
+    read(path)?.parse().ok()
+}
+
+/// Reads the report from the live system.
+pub fn report() -> AgentHardwareReport {
+    report_from(Path::new("/"))
+}
+
+/// Reads the report from a root directory (tests point it at a fake tree).
+pub fn report_from(root: &Path) -> AgentHardwareReport {
+    let mut warnings = Vec::new();
+    let mut node = Node::default();
+    let dmi = root.join("sys/class/dmi/id");
+    for (field, file) in [
+        (&mut node.manufacturer, "sys_vendor"),
+        (&mut node.product, "product_name"),
+        (&mut node.serial_number, "product_serial"),
+    ] {
+        match read(dmi.join(file)) {
+            Some(v) => *field = v,
+            None => warnings.push(format!("DMI {file} unreadable")),
+        }
+    }
+    memory(root, &mut node, &mut warnings);
+    node.cpu = cpus(root, &mut warnings);
+    node.block_device = block_devices(root, &mut warnings);
+    node.network_interface = network_interfaces(root, &mut warnings);
+    node.efi_support = if root.join("sys/firmware/efi").exists() {
+        EfiSupport::Enabled as i32
+    } else {
+        EfiSupport::Unknown as i32
+    };
+    AgentHardwareReport {
+        report: Some(node),
+        warning: warnings,
+    }
+}
+
+fn memory(root: &Path, node: &mut Node, warnings: &mut Vec<String>) {
+    let total_kib = read(root.join("proc/meminfo")).and_then(|m| {
+        m.lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<i64>().ok())
+    });
+    let blocks = root.join("sys/devices/system/memory");
+    let block_size =
+        read(blocks.join("block_size_bytes")).and_then(|h| i64::from_str_radix(&h, 16).ok());
+    let block_count = std::fs::read_dir(&blocks).ok().map(|d| {
+        d.filter_map(|e| e.ok())
+            .filter(|e| {
+                let n = e.file_name();
+                let n = n.to_string_lossy();
+                n.starts_with("memory") && n[6..].chars().all(|c| c.is_ascii_digit())
+            })
+            .count() as i64
+    });
+    let usable = total_kib.map(|k| k * 1024);
+    let installed = match (block_size, block_count) {
+        (Some(size), Some(count)) if count > 0 => Some(size * count),
+        _ => {
+            warnings
+                .push("memory blocks unreadable; installed memory approximated by MemTotal".into());
+            usable
+        }
+    };
+    match (installed, usable) {
+        (Some(i), Some(u)) if i > 0 => {
+            node.memory_installed_bytes = i;
+            node.memory_usable_ratio = (u as f64 / i as f64) as f32;
+        }
+        (Some(i), _) => node.memory_installed_bytes = i,
+        _ => warnings.push("memory size unreadable".into()),
+    }
+}
+
+fn cpus(root: &Path, warnings: &mut Vec<String>) -> Vec<Cpu> {
+    let Some(info) = read(root.join("proc/cpuinfo")) else {
+        warnings.push("/proc/cpuinfo unreadable".into());
+        return Vec::new();
+    };
+    // One entry per logical CPU; group them into sockets by "physical id".
+    let mut sockets: BTreeMap<String, (Cpu, i32)> = BTreeMap::new();
+    for block in info.split("\n\n").filter(|b| !b.trim().is_empty()) {
+        let field = |name: &str| {
+            block.lines().find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                (k.trim() == name).then(|| v.trim().to_string())
+            })
+        };
+        let socket = field("physical id").unwrap_or_else(|| "0".into());
+        let num = |name: &str| field(name).and_then(|v| v.parse::<i32>().ok()).unwrap_or(0);
+        let entry = sockets.entry(socket).or_insert_with(|| {
+            let vendor = field("vendor_id").unwrap_or_default();
+            (
+                Cpu {
+                    architecture: (!vendor.is_empty()).then(|| {
+                        cpu::Architecture::X8664(cpu::X8664 {
+                            family: num("cpu family"),
+                            model: num("model"),
+                            stepping: num("stepping"),
+                        })
+                    }),
+                    cores: num("cpu cores"),
+                    hardware_threads: 0,
+                    vendor,
+                    model: field("model name").unwrap_or_default(),
+                },
+                0,
+            )
+        });
+        entry.1 += 1;
+    }
+    sockets
+        .into_values()
+        .map(|(mut c, threads)| {
+            c.hardware_threads = threads;
+            if c.cores == 0 {
+                c.cores = threads;
+            }
+            c
+        })
+        .collect()
+}
+
+fn block_devices(root: &Path, warnings: &mut Vec<String>) -> Vec<BlockDevice> {
+    let Ok(dir) = std::fs::read_dir(root.join("sys/block")) else {
+        warnings.push("/sys/block unreadable".into());
+        return Vec::new();
+    };
+    let mut devices = Vec::new();
+    for entry in dir.filter_map(|e| e.ok()) {
+        let name = entry.file_name().to_string_lossy().to_string();
+        if ["loop", "ram", "zram", "dm-", "sr"]
+            .iter()
+            .any(|p| name.starts_with(p))
+        {
+            continue;
+        }
+        let p = entry.path();
+        let protocol = if name.starts_with("nvme") {
+            block_device::Protocol::Nvme
+        } else if name.starts_with("mmcblk") {
+            block_device::Protocol::Mmc
+        } else if name.starts_with("sd") {
+            block_device::Protocol::Scsi
+        } else {
+            block_device::Protocol::Unknown
+        };
+        devices.push(BlockDevice {
+            vendor: read(p.join("device/vendor")).unwrap_or_default(),
+            device_model: read(p.join("device/model")).unwrap_or_default(),
+            serial_number: read(p.join("device/serial")).unwrap_or_default(),
+            wwn: read(p.join("wwid")).unwrap_or_default().into_bytes(),
+            rotational: read_num(p.join("queue/rotational")) == Some(1),
+            capacity_bytes: read_num(p.join("size")).unwrap_or(0) * 512,
+            logical_block_size_bytes: read_num(p.join("queue/logical_block_size")).unwrap_or(0)
+                as i32,
+            physical_block_size_bytes: read_num(p.join("queue/physical_block_size")).unwrap_or(0)
+                as i32,
+            protocol: protocol as i32,
+            ..Default::default()
+        });
+    }
+    devices.sort_by(|a, b| a.serial_number.cmp(&b.serial_number));
+    devices
+}
+
+fn parse_mac(s: &str) -> Option<Vec<u8>> {
+    s.split(':')
+        .map(|h| u8::from_str_radix(h, 16).ok())
+        .collect()
+}
+
+fn network_interfaces(root: &Path, warnings: &mut Vec<String>) -> Vec<NetworkInterface> {
+    let Ok(dir) = std::fs::read_dir(root.join("sys/class/net")) else {
+        warnings.push("/sys/class/net unreadable".into());
+        return Vec::new();
+    };
+    let mut nics = Vec::new();
+    for entry in dir.filter_map(|e| e.ok()) {
+        let p = entry.path();
+        // Only physical interfaces have a device; skip lo, bridges, veths.
+        if !p.join("device").exists() {
+            continue;
+        }
+        let speed_mbps = read_num(p.join("speed")).filter(|s| *s > 0).unwrap_or(0);
+        nics.push(NetworkInterface {
+            mac: read(p.join("address"))
+                .and_then(|m| parse_mac(&m))
+                .unwrap_or_default(),
+            driver: std::fs::read_link(p.join("device/driver"))
+                .ok()
+                .and_then(|l| l.file_name().map(|n| n.to_string_lossy().to_string()))
+                .unwrap_or_default(),
+            supported_speed_bytes: Vec::new(),
+            link_up: read_num(p.join("carrier")) == Some(1),
+            current_speed_bytes: speed_mbps * 1_000_000 / 8,
+        });
+    }
+    nics
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn put(root: &Path, rel: &str, content: &str) {
+        let p = root.join(rel);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, content).unwrap();
+    }
+
+    #[test]
+    fn reads_a_fake_machine() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = dir.path();
+        put(r, "sys/class/dmi/id/sys_vendor", "Acme\n");
+        put(r, "sys/class/dmi/id/product_name", "Rack 9000\n");
+        put(
+            r,
+            "proc/meminfo",
+            "MemTotal:       8000000 kB\nMemFree: 1 kB\n",
+        );
+        put(r, "sys/devices/system/memory/block_size_bytes", "8000000\n");
+        for i in 0..64 {
+            put(
+                r,
+                &format!("sys/devices/system/memory/memory{i}/online"),
+                "1",
+            );
+        }
+        let cpu = |n, phys| {
+            format!("processor\t: {n}\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 85\nmodel name\t: Xeon\nstepping\t: 7\nphysical id\t: {phys}\ncpu cores\t: 2\n\n")
+        };
+        put(
+            r,
+            "proc/cpuinfo",
+            &[cpu(0, 0), cpu(1, 0), cpu(2, 1), cpu(3, 1)].concat(),
+        );
+        put(r, "sys/block/nvme0n1/size", "2000");
+        put(r, "sys/block/nvme0n1/queue/rotational", "0");
+        put(r, "sys/block/nvme0n1/device/serial", "S123");
+        put(r, "sys/block/loop0/size", "1");
+        put(r, "sys/class/net/eth0/address", "aa:bb:cc:00:11:22");
+        put(r, "sys/class/net/eth0/carrier", "1");
+        put(r, "sys/class/net/eth0/speed", "1000");
+        std::fs::create_dir_all(r.join("sys/class/net/eth0/device")).unwrap();
+        std::fs::create_dir_all(r.join("sys/class/net/lo")).unwrap();
+
+        let report = report_from(r);
+        let node = report.report.unwrap();
+        assert_eq!(
+            (node.manufacturer.as_str(), node.product.as_str()),
+            ("Acme", "Rack 9000")
+        );
+        assert_eq!(node.memory_installed_bytes, 64 * 0x8000000);
+        assert!((node.memory_usable_ratio - 8_192_000_000.0 / (64.0 * 134_217_728.0)).abs() < 1e-4);
+        assert_eq!(node.cpu.len(), 2);
+        assert_eq!((node.cpu[0].cores, node.cpu[0].hardware_threads), (2, 2));
+        assert!(matches!(
+            node.cpu[0].architecture,
+            Some(cpu::Architecture::X8664(cpu::X8664 {
+                family: 6,
+                model: 85,
+                stepping: 7
+            }))
+        ));
+        assert_eq!(node.block_device.len(), 1, "loop devices are skipped");
+        assert_eq!(node.block_device[0].capacity_bytes, 2000 * 512);
+        assert_eq!(
+            node.block_device[0].protocol,
+            block_device::Protocol::Nvme as i32
+        );
+        assert_eq!(node.network_interface.len(), 1, "lo is skipped");
+        assert_eq!(
+            node.network_interface[0].mac,
+            vec![0xaa, 0xbb, 0xcc, 0, 0x11, 0x22]
+        );
+        assert_eq!(node.network_interface[0].current_speed_bytes, 125_000_000);
+        assert!(node.network_interface[0].link_up);
+        // product_serial is missing: a warning, not a failure.
+        assert!(
+            report.warning.iter().any(|w| w.contains("product_serial")),
+            "{:?}",
+            report.warning
+        );
+    }
+
+    #[test]
+    fn an_empty_system_gives_warnings_not_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let report = report_from(dir.path());
+        assert!(report.warning.len() >= 5, "{:?}", report.warning);
+    }
+}

@@ -1,0 +1,43 @@
+//! The agent's ed25519 identity and the self-signed TLS client certificate made from it.
+
+use ring::signature::{Ed25519KeyPair, KeyPair};
+
+/// A fresh ed25519 key: (PKCS#8 DER, 32-byte public key).
+pub fn generate() -> Result<(Vec<u8>, Vec<u8>), String> {
+    let rng = ring::rand::SystemRandom::new();
+    let pkcs8 =
+        Ed25519KeyPair::generate_pkcs8(&rng).map_err(|_| "generating an ed25519 key failed")?;
+    let pair =
+        Ed25519KeyPair::from_pkcs8(pkcs8.as_ref()).map_err(|_| "reading the new key failed")?;
+    Ok((pkcs8.as_ref().to_vec(), pair.public_key().as_ref().to_vec()))
+}
+
+/// (certificate PEM, key PEM) of a self-signed certificate for the key.
+pub fn client_certificate(pkcs8: &[u8], machine_id: &str) -> Result<(String, String), String> {
+    let der = rustls_pki_types::PrivatePkcs8KeyDer::from(pkcs8);
+    let key = rcgen::KeyPair::from_pkcs8_der_and_sign_algo(&der, &rcgen::PKCS_ED25519)
+        .map_err(|e| format!("loading the agent key: {e}"))?;
+    let mut params =
+        rcgen::CertificateParams::new(Vec::<String>::new()).map_err(|e| e.to_string())?;
+    params.distinguished_name.push(
+        rcgen::DnType::CommonName,
+        format!("shepherd agent {machine_id}"),
+    );
+    let cert = params
+        .self_signed(&key)
+        .map_err(|e| format!("self-signing: {e}"))?;
+    Ok((cert.pem(), key.serialize_pem()))
+}
+
+/// PEM text of a DER certificate.
+pub fn der_to_pem(der: &[u8]) -> String {
+    use base64::Engine;
+    let b64 = base64::engine::general_purpose::STANDARD.encode(der);
+    let mut pem = String::from("-----BEGIN CERTIFICATE-----\n");
+    for chunk in b64.as_bytes().chunks(64) {
+        pem.push_str(std::str::from_utf8(chunk).expect("base64 is ASCII"));
+        pem.push('\n');
+    }
+    pem.push_str("-----END CERTIFICATE-----\n");
+    pem
+}

@@ -1,0 +1,92 @@
+//! The Shepherd agent (SPEC §13). Run with no arguments by the Initializer over SSH, it takes
+//! the machine over: reads a `TakeoverInit` from stdin, creates its ed25519 key, saves its state,
+//! answers a `TakeoverResponse` on stdout and starts itself in the background. In the
+//! background (`run`), it heartbeats to the BMaaS server over TLS with a certificate of that key,
+//! sends a hardware report once, and installs an OS image when asked.
+
+mod hardware;
+mod heartbeat;
+mod identity;
+mod install;
+mod state;
+mod takeover;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+/// Settings of the background agent.
+#[derive(Debug, Clone)]
+pub struct RunArgs {
+    /// The state file written at takeover.
+    pub state: PathBuf,
+    /// Time between heartbeats.
+    pub heartbeat_interval: Duration,
+    /// Shell command run after a successful installation was reported.
+    pub reboot_command: String,
+}
+
+fn env_duration(name: &str, default: Duration) -> Result<Duration, String> {
+    match std::env::var(name) {
+        Ok(v) => humantime::parse_duration(&v).map_err(|e| format!("{name}: {e}")),
+        Err(_) => Ok(default),
+    }
+}
+
+fn parse_run(args: &[String]) -> Result<RunArgs, String> {
+    let mut run = RunArgs {
+        state: state::default_path().map_err(|e| e.to_string())?,
+        heartbeat_interval: env_duration(
+            "SHEPHERD_AGENT_HEARTBEAT_INTERVAL",
+            Duration::from_secs(30),
+        )?,
+        reboot_command: std::env::var("SHEPHERD_AGENT_REBOOT_COMMAND")
+            .unwrap_or_else(|_| "reboot".into()),
+    };
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
+        match flag.as_str() {
+            "--state" => run.state = value.into(),
+            "--heartbeat-interval" => {
+                run.heartbeat_interval =
+                    humantime::parse_duration(value).map_err(|e| format!("{flag}: {e}"))?
+            }
+            "--reboot-command" => run.reboot_command = value.clone(),
+            other => return Err(format!("unknown flag {other}")),
+        }
+    }
+    if run.heartbeat_interval.is_zero() {
+        return Err("heartbeat interval must be more than zero".into());
+    }
+    Ok(run)
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        None | Some("takeover") => takeover::run(),
+        Some("run") => match parse_run(&args[1..]) {
+            Ok(run) => {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build();
+                match rt {
+                    Ok(rt) => rt.block_on(heartbeat::run(run)),
+                    Err(e) => {
+                        eprintln!("shepherd-agent: starting the runtime: {e}");
+                        ExitCode::FAILURE
+                    }
+                }
+            }
+            Err(e) => {
+                eprintln!("shepherd-agent: {e}");
+                ExitCode::from(2)
+            }
+        },
+        Some(other) => {
+            eprintln!("shepherd-agent: unknown mode {other:?}; usage: shepherd-agent [takeover] | run [--state PATH] [--heartbeat-interval 30s] [--reboot-command CMD]");
+            ExitCode::from(2)
+        }
+    }
+}

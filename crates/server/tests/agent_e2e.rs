@@ -1,0 +1,297 @@
+//! The real agent binary against the real server over TLS: takeover (as the Initializer runs
+//! it), heartbeats from the detached background agent, the hardware report, and OS
+//! installation from a local HTTP server, good and corrupted.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+use shepherd_bmdb::{Bmdb, InstallationResult, Processor, SessionConfig};
+use shepherd_loops::initializer::verify_response;
+use shepherd_loops::testing::agent_path;
+use shepherd_proto::agent::TakeoverInit;
+use shepherd_proto::bmaas::*;
+use shepherd_proto::Message;
+use shepherd_server::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+/// Serves `body` for every GET on a loopback port; returns the URL base.
+async fn http_server(files: Vec<(&'static str, Vec<u8>)>) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let files = Arc::new(files);
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let files = files.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let n = s.read(&mut buf).await.unwrap_or(0);
+                let req = String::from_utf8_lossy(&buf[..n]).to_string();
+                let path = req.split_whitespace().nth(1).unwrap_or("/").to_string();
+                let (status, body) = match files.iter().find(|(p, _)| *p == path) {
+                    Some((_, b)) => ("200 OK", b.clone()),
+                    None => ("404 Not Found", Vec::new()),
+                };
+                let head = format!(
+                    "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                    body.len()
+                );
+                let _ = s.write_all(head.as_bytes()).await;
+                let _ = s.write_all(&body).await;
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+/// Kills the background agent when the test ends, whatever happens.
+struct AgentProcess(Option<u32>);
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        if let Some(pid) = self.0 {
+            let _ = Command::new("kill").arg(pid.to_string()).status();
+        }
+    }
+}
+
+/// The pid of the process running `exe` (the detached background agent).
+fn pid_of(exe: &Path) -> Option<u32> {
+    let out = Command::new("pgrep")
+        .arg("-f")
+        .arg(exe.display().to_string())
+        .output()
+        .ok()?;
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .next()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+async fn wait_for<T>(what: &str, mut f: impl AsyncFnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn agent_takes_over_heartbeats_and_installs(db: Bmdb) {
+    // The server, with development certificates the agent trusts through TakeoverInit.
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dev_certs(&dir.path().join("certs"), &["localhost".into()]).unwrap();
+    let tls = load_server_config(&certs.cert_pem, &certs.key_pem).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let pool = Arc::new(SessionPool::new(
+        db.clone(),
+        SessionConfig::new("bmsrv", Processor::Bmsrv),
+        2,
+    ));
+    let cancel = CancellationToken::new();
+    tokio::spawn(serve(
+        listener,
+        Arc::new(tls),
+        BmaasService::new(pool.clone()),
+        ServerLimits::default(),
+        cancel.clone(),
+    ));
+    let ca_pem = std::fs::read_to_string(&certs.ca_pem).unwrap();
+    let ca_der = rustls_pemfile::certs(&mut ca_pem.as_bytes())
+        .next()
+        .unwrap()
+        .unwrap()
+        .to_vec();
+
+    // The agent is copied where the Initializer would upload it, and run as it would run it.
+    let exe: PathBuf = dir.path().join("agent");
+    std::fs::copy(agent_path(), &exe).unwrap();
+    let machine = db
+        .transact(|tx| Box::pin(async move { tx.create_machine().await }))
+        .await
+        .unwrap();
+    let init = TakeoverInit {
+        machine_id: machine.to_string(),
+        bmaas_endpoint: format!("localhost:{port}"),
+        ca_certificate: ca_der,
+    };
+    let marker = dir.path().join("rebooted");
+    let mut child = Command::new(&exe)
+        .env("SHEPHERD_AGENT_HEARTBEAT_INTERVAL", "200ms")
+        .env(
+            "SHEPHERD_AGENT_REBOOT_COMMAND",
+            format!("touch {}", marker.display()),
+        )
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all_sync(&init.encode_to_vec());
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let key = verify_response(&init, &out.stdout).unwrap();
+    let _background = AgentProcess(pid_of(&exe));
+    let state_mode = std::fs::metadata(dir.path().join("agent.state")).unwrap();
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&state_mode.permissions()) & 0o777,
+        0o600
+    );
+
+    // Nothing heartbeats until the Initializer records the key, then heartbeats arrive.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let m = machine;
+    assert!(db
+        .read(move |tx| Box::pin(async move { tx.heartbeat(m).await }))
+        .await
+        .unwrap()
+        .is_none());
+    let k = key.clone();
+    db.transact(move |tx| {
+        let k = k.clone();
+        Box::pin(async move { tx.set_agent_started(m, &k).await })
+    })
+    .await
+    .unwrap();
+    let report = wait_for("the hardware report", async || {
+        db.read(move |tx| Box::pin(async move { tx.hardware_report(m).await }))
+            .await
+            .unwrap()
+    })
+    .await;
+    let report = AgentHardwareReport::decode(report.as_slice()).unwrap();
+    assert!(report.report.unwrap().memory_installed_bytes > 0);
+    let first = wait_for("a heartbeat", async || {
+        db.read(move |tx| Box::pin(async move { tx.heartbeat(m).await }))
+            .await
+            .unwrap()
+    })
+    .await;
+    wait_for("a later heartbeat", async || {
+        let h = db
+            .read(move |tx| Box::pin(async move { tx.heartbeat(m).await }))
+            .await
+            .unwrap()?;
+        (h > first).then_some(())
+    })
+    .await;
+
+    // Installation: generation 1 is a corrupted image (checksum mismatch), generation 2 good.
+    let image: Vec<u8> = (0..3_000_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    let sha: String = Sha256::digest(&image)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let mut corrupted = image.clone();
+    corrupted[1234] ^= 0xff;
+    let base = http_server(vec![("/good.img", image.clone()), ("/bad.img", corrupted)]).await;
+    let disk = dir.path().join("disk");
+    for (generation, path, want) in [
+        (1, "/bad.img", InstallationResult::Error),
+        (2, "/good.img", InstallationResult::Success),
+    ] {
+        let raw = OsInstallationRequest {
+            generation,
+            r#type: Some(os_installation_request::Type::Image(
+                ImageInstallationRequest {
+                    url: format!("{base}{path}"),
+                    sha256: sha.clone(),
+                    target_device: disk.display().to_string(),
+                },
+            )),
+        }
+        .encode_to_vec();
+        db.transact(move |tx| {
+            let raw = raw.clone();
+            Box::pin(async move {
+                tx.set_os_installation_request(
+                    m,
+                    &shepherd_bmdb::OsInstallationRequest {
+                        generation,
+                        request_raw: raw,
+                    },
+                )
+                .await
+            })
+        })
+        .await
+        .unwrap();
+        let stored = wait_for("the installation report", async || {
+            let r = db
+                .read(move |tx| Box::pin(async move { tx.os_installation_report(m).await }))
+                .await
+                .unwrap()?;
+            (r.generation == generation).then_some(r)
+        })
+        .await;
+        assert_eq!(stored.result, want, "generation {generation}");
+        let decoded = OsInstallationReport::decode(stored.report_raw.as_slice()).unwrap();
+        if want == InstallationResult::Error {
+            match decoded.result {
+                Some(os_installation_report::Result::Error(e)) => {
+                    assert!(e.error.contains("checksum mismatch"), "{}", e.error)
+                }
+                other => panic!("{other:?}"),
+            }
+            assert!(!marker.exists(), "rebooted after a failed installation");
+        }
+    }
+    assert_eq!(std::fs::read(&disk).unwrap(), image);
+    wait_for("the reboot action", async || marker.exists().then_some(())).await;
+    cancel.cancel();
+    pool.close().await;
+}
+
+trait WriteAllSync {
+    fn write_all_sync(self, bytes: &[u8]);
+}
+
+impl WriteAllSync for std::process::ChildStdin {
+    fn write_all_sync(mut self, bytes: &[u8]) {
+        std::io::Write::write_all(&mut self, bytes).unwrap();
+    }
+}
+
+shepherd_bmdb::conformance_tests!(agent_takes_over_heartbeats_and_installs);
+
+#[test]
+fn takeover_without_endpoint_is_an_error_response() {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = dir.path().join("agent");
+    std::fs::copy(agent_path(), &exe).unwrap();
+    let init = TakeoverInit {
+        machine_id: Uuid::new_v4().to_string(),
+        ..Default::default()
+    };
+    let mut child = Command::new(&exe)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all_sync(&init.encode_to_vec());
+    let out = child.wait_with_output().unwrap();
+    let err = verify_response(&init, &out.stdout).unwrap_err().to_string();
+    assert!(err.contains("no BMaaS endpoint"), "{err}");
+    assert!(!dir.path().join("agent.state").exists());
+}
