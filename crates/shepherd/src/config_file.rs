@@ -23,16 +23,18 @@ fn config_path(argv: &[OsString]) -> Option<PathBuf> {
     std::env::var_os("SHEPHERD_CONFIG").map(PathBuf::from)
 }
 
-/// `argv` with the config file's settings for `subcommand` added where no flag or
-/// environment variable sets them.
+/// `argv` with the config file's settings for the first of `subcommands` on the command line
+/// added where no flag or environment variable sets them.
 pub fn merge(
     command: &clap::Command,
-    subcommand: &str,
+    subcommands: &[&str],
     argv: Vec<OsString>,
 ) -> Result<Vec<OsString>> {
-    let Some(at) = argv.iter().position(|a| a == subcommand) else {
+    let Some(at) = argv.iter().position(|a| subcommands.iter().any(|s| a == s)) else {
         return Ok(argv);
     };
+    let subcommand = argv[at].to_string_lossy().to_string();
+    let subcommand = subcommand.as_str();
     let Some(path) = config_path(&argv[at..]) else {
         return Ok(argv);
     };

@@ -1,11 +1,13 @@
-//! `shepherd`: one binary for every Shepherd role: `run` (the control loops), `demo` (the
-//! whole lifecycle over a simulated fleet), `bmdb migrate` and `bmdb status`.
+//! `shepherd`: one binary for every Shepherd role: `run` (the control loops), `server` (the
+//! agent-facing BMaaS server), `demo` (the whole lifecycle over a simulated fleet), `bmdb
+//! migrate` and `bmdb status`.
 
 mod bmdb_cmd;
 mod config_file;
 mod demo;
 mod fleet;
 mod run_cmd;
+mod server_cmd;
 
 use std::io::IsTerminal;
 
@@ -28,6 +30,8 @@ struct Cli {
 enum Command {
     /// Run the provisioner, initializer and recoverer until SIGINT/SIGTERM.
     Run(Box<run_cmd::RunArgs>),
+    /// Serve agents: heartbeats, hardware and installation reports over gRPC with TLS.
+    Server(Box<server_cmd::ServerArgs>),
     /// Watch a simulated fleet of machines go through the whole lifecycle (SQLite, in-process).
     Demo(demo::DemoArgs),
     /// Manage the Bare Metal Database itself.
@@ -39,7 +43,11 @@ enum Command {
 
 #[tokio::main]
 async fn main() {
-    let argv = match config_file::merge(&Cli::command(), "run", std::env::args_os().collect()) {
+    let argv = match config_file::merge(
+        &Cli::command(),
+        &["run", "server"],
+        std::env::args_os().collect(),
+    ) {
         Ok(argv) => argv,
         Err(e) => {
             eprintln!("error: {}", error_chain(&e));
@@ -62,6 +70,7 @@ async fn main() {
         .init();
     let result = match cli.command {
         Command::Run(args) => run_cmd::run(&cli.database, *args).await,
+        Command::Server(args) => server_cmd::run(&cli.database, *args).await,
         Command::Demo(args) => demo::run(args).await,
         Command::Bmdb { command } => bmdb_cmd::run(&cli.database, command).await,
     };

@@ -1,0 +1,95 @@
+//! `shepherd server`: the agent-facing BMaaS server.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use shepherd_bmdb::{Bmdb, OpenOptions, Processor, SessionConfig};
+use shepherd_server::{
+    dev_certs, load_server_config, serve, BmaasService, ServerLimits, SessionPool,
+};
+
+use crate::fleet::shutdown_on_signals;
+
+/// Settings of `shepherd server`.
+#[derive(Debug, Clone, Args)]
+pub struct ServerArgs {
+    /// TOML file whose keys are these flags' names; flags and environment variables win.
+    #[arg(long, env = "SHEPHERD_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Apply pending BMDB migrations at start-up.
+    #[arg(long, env = "SHEPHERD_MIGRATE")]
+    pub migrate: bool,
+    /// Address agents connect to (port 0 picks a free port; the chosen address is printed).
+    #[arg(long, env = "SHEPHERD_SERVER_LISTEN", default_value = "0.0.0.0:4443")]
+    pub listen: SocketAddr,
+    /// Server certificate chain (PEM).
+    #[arg(long, env = "SHEPHERD_SERVER_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// Server private key (PEM).
+    #[arg(long, env = "SHEPHERD_SERVER_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// Generate (once) and use a development CA and server certificate in this directory.
+    #[arg(long, env = "SHEPHERD_SERVER_DEV_CERTS")]
+    pub dev_certs: Option<PathBuf>,
+    /// Names (DNS or IP) the development server certificate is valid for, comma-separated.
+    #[arg(
+        long,
+        env = "SHEPHERD_SERVER_DEV_CERT_NAMES",
+        value_delimiter = ',',
+        default_value = "localhost"
+    )]
+    pub dev_cert_names: Vec<String>,
+    /// BMDB sessions shared by all requests.
+    #[arg(long, env = "SHEPHERD_SERVER_SESSIONS", default_value_t = 4)]
+    pub sessions: usize,
+}
+
+/// Runs the server until SIGINT/SIGTERM.
+pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
+    let tls = match (&args.tls_cert, &args.tls_key, &args.dev_certs) {
+        (Some(cert), Some(key), None) => load_server_config(cert, key)?,
+        (None, None, Some(dir)) => {
+            let certs = dev_certs(dir, &args.dev_cert_names)?;
+            eprintln!(
+                "shepherd server: development CA for agents: {}",
+                certs.ca_pem.display()
+            );
+            load_server_config(&certs.cert_pem, &certs.key_pem)?
+        }
+        (None, None, None) => bail!("tls-cert and tls-key (or dev-certs) are required"),
+        _ => bail!("give either tls-cert and tls-key, or dev-certs"),
+    };
+    let db = Bmdb::open_with(
+        database,
+        &OpenOptions {
+            create: args.migrate,
+            migrate: args.migrate,
+            ..Default::default()
+        },
+    )
+    .await?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("listen: {}", args.listen))?;
+    println!("shepherd server: listening on {}", listener.local_addr()?);
+    let pool = Arc::new(SessionPool::new(
+        db.clone(),
+        SessionConfig::new("bmsrv", Processor::Bmsrv),
+        args.sessions,
+    ));
+    let cancel = shutdown_on_signals();
+    let result = serve(
+        listener,
+        Arc::new(tls),
+        BmaasService::new(pool.clone()),
+        ServerLimits::default(),
+        cancel,
+    )
+    .await;
+    pool.close().await;
+    db.close().await;
+    result
+}

@@ -1,0 +1,184 @@
+//! End to end through the CLI: `shepherd server` and `shepherd run` (static provider) as
+//! processes, a real sshd, and the real agent binary: the initializer starts the agent over
+//! SSH, its heartbeats and hardware report arrive through TLS, and both processes shut down
+//! cleanly on SIGTERM.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use shepherd_bmdb::Bmdb;
+use shepherd_proto::bmaas::AgentHardwareReport;
+use shepherd_proto::Message;
+
+fn shepherd() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_shepherd"));
+    for (k, _) in std::env::vars() {
+        if k.starts_with("SHEPHERD_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd
+}
+
+/// Kills a child process on drop unless it was waited for.
+struct Guard(Option<Child>);
+
+impl Guard {
+    fn terminate(mut self) -> std::process::Output {
+        let child = self.0.take().unwrap();
+        Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap();
+        child.wait_with_output().unwrap()
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_started_over_ssh_heartbeats_to_the_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("bmdb.sqlite").display());
+
+    // The server, on a free port, with development certificates.
+    let mut server = shepherd()
+        .args([
+            "server",
+            "--migrate",
+            "--database",
+            &url,
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--dev-certs")
+        .arg(dir.path().join("certs"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(server.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let server = Guard(Some(server));
+    let addr = line.trim().rsplit(' ').next().unwrap().to_string();
+    let port = addr.rsplit_once(':').unwrap().1;
+
+    // A machine (the sshd) in a static inventory, and the loops pointing agents at the server.
+    let key_path = dir.path().join("id_ed25519");
+    let key = shepherd_ssh::load_or_generate_key(&key_path).unwrap();
+    let sshd = shepherd_ssh::testing::Sshd::start(&[key.public_key()]);
+    let inventory = dir.path().join("inventory.json");
+    std::fs::write(
+        &inventory,
+        format!(r#"[{{"ID": "box-1", "Addr": "{}"}}]"#, sshd.addr()),
+    )
+    .unwrap();
+    let agent = shepherd_loops::testing::agent_path();
+    let target = sshd.dir().join("agent");
+    let run = shepherd()
+        .args(["run", "--provider", "static", "--database", &url])
+        .arg(format!("--static-inventory=file://{}", inventory.display()))
+        .arg(format!("--agent-executable={}", agent.display()))
+        .arg(format!("--agent-target-path={}", target.display()))
+        .arg(format!("--agent-endpoint=localhost:{port}"))
+        .arg(format!(
+            "--agent-ca={}",
+            dir.path().join("certs/ca.pem").display()
+        ))
+        .arg(format!("--ssh-key={}", key_path.display()))
+        .args([
+            "--ssh-user",
+            &std::env::var("USER").unwrap_or_else(|_| "root".into()),
+        ])
+        .args([
+            "--ssh-connect-timeout",
+            "10s",
+            "--provisioner-reconcile-rate",
+            "100ms,1",
+        ])
+        .args([
+            "--provisioner-creation-rate",
+            "1ms,1",
+            "--initializer-db-rate",
+            "50ms,1",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let run = Guard(Some(run));
+
+    let db = Bmdb::open(&url).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let (machine, report) = loop {
+        let found = db
+            .read(|tx| {
+                Box::pin(async move {
+                    for id in tx.machine_ids(None, 10).await? {
+                        if tx.heartbeat(id).await?.is_some() {
+                            if let Some(r) = tx.hardware_report(id).await? {
+                                return Ok(Some((id, r)));
+                            }
+                        }
+                    }
+                    Ok(None)
+                })
+            })
+            .await
+            .unwrap();
+        if let Some(f) = found {
+            break f;
+        }
+        assert!(Instant::now() < deadline, "no heartbeat from the agent");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let report = AgentHardwareReport::decode(report.as_slice()).unwrap();
+    assert!(report.report.unwrap().memory_installed_bytes > 0);
+    let started = db
+        .read(move |tx| Box::pin(async move { tx.agent_started(machine).await }))
+        .await
+        .unwrap();
+    assert_eq!(started.unwrap().public_key.len(), 32);
+
+    let run_out = run.terminate();
+    assert!(
+        run_out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run_out.stderr)
+    );
+    let server_out = server.terminate();
+    assert!(
+        server_out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&server_out.stderr)
+    );
+    // The background agent outlives the SSH session, as on a real machine; stop it here.
+    let _ = Command::new("pkill")
+        .arg("-f")
+        .arg(target.display().to_string())
+        .status();
+    db.close().await;
+}
+
+#[test]
+fn server_needs_certificates() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("s.db").display());
+    let out = shepherd()
+        .args(["server", "--migrate", "--database", &url])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr)
+        .contains("tls-cert and tls-key (or dev-certs) are required"));
+}
