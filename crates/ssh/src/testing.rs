@@ -22,6 +22,7 @@ pub struct Sshd {
     dir: tempfile::TempDir,
     port: u16,
     child: Option<Child>,
+    extra_config: String,
 }
 
 /// A fresh random ed25519 key (for clients and host keys).
@@ -34,6 +35,11 @@ pub fn random_key() -> PrivateKey {
 impl Sshd {
     /// Starts sshd trusting `authorized` keys for the current user.
     pub fn start(authorized: &[&PublicKey]) -> Sshd {
+        Self::start_with(authorized, "")
+    }
+
+    /// Like [`Sshd::start`], with extra `sshd_config` lines (e.g. `SetEnv` for sessions).
+    pub fn start_with(authorized: &[&PublicKey], extra_config: &str) -> Sshd {
         assert!(
             Path::new(SSHD).exists(),
             "{SSHD} is missing: run scripts/test-deps.sh (installs openssh-server)"
@@ -54,6 +60,7 @@ impl Sshd {
             dir,
             port: 0,
             child: None,
+            extra_config: extra_config.to_string(),
         };
         sshd.change_host_key();
         sshd
@@ -115,7 +122,8 @@ impl Sshd {
                  PermitRootLogin prohibit-password\nStrictModes no\nUsePAM no\n\
                  PasswordAuthentication no\nKbdInteractiveAuthentication no\n\
                  PubkeyAuthentication yes\nSubsystem sftp internal-sftp\n\
-                 MaxStartups 256:30:512\nMaxSessions 64\nLogLevel ERROR\n"
+                 MaxStartups 256:30:512\nMaxSessions 64\nLogLevel ERROR\n{}\n",
+                self.extra_config
             ),
         )
         .unwrap();
