@@ -2,6 +2,7 @@
 //! and write a markdown report under `bench/results/`.
 
 mod bmdb;
+mod heartbeat;
 mod ssh;
 mod stats;
 
@@ -18,6 +19,8 @@ struct Cli {
 enum Bench {
     /// Claim throughput and latency of the BMDB on Postgres and SQLite.
     Bmdb(bmdb::Args),
+    /// Agents heartbeating over TLS against the server, vs the raw upsert on Postgres.
+    Heartbeat(heartbeat::Args),
     /// Takeovers over a real sshd: Shepherd's SSH transport against OpenSSH scp + ssh.
     Ssh(ssh::Args),
 }
@@ -27,5 +30,6 @@ async fn main() -> anyhow::Result<()> {
     match Cli::parse().bench {
         Bench::Bmdb(args) => bmdb::run(args).await,
         Bench::Ssh(args) => ssh::run(args).await,
+        Bench::Heartbeat(args) => heartbeat::run(args).await,
     }
 }

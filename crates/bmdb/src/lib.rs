@@ -29,7 +29,7 @@ pub use error::Error;
 pub use metrics::BmdbMetrics;
 pub use migrations::SCHEMA_VERSION;
 pub use model::*;
-pub use session::{Session, SessionConfig, DEFAULT_SESSION_INTERVAL};
+pub use session::{AgentHeartbeat, Session, SessionConfig, DEFAULT_SESSION_INTERVAL};
 pub use tx::{Tx, AGENT_KEY_LEN};
 pub use url::{DatabaseUrl, DEFAULT_DATABASE_URL};
 pub use work::{Claim, Work, MAX_CAUSE_LEN};

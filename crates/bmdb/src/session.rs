@@ -115,6 +115,18 @@ impl Drop for SessionInner {
     }
 }
 
+/// What [`Session::agent_heartbeat`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AgentHeartbeat {
+    /// The machine is unknown or its agent has another key; nothing was written.
+    Unauthorized,
+    /// The heartbeat was recorded.
+    Recorded {
+        /// The serialized installation request no report has fulfilled yet, if any.
+        pending_request: Option<Vec<u8>>,
+    },
+}
+
 /// A live session. Cheap to clone; the keep-alive stops when the last clone is dropped (the
 /// row then expires at its deadline) or on [`Session::close`].
 #[derive(Clone)]
@@ -330,6 +342,58 @@ impl Session {
             }
             ClaimOutcome::Nothing => Ok(Claim::NothingToDo),
             ClaimOutcome::Conflict => Ok(Claim::Conflict),
+        }
+    }
+
+    /// Records an agent's heartbeat if `key` is the agent key of `machine` (SPEC §12), and
+    /// returns the pending installation request. The BMaaS server's hot path: on Postgres one
+    /// autocommitted statement, on SQLite one write transaction; the session is checked inside
+    /// either, as for every session transaction.
+    pub async fn agent_heartbeat(
+        &self,
+        machine: Uuid,
+        key: &[u8],
+    ) -> Result<AgentHeartbeat, Error> {
+        let db = &self.inner.db;
+        let Pools::Postgres(pool) = &db.inner.pools else {
+            let key = key.to_vec();
+            return self
+                .transact(move |tx| {
+                    let key = key.clone();
+                    Box::pin(async move {
+                        if !tx.agent_key_matches(machine, &key).await? {
+                            return Ok(AgentHeartbeat::Unauthorized);
+                        }
+                        tx.set_heartbeat(machine).await?;
+                        Ok(AgentHeartbeat::Recorded {
+                            pending_request: tx.pending_installation_request(machine).await?,
+                        })
+                    })
+                })
+                .await;
+        };
+        let mut retry = Retry::new(db.metrics(), self.inner.processor);
+        loop {
+            self.inner.ensure_alive()?;
+            let attempt = async {
+                let mut conn = pool.acquire().await?;
+                postgres::agent_heartbeat(&mut conn, self.inner.id, machine, key).await
+            };
+            match attempt.await {
+                Ok((false, _, _)) => {
+                    self.inner.mark_expired();
+                    return Err(Error::SessionExpired);
+                }
+                Ok((true, false, _)) => {
+                    retry.succeeded();
+                    return Ok(AgentHeartbeat::Unauthorized);
+                }
+                Ok((true, true, pending_request)) => {
+                    retry.succeeded();
+                    return Ok(AgentHeartbeat::Recorded { pending_request });
+                }
+                Err(e) => retry.on_error(e).await?,
+            }
         }
     }
 

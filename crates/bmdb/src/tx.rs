@@ -206,6 +206,22 @@ impl Tx {
         dispatch!(self.os_installation_report(id))
     }
 
+    /// The serialized installation request of a machine unless a report with its generation
+    /// exists (the request an agent still has to act on).
+    pub async fn pending_installation_request(
+        &mut self,
+        id: Uuid,
+    ) -> Result<Option<Vec<u8>>, Error> {
+        let Some(request) = self.os_installation_request(id).await? else {
+            return Ok(None);
+        };
+        let fulfilled = self
+            .os_installation_report(id)
+            .await?
+            .is_some_and(|r| r.generation == request.generation);
+        Ok((!fulfilled).then_some(request.request_raw))
+    }
+
     /// Pins `key` as the machine's SSH host key unless one is pinned already; returns the
     /// pinned key, which the caller compares with what it saw.
     pub async fn pin_ssh_host_key(&mut self, id: Uuid, key: &str) -> Result<SshHostKey, Error> {
@@ -289,6 +305,13 @@ impl Tx {
         process: Process,
     ) -> Result<(), Error> {
         dispatch!(self.insert_work_raw(machine, session, process))
+    }
+
+    /// Test support: deletes a session row (its work cascades) behind its owner's back, as a
+    /// partition plus another replica's garbage collection would.
+    #[cfg(feature = "testing")]
+    pub async fn delete_session_raw(&mut self, session: Uuid) -> Result<(), Error> {
+        dispatch!(self.delete_session(session))
     }
 
     /// Test support: sets a backoff row directly.

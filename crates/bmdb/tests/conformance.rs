@@ -834,7 +834,102 @@ async fn eligibility_matches_model(db: Bmdb) {
     }
 }
 
+/// The heartbeat hot path: authorization by key, the write, the pending request, and an
+/// expired session refusing to write.
+async fn agent_heartbeats(db: Bmdb) {
+    let s = session(&db, "bmsrv").await;
+    let (key, other) = (vec![7u8; 32], vec![8u8; 32]);
+    let k = key.clone();
+    let m = db
+        .transact(move |tx| {
+            let k = k.clone();
+            Box::pin(async move {
+                let id = tx.create_machine().await?;
+                tx.set_agent_started(id, &k).await?;
+                Ok(id)
+            })
+        })
+        .await
+        .unwrap();
+    let beat = |db: Bmdb| async move {
+        db.read(move |tx| Box::pin(async move { tx.heartbeat(m).await }))
+            .await
+            .unwrap()
+    };
+    assert_eq!(
+        s.agent_heartbeat(m, &other).await.unwrap(),
+        AgentHeartbeat::Unauthorized
+    );
+    assert_eq!(
+        s.agent_heartbeat(Uuid::new_v4(), &key).await.unwrap(),
+        AgentHeartbeat::Unauthorized
+    );
+    assert!(
+        beat(db.clone()).await.is_none(),
+        "written without authorization"
+    );
+    assert_eq!(
+        s.agent_heartbeat(m, &key).await.unwrap(),
+        AgentHeartbeat::Recorded {
+            pending_request: None
+        }
+    );
+    let first = beat(db.clone()).await.unwrap();
+
+    let request = |generation| OsInstallationRequest {
+        generation,
+        request_raw: vec![generation as u8; 3],
+    };
+    db.transact(move |tx| {
+        Box::pin(async move { tx.set_os_installation_request(m, &request(1)).await })
+    })
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(
+        s.agent_heartbeat(m, &key).await.unwrap(),
+        AgentHeartbeat::Recorded {
+            pending_request: Some(vec![1; 3])
+        }
+    );
+    assert!(
+        beat(db.clone()).await.unwrap() > first,
+        "heartbeat time moves"
+    );
+    let report = |generation| OsInstallationReport {
+        generation,
+        result: InstallationResult::Success,
+        report_raw: vec![],
+    };
+    db.transact(move |tx| {
+        Box::pin(async move { tx.set_os_installation_report(m, &report(1)).await })
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        s.agent_heartbeat(m, &key).await.unwrap(),
+        AgentHeartbeat::Recorded {
+            pending_request: None
+        }
+    );
+
+    // A session whose row is gone may not write.
+    let dead = session(&db, "bmsrv-dead").await;
+    let id = dead.id();
+    dead.stop_keepalive();
+    db.transact(move |tx| Box::pin(async move { tx.delete_session_raw(id).await }))
+        .await
+        .unwrap();
+    let before = beat(db.clone()).await;
+    assert!(matches!(
+        dead.agent_heartbeat(m, &key).await,
+        Err(Error::SessionExpired)
+    ));
+    assert_eq!(beat(db.clone()).await, before);
+}
+
 shepherd_bmdb::conformance_tests!(
+    agent_heartbeats,
     migrations_are_idempotent,
     tags_round_trip,
     session_expiry_releases_work,

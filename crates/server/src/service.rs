@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
-use shepherd_bmdb::{Error as BmdbError, InstallationResult, OsInstallationReport as ReportTag};
+use shepherd_bmdb::{
+    AgentHeartbeat, Error as BmdbError, InstallationResult, OsInstallationReport as ReportTag,
+};
 use shepherd_proto::bmaas::agent_callback_server::AgentCallback;
 use shepherd_proto::bmaas::{
     os_installation_report, HeartbeatRequest, HeartbeatResponse, OsInstallationRequest,
@@ -81,35 +83,39 @@ impl AgentCallback for BmaasService {
             }
         };
         let session = self.pool.get().await.map_err(unavailable)?;
-        let outcome = session
-            .transact(move |tx| {
-                let (hardware, installation) = (hardware.clone(), installation.clone());
-                Box::pin(async move {
-                    if !tx.agent_key_matches(machine, &key).await? {
-                        return Ok(Outcome::Unauthorized);
-                    }
-                    if let Some(raw) = &hardware {
-                        tx.set_hardware_report(machine, raw).await?;
-                    }
-                    if let Some(report) = &installation {
-                        tx.set_os_installation_report(machine, report).await?;
-                    }
-                    tx.set_heartbeat(machine).await?;
-                    let pending = match tx.os_installation_request(machine).await? {
-                        None => None,
-                        Some(request) => {
-                            let fulfilled = tx
-                                .os_installation_report(machine)
-                                .await?
-                                .is_some_and(|r| r.generation == request.generation);
-                            (!fulfilled).then_some(request.request_raw)
+        let outcome = if hardware.is_none() && installation.is_none() {
+            // The common case: nothing but the heartbeat, on the BMDB's one-statement path.
+            match session
+                .agent_heartbeat(machine, &key)
+                .await
+                .map_err(unavailable)?
+            {
+                AgentHeartbeat::Unauthorized => Outcome::Unauthorized,
+                AgentHeartbeat::Recorded { pending_request } => Outcome::Done(pending_request),
+            }
+        } else {
+            session
+                .transact(move |tx| {
+                    let (hardware, installation) = (hardware.clone(), installation.clone());
+                    Box::pin(async move {
+                        if !tx.agent_key_matches(machine, &key).await? {
+                            return Ok(Outcome::Unauthorized);
                         }
-                    };
-                    Ok(Outcome::Done(pending))
+                        if let Some(raw) = &hardware {
+                            tx.set_hardware_report(machine, raw).await?;
+                        }
+                        if let Some(report) = &installation {
+                            tx.set_os_installation_report(machine, report).await?;
+                        }
+                        tx.set_heartbeat(machine).await?;
+                        Ok(Outcome::Done(
+                            tx.pending_installation_request(machine).await?,
+                        ))
+                    })
                 })
-            })
-            .await
-            .map_err(unavailable)?;
+                .await
+                .map_err(unavailable)?
+        };
         let pending = match outcome {
             Outcome::Unauthorized => return Err(Status::unauthenticated(UNAUTHENTICATED)),
             Outcome::Done(pending) => pending,

@@ -102,6 +102,42 @@ pub(crate) async fn poke_session(c: &mut PgTx, id: Uuid) -> Result<bool> {
 }
 
 /// Whether the session is alive; holds a key-share lock so it cannot be deleted before commit.
+/// An agent heartbeat in one autocommitted statement: session liveness, the agent's key, the
+/// heartbeat upsert and the pending installation request. Returns (session alive, key
+/// matches, pending request); the heartbeat is written only if both hold.
+pub(crate) async fn agent_heartbeat(
+    c: &mut PgConnection,
+    session: Uuid,
+    machine: Uuid,
+    key: &[u8],
+) -> Result<(bool, bool, Option<Vec<u8>>)> {
+    let row = sqlx::query(
+        "WITH alive AS (
+             SELECT 1 FROM sessions WHERE session_id = $1 AND deadline > now() FOR KEY SHARE
+         ), authorized AS (
+             SELECT 1 FROM machine_agent_started WHERE machine_id = $2 AND public_key = $3
+         ), beat AS (
+             INSERT INTO machine_agent_heartbeat (machine_id, heartbeat_at)
+             SELECT $2, now()
+             WHERE EXISTS (SELECT 1 FROM alive) AND EXISTS (SELECT 1 FROM authorized)
+             ON CONFLICT (machine_id) DO UPDATE SET heartbeat_at = EXCLUDED.heartbeat_at
+             RETURNING 1
+         )
+         SELECT EXISTS (SELECT 1 FROM alive), EXISTS (SELECT 1 FROM authorized),
+                (SELECT q.request_raw FROM machine_os_installation_request q
+                  WHERE q.machine_id = $2
+                    AND NOT EXISTS (SELECT 1 FROM machine_os_installation_report r
+                                     WHERE r.machine_id = $2 AND r.generation = q.generation)),
+                (SELECT count(*) FROM beat)",
+    )
+    .bind(session)
+    .bind(machine)
+    .bind(key)
+    .fetch_one(&mut *c)
+    .await?;
+    Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?))
+}
+
 pub(crate) async fn check_session(c: &mut PgConnection, id: Uuid) -> Result<bool> {
     let row = sqlx::query(
         "SELECT 1 FROM sessions WHERE session_id = $1 AND deadline > now() FOR KEY SHARE",
