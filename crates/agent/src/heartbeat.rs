@@ -5,8 +5,10 @@ use std::time::Duration;
 
 use shepherd_proto::bmaas::agent_callback_client::AgentCallbackClient;
 use shepherd_proto::bmaas::{
-    os_installation_report, os_installation_request, HeartbeatRequest, OsInstallationReport,
+    os_installation_report, os_installation_request, AgentHardwareReport, HeartbeatRequest,
+    OsInstallationReport,
 };
+use shepherd_proto::shepherd::agent::AgentState;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 use crate::{hardware, identity, install, state, RunArgs};
@@ -48,9 +50,43 @@ fn channel(
         .connect_lazy())
 }
 
+/// Everything the heartbeat loop needs; built from the state file by `run`, or directly by
+/// an in-process simulation.
+#[derive(Clone)]
+pub struct AgentConfig {
+    /// The machine this agent speaks for.
+    pub machine_id: String,
+    /// BMaaS server, `host:port`.
+    pub endpoint: String,
+    /// DER of the CA to trust; empty means web PKI roots.
+    pub ca_der: Vec<u8>,
+    /// The agent's ed25519 private key, PKCS#8 DER.
+    pub pkcs8: Vec<u8>,
+    /// Time between heartbeats.
+    pub heartbeat_interval: Duration,
+    /// Shell command run after a successful installation was reported.
+    pub reboot_command: String,
+    /// The hardware report sent with the first heartbeat.
+    pub hardware_report: AgentHardwareReport,
+}
+
 /// Runs the agent until killed.
 pub async fn run(args: RunArgs) -> ExitCode {
-    match run_inner(args).await {
+    let result = async {
+        let st = state::load(&args.state)?;
+        let init = st.init.clone().ok_or("state has no init message")?;
+        let config = AgentConfig {
+            machine_id: init.machine_id,
+            endpoint: init.bmaas_endpoint,
+            ca_der: init.ca_certificate,
+            pkcs8: st.private_key_pkcs8.clone(),
+            heartbeat_interval: args.heartbeat_interval,
+            reboot_command: args.reboot_command.clone(),
+            hardware_report: hardware::report(),
+        };
+        run_agent(config, Some((args.state.clone(), st))).await
+    };
+    match result.await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("shepherd-agent: {e}");
@@ -59,24 +95,30 @@ pub async fn run(args: RunArgs) -> ExitCode {
     }
 }
 
-async fn run_inner(args: RunArgs) -> Result<(), String> {
-    let mut st = state::load(&args.state)?;
-    let init = st.init.clone().ok_or("state has no init message")?;
-    let (cert_pem, key_pem) =
-        identity::client_certificate(&st.private_key_pkcs8, &init.machine_id)?;
+/// Heartbeats forever. With `persist`, the highest installed generation is saved to the state
+/// file, so a restarted agent does not install the same request again.
+pub async fn run_agent(
+    config: AgentConfig,
+    mut persist: Option<(std::path::PathBuf, AgentState)>,
+) -> Result<(), String> {
+    let (cert_pem, key_pem) = identity::client_certificate(&config.pkcs8, &config.machine_id)?;
     let mut client = AgentCallbackClient::new(channel(
-        &init.bmaas_endpoint,
-        &init.ca_certificate,
+        &config.endpoint,
+        &config.ca_der,
         &cert_pem,
         &key_pem,
     )?);
-    let mut hardware_report = Some(hardware::report());
+    let mut installed_generation = persist
+        .as_ref()
+        .map(|(_, st)| st.installed_generation)
+        .unwrap_or(0);
+    let mut hardware_report = Some(config.hardware_report.clone());
     let mut installation_report: Option<OsInstallationReport> = None;
     let mut reboot_after_ack = false;
     let mut failures = 0u32;
     loop {
         let request = HeartbeatRequest {
-            machine_id: init.machine_id.clone(),
+            machine_id: config.machine_id.clone(),
             hardware_report: hardware_report.clone(),
             installation_report: installation_report.clone(),
         };
@@ -87,10 +129,10 @@ async fn run_inner(args: RunArgs) -> Result<(), String> {
                 installation_report = None;
                 if reboot_after_ack {
                     reboot_after_ack = false;
-                    install::reboot(&args.reboot_command).await;
+                    install::reboot(&config.reboot_command).await;
                 }
                 if let Some(req) = response.into_inner().installation_request {
-                    if req.generation > st.installed_generation {
+                    if req.generation > installed_generation {
                         let outcome = match &req.r#type {
                             Some(os_installation_request::Type::Image(image)) => {
                                 install::install(image).await
@@ -101,9 +143,12 @@ async fn run_inner(args: RunArgs) -> Result<(), String> {
                             ),
                             None => Err("installation request names no installation type".into()),
                         };
-                        st.installed_generation = req.generation;
-                        if let Err(e) = state::save(&args.state, &st) {
-                            eprintln!("shepherd-agent: saving state: {e}");
+                        installed_generation = req.generation;
+                        if let Some((path, st)) = persist.as_mut() {
+                            st.installed_generation = req.generation;
+                            if let Err(e) = state::save(path, st) {
+                                eprintln!("shepherd-agent: saving state: {e}");
+                            }
                         }
                         reboot_after_ack = outcome.is_ok();
                         installation_report = Some(OsInstallationReport {
@@ -120,7 +165,7 @@ async fn run_inner(args: RunArgs) -> Result<(), String> {
                         continue; // report right away
                     }
                 }
-                tokio::time::sleep(args.heartbeat_interval).await;
+                tokio::time::sleep(config.heartbeat_interval).await;
             }
             Err(status) => {
                 failures += 1;

@@ -1,30 +1,13 @@
-//! The Shepherd agent (SPEC §13). Run with no arguments by the Initializer over SSH, it takes
+//! The `shepherd-agent` binary (SPEC §13). Run with no arguments by the Initializer over SSH, it takes
 //! the machine over: reads a `TakeoverInit` from stdin, creates its ed25519 key, saves its state,
 //! answers a `TakeoverResponse` on stdout and starts itself in the background. In the
 //! background (`run`), it heartbeats to the BMaaS server over TLS with a certificate of that key,
 //! sends a hardware report once, and installs an OS image when asked.
 
-mod hardware;
-mod heartbeat;
-mod identity;
-mod install;
-mod state;
-mod takeover;
-
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-/// Settings of the background agent.
-#[derive(Debug, Clone)]
-pub struct RunArgs {
-    /// The state file written at takeover.
-    pub state: PathBuf,
-    /// Time between heartbeats.
-    pub heartbeat_interval: Duration,
-    /// Shell command run after a successful installation was reported.
-    pub reboot_command: String,
-}
+use shepherd_agent::{heartbeat, state, takeover, RunArgs};
 
 fn env_duration(name: &str, default: Duration) -> Result<Duration, String> {
     match std::env::var(name) {

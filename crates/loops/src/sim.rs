@@ -89,14 +89,35 @@ pub struct SimCounters {
     pub heartbeats: u64,
 }
 
-#[derive(Debug, Clone)]
 struct SimAgent {
     machine_id: Uuid,
     key: Vec<u8>,
     silent: bool,
+    /// The real agent's heartbeat loop, when the fleet runs real agents; stops when dropped
+    /// (a reboot).
+    _task: Option<AgentTask>,
 }
 
+/// Aborts an in-process agent when its machine reboots or the fleet goes away.
+struct AgentTask(tokio::task::AbortHandle);
+
+impl Drop for AgentTask {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Where simulated machines' real agents heartbeat to (see [`SimFleet::with_real_agents`]).
 #[derive(Debug, Clone)]
+pub struct RealAgents {
+    /// BMaaS server, `host:port`.
+    pub endpoint: String,
+    /// DER of the CA that signed the server's certificate.
+    pub ca_der: Vec<u8>,
+    /// Time between heartbeats.
+    pub heartbeat_interval: Duration,
+}
+
 struct SimMachine {
     id: String,
     addr: String,
@@ -116,6 +137,7 @@ struct State {
 pub struct SimFleet {
     state: Mutex<State>,
     knobs: SimKnobs,
+    real_agents: Option<RealAgents>,
 }
 
 fn fake_host_key() -> String {
@@ -160,12 +182,32 @@ impl SimFleet {
                 counters: SimCounters::default(),
             }),
             knobs,
+            real_agents: None,
         })
+    }
+
+    /// The same fleet, but each started agent runs the real agent's heartbeat code in-process
+    /// (its own ed25519 key, TLS connection and hardware report) against a real BMaaS server,
+    /// instead of writing heartbeats into the BMDB itself. Silent agents start no loop.
+    pub fn with_real_agents(self, real: RealAgents) -> Self {
+        SimFleet {
+            real_agents: Some(real),
+            ..self
+        }
     }
 
     /// What happened so far.
     pub fn counters(&self) -> SimCounters {
         self.state.lock().unwrap().counters
+    }
+
+    /// Stops every running agent (as if the whole fleet lost power), so in-process agents do
+    /// not outlive the server they talk to.
+    pub fn stop_agents(&self) {
+        let mut s = self.state.lock().unwrap();
+        for m in &mut s.machines {
+            m.agent = None;
+        }
     }
 
     /// Gives the machine a new host key, as a reinstall would.
@@ -363,12 +405,40 @@ impl Transport for SimFleet {
         }
         let init = TakeoverInit::decode(run.stdin).context("sim agent: decoding TakeoverInit")?;
         let machine_id: Uuid = init.machine_id.parse().context("sim agent: machine id")?;
-        let mut key = vec![0u8; 32];
-        rand::fill(key.as_mut_slice());
+        let (key, task) = match &self.real_agents {
+            None => {
+                let mut key = vec![0u8; 32];
+                rand::fill(key.as_mut_slice());
+                (key, None)
+            }
+            Some(real) => {
+                let (pkcs8, public) =
+                    shepherd_agent::identity::generate().map_err(anyhow::Error::msg)?;
+                let config = shepherd_agent::heartbeat::AgentConfig {
+                    machine_id: init.machine_id.clone(),
+                    endpoint: real.endpoint.clone(),
+                    ca_der: real.ca_der.clone(),
+                    pkcs8,
+                    heartbeat_interval: real.heartbeat_interval,
+                    reboot_command: "true".into(),
+                    hardware_report: sim_hardware(&s.machines[i].id),
+                };
+                let task = (!silent).then(|| {
+                    let handle = tokio::spawn(async move {
+                        if let Err(e) = shepherd_agent::heartbeat::run_agent(config, None).await {
+                            tracing::warn!(error = %e, "sim agent stopped");
+                        }
+                    });
+                    AgentTask(handle.abort_handle())
+                });
+                (public, task)
+            }
+        };
         s.machines[i].agent = Some(SimAgent {
             machine_id,
             key: key.clone(),
             silent,
+            _task: task,
         });
         s.counters.agents_started += 1;
         let response = TakeoverResponse {
@@ -384,6 +454,39 @@ impl Transport for SimFleet {
             stdout: response.encode_to_vec(),
             stderr: Vec::new(),
         })
+    }
+}
+
+/// A plausible hardware report for a simulated machine.
+fn sim_hardware(id: &str) -> shepherd_proto::bmaas::AgentHardwareReport {
+    use shepherd_proto::agent::{cpu, BlockDevice, Cpu, Node};
+    shepherd_proto::bmaas::AgentHardwareReport {
+        report: Some(Node {
+            manufacturer: "Shepherd Sim".into(),
+            product: "sim-server".into(),
+            serial_number: id.into(),
+            memory_installed_bytes: 64 << 30,
+            memory_usable_ratio: 0.98,
+            cpu: vec![Cpu {
+                architecture: Some(cpu::Architecture::X8664(cpu::X8664 {
+                    family: 25,
+                    model: 1,
+                    stepping: 1,
+                })),
+                cores: 16,
+                hardware_threads: 32,
+                vendor: "AuthenticAMD".into(),
+                model: "Simulated EPYC".into(),
+            }],
+            block_device: vec![BlockDevice {
+                device_model: "SIM NVMe".into(),
+                capacity_bytes: 1 << 40,
+                protocol: 3,
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        warning: vec!["simulated machine".into()],
     }
 }
 

@@ -10,13 +10,17 @@ use anyhow::{bail, Result};
 use clap::Args;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use shepherd_bmdb::{
-    Backoff, Bmdb, OpenOptions, Process, RecoveryThresholds, StatusCounts, WorkEvent,
+    Backoff, Bmdb, OpenOptions, Process, Processor, RecoveryThresholds, SessionConfig,
+    StatusCounts, WorkEvent,
 };
 use shepherd_loops::initializer::InitializerConfig;
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::provisioner::ProvisionerConfig;
 use shepherd_loops::reconcile::Limits;
-use shepherd_loops::sim::{SimCounters, SimFleet, SimKnobs};
+use shepherd_loops::sim::{RealAgents, SimCounters, SimFleet, SimKnobs};
+use shepherd_server::{
+    dev_certs, load_server_config, serve, BmaasService, ServerLimits, SessionPool,
+};
 
 use crate::fleet::{run_loops, shutdown_on_signals, FleetSettings, LoopSettings};
 
@@ -97,11 +101,10 @@ impl Bars {
         let work: i64 = c.work.iter().map(|(_, n)| n).sum();
         let backoffs: i64 = c.backoffs.iter().map(|(_, n)| n).sum();
         let line = format!(
-            "{:>5.1}s  working on {work} · in backoff {backoffs} · takeovers {} · reboots {} · heartbeats {}",
+            "{:>5.1}s  working on {work} · in backoff {backoffs} · takeovers {} · reboots {}",
             elapsed.as_secs_f64(),
             sim.takeovers,
             sim.reboots,
-            sim.heartbeats
         );
         if self.plain {
             if self.last_plain.elapsed() >= Duration::from_secs(2) {
@@ -155,8 +158,8 @@ fn settings(args: &DemoArgs) -> FleetSettings {
             db_rate: fast(50, 8),
         },
         recovery: RecoveryThresholds {
-            no_heartbeat_after_start: Duration::from_secs(5),
-            heartbeat_older_than: Duration::from_secs(5),
+            no_heartbeat_after_start: Duration::from_secs(8),
+            heartbeat_older_than: Duration::from_secs(8),
         },
         recoverer_backoff: Backoff::exponential(
             Duration::from_secs(1),
@@ -194,10 +197,8 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         bad_agent: args.bad_agent_rate,
         silent_agent: args.silent_agent_rate,
         takeover_time: args.takeover_time,
-        heartbeat_interval: Duration::from_secs(1),
         ..SimKnobs::default()
     };
-    let fleet = Arc::new(SimFleet::new(args.machines, knobs)?);
     let dir = tempfile::Builder::new()
         .prefix("shepherd-demo-")
         .tempdir()?;
@@ -219,8 +220,38 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         args.silent_agent_rate * 100.0
     );
     let cancel = shutdown_on_signals();
+
+    // The real BMaaS server on loopback TLS; every simulated machine's agent runs the real
+    // agent heartbeat code against it.
+    let certs = dev_certs(&dir.path().join("certs"), &["localhost".into()])?;
+    let tls = load_server_config(&certs.cert_pem, &certs.key_pem)?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let port = listener.local_addr()?.port();
+    let pool = Arc::new(SessionPool::new(
+        db.clone(),
+        SessionConfig::new("bmsrv", Processor::Bmsrv),
+        4,
+    ));
+    let limits = ServerLimits {
+        max_pending_handshakes: args.machines.max(256),
+        ..ServerLimits::default()
+    };
+    let server = tokio::spawn(serve(
+        listener,
+        Arc::new(tls),
+        BmaasService::new(pool.clone()),
+        limits,
+        cancel.clone(),
+    ));
+    let ca_der = crate::run_cmd::pem_to_der(&std::fs::read_to_string(&certs.ca_pem)?)?;
+    let fleet = Arc::new(
+        SimFleet::new(args.machines, knobs)?.with_real_agents(RealAgents {
+            endpoint: format!("localhost:{port}"),
+            ca_der,
+            heartbeat_interval: Duration::from_secs(2),
+        }),
+    );
     let started = Instant::now();
-    let agents = tokio::spawn(fleet.clone().run_agents(db.clone(), cancel.clone()));
     let loops = tokio::spawn(run_loops(
         db.clone(),
         fleet.clone(),
@@ -247,15 +278,28 @@ pub async fn run(args: DemoArgs) -> Result<()> {
     };
     let elapsed = started.elapsed();
     bars.finish();
+    fleet.stop_agents();
     cancel.cancel();
     loops.await??;
-    agents.await?;
+    server.await??;
+    pool.close().await;
 
     let counts = db
         .read(|tx| Box::pin(async move { tx.status_counts().await }))
         .await?;
     let history = history_counts(&db).await?;
     let sim = fleet.counters();
+    let reports = db
+        .read(|tx| {
+            Box::pin(async move {
+                let mut n = 0;
+                for id in tx.machine_ids(None, i64::MAX).await? {
+                    n += tx.hardware_report(id).await?.is_some() as u64;
+                }
+                Ok(n)
+            })
+        })
+        .await?;
     let h = |p, e| history.get(&(p, e)).copied().unwrap_or(0);
     let rows: Vec<(&str, String)> = vec![
         ("machines provided", counts.provided.to_string()),
@@ -284,7 +328,7 @@ pub async fn run(args: DemoArgs) -> Result<()> {
                 + h(Process::ShepherdRecovery, WorkEvent::Canceled))
             .to_string(),
         ),
-        ("heartbeats written", sim.heartbeats.to_string()),
+        ("hardware reports stored", reports.to_string()),
         (
             "time to converge",
             if converged {

@@ -269,7 +269,7 @@ fn read_ca(path: &PathBuf) -> Result<Vec<u8>> {
 }
 
 /// The DER bytes of the first certificate in a PEM text.
-fn pem_to_der(pem: &str) -> Result<Vec<u8>> {
+pub(crate) fn pem_to_der(pem: &str) -> Result<Vec<u8>> {
     use base64::Engine;
     let begin = "-----BEGIN CERTIFICATE-----";
     let end = "-----END CERTIFICATE-----";

@@ -393,6 +393,8 @@ fn demo_converges_and_prints_a_summary() {
     };
     assert_eq!(value("machines provided"), "60");
     assert_eq!(value("agents heartbeating"), "60");
+    // Heartbeats and reports came from the real agent code through the real server.
+    assert_eq!(value("hardware reports stored"), "60");
     assert!(value("time to converge").ends_with(" s"), "{out}");
     // Failures were injected, retried and recovered from.
     let finished: u64 = value("takeovers finished").parse().unwrap();
