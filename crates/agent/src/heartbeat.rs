@@ -13,11 +13,15 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity
 
 use crate::{hardware, identity, install, state, RunArgs};
 
-/// Delay before retry `attempt` (1-based): exponential from 1 s, capped at 60 s, 50–100 % jitter.
-pub fn retry_delay(attempt: u32) -> Duration {
+/// Default cap on the delay between failed heartbeats.
+pub const DEFAULT_RETRY_MAX: Duration = Duration::from_secs(60);
+
+/// Delay before retry `attempt` (1-based): exponential from 1 s, capped at `max`, 50–100 %
+/// jitter so a fleet that lost its server does not come back in lockstep.
+pub fn retry_delay(attempt: u32, max: Duration) -> Duration {
     let cap = Duration::from_secs(1)
-        .saturating_mul(1 << attempt.saturating_sub(1).min(6))
-        .min(Duration::from_secs(60));
+        .saturating_mul(1 << attempt.saturating_sub(1).min(16))
+        .min(max);
     cap.mul_f64(0.5 + rand::random::<f64>() / 2.0)
 }
 
@@ -68,6 +72,8 @@ pub struct AgentConfig {
     pub reboot_command: String,
     /// The hardware report sent with the first heartbeat.
     pub hardware_report: AgentHardwareReport,
+    /// Cap on the delay between failed heartbeats.
+    pub retry_max: Duration,
 }
 
 /// Runs the agent until killed.
@@ -83,6 +89,7 @@ pub async fn run(args: RunArgs) -> ExitCode {
             heartbeat_interval: args.heartbeat_interval,
             reboot_command: args.reboot_command.clone(),
             hardware_report: hardware::report(),
+            retry_max: args.retry_max,
         };
         run_agent(config, Some((args.state.clone(), st))).await
     };
@@ -169,7 +176,7 @@ pub async fn run_agent(
             }
             Err(status) => {
                 failures += 1;
-                let delay = retry_delay(failures);
+                let delay = retry_delay(failures, config.retry_max);
                 eprintln!(
                     "shepherd-agent: heartbeat failed ({}: {}); retrying in {delay:?}",
                     status.code(),
@@ -188,15 +195,17 @@ mod tests {
     #[test]
     fn retry_delays_grow_are_capped_and_jittered() {
         for attempt in 1..100 {
-            let d = retry_delay(attempt);
+            let d = retry_delay(attempt, DEFAULT_RETRY_MAX);
             assert!(
                 d >= Duration::from_millis(500) && d <= Duration::from_secs(60),
                 "{attempt}: {d:?}"
             );
         }
-        assert!(retry_delay(1) <= Duration::from_secs(1));
-        assert!(retry_delay(20) >= Duration::from_secs(30));
-        let samples: std::collections::BTreeSet<_> = (0..20).map(|_| retry_delay(5)).collect();
+        assert!(retry_delay(1, DEFAULT_RETRY_MAX) <= Duration::from_secs(1));
+        assert!(retry_delay(20, DEFAULT_RETRY_MAX) >= Duration::from_secs(30));
+        assert!(retry_delay(20, Duration::from_secs(4)) <= Duration::from_secs(4));
+        let samples: std::collections::BTreeSet<_> =
+            (0..20).map(|_| retry_delay(5, DEFAULT_RETRY_MAX)).collect();
         assert!(samples.len() > 1, "no jitter");
     }
 }

@@ -24,4 +24,6 @@ pub struct RunArgs {
     pub heartbeat_interval: Duration,
     /// Shell command run after a successful installation was reported.
     pub reboot_command: String,
+    /// Cap on the delay between failed heartbeats.
+    pub retry_max: Duration,
 }

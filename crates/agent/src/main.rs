@@ -25,6 +25,7 @@ fn parse_run(args: &[String]) -> Result<RunArgs, String> {
         )?,
         reboot_command: std::env::var("SHEPHERD_AGENT_REBOOT_COMMAND")
             .unwrap_or_else(|_| "reboot".into()),
+        retry_max: env_duration("SHEPHERD_AGENT_RETRY_MAX", heartbeat::DEFAULT_RETRY_MAX)?,
     };
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -36,6 +37,10 @@ fn parse_run(args: &[String]) -> Result<RunArgs, String> {
                     humantime::parse_duration(value).map_err(|e| format!("{flag}: {e}"))?
             }
             "--reboot-command" => run.reboot_command = value.clone(),
+            "--retry-max" => {
+                run.retry_max =
+                    humantime::parse_duration(value).map_err(|e| format!("{flag}: {e}"))?
+            }
             other => return Err(format!("unknown flag {other}")),
         }
     }
@@ -68,7 +73,7 @@ fn main() -> ExitCode {
             }
         },
         Some(other) => {
-            eprintln!("shepherd-agent: unknown mode {other:?}; usage: shepherd-agent [takeover] | run [--state PATH] [--heartbeat-interval 30s] [--reboot-command CMD]");
+            eprintln!("shepherd-agent: unknown mode {other:?}; usage: shepherd-agent [takeover] | run [--state PATH] [--heartbeat-interval 30s] [--reboot-command CMD] [--retry-max 60s]");
             ExitCode::from(2)
         }
     }

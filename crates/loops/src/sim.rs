@@ -422,6 +422,7 @@ impl Transport for SimFleet {
                     heartbeat_interval: real.heartbeat_interval,
                     reboot_command: "true".into(),
                     hardware_report: sim_hardware(&s.machines[i].id),
+                    retry_max: Duration::from_secs(5),
                 };
                 let task = (!silent).then(|| {
                     let handle = tokio::spawn(async move {
