@@ -6,6 +6,7 @@ mod bmdb_cmd;
 mod config_file;
 mod demo;
 mod fleet;
+mod machines_cmd;
 mod run_cmd;
 mod server_cmd;
 
@@ -34,11 +35,28 @@ enum Command {
     Server(Box<server_cmd::ServerArgs>),
     /// Watch a simulated fleet of machines go through the whole lifecycle (SQLite, in-process).
     Demo(demo::DemoArgs),
+    /// Inspect machines: list, show, history.
+    Machines {
+        #[command(subcommand)]
+        command: machines_cmd::MachinesCommand,
+    },
+    /// Inspect BMDB sessions.
+    Sessions {
+        #[command(subcommand)]
+        command: SessionsCommand,
+    },
     /// Manage the Bare Metal Database itself.
     Bmdb {
         #[command(subcommand)]
         command: bmdb_cmd::BmdbCommand,
     },
+}
+
+/// Subcommands of `shepherd sessions`.
+#[derive(Debug, Subcommand)]
+enum SessionsCommand {
+    /// Every session with its component, deadline and runtime info.
+    List,
 }
 
 #[tokio::main]
@@ -72,6 +90,10 @@ async fn main() {
         Command::Run(args) => run_cmd::run(&cli.database, *args).await,
         Command::Server(args) => server_cmd::run(&cli.database, *args).await,
         Command::Demo(args) => demo::run(args).await,
+        Command::Machines { command } => machines_cmd::run(&cli.database, command).await,
+        Command::Sessions {
+            command: SessionsCommand::List,
+        } => machines_cmd::sessions(&cli.database).await,
         Command::Bmdb { command } => bmdb_cmd::run(&cli.database, command).await,
     };
     if let Err(e) = result {
