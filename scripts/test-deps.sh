@@ -2,7 +2,8 @@
 # Installs and starts everything the test suite needs on a fresh Debian machine, and checks
 # it is reachable. Safe to run repeatedly: PostgreSQL on 127.0.0.1:5432 with trust auth for
 # local connections and a database named `test`; OpenSSH's sshd binary (the tests start their
-# own daemons on loopback ports; no system sshd is started or configured).
+# own daemons on loopback ports; no system sshd is started or configured); Chromium and
+# chromedriver for the web UI tests.
 set -euo pipefail
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
@@ -50,6 +51,17 @@ ensure_sshd() {
   /usr/sbin/sshd -V 2>&1 | head -n 1 | sed 's/^/test-deps: /' || true
 }
 
+ensure_chromium() {
+  # The web UI tests drive Debian's Chromium headless through chromedriver (WebDriver).
+  if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
+    echo "test-deps: installing chromium and chromium-driver"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+  fi
+  /usr/bin/chromium --version 2>/dev/null | head -n 1 | sed 's/^/test-deps: /' || true
+}
+
 ensure_postgres
 ensure_sshd
+ensure_chromium
 echo "test-deps: ready"

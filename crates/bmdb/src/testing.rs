@@ -163,3 +163,124 @@ macro_rules! conformance_tests {
         )+
     };
 }
+
+/// One seeded machine of [`seed_every_state`].
+#[derive(Debug, Clone)]
+pub struct SeededMachine {
+    /// The machine.
+    pub id: uuid::Uuid,
+    /// The lifecycle state its tags put it in.
+    pub state: crate::Lifecycle,
+    /// Its provider id, if provided.
+    pub provider_id: Option<String>,
+}
+
+/// Seeds one machine per lifecycle state (the in-work one held by the returned session, which
+/// must stay open for it to stay in work); machines are provided by Sim (`box-0`) and Static
+/// (`box-1`…), with addresses `10.0.0.N` in `rack-1`; the backoff's cause is
+/// `"ssh: connection refused"`.
+pub async fn seed_every_state(db: &Bmdb) -> (Vec<SeededMachine>, crate::Session) {
+    use crate::*;
+    use chrono::{Duration as Delta, Utc};
+    let session = db
+        .start_session(SessionConfig::new(
+            "shepherd-initializer",
+            Processor::ShepherdInitializer,
+        ))
+        .await
+        .expect("start session");
+    let sid = session.id();
+    let seeded = db
+        .transact(move |tx| {
+            Box::pin(async move {
+                let mut out = Vec::new();
+                let provided = async |tx: &mut Tx, n: usize| -> Result<uuid::Uuid, Error> {
+                    let id = tx.create_machine().await?;
+                    tx.set_provided(
+                        id,
+                        &Provided {
+                            provider: if n == 0 {
+                                Provider::Sim
+                            } else {
+                                Provider::Static
+                            },
+                            provider_id: format!("box-{n}"),
+                            reservation_id: None,
+                            ip_address: Some(format!("10.0.0.{n}")),
+                            location: Some("rack-1".into()),
+                            status: Some(ProviderStatus::Running),
+                        },
+                    )
+                    .await?;
+                    Ok(id)
+                };
+                let mut push = |id, state, n: Option<usize>| {
+                    out.push(SeededMachine {
+                        id,
+                        state,
+                        provider_id: n.map(|n| format!("box-{n}")),
+                    })
+                };
+                push(tx.create_machine().await?, Lifecycle::Unprovided, None);
+                push(provided(tx, 0).await?, Lifecycle::Provided, Some(0));
+                let id = provided(tx, 1).await?;
+                tx.set_agent_started(id, &[1; 32]).await?;
+                push(id, Lifecycle::AgentStarting, Some(1));
+                let id = provided(tx, 2).await?;
+                tx.set_agent_started(id, &[2; 32]).await?;
+                tx.set_heartbeat(id).await?;
+                push(id, Lifecycle::Heartbeating, Some(2));
+                let id = provided(tx, 3).await?;
+                tx.set_agent_started(id, &[3; 32]).await?;
+                tx.set_heartbeat_at(id, Utc::now() - Delta::minutes(11))
+                    .await?;
+                push(id, Lifecycle::Stale, Some(3));
+                let id = provided(tx, 4).await?;
+                tx.set_backoff_raw(
+                    id,
+                    Process::ShepherdAgentStart,
+                    Utc::now() + Delta::minutes(5),
+                    300,
+                    "ssh: connection refused",
+                )
+                .await?;
+                push(id, Lifecycle::InBackoff, Some(4));
+                let id = provided(tx, 5).await?;
+                tx.insert_work_raw(id, sid, Process::ShepherdAgentStart)
+                    .await?;
+                push(id, Lifecycle::InWork, Some(5));
+                for (n, generation, report, state) in [
+                    (6, 2, None, Lifecycle::Installing),
+                    (7, 3, Some(3), Lifecycle::Installed),
+                ] {
+                    let id = provided(tx, n).await?;
+                    tx.set_agent_started(id, &[n as u8; 32]).await?;
+                    tx.set_heartbeat(id).await?;
+                    tx.set_os_installation_request(
+                        id,
+                        &OsInstallationRequest {
+                            generation,
+                            request_raw: vec![],
+                        },
+                    )
+                    .await?;
+                    if let Some(g) = report {
+                        tx.set_os_installation_report(
+                            id,
+                            &OsInstallationReport {
+                                generation: g,
+                                result: InstallationResult::Success,
+                                report_raw: vec![],
+                            },
+                        )
+                        .await?;
+                    }
+                    push(id, state, Some(n));
+                }
+                Ok(out)
+            })
+        })
+        .await
+        .expect("seed");
+    (seeded, session)
+}

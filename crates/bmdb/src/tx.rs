@@ -5,6 +5,7 @@ use uuid::Uuid;
 
 use crate::backend::{postgres, sqlite, StatusCounts};
 use crate::model::*;
+use crate::summary::{FleetCounts, MachineSummary};
 use crate::{Error, Retrieval};
 
 pub(crate) enum TxInner {
@@ -257,6 +258,46 @@ impl Tx {
         dispatch!(self.count_eligible(process, retrieval))
     }
 
+    /// Up to `limit` machines after `after` in id order, each as one row of tags; only those
+    /// of `provider` if given.
+    pub async fn machine_summaries(
+        &mut self,
+        after: Option<Uuid>,
+        provider: Option<Provider>,
+        limit: i64,
+    ) -> Result<Vec<MachineSummary>, Error> {
+        dispatch!(self.machine_summaries(after, provider, limit))
+    }
+
+    /// One machine as one row of tags; `None` if it does not exist.
+    pub async fn machine_summary(&mut self, id: Uuid) -> Result<Option<MachineSummary>, Error> {
+        dispatch!(self.machine_summary(id))
+    }
+
+    /// Fleet-wide counts for the statistics gauges; heartbeats older than `stale_after` count
+    /// as stale.
+    pub async fn fleet_counts(
+        &mut self,
+        stale_after: chrono::Duration,
+    ) -> Result<FleetCounts, Error> {
+        let secs = stale_after.num_milliseconds() as f64 / 1000.0;
+        dispatch!(self.fleet_counts(secs))
+    }
+
+    /// Up to `limit` raw hardware reports after machine `after`, with the machine's location.
+    pub async fn hardware_reports(
+        &mut self,
+        after: Option<Uuid>,
+        limit: i64,
+    ) -> Result<Vec<(Uuid, Option<String>, Vec<u8>)>, Error> {
+        dispatch!(self.hardware_reports(after, limit))
+    }
+
+    /// Work held by a session: (machine, process), in machine order.
+    pub async fn session_work(&mut self, session: Uuid) -> Result<Vec<(Uuid, Process)>, Error> {
+        dispatch!(self.session_work(session))
+    }
+
     /// A machine's work history, oldest first.
     pub async fn machine_history(&mut self, id: Uuid) -> Result<Vec<HistoryEntry>, Error> {
         dispatch!(self.machine_history(id))
@@ -322,7 +363,8 @@ impl Tx {
         process: Process,
         until: DateTime<Utc>,
         last_interval: i64,
+        cause: &str,
     ) -> Result<(), Error> {
-        dispatch!(self.set_backoff_raw(machine, process, until, last_interval))
+        dispatch!(self.set_backoff_raw(machine, process, until, last_interval, cause))
     }
 }

@@ -736,7 +736,7 @@ async fn eligibility_matches_model(db: Bmdb) {
                         } else {
                             ago(1)
                         };
-                        tx.set_backoff_raw(m.id, p, until, 60).await?;
+                        tx.set_backoff_raw(m.id, p, until, 60, "test").await?;
                     }
                 }
                 Ok(fleet)
@@ -928,7 +928,87 @@ async fn agent_heartbeats(db: Bmdb) {
     assert_eq!(beat(db.clone()).await, before);
 }
 
+async fn summaries_and_fleet_counts(db: Bmdb) {
+    let (seeded, session) = testing::seed_every_state(&db).await;
+    let now = Utc::now();
+    let all = db
+        .read(|tx| Box::pin(async move { tx.machine_summaries(None, None, 1000).await }))
+        .await
+        .unwrap();
+    assert_eq!(all.len(), seeded.len());
+    for m in &seeded {
+        let s = all.iter().find(|s| s.machine_id == m.id).expect("listed");
+        assert_eq!(s.lifecycle(now), m.state, "{m:?}: {s:?}");
+        assert_eq!(
+            s.provided.as_ref().map(|p| p.provider_id.clone()),
+            m.provider_id
+        );
+    }
+    let in_work = seeded
+        .iter()
+        .find(|m| m.state == Lifecycle::InWork)
+        .unwrap();
+    let one = db
+        .read({
+            let id = in_work.id;
+            move |tx| Box::pin(async move { tx.machine_summary(id).await })
+        })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(one.work, vec![Process::ShepherdAgentStart]);
+    let sid = session.id();
+    let held = db
+        .read(move |tx| Box::pin(async move { tx.session_work(sid).await }))
+        .await
+        .unwrap();
+    assert_eq!(held, vec![(in_work.id, Process::ShepherdAgentStart)]);
+    assert!(db
+        .read(|tx| Box::pin(async move { tx.machine_summary(Uuid::new_v4()).await }))
+        .await
+        .unwrap()
+        .is_none());
+
+    // Paging in id order with a provider filter visits every Static machine exactly once.
+    let mut after = None;
+    let mut paged = vec![];
+    loop {
+        let page = db
+            .read(move |tx| {
+                Box::pin(
+                    async move { tx.machine_summaries(after, Some(Provider::Static), 3).await },
+                )
+            })
+            .await
+            .unwrap();
+        let Some(last) = page.last() else { break };
+        after = Some(last.machine_id);
+        paged.extend(page.into_iter().map(|s| s.machine_id));
+    }
+    let mut want: Vec<Uuid> = seeded
+        .iter()
+        .filter(|m| m.provider_id.as_deref().is_some_and(|p| p != "box-0"))
+        .map(|m| m.id)
+        .collect();
+    want.sort();
+    assert_eq!(paged, want);
+
+    let c = db
+        .read(|tx| Box::pin(async move { tx.fleet_counts(STALE_AFTER).await }))
+        .await
+        .unwrap();
+    assert_eq!(c.machines, 9);
+    assert_eq!(c.provided, vec![(Provider::Sim, 1), (Provider::Static, 7)]);
+    assert_eq!(c.agent_started, 5);
+    assert_eq!((c.heartbeating, c.stale), (3, 1));
+    assert_eq!((c.pending_install, c.installed), (1, 1));
+    assert_eq!(c.work, vec![(Process::ShepherdAgentStart, 1)]);
+    assert_eq!(c.backoffs, vec![(Process::ShepherdAgentStart, 1)]);
+    session.close().await.unwrap();
+}
+
 shepherd_bmdb::conformance_tests!(
+    summaries_and_fleet_counts,
     agent_heartbeats,
     migrations_are_idempotent,
     tags_round_trip,

@@ -4,6 +4,7 @@
 
 pub mod initializer;
 pub mod limiter;
+pub mod metrics;
 pub mod penalty;
 pub mod provider;
 pub mod provisioner;

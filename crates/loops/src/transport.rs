@@ -6,7 +6,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use futures::FutureExt;
 use shepherd_ssh::{parse_public_key, SshClient};
+
+use crate::metrics::{CallMetrics, CallResult};
 
 /// One agent start: upload `agent` to `target_path` on `addr` and run it with `stdin`.
 #[derive(Debug, Clone, Copy)]
@@ -48,12 +51,30 @@ pub trait Transport: Send + Sync {
 /// The real thing: SSH with SFTP upload.
 pub struct SshTransport {
     client: Arc<SshClient>,
+    metrics: Arc<CallMetrics>,
 }
 
 impl SshTransport {
     /// Uses `client` (shared, so its handshake cap covers all workers).
     pub fn new(client: Arc<SshClient>) -> Self {
-        SshTransport { client }
+        SshTransport {
+            client,
+            metrics: Arc::default(),
+        }
+    }
+
+    /// Records connect, upload and exec calls into `metrics` (`shepherd_ssh_*`).
+    pub fn with_metrics(mut self, metrics: Arc<CallMetrics>) -> Self {
+        self.metrics = metrics;
+        self
+    }
+}
+
+fn ok_or_error<T, E>(r: &Result<T, E>) -> CallResult {
+    if r.is_ok() {
+        CallResult::Ok
+    } else {
+        CallResult::Error
     }
 }
 
@@ -63,23 +84,46 @@ impl Transport for SshTransport {
         let deadline = Instant::now() + run.timeout;
         let left = || deadline.saturating_duration_since(Instant::now());
         let pinned = run.pinned_host_key.map(parse_public_key).transpose()?;
-        let session = tokio::time::timeout(left(), self.client.connect(run.addr, pinned.as_ref()))
-            .await
-            .map_err(|_| {
-                anyhow::anyhow!("connecting: exec timeout of {:?} reached", run.timeout)
-            })??;
+        let session = self
+            .metrics
+            .time(
+                "connect",
+                ok_or_error,
+                tokio::time::timeout(left(), self.client.connect(run.addr, pinned.as_ref())).map(
+                    |r| {
+                        r.map_err(|_| {
+                            anyhow::anyhow!("connecting: exec timeout of {:?} reached", run.timeout)
+                        })
+                        .and_then(|r| r.map_err(anyhow::Error::from))
+                    },
+                ),
+            )
+            .await?;
         let host_key = session.host_key();
         let result = async {
-            tokio::time::timeout(left(), session.upload(run.target_path, run.agent, 0o755))
-                .await
-                .map_err(|_| {
-                    anyhow::anyhow!(
-                        "uploading the agent: exec timeout of {:?} reached",
-                        run.timeout
-                    )
-                })??;
-            let out = session
-                .exec(&shell_quote(run.target_path), run.stdin, left())
+            self.metrics
+                .time(
+                    "upload",
+                    ok_or_error,
+                    tokio::time::timeout(left(), session.upload(run.target_path, run.agent, 0o755))
+                        .map(|r| {
+                            r.map_err(|_| {
+                                anyhow::anyhow!(
+                                    "uploading the agent: exec timeout of {:?} reached",
+                                    run.timeout
+                                )
+                            })
+                            .and_then(|r| r.map_err(anyhow::Error::from))
+                        }),
+                )
+                .await?;
+            let out = self
+                .metrics
+                .time(
+                    "exec",
+                    ok_or_error,
+                    session.exec(&shell_quote(run.target_path), run.stdin, left()),
+                )
                 .await
                 .map_err(|e| anyhow::anyhow!("running the agent: {e}"))?;
             Ok::<_, anyhow::Error>(out)

@@ -121,3 +121,12 @@ pub fn shutdown_on_signals() -> CancellationToken {
     });
     cancel
 }
+
+/// Prints one line on stdout for whoever started us (addresses, mostly). A closed stdout (the
+/// reader went away) must not take a long-running service down, so write errors are ignored.
+pub fn announce(line: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}

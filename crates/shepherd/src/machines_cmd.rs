@@ -1,54 +1,18 @@
 //! `shepherd machines …` and `shepherd sessions list`: what the BMDB knows, for operators.
 
 use anyhow::{bail, Context, Result};
-use chrono::{DateTime, Utc};
-use clap::{Subcommand, ValueEnum};
-use serde_json::{json, Value};
-use shepherd_bmdb::{
-    ActiveWork, AgentStarted, BackoffEntry, Bmdb, InstallationResult, OsInstallationReport,
-    OsInstallationRequest, Provided, Tx,
-};
-use shepherd_proto::bmaas::AgentHardwareReport;
+use chrono::Utc;
+use clap::Subcommand;
+use serde_json::Value;
+use shepherd_bmdb::{Bmdb, Lifecycle, OsInstallationRequest};
+use shepherd_proto::bmaas as proto;
 use shepherd_proto::Message;
 use uuid::Uuid;
 
-/// A machine's place in its lifecycle, derived from its tags (first match wins).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum State {
-    /// Held by a loop right now.
-    InWork,
-    /// A loop failed on it and waits.
-    InBackoff,
-    /// Its installation request was fulfilled successfully.
-    Installed,
-    /// An installation request waits for its report.
-    Installing,
-    /// Heartbeating, last heartbeat within 10 minutes.
-    Heartbeating,
-    /// Heartbeated once, but not for 10 minutes.
-    Stale,
-    /// Agent started, no heartbeat yet.
-    AgentStarting,
-    /// Provided, no agent yet.
-    Provided,
-    /// Known to the BMDB only.
-    Unprovided,
-}
+use crate::inventory;
 
-impl State {
-    fn name(self) -> &'static str {
-        match self {
-            State::InWork => "in work",
-            State::InBackoff => "in backoff",
-            State::Installed => "installed",
-            State::Installing => "installing",
-            State::Heartbeating => "heartbeating",
-            State::Stale => "stale",
-            State::AgentStarting => "agent starting",
-            State::Provided => "provided",
-            State::Unprovided => "unprovided",
-        }
-    }
+fn parse_state(s: &str) -> Result<Lifecycle, String> {
+    s.parse().map_err(|e: shepherd_bmdb::Error| e.to_string())
 }
 
 /// Subcommands of `shepherd machines`.
@@ -59,9 +23,10 @@ pub enum MachinesCommand {
         /// Only machines of this provider (e.g. Static, Sim).
         #[arg(long)]
         provider: Option<String>,
-        /// Only machines in this state.
-        #[arg(long, value_enum)]
-        state: Option<State>,
+        /// Only machines in this state (provided, agent-starting, heartbeating, stale,
+        /// in-backoff, in-work, installing, installed, unprovided).
+        #[arg(long, value_parser = parse_state)]
+        state: Option<Lifecycle>,
         /// Start after this machine id (paging).
         #[arg(long)]
         after: Option<Uuid>,
@@ -85,76 +50,21 @@ pub enum MachinesCommand {
         /// Machine id.
         id: Uuid,
     },
-}
-
-struct Facts {
-    id: Uuid,
-    provided: Option<Provided>,
-    agent: Option<AgentStarted>,
-    heartbeat: Option<DateTime<Utc>>,
-    work: Vec<ActiveWork>,
-    backoffs: Vec<BackoffEntry>,
-    request: Option<OsInstallationRequest>,
-    report: Option<OsInstallationReport>,
-}
-
-impl Facts {
-    async fn load(tx: &mut Tx, id: Uuid) -> Result<Facts, shepherd_bmdb::Error> {
-        Ok(Facts {
-            id,
-            provided: tx.provided(id).await?,
-            agent: tx.agent_started(id).await?,
-            heartbeat: tx.heartbeat(id).await?,
-            work: tx.machine_work(id).await?,
-            backoffs: tx.machine_backoffs(id).await?,
-            request: tx.os_installation_request(id).await?,
-            report: tx.os_installation_report(id).await?,
-        })
-    }
-
-    fn state(&self, now: DateTime<Utc>) -> State {
-        let installed = match (&self.request, &self.report) {
-            (Some(q), Some(r)) => {
-                Some(q.generation == r.generation && r.result == InstallationResult::Success)
-            }
-            (Some(_), None) => Some(false),
-            _ => None,
-        };
-        if !self.work.is_empty() {
-            State::InWork
-        } else if self.backoffs.iter().any(|b| b.until > now) {
-            State::InBackoff
-        } else if installed == Some(true) {
-            State::Installed
-        } else if installed == Some(false) {
-            State::Installing
-        } else if let Some(h) = self.heartbeat {
-            if now - h > chrono::Duration::minutes(10) {
-                State::Stale
-            } else {
-                State::Heartbeating
-            }
-        } else if self.agent.is_some() {
-            State::AgentStarting
-        } else if self.provided.is_some() {
-            State::Provided
-        } else {
-            State::Unprovided
-        }
-    }
-
-    fn summary(&self, now: DateTime<Utc>) -> Value {
-        let p = self.provided.as_ref();
-        json!({
-            "machine_id": self.id.to_string(),
-            "state": self.state(now).name(),
-            "provider": p.map(|p| p.provider.to_string()),
-            "provider_id": p.map(|p| p.provider_id.clone()),
-            "address": p.and_then(|p| p.ip_address.clone()),
-            "location": p.and_then(|p| p.location.clone()),
-            "heartbeat_at": self.heartbeat.map(|h| h.to_rfc3339()),
-        })
-    }
+    /// Asks the machine's agent to install an OS image (the next heartbeat response carries
+    /// the request; the generation is bumped so a new request is never mistaken for an old one).
+    Install {
+        /// Machine id.
+        id: Uuid,
+        /// Where the agent downloads the image from (http or https).
+        #[arg(long)]
+        image: String,
+        /// SHA-256 of the image, 64 hex digits; the agent refuses anything else.
+        #[arg(long)]
+        sha256: String,
+        /// Block device (or file) the agent writes the image to.
+        #[arg(long)]
+        device: String,
+    },
 }
 
 fn text(v: &Value) -> String {
@@ -173,8 +83,56 @@ pub async fn run(url: &str, command: MachinesCommand) -> Result<()> {
     result
 }
 
+fn table(rows: &[Value], cols: &[&str]) -> String {
+    let cells: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| cols.iter().map(|c| text(&r[*c])).collect())
+        .collect();
+    let widths: Vec<usize> = cols
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            cells
+                .iter()
+                .map(|r| r[i].len())
+                .max()
+                .unwrap_or(0)
+                .max(c.len())
+        })
+        .collect();
+    let line = |vals: Vec<String>| {
+        vals.iter()
+            .zip(&widths)
+            .map(|(v, w)| format!("{v:<w$}"))
+            .collect::<Vec<_>>()
+            .join("  ")
+            .trim_end()
+            .to_string()
+    };
+    let mut out = line(cols.iter().map(|c| c.to_uppercase()).collect()) + "\n";
+    for r in cells {
+        out += &line(r);
+        out += "\n";
+    }
+    out
+}
+
+/// Checks an image request before it reaches the BMDB, so a typo fails here rather than on
+/// the machine.
+fn validate_image(image: &str, sha256: &str, device: &str) -> Result<()> {
+    if !(image.starts_with("https://") || image.starts_with("http://")) {
+        bail!("image: {image:?} is not an http(s) URL");
+    }
+    if sha256.len() != 64 || !sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+        bail!("sha256: {sha256:?} is not 64 hex digits");
+    }
+    if device.is_empty() {
+        bail!("device: must not be empty");
+    }
+    Ok(())
+}
+
 async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
-    let now = Utc::now();
     match command {
         MachinesCommand::List {
             provider,
@@ -186,123 +144,45 @@ async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
             let provider: Option<shepherd_bmdb::Provider> = provider
                 .map(|p| p.parse().with_context(|| format!("provider {p:?}")))
                 .transpose()?;
-            let mut rows = Vec::new();
-            let mut cursor = after;
-            // Page through ids until `limit` machines pass the filters.
-            'pages: loop {
-                let c = cursor;
-                let page = db
-                    .read(move |tx| {
-                        Box::pin(async move {
-                            let mut facts = Vec::new();
-                            for id in tx.machine_ids(c, 500).await? {
-                                facts.push(Facts::load(tx, id).await?);
-                            }
-                            Ok(facts)
-                        })
-                    })
-                    .await?;
-                let Some(last) = page.last() else { break };
-                cursor = Some(last.id);
-                for f in page {
-                    if provider.is_some_and(|p| f.provided.as_ref().map(|x| x.provider) != Some(p))
-                    {
-                        continue;
-                    }
-                    if state.is_some_and(|s| f.state(now) != s) {
-                        continue;
-                    }
-                    rows.push(f.summary(now));
-                    if rows.len() >= limit {
-                        break 'pages;
-                    }
-                }
-            }
+            let listing = inventory::list(db, provider, state, after, limit, usize::MAX).await?;
+            let rows: Vec<Value> = listing
+                .machines
+                .iter()
+                .map(|m| inventory::summary_json(m, listing.now))
+                .collect();
             if json {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
             } else {
-                let cols = [
-                    "machine_id",
-                    "state",
-                    "provider",
-                    "provider_id",
-                    "address",
-                    "location",
-                    "heartbeat_at",
-                ];
-                let cells: Vec<Vec<String>> = rows
-                    .iter()
-                    .map(|r| cols.iter().map(|c| text(&r[*c])).collect())
-                    .collect();
-                let widths: Vec<usize> = cols
-                    .iter()
-                    .enumerate()
-                    .map(|(i, c)| {
-                        cells
-                            .iter()
-                            .map(|r| r[i].len())
-                            .max()
-                            .unwrap_or(0)
-                            .max(c.len())
-                    })
-                    .collect();
-                let line = |vals: Vec<String>| {
-                    vals.iter()
-                        .zip(&widths)
-                        .map(|(v, w)| format!("{v:<w$}"))
-                        .collect::<Vec<_>>()
-                        .join("  ")
-                        .trim_end()
-                        .to_string()
-                };
-                println!("{}", line(cols.iter().map(|c| c.to_uppercase()).collect()));
-                for r in cells {
-                    println!("{}", line(r));
+                if let Some(next) = listing.next {
+                    eprintln!("more machines may follow: add --after {next}");
                 }
+                print!(
+                    "{}",
+                    table(
+                        &rows,
+                        &[
+                            "machine_id",
+                            "state",
+                            "provider",
+                            "provider_id",
+                            "address",
+                            "location",
+                            "heartbeat_at",
+                        ]
+                    )
+                );
             }
         }
         MachinesCommand::Show { id, json } => {
-            let (facts, hardware, history, exists) = db
-                .read(move |tx| {
-                    Box::pin(async move {
-                        Ok((
-                            Facts::load(tx, id).await?,
-                            tx.hardware_report(id).await?,
-                            tx.machine_history(id).await?,
-                            tx.machine_exists(id).await?,
-                        ))
-                    })
-                })
-                .await?;
-            if !exists {
+            let Some(detail) = inventory::detail(db, id).await? else {
                 bail!("machine {id} does not exist");
-            }
-            let hardware = hardware.map(|raw| match AgentHardwareReport::decode(raw.as_slice()) {
-                Ok(r) => json!(format!("{r:?}")),
-                Err(e) => json!(format!("undecodable report: {e}")),
-            });
-            let mut v = facts.summary(now);
-            v["agent_started_at"] = json!(facts.agent.as_ref().map(|a| a.started_at.to_rfc3339()));
-            v["agent_key"] = json!(facts.agent.as_ref().map(|a| a
-                .public_key
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect::<String>()));
-            v["installation_request_generation"] =
-                json!(facts.request.as_ref().map(|r| r.generation));
-            v["installation_report"] = json!(facts
-                .report
-                .as_ref()
-                .map(|r| json!({"generation": r.generation, "result": r.result.to_string()})));
-            v["hardware_report"] = json!(hardware);
-            v["work"] = json!(facts.work.iter().map(|w| json!({"process": w.process.to_string(), "session_id": w.session_id.to_string()})).collect::<Vec<_>>());
-            v["backoffs"] = json!(facts.backoffs.iter().map(|b| json!({"process": b.process.to_string(), "until": b.until.to_rfc3339(), "cause": b.cause})).collect::<Vec<_>>());
-            v["history"] = json!(history.iter().map(|h| json!({"at": h.at.to_rfc3339(), "process": h.process.to_string(), "event": h.event.to_string(), "cause": h.cause})).collect::<Vec<_>>());
+            };
+            let v = inventory::detail_json(&detail);
             if json {
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else if let Value::Object(map) = v {
                 for (k, val) in map {
-                    println!("{k:<34} {}", text(&val));
+                    println!("{k:<22} {}", text(&val));
                 }
             }
         }
@@ -318,6 +198,56 @@ async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
                     h.event.to_string(),
                     h.cause.unwrap_or_default()
                 );
+            }
+        }
+        MachinesCommand::Install {
+            id,
+            image,
+            sha256,
+            device,
+        } => {
+            validate_image(&image, &sha256, &device)?;
+            let sha256 = sha256.to_ascii_lowercase();
+            let generation = db
+                .transact(move |tx| {
+                    let (image, sha256, device) = (image.clone(), sha256.clone(), device.clone());
+                    Box::pin(async move {
+                        if !tx.machine_exists(id).await? {
+                            return Ok(None);
+                        }
+                        let generation = tx
+                            .os_installation_request(id)
+                            .await?
+                            .map_or(1, |r| r.generation + 1);
+                        let raw = proto::OsInstallationRequest {
+                            generation,
+                            r#type: Some(proto::os_installation_request::Type::Image(
+                                proto::ImageInstallationRequest {
+                                    url: image,
+                                    sha256,
+                                    target_device: device,
+                                },
+                            )),
+                        }
+                        .encode_to_vec();
+                        tx.set_os_installation_request(
+                            id,
+                            &OsInstallationRequest {
+                                generation,
+                                request_raw: raw,
+                            },
+                        )
+                        .await?;
+                        Ok(Some(generation))
+                    })
+                })
+                .await?;
+            match generation {
+                Some(g) => println!(
+                    "machine {id}: installation request generation {g} recorded; the agent \
+                     receives it with its next heartbeat"
+                ),
+                None => bail!("machine {id} does not exist"),
             }
         }
     }

@@ -6,9 +6,13 @@ mod bmdb_cmd;
 mod config_file;
 mod demo;
 mod fleet;
+mod fleet_stats;
+mod inventory;
 mod machines_cmd;
+mod metrics_http;
 mod run_cmd;
 mod server_cmd;
+mod web;
 
 use std::io::IsTerminal;
 

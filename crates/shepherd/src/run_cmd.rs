@@ -11,6 +11,7 @@ use clap::{Args, ValueEnum};
 use shepherd_bmdb::{Backoff, Bmdb, OpenOptions, Provider as ProviderKind, RecoveryThresholds};
 use shepherd_loops::initializer::InitializerConfig;
 use shepherd_loops::limiter::RateSpec;
+use shepherd_loops::metrics::{CallMetrics, InstrumentedProvider};
 use shepherd_loops::provisioner::ProvisionerConfig;
 use shepherd_loops::reconcile::Limits;
 use shepherd_loops::sim::{SimFleet, SimKnobs};
@@ -53,7 +54,7 @@ impl From<StaticKind> for ProviderKind {
     }
 }
 
-fn duration(s: &str) -> Result<Duration, String> {
+pub(crate) fn duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("{e} (want e.g. 500ms, 2s, 5m)"))
 }
 
@@ -171,6 +172,18 @@ pub struct RunArgs {
     /// SSH: most handshakes in flight at once.
     #[arg(long, env = "SHEPHERD_SSH_MAX_HANDSHAKES", default_value_t = 8)]
     pub ssh_max_handshakes: usize,
+
+    /// Where `/metrics` is served (Prometheus text format); port 0 picks a free port.
+    #[arg(
+        long,
+        env = "SHEPHERD_METRICS_LISTEN",
+        default_value = "127.0.0.1:9464"
+    )]
+    pub metrics_listen: std::net::SocketAddr,
+
+    /// How often the fleet statistics gauges are recomputed from the BMDB.
+    #[arg(long, env = "SHEPHERD_STATS_INTERVAL", default_value = "30s", value_parser = duration)]
+    pub stats_interval: Duration,
 
     /// BMDB session keep-alive interval.
     #[arg(long, env = "SHEPHERD_SESSION_INTERVAL", default_value = "5s", value_parser = duration)]
@@ -302,6 +315,8 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
         (None, _) => bail!("agent-executable: is required"),
     };
     let settings = args.settings(agent, ca)?;
+    let provider_metrics = Arc::new(CallMetrics::default());
+    let ssh_metrics = Arc::new(CallMetrics::default());
     // Everything that can be checked without the database is checked before connecting.
     let chosen = match args.provider {
         ProviderChoice::Static => {
@@ -310,7 +325,9 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
                 .as_deref()
                 .context("static-inventory: is required with --provider static")?;
             let provider = Arc::new(StaticProvider::new(url, args.static_provider_type.into())?);
-            let transport = Arc::new(SshTransport::new(Arc::new(args.ssh_client()?)));
+            let transport = Arc::new(
+                SshTransport::new(Arc::new(args.ssh_client()?)).with_metrics(ssh_metrics.clone()),
+            );
             Chosen::Static(provider, transport)
         }
         ProviderChoice::Sim => Chosen::Sim(Arc::new(SimFleet::new(
@@ -328,20 +345,40 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
     )
     .await?;
     let cancel = shutdown_on_signals();
+    let mut registry = crate::metrics_http::registry_with_fleet_stats(
+        &db,
+        settings.recovery,
+        args.stats_interval,
+        cancel.clone(),
+    );
+    provider_metrics.register(&mut registry, "shepherd_provider", "Provider API");
+    ssh_metrics.register(&mut registry, "shepherd_ssh", "SSH");
+    let metrics = crate::metrics_http::serve(
+        args.metrics_listen,
+        "metrics-listen",
+        crate::metrics_http::router(registry),
+        cancel.clone(),
+    )
+    .await?;
+    crate::fleet::announce(&format!(
+        "shepherd run: metrics at http://{metrics}/metrics"
+    ));
     let result = match chosen {
         Chosen::Static(provider, transport) => {
             tracing::warn!(
                 "the static provider cannot reboot machines: the recoverer is not running"
             );
+            let provider = Arc::new(InstrumentedProvider::new(provider, provider_metrics));
             run_loops::<_, SimFleet>(db.clone(), provider, transport, None, settings, cancel).await
         }
         Chosen::Sim(fleet) => {
             let agents = tokio::spawn(fleet.clone().run_agents(db.clone(), cancel.clone()));
+            let provider = Arc::new(InstrumentedProvider::new(fleet.clone(), provider_metrics));
             let r = run_loops(
                 db.clone(),
-                fleet.clone(),
-                fleet.clone(),
-                Some(fleet),
+                provider.clone(),
+                fleet,
+                Some(provider),
                 settings,
                 cancel,
             )

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use shepherd_bmdb::{Bmdb, OpenOptions, Processor, SessionConfig};
+use shepherd_bmdb::{Bmdb, OpenOptions, Processor, RecoveryThresholds, SessionConfig};
 use shepherd_server::{
     dev_certs, load_server_config, serve, BmaasService, ServerLimits, SessionPool,
 };
@@ -42,6 +42,16 @@ pub struct ServerArgs {
         default_value = "localhost"
     )]
     pub dev_cert_names: Vec<String>,
+    /// Where the debug web UI and `/metrics` are served (plain HTTP: keep it on localhost or
+    /// behind a TLS proxy); port 0 picks a free port.
+    #[arg(long, env = "SHEPHERD_HTTP_LISTEN", default_value = "127.0.0.1:9465")]
+    pub http_listen: SocketAddr,
+    /// How often web UI pages reload themselves; 0s turns it off.
+    #[arg(long, env = "SHEPHERD_WEB_REFRESH", default_value = "5s", value_parser = crate::run_cmd::duration)]
+    pub web_refresh: std::time::Duration,
+    /// How often the fleet statistics gauges are recomputed from the BMDB.
+    #[arg(long, env = "SHEPHERD_STATS_INTERVAL", default_value = "30s", value_parser = crate::run_cmd::duration)]
+    pub stats_interval: std::time::Duration,
     /// BMDB sessions shared by all requests.
     #[arg(long, env = "SHEPHERD_SERVER_SESSIONS", default_value_t = 4)]
     pub sessions: usize,
@@ -74,13 +84,33 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listen: {}", args.listen))?;
-    println!("shepherd server: listening on {}", listener.local_addr()?);
+    crate::fleet::announce(&format!(
+        "shepherd server: listening on {}",
+        listener.local_addr()?
+    ));
     let pool = Arc::new(SessionPool::new(
         db.clone(),
         SessionConfig::new("bmsrv", Processor::Bmsrv),
         args.sessions,
     ));
     let cancel = shutdown_on_signals();
+    let registry = crate::metrics_http::registry_with_fleet_stats(
+        &db,
+        RecoveryThresholds::default(),
+        args.stats_interval,
+        cancel.clone(),
+    );
+    let http = crate::metrics_http::serve(
+        args.http_listen,
+        "http-listen",
+        crate::metrics_http::router(registry)
+            .merge(crate::web::router(db.clone(), args.web_refresh)),
+        cancel.clone(),
+    )
+    .await?;
+    crate::fleet::announce(&format!(
+        "shepherd server: web UI at http://{http}/machines, metrics at http://{http}/metrics"
+    ));
     let result = serve(
         listener,
         Arc::new(tls),

@@ -4,9 +4,9 @@
 use std::collections::BTreeMap;
 use std::process::{Command, Output};
 
-use chrono::{Duration, Utc};
 use serde_json::Value;
 use shepherd_bmdb::*;
+use shepherd_proto::Message;
 use uuid::Uuid;
 
 fn shepherd(url: &str, args: &[&str]) -> Output {
@@ -24,114 +24,61 @@ fn json(o: &Output) -> Value {
     serde_json::from_slice(&o.stdout).unwrap()
 }
 
-/// Seeds one machine per state; returns (machine id → expected state) and the session kept
-/// alive for the in-work machine.
-async fn seed(db: &Bmdb) -> (BTreeMap<String, &'static str>, Session) {
-    let session = db
-        .start_session(SessionConfig::new(
-            "shepherd-initializer",
-            Processor::ShepherdInitializer,
-        ))
-        .await
-        .unwrap();
-    let sid = session.id();
-    let states = db
-        .transact(move |tx| {
-            Box::pin(async move {
-                let mut out = Vec::new();
-                let provided = async |tx: &mut Tx, n: usize| -> Result<Uuid, Error> {
-                    let id = tx.create_machine().await?;
-                    tx.set_provided(
-                        id,
-                        &Provided {
-                            provider: if n == 0 {
-                                Provider::Sim
-                            } else {
-                                Provider::Static
-                            },
-                            provider_id: format!("box-{n}"),
-                            reservation_id: None,
-                            ip_address: Some(format!("10.0.0.{n}")),
-                            location: Some("rack-1".into()),
-                            status: None,
-                        },
-                    )
-                    .await?;
-                    Ok(id)
-                };
-                out.push((tx.create_machine().await?, "unprovided"));
-                out.push((provided(tx, 0).await?, "provided"));
-                let id = provided(tx, 1).await?;
-                tx.set_agent_started(id, &[1; 32]).await?;
-                out.push((id, "agent starting"));
-                let id = provided(tx, 2).await?;
-                tx.set_agent_started(id, &[2; 32]).await?;
-                tx.set_heartbeat(id).await?;
-                out.push((id, "heartbeating"));
-                let id = provided(tx, 3).await?;
-                tx.set_agent_started(id, &[3; 32]).await?;
-                tx.set_heartbeat_at(id, Utc::now() - Duration::minutes(11))
-                    .await?;
-                out.push((id, "stale"));
-                let id = provided(tx, 4).await?;
-                tx.set_backoff_raw(
-                    id,
-                    Process::ShepherdAgentStart,
-                    Utc::now() + Duration::minutes(5),
-                    300,
-                )
-                .await?;
-                out.push((id, "in backoff"));
-                let id = provided(tx, 5).await?;
-                tx.insert_work_raw(id, sid, Process::ShepherdAgentStart)
-                    .await?;
-                out.push((id, "in work"));
-                for (n, generation, report, state) in
-                    [(6, 2, None, "installing"), (7, 3, Some(3), "installed")]
-                {
-                    let id = provided(tx, n).await?;
-                    tx.set_agent_started(id, &[n as u8; 32]).await?;
-                    tx.set_heartbeat(id).await?;
-                    tx.set_os_installation_request(
-                        id,
-                        &OsInstallationRequest {
-                            generation,
-                            request_raw: vec![],
-                        },
-                    )
-                    .await?;
-                    if let Some(g) = report {
-                        tx.set_os_installation_report(
-                            id,
-                            &OsInstallationReport {
-                                generation: g,
-                                result: InstallationResult::Success,
-                                report_raw: vec![],
-                            },
-                        )
-                        .await?;
-                    }
-                    out.push((id, state));
-                }
-                Ok(out)
-            })
-        })
-        .await
-        .unwrap();
+/// Seeds one machine per state; returns (machine id → expected state label), the seeded
+/// machines and the session kept alive for the in-work machine.
+async fn seed(
+    db: &Bmdb,
+) -> (
+    BTreeMap<String, &'static str>,
+    Vec<testing::SeededMachine>,
+    Session,
+) {
+    let (seeded, session) = testing::seed_every_state(db).await;
     (
-        states
-            .into_iter()
-            .map(|(id, s)| (id.to_string(), s))
+        seeded
+            .iter()
+            .map(|m| (m.id.to_string(), m.state.label()))
             .collect(),
+        seeded,
         session,
     )
+}
+
+/// Replaces what differs between runs (machine and session ids, times) with stable
+/// placeholders, so the output can be compared with a checked-in golden file.
+fn normalize(out: &str, seeded: &[testing::SeededMachine], session: &Session) -> String {
+    let mut out = out.to_string();
+    for m in seeded {
+        out = out.replace(&m.id.to_string(), &format!("<machine {}>", m.state.slug()));
+    }
+    out = out.replace(&session.id().to_string(), "<session>");
+    let time = regex_lite::Regex::new(r#""\d{4}-\d\d-\d\dT[0-9:.]+(\+00:00|Z)""#).unwrap();
+    time.replace_all(&out, "\"<time>\"").into_owned()
+}
+
+/// Compares with `tests/golden/NAME`; `UPDATE_GOLDEN=1` rewrites the file instead.
+fn golden(name: &str, got: &str) {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/golden")
+        .join(name);
+    if std::env::var("UPDATE_GOLDEN").is_ok_and(|v| v == "1") {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, got).unwrap();
+    }
+    let want = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (run with UPDATE_GOLDEN=1 to create it)",
+            path.display()
+        )
+    });
+    assert_eq!(got, want, "output differs from {}", path.display());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn machines_are_listed_filtered_and_shown() {
     let t = testing::sqlite().await;
     let url = t.url.clone();
-    let (want, session) = seed(&t.db).await;
+    let (want, seeded, session) = seed(&t.db).await;
 
     let listed = json(&shepherd(&url, &["machines", "list", "--json"]));
     let got: BTreeMap<String, &str> = listed
@@ -148,6 +95,36 @@ async fn machines_are_listed_filtered_and_shown() {
     assert_eq!(got, want);
     let ids: Vec<&String> = want.keys().collect();
     assert_eq!(listed[0]["machine_id"], *ids[0], "listed in id order");
+
+    // Golden files pin the JSON shapes (ids and times replaced by placeholders); the list is
+    // put in seeding order since ids are random.
+    let mut by_seed: Vec<Value> = listed.as_array().unwrap().clone();
+    by_seed.sort_by_key(|m| {
+        seeded
+            .iter()
+            .position(|s| m["machine_id"] == s.id.to_string())
+    });
+    golden(
+        "machines_list.json",
+        &normalize(
+            &serde_json::to_string_pretty(&by_seed).unwrap(),
+            &seeded,
+            &session,
+        ),
+    );
+    for state in [
+        Lifecycle::InWork,
+        Lifecycle::InBackoff,
+        Lifecycle::Installed,
+    ] {
+        let m = seeded.iter().find(|m| m.state == state).unwrap();
+        let out = shepherd(&url, &["machines", "show", &m.id.to_string(), "--json"]);
+        assert!(out.status.success());
+        golden(
+            &format!("machines_show_{}.json", state.slug()),
+            &normalize(&String::from_utf8(out.stdout).unwrap(), &seeded, &session),
+        );
+    }
 
     // Filters and paging.
     let stale = json(&shepherd(
@@ -193,7 +170,7 @@ async fn machines_are_listed_filtered_and_shown() {
     let installed = want.iter().find(|(_, s)| **s == "installed").unwrap().0;
     let shown = json(&shepherd(&url, &["machines", "show", installed, "--json"]));
     assert_eq!(shown["installation_report"]["result"], "Success");
-    assert_eq!(shown["installation_request_generation"], 3);
+    assert_eq!(shown["installation_request"]["generation"], 3);
     let missing = shepherd(&url, &["machines", "show", &Uuid::new_v4().to_string()]);
     assert!(!missing.status.success());
     assert!(String::from_utf8_lossy(&missing.stderr).contains("does not exist"));
@@ -204,6 +181,105 @@ async fn machines_are_listed_filtered_and_shown() {
     assert!(
         text.contains(&session.id().to_string()) && text.contains("live"),
         "{text}"
+    );
+    session.close().await.unwrap();
+    t.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn install_requests_bump_the_generation_and_bad_ones_are_refused() {
+    let t = testing::sqlite().await;
+    let url = t.url.clone();
+    let (_, seeded, session) = seed(&t.db).await;
+    let sha = "ab".repeat(32);
+    let installed = seeded
+        .iter()
+        .find(|m| m.state == Lifecycle::Installed)
+        .unwrap()
+        .id;
+    let heartbeating = seeded
+        .iter()
+        .find(|m| m.state == Lifecycle::Heartbeating)
+        .unwrap()
+        .id;
+    let install = |id: Uuid, image: &str, sha: &str, device: &str| {
+        shepherd(
+            &url,
+            &[
+                "machines",
+                "install",
+                &id.to_string(),
+                "--image",
+                image,
+                "--sha256",
+                sha,
+                "--device",
+                device,
+            ],
+        )
+    };
+    for (id, want) in [(heartbeating, 1), (installed, 4), (heartbeating, 2)] {
+        let out = install(id, "https://images.example/os.img", &sha, "/dev/sda");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains(&format!("generation {want}")),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let shown = json(&shepherd(
+            &url,
+            &["machines", "show", &id.to_string(), "--json"],
+        ));
+        assert_eq!(shown["installation_request"]["generation"], want);
+        assert_eq!(shown["state"], "installing");
+        assert_eq!(
+            shown["installation_request"]["request"],
+            format!("image https://images.example/os.img (sha256 {sha}) onto /dev/sda")
+        );
+    }
+    // The request is what the BMaaS server hands the agent.
+    let request =
+        t.db.read(move |tx| {
+            Box::pin(async move { tx.pending_installation_request(heartbeating).await })
+        })
+        .await
+        .unwrap()
+        .expect("pending");
+    let request = shepherd_proto::bmaas::OsInstallationRequest::decode(request.as_slice()).unwrap();
+    assert_eq!(request.generation, 2);
+
+    for (args, err) in [
+        (
+            ("ftp://x/os.img", sha.as_str(), "/dev/sda"),
+            "not an http(s) URL",
+        ),
+        (("https://x/os.img", "abc", "/dev/sda"), "not 64 hex digits"),
+        (
+            ("https://x/os.img", sha.as_str(), ""),
+            "device: must not be empty",
+        ),
+    ] {
+        let out = install(heartbeating, args.0, args.1, args.2);
+        assert!(!out.status.success());
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains(err),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let missing = install(Uuid::new_v4(), "https://x/os.img", &sha, "/dev/sda");
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("does not exist"));
+    let shown = json(&shepherd(
+        &url,
+        &["machines", "show", &heartbeating.to_string(), "--json"],
+    ));
+    assert_eq!(
+        shown["installation_request"]["generation"], 2,
+        "refused requests change nothing"
     );
     session.close().await.unwrap();
     t.cleanup().await;

@@ -17,6 +17,8 @@ fn shepherd() -> Command {
             cmd.env_remove(k);
         }
     }
+    // Default metrics ports would collide between tests running in parallel.
+    cmd.env("SHEPHERD_METRICS_LISTEN", "127.0.0.1:0");
     cmd
 }
 

@@ -18,6 +18,9 @@ fn shepherd() -> Command {
             cmd.env_remove(k);
         }
     }
+    // Default metrics ports would collide between tests running in parallel.
+    cmd.env("SHEPHERD_METRICS_LISTEN", "127.0.0.1:0");
+    cmd.env("SHEPHERD_HTTP_LISTEN", "127.0.0.1:0");
     cmd
 }
 

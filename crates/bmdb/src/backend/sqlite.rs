@@ -10,6 +10,7 @@ use uuid::Uuid;
 use super::{ClaimOutcome, EndOutcome, StatusCounts};
 use crate::eligibility::{exclusion_list, Retrieval};
 use crate::model::*;
+use crate::summary::{FleetCounts, MachineSummary};
 use crate::Error;
 
 type Result<T> = std::result::Result<T, Error>;
@@ -914,15 +915,17 @@ pub(crate) async fn set_backoff_raw(
     process: Process,
     until: DateTime<Utc>,
     last: i64,
+    cause: &str,
 ) -> Result<()> {
     sqlx::query(
-        "INSERT INTO work_backoff (machine_id, process, until, cause, last_interval_seconds) VALUES ($1, $2, $3, 'test', $4)
-         ON CONFLICT (machine_id, process) DO UPDATE SET until = excluded.until, last_interval_seconds = excluded.last_interval_seconds",
+        "INSERT INTO work_backoff (machine_id, process, until, cause, last_interval_seconds) VALUES ($1, $2, $3, $5, $4)
+         ON CONFLICT (machine_id, process) DO UPDATE SET until = excluded.until, last_interval_seconds = excluded.last_interval_seconds, cause = excluded.cause",
     )
     .bind(machine)
     .bind(process.as_str())
     .bind(to_us(until))
     .bind(last)
+    .bind(cause)
     .execute(&mut *c.tx)
     .await?;
     Ok(())
@@ -930,4 +933,168 @@ pub(crate) async fn set_backoff_raw(
 
 pub(crate) fn now(c: &SqliteTx) -> Result<DateTime<Utc>> {
     from_us(c.now)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Operator views: one row per machine, fleet-wide counts.
+
+const SUMMARY_SELECT: &str = "
+    SELECT m.machine_id, p.provider, p.provider_id, p.reservation_id, p.ip_address, p.location,
+           p.status, a.started_at, h.heartbeat_at,
+           (SELECT group_concat(process, ',') FROM (SELECT w.process FROM work w
+             WHERE w.machine_id = m.machine_id ORDER BY w.process)) AS work,
+           (SELECT max(b.until) FROM work_backoff b
+             WHERE b.machine_id = m.machine_id AND b.until > $1) AS backoff_until,
+           q.generation AS request_generation, r.generation AS report_generation,
+           r.result AS report_result
+      FROM machines m
+      LEFT JOIN machine_provided p ON p.machine_id = m.machine_id
+      LEFT JOIN machine_agent_started a ON a.machine_id = m.machine_id
+      LEFT JOIN machine_agent_heartbeat h ON h.machine_id = m.machine_id
+      LEFT JOIN machine_os_installation_request q ON q.machine_id = m.machine_id
+      LEFT JOIN machine_os_installation_report r ON r.machine_id = m.machine_id";
+
+fn summary_from_row(r: &SqliteRow) -> Result<MachineSummary> {
+    let provider: Option<String> = r.try_get("provider")?;
+    let provided = match provider {
+        Some(_) => Some(provided_from_row(r)?.1),
+        None => None,
+    };
+    let time = |col: &str| -> Result<Option<DateTime<Utc>>> {
+        r.try_get::<Option<i64>, _>(col)?.map(from_us).transpose()
+    };
+    let work: Option<String> = r.try_get("work")?;
+    let report_generation: Option<i64> = r.try_get("report_generation")?;
+    let report_result: Option<String> = r.try_get("report_result")?;
+    Ok(MachineSummary {
+        machine_id: r.try_get("machine_id")?,
+        provided,
+        agent_started_at: time("started_at")?,
+        heartbeat_at: time("heartbeat_at")?,
+        work: work
+            .iter()
+            .flat_map(|w| w.split(','))
+            .map(|p| p.parse())
+            .collect::<Result<_>>()?,
+        backoff_until: time("backoff_until")?,
+        request_generation: r.try_get("request_generation")?,
+        report: match (report_generation, report_result) {
+            (Some(g), Some(res)) => Some((g, res.parse()?)),
+            _ => None,
+        },
+    })
+}
+
+pub(crate) async fn machine_summaries(
+    c: &mut SqliteTx,
+    after: Option<Uuid>,
+    provider: Option<Provider>,
+    limit: i64,
+) -> Result<Vec<MachineSummary>> {
+    let sql = format!(
+        "{SUMMARY_SELECT}
+          WHERE ($2 IS NULL OR m.machine_id > $2) AND ($3 IS NULL OR p.provider = $3)
+          ORDER BY m.machine_id LIMIT $4"
+    );
+    let rows = sqlx::query(&sql)
+        .bind(c.now)
+        .bind(after)
+        .bind(provider.map(|p| p.as_str()))
+        .bind(limit)
+        .fetch_all(&mut *c.tx)
+        .await?;
+    rows.iter().map(summary_from_row).collect()
+}
+
+pub(crate) async fn machine_summary(c: &mut SqliteTx, id: Uuid) -> Result<Option<MachineSummary>> {
+    let sql = format!("{SUMMARY_SELECT} WHERE m.machine_id = $2");
+    let row = sqlx::query(&sql)
+        .bind(c.now)
+        .bind(id)
+        .fetch_optional(&mut *c.tx)
+        .await?;
+    row.as_ref().map(summary_from_row).transpose()
+}
+
+pub(crate) async fn fleet_counts(c: &mut SqliteTx, stale_after_secs: f64) -> Result<FleetCounts> {
+    let fresh_after = c.now - secs_us(stale_after_secs);
+    let (machines, agent_started, heartbeating, stale, pending_install, installed): (
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+    ) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM machines),
+                (SELECT count(*) FROM machine_agent_started),
+                (SELECT count(*) FROM machine_agent_heartbeat WHERE heartbeat_at > $1),
+                (SELECT count(*) FROM machine_agent_heartbeat WHERE heartbeat_at <= $1),
+                (SELECT count(*) FROM machine_os_installation_request q
+                  WHERE NOT EXISTS (SELECT 1 FROM machine_os_installation_report r
+                     WHERE r.machine_id = q.machine_id AND r.generation = q.generation
+                       AND r.result = 'Success')),
+                (SELECT count(*) FROM machine_os_installation_request q
+                  WHERE EXISTS (SELECT 1 FROM machine_os_installation_report r
+                     WHERE r.machine_id = q.machine_id AND r.generation = q.generation
+                       AND r.result = 'Success'))",
+    )
+    .bind(fresh_after)
+    .fetch_one(&mut *c.tx)
+    .await?;
+    let provided: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT provider, count(*) FROM machine_provided GROUP BY provider ORDER BY provider",
+    )
+    .fetch_all(&mut *c.tx)
+    .await?;
+    let work =
+        sqlx::query_as("SELECT process, count(*) FROM work GROUP BY process ORDER BY process")
+            .fetch_all(&mut *c.tx)
+            .await?;
+    let backoffs = sqlx::query_as(
+        "SELECT process, count(*) FROM work_backoff WHERE until > $1 GROUP BY process ORDER BY process",
+    )
+    .bind(c.now)
+    .fetch_all(&mut *c.tx)
+    .await?;
+    Ok(FleetCounts {
+        machines,
+        provided: provided
+            .into_iter()
+            .map(|(p, n)| Ok((p.parse()?, n)))
+            .collect::<Result<_>>()?,
+        agent_started,
+        heartbeating,
+        stale,
+        pending_install,
+        installed,
+        work: per_process(work)?,
+        backoffs: per_process(backoffs)?,
+    })
+}
+
+pub(crate) async fn hardware_reports(
+    c: &mut SqliteTx,
+    after: Option<Uuid>,
+    limit: i64,
+) -> Result<Vec<(Uuid, Option<String>, Vec<u8>)>> {
+    Ok(sqlx::query_as(
+        "SELECT h.machine_id, p.location, h.report_raw FROM machine_hardware_report h
+           LEFT JOIN machine_provided p ON p.machine_id = h.machine_id
+          WHERE $1 IS NULL OR h.machine_id > $1 ORDER BY h.machine_id LIMIT $2",
+    )
+    .bind(after)
+    .bind(limit)
+    .fetch_all(&mut *c.tx)
+    .await?)
+}
+
+pub(crate) async fn session_work(c: &mut SqliteTx, session: Uuid) -> Result<Vec<(Uuid, Process)>> {
+    let rows: Vec<(Uuid, String)> = sqlx::query_as(
+        "SELECT machine_id, process FROM work WHERE session_id = $1 ORDER BY machine_id, process",
+    )
+    .bind(session)
+    .fetch_all(&mut *c.tx)
+    .await?;
+    rows.into_iter().map(|(m, p)| Ok((m, p.parse()?))).collect()
 }

@@ -1,0 +1,240 @@
+//! Flattened views of machines for operators: one row of tags per machine (listings, the web
+//! UI) and fleet-wide counts (statistics gauges). Read-only; the SQL is per backend.
+
+use std::fmt;
+use std::str::FromStr;
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use crate::{Error, InstallationResult, Process, Provided};
+
+/// How long after its last heartbeat an agent counts as stale in listings and statistics
+/// (upstream's recovery threshold for silent agents).
+pub const STALE_AFTER: chrono::Duration = chrono::Duration::minutes(10);
+
+/// One machine's tags, as one row (what listings and the lifecycle state need).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MachineSummary {
+    /// The machine.
+    pub machine_id: Uuid,
+    /// Its `machine_provided` tag.
+    pub provided: Option<Provided>,
+    /// When its agent was started, if it was.
+    pub agent_started_at: Option<DateTime<Utc>>,
+    /// Its last heartbeat.
+    pub heartbeat_at: Option<DateTime<Utc>>,
+    /// Processes holding work on it right now.
+    pub work: Vec<Process>,
+    /// The latest `until` among its backoffs still in the future.
+    pub backoff_until: Option<DateTime<Utc>>,
+    /// Generation of its OS installation request.
+    pub request_generation: Option<i64>,
+    /// Generation and result of its OS installation report.
+    pub report: Option<(i64, InstallationResult)>,
+}
+
+/// A machine's place in its lifecycle, derived from its tags; the first that applies wins, in
+/// the order of the variants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Lifecycle {
+    /// Held by a loop right now.
+    InWork,
+    /// A loop failed on it and waits.
+    InBackoff,
+    /// Its current installation request was fulfilled successfully.
+    Installed,
+    /// An installation request waits for a successful report of its generation.
+    Installing,
+    /// Heartbeating, the last heartbeat within [`STALE_AFTER`].
+    Heartbeating,
+    /// Heartbeated, but not within [`STALE_AFTER`].
+    Stale,
+    /// Agent started, no heartbeat yet.
+    AgentStarting,
+    /// Provided, no agent yet.
+    Provided,
+    /// Known to the BMDB only (no `machine_provided` tag).
+    Unprovided,
+}
+
+impl Lifecycle {
+    /// Every state, in precedence order.
+    pub const ALL: [Lifecycle; 9] = [
+        Lifecycle::InWork,
+        Lifecycle::InBackoff,
+        Lifecycle::Installed,
+        Lifecycle::Installing,
+        Lifecycle::Heartbeating,
+        Lifecycle::Stale,
+        Lifecycle::AgentStarting,
+        Lifecycle::Provided,
+        Lifecycle::Unprovided,
+    ];
+
+    /// The state's name for people ("agent starting").
+    pub fn label(self) -> &'static str {
+        match self {
+            Lifecycle::InWork => "in work",
+            Lifecycle::InBackoff => "in backoff",
+            Lifecycle::Installed => "installed",
+            Lifecycle::Installing => "installing",
+            Lifecycle::Heartbeating => "heartbeating",
+            Lifecycle::Stale => "stale",
+            Lifecycle::AgentStarting => "agent starting",
+            Lifecycle::Provided => "provided",
+            Lifecycle::Unprovided => "unprovided",
+        }
+    }
+
+    /// The state's name in URLs, flags and metric labels ("agent-starting").
+    pub fn slug(self) -> &'static str {
+        match self {
+            Lifecycle::InWork => "in-work",
+            Lifecycle::InBackoff => "in-backoff",
+            Lifecycle::Installed => "installed",
+            Lifecycle::Installing => "installing",
+            Lifecycle::Heartbeating => "heartbeating",
+            Lifecycle::Stale => "stale",
+            Lifecycle::AgentStarting => "agent-starting",
+            Lifecycle::Provided => "provided",
+            Lifecycle::Unprovided => "unprovided",
+        }
+    }
+}
+
+impl fmt::Display for Lifecycle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+impl FromStr for Lifecycle {
+    type Err = Error;
+
+    /// Accepts the slug or the label ("agent-starting", "agent starting").
+    fn from_str(s: &str) -> Result<Self, Error> {
+        Lifecycle::ALL
+            .into_iter()
+            .find(|l| l.slug() == s || l.label() == s)
+            .ok_or_else(|| {
+                Error::InvalidValue(format!(
+                    "unknown state {s:?} (one of: {})",
+                    Lifecycle::ALL.map(|l| l.slug()).join(", ")
+                ))
+            })
+    }
+}
+
+impl MachineSummary {
+    /// Whether the current installation request has a successful report of its generation
+    /// (`Some(true)`), waits for one (`Some(false)`), or there is no request (`None`).
+    pub fn installation_done(&self) -> Option<bool> {
+        let generation = self.request_generation?;
+        Some(self.report == Some((generation, InstallationResult::Success)))
+    }
+
+    /// The lifecycle state at `now`.
+    pub fn lifecycle(&self, now: DateTime<Utc>) -> Lifecycle {
+        if !self.work.is_empty() {
+            Lifecycle::InWork
+        } else if self.backoff_until.is_some_and(|u| u > now) {
+            Lifecycle::InBackoff
+        } else if self.installation_done() == Some(true) {
+            Lifecycle::Installed
+        } else if self.installation_done() == Some(false) {
+            Lifecycle::Installing
+        } else if let Some(h) = self.heartbeat_at {
+            if now - h > STALE_AFTER {
+                Lifecycle::Stale
+            } else {
+                Lifecycle::Heartbeating
+            }
+        } else if self.agent_started_at.is_some() {
+            Lifecycle::AgentStarting
+        } else if self.provided.is_some() {
+            Lifecycle::Provided
+        } else {
+            Lifecycle::Unprovided
+        }
+    }
+}
+
+/// Fleet-wide counts for the statistics gauges (SPEC §12).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FleetCounts {
+    /// Rows in `machines`.
+    pub machines: i64,
+    /// Machines with a `machine_provided` tag, per provider.
+    pub provided: Vec<(crate::Provider, i64)>,
+    /// Machines whose agent was started.
+    pub agent_started: i64,
+    /// Machines whose last heartbeat is within [`STALE_AFTER`].
+    pub heartbeating: i64,
+    /// Machines that heartbeated, but not within [`STALE_AFTER`].
+    pub stale: i64,
+    /// Installation requests without a successful report of their generation.
+    pub pending_install: i64,
+    /// Installation requests with a successful report of their generation.
+    pub installed: i64,
+    /// Active work rows per process.
+    pub work: Vec<(Process, i64)>,
+    /// Backoffs still in the future, per process.
+    pub backoffs: Vec<(Process, i64)>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bare() -> MachineSummary {
+        MachineSummary {
+            machine_id: Uuid::nil(),
+            provided: None,
+            agent_started_at: None,
+            heartbeat_at: None,
+            work: vec![],
+            backoff_until: None,
+            request_generation: None,
+            report: None,
+        }
+    }
+
+    #[test]
+    fn lifecycle_precedence() {
+        let now = Utc::now();
+        let mut m = bare();
+        assert_eq!(m.lifecycle(now), Lifecycle::Unprovided);
+        m.provided = Some(Provided::new(crate::Provider::Sim, "x"));
+        assert_eq!(m.lifecycle(now), Lifecycle::Provided);
+        m.agent_started_at = Some(now);
+        assert_eq!(m.lifecycle(now), Lifecycle::AgentStarting);
+        m.heartbeat_at = Some(now - STALE_AFTER - chrono::Duration::seconds(1));
+        assert_eq!(m.lifecycle(now), Lifecycle::Stale);
+        m.heartbeat_at = Some(now);
+        assert_eq!(m.lifecycle(now), Lifecycle::Heartbeating);
+        m.request_generation = Some(2);
+        m.report = Some((1, InstallationResult::Success));
+        assert_eq!(m.lifecycle(now), Lifecycle::Installing);
+        m.report = Some((2, InstallationResult::Error));
+        assert_eq!(m.lifecycle(now), Lifecycle::Installing);
+        m.report = Some((2, InstallationResult::Success));
+        assert_eq!(m.lifecycle(now), Lifecycle::Installed);
+        m.backoff_until = Some(now - chrono::Duration::seconds(1));
+        assert_eq!(m.lifecycle(now), Lifecycle::Installed, "expired backoff");
+        m.backoff_until = Some(now + chrono::Duration::seconds(1));
+        assert_eq!(m.lifecycle(now), Lifecycle::InBackoff);
+        m.work = vec![Process::ShepherdRecovery];
+        assert_eq!(m.lifecycle(now), Lifecycle::InWork);
+    }
+
+    #[test]
+    fn lifecycle_names_round_trip() {
+        for l in Lifecycle::ALL {
+            assert_eq!(l.slug().parse::<Lifecycle>().unwrap(), l);
+            assert_eq!(l.label().parse::<Lifecycle>().unwrap(), l);
+        }
+        let err = "asleep".parse::<Lifecycle>().unwrap_err().to_string();
+        assert!(err.contains("agent-starting"), "{err}");
+    }
+}

@@ -1,0 +1,262 @@
+//! What the BMDB knows about machines, shaped for operators; shared by the CLI
+//! (`shepherd machines …`) and the web UI, so both show the same states and fields.
+
+use anyhow::Result;
+use chrono::{DateTime, Utc};
+use serde_json::{json, Value};
+use shepherd_bmdb::{
+    ActiveWork, AgentStarted, BackoffEntry, Bmdb, HistoryEntry, Lifecycle, MachineSummary,
+    OsInstallationReport, OsInstallationRequest, Provider, SessionInfo, SshHostKey,
+};
+use shepherd_proto::bmaas::{os_installation_request, AgentHardwareReport};
+use shepherd_proto::Message;
+use uuid::Uuid;
+
+/// Machines read per query while paging.
+const PAGE: i64 = 500;
+
+/// A filtered page of machines.
+#[derive(Debug)]
+pub struct Listing {
+    /// Matching machines, in id order.
+    pub machines: Vec<MachineSummary>,
+    /// Where the next page starts, if the scan stopped before the end of the table.
+    pub next: Option<Uuid>,
+    /// The database clock-independent time the states were derived at.
+    pub now: DateTime<Utc>,
+}
+
+/// Lists up to `limit` machines after `after` that match the filters. At most `scan_budget`
+/// machines are read per call, so a filter matching few machines of a large fleet answers in
+/// bounded time; `next` then continues the scan.
+pub async fn list(
+    db: &Bmdb,
+    provider: Option<Provider>,
+    state: Option<Lifecycle>,
+    after: Option<Uuid>,
+    limit: usize,
+    scan_budget: usize,
+) -> Result<Listing> {
+    let now = Utc::now();
+    let mut machines = Vec::new();
+    let mut cursor = after;
+    let mut scanned = 0;
+    loop {
+        let c = cursor;
+        let page = db
+            .read(move |tx| Box::pin(async move { tx.machine_summaries(c, provider, PAGE).await }))
+            .await?;
+        let full_page = page.len() as i64 == PAGE;
+        for s in page {
+            scanned += 1;
+            cursor = Some(s.machine_id);
+            if state.is_none_or(|st| s.lifecycle(now) == st) {
+                machines.push(s);
+                if machines.len() >= limit {
+                    return Ok(Listing {
+                        machines,
+                        next: cursor,
+                        now,
+                    });
+                }
+            }
+        }
+        if !full_page {
+            return Ok(Listing {
+                machines,
+                next: None,
+                now,
+            });
+        }
+        if scanned >= scan_budget {
+            return Ok(Listing {
+                machines,
+                next: cursor,
+                now,
+            });
+        }
+    }
+}
+
+/// Everything about one machine.
+#[derive(Debug)]
+pub struct Detail {
+    /// Tags as one row.
+    pub summary: MachineSummary,
+    /// The `agent_started` tag.
+    pub agent: Option<AgentStarted>,
+    /// The pinned SSH host key.
+    pub host_key: Option<SshHostKey>,
+    /// The decoded hardware report, or why it could not be decoded.
+    pub hardware: Option<Result<AgentHardwareReport, String>>,
+    /// The installation request tag.
+    pub request: Option<OsInstallationRequest>,
+    /// The installation report tag.
+    pub report: Option<OsInstallationReport>,
+    /// Active work with the session holding it.
+    pub work: Vec<(ActiveWork, Option<SessionInfo>)>,
+    /// Backoffs, expired ones included.
+    pub backoffs: Vec<BackoffEntry>,
+    /// The whole work history, oldest first.
+    pub history: Vec<HistoryEntry>,
+    /// When the states were derived.
+    pub now: DateTime<Utc>,
+}
+
+/// Loads one machine; `None` if it does not exist.
+pub async fn detail(db: &Bmdb, id: Uuid) -> Result<Option<Detail>> {
+    let now = Utc::now();
+    Ok(db
+        .read(move |tx| {
+            Box::pin(async move {
+                let Some(summary) = tx.machine_summary(id).await? else {
+                    return Ok(None);
+                };
+                let mut work = Vec::new();
+                for w in tx.machine_work(id).await? {
+                    let s = tx.session(w.session_id).await?;
+                    work.push((w, s));
+                }
+                Ok(Some(Detail {
+                    summary,
+                    agent: tx.agent_started(id).await?,
+                    host_key: tx.ssh_host_key(id).await?,
+                    hardware: tx.hardware_report(id).await?.map(|raw| {
+                        AgentHardwareReport::decode(raw.as_slice())
+                            .map_err(|e| format!("undecodable report: {e}"))
+                    }),
+                    request: tx.os_installation_request(id).await?,
+                    report: tx.os_installation_report(id).await?,
+                    work,
+                    backoffs: tx.machine_backoffs(id).await?,
+                    history: tx.machine_history(id).await?,
+                    now,
+                }))
+            })
+        })
+        .await?)
+}
+
+/// Hex of bytes (keys).
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A MAC address as people write it (`02:00:00:00:00:09`).
+pub fn mac(bytes: &[u8]) -> String {
+    bytes
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+/// The one-line JSON form of a machine (`machines list --json`).
+pub fn summary_json(s: &MachineSummary, now: DateTime<Utc>) -> Value {
+    let p = s.provided.as_ref();
+    json!({
+        "machine_id": s.machine_id.to_string(),
+        "state": s.lifecycle(now).label(),
+        "provider": p.map(|p| p.provider.to_string()),
+        "provider_id": p.map(|p| p.provider_id.clone()),
+        "address": p.and_then(|p| p.ip_address.clone()),
+        "location": p.and_then(|p| p.location.clone()),
+        "status": p.and_then(|p| p.status.map(|s| s.to_string())),
+        "heartbeat_at": s.heartbeat_at.map(|h| h.to_rfc3339()),
+    })
+}
+
+/// A decoded installation request, for people.
+pub fn describe_request(r: &OsInstallationRequest) -> String {
+    match shepherd_proto::bmaas::OsInstallationRequest::decode(r.request_raw.as_slice()) {
+        Ok(q) => match q.r#type {
+            Some(os_installation_request::Type::Image(i)) => format!(
+                "image {} (sha256 {}) onto {}",
+                i.url, i.sha256, i.target_device
+            ),
+            Some(os_installation_request::Type::Metropolis(b)) => {
+                format!("metropolis parameters ({} bytes)", b.len())
+            }
+            None => "no installation type".into(),
+        },
+        Err(e) => format!("undecodable request: {e}"),
+    }
+}
+
+/// The JSON form of everything about a machine (`machines show --json`).
+pub fn detail_json(d: &Detail) -> Value {
+    let mut v = summary_json(&d.summary, d.now);
+    v["agent_started_at"] = json!(d.agent.as_ref().map(|a| a.started_at.to_rfc3339()));
+    v["agent_key"] = json!(d.agent.as_ref().map(|a| hex(&a.public_key)));
+    v["ssh_host_key"] = json!(d.host_key.as_ref().map(|k| k.key.clone()));
+    v["installation_request"] = json!(d.request.as_ref().map(|r| json!({
+        "generation": r.generation,
+        "request": describe_request(r),
+    })));
+    v["installation_report"] = json!(d
+        .report
+        .as_ref()
+        .map(|r| json!({"generation": r.generation, "result": r.result.to_string()})));
+    v["hardware_report"] = match &d.hardware {
+        None => Value::Null,
+        Some(Ok(r)) => hardware_json(r),
+        Some(Err(e)) => json!({ "error": e }),
+    };
+    v["work"] = json!(d
+        .work
+        .iter()
+        .map(|(w, s)| json!({
+            "process": w.process.to_string(),
+            "session_id": w.session_id.to_string(),
+            "session_component": s.as_ref().map(|s| s.component_name.clone()),
+        }))
+        .collect::<Vec<_>>());
+    v["backoffs"] = json!(d
+        .backoffs
+        .iter()
+        .map(|b| json!({
+            "process": b.process.to_string(),
+            "until": b.until.to_rfc3339(),
+            "active": b.until > d.now,
+            "cause": b.cause,
+        }))
+        .collect::<Vec<_>>());
+    v["history"] = json!(d
+        .history
+        .iter()
+        .map(|h| json!({
+            "at": h.at.to_rfc3339(),
+            "process": h.process.to_string(),
+            "event": h.event.to_string(),
+            "cause": h.cause,
+        }))
+        .collect::<Vec<_>>());
+    v
+}
+
+/// The parts of a hardware report operators look at.
+pub fn hardware_json(r: &AgentHardwareReport) -> Value {
+    let Some(report) = &r.report else {
+        return json!({ "warnings": r.warning });
+    };
+    json!({
+        "manufacturer": report.manufacturer,
+        "product": report.product,
+        "serial_number": report.serial_number,
+        "cpu_cores": report.cpu.iter().map(|c| c.cores).sum::<i32>(),
+        "cpu_threads": report.cpu.iter().map(|c| c.hardware_threads).sum::<i32>(),
+        "cpus": report.cpu.iter().map(|c| c.model.clone()).collect::<Vec<_>>(),
+        "memory_bytes": report.memory_installed_bytes,
+        "nics": report.network_interface.iter().map(|n| json!({
+            "mac": mac(&n.mac),
+            "speed_bytes": n.current_speed_bytes,
+            "link_up": n.link_up,
+        })).collect::<Vec<_>>(),
+        "block_devices": report.block_device.iter().map(|b| json!({
+            "model": b.device_model,
+            "capacity_bytes": b.capacity_bytes,
+            "protocol": b.protocol().as_str_name(),
+        })).collect::<Vec<_>>(),
+        "warnings": r.warning,
+    })
+}

@@ -1,0 +1,457 @@
+//! The debug web UI (SPEC §12): server-rendered HTML over the BMDB, no JavaScript. Machines
+//! list with filters and paging, machine detail, sessions. Pages refresh themselves so an
+//! operator can watch machines move through states. Read-only.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{Html, IntoResponse, Redirect, Response};
+use axum::routing::get;
+use axum::Router;
+use chrono::{DateTime, Utc};
+use maud::{html, Markup, PreEscaped, DOCTYPE};
+use serde::Deserialize;
+use shepherd_bmdb::{Bmdb, FleetCounts, Lifecycle, Provider, SessionInfo, STALE_AFTER};
+use uuid::Uuid;
+
+use crate::inventory::{self, Detail};
+
+/// Machines per page unless the URL asks otherwise.
+const DEFAULT_PAGE: usize = 100;
+/// Largest page a URL may ask for.
+const MAX_PAGE: usize = 1000;
+/// Machines scanned per request when a state filter matches few of them.
+const SCAN_BUDGET: usize = 20_000;
+#[derive(Clone)]
+struct Ui {
+    db: Bmdb,
+    /// Seconds between automatic page refreshes; 0 turns them off.
+    refresh: u64,
+}
+
+/// The UI's routes (`/`, `/machines`, `/machines/{id}`, `/sessions`, `/sessions/{id}`); pages
+/// reload themselves every `refresh` (zero: never).
+pub fn router(db: Bmdb, refresh: std::time::Duration) -> Router {
+    Router::new()
+        .route("/", get(|| async { Redirect::to("/machines") }))
+        .route("/machines", get(machines))
+        .route("/machines/{id}", get(machine))
+        .route("/sessions", get(sessions))
+        .route("/sessions/{id}", get(session))
+        .with_state(Arc::new(Ui {
+            db,
+            refresh: refresh.as_secs(),
+        }))
+}
+
+/// A page that could not be shown, with what to tell the operator.
+struct PageError(StatusCode, String);
+
+impl From<anyhow::Error> for PageError {
+    fn from(e: anyhow::Error) -> Self {
+        PageError(StatusCode::SERVICE_UNAVAILABLE, format!("{e:#}"))
+    }
+}
+
+impl From<shepherd_bmdb::Error> for PageError {
+    fn from(e: shepherd_bmdb::Error) -> Self {
+        PageError(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+    }
+}
+
+impl IntoResponse for PageError {
+    fn into_response(self) -> Response {
+        let title = self.0.canonical_reason().unwrap_or("error").to_string();
+        let body = page(
+            &title,
+            0,
+            html! { p.error { (self.1) } p { a href="/machines" { "Back to machines" } } },
+        );
+        (self.0, body).into_response()
+    }
+}
+
+fn bad_request(msg: String) -> PageError {
+    PageError(StatusCode::BAD_REQUEST, msg)
+}
+
+fn not_found(msg: String) -> PageError {
+    PageError(StatusCode::NOT_FOUND, msg)
+}
+
+const STYLE: &str = "
+body{font-family:system-ui,sans-serif;margin:1.5rem;color:#222;max-width:1400px}
+h1{font-size:1.4rem;margin:.2rem 0 1rem} h2{font-size:1.1rem;margin:1.5rem 0 .5rem}
+nav a{margin-right:1rem} table{border-collapse:collapse;width:100%;font-size:.9rem}
+th,td{text-align:left;padding:.3rem .6rem;border-bottom:1px solid #e3e3e3;vertical-align:top}
+th{background:#f4f4f6} tr:hover td{background:#fafafa}
+code,.mono{font-family:ui-monospace,monospace;font-size:.85rem}
+.state{display:inline-block;padding:.05rem .5rem;border-radius:.8rem;font-size:.8rem;white-space:nowrap}
+.s-in-work{background:#dbeafe}.s-in-backoff{background:#fee2e2}.s-installed{background:#dcfce7}
+.s-installing{background:#fef9c3}.s-heartbeating{background:#d1fae5}.s-stale{background:#fed7aa}
+.s-agent-starting{background:#e0e7ff}.s-provided{background:#f3f4f6}.s-unprovided{background:#e5e7eb}
+.counts span{margin-right:1.2rem} form{margin:1rem 0} select,button{font-size:.9rem;padding:.2rem}
+dl{display:grid;grid-template-columns:max-content auto;gap:.3rem 1rem} dt{color:#666}
+.error{color:#b91c1c} .muted{color:#777} .pager a{margin-right:1rem}
+";
+
+fn page(title: &str, refresh: u64, body: Markup) -> Html<String> {
+    Html(
+        html! {
+            (DOCTYPE)
+            html lang="en" {
+                head {
+                    meta charset="utf-8";
+                    meta name="viewport" content="width=device-width, initial-scale=1";
+                    @if refresh > 0 { meta http-equiv="refresh" content=(refresh); }
+                    title { (title) " · Shepherd" }
+                    style { (PreEscaped(STYLE)) }
+                }
+                body {
+                    nav { a href="/machines" { "Machines" } a href="/sessions" { "Sessions" } a href="/metrics" { "Metrics" } }
+                    h1 { (title) }
+                    (body)
+                    @if refresh > 0 { p.muted { "Refreshes every " (refresh) " s." } }
+                }
+            }
+        }
+        .into_string(),
+    )
+}
+
+fn state_badge(state: Lifecycle) -> Markup {
+    html! { span class={"state s-" (state.slug())} data-state=(state.slug()) { (state.label()) } }
+}
+
+fn time(t: DateTime<Utc>, now: DateTime<Utc>) -> Markup {
+    let ago = now - t;
+    let rel = if ago.num_seconds() >= 0 {
+        format!(
+            "{} ago",
+            humantime::format_duration(std::time::Duration::from_secs(ago.num_seconds() as u64))
+        )
+    } else {
+        format!(
+            "in {}",
+            humantime::format_duration(std::time::Duration::from_secs((-ago.num_seconds()) as u64))
+        )
+    };
+    html! { span title=(t.to_rfc3339()) { (rel) } }
+}
+
+fn opt(v: Option<&str>) -> Markup {
+    match v {
+        Some(s) => html! { (s) },
+        None => html! { span.muted { "–" } },
+    }
+}
+
+/// Query of the machines list. Strings, so bad values get a page naming them rather than a
+/// bare rejection.
+#[derive(Debug, Deserialize, Default)]
+struct ListQuery {
+    provider: Option<String>,
+    state: Option<String>,
+    after: Option<String>,
+    limit: Option<String>,
+}
+
+fn non_empty(s: &Option<String>) -> Option<&str> {
+    s.as_deref().filter(|s| !s.is_empty())
+}
+
+async fn machines(
+    State(ui): State<Arc<Ui>>,
+    Query(q): Query<ListQuery>,
+) -> Result<Html<String>, PageError> {
+    let provider: Option<Provider> = non_empty(&q.provider)
+        .map(|p| p.parse().map_err(|e| bad_request(format!("provider: {e}"))))
+        .transpose()?;
+    let state: Option<Lifecycle> = non_empty(&q.state)
+        .map(|s| s.parse().map_err(|e| bad_request(format!("state: {e}"))))
+        .transpose()?;
+    let after: Option<Uuid> = non_empty(&q.after)
+        .map(|a| {
+            a.parse()
+                .map_err(|e| bad_request(format!("after: {a:?} is not a machine id: {e}")))
+        })
+        .transpose()?;
+    let limit = match non_empty(&q.limit) {
+        None => DEFAULT_PAGE,
+        Some(l) => match l.parse::<usize>() {
+            Ok(n) if (1..=MAX_PAGE).contains(&n) => n,
+            _ => {
+                return Err(bad_request(format!(
+                    "limit: {l:?} is not a number from 1 to {MAX_PAGE}"
+                )))
+            }
+        },
+    };
+    let listing = inventory::list(&ui.db, provider, state, after, limit, SCAN_BUDGET).await?;
+    let counts = ui
+        .db
+        .read(|tx| Box::pin(async move { tx.fleet_counts(STALE_AFTER).await }))
+        .await?;
+    let link = |after: Option<Uuid>| {
+        let mut params = vec![];
+        if let Some(p) = provider {
+            params.push(format!("provider={p}"));
+        }
+        if let Some(s) = state {
+            params.push(format!("state={}", s.slug()));
+        }
+        if let Some(a) = after {
+            params.push(format!("after={a}"));
+        }
+        if limit != DEFAULT_PAGE {
+            params.push(format!("limit={limit}"));
+        }
+        format!("/machines?{}", params.join("&"))
+    };
+    let now = listing.now;
+    let body = html! {
+        (fleet_counts(&counts))
+        form method="get" action="/machines" {
+            label { "Provider " select name="provider" id="provider" {
+                option value="" selected[provider.is_none()] { "any" }
+                @for (p, _) in &counts.provided {
+                    option value=(p.to_string()) selected[provider == Some(*p)] { (p.to_string()) }
+                }
+            } }
+            " "
+            label { "State " select name="state" id="state" {
+                option value="" selected[state.is_none()] { "any" }
+                @for s in Lifecycle::ALL {
+                    option value=(s.slug()) selected[state == Some(s)] { (s.label()) }
+                }
+            } }
+            " "
+            button type="submit" id="filter" { "Filter" }
+        }
+        table id="machines" {
+            thead { tr {
+                th { "Machine" } th { "State" } th { "Provider" } th { "Provider ID" }
+                th { "Address" } th { "Location" } th { "Status" } th { "Last heartbeat" }
+            } }
+            tbody {
+                @for m in &listing.machines {
+                    @let p = m.provided.as_ref();
+                    @let st = m.lifecycle(now);
+                    tr data-machine=(m.machine_id) data-state=(st.slug()) {
+                        td.mono { a href={"/machines/" (m.machine_id)} { (m.machine_id) } }
+                        td { (state_badge(st)) }
+                        td { (opt(p.map(|p| p.provider.as_str()))) }
+                        td.mono { (opt(p.map(|p| p.provider_id.as_str()))) }
+                        td.mono { (opt(p.and_then(|p| p.ip_address.as_deref()))) }
+                        td { (opt(p.and_then(|p| p.location.as_deref()))) }
+                        td { (opt(p.and_then(|p| p.status.map(|s| s.as_str())))) }
+                        td { @match m.heartbeat_at { Some(h) => (time(h, now)), None => span.muted { "never" } } }
+                    }
+                }
+            }
+        }
+        @if listing.machines.is_empty() { p.muted id="empty" { "No machines match." } }
+        p.pager {
+            @if after.is_some() { a href=(link(None)) id="first" { "« First page" } }
+            @if let Some(next) = listing.next { a href=(link(Some(next))) id="next" { "Next page »" } }
+        }
+    };
+    Ok(page("Machines", ui.refresh, body))
+}
+
+fn fleet_counts(c: &FleetCounts) -> Markup {
+    let provided: i64 = c.provided.iter().map(|(_, n)| n).sum();
+    let work: i64 = c.work.iter().map(|(_, n)| n).sum();
+    let backoffs: i64 = c.backoffs.iter().map(|(_, n)| n).sum();
+    html! {
+        p.counts id="counts" {
+            span { "machines " strong data-count="machines" { (c.machines) } }
+            span { "provided " strong data-count="provided" { (provided) } }
+            span { "agent started " strong data-count="agent-started" { (c.agent_started) } }
+            span { "heartbeating " strong data-count="heartbeating" { (c.heartbeating) } }
+            span { "stale " strong data-count="stale" { (c.stale) } }
+            span { "installing " strong data-count="installing" { (c.pending_install) } }
+            span { "installed " strong data-count="installed" { (c.installed) } }
+            span { "in work " strong data-count="work" { (work) } }
+            span { "in backoff " strong data-count="backoffs" { (backoffs) } }
+        }
+    }
+}
+
+async fn machine(
+    State(ui): State<Arc<Ui>>,
+    Path(id): Path<String>,
+) -> Result<Html<String>, PageError> {
+    let id: Uuid = id
+        .parse()
+        .map_err(|e| bad_request(format!("{id:?} is not a machine id: {e}")))?;
+    let Some(d) = inventory::detail(&ui.db, id).await? else {
+        return Err(not_found(format!("machine {id} does not exist")));
+    };
+    Ok(page(&format!("Machine {id}"), ui.refresh, machine_body(&d)))
+}
+
+fn machine_body(d: &Detail) -> Markup {
+    let now = d.now;
+    let s = &d.summary;
+    html! {
+        p { "State: " span id="state" { (state_badge(s.lifecycle(now))) } }
+        h2 { "machine_provided" }
+        @match &s.provided {
+            None => p.muted id="provided" { "Not provided." },
+            Some(p) => dl id="provided" {
+                dt { "provider" } dd { (p.provider.as_str()) }
+                dt { "provider id" } dd.mono data-field="provider_id" { (p.provider_id) }
+                dt { "reservation id" } dd { (opt(p.reservation_id.as_deref())) }
+                dt { "address" } dd.mono data-field="address" { (opt(p.ip_address.as_deref())) }
+                dt { "location" } dd data-field="location" { (opt(p.location.as_deref())) }
+                dt { "status" } dd { (opt(p.status.map(|s| s.as_str()))) }
+            },
+        }
+        h2 { "agent_started / heartbeat" }
+        dl id="agent" {
+            dt { "agent started" } dd { @match &d.agent { Some(a) => (time(a.started_at, now)), None => span.muted { "no" } } }
+            dt { "agent key" } dd.mono data-field="agent_key" { (opt(d.agent.as_ref().map(|a| inventory::hex(&a.public_key)).as_deref())) }
+            dt { "last heartbeat" } dd { @match s.heartbeat_at { Some(h) => (time(h, now)), None => span.muted { "never" } } }
+            dt { "SSH host key" } dd.mono { (opt(d.host_key.as_ref().map(|k| k.key.as_str()))) }
+        }
+        h2 { "Hardware report" }
+        @match &d.hardware {
+            None => p.muted id="hardware" { "No report." },
+            Some(Err(e)) => p.error id="hardware" { (e) },
+            Some(Ok(r)) => div id="hardware" { (hardware(r)) },
+        }
+        h2 { "OS installation" }
+        dl id="installation" {
+            dt { "request" } dd data-field="request" { @match &d.request {
+                Some(r) => { "generation " (r.generation) ": " (inventory::describe_request(r)) },
+                None => span.muted { "none" },
+            } }
+            dt { "report" } dd data-field="report" { @match &d.report {
+                Some(r) => { "generation " (r.generation) ": " (r.result.to_string()) },
+                None => span.muted { "none" },
+            } }
+        }
+        h2 { "Active work" }
+        @if d.work.is_empty() { p.muted id="work" { "None." } } @else {
+            table id="work" { thead { tr { th { "Process" } th { "Session" } th { "Component" } } }
+                tbody { @for (w, sess) in &d.work { tr {
+                    td { (w.process.to_string()) }
+                    td.mono { a href={"/sessions/" (w.session_id)} { (w.session_id) } }
+                    td { (opt(sess.as_ref().map(|s| s.component_name.as_str()))) }
+                } } } }
+        }
+        h2 { "Backoffs" }
+        @if d.backoffs.is_empty() { p.muted id="backoffs" { "None." } } @else {
+            table id="backoffs" { thead { tr { th { "Process" } th { "Until" } th { "Cause" } } }
+                tbody { @for b in &d.backoffs { tr data-active=(b.until > now) {
+                    td { (b.process.to_string()) }
+                    td { (time(b.until, now)) @if b.until <= now { " (expired)" } }
+                    td.mono { (b.cause) }
+                } } } }
+        }
+        h2 { "Work history" }
+        @if d.history.is_empty() { p.muted id="history" { "None." } } @else {
+            table id="history" { thead { tr { th { "At" } th { "Process" } th { "Event" } th { "Session" } th { "Cause" } } }
+                tbody { @for h in &d.history { tr {
+                    td { span title=(h.at.to_rfc3339()) { (h.at.format("%Y-%m-%d %H:%M:%S%.3f")) } }
+                    td { (h.process.to_string()) }
+                    td { (h.event.to_string()) }
+                    td.mono { @match h.session_id { Some(s) => a href={"/sessions/" (s)} { (s.simple().to_string()[..8]) }, None => span.muted { "–" } } }
+                    td.mono { (opt(h.cause.as_deref())) }
+                } } } }
+        }
+    }
+}
+
+fn gib(bytes: i64) -> String {
+    format!("{:.1} GiB", bytes as f64 / f64::from(1u32 << 30))
+}
+
+fn hardware(r: &shepherd_proto::bmaas::AgentHardwareReport) -> Markup {
+    html! {
+        @if let Some(n) = &r.report {
+            dl {
+                dt { "system" } dd { (n.manufacturer) " " (n.product) " " span.mono { (n.serial_number) } }
+                dt { "CPU" } dd data-field="cpu" {
+                    @for c in &n.cpu { div { (c.model) " — " (c.cores) " cores, " (c.hardware_threads) " threads" } }
+                }
+                dt { "memory" } dd data-field="memory" { (gib(n.memory_installed_bytes)) }
+                dt { "disks" } dd { @for b in &n.block_device { div { (b.device_model) " " (gib(b.capacity_bytes)) " " (b.protocol().as_str_name()) } } }
+                dt { "NICs" } dd { @for i in &n.network_interface { div.mono { (inventory::mac(&i.mac)) " " @if i.link_up { "up" } @else { "down" } } } }
+            }
+        }
+        @for w in &r.warning { p.muted { "warning: " (w) } }
+    }
+}
+
+async fn sessions(State(ui): State<Arc<Ui>>) -> Result<Html<String>, PageError> {
+    let list = ui
+        .db
+        .read(|tx| Box::pin(async move { tx.sessions().await }))
+        .await?;
+    let now = Utc::now();
+    Ok(page(
+        "Sessions",
+        ui.refresh,
+        html! {
+            @if list.is_empty() { p.muted { "No sessions." } } @else {
+                table id="sessions" { thead { tr { th { "Session" } th { "Component" } th { "Processor" } th { "Deadline" } th { "Runtime" } } }
+                    tbody { @for s in &list { tr data-session=(s.session_id) {
+                        td.mono { a href={"/sessions/" (s.session_id)} { (s.session_id) } }
+                        td { (s.component_name) } td { (s.processor) }
+                        td { (deadline(s, now)) }
+                        td.mono { (s.runtime_info) }
+                    } } } }
+            }
+        },
+    ))
+}
+
+fn deadline(s: &SessionInfo, now: DateTime<Utc>) -> Markup {
+    html! { (time(s.deadline, now)) @if s.deadline <= now { " (expired)" } }
+}
+
+async fn session(
+    State(ui): State<Arc<Ui>>,
+    Path(id): Path<String>,
+) -> Result<Html<String>, PageError> {
+    let id: Uuid = id
+        .parse()
+        .map_err(|e| bad_request(format!("{id:?} is not a session id: {e}")))?;
+    let (info, work) = ui
+        .db
+        .read(move |tx| {
+            Box::pin(async move { Ok((tx.session(id).await?, tx.session_work(id).await?)) })
+        })
+        .await?;
+    let Some(s) = info else {
+        return Err(not_found(format!(
+            "session {id} does not exist (closed sessions are removed)"
+        )));
+    };
+    let now = Utc::now();
+    Ok(page(
+        &format!("Session {id}"),
+        ui.refresh,
+        html! {
+            dl id="session" {
+                dt { "component" } dd data-field="component" { (s.component_name) }
+                dt { "processor" } dd { (s.processor) }
+                dt { "runtime" } dd.mono { (s.runtime_info) }
+                dt { "started" } dd { (time(s.created_at, now)) }
+                dt { "keep-alive interval" } dd { (s.interval_seconds) " s" }
+                dt { "deadline" } dd { (deadline(&s, now)) }
+            }
+            h2 { "Work held" }
+            @if work.is_empty() { p.muted id="work" { "None." } } @else {
+                table id="work" { thead { tr { th { "Machine" } th { "Process" } } }
+                    tbody { @for (m, p) in &work { tr {
+                        td.mono { a href={"/machines/" (m)} { (m) } }
+                        td { (p.to_string()) }
+                    } } } }
+            }
+        },
+    ))
+}

@@ -1,0 +1,291 @@
+//! `/metrics` of `shepherd run` after a demo-sized simulated run, parsed with a Prometheus
+//! text-format parser: the SPEC §16 counters carry the right labels and agree with the work
+//! history, the provider counters with what was created, the fleet gauges with the BMDB.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use shepherd_bmdb::{testing, Bmdb, Process, StatusCounts, WorkEvent};
+
+const MACHINES: usize = 1000;
+
+fn shepherd() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_shepherd"));
+    for (k, _) in std::env::vars() {
+        if k.starts_with("SHEPHERD_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd
+}
+
+/// Reads the child's stdout until it names its metrics address.
+fn metrics_url(child: &mut Child) -> String {
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(url) = line.strip_prefix("shepherd run: metrics at ") {
+                let _ = tx.send(url.to_string());
+            }
+        }
+    });
+    rx.recv_timeout(Duration::from_secs(30))
+        .expect("shepherd run did not print its metrics address")
+}
+
+/// One sample: metric name and labels → value.
+type Samples = HashMap<(String, Vec<(String, String)>), f64>;
+
+async fn scrape(url: &str) -> Samples {
+    let response = reqwest::get(url).await.unwrap();
+    assert!(response.status().is_success());
+    let content_type = response.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert!(content_type.contains("openmetrics-text"), "{content_type}");
+    let body = response.text().await.unwrap();
+    let lines = body.lines().map(|l| Ok(l.to_string()));
+    let scrape = prometheus_parse::Scrape::parse(lines).expect("parses as Prometheus text");
+    let mut out = Samples::new();
+    for s in scrape.samples {
+        let value = match s.value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Untyped(v) => v,
+            _ => continue,
+        };
+        let mut labels: Vec<(String, String)> = s
+            .labels
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        labels.sort();
+        out.insert((s.metric, labels), value);
+    }
+    out
+}
+
+fn get(samples: &Samples, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let mut key: Vec<(String, String)> = labels
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    key.sort();
+    *samples
+        .get(&(name.to_string(), key.clone()))
+        .unwrap_or_else(|| {
+            let mut names: Vec<_> = samples
+                .keys()
+                .filter(|(n, _)| n == name)
+                .map(|(_, l)| l)
+                .collect();
+            names.sort();
+            panic!("{name}{key:?} not scraped; with that name: {names:?}")
+        })
+}
+
+async fn counts(db: &Bmdb) -> StatusCounts {
+    db.read(|tx| Box::pin(async move { tx.status_counts().await }))
+        .await
+        .unwrap()
+}
+
+async fn history_counts(db: &Bmdb) -> HashMap<(Process, WorkEvent), f64> {
+    let mut out = HashMap::new();
+    let mut after = 0;
+    loop {
+        let page = db
+            .read(move |tx| Box::pin(async move { tx.history_after(after, 5000).await }))
+            .await
+            .unwrap();
+        let Some(last) = page.last() else { break };
+        after = last.id;
+        for h in page {
+            *out.entry((h.process, h.event)).or_insert(0.0) += 1.0;
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_match_the_work_history() {
+    let t = testing::sqlite().await;
+    let mut child = shepherd()
+        .args(["run", "--provider", "sim", "--database", &t.url])
+        .args(["--sim-machines", &MACHINES.to_string()])
+        .args(["--sim-connect-failure-rate", "0.05"])
+        .args(["--sim-takeover-time", "1ms"])
+        .args(["--agent-endpoint", "bmaas.test:443"])
+        .args(["--provisioner-max-machines", "0"])
+        .args(["--provisioner-reconcile-rate", "100ms,1"])
+        .args(["--provisioner-creation-rate", "1ms,100"])
+        .args(["--initializer-parallelism", "8"])
+        .args(["--initializer-db-rate", "1ms,16"])
+        .args(["--metrics-listen", "127.0.0.1:0"])
+        .args(["--stats-interval", "200ms"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let url = metrics_url(&mut child);
+
+    // Quiescent: every machine was provided and then either taken over or failed into a
+    // 5-minute backoff, and nothing holds work.
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let settled = loop {
+        assert!(child.try_wait().unwrap().is_none(), "shepherd run exited");
+        let c = counts(&t.db).await;
+        let backoffs: i64 = c.backoffs.iter().map(|(_, n)| n).sum();
+        let work: i64 = c.work.iter().map(|(_, n)| n).sum();
+        if c.provided == MACHINES as i64
+            && c.agent_started + backoffs == MACHINES as i64
+            && work == 0
+        {
+            break c;
+        }
+        assert!(Instant::now() < deadline, "no convergence: {c:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let failed_machines: i64 = settled.backoffs.iter().map(|(_, n)| n).sum();
+    assert!(
+        failed_machines > 0,
+        "5% injected connect failures left no trace"
+    );
+
+    // The gauges refresh every 200 ms: wait for a scrape that has seen the settled state.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let samples = loop {
+        let s = scrape(&url).await;
+        let seen = s
+            .get(&("shepherd_fleet_machines_agent_started".into(), vec![]))
+            .copied();
+        if seen == Some(settled.agent_started as f64) {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "gauges never caught up: {seen:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let history = history_counts(&t.db).await;
+    let h = |p, e| history.get(&(p, e)).copied().unwrap_or(0.0);
+    let start = Process::ShepherdAgentStart;
+
+    // SPEC §16 counters, exact names and labels, equal to the audit history.
+    let work = [
+        ("processor", "shepherd-initializer"),
+        ("process", "ShepherdAgentStart"),
+    ];
+    assert_eq!(
+        get(&samples, "bmdb_work_started_total", &work),
+        h(start, WorkEvent::Started)
+    );
+    for (result, event) in [
+        ("finished", WorkEvent::Finished),
+        ("failed", WorkEvent::Failed),
+    ] {
+        let labels = [work[0], work[1], ("result", result)];
+        assert_eq!(
+            get(&samples, "bmdb_work_finished_total", &labels),
+            h(start, event),
+            "{result}"
+        );
+    }
+    assert_eq!(h(start, WorkEvent::Finished), settled.agent_started as f64);
+    assert_eq!(h(start, WorkEvent::Failed), failed_machines as f64);
+    for processor in ["shepherd-initializer", "shepherd-provisioner"] {
+        let p = [("processor", processor)];
+        assert!(get(&samples, "bmdb_session_started_total", &p) >= 1.0);
+        assert!(get(&samples, "bmdb_transaction_executed_total", &p) >= 1.0);
+        // A label set appears once used; no transaction is expected to fail here.
+        let failed = samples
+            .get(&(
+                "bmdb_transaction_failed_total".to_string(),
+                vec![("processor".into(), processor.into())],
+            ))
+            .copied()
+            .unwrap_or(0.0);
+        assert_eq!(failed, 0.0, "failed transactions of {processor}");
+    }
+    assert_eq!(
+        get(
+            &samples,
+            "bmdb_session_started_total",
+            &[("processor", "shepherd-initializer")]
+        ),
+        8.0,
+        "one session per initializer worker"
+    );
+
+    // Provider calls: every machine was created once; histograms count the same calls.
+    assert_eq!(
+        get(
+            &samples,
+            "shepherd_provider_calls_total",
+            &[("call", "create"), ("result", "ok")]
+        ),
+        MACHINES as f64
+    );
+    assert_eq!(
+        get(
+            &samples,
+            "shepherd_provider_call_duration_seconds_count",
+            &[("call", "create")]
+        ),
+        MACHINES as f64
+    );
+    assert!(
+        get(
+            &samples,
+            "shepherd_provider_calls_total",
+            &[("call", "list"), ("result", "ok")]
+        ) >= 1.0
+    );
+
+    // Fleet statistics gauges agree with the BMDB.
+    assert_eq!(
+        get(&samples, "shepherd_fleet_machines", &[]),
+        MACHINES as f64
+    );
+    assert_eq!(
+        get(
+            &samples,
+            "shepherd_fleet_machines_provided",
+            &[("provider", "Sim")]
+        ),
+        MACHINES as f64
+    );
+    assert_eq!(
+        get(
+            &samples,
+            "shepherd_fleet_active_backoffs",
+            &[("process", "ShepherdAgentStart")]
+        ),
+        failed_machines as f64
+    );
+    assert_eq!(
+        get(
+            &samples,
+            "shepherd_fleet_machines_eligible",
+            &[("process", "ShepherdAgentStart")]
+        ),
+        0.0,
+        "everything not started is in backoff"
+    );
+    let heartbeating = get(&samples, "shepherd_fleet_machines_heartbeating", &[]);
+    assert!(heartbeating <= settled.agent_started as f64);
+
+    let pid = child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    assert!(child.wait().unwrap().success());
+    t.cleanup().await;
+}

@@ -1,0 +1,449 @@
+//! The debug web UI of `shepherd server` in a real browser (Debian's Chromium, headless, driven
+//! over WebDriver by chromedriver): a BMDB seeded with machines in every state is listed,
+//! filtered, paged and opened, and the rendered DOM must show what the database holds.
+//! Screenshots land in `target/web-ui/` for people to look at.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fantoccini::{Client, ClientBuilder, Locator};
+use shepherd_bmdb::*;
+use shepherd_proto::agent::{BlockDevice, Cpu, NetworkInterface, Node};
+use shepherd_proto::bmaas::AgentHardwareReport;
+use shepherd_proto::Message;
+use uuid::Uuid;
+
+const CHROMIUM: &str = "/usr/bin/chromium";
+const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
+
+/// Kills the child on drop, so a failed assertion leaves no processes behind.
+struct Guard(Child);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn screenshot_dir() -> PathBuf {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target"));
+    let dir = target.join("web-ui");
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// `shepherd server` on free ports over `url`; returns it and its web UI base URL.
+fn start_server(url: &str, dir: &Path) -> (Guard, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_shepherd"));
+    for (k, _) in std::env::vars() {
+        if k.starts_with("SHEPHERD_") {
+            cmd.env_remove(k);
+        }
+    }
+    let mut child = cmd
+        .args(["server", "--database", url, "--listen", "127.0.0.1:0"])
+        .args(["--http-listen", "127.0.0.1:0"])
+        // A reload in the middle of reading a page would detach the elements being read.
+        .args(["--web-refresh", "0s"])
+        .arg("--dev-certs")
+        .arg(dir.join("certs"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(rest) = line.strip_prefix("shepherd server: web UI at ") {
+                let base = rest.split("/machines").next().unwrap().to_string();
+                let _ = tx.send(base);
+            }
+        }
+    });
+    let guard = Guard(child);
+    let base = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("shepherd server did not print its web UI address");
+    (guard, base)
+}
+
+/// chromedriver on a free port, and a WebDriver session of headless Chromium.
+async fn browser(profile: &Path) -> (Guard, Client) {
+    for bin in [CHROMIUM, CHROMEDRIVER] {
+        assert!(
+            Path::new(bin).exists(),
+            "{bin} is missing: run scripts/test-deps.sh (installs chromium and chromium-driver)"
+        );
+    }
+    let port = free_port();
+    let driver = Guard(
+        Command::new(CHROMEDRIVER)
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let mut caps = serde_json::Map::new();
+    caps.insert(
+        "goog:chromeOptions".into(),
+        serde_json::json!({
+            "binary": CHROMIUM,
+            "args": [
+                "--headless=new", "--no-sandbox", "--disable-gpu",
+                "--disable-background-networking", "--disable-component-update",
+                "--no-first-run", "--window-size=1400,1000",
+                format!("--user-data-dir={}", profile.display()),
+            ],
+        }),
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let client = loop {
+        // chromedriver speaks plain HTTP on loopback.
+        let connector = hyper_util::client::legacy::connect::HttpConnector::new();
+        match ClientBuilder::new(connector)
+            .capabilities(caps.clone())
+            .connect(&format!("http://127.0.0.1:{port}"))
+            .await
+        {
+            Ok(c) => break c,
+            Err(e) if Instant::now() < deadline => {
+                let _ = e;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("no WebDriver session: {e}"),
+        }
+    };
+    (driver, client)
+}
+
+/// Rows of the machines table: machine id → state slug.
+async fn rows(c: &Client) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for row in c
+        .find_all(Locator::Css("#machines tbody tr"))
+        .await
+        .unwrap()
+    {
+        let id = row.attr("data-machine").await.unwrap().unwrap();
+        let state = row.attr("data-state").await.unwrap().unwrap();
+        // The badge the operator sees says the same as the attribute.
+        let badge = row.find(Locator::Css(".state")).await.unwrap();
+        let label = badge.text().await.unwrap();
+        assert_eq!(
+            label.parse::<Lifecycle>().unwrap().slug(),
+            state,
+            "badge of {id}"
+        );
+        out.insert(id, state);
+    }
+    out
+}
+
+/// Clicks a link or button and waits until the browser has loaded the page it leads to.
+async fn click_and_wait(c: &Client, element: fantoccini::elements::Element) {
+    let before = c.current_url().await.unwrap();
+    element.click().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let url = c.current_url().await.unwrap();
+        let ready = c
+            .execute("return document.readyState", vec![])
+            .await
+            .unwrap();
+        if url != before && ready == "complete" {
+            return;
+        }
+        assert!(Instant::now() < deadline, "no navigation from {before}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn text(c: &Client, css: &str) -> String {
+    c.find(Locator::Css(css))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// A machine taken over through the real work protocol (history: Started, Finished) with a
+/// hardware report, next to the seeded ones.
+async fn taken_over_machine(db: &Bmdb) -> Uuid {
+    let id = db
+        .transact(|tx| {
+            Box::pin(async move {
+                let id = tx.create_machine().await?;
+                let mut p = Provided::new(Provider::Static, "box-9");
+                p.ip_address = Some("10.0.0.9".into());
+                p.location = Some("rack-2".into());
+                tx.set_provided(id, &p).await?;
+                Ok(id)
+            })
+        })
+        .await
+        .unwrap();
+    let session = db
+        .start_session(SessionConfig::new(
+            "shepherd-initializer",
+            Processor::ShepherdInitializer,
+        ))
+        .await
+        .unwrap();
+    let retrieval = Retrieval::AgentStart {
+        provider: Provider::Static,
+    };
+    let Claim::Work(mut work) = session
+        .work(Process::ShepherdAgentStart, retrieval)
+        .await
+        .unwrap()
+    else {
+        panic!("box-9 is the only eligible machine");
+    };
+    assert_eq!(work.machine_id(), id);
+    let report = AgentHardwareReport {
+        report: Some(Node {
+            manufacturer: "Supermicro".into(),
+            product: "SYS-1029U".into(),
+            serial_number: "S123".into(),
+            memory_installed_bytes: 64 << 30,
+            cpu: vec![Cpu {
+                cores: 16,
+                hardware_threads: 32,
+                model: "AMD EPYC 7302P".into(),
+                ..Default::default()
+            }],
+            block_device: vec![BlockDevice {
+                device_model: "SAMSUNG MZ7L3480".into(),
+                capacity_bytes: 480 << 30,
+                ..Default::default()
+            }],
+            network_interface: vec![NetworkInterface {
+                mac: vec![0x02, 0, 0, 0, 0, 9],
+                link_up: true,
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        warning: vec![],
+    }
+    .encode_to_vec();
+    work.finish(move |tx| {
+        let report = report.clone();
+        Box::pin(async move {
+            tx.set_agent_started(id, &[9; 32]).await?;
+            tx.set_heartbeat(id).await?;
+            tx.set_hardware_report(id, &report).await
+        })
+    })
+    .await
+    .unwrap();
+    session.close().await.unwrap();
+    id
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn web_ui_shows_what_the_bmdb_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = testing::sqlite().await;
+    let (seeded, holder) = testing::seed_every_state(&t.db).await;
+    let box9 = taken_over_machine(&t.db).await;
+    let mut want: BTreeMap<String, String> = seeded
+        .iter()
+        .map(|m| (m.id.to_string(), m.state.slug().to_string()))
+        .collect();
+    want.insert(box9.to_string(), "heartbeating".into());
+
+    let (_server, base) = start_server(&t.url, dir.path());
+    let (_driver, c) = browser(&dir.path().join("profile")).await;
+    let shots = screenshot_dir();
+
+    // The list: every machine with its state, and the fleet counts.
+    c.goto(&format!("{base}/")).await.unwrap();
+    assert!(
+        c.current_url().await.unwrap().path() == "/machines",
+        "/ redirects"
+    );
+    assert_eq!(rows(&c).await, want);
+    assert_eq!(
+        text(&c, "[data-count=machines]").await,
+        want.len().to_string()
+    );
+    assert_eq!(text(&c, "[data-count=heartbeating]").await, "4");
+    std::fs::write(shots.join("machines.png"), c.screenshot().await.unwrap()).unwrap();
+
+    // Filter by state through the form.
+    c.find(Locator::Css("#state"))
+        .await
+        .unwrap()
+        .select_by_value("stale")
+        .await
+        .unwrap();
+    click_and_wait(&c, c.find(Locator::Css("#filter")).await.unwrap()).await;
+    let stale: Vec<String> = rows(&c).await.into_values().collect();
+    assert_eq!(stale, vec!["stale".to_string()]);
+    assert!(c
+        .current_url()
+        .await
+        .unwrap()
+        .query()
+        .unwrap()
+        .contains("state=stale"));
+
+    // Filter by provider (the state filter is kept in the form; reset it to "any").
+    c.find(Locator::Css("#state"))
+        .await
+        .unwrap()
+        .select_by_value("")
+        .await
+        .unwrap();
+    c.find(Locator::Css("#provider"))
+        .await
+        .unwrap()
+        .select_by_value("Sim")
+        .await
+        .unwrap();
+    click_and_wait(&c, c.find(Locator::Css("#filter")).await.unwrap()).await;
+    let sim = rows(&c).await;
+    let box0 = seeded
+        .iter()
+        .find(|m| m.provider_id.as_deref() == Some("box-0"))
+        .unwrap();
+    assert_eq!(
+        sim.keys().cloned().collect::<Vec<_>>(),
+        vec![box0.id.to_string()]
+    );
+
+    // Paging: pages of 4 cover every machine once, in id order.
+    c.goto(&format!("{base}/machines?limit=4")).await.unwrap();
+    let mut paged = BTreeMap::new();
+    let mut pages = 0;
+    loop {
+        let page = rows(&c).await;
+        assert!(page.len() <= 4);
+        for (k, v) in page {
+            assert!(paged.insert(k, v).is_none(), "a machine on two pages");
+        }
+        pages += 1;
+        match c.find(Locator::Css("#next")).await {
+            Ok(next) => click_and_wait(&c, next).await,
+            Err(_) => break,
+        }
+    }
+    assert_eq!(paged, want);
+    assert_eq!(pages, want.len().div_ceil(4));
+
+    // Machine detail, reached by clicking its link in the list.
+    c.goto(&format!("{base}/machines")).await.unwrap();
+    click_and_wait(
+        &c,
+        c.find(Locator::Css(&format!("a[href='/machines/{box9}']")))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(text(&c, "h1").await, format!("Machine {box9}"));
+    assert_eq!(text(&c, "#state").await, "heartbeating");
+    assert_eq!(text(&c, "[data-field=provider_id]").await, "box-9");
+    assert_eq!(text(&c, "[data-field=address]").await, "10.0.0.9");
+    assert_eq!(text(&c, "[data-field=location]").await, "rack-2");
+    assert_eq!(text(&c, "[data-field=agent_key]").await, "09".repeat(32));
+    let cpu = text(&c, "[data-field=cpu]").await;
+    assert!(
+        cpu.contains("AMD EPYC 7302P") && cpu.contains("16 cores"),
+        "{cpu}"
+    );
+    assert_eq!(text(&c, "[data-field=memory]").await, "64.0 GiB");
+    let history = text(&c, "#history").await;
+    let events: Vec<&str> = history
+        .lines()
+        .filter_map(|l| {
+            ["Started", "Finished", "Failed", "Canceled"]
+                .into_iter()
+                .find(|e| l.contains(e))
+        })
+        .collect();
+    assert_eq!(events, vec!["Started", "Finished"], "{history}");
+    std::fs::write(shots.join("machine.png"), c.screenshot().await.unwrap()).unwrap();
+
+    // A machine in backoff shows the cause; one in work links to the session holding it.
+    let in_backoff = seeded
+        .iter()
+        .find(|m| m.state == Lifecycle::InBackoff)
+        .unwrap();
+    c.goto(&format!("{base}/machines/{}", in_backoff.id))
+        .await
+        .unwrap();
+    let backoffs = text(&c, "#backoffs").await;
+    assert!(
+        backoffs.contains("ShepherdAgentStart") && backoffs.contains("ssh: connection refused"),
+        "{backoffs}"
+    );
+    let installed = seeded
+        .iter()
+        .find(|m| m.state == Lifecycle::Installed)
+        .unwrap();
+    c.goto(&format!("{base}/machines/{}", installed.id))
+        .await
+        .unwrap();
+    assert!(text(&c, "[data-field=report]")
+        .await
+        .contains("generation 3: Success"));
+    let in_work = seeded
+        .iter()
+        .find(|m| m.state == Lifecycle::InWork)
+        .unwrap();
+    c.goto(&format!("{base}/machines/{}", in_work.id))
+        .await
+        .unwrap();
+    click_and_wait(
+        &c,
+        c.find(Locator::Css(&format!(
+            "#work a[href='/sessions/{}']",
+            holder.id()
+        )))
+        .await
+        .unwrap(),
+    )
+    .await;
+    assert_eq!(text(&c, "h1").await, format!("Session {}", holder.id()));
+    assert_eq!(
+        text(&c, "[data-field=component]").await,
+        "shepherd-initializer"
+    );
+    assert!(text(&c, "#work").await.contains(&in_work.id.to_string()));
+    std::fs::write(shots.join("session.png"), c.screenshot().await.unwrap()).unwrap();
+
+    // Unknown and malformed ids get a page that says so.
+    c.goto(&format!("{base}/machines/{}", Uuid::new_v4()))
+        .await
+        .unwrap();
+    assert!(text(&c, ".error").await.contains("does not exist"));
+    c.goto(&format!("{base}/machines?state=asleep"))
+        .await
+        .unwrap();
+    assert!(text(&c, ".error")
+        .await
+        .contains("unknown state \"asleep\""));
+
+    c.close().await.unwrap();
+    holder.close().await.unwrap();
+    t.cleanup().await;
+}
