@@ -172,6 +172,7 @@ impl<P: Provider + 'static> MachineTask for Initializer<P> {
             })
             .await?;
         let provided = provided.context("machine has no provided tag")?;
+        tracing::Span::current().record("provider_id", provided.provider_id.as_str());
         let at_provider = self
             .provider
             .get_machine(&provided.provider_id)

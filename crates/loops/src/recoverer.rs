@@ -61,6 +61,7 @@ impl<P: RecovererProvider + 'static> MachineTask for Recoverer<P> {
             .transact(move |tx| Box::pin(async move { tx.provided(machine).await }))
             .await?
             .context("machine has no provided tag")?;
+        tracing::Span::current().record("provider_id", provided.provider_id.as_str());
         let at_provider = self
             .provider
             .get_machine(&provided.provider_id)

@@ -11,6 +11,7 @@ use shepherd_bmdb::{
     SessionConfig, Tx, TxFuture,
 };
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::limiter::{Limiter, RateSpec};
@@ -124,23 +125,34 @@ async fn worker<T: MachineTask>(
             Ok(Claim::Work(mut work)) => {
                 errors = 0;
                 let machine = work.machine_id();
-                let span = tracing::info_span!("work", %machine, process = %task.process());
-                let _enter = span.enter();
-                let outcome = tokio::select! {
-                    _ = cancel.cancelled() => None,
-                    r = task.process_machine(&s, machine) => Some(r),
-                };
-                let ended = match outcome {
-                    None => work.cancel().await,
-                    Some(Ok(commit)) => work.finish(commit).await,
-                    Some(Err(e)) => {
-                        tracing::warn!(error = %format!("{e:#}"), "processing failed");
-                        work.fail(Some(&task.backoff()), &format!("{e:#}")).await
+                // The task records the provider id once it has read the machine's tags. At the
+                // highest level so that the context is there whatever level the logs are
+                // filtered at (a span's level only decides whether it exists).
+                let span = tracing::error_span!(
+                    "work",
+                    %machine,
+                    provider_id = tracing::field::Empty,
+                    process = %task.process(),
+                );
+                async {
+                    let outcome = tokio::select! {
+                        _ = cancel.cancelled() => None,
+                        r = task.process_machine(&s, machine) => Some(r),
+                    };
+                    let ended = match outcome {
+                        None => work.cancel().await,
+                        Some(Ok(commit)) => work.finish(commit).await,
+                        Some(Err(e)) => {
+                            tracing::warn!(error = %format!("{e:#}"), "processing failed");
+                            work.fail(Some(&task.backoff()), &format!("{e:#}")).await
+                        }
+                    };
+                    if let Err(e) = ended {
+                        tracing::warn!(error = %e, "ending work failed");
                     }
-                };
-                if let Err(e) = ended {
-                    tracing::warn!(error = %e, "ending work failed");
                 }
+                .instrument(span)
+                .await;
             }
             Ok(Claim::NothingToDo) | Ok(Claim::Conflict) => errors = 0,
             Err(BmdbError::SessionExpired) => {

@@ -23,20 +23,32 @@ fn config_path(argv: &[OsString]) -> Option<PathBuf> {
     std::env::var_os("SHEPHERD_CONFIG").map(PathBuf::from)
 }
 
+/// A command line with the config file's settings added.
+#[derive(Debug)]
+pub struct Merged {
+    /// The arguments to parse.
+    pub argv: Vec<OsString>,
+    /// Settings (long flag names) whose value came from the config file.
+    pub from_file: Vec<String>,
+}
+
 /// `argv` with the config file's settings for the first of `subcommands` on the command line
-/// added where no flag or environment variable sets them.
-pub fn merge(
-    command: &clap::Command,
-    subcommands: &[&str],
-    argv: Vec<OsString>,
-) -> Result<Vec<OsString>> {
+/// added where no flag or environment variable sets them. `command` is the subcommands'
+/// parent: the top-level command, or `config print` (whose own subcommands are the same).
+pub fn merge(command: &clap::Command, subcommands: &[&str], argv: Vec<OsString>) -> Result<Merged> {
+    let unchanged = |argv| {
+        Ok(Merged {
+            argv,
+            from_file: vec![],
+        })
+    };
     let Some(at) = argv.iter().position(|a| subcommands.iter().any(|s| a == s)) else {
-        return Ok(argv);
+        return unchanged(argv);
     };
     let subcommand = argv[at].to_string_lossy().to_string();
     let subcommand = subcommand.as_str();
     let Some(path) = config_path(&argv[at..]) else {
-        return Ok(argv);
+        return unchanged(argv);
     };
     let sub = command
         .find_subcommand(subcommand)
@@ -47,6 +59,7 @@ pub fn merge(
         .parse()
         .with_context(|| format!("config file {}", path.display()))?;
     let mut injected = Vec::new();
+    let mut from_file = Vec::new();
     for (key, value) in table {
         let arg = sub
             .get_arguments()
@@ -63,6 +76,7 @@ pub fn merge(
         if on_command_line || in_env {
             continue;
         }
+        from_file.push(key.clone());
         let text = match value {
             toml::Value::String(s) => s,
             toml::Value::Integer(i) => i.to_string(),
@@ -84,5 +98,8 @@ pub fn merge(
     }
     let mut merged = argv;
     merged.splice(at + 1..at + 1, injected);
-    Ok(merged)
+    Ok(Merged {
+        argv: merged,
+        from_file,
+    })
 }

@@ -15,6 +15,7 @@ use shepherd_bmdb::{
 };
 use shepherd_loops::initializer::InitializerConfig;
 use shepherd_loops::limiter::RateSpec;
+use shepherd_loops::metrics::{CallMetrics, InstrumentedProvider};
 use shepherd_loops::provisioner::ProvisionerConfig;
 use shepherd_loops::reconcile::Limits;
 use shepherd_loops::sim::{RealAgents, SimCounters, SimFleet, SimKnobs};
@@ -55,6 +56,12 @@ pub struct DemoArgs {
     /// Keep the demo database (its path is printed) instead of deleting it.
     #[arg(long)]
     pub keep: bool,
+    /// Where the web UI and `/metrics` are served; if the port is taken, a free one is used.
+    #[arg(long, default_value = "127.0.0.1:9465")]
+    pub http_listen: std::net::SocketAddr,
+    /// After converging, keep the fleet, the web UI and the metrics up until Ctrl-C.
+    #[arg(long)]
+    pub stay: bool,
 }
 
 struct Bars {
@@ -251,13 +258,43 @@ pub async fn run(args: DemoArgs) -> Result<()> {
             heartbeat_interval: Duration::from_secs(2),
         }),
     );
+    let settings = settings(&args);
+
+    // The operator's view: web UI and metrics, as `shepherd server` and `shepherd run` serve them.
+    let provider_metrics = Arc::new(CallMetrics::default());
+    let mut registry = crate::metrics_http::registry_with_fleet_stats(
+        &db,
+        settings.recovery,
+        Duration::from_secs(1),
+        cancel.clone(),
+    );
+    provider_metrics.register(&mut registry, "shepherd_provider", "Provider API");
+    let app = crate::metrics_http::router(registry)
+        .merge(crate::web::router(db.clone(), Duration::from_secs(2)));
+    let http = match crate::metrics_http::serve(
+        args.http_listen,
+        "http-listen",
+        app.clone(),
+        cancel.clone(),
+    )
+    .await
+    {
+        Ok(addr) => addr,
+        Err(_) => {
+            let any = std::net::SocketAddr::new(args.http_listen.ip(), 0);
+            crate::metrics_http::serve(any, "http-listen", app, cancel.clone()).await?
+        }
+    };
+    eprintln!("  web UI: http://{http}/machines · metrics: http://{http}/metrics");
+
+    let provider = Arc::new(InstrumentedProvider::new(fleet.clone(), provider_metrics));
     let started = Instant::now();
     let loops = tokio::spawn(run_loops(
         db.clone(),
+        provider.clone(),
         fleet.clone(),
-        fleet.clone(),
-        Some(fleet.clone()),
-        settings(&args),
+        Some(provider),
+        settings,
         cancel.clone(),
     ));
 
@@ -278,6 +315,14 @@ pub async fn run(args: DemoArgs) -> Result<()> {
     };
     let elapsed = started.elapsed();
     bars.finish();
+    if converged && args.stay {
+        eprintln!(
+            "converged in {:.1} s; the fleet keeps running and the web UI stays at \
+             http://{http}/machines (Ctrl-C to stop)",
+            elapsed.as_secs_f64()
+        );
+        cancel.cancelled().await;
+    }
     fleet.stop_agents();
     cancel.cancel();
     loops.await??;

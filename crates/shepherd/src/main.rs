@@ -3,6 +3,7 @@
 //! migrate` and `bmdb status`.
 
 mod bmdb_cmd;
+mod config_cmd;
 mod config_file;
 mod demo;
 mod fleet;
@@ -16,7 +17,7 @@ mod web;
 
 use std::io::IsTerminal;
 
-use clap::{CommandFactory, Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use shepherd_bmdb::DEFAULT_DATABASE_URL;
 
 /// Bare-metal fleet lifecycle manager.
@@ -27,8 +28,21 @@ struct Cli {
     #[arg(long, global = true, env = "SHEPHERD_DATABASE", default_value = DEFAULT_DATABASE_URL, hide_env_values = true)]
     database: String,
 
+    /// Log lines as text for people or as JSON objects for log collectors.
+    #[arg(long, global = true, env = "SHEPHERD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+
     #[command(subcommand)]
     command: Command,
+}
+
+/// How log lines are written to stderr.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line, with the span fields (machine, provider id, process).
+    Json,
 }
 
 #[derive(Debug, Subcommand)]
@@ -54,6 +68,31 @@ enum Command {
         #[command(subcommand)]
         command: bmdb_cmd::BmdbCommand,
     },
+    /// Show configuration.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+}
+
+/// Subcommands of `shepherd config`.
+#[derive(Debug, Subcommand)]
+enum ConfigCommand {
+    /// Print the effective settings of `run` or `server` (takes the same flags, environment and
+    /// --config file) with the source of each value and secrets redacted.
+    Print {
+        #[command(subcommand)]
+        command: PrintCommand,
+    },
+}
+
+/// Which command's configuration to print.
+#[derive(Debug, Subcommand)]
+enum PrintCommand {
+    /// `shepherd run`.
+    Run(Box<run_cmd::RunArgs>),
+    /// `shepherd server`.
+    Server(Box<server_cmd::ServerArgs>),
 }
 
 /// Subcommands of `shepherd sessions`.
@@ -65,31 +104,40 @@ enum SessionsCommand {
 
 #[tokio::main]
 async fn main() {
-    let argv = match config_file::merge(
+    let merged = match config_file::merge(
         &Cli::command(),
         &["run", "server"],
         std::env::args_os().collect(),
     ) {
-        Ok(argv) => argv,
+        Ok(merged) => merged,
         Err(e) => {
             eprintln!("error: {}", error_chain(&e));
             std::process::exit(2);
         }
     };
-    let cli = Cli::parse_from(argv);
+    let matches = Cli::command().get_matches_from(merged.argv);
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     // The demo injects failures on purpose; their warnings would bury the progress bars.
     let default_level = match cli.command {
         Command::Demo(_) => "error",
         _ => "warn",
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("SHEPHERD_LOG")
-                .unwrap_or_else(|_| default_level.into()),
-        )
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr)
-        .init();
+    let filter = tracing_subscriber::EnvFilter::try_from_env("SHEPHERD_LOG")
+        .unwrap_or_else(|_| default_level.into());
+    match cli.log_format {
+        LogFormat::Text => tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_ansi(std::io::stderr().is_terminal())
+            .with_writer(std::io::stderr)
+            .init(),
+        LogFormat::Json => tracing_subscriber::fmt()
+            .json()
+            .with_current_span(true)
+            .with_span_list(false)
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .init(),
+    }
     let result = match cli.command {
         Command::Run(args) => run_cmd::run(&cli.database, *args).await,
         Command::Server(args) => server_cmd::run(&cli.database, *args).await,
@@ -99,6 +147,30 @@ async fn main() {
             command: SessionsCommand::List,
         } => machines_cmd::sessions(&cli.database).await,
         Command::Bmdb { command } => bmdb_cmd::run(&cli.database, command).await,
+        Command::Config {
+            command: ConfigCommand::Print { command },
+        } => {
+            let which = match command {
+                PrintCommand::Run(_) => "run",
+                PrintCommand::Server(_) => "server",
+            };
+            let root = Cli::command();
+            let sub = root
+                .find_subcommand("config")
+                .and_then(|c| c.find_subcommand("print"))
+                .and_then(|c| c.find_subcommand(which))
+                .expect("declared above");
+            let leaf = matches
+                .subcommand_matches("config")
+                .and_then(|m| m.subcommand_matches("print"))
+                .and_then(|m| m.subcommand_matches(which))
+                .expect("parsed above");
+            print!(
+                "{}",
+                config_cmd::render(&root, sub, leaf, &merged.from_file)
+            );
+            Ok(())
+        }
     };
     if let Err(e) = result {
         eprintln!("error: {}", error_chain(&e));

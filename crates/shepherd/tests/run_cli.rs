@@ -374,6 +374,7 @@ async fn static_run_takes_a_real_sshd_over() {
 fn demo_converges_and_prints_a_summary() {
     let o = shepherd()
         .args(["demo", "--machines", "60", "--takeover-time", "10ms"])
+        .args(["--http-listen", "127.0.0.1:0"])
         .args([
             "--silent-agent-rate",
             "0.1",
@@ -401,4 +402,191 @@ fn demo_converges_and_prints_a_summary() {
     // Failures were injected, retried and recovered from.
     let finished: u64 = value("takeovers finished").parse().unwrap();
     assert!(finished >= 60, "{out}");
+}
+
+/// What the README promises: run the demo, open the web UI it prints, see the machines, scrape
+/// the metrics; `--stay` keeps it all up until the operator stops it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_serves_its_web_ui_and_metrics() {
+    use std::io::{BufRead, BufReader};
+    let mut child = shepherd()
+        .args([
+            "demo",
+            "--machines",
+            "20",
+            "--takeover-time",
+            "10ms",
+            "--stay",
+        ])
+        .args(["--http-listen", "127.0.0.1:0", "--timeout", "90s"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr_pipe = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr_pipe).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let (mut ui, mut converged) = (None, false);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !converged {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = rx.recv_timeout(left).expect("demo never said it converged");
+        if let Some(rest) = line.trim().strip_prefix("web UI: ") {
+            ui = Some(rest.split(' ').next().unwrap().to_string());
+        }
+        converged = line.starts_with("converged in");
+    }
+    let ui = ui.expect("demo printed no web UI address");
+    let page = reqwest::get(&ui).await.unwrap().text().await.unwrap();
+    assert_eq!(page.matches("<tr data-machine=").count(), 20, "{page}");
+    assert_eq!(
+        page.matches("data-state=\"heartbeating\"").count(),
+        40,
+        "row and badge per machine"
+    );
+    let metrics_url = ui.replace("/machines", "/metrics");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let metrics = reqwest::get(&metrics_url)
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if metrics.contains("shepherd_fleet_machines_heartbeating 20") {
+            assert!(metrics.contains("bmdb_work_finished_total{"), "{metrics}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "{metrics}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "--stay keeps the demo up"
+    );
+    assert!(Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("agents heartbeating"));
+}
+
+#[test]
+fn config_print_shows_merged_settings_with_sources_and_no_secrets() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("shepherd.toml");
+    std::fs::write(
+        &config,
+        "ssh-user = \"deploy\"\ninitializer-parallelism = 4\nssh-password = \"hunter2\"\nsession-interval = \"9s\"\n",
+    )
+    .unwrap();
+    let out = shepherd()
+        .args(["config", "print", "run", "--config"])
+        .arg(&config)
+        .args(["--session-interval", "7s"])
+        .env(
+            "SHEPHERD_DATABASE",
+            "postgres://shepherd:s3cret@db.example/bmdb",
+        )
+        .env("SHEPHERD_SSH_USER", "ops")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8(out.stdout).unwrap();
+    for line in [
+        "initializer-parallelism = 4  # config file",
+        "ssh-user = \"ops\"  # environment SHEPHERD_SSH_USER",
+        "session-interval = \"7s\"  # flag",
+        "ssh-password = \"<redacted>\"  # config file",
+        "database = \"postgres://shepherd:<redacted>@db.example/bmdb\"  # environment SHEPHERD_DATABASE",
+        "recoverer-db-rate = \"250ms,8\"  # default",
+        "# agent-executable is not set",
+    ] {
+        assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
+    }
+    assert!(
+        !text.contains("hunter2") && !text.contains("s3cret"),
+        "{text}"
+    );
+    // The output is TOML a config file can start from.
+    let table: toml::Table = text.parse().expect("valid TOML");
+    assert_eq!(table["initializer-parallelism"].as_integer(), Some(4));
+
+    // Bad values and unknown keys name the setting.
+    std::fs::write(&config, "initializer-parallelism = \"many\"\n").unwrap();
+    let bad = shepherd()
+        .args(["config", "print", "run", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(
+        stderr(&bad).contains("--initializer-parallelism"),
+        "{}",
+        stderr(&bad)
+    );
+    std::fs::write(&config, "initialiser-parallelism = 2\n").unwrap();
+    let bad = shepherd()
+        .args(["config", "print", "server", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(
+        stderr(&bad).contains("unknown setting \"initialiser-parallelism\""),
+        "{}",
+        stderr(&bad)
+    );
+}
+
+#[test]
+fn json_logs_carry_the_work_span() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite:{}", dir.path().join("s.db").display());
+    let child = shepherd()
+        .args(["run", "--provider", "sim", "--migrate", "--database", &db])
+        .args(["--sim-machines", "3", "--sim-connect-failure-rate", "1"])
+        .args(["--agent-endpoint", "bmaas.test:443", "--log-format", "json"])
+        .args(["--provisioner-reconcile-rate", "100ms,1"])
+        .args(["--provisioner-creation-rate", "1ms,3"])
+        .args(["--initializer-db-rate", "10ms,4"])
+        .env("SHEPHERD_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(4));
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let out = child.wait_with_output().unwrap();
+    let logs = stderr(&out);
+    let failures: Vec<serde_json::Value> = logs
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .filter(|v: &serde_json::Value| v["fields"]["message"] == "processing failed")
+        .collect();
+    assert_eq!(failures.len(), 3, "one failure per machine:\n{logs}");
+    for f in failures {
+        let span = &f["span"];
+        assert_eq!(span["name"], "work");
+        assert_eq!(span["process"], "ShepherdAgentStart");
+        assert!(
+            span["machine"]
+                .as_str()
+                .unwrap()
+                .parse::<uuid::Uuid>()
+                .is_ok(),
+            "{f}"
+        );
+        assert!(!span["provider_id"].as_str().unwrap().is_empty(), "{f}");
+        assert_eq!(f["level"], "WARN");
+    }
 }
