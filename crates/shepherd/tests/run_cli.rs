@@ -590,3 +590,41 @@ fn json_logs_carry_the_work_span() {
         assert_eq!(f["level"], "WARN");
     }
 }
+
+/// The example configurations under `deploy/` are accepted as they are (every key known, every
+/// value valid), and the example inventory is one the static provider reads.
+#[tokio::test]
+async fn deploy_examples_are_valid() {
+    use shepherd_loops::provider::Provider as _;
+    let deploy = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy");
+    for site in ["single-site-sqlite", "replicas-postgres"] {
+        for command in ["run", "server"] {
+            let file = deploy.join(site).join(format!("{command}.toml"));
+            let out = shepherd()
+                .args(["config", "print", command, "--config"])
+                .arg(&file)
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{}: {}", file.display(), stderr(&out));
+            let text = String::from_utf8(out.stdout).unwrap();
+            assert!(text.contains("# config file"), "{text}");
+        }
+    }
+    for unit in ["shepherd-run", "shepherd-server"] {
+        let text = std::fs::read_to_string(deploy.join(format!("systemd/{unit}.service"))).unwrap();
+        let command = unit.trim_start_matches("shepherd-");
+        assert!(
+            text.contains(&format!(
+                "ExecStart=/usr/local/bin/shepherd {command} --config /etc/shepherd/{command}.toml"
+            )),
+            "{text}"
+        );
+    }
+    let inventory = deploy.join("single-site-sqlite/inventory.json");
+    let provider = shepherd_loops::static_provider::StaticProvider::new(
+        &format!("file://{}", inventory.display()),
+        shepherd_bmdb::Provider::Static,
+    )
+    .unwrap();
+    assert_eq!(provider.list_machines().await.unwrap().len(), 3);
+}
