@@ -30,6 +30,8 @@ pub struct ProviderMachine {
     pub location: Option<String>,
     /// The provider's view of its state.
     pub status: Option<ProviderStatus>,
+    /// The reservation it was (or is to be) created from, for providers that have them.
+    pub reservation: Option<String>,
 }
 
 impl ProviderMachine {
@@ -42,6 +44,7 @@ impl ProviderMachine {
             failed: false,
             location: None,
             status: None,
+            reservation: None,
         }
     }
 
@@ -116,7 +119,7 @@ pub async fn record_new_machine(
     let provided = Provided {
         provider: kind,
         provider_id: id,
-        reservation_id: None,
+        reservation_id: machine.reservation.clone(),
         ip_address: machine.addr.clone(),
         location: machine.location.clone(),
         status: machine.status,

@@ -133,6 +133,7 @@ impl StaticProvider {
             failed: false,
             location: e.location,
             status: Some(ProviderStatus::Running),
+            reservation: None,
         }
     }
 }

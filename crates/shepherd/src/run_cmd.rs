@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use shepherd_bmdb::{Backoff, Bmdb, OpenOptions, Provider as ProviderKind, RecoveryThresholds};
+use shepherd_equinix::{Client, EquinixConfig, EquinixProvider, RetryPolicy};
 use shepherd_loops::initializer::InitializerConfig;
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::metrics::{CallMetrics, InstrumentedProvider};
@@ -26,6 +27,8 @@ use crate::fleet::{run_loops, shutdown_on_signals, FleetSettings, LoopSettings};
 pub enum ProviderChoice {
     /// A JSON inventory (`--static-inventory`).
     Static,
+    /// Equinix Metal hardware reservations (`--equinix-*`).
+    Equinix,
     /// An in-process simulated fleet (`--sim-machines`).
     Sim,
 }
@@ -185,6 +188,50 @@ pub struct RunArgs {
     #[arg(long, env = "SHEPHERD_STATS_INTERVAL", default_value = "30s", value_parser = duration)]
     pub stats_interval: Duration,
 
+    /// Equinix Metal: API base URL.
+    #[arg(
+        long,
+        env = "SHEPHERD_EQUINIX_API_URL",
+        default_value = "https://api.equinix.com/metal/v1"
+    )]
+    pub equinix_api_url: String,
+
+    /// Equinix Metal: API token (prefer the environment variable; never logged).
+    #[arg(long, env = "SHEPHERD_EQUINIX_API_TOKEN", hide_env_values = true)]
+    pub equinix_api_token: Option<String>,
+
+    /// Equinix Metal: project id.
+    #[arg(long, env = "SHEPHERD_EQUINIX_PROJECT_ID")]
+    pub equinix_project_id: Option<String>,
+
+    /// Equinix Metal: hostname prefix of devices Shepherd owns.
+    #[arg(
+        long,
+        env = "SHEPHERD_EQUINIX_DEVICE_PREFIX",
+        default_value = "shepherd-"
+    )]
+    pub equinix_device_prefix: String,
+
+    /// Equinix Metal: operating system of new devices.
+    #[arg(long, env = "SHEPHERD_EQUINIX_OS", default_value = "ubuntu_20_04")]
+    pub equinix_os: String,
+
+    /// Equinix Metal: label of the project SSH key Shepherd keeps up to date.
+    #[arg(
+        long,
+        env = "SHEPHERD_EQUINIX_SSH_KEY_LABEL",
+        default_value = "shepherd"
+    )]
+    pub equinix_ssh_key_label: String,
+
+    /// Equinix Metal: how long a hardware reservation listing is reused.
+    #[arg(long, env = "SHEPHERD_EQUINIX_RESERVATION_CACHE", default_value = "5m", value_parser = duration)]
+    pub equinix_reservation_cache: Duration,
+
+    /// Equinix Metal: how long the recoverer waits after asking for a reboot.
+    #[arg(long, env = "SHEPHERD_EQUINIX_REBOOT_WAIT", default_value = "30s", value_parser = duration)]
+    pub equinix_reboot_wait: Duration,
+
     /// BMDB session keep-alive interval.
     #[arg(long, env = "SHEPHERD_SESSION_INTERVAL", default_value = "5s", value_parser = duration)]
     pub session_interval: Duration,
@@ -256,11 +303,15 @@ impl RunArgs {
         }
     }
 
-    fn ssh_client(&self) -> Result<SshClient> {
+    /// The SSH client, and the public key line of its key (if it uses one).
+    fn ssh_client(&self) -> Result<(SshClient, Option<String>)> {
+        let mut public = None;
         let auth = match (&self.ssh_key, &self.ssh_password) {
             (Some(path), _) => {
                 let key = load_or_generate_key(path)?;
-                tracing::info!(public_key = %public_key_openssh(&key), "SSH key loaded; machines must trust it");
+                let line = public_key_openssh(&key);
+                tracing::info!(public_key = %line, "SSH key loaded; machines must trust it");
+                public = Some(line);
                 Auth::Key(Arc::new(key))
             }
             (None, Some(pw)) if !pw.is_empty() => Auth::Password(pw.clone()),
@@ -270,7 +321,41 @@ impl RunArgs {
         config.user = self.ssh_user.clone();
         config.connect_timeout = self.ssh_connect_timeout;
         config.max_handshakes = self.ssh_max_handshakes.max(1);
-        Ok(SshClient::new(config))
+        Ok((SshClient::new(config), public))
+    }
+
+    /// The Equinix client and provider settings (the SSH public key becomes the project key).
+    fn equinix(
+        &self,
+        public_key: Option<String>,
+        metrics: Arc<CallMetrics>,
+    ) -> Result<(Client, EquinixConfig)> {
+        let token = self
+            .equinix_api_token
+            .as_deref()
+            .filter(|t| !t.is_empty())
+            .context("equinix-api-token: is required with --provider equinix")?;
+        let project = self
+            .equinix_project_id
+            .as_deref()
+            .context("equinix-project-id: is required with --provider equinix")?;
+        let client = Client::new(
+            &self.equinix_api_url,
+            token,
+            project,
+            RetryPolicy::default(),
+            metrics,
+        )
+        .context("equinix-api-url")?;
+        let key = public_key.context(
+            "ssh-key: --provider equinix needs a key (its public half becomes the project SSH key)",
+        )?;
+        let mut config = EquinixConfig::new(&self.equinix_device_prefix, &key);
+        config.os = self.equinix_os.clone();
+        config.ssh_key_label = self.equinix_ssh_key_label.clone();
+        config.reservation_cache = self.equinix_reservation_cache;
+        config.reboot_wait = self.equinix_reboot_wait;
+        Ok((client, config))
     }
 }
 
@@ -300,6 +385,7 @@ pub(crate) fn pem_to_der(pem: &str) -> Result<Vec<u8>> {
 /// The provider (and how to reach its machines) chosen at start-up.
 enum Chosen {
     Static(Arc<StaticProvider>, Arc<SshTransport>),
+    Equinix(Arc<EquinixProvider>, Arc<SshTransport>),
     Sim(Arc<SimFleet>),
 }
 
@@ -317,6 +403,7 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
     let settings = args.settings(agent, ca)?;
     let provider_metrics = Arc::new(CallMetrics::default());
     let ssh_metrics = Arc::new(CallMetrics::default());
+    let equinix_metrics = Arc::new(CallMetrics::default());
     // Everything that can be checked without the database is checked before connecting.
     let chosen = match args.provider {
         ProviderChoice::Static => {
@@ -325,10 +412,22 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
                 .as_deref()
                 .context("static-inventory: is required with --provider static")?;
             let provider = Arc::new(StaticProvider::new(url, args.static_provider_type.into())?);
-            let transport = Arc::new(
-                SshTransport::new(Arc::new(args.ssh_client()?)).with_metrics(ssh_metrics.clone()),
-            );
+            let (ssh, _) = args.ssh_client()?;
+            let transport =
+                Arc::new(SshTransport::new(Arc::new(ssh)).with_metrics(ssh_metrics.clone()));
             Chosen::Static(provider, transport)
+        }
+        ProviderChoice::Equinix => {
+            let (ssh, public_key) = args.ssh_client()?;
+            let (client, config) = args.equinix(public_key, equinix_metrics.clone())?;
+            let provider = Arc::new(
+                EquinixProvider::connect(client, config)
+                    .await
+                    .context("Equinix Metal")?,
+            );
+            let transport =
+                Arc::new(SshTransport::new(Arc::new(ssh)).with_metrics(ssh_metrics.clone()));
+            Chosen::Equinix(provider, transport)
         }
         ProviderChoice::Sim => Chosen::Sim(Arc::new(SimFleet::new(
             args.sim_machines,
@@ -353,6 +452,7 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
     );
     provider_metrics.register(&mut registry, "shepherd_provider", "Provider API");
     ssh_metrics.register(&mut registry, "shepherd_ssh", "SSH");
+    equinix_metrics.register(&mut registry, "shepherd_equinix_api", "Equinix Metal API");
     let metrics = crate::metrics_http::serve(
         args.metrics_listen,
         "metrics-listen",
@@ -370,6 +470,18 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
             );
             let provider = Arc::new(InstrumentedProvider::new(provider, provider_metrics));
             run_loops::<_, SimFleet>(db.clone(), provider, transport, None, settings, cancel).await
+        }
+        Chosen::Equinix(provider, transport) => {
+            let provider = Arc::new(InstrumentedProvider::new(provider, provider_metrics));
+            run_loops(
+                db.clone(),
+                provider.clone(),
+                transport,
+                Some(provider),
+                settings,
+                cancel,
+            )
+            .await
         }
         Chosen::Sim(fleet) => {
             let agents = tokio::spawn(fleet.clone().run_agents(db.clone(), cancel.clone()));

@@ -628,3 +628,96 @@ async fn deploy_examples_are_valid() {
     .unwrap();
     assert_eq!(provider.list_machines().await.unwrap().len(), 3);
 }
+
+/// `shepherd run --provider equinix` against the fake Equinix Metal API: it ensures the project
+/// SSH key from its own key, turns reservations into devices up to the maximum, records them,
+/// and reports its API calls in /metrics; the token never reaches the logs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn equinix_run_provisions_from_reservations() {
+    use std::io::{BufRead, BufReader};
+    let fake = shepherd_equinix::fake::FakeEquinix::start("tok-123456", "proj", 5).await;
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("bmdb.sqlite").display());
+    let agent = dir.path().join("agent");
+    std::fs::write(&agent, b"#!/bin/sh\n").unwrap();
+    let mut child = shepherd()
+        .args([
+            "run",
+            "--provider",
+            "equinix",
+            "--migrate",
+            "--database",
+            &url,
+        ])
+        .arg(format!("--equinix-api-url={}", fake.url()))
+        .args(["--equinix-project-id", "proj"])
+        .env("SHEPHERD_EQUINIX_API_TOKEN", "tok-123456")
+        .arg(format!("--ssh-key={}", dir.path().join("id").display()))
+        .arg(format!("--agent-executable={}", agent.display()))
+        .args(["--agent-endpoint", "bmaas.test:443"])
+        .args([
+            "--provisioner-max-machines",
+            "3",
+            "--provisioner-reconcile-rate",
+            "100ms,1",
+        ])
+        .args(["--provisioner-creation-rate", "1ms,10"])
+        .env("SHEPHERD_LOG", "debug")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(u) = line.strip_prefix("shepherd run: metrics at ") {
+                let _ = tx.send(u.to_string());
+            }
+        }
+    });
+    let metrics_url = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if counts(&url).await.is_some_and(|c| c.provided == 3) {
+            break;
+        }
+        assert!(child.try_wait().unwrap().is_none(), "shepherd run exited");
+        assert!(Instant::now() < deadline, "no devices recorded");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let ours = fake
+        .devices()
+        .iter()
+        .filter(|d| d.hostname.starts_with("shepherd-"))
+        .count();
+    assert_eq!(ours, 3, "the maximum holds");
+    let keys = fake.ssh_keys();
+    assert_eq!(keys.len(), 1);
+    let key = shepherd_ssh::load_or_generate_key(&dir.path().join("id")).unwrap();
+    assert_eq!(
+        keys[0].key.trim(),
+        shepherd_ssh::public_key_openssh(&key).trim(),
+        "the project key is the public half of our SSH key"
+    );
+    let metrics = reqwest::get(&metrics_url)
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics
+            .contains("shepherd_equinix_api_calls_total{call=\"create_device\",result=\"ok\"} 3"),
+        "{metrics}"
+    );
+    assert!(Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("tok-123456"), "the token was logged");
+}

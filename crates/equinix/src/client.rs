@@ -1,0 +1,385 @@
+//! A small Equinix Metal REST client: the calls Shepherd needs, with bounded retries (jittered
+//! exponential backoff, `Retry-After` honoured) on 429, 5xx, timeouts, connection errors and
+//! truncated or undecodable bodies. Creations are never retried here: a retried POST could create
+//! a second device, so the provider decides (it looks for the device first).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use reqwest::{Method, StatusCode};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use shepherd_loops::metrics::{CallMetrics, CallResult};
+
+use crate::model::*;
+
+/// Largest response body accepted.
+pub const MAX_BODY_BYTES: usize = 32 << 20;
+/// Page size of list calls.
+const PER_PAGE: u32 = 500;
+
+/// How failed calls are retried.
+#[derive(Debug, Clone, Copy)]
+pub struct RetryPolicy {
+    /// Attempts in all (the first included).
+    pub attempts: u32,
+    /// Delay before the first retry; doubles per retry, with jitter.
+    pub base_delay: Duration,
+    /// Largest delay between attempts, also the cap on `Retry-After`.
+    pub max_delay: Duration,
+    /// Timeout of one attempt.
+    pub timeout: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            attempts: 5,
+            base_delay: Duration::from_millis(500),
+            max_delay: Duration::from_secs(30),
+            timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The delay before retry number `retry` (0-based): exponential, capped, jittered to
+    /// 50–100 % so that many clients do not retry in step.
+    pub fn delay(&self, retry: u32) -> Duration {
+        let exp = self
+            .base_delay
+            .saturating_mul(1u32.checked_shl(retry.min(30)).unwrap_or(u32::MAX));
+        exp.min(self.max_delay)
+            .mul_f64(0.5 + rand::random::<f64>() / 2.0)
+    }
+}
+
+/// Why a call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// 404.
+    #[error("not found")]
+    NotFound,
+    /// Any other unsuccessful status.
+    #[error("HTTP {status}: {body}")]
+    Status {
+        /// The status.
+        status: StatusCode,
+        /// The start of the response body.
+        body: String,
+        /// `Retry-After`, if the server sent one.
+        retry_after: Option<Duration>,
+    },
+    /// Connecting, sending or receiving failed, or the attempt timed out.
+    #[error("transport: {0}")]
+    Transport(String),
+    /// The body was not the JSON expected (or was cut short).
+    #[error("undecodable response: {0}")]
+    Decode(String),
+}
+
+impl ApiError {
+    /// Whether trying again may help.
+    pub fn retryable(&self) -> bool {
+        match self {
+            ApiError::NotFound => false,
+            ApiError::Status { status, .. } => {
+                *status == StatusCode::TOO_MANY_REQUESTS || status.is_server_error()
+            }
+            ApiError::Transport(_) | ApiError::Decode(_) => true,
+        }
+    }
+}
+
+/// A client for one project. The token is sent as `X-Auth-Token` and never printed.
+#[derive(Clone)]
+pub struct Client {
+    http: reqwest::Client,
+    base: String,
+    token: Arc<str>,
+    project: String,
+    retry: RetryPolicy,
+    metrics: Arc<CallMetrics>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("base", &self.base)
+            .field("project", &self.project)
+            .field("token", &"<redacted>")
+            .finish()
+    }
+}
+
+impl Client {
+    /// A client of the API at `base` (e.g. `https://api.equinix.com/metal/v1`).
+    pub fn new(
+        base: &str,
+        token: &str,
+        project: &str,
+        retry: RetryPolicy,
+        metrics: Arc<CallMetrics>,
+    ) -> anyhow::Result<Client> {
+        let parsed = url::Url::parse(base).map_err(|e| anyhow::anyhow!("API URL {base:?}: {e}"))?;
+        if !matches!(parsed.scheme(), "http" | "https") {
+            anyhow::bail!("API URL {base:?}: must be http(s)");
+        }
+        if token.is_empty() {
+            anyhow::bail!("API token is empty");
+        }
+        if project.is_empty() {
+            anyhow::bail!("project id is empty");
+        }
+        let http = reqwest::Client::builder()
+            .timeout(retry.timeout)
+            .user_agent(concat!("shepherd/", env!("CARGO_PKG_VERSION")))
+            .build()?;
+        Ok(Client {
+            http,
+            base: base.trim_end_matches('/').to_string(),
+            token: token.into(),
+            project: project.to_string(),
+            retry,
+            metrics,
+        })
+    }
+
+    /// One attempt.
+    async fn attempt<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> Result<T, ApiError> {
+        let url = format!("{}{path}", self.base);
+        let mut req = self
+            .http
+            .request(method, &url)
+            .header("X-Auth-Token", &*self.token)
+            .header("Accept", "application/json");
+        if let Some(b) = body {
+            req = req.json(b);
+        }
+        let mut resp = req
+            .send()
+            .await
+            .map_err(|e| ApiError::Transport(e.without_url().to_string()))?;
+        let status = resp.status();
+        let retry_after = resp
+            .headers()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map(Duration::from_secs);
+        let mut bytes = Vec::new();
+        while let Some(chunk) = resp
+            .chunk()
+            .await
+            .map_err(|e| ApiError::Transport(format!("reading the body: {}", e.without_url())))?
+        {
+            if bytes.len() + chunk.len() > MAX_BODY_BYTES {
+                return Err(ApiError::Decode(format!(
+                    "body larger than {MAX_BODY_BYTES} bytes"
+                )));
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        if status == StatusCode::NOT_FOUND {
+            return Err(ApiError::NotFound);
+        }
+        if !status.is_success() {
+            let text = String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).into_owned();
+            return Err(ApiError::Status {
+                status,
+                body: text,
+                retry_after,
+            });
+        }
+        let bytes = if bytes.is_empty() {
+            b"null".to_vec()
+        } else {
+            bytes
+        };
+        serde_json::from_slice(&bytes).map_err(|e| ApiError::Decode(e.to_string()))
+    }
+
+    /// A call with retries; `call` names it in metrics and logs.
+    async fn call<T: DeserializeOwned>(
+        &self,
+        call: &'static str,
+        method: Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+        retry: bool,
+    ) -> Result<T, ApiError> {
+        let attempts = if retry { self.retry.attempts.max(1) } else { 1 };
+        let mut n = 0;
+        loop {
+            let started = Instant::now();
+            let r = self.attempt(method.clone(), path, body.as_ref()).await;
+            let result = match &r {
+                Ok(_) => CallResult::Ok,
+                Err(ApiError::NotFound) => CallResult::NotFound,
+                Err(_) => CallResult::Error,
+            };
+            self.metrics.observe(call, result, started.elapsed());
+            match r {
+                Err(e) if e.retryable() && n + 1 < attempts => {
+                    let mut delay = self.retry.delay(n);
+                    if let ApiError::Status {
+                        retry_after: Some(after),
+                        ..
+                    } = &e
+                    {
+                        delay = delay.max((*after).min(self.retry.max_delay));
+                    }
+                    tracing::warn!(call, attempt = n + 1, error = %e, ?delay, "Equinix API call failed; retrying");
+                    tokio::time::sleep(delay).await;
+                    n += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn paged<T: DeserializeOwned, I>(
+        &self,
+        call: &'static str,
+        path: &str,
+        items: impl Fn(T) -> (Vec<I>, Meta),
+    ) -> Result<Vec<I>, ApiError> {
+        let mut out = Vec::new();
+        let mut page = 1u32;
+        loop {
+            let sep = if path.contains('?') { '&' } else { '?' };
+            let p = format!("{path}{sep}page={page}&per_page={PER_PAGE}");
+            let (mut batch, meta) = items(self.call(call, Method::GET, &p, None, true).await?);
+            let empty = batch.is_empty();
+            out.append(&mut batch);
+            let last = meta.last_page.unwrap_or(page);
+            if empty || (meta.next.is_none() && page >= last) || page >= 10_000 {
+                return Ok(out);
+            }
+            page += 1;
+        }
+    }
+
+    /// Every device of the project.
+    pub async fn list_devices(&self) -> Result<Vec<Device>, ApiError> {
+        let path = format!("/projects/{}/devices", self.project);
+        self.paged("list_devices", &path, |l: DeviceList| (l.devices, l.meta))
+            .await
+    }
+
+    /// One device.
+    pub async fn get_device(&self, id: &str) -> Result<Device, ApiError> {
+        self.call(
+            "get_device",
+            Method::GET,
+            &format!("/devices/{id}"),
+            None,
+            true,
+        )
+        .await
+    }
+
+    /// Creates a device. Not retried: the caller checks whether it exists before trying again.
+    pub async fn create_device(&self, d: &DeviceCreate) -> Result<Device, ApiError> {
+        let path = format!("/projects/{}/devices", self.project);
+        self.call("create_device", Method::POST, &path, Some(json(d)), false)
+            .await
+    }
+
+    /// Every hardware reservation of the project.
+    pub async fn list_reservations(&self) -> Result<Vec<Reservation>, ApiError> {
+        let path = format!("/projects/{}/hardware-reservations", self.project);
+        self.paged("list_reservations", &path, |l: ReservationList| {
+            (l.hardware_reservations, l.meta)
+        })
+        .await
+    }
+
+    /// Every SSH key of the project.
+    pub async fn list_ssh_keys(&self) -> Result<Vec<SshKey>, ApiError> {
+        let path = format!("/projects/{}/ssh-keys", self.project);
+        let l: SshKeyList = self
+            .call("list_ssh_keys", Method::GET, &path, None, true)
+            .await?;
+        Ok(l.ssh_keys)
+    }
+
+    /// Adds a project SSH key.
+    pub async fn create_ssh_key(&self, k: &SshKeyInput) -> Result<SshKey, ApiError> {
+        let path = format!("/projects/{}/ssh-keys", self.project);
+        self.call("create_ssh_key", Method::POST, &path, Some(json(k)), false)
+            .await
+    }
+
+    /// Replaces a project SSH key's label and key.
+    pub async fn update_ssh_key(&self, id: &str, k: &SshKeyInput) -> Result<SshKey, ApiError> {
+        self.call(
+            "update_ssh_key",
+            Method::PUT,
+            &format!("/ssh-keys/{id}"),
+            Some(json(k)),
+            true,
+        )
+        .await
+    }
+
+    /// Asks for a reboot (retried: a second reboot request is harmless).
+    pub async fn reboot(&self, id: &str) -> Result<(), ApiError> {
+        let _: serde_json::Value = self
+            .call(
+                "reboot",
+                Method::POST,
+                &format!("/devices/{id}/actions"),
+                Some(json(&Action {
+                    kind: "reboot".into(),
+                })),
+                true,
+            )
+            .await?;
+        Ok(())
+    }
+}
+
+fn json<T: Serialize>(v: &T) -> serde_json::Value {
+    serde_json::to_value(v).expect("API inputs serialize")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_delays_grow_are_capped_and_jittered() {
+        let p = RetryPolicy {
+            attempts: 5,
+            base_delay: Duration::from_millis(100),
+            max_delay: Duration::from_secs(1),
+            timeout: Duration::from_secs(1),
+        };
+        for _ in 0..100 {
+            let d0 = p.delay(0);
+            assert!(d0 >= Duration::from_millis(50) && d0 <= Duration::from_millis(100));
+            let d3 = p.delay(3);
+            assert!(d3 >= Duration::from_millis(400) && d3 <= Duration::from_millis(800));
+            assert!(p.delay(40) <= Duration::from_secs(1));
+        }
+    }
+
+    #[test]
+    fn the_token_is_not_printed() {
+        let c = Client::new(
+            "https://api.example/metal/v1",
+            "sekrit-token",
+            "p",
+            RetryPolicy::default(),
+            Arc::default(),
+        )
+        .unwrap();
+        assert!(!format!("{c:?}").contains("sekrit"));
+    }
+}

@@ -1,0 +1,405 @@
+//! The Equinix Metal provider (SPEC §14). Our devices are those whose hostname starts with the
+//! configured prefix; free capacity is the project's provisionable hardware reservations.
+//!
+//! Devices with our prefix are listed as *possibly used*: the BMDB decides. One it does not
+//! know is an orphan (created, but its BMDB insert never committed), and the provisioner's
+//! next iteration adopts it through [`Provider::create_machine`] instead of creating another.
+//! Creation itself looks for a device of the reservation's hostname before and after a failed
+//! POST, so an answer lost on the way back never leads to a second device.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use shepherd_bmdb::{Provider as ProviderKind, ProviderStatus, Session};
+use shepherd_loops::penalty::PenaltyBox;
+use shepherd_loops::provider::{
+    record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Recoverer,
+};
+use uuid::Uuid;
+
+use crate::client::{ApiError, Client};
+use crate::model::*;
+
+/// Characters of the reservation id appended to the prefix to make a hostname (upstream's rule).
+const RESERVATION_ID_CHARS: usize = 18;
+
+/// Provider settings (SPEC §14, §17).
+#[derive(Debug, Clone)]
+pub struct EquinixConfig {
+    /// Hostname prefix of devices we own.
+    pub device_prefix: String,
+    /// Operating system slug of new devices.
+    pub os: String,
+    /// Label of our project SSH key.
+    pub ssh_key_label: String,
+    /// Our SSH public key (OpenSSH line), ensured as the project key at start-up.
+    pub ssh_public_key: String,
+    /// How long a reservation listing is reused (the call is slow).
+    pub reservation_cache: Duration,
+    /// How long a reservation whose device creation failed is skipped.
+    pub reservation_penalty: Duration,
+    /// How long a reboot is given to take effect before the recoverer goes on.
+    pub reboot_wait: Duration,
+}
+
+impl EquinixConfig {
+    /// Defaults for everything but the key and prefix.
+    pub fn new(device_prefix: &str, ssh_public_key: &str) -> Self {
+        EquinixConfig {
+            device_prefix: device_prefix.into(),
+            os: "ubuntu_20_04".into(),
+            ssh_key_label: "shepherd".into(),
+            ssh_public_key: ssh_public_key.trim().into(),
+            reservation_cache: Duration::from_secs(5 * 60),
+            reservation_penalty: Duration::from_secs(60 * 60),
+            reboot_wait: Duration::from_secs(30),
+        }
+    }
+
+    fn validate(&self) -> anyhow::Result<()> {
+        if self.device_prefix.is_empty() {
+            anyhow::bail!(
+                "equinix-device-prefix: must not be empty (it decides which devices are ours)"
+            );
+        }
+        if self.os.is_empty() {
+            anyhow::bail!("equinix-os: must not be empty");
+        }
+        if self.ssh_key_label.is_empty() {
+            anyhow::bail!("equinix-ssh-key-label: must not be empty");
+        }
+        if !self.ssh_public_key.starts_with("ssh-") {
+            anyhow::bail!("the SSH public key is not an OpenSSH public key line");
+        }
+        Ok(())
+    }
+}
+
+/// The provider. Not called concurrently (SPEC §6), but safe if it is.
+pub struct EquinixProvider {
+    client: Client,
+    config: EquinixConfig,
+    ssh_key_id: String,
+    reservations: Mutex<Option<(Instant, Vec<Reservation>)>>,
+    penalty: PenaltyBox<String>,
+}
+
+fn api(e: ApiError) -> ProviderError {
+    match e {
+        ApiError::NotFound => ProviderError::Other(anyhow::anyhow!("Equinix API: not found")),
+        e => ProviderError::Other(anyhow::anyhow!("Equinix API: {e}")),
+    }
+}
+
+/// Maps an Equinix device state to the BMDB's provider status.
+pub fn status_of(state: &str) -> ProviderStatus {
+    match state {
+        "active" => ProviderStatus::Running,
+        "queued" | "provisioning" | "deploying" | "reinstalling" => ProviderStatus::Provisioning,
+        "failed" => ProviderStatus::ProvisioningFailedPermanent,
+        "inactive" | "powering_off" | "powering_on" => ProviderStatus::Stopped,
+        _ => ProviderStatus::Unknown,
+    }
+}
+
+impl EquinixProvider {
+    /// Checks the settings and ensures our project SSH key (created, or updated if its key
+    /// changed).
+    pub async fn connect(client: Client, config: EquinixConfig) -> anyhow::Result<Self> {
+        config.validate()?;
+        let ssh_key_id =
+            ensure_ssh_key(&client, &config.ssh_key_label, &config.ssh_public_key).await?;
+        let penalty = PenaltyBox::new(config.reservation_penalty);
+        Ok(EquinixProvider {
+            client,
+            config,
+            ssh_key_id,
+            reservations: Mutex::new(None),
+            penalty,
+        })
+    }
+
+    /// The id of our project SSH key.
+    pub fn ssh_key_id(&self) -> &str {
+        &self.ssh_key_id
+    }
+
+    fn ours(&self, d: &Device) -> bool {
+        d.hostname.starts_with(&self.config.device_prefix)
+    }
+
+    fn hostname_for(&self, reservation: &str) -> String {
+        let short: String = reservation.chars().take(RESERVATION_ID_CHARS).collect();
+        format!("{}{short}", self.config.device_prefix)
+    }
+
+    fn machine(d: &Device, availability: Availability) -> ProviderMachine {
+        let mut m = ProviderMachine::new(d.id.clone(), d.address(), availability);
+        m.failed = d.state == "failed";
+        m.location = d.location();
+        m.status = Some(status_of(&d.state));
+        m.reservation = d
+            .hardware_reservation
+            .as_ref()
+            .and_then(|r| r.id())
+            .map(String::from);
+        m
+    }
+
+    async fn reservations(&self) -> Result<Vec<Reservation>, ApiError> {
+        if let Some((at, list)) = &*self.reservations.lock().unwrap() {
+            if at.elapsed() < self.config.reservation_cache {
+                return Ok(list.clone());
+            }
+        }
+        let list = self.client.list_reservations().await?;
+        *self.reservations.lock().unwrap() = Some((Instant::now(), list.clone()));
+        Ok(list)
+    }
+
+    /// Forgets a reservation in the cached listing (a device now exists for it).
+    fn consume_reservation(&self, id: &str) {
+        if let Some((_, list)) = &mut *self.reservations.lock().unwrap() {
+            list.retain(|r| r.id != id);
+        }
+    }
+
+    async fn device_named(&self, hostname: &str) -> Result<Option<Device>, ApiError> {
+        Ok(self
+            .client
+            .list_devices()
+            .await?
+            .into_iter()
+            .find(|d| d.hostname == hostname))
+    }
+
+    /// Creates the device for `reservation`, or finds the one an earlier attempt created.
+    async fn create_device(&self, reservation: &Reservation) -> Result<Device, ProviderError> {
+        let hostname = self.hostname_for(&reservation.id);
+        if let Some(d) = self.device_named(&hostname).await.map_err(api)? {
+            tracing::warn!(
+                hostname,
+                device = d.id,
+                "a device for this reservation already exists; adopting it"
+            );
+            return Ok(d);
+        }
+        let request = DeviceCreate {
+            hostname: hostname.clone(),
+            plan: reservation.plan.slug.clone(),
+            operating_system: self.config.os.clone(),
+            hardware_reservation_id: reservation.id.clone(),
+            project_ssh_keys: vec![self.ssh_key_id.clone()],
+        };
+        match self.client.create_device(&request).await {
+            Ok(d) => Ok(d),
+            Err(e) => {
+                // The device may exist although the answer was lost or an error; look again
+                // (with retries) before giving up on this reservation.
+                if e.retryable() {
+                    if let Ok(Some(d)) = self.device_named(&hostname).await {
+                        tracing::warn!(hostname, device = d.id, error = %e, "device creation answered with an error but the device exists; adopting it");
+                        return Ok(d);
+                    }
+                }
+                self.penalty.penalize(reservation.id.clone());
+                Err(ProviderError::Other(anyhow::anyhow!(
+                    "creating a device from reservation {}: {e} (reservation skipped for {:?})",
+                    reservation.id,
+                    self.config.reservation_penalty
+                )))
+            }
+        }
+    }
+}
+
+/// Finds our project SSH key by label and makes its key ours; returns its id.
+pub async fn ensure_ssh_key(client: &Client, label: &str, key: &str) -> anyhow::Result<String> {
+    let input = SshKeyInput {
+        label: label.into(),
+        key: key.into(),
+    };
+    let keys = client
+        .list_ssh_keys()
+        .await
+        .map_err(|e| anyhow::anyhow!("listing project SSH keys: {e}"))?;
+    match keys.into_iter().find(|k| k.label == label) {
+        Some(k) if k.key.trim() == key => Ok(k.id),
+        Some(k) => {
+            tracing::info!(label, id = k.id, "updating the project SSH key");
+            Ok(client
+                .update_ssh_key(&k.id, &input)
+                .await
+                .map_err(|e| anyhow::anyhow!("updating project SSH key {}: {e}", k.id))?
+                .id)
+        }
+        None => {
+            tracing::info!(label, "creating the project SSH key");
+            match client.create_ssh_key(&input).await {
+                Ok(k) => Ok(k.id),
+                // The POST may have succeeded without our hearing: look once more.
+                Err(e) => client
+                    .list_ssh_keys()
+                    .await
+                    .ok()
+                    .and_then(|keys| keys.into_iter().find(|k| k.label == label))
+                    .map(|k| k.id)
+                    .ok_or_else(|| anyhow::anyhow!("creating the project SSH key: {e}")),
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Provider for EquinixProvider {
+    fn kind(&self) -> ProviderKind {
+        ProviderKind::Equinix
+    }
+
+    async fn list_machines(&self) -> Result<Vec<ProviderMachine>, ProviderError> {
+        let devices = self.client.list_devices().await.map_err(api)?;
+        let reservations = self.reservations().await.map_err(api)?;
+        let mut out: Vec<ProviderMachine> = devices
+            .iter()
+            .filter(|d| self.ours(d))
+            .map(|d| Self::machine(d, Availability::PossiblyUsed))
+            .collect();
+        // A reservation whose device exists (in this listing, or per the reservation) is used.
+        let used: std::collections::BTreeSet<&str> = devices
+            .iter()
+            .filter_map(|d| d.hardware_reservation.as_ref().and_then(|r| r.id()))
+            .collect();
+        for r in reservations {
+            if !r.provisionable
+                || r.device.is_some()
+                || used.contains(r.id.as_str())
+                || self.penalty.is_penalized(&r.id)
+            {
+                continue;
+            }
+            let mut m = ProviderMachine {
+                id: None,
+                addr: None,
+                availability: Availability::KnownUnused,
+                failed: false,
+                location: r.facility.as_ref().map(|f| f.code.clone()),
+                status: None,
+                reservation: Some(r.id.clone()),
+            };
+            m.location = m.location.filter(|l| !l.is_empty());
+            out.push(m);
+        }
+        Ok(out)
+    }
+
+    async fn get_machine(&self, id: &str) -> Result<ProviderMachine, ProviderError> {
+        match self.client.get_device(id).await {
+            Ok(d) if self.ours(&d) => Ok(Self::machine(&d, Availability::KnownUsed)),
+            Ok(_) | Err(ApiError::NotFound) => Err(ProviderError::NotFound(id.to_string())),
+            Err(e) => Err(api(e)),
+        }
+    }
+
+    async fn create_machine(
+        &self,
+        session: &Session,
+        unused: &ProviderMachine,
+    ) -> Result<Uuid, ProviderError> {
+        let device = if unused.valid_id().is_some() {
+            // An orphan: the device exists, the BMDB does not know it yet.
+            tracing::warn!(
+                device = unused.id.as_deref(),
+                "adopting a device of ours the BMDB does not know"
+            );
+            unused.clone()
+        } else {
+            let reservation_id = unused.reservation.as_deref().ok_or_else(|| {
+                ProviderError::Other(anyhow::anyhow!("unused machine without a reservation"))
+            })?;
+            let reservation = self
+                .reservations()
+                .await
+                .map_err(api)?
+                .into_iter()
+                .find(|r| r.id == reservation_id)
+                .unwrap_or_else(|| Reservation {
+                    id: reservation_id.to_string(),
+                    provisionable: true,
+                    device: None,
+                    plan: Plan::default(),
+                    facility: None,
+                });
+            let d = self.create_device(&reservation).await?;
+            self.consume_reservation(&reservation.id);
+            let mut m = Self::machine(&d, Availability::KnownUsed);
+            m.reservation = Some(reservation.id.clone());
+            m
+        };
+        // If this insert fails the device is an orphan until the next iteration adopts it.
+        record_new_machine(session, ProviderKind::Equinix, &device)
+            .await
+            .map_err(|e| {
+                ProviderError::Other(e.context(format!(
+                    "recording device {} in the BMDB (it will be adopted next iteration)",
+                    device.id.as_deref().unwrap_or("?")
+                )))
+            })
+    }
+}
+
+#[async_trait]
+impl Recoverer for EquinixProvider {
+    async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
+        let id = machine
+            .valid_id()
+            .ok_or_else(|| ProviderError::Other(anyhow::anyhow!("machine without an id")))?;
+        self.client.reboot(id).await.map_err(|e| match e {
+            ApiError::NotFound => ProviderError::NotFound(id.to_string()),
+            e => api(e),
+        })?;
+        tokio::time::sleep(self.config.reboot_wait).await;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn states_map_to_statuses() {
+        assert_eq!(status_of("active"), ProviderStatus::Running);
+        assert_eq!(status_of("provisioning"), ProviderStatus::Provisioning);
+        assert_eq!(
+            status_of("failed"),
+            ProviderStatus::ProvisioningFailedPermanent
+        );
+        assert_eq!(status_of("inactive"), ProviderStatus::Stopped);
+        assert_eq!(status_of("weird"), ProviderStatus::Unknown);
+    }
+
+    #[test]
+    fn addresses_prefer_public_ipv4() {
+        let ip = |a: &str, f, p| IpAddress {
+            address: a.into(),
+            address_family: f,
+            public: p,
+        };
+        let mut d = Device {
+            id: "d".into(),
+            hostname: "h".into(),
+            state: "active".into(),
+            ip_addresses: vec![ip("10.0.0.1", 4, false), ip("2001:db8::1", 6, true)],
+            hardware_reservation: None,
+            metro: None,
+            facility: Some(Place {
+                code: "da11".into(),
+            }),
+        };
+        assert_eq!(d.address().as_deref(), Some("2001:db8::1"));
+        d.ip_addresses.push(ip("147.75.1.2", 4, true));
+        assert_eq!(d.address().as_deref(), Some("147.75.1.2"));
+        assert_eq!(d.location().as_deref(), Some("da11"));
+    }
+}

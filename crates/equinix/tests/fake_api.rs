@@ -1,0 +1,354 @@
+//! The Equinix Metal provider against the fake API over real HTTP: SSH key ensure, provisioning
+//! limits, penalized reservations, injected failures (500, 429 with Retry-After, slow and
+//! truncated answers, creations that succeed but answer 500) without duplicate or orphaned
+//! devices, orphan adoption after a failed BMDB insert, reboots and lookups.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use shepherd_bmdb::{testing, Bmdb, Processor, Provider as Kind, Session, SessionConfig};
+use shepherd_equinix::fake::{Failure, FakeEquinix};
+use shepherd_equinix::{Client, EquinixConfig, EquinixProvider, RetryPolicy};
+use shepherd_loops::limiter::RateSpec;
+use shepherd_loops::metrics::{CallMetrics, CallResult};
+use shepherd_loops::provider::{Availability, Provider, ProviderError, Recoverer};
+use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
+use shepherd_loops::reconcile::Limits;
+
+const TOKEN: &str = "test-token";
+const PROJECT: &str = "proj-1";
+const KEY_A: &str =
+    "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIA0000000000000000000000000000000000000000000 shepherd";
+const KEY_B: &str =
+    "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIB1111111111111111111111111111111111111111111 shepherd";
+
+fn client(fake: &FakeEquinix, token: &str, metrics: Arc<CallMetrics>) -> Client {
+    Client::new(
+        &fake.url(),
+        token,
+        PROJECT,
+        RetryPolicy {
+            attempts: 6,
+            base_delay: Duration::from_millis(20),
+            max_delay: Duration::from_millis(1500),
+            timeout: Duration::from_millis(500),
+        },
+        metrics,
+    )
+    .unwrap()
+}
+
+fn config(key: &str) -> EquinixConfig {
+    let mut c = EquinixConfig::new("shepherd-", key);
+    c.reservation_cache = Duration::ZERO;
+    c.reservation_penalty = Duration::from_millis(300);
+    c.reboot_wait = Duration::from_millis(10);
+    c
+}
+
+async fn provider(fake: &FakeEquinix) -> (Arc<EquinixProvider>, Arc<CallMetrics>) {
+    let metrics = Arc::new(CallMetrics::default());
+    let p = EquinixProvider::connect(client(fake, TOKEN, metrics.clone()), config(KEY_A))
+        .await
+        .unwrap();
+    (Arc::new(p), metrics)
+}
+
+fn provisioner(p: Arc<EquinixProvider>, max: usize, chunk: usize) -> Provisioner<EquinixProvider> {
+    Provisioner::new(
+        p,
+        ProvisionerConfig {
+            limits: Limits {
+                max_machines: max,
+                chunk_size: chunk,
+            },
+            reconcile_rate: RateSpec::new(Duration::from_millis(1), 1),
+            creation_rate: RateSpec::new(Duration::from_millis(1), 100),
+        },
+    )
+}
+
+async fn session(db: &Bmdb) -> Session {
+    db.start_session(SessionConfig::new(
+        "shepherd-provisioner",
+        Processor::ShepherdProvisioner,
+    ))
+    .await
+    .unwrap()
+}
+
+/// (provider id, reservation id) of every Equinix machine in the BMDB.
+async fn recorded(db: &Bmdb) -> Vec<(String, Option<String>)> {
+    db.read(|tx| {
+        Box::pin(async move {
+            Ok(tx
+                .provided_by(Kind::Equinix)
+                .await?
+                .into_iter()
+                .map(|(_, p)| (p.provider_id, p.reservation_id))
+                .collect())
+        })
+    })
+    .await
+    .unwrap()
+}
+
+/// Every device has a distinct reservation and hostname, and the BMDB holds each exactly once.
+async fn assert_consistent(fake: &FakeEquinix, db: &Bmdb) {
+    let devices = fake.devices();
+    let hostnames: BTreeSet<_> = devices.iter().map(|d| d.hostname.clone()).collect();
+    assert_eq!(
+        hostnames.len(),
+        devices.len(),
+        "duplicate devices: {devices:?}"
+    );
+    let rec = recorded(db).await;
+    let ids: BTreeSet<_> = rec.iter().map(|(id, _)| id.clone()).collect();
+    assert_eq!(ids.len(), rec.len(), "a device recorded twice");
+    let device_ids: BTreeSet<_> = devices.iter().map(|d| d.id.clone()).collect();
+    assert_eq!(ids, device_ids, "BMDB and provider disagree");
+    for (id, reservation) in rec {
+        let d = devices.iter().find(|d| d.id == id).unwrap();
+        let from = d.hardware_reservation.as_ref().and_then(|r| r.id());
+        assert_eq!(reservation.as_deref(), from, "reservation of {id}");
+        assert!(d.hostname.starts_with("shepherd-res-"), "{}", d.hostname);
+    }
+}
+
+#[tokio::test]
+async fn the_project_ssh_key_is_created_updated_and_then_left_alone() {
+    let fake = FakeEquinix::start(TOKEN, PROJECT, 0).await;
+    let metrics = Arc::new(CallMetrics::default());
+    let first = EquinixProvider::connect(client(&fake, TOKEN, metrics.clone()), config(KEY_A))
+        .await
+        .unwrap();
+    assert_eq!(fake.ssh_keys().len(), 1);
+    assert_eq!(fake.ssh_keys()[0].key, KEY_A);
+    assert_eq!(fake.ssh_keys()[0].label, "shepherd");
+    let second = EquinixProvider::connect(client(&fake, TOKEN, metrics.clone()), config(KEY_B))
+        .await
+        .unwrap();
+    assert_eq!(second.ssh_key_id(), first.ssh_key_id(), "updated in place");
+    assert_eq!(fake.ssh_keys().len(), 1);
+    assert_eq!(fake.ssh_keys()[0].key, KEY_B);
+    let writes = |r: &Vec<String>| r.iter().filter(|r| !r.starts_with("GET")).count();
+    let before = writes(&fake.requests());
+    EquinixProvider::connect(client(&fake, TOKEN, metrics.clone()), config(KEY_B))
+        .await
+        .unwrap();
+    assert_eq!(
+        writes(&fake.requests()),
+        before,
+        "an up-to-date key is not rewritten"
+    );
+    assert_eq!(metrics.count("create_ssh_key", CallResult::Ok), 1);
+    assert_eq!(metrics.count("update_ssh_key", CallResult::Ok), 1);
+
+    // A wrong token is a clear start-up error.
+    let err = EquinixProvider::connect(client(&fake, "wrong", metrics), config(KEY_A))
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("401"), "{err}");
+}
+
+#[tokio::test]
+async fn provisioning_honours_the_maximum_and_the_chunk_size() {
+    let fake = FakeEquinix::start(TOKEN, PROJECT, 10).await;
+    fake.set_page_size(3); // listings span several pages
+    fake.add_foreign_device("someone-else-1");
+    let t = testing::sqlite().await;
+    let s = session(&t.db).await;
+    let (p, _) = provider(&fake).await;
+    let prov = provisioner(p.clone(), 4, 3);
+    let r = prov.iterate(&s).await.unwrap();
+    assert_eq!((r.managed, r.created, r.failed), (0, 3, 0));
+    let r = prov.iterate(&s).await.unwrap();
+    assert_eq!((r.managed, r.created), (3, 1));
+    let r = prov.iterate(&s).await.unwrap();
+    assert_eq!((r.managed, r.created), (4, 0), "the maximum holds");
+    assert_eq!(fake.devices().len(), 5, "4 of ours and the foreign one");
+    let ours: Vec<_> = fake
+        .devices()
+        .into_iter()
+        .filter(|d| d.hostname.starts_with("shepherd-"))
+        .collect();
+    assert_eq!(ours.len(), 4);
+    let rec = recorded(&t.db).await;
+    assert_eq!(rec.len(), 4);
+    // Address, location and status are recorded.
+    let provided =
+        t.db.read(|tx| Box::pin(async move { tx.provided_by(Kind::Equinix).await }))
+            .await
+            .unwrap();
+    for (_, p) in provided {
+        assert!(
+            p.ip_address.as_deref().unwrap().starts_with("147.75."),
+            "{p:?}"
+        );
+        assert_eq!(p.location.as_deref(), Some("da"));
+        assert_eq!(p.status, Some(shepherd_bmdb::ProviderStatus::Running));
+    }
+    s.close().await.unwrap();
+    t.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_reservation_that_failed_is_skipped_for_its_penalty() {
+    let fake = FakeEquinix::start(TOKEN, PROJECT, 3).await;
+    let t = testing::sqlite().await;
+    let s = session(&t.db).await;
+    let (p, _) = provider(&fake).await;
+    fake.fail_next("POST /projects/devices", Failure::Status(422));
+    let r = provisioner(p.clone(), 0, 10).iterate(&s).await.unwrap();
+    assert_eq!((r.created, r.failed), (2, 1));
+    let unused = |ms: Vec<shepherd_loops::provider::ProviderMachine>| {
+        ms.into_iter()
+            .filter(|m| m.availability == Availability::KnownUnused)
+            .count()
+    };
+    assert_eq!(unused(p.list_machines().await.unwrap()), 0, "penalized");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(unused(p.list_machines().await.unwrap()), 1, "penalty over");
+    let r = provisioner(p, 0, 10).iterate(&s).await.unwrap();
+    assert_eq!(r.created, 1);
+    assert_consistent(&fake, &t.db).await;
+    s.close().await.unwrap();
+    t.cleanup().await;
+}
+
+#[tokio::test]
+async fn injected_api_failures_lead_to_retries_not_duplicates() {
+    let fake = FakeEquinix::start(TOKEN, PROJECT, 12).await;
+    fake.set_page_size(5);
+    let t = testing::sqlite().await;
+    let s = session(&t.db).await;
+    let (p, metrics) = provider(&fake).await;
+    for (route, f) in [
+        ("GET /projects/devices", Failure::Status(500)),
+        (
+            "GET /projects/devices",
+            Failure::TooManyRequests {
+                retry_after_secs: 1,
+            },
+        ),
+        ("GET /projects/hardware-reservations", Failure::Truncated),
+        (
+            "GET /projects/devices",
+            Failure::Slow(Duration::from_secs(1)),
+        ),
+        ("POST /projects/devices", Failure::SucceedThen500),
+        ("POST /projects/devices", Failure::Status(503)),
+        ("POST /projects/devices", Failure::SucceedThen500),
+        ("GET /devices", Failure::Status(502)),
+    ] {
+        fake.fail_next(route, f);
+    }
+    let prov = provisioner(p.clone(), 0, 100);
+    for _ in 0..10 {
+        if recorded(&t.db).await.len() == 12 {
+            break;
+        }
+        let _ = prov.iterate(&s).await;
+        tokio::time::sleep(Duration::from_millis(350)).await; // past the penalty
+    }
+    assert_eq!(fake.devices().len(), 12);
+    assert_consistent(&fake, &t.db).await;
+    // get_device is retried too.
+    let id = fake.devices()[0].id.clone();
+    assert_eq!(
+        p.get_machine(&id).await.unwrap().id.as_deref(),
+        Some(id.as_str())
+    );
+    assert_eq!(fake.pending_failures(), 0, "every injected failure was hit");
+    assert!(metrics.count("list_devices", CallResult::Error) >= 3);
+    assert!(metrics.count("create_device", CallResult::Error) >= 3);
+    s.close().await.unwrap();
+    t.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_device_whose_bmdb_insert_failed_is_adopted_not_duplicated() {
+    let fake = FakeEquinix::start(TOKEN, PROJECT, 4).await;
+    let t = testing::sqlite().await;
+    let s = session(&t.db).await;
+    let (p, _) = provider(&fake).await;
+    let path = t.url.strip_prefix("sqlite:").unwrap().to_string();
+    let raw = sqlx::SqlitePool::connect(&format!("sqlite://{path}"))
+        .await
+        .unwrap();
+    sqlx::query(
+        "CREATE TRIGGER refuse_provided BEFORE INSERT ON machine_provided
+         BEGIN SELECT RAISE(ABORT, 'injected insert failure'); END",
+    )
+    .execute(&raw)
+    .await
+    .unwrap();
+    let r = provisioner(p.clone(), 0, 10).iterate(&s).await.unwrap();
+    assert_eq!((r.created, r.failed), (0, 4));
+    assert_eq!(fake.devices().len(), 4, "the devices exist at the provider");
+    assert!(recorded(&t.db).await.is_empty(), "and the BMDB has none");
+
+    sqlx::query("DROP TRIGGER refuse_provided")
+        .execute(&raw)
+        .await
+        .unwrap();
+    raw.close().await;
+    let r = provisioner(p.clone(), 0, 10).iterate(&s).await.unwrap();
+    assert_eq!(r.created, 4, "adopted");
+    assert_eq!(fake.devices().len(), 4, "nothing new created");
+    assert_consistent(&fake, &t.db).await;
+    let r = provisioner(p, 0, 10).iterate(&s).await.unwrap();
+    assert_eq!((r.managed, r.created), (4, 0));
+    s.close().await.unwrap();
+    t.cleanup().await;
+}
+
+#[tokio::test]
+async fn reboots_and_lookups() {
+    let fake = FakeEquinix::start(TOKEN, PROJECT, 3).await;
+    let t = testing::sqlite().await;
+    let s = session(&t.db).await;
+    let (p, _) = provider(&fake).await;
+    provisioner(p.clone(), 2, 10).iterate(&s).await.unwrap();
+    fake.set_stuck_provisioning(true);
+    provisioner(p.clone(), 0, 10).iterate(&s).await.unwrap();
+    let devices = fake.devices();
+    assert_eq!(devices.len(), 3);
+
+    let m = p.get_machine(&devices[0].id).await.unwrap();
+    assert_eq!(m.availability, Availability::KnownUsed);
+    fake.fail_next("POST /devices/actions", Failure::Status(500));
+    p.reboot(&m).await.unwrap();
+    assert_eq!(fake.reboots(), vec![devices[0].id.clone()]);
+
+    let stuck = p.get_machine(&devices[2].id).await.unwrap();
+    assert_eq!(stuck.addr, None, "no address while provisioning");
+    assert_eq!(
+        stuck.status,
+        Some(shepherd_bmdb::ProviderStatus::Provisioning)
+    );
+    fake.set_device_state(&devices[1].id, "failed");
+    let failed = p.get_machine(&devices[1].id).await.unwrap();
+    assert!(failed.failed);
+
+    let foreign = fake.add_foreign_device("not-ours");
+    assert!(matches!(
+        p.get_machine(&foreign).await,
+        Err(ProviderError::NotFound(_))
+    ));
+    assert!(matches!(
+        p.get_machine("00000000-0000-0000-0000-000000000000").await,
+        Err(ProviderError::NotFound(_))
+    ));
+    let mut gone = m.clone();
+    gone.id = Some("00000000-0000-0000-0000-000000000000".into());
+    assert!(matches!(
+        p.reboot(&gone).await,
+        Err(ProviderError::NotFound(_))
+    ));
+    s.close().await.unwrap();
+    t.cleanup().await;
+}
