@@ -559,6 +559,11 @@ impl FakeEquinix {
         }
     }
 
+    /// Deletes a device (as if someone deprovisioned it behind our back).
+    pub fn remove_device(&self, id: &str) {
+        self.state.lock().unwrap().devices.retain(|d| d.id != id);
+    }
+
     /// Adds a device that is not ours (another hostname).
     pub fn add_foreign_device(&self, hostname: &str) -> String {
         let mut s = self.state.lock().unwrap();

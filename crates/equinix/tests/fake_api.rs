@@ -352,3 +352,71 @@ async fn reboots_and_lookups() {
     s.close().await.unwrap();
     t.cleanup().await;
 }
+
+#[tokio::test]
+async fn the_updater_maps_states_and_marks_vanished_devices_missing() {
+    use shepherd_bmdb::ProviderStatus;
+    use shepherd_loops::updater::{UpdateReport, Updater};
+    let fake = FakeEquinix::start(TOKEN, PROJECT, 3).await;
+    let t = testing::sqlite().await;
+    let s = session(&t.db).await;
+    let (p, _) = provider(&fake).await;
+    provisioner(p.clone(), 0, 10).iterate(&s).await.unwrap();
+    let devices = fake.devices();
+    fake.set_device_state(&devices[0].id, "failed");
+    fake.remove_device(&devices[1].id);
+    let updater = Updater::new(p, RateSpec::new(Duration::from_millis(1), 1));
+    let r = updater.iterate(&s).await.unwrap();
+    assert_eq!(
+        r,
+        UpdateReport {
+            updated: 1,
+            missing: 1,
+            unchanged: 1
+        }
+    );
+    let status = |id: String| {
+        let db = t.db.clone();
+        async move {
+            db.read(move |tx| {
+                let id = id.clone();
+                Box::pin(async move {
+                    let m = tx
+                        .machine_by_provider_id(Kind::Equinix, &id)
+                        .await?
+                        .unwrap();
+                    Ok(tx.provided(m).await?.unwrap())
+                })
+            })
+            .await
+            .unwrap()
+        }
+    };
+    let failed = status(devices[0].id.clone()).await;
+    assert_eq!(
+        failed.status,
+        Some(ProviderStatus::ProvisioningFailedPermanent)
+    );
+    assert!(failed.reservation_id.is_some(), "kept");
+    assert_eq!(
+        status(devices[1].id.clone()).await.status,
+        Some(ProviderStatus::Missing)
+    );
+    assert_eq!(
+        status(devices[2].id.clone()).await.status,
+        Some(ProviderStatus::Running)
+    );
+    let again = updater.iterate(&s).await.unwrap();
+    assert_eq!(again.unchanged, 3, "{again:?}");
+    // An empty listing looks like partial data: nothing is marked Missing.
+    fake.remove_device(&devices[0].id);
+    fake.remove_device(&devices[2].id);
+    let err = updater.iterate(&s).await.unwrap_err().to_string();
+    assert!(err.contains("refusing"), "{err}");
+    assert_eq!(
+        status(devices[2].id.clone()).await.status,
+        Some(ProviderStatus::Running)
+    );
+    s.close().await.unwrap();
+    t.cleanup().await;
+}

@@ -16,3 +16,4 @@ pub mod static_provider;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod transport;
+pub mod updater;

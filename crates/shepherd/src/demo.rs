@@ -173,6 +173,7 @@ fn settings(args: &DemoArgs) -> FleetSettings {
             Duration::from_secs(10),
             1.5,
         ),
+        updater_rate: fast(2000, 1),
         session_interval: Duration::from_secs(5),
     }
 }

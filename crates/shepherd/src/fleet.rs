@@ -11,6 +11,7 @@ use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
 use shepherd_loops::recoverer::Recoverer;
 use shepherd_loops::runner::{self, RunnerConfig};
 use shepherd_loops::transport::Transport;
+use shepherd_loops::updater::Updater;
 use tokio_util::sync::CancellationToken;
 
 /// Settings of one runner-driven loop.
@@ -37,6 +38,8 @@ pub struct FleetSettings {
     pub recovery: RecoveryThresholds,
     /// Recoverer backoff (upstream: 1 min → 1 h, ×1.2).
     pub recoverer_backoff: Backoff,
+    /// Pace of provider-fact refreshes (the updater).
+    pub updater_rate: RateSpec,
     /// Session keep-alive interval.
     pub session_interval: Duration,
 }
@@ -45,7 +48,7 @@ fn session(name: &str, processor: Processor, interval: Duration) -> SessionConfi
     SessionConfig::new(name, processor).with_interval(interval)
 }
 
-/// Runs the provisioner, the initializer and, if `recoverer` is given, the recoverer until
+/// Runs the provisioner, the updater, the initializer and, if `recoverer` is given, the recoverer until
 /// `cancel`; returns once every loop canceled its work and closed its sessions.
 pub async fn run_loops<P, R>(
     db: Bmdb,
@@ -61,6 +64,12 @@ where
 {
     let interval = settings.session_interval;
     let initializer = Initializer::new(provider.clone(), transport, settings.initializer)?;
+    let updater = Updater::new(provider.clone(), settings.updater_rate);
+    let updating = updater.run(
+        db.clone(),
+        session("shepherd-updater", Processor::ShepherdUpdater, interval),
+        cancel.clone(),
+    );
     let provisioner = Provisioner::new(provider, settings.provisioner);
     let provisioning = provisioner.run(
         db.clone(),
@@ -102,7 +111,7 @@ where
             .await
         }
     };
-    tokio::join!(provisioning, initializing, recovering);
+    tokio::join!(provisioning, initializing, recovering, updating);
     Ok(())
 }
 

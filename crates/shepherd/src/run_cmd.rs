@@ -188,6 +188,11 @@ pub struct RunArgs {
     #[arg(long, env = "SHEPHERD_STATS_INTERVAL", default_value = "30s", value_parser = duration)]
     pub stats_interval: Duration,
 
+    /// Pace of the updater, which refreshes address, location, status and reservation of every
+    /// machine from one provider listing and marks vanished machines Missing.
+    #[arg(long, env = "SHEPHERD_UPDATER_RATE", default_value = "5m,1")]
+    pub updater_rate: RateSpec,
+
     /// Equinix Metal: API base URL.
     #[arg(
         long,
@@ -289,6 +294,7 @@ impl RunArgs {
                 Duration::from_secs(3600),
                 1.2,
             ),
+            updater_rate: self.updater_rate,
             session_interval: self.session_interval,
         })
     }

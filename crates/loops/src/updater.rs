@@ -1,0 +1,209 @@
+//! The updater (SPEC §14, for every provider): at a configured rate, one provider listing is
+//! compared with the `machine_provided` tags of that provider, and address, location, status and
+//! reservation are brought up to date; a machine the provider no longer lists becomes
+//! `Missing` (unless most of the fleet vanished at once, which looks like partial data and is
+//! refused). Idempotent, so several replicas may run it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use shepherd_bmdb::{Bmdb, Processor, Provided, ProviderStatus, Session, SessionConfig};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::limiter::{Limiter, RateSpec};
+use crate::provider::{Provider, ProviderMachine};
+use crate::runner::live_session;
+
+/// Tags written per transaction.
+const BATCH: usize = 500;
+
+/// What one update pass did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct UpdateReport {
+    /// Tags rewritten with the provider's newer facts.
+    pub updated: usize,
+    /// Machines newly marked `Missing`.
+    pub missing: usize,
+    /// Tags already up to date.
+    pub unchanged: usize,
+}
+
+/// The tag `current` should become given what the provider lists (`None`: not listed).
+pub fn refreshed(current: &Provided, listed: Option<&ProviderMachine>) -> Provided {
+    let mut next = current.clone();
+    match listed {
+        None => next.status = Some(ProviderStatus::Missing),
+        Some(m) => {
+            next.ip_address = m.addr.clone().filter(|a| !a.is_empty());
+            if m.location.is_some() {
+                next.location = m.location.clone();
+            }
+            next.status = m.status.or(if m.failed {
+                Some(ProviderStatus::ProvisioningFailedPermanent)
+            } else {
+                current.status.filter(|s| *s != ProviderStatus::Missing)
+            });
+            if m.reservation.is_some() {
+                next.reservation_id = m.reservation.clone();
+            }
+        }
+    }
+    next
+}
+
+/// The updater for one provider.
+pub struct Updater<P: Provider + ?Sized> {
+    provider: Arc<P>,
+    rate: RateSpec,
+}
+
+impl<P: Provider + ?Sized> Updater<P> {
+    /// An updater passing at `rate` (e.g. `5m,1`).
+    pub fn new(provider: Arc<P>, rate: RateSpec) -> Self {
+        Updater { provider, rate }
+    }
+
+    /// One pass.
+    pub async fn iterate(&self, session: &Session) -> anyhow::Result<UpdateReport> {
+        let kind = self.provider.kind();
+        let (listed, recorded) = tokio::join!(
+            self.provider.list_machines(),
+            session.transact(move |tx| Box::pin(async move { tx.provided_by(kind).await }))
+        );
+        let listed = listed?;
+        let by_id: HashMap<&str, &ProviderMachine> = listed
+            .iter()
+            .filter_map(|m| m.valid_id().map(|id| (id, m)))
+            .collect();
+        let mut report = UpdateReport::default();
+        let mut changes: Vec<(Uuid, Provided, bool)> = Vec::new();
+        for (id, current) in recorded? {
+            let next = refreshed(&current, by_id.get(current.provider_id.as_str()).copied());
+            if next == current {
+                report.unchanged += 1;
+            } else {
+                let newly_missing = next.status == Some(ProviderStatus::Missing)
+                    && current.status != Some(ProviderStatus::Missing);
+                changes.push((id, next, newly_missing));
+            }
+        }
+        // A listing that lost most of our machines at once is more likely partial data from
+        // the provider than a mass deletion: refuse rather than mark the fleet Missing.
+        let vanishing = changes.iter().filter(|(_, _, m)| *m).count();
+        let total = report.unchanged + changes.len();
+        if vanishing > 1 && vanishing * 2 > total {
+            anyhow::bail!(
+                "the provider no longer lists {vanishing} of {total} machines; refusing to mark them \
+                 Missing (partial provider data?)"
+            );
+        }
+        for batch in changes.chunks(BATCH) {
+            let batch = batch.to_vec();
+            let writes = batch.clone();
+            session
+                .transact(move |tx| {
+                    let batch = writes.clone();
+                    Box::pin(async move {
+                        for (id, tag, _) in &batch {
+                            tx.set_provided(*id, tag).await?;
+                        }
+                        Ok(())
+                    })
+                })
+                .await?;
+            for (id, tag, newly_missing) in batch {
+                if newly_missing {
+                    tracing::warn!(machine = %id, provider_id = tag.provider_id, "the provider no longer lists this machine; marked Missing");
+                    report.missing += 1;
+                } else {
+                    report.updated += 1;
+                }
+            }
+        }
+        Ok(report)
+    }
+
+    /// Passes at the configured rate until `cancel`, with its own session (processor
+    /// `shepherd-updater`). A failed pass is logged; the next one tries again.
+    pub async fn run(&self, db: Bmdb, session_config: SessionConfig, cancel: CancellationToken) {
+        let limiter = Limiter::new(self.rate);
+        let session_config = SessionConfig {
+            processor: Processor::ShepherdUpdater,
+            ..session_config
+        };
+        let mut session: Option<Session> = None;
+        loop {
+            tokio::select! {
+                biased;
+                _ = cancel.cancelled() => break,
+                _ = limiter.wait() => {}
+            }
+            let s = match live_session(&db, &session_config, session.take()).await {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(error = %e, "updater cannot start a session");
+                    continue;
+                }
+            };
+            tokio::select! {
+                _ = cancel.cancelled() => { session = Some(s); break }
+                r = self.iterate(&s) => match r {
+                    Ok(r) => tracing::debug!(updated = r.updated, missing = r.missing, unchanged = r.unchanged, "provider facts updated"),
+                    Err(e) => tracing::warn!(error = %format!("{e:#}"), "updating provider facts failed"),
+                },
+            }
+            session = Some(s);
+        }
+        if let Some(s) = session {
+            let _ = s.close().await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::provider::Availability;
+    use shepherd_bmdb::Provider as Kind;
+
+    fn tag() -> Provided {
+        let mut p = Provided::new(Kind::Equinix, "d1");
+        p.ip_address = Some("1.1.1.1".into());
+        p.location = Some("da".into());
+        p.status = Some(ProviderStatus::Running);
+        p
+    }
+
+    #[test]
+    fn unlisted_machines_become_missing_and_listed_ones_follow_the_provider() {
+        assert_eq!(
+            refreshed(&tag(), None).status,
+            Some(ProviderStatus::Missing)
+        );
+        let mut m = ProviderMachine::new("d1", Some("2.2.2.2".into()), Availability::KnownUsed);
+        m.status = Some(ProviderStatus::Stopped);
+        m.reservation = Some("r1".into());
+        let next = refreshed(&tag(), Some(&m));
+        assert_eq!(next.ip_address.as_deref(), Some("2.2.2.2"));
+        assert_eq!(next.location.as_deref(), Some("da"), "kept when not listed");
+        assert_eq!(next.status, Some(ProviderStatus::Stopped));
+        assert_eq!(next.reservation_id.as_deref(), Some("r1"));
+        // A machine that comes back is no longer Missing.
+        let mut missing = tag();
+        missing.status = Some(ProviderStatus::Missing);
+        let back = ProviderMachine::new("d1", Some("1.1.1.1".into()), Availability::KnownUsed);
+        assert_eq!(refreshed(&missing, Some(&back)).status, None);
+        let mut failed = back.clone();
+        failed.failed = true;
+        assert_eq!(
+            refreshed(&tag(), Some(&failed)).status,
+            Some(ProviderStatus::ProvisioningFailedPermanent)
+        );
+        assert_eq!(refreshed(&tag(), Some(&back)), {
+            let mut t = tag();
+            t.status = Some(ProviderStatus::Running);
+            t
+        });
+    }
+}
