@@ -3,7 +3,8 @@
 # it is reachable. Safe to run repeatedly: PostgreSQL on 127.0.0.1:5432 with trust auth for
 # local connections and a database named `test`; OpenSSH's sshd binary (the tests start their
 # own daemons on loopback ports; no system sshd is started or configured); Chromium and
-# chromedriver for the web UI tests.
+# chromedriver for the web UI tests; the sushy-tools Redfish emulator in a virtualenv under
+# ~/.cache/shepherd (SHEPHERD_SUSHY_VENV).
 set -euo pipefail
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
@@ -61,7 +62,25 @@ ensure_chromium() {
   /usr/bin/chromium --version 2>/dev/null | head -n 1 | sed 's/^/test-deps: /' || true
 }
 
+ensure_sushy() {
+  # The Redfish tests run the sushy-tools emulator (fake driver) from a virtualenv of our own.
+  local venv="${SHEPHERD_SUSHY_VENV:-$HOME/.cache/shepherd/sushy-venv}"
+  if ! "$venv/bin/sushy-emulator" --help >/dev/null 2>&1; then
+    echo "test-deps: installing sushy-tools into $venv"
+    rm -rf "$venv"
+    mkdir -p "$(dirname "$venv")"
+    if ! python3 -m venv "$venv" >/dev/null 2>&1; then
+      as_root apt-get update -qq
+      as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+      python3 -m venv "$venv"
+    fi
+    "$venv/bin/pip" install -q 'sushy-tools==2.2.0' bcrypt
+  fi
+  echo "test-deps: sushy-tools $("$venv/bin/pip" show sushy-tools 2>/dev/null | sed -n 's/^Version: //p')"
+}
+
 ensure_postgres
 ensure_sshd
 ensure_chromium
+ensure_sushy
 echo "test-deps: ready"

@@ -10,6 +10,7 @@ pub mod provider;
 pub mod provisioner;
 pub mod reconcile;
 pub mod recoverer;
+pub mod redfish;
 pub mod runner;
 pub mod sim;
 pub mod static_provider;

@@ -1,4 +1,4 @@
-//! The static provider (SPEC §6): a JSON inventory `[{"ID", "Addr", "Location"}]` read from a
+//! The static provider (SPEC §6): a JSON inventory `[{"ID", "Addr", "Location", "BMC"}]` read from a
 //! `file://` or `http(s)://` URL. Whether a listed machine is ours is decided by the BMDB
 //! (availability PossiblyUsed). The inventory is read on every listing, so an operator's edit
 //! takes effect at the next reconciliation.
@@ -12,7 +12,10 @@ use serde::Deserialize;
 use shepherd_bmdb::{Provider as ProviderKind, ProviderStatus, Session, MAX_PROVIDER_ID_LEN};
 use uuid::Uuid;
 
-use crate::provider::{record_new_machine, Availability, Provider, ProviderError, ProviderMachine};
+use crate::provider::{
+    record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Recoverer,
+};
+use crate::redfish::{Bmc, BmcEntry};
 
 /// Largest inventory accepted.
 pub const MAX_INVENTORY_BYTES: usize = 16 << 20;
@@ -30,6 +33,9 @@ pub struct InventoryEntry {
     /// Free-form location.
     #[serde(rename = "Location", default)]
     pub location: Option<String>,
+    /// The machine's BMC, for power control by the recoverer (Redfish).
+    #[serde(rename = "BMC", default)]
+    pub bmc: Option<BmcEntry>,
 }
 
 /// Parses and validates an inventory: every entry needs a non-empty id of at most 128 bytes,
@@ -54,6 +60,10 @@ pub fn parse_inventory(bytes: &[u8]) -> anyhow::Result<Vec<InventoryEntry>> {
         if !seen.insert(e.id.as_str()) {
             bail!("inventory entry {i}: duplicate ID {:?}", e.id);
         }
+        if let Some(b) = &e.bmc {
+            b.validate()
+                .with_context(|| format!("inventory entry {i} ({})", e.id))?;
+        }
     }
     Ok(entries)
 }
@@ -63,6 +73,8 @@ pub struct StaticProvider {
     url: url::Url,
     kind: ProviderKind,
     http: reqwest::Client,
+    bmc_timeout: Duration,
+    reboot_wait: Duration,
 }
 
 impl StaticProvider {
@@ -78,7 +90,26 @@ impl StaticProvider {
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(30))
             .build()?;
-        Ok(StaticProvider { url, kind, http })
+        Ok(StaticProvider {
+            url,
+            kind,
+            http,
+            bmc_timeout: Duration::from_secs(30),
+            reboot_wait: Duration::ZERO,
+        })
+    }
+
+    /// How long BMC requests may take, and how long a reboot is given to take effect before the
+    /// recoverer goes on.
+    pub fn with_bmc_timing(mut self, timeout: Duration, reboot_wait: Duration) -> Self {
+        self.bmc_timeout = timeout;
+        self.reboot_wait = reboot_wait;
+        self
+    }
+
+    /// Whether any entry of the current inventory names a BMC (the recoverer has work only then).
+    pub async fn has_bmcs(&self) -> anyhow::Result<bool> {
+        Ok(self.inventory().await?.iter().any(|e| e.bmc.is_some()))
     }
 
     async fn fetch(&self) -> anyhow::Result<Vec<u8>> {
@@ -168,6 +199,34 @@ impl Provider for StaticProvider {
         unused: &ProviderMachine,
     ) -> Result<Uuid, ProviderError> {
         Ok(record_new_machine(session, self.kind, unused).await?)
+    }
+}
+
+#[async_trait]
+impl Recoverer for StaticProvider {
+    /// Power-cycles the machine through the BMC its inventory entry names.
+    async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
+        let id = machine
+            .valid_id()
+            .ok_or_else(|| ProviderError::Other(anyhow::anyhow!("machine without an id")))?;
+        let entry = self
+            .inventory()
+            .await?
+            .into_iter()
+            .find(|e| e.id == id)
+            .ok_or_else(|| ProviderError::NotFound(id.to_string()))?;
+        let bmc = entry.bmc.ok_or(ProviderError::NotSupported(
+            "reboot: the inventory entry names no BMC",
+        ))?;
+        let reset = Bmc::new(&bmc, self.bmc_timeout)?.reset().await?;
+        tracing::info!(
+            provider_id = id,
+            bmc = bmc.url,
+            reset,
+            "power-cycled through the BMC"
+        );
+        tokio::time::sleep(self.reboot_wait).await;
+        Ok(())
     }
 }
 

@@ -193,6 +193,14 @@ pub struct RunArgs {
     #[arg(long, env = "SHEPHERD_UPDATER_RATE", default_value = "5m,1")]
     pub updater_rate: RateSpec,
 
+    /// Static provider: timeout of each request to a machine's BMC (Redfish).
+    #[arg(long, env = "SHEPHERD_BMC_TIMEOUT", default_value = "30s", value_parser = duration)]
+    pub bmc_timeout: Duration,
+
+    /// Static provider: how long the recoverer waits after a BMC power-cycle.
+    #[arg(long, env = "SHEPHERD_BMC_REBOOT_WAIT", default_value = "30s", value_parser = duration)]
+    pub bmc_reboot_wait: Duration,
+
     /// Equinix Metal: API base URL.
     #[arg(
         long,
@@ -417,7 +425,10 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
                 .static_inventory
                 .as_deref()
                 .context("static-inventory: is required with --provider static")?;
-            let provider = Arc::new(StaticProvider::new(url, args.static_provider_type.into())?);
+            let provider = Arc::new(
+                StaticProvider::new(url, args.static_provider_type.into())?
+                    .with_bmc_timing(args.bmc_timeout, args.bmc_reboot_wait),
+            );
             let (ssh, _) = args.ssh_client()?;
             let transport =
                 Arc::new(SshTransport::new(Arc::new(ssh)).with_metrics(ssh_metrics.clone()));
@@ -471,11 +482,18 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
     ));
     let result = match chosen {
         Chosen::Static(provider, transport) => {
-            tracing::warn!(
-                "the static provider cannot reboot machines: the recoverer is not running"
-            );
+            // Machines are power-cycled through the BMCs their inventory entries name.
+            let bmcs = provider.has_bmcs().await.unwrap_or(false);
             let provider = Arc::new(InstrumentedProvider::new(provider, provider_metrics));
-            run_loops::<_, SimFleet>(db.clone(), provider, transport, None, settings, cancel).await
+            let recoverer = if bmcs {
+                Some(provider.clone())
+            } else {
+                tracing::warn!(
+                    "no inventory entry names a BMC: machines cannot be rebooted, the recoverer is not running"
+                );
+                None
+            };
+            run_loops(db.clone(), provider, transport, recoverer, settings, cancel).await
         }
         Chosen::Equinix(provider, transport) => {
             let provider = Arc::new(InstrumentedProvider::new(provider, provider_metrics));

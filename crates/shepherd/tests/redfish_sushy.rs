@@ -1,0 +1,394 @@
+//! Redfish power control against the sushy-tools emulator (fake driver, HTTPS, basic auth),
+//! installed by `scripts/test-deps.sh`: the right system is power-cycled, wrong credentials
+//! and an unreachable BMC fail with clear causes, and the recoverer drives it all through the
+//! static provider with backoff on failure.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use shepherd_bmdb::*;
+use shepherd_loops::limiter::RateSpec;
+use shepherd_loops::recoverer::Recoverer;
+use shepherd_loops::redfish::{Bmc, BmcEntry};
+use shepherd_loops::runner::{self, RunnerConfig};
+use shepherd_loops::static_provider::StaticProvider;
+use tokio_util::sync::CancellationToken;
+
+const SYSTEM_A: &str = "8b5e2a5c-0000-4000-8000-00000000000a";
+const SYSTEM_B: &str = "8b5e2a5c-0000-4000-8000-00000000000b";
+
+fn emulator_binary() -> PathBuf {
+    let venv = std::env::var_os("SHEPHERD_SUSHY_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let home = std::env::var_os("HOME")
+                .map(PathBuf::from)
+                .unwrap_or_default();
+            home.join(".cache/shepherd/sushy-venv")
+        });
+    let path = venv.join("bin/sushy-emulator");
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/test-deps.sh (installs sushy-tools in a virtualenv)",
+        path.display()
+    );
+    path
+}
+
+struct Emulator {
+    child: Child,
+    url: String,
+    ca: PathBuf,
+    password_file: PathBuf,
+}
+
+impl Drop for Emulator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Certs {
+    ca_pem: PathBuf,
+    cert_pem: PathBuf,
+    key_pem: PathBuf,
+}
+
+/// A CA and a server certificate for `localhost` (ECDSA P-256, which Python's ssl loads).
+fn bmc_certs(dir: &Path) -> Certs {
+    let ca_key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "test BMC CA");
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+    let params = rcgen::CertificateParams::new(vec!["localhost".to_string()]).unwrap();
+    let issuer = rcgen::Issuer::from_params(&ca_params, &ca_key);
+    let cert = params.signed_by(&key, &issuer).unwrap();
+    let certs = Certs {
+        ca_pem: dir.join("bmc-ca.pem"),
+        cert_pem: dir.join("bmc.pem"),
+        key_pem: dir.join("bmc.key"),
+    };
+    std::fs::write(&certs.ca_pem, ca.pem()).unwrap();
+    std::fs::write(&certs.cert_pem, cert.pem()).unwrap();
+    std::fs::write(&certs.key_pem, key.serialize_pem()).unwrap();
+    certs
+}
+
+/// sushy-emulator with two fake systems (both On), HTTPS with a development CA, and basic
+/// auth for admin / the password in `password_file`.
+fn start_emulator(dir: &Path) -> Emulator {
+    let bin = emulator_binary();
+    let python = bin.parent().unwrap().join("python");
+    let password = "bmc-secret-42";
+    let hash = Command::new(&python)
+        .args([
+            "-c",
+            "import bcrypt,sys; print(bcrypt.hashpw(sys.argv[1].encode(), bcrypt.gensalt(4)).decode())",
+            password,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        hash.status.success(),
+        "{}",
+        String::from_utf8_lossy(&hash.stderr)
+    );
+    let htpasswd = dir.join("htpasswd");
+    std::fs::write(
+        &htpasswd,
+        format!("admin:{}", String::from_utf8_lossy(&hash.stdout).trim()),
+    )
+    .unwrap();
+    let password_file = dir.join("bmc-password");
+    std::fs::write(&password_file, format!("{password}\n")).unwrap();
+    let certs = bmc_certs(dir);
+    let port = free_port();
+    let system = |uuid: &str, name: &str| {
+        format!(
+            "{{'uuid': '{uuid}', 'name': '{name}', 'power_state': 'On', 'external_notifier': False, 'nics': [{{'mac': '00:5c:52:31:3a:9c', 'ip': '172.22.0.100'}}]}}"
+        )
+    };
+    let config = dir.join("emulator.conf");
+    std::fs::create_dir_all(dir.join("state")).unwrap();
+    std::fs::write(
+        &config,
+        format!(
+            "SUSHY_EMULATOR_LISTEN_IP = '127.0.0.1'\n\
+             SUSHY_EMULATOR_LISTEN_PORT = {port}\n\
+             SUSHY_EMULATOR_FAKE_DRIVER = True\n\
+             SUSHY_EMULATOR_FAKE_SYSTEMS = [{}, {}]\n\
+             SUSHY_EMULATOR_AUTH_FILE = '{}'\n\
+             SUSHY_EMULATOR_SSL_CERT = '{}'\n\
+             SUSHY_EMULATOR_SSL_KEY = '{}'\n\
+             SUSHY_EMULATOR_STATE_DIR = '{}'\n",
+            system(SYSTEM_A, "node-a"),
+            system(SYSTEM_B, "node-b"),
+            htpasswd.display(),
+            certs.cert_pem.display(),
+            certs.key_pem.display(),
+            dir.join("state").display(),
+        ),
+    )
+    .unwrap();
+    let log = dir.join("emulator.log");
+    let mut child = Command::new(&bin)
+        .args(["--config"])
+        .arg(&config)
+        .arg("--fake")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        let exited = child.try_wait().unwrap();
+        if exited.is_some() || Instant::now() > deadline {
+            panic!(
+                "sushy-emulator did not start ({exited:?}): {}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Emulator {
+        child,
+        url: format!("https://localhost:{port}"),
+        ca: certs.ca_pem,
+        password_file,
+    }
+}
+
+fn entry(e: &Emulator, system: &str) -> BmcEntry {
+    BmcEntry {
+        url: e.url.clone(),
+        system: Some(format!("/redfish/v1/Systems/{system}")),
+        username: "admin".into(),
+        password_file: Some(e.password_file.clone()),
+        password_env: None,
+        ca: Some(e.ca.clone()),
+        insecure: false,
+    }
+}
+
+async fn power(e: &Emulator, system: &str) -> String {
+    Bmc::new(&entry(e, system), Duration::from_secs(10))
+        .unwrap()
+        .power_state()
+        .await
+        .unwrap()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_right_system_is_power_cycled() {
+    let dir = tempfile::tempdir().unwrap();
+    let emu = start_emulator(dir.path());
+    assert_eq!(power(&emu, SYSTEM_A).await, "On");
+    assert_eq!(power(&emu, SYSTEM_B).await, "On");
+    let used = Bmc::new(&entry(&emu, SYSTEM_B), Duration::from_secs(10))
+        .unwrap()
+        .reset()
+        .await
+        .unwrap();
+    assert_eq!(used, "ForceRestart");
+    // The emulator powers the system off at once and back on a few seconds later.
+    assert_eq!(power(&emu, SYSTEM_B).await, "Off");
+    assert_eq!(
+        power(&emu, SYSTEM_A).await,
+        "On",
+        "the other system is untouched"
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while power(&emu, SYSTEM_B).await != "On" {
+        assert!(Instant::now() < deadline, "system B never came back on");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+
+    // Without a System, a BMC listing two systems is an error that says what to do.
+    let mut no_system = entry(&emu, SYSTEM_A);
+    no_system.system = None;
+    let err = Bmc::new(&no_system, Duration::from_secs(10))
+        .unwrap()
+        .reset()
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("lists 2 systems"), "{err}");
+
+    // Wrong credentials.
+    let wrong = dir.path().join("wrong");
+    std::fs::write(&wrong, "nope\n").unwrap();
+    let mut bad = entry(&emu, SYSTEM_A);
+    bad.password_file = Some(wrong);
+    let err = Bmc::new(&bad, Duration::from_secs(10))
+        .unwrap()
+        .reset()
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("credentials") && err.contains("refused"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("nope"),
+        "the password is not in the error: {err}"
+    );
+    assert_eq!(power(&emu, SYSTEM_A).await, "On");
+
+    // TLS is verified: without the CA the self-signed chain is refused.
+    let mut untrusted = entry(&emu, SYSTEM_A);
+    untrusted.ca = None;
+    assert!(Bmc::new(&untrusted, Duration::from_secs(10))
+        .unwrap()
+        .reset()
+        .await
+        .is_err());
+}
+
+/// Machines whose agents went silent, with BMCs: reachable (B), wrong password, unreachable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_recoverer_power_cycles_through_the_inventory_bmc() {
+    let dir = tempfile::tempdir().unwrap();
+    let emu = start_emulator(dir.path());
+    let wrong = dir.path().join("wrong");
+    std::fs::write(&wrong, "nope\n").unwrap();
+    let bmc = |e: BmcEntry| {
+        serde_json::json!({
+            "URL": e.url, "System": e.system, "Username": e.username,
+            "PasswordFile": e.password_file, "CA": e.ca,
+        })
+    };
+    let mut wrong_entry = entry(&emu, SYSTEM_A);
+    wrong_entry.password_file = Some(wrong);
+    let mut unreachable = entry(&emu, SYSTEM_A);
+    unreachable.url = format!("https://localhost:{}", free_port());
+    let inventory = serde_json::json!([
+        {"ID": "box-b", "Addr": "10.0.0.2:22", "BMC": bmc(entry(&emu, SYSTEM_B))},
+        {"ID": "box-wrong", "Addr": "10.0.0.3:22", "BMC": bmc(wrong_entry)},
+        {"ID": "box-gone", "Addr": "10.0.0.4:22", "BMC": bmc(unreachable)},
+        {"ID": "box-none", "Addr": "10.0.0.5:22"},
+    ]);
+    let inv_path = dir.path().join("inventory.json");
+    std::fs::write(&inv_path, inventory.to_string()).unwrap();
+    let provider = Arc::new(
+        StaticProvider::new(&format!("file://{}", inv_path.display()), Provider::Static)
+            .unwrap()
+            .with_bmc_timing(Duration::from_secs(5), Duration::ZERO),
+    );
+    assert!(provider.has_bmcs().await.unwrap());
+
+    let t = testing::sqlite().await;
+    let ids =
+        t.db.transact(|tx| {
+            Box::pin(async move {
+                let mut ids = vec![];
+                for (n, name) in ["box-b", "box-wrong", "box-gone", "box-none"]
+                    .iter()
+                    .enumerate()
+                {
+                    let id = tx.create_machine().await?;
+                    tx.set_provided(id, &Provided::new(Provider::Static, *name))
+                        .await?;
+                    let long_ago = Utc::now() - chrono::Duration::hours(2);
+                    tx.set_agent_started_at(id, Some(long_ago), &[n as u8 + 1; 32])
+                        .await?;
+                    ids.push(id);
+                }
+                Ok(ids)
+            })
+        })
+        .await
+        .unwrap();
+    let task = Recoverer::new(provider, RecoveryThresholds::default());
+    let cancel = CancellationToken::new();
+    let run = tokio::spawn(runner::run(
+        t.db.clone(),
+        Arc::new(task),
+        RunnerConfig {
+            parallelism: 2,
+            db_rate: RateSpec::new(Duration::from_millis(10), 4),
+            session: SessionConfig::new("shepherd-recoverer", Processor::ShepherdRecoverer),
+        },
+        cancel.clone(),
+    ));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let histories = loop {
+        let mut all = vec![];
+        for id in &ids {
+            let id = *id;
+            all.push(
+                t.db.read(move |tx| Box::pin(async move { tx.machine_history(id).await }))
+                    .await
+                    .unwrap(),
+            );
+        }
+        if all
+            .iter()
+            .all(|h| h.iter().any(|e| e.event != WorkEvent::Started))
+        {
+            break all;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "recoverer made no progress: {all:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    cancel.cancel();
+    run.await.unwrap();
+
+    let ended = |h: &Vec<HistoryEntry>| {
+        h.iter()
+            .find(|e| e.event != WorkEvent::Started)
+            .cloned()
+            .unwrap()
+    };
+    assert_eq!(
+        ended(&histories[0]).event,
+        WorkEvent::Finished,
+        "box-b rebooted"
+    );
+    assert_eq!(
+        power(&emu, SYSTEM_A).await,
+        "On",
+        "box-wrong's system was not touched"
+    );
+    for (i, want) in [(1, "refused"), (2, "BMC"), (3, "names no BMC")] {
+        let e = ended(&histories[i]);
+        assert_eq!(e.event, WorkEvent::Failed, "{e:?}");
+        assert!(e.cause.as_deref().unwrap_or("").contains(want), "{e:?}");
+        let backoffs =
+            t.db.read({
+                let id = ids[i];
+                move |tx| Box::pin(async move { tx.machine_backoffs(id).await })
+            })
+            .await
+            .unwrap();
+        assert_eq!(backoffs.len(), 1, "failed recovery backs off");
+    }
+    // The recovered machine's agent tags were cleared for a new takeover.
+    let id = ids[0];
+    let agent =
+        t.db.read(move |tx| Box::pin(async move { tx.agent_started(id).await }))
+            .await
+            .unwrap();
+    assert!(agent.is_none());
+    t.cleanup().await;
+}
