@@ -420,3 +420,132 @@ async fn the_updater_maps_states_and_marks_vanished_devices_missing() {
     s.close().await.unwrap();
     t.cleanup().await;
 }
+
+#[tokio::test]
+async fn creations_wait_for_the_creation_rate() {
+    let fake = FakeEquinix::start(TOKEN, PROJECT, 5).await;
+    let t = testing::sqlite().await;
+    let s = session(&t.db).await;
+    let (p, _) = provider(&fake).await;
+    // A burst of 2, then one creation per hour: one iteration gets exactly two devices made
+    // and then waits on the limiter (it is stopped there).
+    let prov = Provisioner::new(
+        p,
+        ProvisionerConfig {
+            limits: Limits {
+                max_machines: 0,
+                chunk_size: 10,
+            },
+            reconcile_rate: RateSpec::new(Duration::from_millis(1), 1),
+            creation_rate: RateSpec::new(Duration::from_secs(3600), 2),
+        },
+    );
+    let stopped = tokio::time::timeout(Duration::from_secs(3), prov.iterate(&s)).await;
+    assert!(stopped.is_err(), "the third creation must wait an hour");
+    assert_eq!(fake.devices().len(), 2);
+    assert_eq!(recorded(&t.db).await.len(), 2);
+    s.close().await.unwrap();
+    t.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_recoverer_reboots_silent_devices_through_the_api() {
+    use chrono::Utc;
+    use shepherd_bmdb::{Process, RecoveryThresholds, WorkEvent};
+    use shepherd_loops::recoverer::Recoverer as RecovererTask;
+    use shepherd_loops::runner::{self, RunnerConfig};
+    let fake = FakeEquinix::start(TOKEN, PROJECT, 2).await;
+    let t = testing::sqlite().await;
+    let s = session(&t.db).await;
+    let (p, _) = provider(&fake).await;
+    provisioner(p.clone(), 0, 10).iterate(&s).await.unwrap();
+    s.close().await.unwrap();
+    // Both agents were started two hours ago and never heartbeated; one device is gone.
+    let devices = fake.devices();
+    let ids =
+        t.db.transact(|tx| {
+            Box::pin(async move {
+                let mut ids = vec![];
+                for (n, (id, _)) in tx.provided_by(Kind::Equinix).await?.into_iter().enumerate() {
+                    let at = Utc::now() - chrono::Duration::hours(2);
+                    tx.set_agent_started_at(id, Some(at), &[n as u8 + 1; 32])
+                        .await?;
+                    ids.push(id);
+                }
+                Ok(ids)
+            })
+        })
+        .await
+        .unwrap();
+    let gone = &devices[1].id;
+    fake.remove_device(gone);
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let run = tokio::spawn(runner::run(
+        t.db.clone(),
+        Arc::new(RecovererTask::new(p, RecoveryThresholds::default())),
+        RunnerConfig {
+            parallelism: 1,
+            db_rate: RateSpec::new(Duration::from_millis(10), 4),
+            session: SessionConfig::new("shepherd-recoverer", Processor::ShepherdRecoverer),
+        },
+        cancel.clone(),
+    ));
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut ended = 0;
+        for id in &ids {
+            let id = *id;
+            let h =
+                t.db.read(move |tx| Box::pin(async move { tx.machine_history(id).await }))
+                    .await
+                    .unwrap();
+            ended += h
+                .iter()
+                .filter(|e| e.process == Process::ShepherdRecovery && e.event != WorkEvent::Started)
+                .count()
+                .min(1);
+        }
+        if ended == 2 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no recovery");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    cancel.cancel();
+    run.await.unwrap();
+    assert_eq!(
+        fake.reboots(),
+        vec![devices[0].id.clone()],
+        "the live device was rebooted"
+    );
+    for (id, device) in ids.iter().zip(["live", "gone"]) {
+        let id = *id;
+        let (history, agent) =
+            t.db.read(move |tx| {
+                Box::pin(
+                    async move { Ok((tx.machine_history(id).await?, tx.agent_started(id).await?)) },
+                )
+            })
+            .await
+            .unwrap();
+        let end = history
+            .iter()
+            .rev()
+            .find(|e| e.event != WorkEvent::Started)
+            .unwrap();
+        let pid =
+            t.db.read(move |tx| Box::pin(async move { tx.provided(id).await }))
+                .await
+                .unwrap()
+                .unwrap()
+                .provider_id;
+        if pid == devices[0].id {
+            assert_eq!(end.event, WorkEvent::Finished, "{device}");
+            assert!(agent.is_none(), "agent tags cleared for a new takeover");
+        } else {
+            assert_eq!(end.event, WorkEvent::Failed, "{device}: {end:?}");
+            assert!(agent.is_some());
+        }
+    }
+    t.cleanup().await;
+}
