@@ -496,6 +496,7 @@ fn config_print_shows_merged_settings_with_sources_and_no_secrets() {
             "postgres://shepherd:s3cret@db.example/bmdb",
         )
         .env("SHEPHERD_SSH_USER", "ops")
+        .env("SHEPHERD_EQUINIX_API_TOKEN", "eqx-t0ken")
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
@@ -508,6 +509,7 @@ fn config_print_shows_merged_settings_with_sources_and_no_secrets() {
         "database = \"postgres://shepherd:<redacted>@db.example/bmdb\"  # environment SHEPHERD_DATABASE",
         "recoverer-db-rate = \"250ms,8\"  # default",
         "# agent-executable is not set",
+        "equinix-api-token = \"<redacted>\"  # environment SHEPHERD_EQUINIX_API_TOKEN",
     ] {
         assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
     }
