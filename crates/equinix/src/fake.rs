@@ -51,9 +51,20 @@ struct FakeState {
     next_id: u64,
 }
 
+impl Failure {
+    /// Whether it replaces or delays the answer (else it spoils an answer already made).
+    fn before_answer(&self) -> bool {
+        !matches!(self, Failure::Truncated | Failure::SucceedThen500)
+    }
+}
+
 impl FakeState {
-    fn failure(&mut self, route: &str) -> Option<Failure> {
-        let at = self.failures.iter().position(|(r, _)| r == route)?;
+    /// Takes the first failure queued for `route` of the given phase.
+    fn failure(&mut self, route: &str, before_answer: bool) -> Option<Failure> {
+        let at = self
+            .failures
+            .iter()
+            .position(|(r, f)| r == route && f.before_answer() == before_answer)?;
         self.failures.remove(at).map(|(_, f)| f)
     }
 
@@ -91,10 +102,27 @@ fn error(status: StatusCode, msg: &str) -> Response {
     (status, Json(serde_json::json!({ "errors": [msg] }))).into_response()
 }
 
-/// Applies an injected failure that replaces the answer; `Slow` waits and lets it through.
-async fn injected(state: &Shared, route: &str) -> Option<Response> {
-    let f = state.lock().unwrap().failure(route)?;
-    match f {
+/// Records the request, checks the token (and project), then applies an injected failure
+/// that comes before the answer (`Slow` waits and lets the request through); `Some` is the
+/// response to give instead of the handler's.
+async fn guard(
+    state: &Shared,
+    headers: &HeaderMap,
+    project: Option<&str>,
+    route: &str,
+) -> Option<Response> {
+    let failure = {
+        let mut s = state.lock().unwrap();
+        s.requests.push(route.to_string());
+        if headers.get("x-auth-token").and_then(|v| v.to_str().ok()) != Some(s.token.as_str()) {
+            return Some(error(StatusCode::UNAUTHORIZED, "invalid token"));
+        }
+        if project.is_some_and(|p| p != s.project) {
+            return Some(error(StatusCode::NOT_FOUND, "no such project"));
+        }
+        s.failure(route, true)?
+    };
+    match failure {
         Failure::Status(code) => Some(error(
             StatusCode::from_u16(code).unwrap(),
             "injected failure",
@@ -111,60 +139,21 @@ async fn injected(state: &Shared, route: &str) -> Option<Response> {
             tokio::time::sleep(d).await;
             None
         }
-        Failure::Truncated => {
-            // Put back for the handler, which knows the body to cut.
-            state
-                .lock()
-                .unwrap()
-                .failures
-                .push_front((route.to_string(), Failure::Truncated));
-            None
-        }
-        Failure::SucceedThen500 => {
-            state
-                .lock()
-                .unwrap()
-                .failures
-                .push_front((route.to_string(), Failure::SucceedThen500));
-            None
-        }
+        Failure::Truncated | Failure::SucceedThen500 => unreachable!("taken after the answer"),
     }
 }
 
-/// Answers `value`, cut in half if a truncation was injected for `route`.
+/// Answers `value`, spoiled by a failure injected for after the answer: cut in half
+/// (`Truncated`) or replaced by a 500 although the work was done (`SucceedThen500`).
 fn answer(state: &Shared, route: &str, status: StatusCode, value: serde_json::Value) -> Response {
-    let mut s = state.lock().unwrap();
     let text = value.to_string();
-    match s.failure(route) {
+    match state.lock().unwrap().failure(route, false) {
         Some(Failure::Truncated) => {
             (status, Body::from(text[..text.len() / 2].to_string())).into_response()
         }
-        Some(Failure::SucceedThen500) => {
-            error(StatusCode::INTERNAL_SERVER_ERROR, "injected after success")
-        }
-        Some(other) => {
-            s.failures.push_front((route.to_string(), other));
-            (status, [("content-type", "application/json")], text).into_response()
-        }
+        Some(_) => error(StatusCode::INTERNAL_SERVER_ERROR, "injected after success"),
         None => (status, [("content-type", "application/json")], text).into_response(),
     }
-}
-
-fn check(
-    state: &Shared,
-    headers: &HeaderMap,
-    project: Option<&str>,
-    route: &str,
-) -> Option<Response> {
-    let mut s = state.lock().unwrap();
-    s.requests.push(route.to_string());
-    if headers.get("x-auth-token").and_then(|v| v.to_str().ok()) != Some(s.token.as_str()) {
-        return Some(error(StatusCode::UNAUTHORIZED, "invalid token"));
-    }
-    if project.is_some_and(|p| p != s.project) {
-        return Some(error(StatusCode::NOT_FOUND, "no such project"));
-    }
-    None
 }
 
 fn page<T: serde::Serialize>(
@@ -193,10 +182,7 @@ async fn list_devices(
     headers: HeaderMap,
 ) -> Response {
     let route = "GET /projects/devices";
-    if let Some(r) = check(&state, &headers, Some(&project), route) {
-        return r;
-    }
-    if let Some(r) = injected(&state, route).await {
+    if let Some(r) = guard(&state, &headers, Some(&project), route).await {
         return r;
     }
     let body = {
@@ -219,10 +205,7 @@ async fn create_device(
     Json(req): Json<DeviceCreate>,
 ) -> Response {
     let route = "POST /projects/devices";
-    if let Some(r) = check(&state, &headers, Some(&project), route) {
-        return r;
-    }
-    if let Some(r) = injected(&state, route).await {
+    if let Some(r) = guard(&state, &headers, Some(&project), route).await {
         return r;
     }
     let device = {
@@ -311,10 +294,7 @@ async fn get_device(
     headers: HeaderMap,
 ) -> Response {
     let route = "GET /devices";
-    if let Some(r) = check(&state, &headers, None, route) {
-        return r;
-    }
-    if let Some(r) = injected(&state, route).await {
+    if let Some(r) = guard(&state, &headers, None, route).await {
         return r;
     }
     let found = state
@@ -342,10 +322,7 @@ async fn device_action(
     Json(action): Json<Action>,
 ) -> Response {
     let route = "POST /devices/actions";
-    if let Some(r) = check(&state, &headers, None, route) {
-        return r;
-    }
-    if let Some(r) = injected(&state, route).await {
+    if let Some(r) = guard(&state, &headers, None, route).await {
         return r;
     }
     let mut s = state.lock().unwrap();
@@ -366,10 +343,7 @@ async fn list_reservations(
     headers: HeaderMap,
 ) -> Response {
     let route = "GET /projects/hardware-reservations";
-    if let Some(r) = check(&state, &headers, Some(&project), route) {
-        return r;
-    }
-    if let Some(r) = injected(&state, route).await {
+    if let Some(r) = guard(&state, &headers, Some(&project), route).await {
         return r;
     }
     let body = {
@@ -391,10 +365,7 @@ async fn list_keys(
     headers: HeaderMap,
 ) -> Response {
     let route = "GET /projects/ssh-keys";
-    if let Some(r) = check(&state, &headers, Some(&project), route) {
-        return r;
-    }
-    if let Some(r) = injected(&state, route).await {
+    if let Some(r) = guard(&state, &headers, Some(&project), route).await {
         return r;
     }
     let body = serde_json::json!({ "ssh_keys": state.lock().unwrap().ssh_keys.clone() });
@@ -408,10 +379,7 @@ async fn create_key(
     Json(k): Json<SshKeyInput>,
 ) -> Response {
     let route = "POST /projects/ssh-keys";
-    if let Some(r) = check(&state, &headers, Some(&project), route) {
-        return r;
-    }
-    if let Some(r) = injected(&state, route).await {
+    if let Some(r) = guard(&state, &headers, Some(&project), route).await {
         return r;
     }
     let key = {
@@ -440,10 +408,7 @@ async fn update_key(
     Json(k): Json<SshKeyInput>,
 ) -> Response {
     let route = "PUT /ssh-keys";
-    if let Some(r) = check(&state, &headers, None, route) {
-        return r;
-    }
-    if let Some(r) = injected(&state, route).await {
+    if let Some(r) = guard(&state, &headers, None, route).await {
         return r;
     }
     let updated = {

@@ -4,8 +4,8 @@
 //! Devices with our prefix are listed as *possibly used*: the BMDB decides. One it does not
 //! know is an orphan (created, but its BMDB insert never committed), and the provisioner's
 //! next iteration adopts it through [`Provider::create_machine`] instead of creating another.
-//! Creation itself looks for a device of the reservation's hostname before and after a failed
-//! POST, so an answer lost on the way back never leads to a second device.
+//! After an ambiguous failure of the creation POST the provider looks for a device of the
+//! reservation's hostname, so an answer lost on the way back never leads to a second device.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -174,17 +174,10 @@ impl EquinixProvider {
             .find(|d| d.hostname == hostname))
     }
 
-    /// Creates the device for `reservation`, or finds the one an earlier attempt created.
+    /// Creates the device for `reservation`. One an earlier attempt created is not looked for
+    /// first: the listing that offered this reservation excludes reservations with devices.
     async fn create_device(&self, reservation: &Reservation) -> Result<Device, ProviderError> {
         let hostname = self.hostname_for(&reservation.id);
-        if let Some(d) = self.device_named(&hostname).await.map_err(api)? {
-            tracing::warn!(
-                hostname,
-                device = d.id,
-                "a device for this reservation already exists; adopting it"
-            );
-            return Ok(d);
-        }
         let request = DeviceCreate {
             hostname: hostname.clone(),
             plan: reservation.plan.slug.clone(),

@@ -6,6 +6,7 @@ pub mod initializer;
 pub mod limiter;
 pub mod metrics;
 pub mod penalty;
+mod periodic;
 pub mod provider;
 pub mod provisioner;
 pub mod reconcile;

@@ -5,13 +5,14 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_trait::async_trait;
 use shepherd_bmdb::{Bmdb, Processor, Session, SessionConfig};
 use tokio_util::sync::CancellationToken;
 
 use crate::limiter::{Limiter, RateSpec};
+use crate::periodic::{self, Pass};
 use crate::provider::Provider;
 use crate::reconcile::{reconcile, Limits};
-use crate::runner::live_session;
 
 /// Provisioner settings (SPEC §17 defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,36 +97,23 @@ impl<P: Provider> Provisioner<P> {
     /// Reconciles at the configured rate until `cancel`, keeping a session (re-created when it
     /// expires). Errors of an iteration are logged; the next iteration tries again.
     pub async fn run(&self, db: Bmdb, session_config: SessionConfig, cancel: CancellationToken) {
-        let reconcile_limiter = Limiter::new(self.config.reconcile_rate);
-        let session_config = SessionConfig {
-            processor: Processor::ShepherdProvisioner,
-            ..session_config
-        };
-        let mut session: Option<Session> = None;
-        loop {
-            tokio::select! {
-                biased;
-                _ = cancel.cancelled() => break,
-                _ = reconcile_limiter.wait() => {}
-            }
-            let s = match live_session(&db, &session_config, session.take()).await {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!(error = %e, "provisioner cannot start a session");
-                    continue;
-                }
-            };
-            tokio::select! {
-                _ = cancel.cancelled() => { session = Some(s); break }
-                r = self.iterate(&s) => match r {
-                    Ok(r) => tracing::debug!(managed = r.managed, created = r.created, failed = r.failed, "reconciled"),
-                    Err(e) => tracing::error!(error = %format!("{e:#}"), "reconciliation failed"),
-                },
-            }
-            session = Some(s);
-        }
-        if let Some(s) = session {
-            let _ = s.close().await;
-        }
+        periodic::run(self, self.config.reconcile_rate, db, session_config, cancel).await
+    }
+}
+
+#[async_trait]
+impl<P: Provider> Pass for Provisioner<P> {
+    const NAME: &'static str = "provisioner";
+    const PROCESSOR: Processor = Processor::ShepherdProvisioner;
+
+    async fn pass(&self, session: &Session) -> anyhow::Result<()> {
+        let r = self.iterate(session).await?;
+        tracing::debug!(
+            managed = r.managed,
+            created = r.created,
+            failed = r.failed,
+            "reconciled"
+        );
+        Ok(())
     }
 }

@@ -7,13 +7,14 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use async_trait::async_trait;
 use shepherd_bmdb::{Bmdb, Processor, Provided, ProviderStatus, Session, SessionConfig};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::limiter::{Limiter, RateSpec};
+use crate::limiter::RateSpec;
+use crate::periodic::{self, Pass};
 use crate::provider::{Provider, ProviderMachine};
-use crate::runner::live_session;
 
 /// Tags written per transaction.
 const BATCH: usize = 500;
@@ -127,37 +128,24 @@ impl<P: Provider + ?Sized> Updater<P> {
     /// Passes at the configured rate until `cancel`, with its own session (processor
     /// `shepherd-updater`). A failed pass is logged; the next one tries again.
     pub async fn run(&self, db: Bmdb, session_config: SessionConfig, cancel: CancellationToken) {
-        let limiter = Limiter::new(self.rate);
-        let session_config = SessionConfig {
-            processor: Processor::ShepherdUpdater,
-            ..session_config
-        };
-        let mut session: Option<Session> = None;
-        loop {
-            tokio::select! {
-                biased;
-                _ = cancel.cancelled() => break,
-                _ = limiter.wait() => {}
-            }
-            let s = match live_session(&db, &session_config, session.take()).await {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!(error = %e, "updater cannot start a session");
-                    continue;
-                }
-            };
-            tokio::select! {
-                _ = cancel.cancelled() => { session = Some(s); break }
-                r = self.iterate(&s) => match r {
-                    Ok(r) => tracing::debug!(updated = r.updated, missing = r.missing, unchanged = r.unchanged, "provider facts updated"),
-                    Err(e) => tracing::warn!(error = %format!("{e:#}"), "updating provider facts failed"),
-                },
-            }
-            session = Some(s);
-        }
-        if let Some(s) = session {
-            let _ = s.close().await;
-        }
+        periodic::run(self, self.rate, db, session_config, cancel).await
+    }
+}
+
+#[async_trait]
+impl<P: Provider + ?Sized> Pass for Updater<P> {
+    const NAME: &'static str = "updater";
+    const PROCESSOR: Processor = Processor::ShepherdUpdater;
+
+    async fn pass(&self, session: &Session) -> anyhow::Result<()> {
+        let r = self.iterate(session).await?;
+        tracing::debug!(
+            updated = r.updated,
+            missing = r.missing,
+            unchanged = r.unchanged,
+            "provider facts updated"
+        );
+        Ok(())
     }
 }
 

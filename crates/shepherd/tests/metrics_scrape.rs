@@ -2,24 +2,17 @@
 //! text-format parser: the SPEC §16 counters carry the right labels and agree with the work
 //! history, the provider counters with what was created, the fleet gauges with the BMDB.
 
+mod common;
+
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::shepherd;
 use shepherd_bmdb::{testing, Bmdb, Process, StatusCounts, WorkEvent};
 
 const MACHINES: usize = 1000;
-
-fn shepherd() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_shepherd"));
-    for (k, _) in std::env::vars() {
-        if k.starts_with("SHEPHERD_") {
-            cmd.env_remove(k);
-        }
-    }
-    cmd
-}
 
 /// Reads the child's stdout until it names its metrics address.
 fn metrics_url(child: &mut Child) -> String {

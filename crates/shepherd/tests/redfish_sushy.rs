@@ -3,12 +3,15 @@
 //! and an unreachable BMC fail with clear causes, and the recoverer drives it all through the
 //! static provider with backoff on failure.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
+use common::free_port;
 use shepherd_bmdb::*;
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::recoverer::Recoverer;
@@ -50,14 +53,6 @@ impl Drop for Emulator {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 struct Certs {

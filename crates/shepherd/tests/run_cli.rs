@@ -2,25 +2,15 @@
 //! start-up errors naming the setting, the sim and static providers (the latter over a real
 //! sshd), and graceful shutdown on SIGTERM.
 
+mod common;
+
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use common::shepherd;
 use shepherd_bmdb::{testing, Bmdb, StatusCounts};
-
-/// `shepherd` with no SHEPHERD_* variables inherited from the caller.
-fn shepherd() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_shepherd"));
-    for (k, _) in std::env::vars() {
-        if k.starts_with("SHEPHERD_") {
-            cmd.env_remove(k);
-        }
-    }
-    // Default metrics ports would collide between tests running in parallel.
-    cmd.env("SHEPHERD_METRICS_LISTEN", "127.0.0.1:0");
-    cmd
-}
 
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()

@@ -3,26 +3,16 @@
 //! SSH, its heartbeats and hardware report arrive through TLS, and both processes shut down
 //! cleanly on SIGTERM.
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::shepherd;
 use shepherd_bmdb::Bmdb;
 use shepherd_proto::bmaas::AgentHardwareReport;
 use shepherd_proto::Message;
-
-fn shepherd() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_shepherd"));
-    for (k, _) in std::env::vars() {
-        if k.starts_with("SHEPHERD_") {
-            cmd.env_remove(k);
-        }
-    }
-    // Default metrics ports would collide between tests running in parallel.
-    cmd.env("SHEPHERD_METRICS_LISTEN", "127.0.0.1:0");
-    cmd.env("SHEPHERD_HTTP_LISTEN", "127.0.0.1:0");
-    cmd
-}
 
 /// Kills a child process on drop unless it was waited for.
 struct Guard(Option<Child>);

@@ -3,13 +3,15 @@
 //! filtered, paged and opened, and the rendered DOM must show what the database holds.
 //! Screenshots land in `target/web-ui/` for people to look at.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::{free_port, shepherd};
 use fantoccini::{Client, ClientBuilder, Locator};
 use shepherd_bmdb::*;
 use shepherd_proto::agent::{BlockDevice, Cpu, NetworkInterface, Node};
@@ -30,14 +32,6 @@ impl Drop for Guard {
     }
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn screenshot_dir() -> PathBuf {
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
@@ -49,13 +43,7 @@ fn screenshot_dir() -> PathBuf {
 
 /// `shepherd server` on free ports over `url`; returns it and its web UI base URL.
 fn start_server(url: &str, dir: &Path) -> (Guard, String) {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_shepherd"));
-    for (k, _) in std::env::vars() {
-        if k.starts_with("SHEPHERD_") {
-            cmd.env_remove(k);
-        }
-    }
-    let mut child = cmd
+    let mut child = shepherd()
         .args(["server", "--database", url, "--listen", "127.0.0.1:0"])
         .args(["--http-listen", "127.0.0.1:0"])
         // A reload in the middle of reading a page would detach the elements being read.
