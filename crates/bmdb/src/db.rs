@@ -12,6 +12,7 @@ use sqlx::sqlite::{
 use sqlx::{ConnectOptions, Connection};
 
 use crate::backend::{postgres, sqlite};
+use crate::claim_hints::ClaimHints;
 use crate::metrics::BmdbMetrics;
 use crate::migrations::{MIGRATIONS, SCHEMA_VERSION};
 use crate::retry::Retry;
@@ -70,6 +71,8 @@ pub(crate) enum Pools {
 pub(crate) struct Inner {
     pub(crate) pools: Pools,
     pub(crate) metrics: BmdbMetrics,
+    /// Leftover claim candidates, shared by every session of this handle.
+    pub(crate) claim_hints: ClaimHints,
     target: String,
 }
 
@@ -158,6 +161,7 @@ impl Bmdb {
             inner: Arc::new(Inner {
                 pools,
                 metrics: BmdbMetrics::default(),
+                claim_hints: ClaimHints::default(),
                 target,
             }),
         })

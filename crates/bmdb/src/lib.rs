@@ -6,6 +6,7 @@
 
 mod backend;
 mod backoff;
+mod claim_hints;
 mod db;
 mod eligibility;
 mod error;
@@ -27,7 +28,7 @@ pub use backoff::{default_interval_seconds, Backoff};
 pub use db::{BackendKind, Bmdb, OpenOptions, TxFuture};
 pub use eligibility::{RecoveryThresholds, Retrieval};
 pub use error::Error;
-pub use metrics::BmdbMetrics;
+pub use metrics::{BmdbMetrics, ClaimSearch};
 pub use migrations::SCHEMA_VERSION;
 pub use model::*;
 pub use session::{AgentHeartbeat, Session, SessionConfig, DEFAULT_SESSION_INTERVAL};

@@ -25,6 +25,35 @@ struct WorkEndLabels {
     result: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ClaimSearchLabels {
+    processor: &'static str,
+    process: &'static str,
+    search: &'static str,
+    result: &'static str,
+}
+
+/// Where a claim statement looked for an eligible machine (Postgres), cheapest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimSearch {
+    /// Leftover candidates of an earlier full search.
+    Hinted,
+    /// A small window of machine ids after a random point.
+    Window,
+    /// Every machine of the provider.
+    Everywhere,
+}
+
+impl ClaimSearch {
+    fn label(self) -> &'static str {
+        match self {
+            ClaimSearch::Hinted => "hinted",
+            ClaimSearch::Window => "window",
+            ClaimSearch::Everywhere => "everywhere",
+        }
+    }
+}
+
 /// How a unit of work ended, for the `result` label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum WorkResult {
@@ -42,6 +71,7 @@ pub struct BmdbMetrics {
     transaction_failed: Family<ProcessorLabels, Counter>,
     work_started: Family<WorkLabels, Counter>,
     work_finished: Family<WorkEndLabels, Counter>,
+    claim_searches: Family<ClaimSearchLabels, Counter>,
 }
 
 impl BmdbMetrics {
@@ -76,6 +106,11 @@ impl BmdbMetrics {
             "bmdb_work_finished",
             "Work units ended, by result",
             self.work_finished.clone(),
+        );
+        registry.register(
+            "bmdb_claim_searches",
+            "Claim statements on Postgres, by where they searched and whether they claimed",
+            self.claim_searches.clone(),
         );
     }
 
@@ -133,6 +168,45 @@ impl BmdbMetrics {
             .inc();
     }
 
+    pub(crate) fn claim_search(
+        &self,
+        processor: Processor,
+        process: Process,
+        search: ClaimSearch,
+        claimed: bool,
+    ) {
+        self.claim_searches
+            .get_or_create(&Self::search_labels(processor, process, search, claimed))
+            .inc();
+    }
+
+    fn search_labels(
+        processor: Processor,
+        process: Process,
+        search: ClaimSearch,
+        claimed: bool,
+    ) -> ClaimSearchLabels {
+        ClaimSearchLabels {
+            processor: processor.label(),
+            process: process.as_str(),
+            search: search.label(),
+            result: if claimed { "claimed" } else { "missed" },
+        }
+    }
+
+    /// Claim statements so far that searched `search` and claimed (or not) a machine.
+    pub fn claim_searches(
+        &self,
+        processor: Processor,
+        process: Process,
+        search: ClaimSearch,
+        claimed: bool,
+    ) -> u64 {
+        self.claim_searches
+            .get_or_create(&Self::search_labels(processor, process, search, claimed))
+            .get()
+    }
+
     /// Committed transactions so far for `processor` (for tests and status output).
     pub fn transactions_executed(&self, processor: Processor) -> u64 {
         self.transaction_executed
@@ -145,5 +219,34 @@ impl BmdbMetrics {
         self.transaction_retried
             .get_or_create(&Self::p(processor))
             .get()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn claim_searches_are_exposed_with_their_labels() {
+        let metrics = BmdbMetrics::default();
+        let mut registry = Registry::default();
+        metrics.register(&mut registry);
+        let (p, process) = (Processor::ShepherdInitializer, Process::ShepherdAgentStart);
+        metrics.claim_search(p, process, ClaimSearch::Hinted, true);
+        metrics.claim_search(p, process, ClaimSearch::Hinted, true);
+        metrics.claim_search(p, process, ClaimSearch::Everywhere, false);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        let line = |search: &str, result: &str, n: u64| {
+            format!(
+                "bmdb_claim_searches_total{{processor=\"shepherd-initializer\",process=\"ShepherdAgentStart\",search=\"{search}\",result=\"{result}\"}} {n}"
+            )
+        };
+        assert!(text.contains(&line("hinted", "claimed", 2)), "{text}");
+        assert!(text.contains(&line("everywhere", "missed", 1)), "{text}");
+        assert_eq!(
+            metrics.claim_searches(p, process, ClaimSearch::Window, true),
+            0
+        );
     }
 }

@@ -317,7 +317,19 @@ impl Session {
             // One statement, atomic on its own: no BEGIN/COMMIT round trips.
             Pools::Postgres(pool) => {
                 let mut conn = pool.acquire().await?;
-                postgres::claim(&mut conn, session, process, retrieval, strategy).await?
+                postgres::claim(
+                    &mut conn,
+                    session,
+                    process,
+                    retrieval,
+                    strategy,
+                    &postgres::ClaimShared {
+                        hints: &self.inner.db.inner.claim_hints,
+                        metrics: self.inner.db.metrics(),
+                        processor: self.inner.processor,
+                    },
+                )
+                .await?
             }
         };
         match outcome {

@@ -56,6 +56,37 @@ async fn history(db: &Bmdb, id: Uuid) -> Vec<HistoryEntry> {
         .unwrap()
 }
 
+/// Starts the agent of every machine in `ids` except those in `keep`, making them ineligible
+/// for agent start.
+async fn start_all_but(db: &Bmdb, ids: &[Uuid], keep: &BTreeSet<Uuid>) {
+    let started: Vec<Uuid> = ids
+        .iter()
+        .copied()
+        .filter(|id| !keep.contains(id))
+        .collect();
+    db.transact(move |tx| {
+        let started = started.clone();
+        Box::pin(async move {
+            for id in started {
+                tx.set_agent_started(id, &key(4)).await?;
+            }
+            Ok(())
+        })
+    })
+    .await
+    .unwrap();
+}
+
+/// Claims one machine for agent start and finishes it with its agent started.
+async fn claim_and_start(s: &Session) -> Uuid {
+    let mut w = claimed(s.work(Process::ShepherdAgentStart, START).await.unwrap());
+    let id = w.machine_id();
+    w.finish(move |tx| Box::pin(async move { tx.set_agent_started(id, &key(4)).await }))
+        .await
+        .unwrap();
+    id
+}
+
 async fn count_start(db: &Bmdb) -> i64 {
     db.read(|tx| {
         Box::pin(async move { tx.count_eligible(Process::ShepherdAgentStart, &START).await })
@@ -557,31 +588,11 @@ async fn claims_are_exclusive_under_parallelism(db: Bmdb) {
 async fn sparse_eligible_machines_are_found(db: Bmdb) {
     let ids = provision(&db, 1500, Provider::Sim).await;
     let keep: BTreeSet<Uuid> = [ids[3], ids[700], ids[1499]].into_iter().collect();
-    let started: Vec<Uuid> = ids
-        .iter()
-        .copied()
-        .filter(|id| !keep.contains(id))
-        .collect();
-    db.transact(move |tx| {
-        let started = started.clone();
-        Box::pin(async move {
-            for id in started {
-                tx.set_agent_started(id, &key(4)).await?;
-            }
-            Ok(())
-        })
-    })
-    .await
-    .unwrap();
+    start_all_but(&db, &ids, &keep).await;
     let s = session(&db, "sparse").await;
     let mut found = BTreeSet::new();
     for _ in 0..3 {
-        let mut w = claimed(s.work(Process::ShepherdAgentStart, START).await.unwrap());
-        found.insert(w.machine_id());
-        let id = w.machine_id();
-        w.finish(move |tx| Box::pin(async move { tx.set_agent_started(id, &key(4)).await }))
-            .await
-            .unwrap();
+        found.insert(claim_and_start(&s).await);
     }
     assert_eq!(found, keep);
     for _ in 0..5 {
@@ -1062,6 +1073,82 @@ async fn two_processes_share_one_sqlite_file() {
         .await
         .unwrap();
     assert_eq!((counts.agent_started, counts.history_entries), (300, 600));
+    other.close().await;
+    t.cleanup().await;
+}
+
+fn searches(db: &Bmdb, search: ClaimSearch, claimed: bool) -> u64 {
+    db.metrics().claim_searches(
+        Processor::ShepherdInitializer,
+        Process::ShepherdAgentStart,
+        search,
+        claimed,
+    )
+}
+
+/// On Postgres a full search keeps its other candidates as hints for the next claims of the
+/// same handle: a sparse fleet drains with one full search per many claims, each machine
+/// claimed once; hints made stale by another replica are re-checked and never claimed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_claims_reuse_leftover_candidates() {
+    let Some(t) = shepherd_bmdb::testing::postgres().await else {
+        return;
+    };
+    let db = t.db.clone();
+    let ids = provision(&db, 3000, Provider::Sim).await;
+    // 40 eligible machines spread over 3,000: the 64-id window search mostly misses.
+    let eligible: BTreeSet<Uuid> = ids.iter().copied().step_by(75).collect();
+    assert_eq!(eligible.len(), 40);
+    start_all_but(&db, &ids, &eligible).await;
+
+    let s = session(&db, "hinted").await;
+    let mut found = BTreeSet::new();
+    for _ in 0..20 {
+        assert!(found.insert(claim_and_start(&s).await), "claimed twice");
+    }
+    let full = searches(&db, ClaimSearch::Everywhere, true);
+    let hinted = searches(&db, ClaimSearch::Hinted, true);
+    assert!(full >= 1, "the first claims search everywhere");
+    assert!(
+        hinted >= 15,
+        "later claims are served by hints: {hinted} hinted, {full} full searches"
+    );
+
+    // Another replica (its own handle, so it has no hints) processes the other 20. Our hints
+    // now name machines that are no longer eligible: they must be dropped, not claimed.
+    let other = Bmdb::open(&t.url).await.unwrap();
+    let o = session(&other, "other-replica").await;
+    for _ in 0..20 {
+        assert!(found.insert(claim_and_start(&o).await), "claimed twice");
+    }
+    assert_eq!(found, eligible);
+    let stale_before = searches(&db, ClaimSearch::Hinted, false);
+    assert!(matches!(
+        s.work(Process::ShepherdAgentStart, START).await.unwrap(),
+        Claim::NothingToDo
+    ));
+    assert_eq!(
+        searches(&db, ClaimSearch::Hinted, false),
+        stale_before + 1,
+        "the stale hints were checked"
+    );
+    // The full search found nothing, so no hints remain: the next claim searches afresh.
+    let hinted_total = searches(&db, ClaimSearch::Hinted, false);
+    assert!(matches!(
+        s.work(Process::ShepherdAgentStart, START).await.unwrap(),
+        Claim::NothingToDo
+    ));
+    assert_eq!(searches(&db, ClaimSearch::Hinted, false), hinted_total);
+    for id in &eligible {
+        let started = history(&db, *id)
+            .await
+            .iter()
+            .filter(|e| e.event == WorkEvent::Started)
+            .count();
+        assert_eq!(started, 1, "machine {id} claimed once");
+    }
+    s.close().await.unwrap();
+    o.close().await.unwrap();
     other.close().await;
     t.cleanup().await;
 }

@@ -6,7 +6,9 @@ use sqlx::{postgres::PgRow, Acquire, PgConnection, Postgres, Row};
 use uuid::Uuid;
 
 use super::{ClaimOutcome, ClaimStrategy, EndOutcome, StatusCounts};
+use crate::claim_hints::{ClaimHints, HintKey};
 use crate::eligibility::{exclusion_list, Retrieval};
+use crate::metrics::{BmdbMetrics, ClaimSearch};
 use crate::model::*;
 use crate::summary::{FleetCounts, MachineSummary};
 use crate::Error;
@@ -613,18 +615,20 @@ pub(crate) async fn count_eligible(
 // ---------------------------------------------------------------------------------------------
 // Work (SPEC §4)
 
-/// Claims one eligible machine for `process` with at most two autocommitted statements. The
-/// first looks only at a small window of the id index after a random point, checking each
-/// machine with index probes: cheap when eligible machines are common, and it spreads parallel
-/// claimers over the fleet. If that window yields no machine to lock, the second searches the
-/// whole provider (wrapping around) with a join-shaped query the planner can run as an
-/// anti-join, which stays cheap when eligible machines are rare or absent.
+/// Claims one eligible machine for `process` with autocommitted statements, cheapest search
+/// first. Leftover candidates of an earlier full search (`hints`) are checked first; then a
+/// small window of the id index after a random point, checking each machine with index
+/// probes: cheap when eligible machines are common, and it spreads parallel claimers over the
+/// fleet. If neither yields a machine to lock, the last statement searches the whole provider
+/// (wrapping around) with a join-shaped query the planner can run as an anti-join, which stays
+/// cheap when eligible machines are rare or absent, and leaves its other candidates as hints.
 pub(crate) async fn claim(
     conn: &mut PgConnection,
     session: Uuid,
     process: Process,
     retrieval: &Retrieval,
     strategy: ClaimStrategy,
+    shared: &ClaimShared<'_>,
 ) -> Result<ClaimOutcome> {
     if strategy == ClaimStrategy::UpstreamFirstRow {
         let mut tx = conn.begin().await?;
@@ -636,43 +640,124 @@ pub(crate) async fn claim(
         }
         return Ok(outcome);
     }
-    let start = Uuid::new_v4();
-    match claim_statement(conn, session, process, retrieval, start, Search::Window).await? {
-        ClaimOutcome::Nothing | ClaimOutcome::Conflict => {
-            claim_statement(conn, session, process, retrieval, start, Search::Everywhere).await
+    let key = HintKey::new(process, retrieval);
+    let hints = shared.hints;
+    let hinted = hints.take(key, HINTS_PER_CLAIM);
+    if !hinted.is_empty() {
+        let (outcome, unused) = claim_statement(
+            conn,
+            session,
+            process,
+            retrieval,
+            shared,
+            Search::Given(hinted),
+        )
+        .await?;
+        hints.give_back(key, unused);
+        if !matches!(outcome, ClaimOutcome::Nothing | ClaimOutcome::Conflict) {
+            return Ok(outcome);
         }
-        decided => Ok(decided),
     }
+    let start = Uuid::new_v4();
+    let (outcome, _) = claim_statement(
+        conn,
+        session,
+        process,
+        retrieval,
+        shared,
+        Search::Window(start),
+    )
+    .await?;
+    if !matches!(outcome, ClaimOutcome::Nothing | ClaimOutcome::Conflict) {
+        return Ok(outcome);
+    }
+    let (outcome, leftovers) = claim_statement(
+        conn,
+        session,
+        process,
+        retrieval,
+        shared,
+        Search::Everywhere(start),
+    )
+    .await?;
+    match outcome {
+        ClaimOutcome::Nothing => hints.clear(key),
+        _ => hints.replace(key, leftovers),
+    }
+    Ok(outcome)
+}
+
+/// What every claim of one `Bmdb` handle shares: leftover candidates and the metrics.
+pub(crate) struct ClaimShared<'a> {
+    pub(crate) hints: &'a ClaimHints,
+    pub(crate) metrics: &'a BmdbMetrics,
+    pub(crate) processor: Processor,
 }
 
 /// Where a claim statement looks for candidates.
-#[derive(Clone, Copy, PartialEq, Eq)]
 enum Search {
+    /// Leftover candidates of an earlier full search.
+    Given(Vec<Uuid>),
     /// The next `CLAIM_WINDOW` machines of the provider at or after the start point.
-    Window,
+    Window(Uuid),
     /// Every machine of the provider, from the start point, wrapping around.
-    Everywhere,
+    Everywhere(Uuid),
+}
+
+impl Search {
+    /// The `search` label of the claim search metric.
+    fn label(&self) -> ClaimSearch {
+        match self {
+            Search::Given(_) => ClaimSearch::Hinted,
+            Search::Window(_) => ClaimSearch::Window,
+            Search::Everywhere(_) => ClaimSearch::Everywhere,
+        }
+    }
+
+    /// Candidates the statement considers at most; a full search keeps its extra ones as hints.
+    fn limit(&self) -> i64 {
+        match self {
+            Search::Given(_) | Search::Window(_) => CLAIM_CANDIDATES,
+            Search::Everywhere(_) => CLAIM_HINTS,
+        }
+    }
 }
 
 /// Index entries the window search looks at.
 const CLAIM_WINDOW: i64 = 64;
 
+/// Candidates a full search collects: one is claimed, the rest become hints.
+const CLAIM_HINTS: i64 = 256;
+
+/// Hints one claim checks. Few, so parallel claimers check different ones; those still
+/// eligible but not claimed go back to the list.
+const HINTS_PER_CLAIM: usize = 8;
+
 /// One claim statement: live-session check; candidates evaluated lazily until one locks; a
 /// `SKIP LOCKED` row lock that also skips machines claimed since our snapshot (their
 /// `claim_count` moved on, and READ COMMITTED re-checks the condition against the newest
 /// version of the locked row while `seen` keeps the snapshot's); the lock insert (a lost race
-/// yields no row instead of an error); Started history; the previous backoff interval.
+/// yields no row instead of an error); Started history; the previous backoff interval. Also
+/// returns, for a full or hinted search, the eligible candidates it did not lock.
 async fn claim_statement(
     conn: &mut PgConnection,
     session: Uuid,
     process: Process,
     retrieval: &Retrieval,
-    start: Uuid,
+    shared: &ClaimShared<'_>,
     search: Search,
-) -> Result<ClaimOutcome> {
+) -> Result<(ClaimOutcome, Vec<Uuid>)> {
     let provider = retrieval.provider().as_str();
-    let candidates = match search {
-        Search::Window => {
+    let limit = search.limit();
+    let candidates = match &search {
+        Search::Given(_) => {
+            let cond = eligibility(process, retrieval, 4, Shape::Probe);
+            format!(
+                "SELECT p.machine_id FROM machine_provided p
+                 WHERE p.machine_id = ANY($2::uuid[]) AND {cond} ORDER BY p.machine_id LIMIT $3"
+            )
+        }
+        Search::Window(_) => {
             let cond = eligibility(process, retrieval, 4, Shape::Probe);
             format!(
                 "SELECT p.machine_id FROM (
@@ -681,7 +766,7 @@ async fn claim_statement(
                  WHERE {cond} ORDER BY p.machine_id LIMIT $3"
             )
         }
-        Search::Everywhere => {
+        Search::Everywhere(_) => {
             let cond = eligibility(process, retrieval, 4, Shape::Join);
             format!(
                 "(SELECT p.machine_id FROM machine_provided p
@@ -691,6 +776,13 @@ async fn claim_statement(
                   WHERE p.machine_id < $2 AND {cond} ORDER BY p.machine_id LIMIT $3)
                  LIMIT $3"
             )
+        }
+    };
+    let leftovers = match search {
+        Search::Window(_) => "NULL::uuid[]",
+        Search::Given(_) | Search::Everywhere(_) => {
+            "(SELECT array_agg(machine_id) FROM cand
+              WHERE machine_id NOT IN (SELECT machine_id FROM locked))"
         }
     };
     let proc = process.as_str();
@@ -719,22 +811,35 @@ async fn claim_statement(
                 (SELECT machine_id FROM ins),
                 (SELECT b.last_interval_seconds FROM work_backoff b JOIN ins ON b.machine_id = ins.machine_id
                  WHERE b.process = '{proc}'),
-                CASE WHEN EXISTS (SELECT 1 FROM locked) THEN 0 ELSE (SELECT count(*) FROM cand) END"
+                CASE WHEN EXISTS (SELECT 1 FROM locked) THEN 0 ELSE (SELECT count(*) FROM cand) END,
+                {leftovers}"
     );
-    let q = sqlx::query_as::<_, (bool, bool, Option<Uuid>, Option<i64>, i64)>(&sql)
-        .bind(session)
-        .bind(start)
-        .bind(CLAIM_CANDIDATES);
-    let row = bind_thresholds(q, retrieval).fetch_one(&mut *conn).await;
-    let (session_ok, locked, machine, last_interval, candidates) = match row {
+    type ClaimRow = (
+        bool,
+        bool,
+        Option<Uuid>,
+        Option<i64>,
+        i64,
+        Option<Vec<Uuid>>,
+    );
+    let label = search.label();
+    let q = sqlx::query_as::<_, ClaimRow>(&sql).bind(session);
+    let q = match search {
+        Search::Given(ids) => q.bind(ids),
+        Search::Window(start) | Search::Everywhere(start) => q.bind(start),
+    };
+    let row = bind_thresholds(q.bind(limit), retrieval)
+        .fetch_one(&mut *conn)
+        .await;
+    let (session_ok, locked, machine, last_interval, candidates, leftovers) = match row {
         // The session row was deleted (garbage-collected) after our snapshot saw it alive: the
         // lock insert's foreign key check, which key-share locks the session, refused it.
         Err(e) if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("23503") => {
-            return Ok(ClaimOutcome::SessionExpired)
+            return Ok((ClaimOutcome::SessionExpired, Vec::new()))
         }
         other => other?,
     };
-    Ok(match machine {
+    let outcome = match machine {
         Some(machine_id) => ClaimOutcome::Claimed {
             machine_id,
             last_interval,
@@ -744,9 +849,14 @@ async fn claim_statement(
         None if locked => ClaimOutcome::Conflict,
         // Every candidate we saw is being or has been claimed by others. If the search was cut
         // at the candidate limit, more may lie beyond it; otherwise nothing is left for us.
-        None if candidates >= CLAIM_CANDIDATES => ClaimOutcome::Conflict,
+        None if candidates >= limit => ClaimOutcome::Conflict,
         None => ClaimOutcome::Nothing,
-    })
+    };
+    let claimed = matches!(outcome, ClaimOutcome::Claimed { .. });
+    shared
+        .metrics
+        .claim_search(shared.processor, process, label, claimed);
+    Ok((outcome, leftovers.unwrap_or_default()))
 }
 
 /// Upstream's claim shape, kept only as a benchmark baseline: first eligible row, plain insert,
