@@ -5,28 +5,17 @@
 mod common;
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::shepherd;
+use common::{announced, shepherd};
 use shepherd_bmdb::{testing, Bmdb, Process, StatusCounts, WorkEvent};
 
 const MACHINES: usize = 1000;
 
 /// Reads the child's stdout until it names its metrics address.
 fn metrics_url(child: &mut Child) -> String {
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(url) = line.strip_prefix("shepherd run: metrics at ") {
-                let _ = tx.send(url.to_string());
-            }
-        }
-    });
-    rx.recv_timeout(Duration::from_secs(30))
-        .expect("shepherd run did not print its metrics address")
+    announced(child, "shepherd run: metrics at ")
 }
 
 /// One sample: metric name and labels → value.

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::shepherd;
+use common::{announced, shepherd};
 use shepherd_bmdb::{testing, Bmdb, StatusCounts};
 
 fn stderr(o: &Output) -> String {
@@ -626,7 +626,7 @@ async fn deploy_examples_are_valid() {
 /// and reports its API calls in /metrics; the token never reaches the logs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn equinix_run_provisions_from_reservations() {
-    use std::io::{BufRead, BufReader};
+    use std::io::BufReader;
     let fake = shepherd_equinix::fake::FakeEquinix::start("tok-123456", "proj", 5).await;
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite:{}", dir.path().join("bmdb.sqlite").display());
@@ -659,15 +659,6 @@ async fn equinix_run_provisions_from_reservations() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(u) = line.strip_prefix("shepherd run: metrics at ") {
-                let _ = tx.send(u.to_string());
-            }
-        }
-    });
     // Debug logs are plentiful: drain them as they come, or the child blocks on a full pipe.
     let stderr_pipe = child.stderr.take().unwrap();
     let logs = std::thread::spawn(move || {
@@ -675,7 +666,7 @@ async fn equinix_run_provisions_from_reservations() {
         let _ = std::io::Read::read_to_string(&mut BufReader::new(stderr_pipe), &mut text);
         text
     });
-    let metrics_url = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    let metrics_url = announced(&mut child, "shepherd run: metrics at ");
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         if counts(&url).await.is_some_and(|c| c.provided == 3) {

@@ -6,12 +6,11 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{free_port, shepherd};
+use common::{announced, free_port, shepherd};
 use fantoccini::{Client, ClientBuilder, Locator};
 use shepherd_bmdb::*;
 use shepherd_proto::agent::{BlockDevice, Cpu, NetworkInterface, Node};
@@ -43,7 +42,7 @@ fn screenshot_dir() -> PathBuf {
 
 /// `shepherd server` on free ports over `url`; returns it and its web UI base URL.
 fn start_server(url: &str, dir: &Path) -> (Guard, String) {
-    let mut child = shepherd()
+    let child = shepherd()
         .args(["server", "--database", url, "--listen", "127.0.0.1:0"])
         .args(["--http-listen", "127.0.0.1:0"])
         // A reload in the middle of reading a page would detach the elements being read.
@@ -54,20 +53,9 @@ fn start_server(url: &str, dir: &Path) -> (Guard, String) {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(rest) = line.strip_prefix("shepherd server: web UI at ") {
-                let base = rest.split("/machines").next().unwrap().to_string();
-                let _ = tx.send(base);
-            }
-        }
-    });
-    let guard = Guard(child);
-    let base = rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("shepherd server did not print its web UI address");
+    let mut guard = Guard(child);
+    let announced = announced(&mut guard.0, "shepherd server: web UI at ");
+    let base = announced.split("/machines").next().unwrap().to_string();
     (guard, base)
 }
 

@@ -850,8 +850,30 @@ pub(crate) async fn machine_backoffs(c: &mut SqliteTx, machine: Uuid) -> Result<
         .collect()
 }
 
-fn per_process(rows: Vec<(String, i64)>) -> Result<Vec<(Process, i64)>> {
+/// Parses the names of `(name, count)` rows (processes, providers).
+fn parse_counts<T>(rows: Vec<(String, i64)>) -> Result<Vec<(T, i64)>>
+where
+    T: std::str::FromStr,
+    Error: From<T::Err>,
+{
     rows.into_iter().map(|(p, n)| Ok((p.parse()?, n))).collect()
+}
+
+/// Active work rows and active backoffs, per process.
+async fn active_work_counts(
+    c: &mut SqliteTx,
+) -> Result<(Vec<(Process, i64)>, Vec<(Process, i64)>)> {
+    let work =
+        sqlx::query_as("SELECT process, count(*) FROM work GROUP BY process ORDER BY process")
+            .fetch_all(&mut *c.tx)
+            .await?;
+    let backoffs = sqlx::query_as(
+        "SELECT process, count(*) FROM work_backoff WHERE until > $1 GROUP BY process ORDER BY process",
+    )
+    .bind(c.now)
+    .fetch_all(&mut *c.tx)
+    .await?;
+    Ok((parse_counts(work)?, parse_counts(backoffs)?))
 }
 
 pub(crate) async fn status_counts(c: &mut SqliteTx) -> Result<StatusCounts> {
@@ -866,16 +888,7 @@ pub(crate) async fn status_counts(c: &mut SqliteTx) -> Result<StatusCounts> {
     .bind(c.now)
     .fetch_one(&mut *c.tx)
     .await?;
-    let work =
-        sqlx::query_as("SELECT process, count(*) FROM work GROUP BY process ORDER BY process")
-            .fetch_all(&mut *c.tx)
-            .await?;
-    let backoffs = sqlx::query_as(
-        "SELECT process, count(*) FROM work_backoff WHERE until > $1 GROUP BY process ORDER BY process",
-    )
-    .bind(c.now)
-    .fetch_all(&mut *c.tx)
-    .await?;
+    let (work, backoffs) = active_work_counts(c).await?;
     Ok(StatusCounts {
         machines,
         provided,
@@ -883,8 +896,8 @@ pub(crate) async fn status_counts(c: &mut SqliteTx) -> Result<StatusCounts> {
         heartbeating,
         sessions_live,
         sessions_expired,
-        work: per_process(work)?,
-        backoffs: per_process(backoffs)?,
+        work,
+        backoffs,
         history_entries,
     })
 }
@@ -1047,29 +1060,17 @@ pub(crate) async fn fleet_counts(c: &mut SqliteTx, stale_after_secs: f64) -> Res
     )
     .fetch_all(&mut *c.tx)
     .await?;
-    let work =
-        sqlx::query_as("SELECT process, count(*) FROM work GROUP BY process ORDER BY process")
-            .fetch_all(&mut *c.tx)
-            .await?;
-    let backoffs = sqlx::query_as(
-        "SELECT process, count(*) FROM work_backoff WHERE until > $1 GROUP BY process ORDER BY process",
-    )
-    .bind(c.now)
-    .fetch_all(&mut *c.tx)
-    .await?;
+    let (work, backoffs) = active_work_counts(c).await?;
     Ok(FleetCounts {
         machines,
-        provided: provided
-            .into_iter()
-            .map(|(p, n)| Ok((p.parse()?, n)))
-            .collect::<Result<_>>()?,
+        provided: parse_counts(provided)?,
         agent_started,
         heartbeating,
         stale,
         pending_install,
         installed,
-        work: per_process(work)?,
-        backoffs: per_process(backoffs)?,
+        work,
+        backoffs,
     })
 }
 

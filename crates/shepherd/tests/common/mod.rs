@@ -1,7 +1,9 @@
 //! Helpers shared by the CLI integration tests.
 #![allow(dead_code)] // each test binary uses its own subset
 
-use std::process::Command;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command};
+use std::time::Duration;
 
 /// The `shepherd` binary with no `SHEPHERD_*` variables inherited from the caller, and its HTTP
 /// endpoints on free ports (default ports would collide between tests running in parallel).
@@ -24,4 +26,20 @@ pub fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
+}
+
+/// Waits (up to 30 s) for `child` to print a stdout line starting with `prefix` and returns the
+/// rest of that line. The child's stdout keeps being drained afterwards, so it never blocks.
+pub fn announced(child: &mut Child, prefix: &'static str) -> String {
+    let stdout = child.stdout.take().expect("child stdout is piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(rest) = line.strip_prefix(prefix) {
+                let _ = tx.send(rest.to_string());
+            }
+        }
+    });
+    rx.recv_timeout(Duration::from_secs(30))
+        .unwrap_or_else(|_| panic!("the child never printed {prefix:?}"))
 }
