@@ -2,12 +2,16 @@
 //! certificates of their ed25519 key; each request is authorized against the `agent_started`
 //! tag, and heartbeats, hardware reports and installation reports land in the BMDB.
 
+pub mod admission;
+pub mod metrics;
 pub mod pool;
 pub mod serve;
 pub mod service;
+pub mod status;
 pub mod tls;
 
+pub use metrics::{CloseReason, ConnectionMetrics, Rejection};
 pub use pool::SessionPool;
-pub use serve::{serve, ServerLimits};
+pub use serve::{serve, serve_with_metrics, Peer, ServerLimits};
 pub use service::{BmaasService, MAX_MESSAGE_BYTES};
 pub use tls::{dev_certs, load_server_config, peer_ed25519_key, DevCerts};

@@ -15,7 +15,7 @@ use tonic::{Request, Response, Status};
 use uuid::Uuid;
 
 use crate::pool::SessionPool;
-use crate::tls::peer_ed25519_key;
+use crate::serve::Peer;
 
 /// Largest request accepted (a hardware report of a big machine is tens of KiB).
 pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
@@ -51,12 +51,10 @@ impl AgentCallback for BmaasService {
         &self,
         request: Request<HeartbeatRequest>,
     ) -> Result<Response<HeartbeatResponse>, Status> {
-        let key = request
-            .peer_certs()
-            .and_then(|certs| certs.first().and_then(|c| peer_ed25519_key(c)))
-            .ok_or_else(|| {
-                Status::unauthenticated("client certificate must certify an ed25519 key")
-            })?;
+        let peer = request.extensions().get::<Peer>().cloned();
+        let key = peer.as_ref().and_then(|p| p.key).ok_or_else(|| {
+            Status::unauthenticated("client certificate must certify an ed25519 key")
+        })?;
         let req = request.into_inner();
         let machine: Uuid = req
             .machine_id
@@ -120,6 +118,9 @@ impl AgentCallback for BmaasService {
             Outcome::Unauthorized => return Err(Status::unauthenticated(UNAUTHENTICATED)),
             Outcome::Done(pending) => pending,
         };
+        if let Some(peer) = &peer {
+            peer.authorized();
+        }
         let installation_request = pending.and_then(|raw| match OsInstallationRequest::decode(raw.as_slice()) {
             Ok(r) => Some(r),
             Err(e) => {

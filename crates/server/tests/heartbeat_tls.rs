@@ -85,6 +85,38 @@ async fn client(
     Ok(AgentCallbackClient::new(channel).max_encoding_message_size(8 << 20))
 }
 
+/// A message whose field 1 is a varint: `machine_id` (field 1) is a string, so a
+/// HeartbeatRequest cannot be decoded from it.
+#[derive(Clone, PartialEq, prost::Message)]
+struct NotAHeartbeat {
+    #[prost(uint64, tag = "1")]
+    field: u64,
+}
+
+/// Sends bytes that do not decode as a HeartbeatRequest to the Heartbeat method.
+async fn garbage_heartbeat(server: &Server, agent: &Agent) -> tonic::Status {
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&server.ca_pem))
+        .domain_name("localhost")
+        .identity(Identity::from_pem(&agent.cert_pem, &agent.key_pem));
+    let channel = Endpoint::from_shared(format!("https://{}", server.addr))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.unwrap();
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static(
+        "/cloud.bmaas.server.api.AgentCallback/Heartbeat",
+    );
+    let codec = tonic_prost::ProstCodec::<NotAHeartbeat, HeartbeatResponse>::default();
+    grpc.unary(tonic::Request::new(NotAHeartbeat { field: 7 }), path, codec)
+        .await
+        .unwrap_err()
+}
+
 async fn machine_with_agent(db: &Bmdb, key: &[u8]) -> Uuid {
     let key = key.to_vec();
     db.transact(move |tx| {
@@ -179,8 +211,13 @@ async fn agents_are_authorized_by_key(db: Bmdb) {
         installation_report: None,
     };
     let e = c.heartbeat(huge).await.unwrap_err();
-    assert_eq!(e.code(), Code::OutOfRange, "{e}");
+    // As upstream's grpc-go server answers (tonic alone says OutOfRange).
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e}");
     assert!(heartbeat_of(&db, m3).await.is_none());
+
+    // Bytes that are not a HeartbeatRequest are the caller's fault, not an internal error.
+    let e = garbage_heartbeat(&server, &good).await;
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
 
     // No client certificate: the TLS handshake itself fails.
     let anonymous = match client(&server, None).await {

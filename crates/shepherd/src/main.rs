@@ -6,6 +6,7 @@ mod bmdb_cmd;
 mod config_cmd;
 mod config_file;
 mod demo;
+mod fds;
 mod fleet;
 mod fleet_stats;
 mod inventory;

@@ -3,12 +3,14 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use shepherd_bmdb::{Bmdb, OpenOptions, Processor, RecoveryThresholds, SessionConfig};
 use shepherd_server::{
-    dev_certs, load_server_config, serve, BmaasService, ServerLimits, SessionPool,
+    dev_certs, load_server_config, serve_with_metrics, BmaasService, ConnectionMetrics,
+    ServerLimits, SessionPool,
 };
 
 use crate::fleet::shutdown_on_signals;
@@ -55,10 +57,76 @@ pub struct ServerArgs {
     /// BMDB sessions shared by all requests.
     #[arg(long, env = "SHEPHERD_SERVER_SESSIONS", default_value_t = 4)]
     pub sessions: usize,
+
+    /// A TLS handshake must finish within this.
+    #[arg(long, env = "SHEPHERD_SERVER_HANDSHAKE_TIMEOUT", default_value = "5s", value_parser = crate::run_cmd::duration)]
+    pub handshake_timeout: Duration,
+    /// TLS handshakes in progress, in all.
+    #[arg(
+        long,
+        env = "SHEPHERD_SERVER_MAX_PENDING_HANDSHAKES",
+        default_value_t = 1024
+    )]
+    pub max_pending_handshakes: usize,
+    /// TLS handshakes in progress from one peer (an IPv4 address or an IPv6 /64).
+    #[arg(
+        long,
+        env = "SHEPHERD_SERVER_MAX_PENDING_HANDSHAKES_PER_PEER",
+        default_value_t = 16
+    )]
+    pub max_pending_handshakes_per_peer: usize,
+    /// Established agent connections, in all (each holds a file descriptor).
+    #[arg(
+        long,
+        env = "SHEPHERD_SERVER_MAX_CONNECTIONS",
+        default_value_t = 20_000
+    )]
+    pub max_connections: usize,
+    /// Established connections from one peer (agents behind one NAT share an address).
+    #[arg(
+        long,
+        env = "SHEPHERD_SERVER_MAX_CONNECTIONS_PER_PEER",
+        default_value_t = 1024
+    )]
+    pub max_connections_per_peer: usize,
+    /// Close a connection that made no request for this long (a few agent heartbeat intervals).
+    #[arg(long, env = "SHEPHERD_SERVER_IDLE_TIMEOUT", default_value = "2m", value_parser = crate::run_cmd::duration)]
+    pub idle_timeout: Duration,
+    /// Close a connection that made no authorized agent request this long after its handshake.
+    #[arg(long, env = "SHEPHERD_SERVER_UNAUTHENTICATED_TIMEOUT", default_value = "30s", value_parser = crate::run_cmd::duration)]
+    pub unauthenticated_timeout: Duration,
+    /// HTTP/2 ping interval on quiet connections.
+    #[arg(long, env = "SHEPHERD_SERVER_KEEPALIVE_INTERVAL", default_value = "1m", value_parser = crate::run_cmd::duration)]
+    pub keepalive_interval: Duration,
+    /// Close a connection whose ping is not answered within this.
+    #[arg(long, env = "SHEPHERD_SERVER_KEEPALIVE_TIMEOUT", default_value = "20s", value_parser = crate::run_cmd::duration)]
+    pub keepalive_timeout: Duration,
+}
+
+impl ServerArgs {
+    /// The connection limits, checked; the message names the setting.
+    pub fn limits(&self) -> Result<ServerLimits> {
+        let limits = ServerLimits {
+            handshake_timeout: self.handshake_timeout,
+            max_pending_handshakes: self.max_pending_handshakes,
+            max_pending_handshakes_per_peer: self.max_pending_handshakes_per_peer,
+            max_connections: self.max_connections,
+            max_connections_per_peer: self.max_connections_per_peer,
+            idle_timeout: self.idle_timeout,
+            unauthenticated_timeout: self.unauthenticated_timeout,
+            keepalive_interval: self.keepalive_interval,
+            keepalive_timeout: self.keepalive_timeout,
+            ..ServerLimits::default()
+        };
+        limits.validate()?;
+        Ok(limits)
+    }
 }
 
 /// Runs the server until SIGINT/SIGTERM.
 pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
+    let limits = args.limits()?;
+    crate::fds::raise_limit_for(limits.max_connections + limits.max_pending_handshakes);
     let tls = match (&args.tls_cert, &args.tls_key, &args.dev_certs) {
         (Some(cert), Some(key), None) => load_server_config(cert, key)?,
         (None, None, Some(dir)) => {
@@ -94,12 +162,14 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
         args.sessions,
     ));
     let cancel = shutdown_on_signals();
-    let registry = crate::metrics_http::registry_with_fleet_stats(
+    let mut registry = crate::metrics_http::registry_with_fleet_stats(
         &db,
         RecoveryThresholds::default(),
         args.stats_interval,
         cancel.clone(),
     );
+    let connections = ConnectionMetrics::default();
+    connections.register(&mut registry);
     let http = crate::metrics_http::serve(
         args.http_listen,
         "http-listen",
@@ -111,11 +181,12 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     crate::fleet::announce(&format!(
         "shepherd server: web UI at http://{http}/machines, metrics at http://{http}/metrics"
     ));
-    let result = serve(
+    let result = serve_with_metrics(
         listener,
         Arc::new(tls),
         BmaasService::new(pool.clone()),
-        ServerLimits::default(),
+        limits,
+        connections,
         cancel,
     )
     .await;

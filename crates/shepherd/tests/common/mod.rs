@@ -31,15 +31,77 @@ pub fn free_port() -> u16 {
 /// Waits (up to 30 s) for `child` to print a stdout line starting with `prefix` and returns the
 /// rest of that line. The child's stdout keeps being drained afterwards, so it never blocks.
 pub fn announced(child: &mut Child, prefix: &'static str) -> String {
+    announced_all(child, &[prefix]).remove(0)
+}
+
+/// Like [`announced`] for several lines: the rest of the first line starting with each prefix,
+/// in the order of `prefixes`.
+pub fn announced_all(child: &mut Child, prefixes: &[&'static str]) -> Vec<String> {
     let stdout = child.stdout.take().expect("child stdout is piped");
     let (tx, rx) = std::sync::mpsc::channel();
+    let wanted = prefixes.to_vec();
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(rest) = line.strip_prefix(prefix) {
-                let _ = tx.send(rest.to_string());
+            for (i, prefix) in wanted.iter().enumerate() {
+                if let Some(rest) = line.strip_prefix(prefix) {
+                    let _ = tx.send((i, rest.to_string()));
+                }
             }
         }
     });
-    rx.recv_timeout(Duration::from_secs(30))
-        .unwrap_or_else(|_| panic!("the child never printed {prefix:?}"))
+    let mut found: Vec<Option<String>> = vec![None; prefixes.len()];
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while found.iter().any(Option::is_none) {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok((i, rest)) => {
+                found[i].get_or_insert(rest);
+            }
+            Err(_) => panic!("the child never printed all of {prefixes:?}"),
+        }
+    }
+    found.into_iter().map(Option::unwrap).collect()
+}
+
+/// A child process killed (SIGKILL) on drop unless it was waited for.
+pub struct ChildGuard(pub Option<Child>);
+
+impl ChildGuard {
+    /// The child.
+    pub fn child(&mut self) -> &mut Child {
+        self.0.as_mut().expect("child still held")
+    }
+
+    /// Sends SIGTERM and waits for the child to exit.
+    pub fn terminate(mut self) -> std::process::Output {
+        let child = self.0.take().expect("child still held");
+        signal(&child, "TERM");
+        child.wait_with_output().unwrap()
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Sends `SIG{name}` to `child`.
+pub fn signal(child: &Child, name: &str) {
+    let ok = Command::new("kill")
+        .args([&format!("-{name}"), &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill -{name} failed");
+}
+
+/// The value of one sample of a Prometheus text exposition, if present.
+pub fn sample(text: &str, name_and_labels: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(name_and_labels)?.trim().parse().ok())
 }
