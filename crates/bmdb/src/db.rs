@@ -74,6 +74,90 @@ pub(crate) struct Inner {
     /// Leftover claim candidates, shared by every session of this handle.
     pub(crate) claim_hints: ClaimHints,
     target: String,
+    /// The last diagnosis of an unreachable database, and when it was made.
+    diagnosis: tokio::sync::Mutex<Option<(std::time::Instant, String)>>,
+}
+
+/// How long one diagnosis of an unreachable database is reused: an outage makes every waiting
+/// caller time out at once, and one probe connection per second is enough to name the cause.
+const DIAGNOSIS_TTL: Duration = Duration::from_secs(1);
+
+/// How long a diagnostic connection attempt may take.
+const DIAGNOSIS_TIMEOUT: Duration = Duration::from_secs(3);
+
+impl Inner {
+    async fn begin_now(&self, mode: Mode) -> Result<Tx, Error> {
+        let inner = match (&self.pools, mode) {
+            (Pools::Sqlite { writer, .. }, Mode::Write) => {
+                let tx = writer
+                    .begin_with("BEGIN IMMEDIATE")
+                    .await
+                    .map_err(|e| self.explain_sqlite(e, "the SQLite writer"))?;
+                TxInner::Sqlite(sqlite::SqliteTx {
+                    tx,
+                    now: Utc::now().timestamp_micros(),
+                })
+            }
+            (Pools::Sqlite { reader, .. }, Mode::Read) => {
+                let tx = reader
+                    .begin()
+                    .await
+                    .map_err(|e| self.explain_sqlite(e, "a SQLite reader"))?;
+                TxInner::Sqlite(sqlite::SqliteTx {
+                    tx,
+                    now: Utc::now().timestamp_micros(),
+                })
+            }
+            (Pools::Postgres(pool), _) => match pool.begin().await {
+                Ok(tx) => TxInner::Postgres(tx),
+                Err(e) => return Err(self.explain(e).await),
+            },
+        };
+        Ok(Tx { inner })
+    }
+
+    fn explain_sqlite(&self, e: sqlx::Error, what: &str) -> Error {
+        match e {
+            sqlx::Error::PoolTimedOut => Error::Unavailable {
+                target: self.target.clone(),
+                cause: format!("timed out waiting for {what} (another transaction held it)"),
+            },
+            e => Error::Database(e),
+        }
+    }
+
+    /// Turns the pool's bare "timed out" into its cause: the pool retries failed connections
+    /// until its timeout and then forgets why they failed, so one direct connection attempt
+    /// (at most one per [`DIAGNOSIS_TTL`], shared by every caller) asks the server again.
+    pub(crate) async fn explain(&self, e: sqlx::Error) -> Error {
+        let Pools::Postgres(pool) = &self.pools else {
+            return self.explain_sqlite(e, "the SQLite pool");
+        };
+        if !matches!(e, sqlx::Error::PoolTimedOut) {
+            return Error::Database(e);
+        }
+        let mut cached = self.diagnosis.lock().await;
+        let cause = match cached.as_ref() {
+            Some((at, cause)) if at.elapsed() < DIAGNOSIS_TTL => cause.clone(),
+            _ => {
+                let options = pool.connect_options();
+                let cause = match tokio::time::timeout(DIAGNOSIS_TIMEOUT, options.connect()).await {
+                    Err(_) => format!("connecting timed out after {DIAGNOSIS_TIMEOUT:?}"),
+                    Ok(Err(e)) => e.to_string(),
+                    Ok(Ok(conn)) => {
+                        let _ = conn.close().await;
+                        "every pooled connection stayed busy".to_string()
+                    }
+                };
+                *cached = Some((std::time::Instant::now(), cause.clone()));
+                cause
+            }
+        };
+        Error::Unavailable {
+            target: self.target.clone(),
+            cause,
+        }
+    }
 }
 
 /// A handle to one BMDB. Cheap to clone; all clones share the pool and metrics.
@@ -163,6 +247,7 @@ impl Bmdb {
                 metrics: BmdbMetrics::default(),
                 claim_hints: ClaimHints::default(),
                 target,
+                diagnosis: tokio::sync::Mutex::new(None),
             }),
         })
     }
@@ -242,25 +327,28 @@ impl Bmdb {
         Ok((found, SCHEMA_VERSION.max(found)))
     }
 
+    /// Begins a transaction. BEGIN runs in a task of its own, so a caller dropped half-way
+    /// (shutdown, a timeout) cannot leave a connection inside a transaction nobody owns: the
+    /// task finishes, and the transaction it made is dropped and rolled back. sqlx's own
+    /// `begin_with` is not safe there on SQLite: cancelled after the worker ran BEGIN IMMEDIATE
+    /// but before the `Transaction` exists, it returns the connection to the pool still in the
+    /// transaction, and every later BEGIN on it fails.
     pub(crate) async fn begin(&self, mode: Mode) -> Result<Tx, Error> {
-        let inner = match (&self.inner.pools, mode) {
-            (Pools::Sqlite { writer, .. }, Mode::Write) => {
-                let tx = writer.begin_with("BEGIN IMMEDIATE").await?;
-                TxInner::Sqlite(sqlite::SqliteTx {
-                    tx,
-                    now: Utc::now().timestamp_micros(),
-                })
-            }
-            (Pools::Sqlite { reader, .. }, Mode::Read) => {
-                let tx = reader.begin().await?;
-                TxInner::Sqlite(sqlite::SqliteTx {
-                    tx,
-                    now: Utc::now().timestamp_micros(),
-                })
-            }
-            (Pools::Postgres(pool), _) => TxInner::Postgres(pool.begin().await?),
-        };
-        Ok(Tx { inner })
+        let inner = self.inner.clone();
+        tokio::spawn(async move { inner.begin_now(mode).await })
+            .await
+            .unwrap_or_else(|e| Err(Error::InvalidValue(format!("BEGIN task failed: {e}"))))
+    }
+
+    /// A pooled Postgres connection, or why none could be had.
+    pub(crate) async fn acquire_pg(
+        &self,
+        pool: &PgPool,
+    ) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, Error> {
+        match pool.acquire().await {
+            Ok(c) => Ok(c),
+            Err(e) => Err(self.inner.explain(e).await),
+        }
     }
 
     /// Runs `body` in a read-write transaction and commits it, retrying (bounded, jittered)

@@ -58,6 +58,15 @@ pub enum Error {
     /// A value read from or about to be written to the database is invalid.
     #[error("invalid value: {0}")]
     InvalidValue(String),
+    /// No connection to the database could be had; `cause` says why (connection refused, a
+    /// timeout, authentication, or every connection busy).
+    #[error("database {target} is unavailable: {cause}")]
+    Unavailable {
+        /// Where (no password).
+        target: String,
+        /// Why, as the driver or a direct connection attempt says.
+        cause: String,
+    },
     /// A database error that was not retried or kept failing after retries.
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
@@ -69,6 +78,18 @@ impl Error {
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Database(e) => is_retryable_sqlx(e),
+            _ => false,
+        }
+    }
+}
+
+impl Error {
+    /// Whether a unique constraint refused the write (another writer got there first).
+    pub fn is_unique_violation(&self) -> bool {
+        match self {
+            Error::Database(e) => e
+                .as_database_error()
+                .is_some_and(|db| db.is_unique_violation()),
             _ => false,
         }
     }

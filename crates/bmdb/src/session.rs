@@ -316,7 +316,7 @@ impl Session {
             }
             // One statement, atomic on its own: no BEGIN/COMMIT round trips.
             Pools::Postgres(pool) => {
-                let mut conn = pool.acquire().await?;
+                let mut conn = self.inner.db.acquire_pg(pool).await?;
                 postgres::claim(
                     &mut conn,
                     session,
@@ -388,7 +388,7 @@ impl Session {
         loop {
             self.inner.ensure_alive()?;
             let attempt = async {
-                let mut conn = pool.acquire().await?;
+                let mut conn = self.inner.db.acquire_pg(pool).await?;
                 postgres::agent_heartbeat(&mut conn, self.inner.id, machine, key).await
             };
             match attempt.await {

@@ -1018,7 +1018,55 @@ async fn summaries_and_fleet_counts(db: Bmdb) {
     session.close().await.unwrap();
 }
 
+/// A transaction dropped at any point (a shutdown, a timeout) leaves no transaction open on
+/// its connection and nothing half-written: every later transaction works, and each
+/// transaction's two machines were written together or not at all.
+async fn cancelled_transactions_leave_nothing_open(db: Bmdb) {
+    let session = db
+        .start_session(SessionConfig::new("cancel-test", Processor::Unknown))
+        .await
+        .unwrap();
+    let mut rng = StdRng::seed_from_u64(7);
+    for i in 0..300 {
+        // From "before BEGIN is sent" to "after COMMIT": cancellation lands everywhere.
+        let within = Duration::from_micros(rng.random_range(0..3_000));
+        fn two_machines(tx: &mut Tx) -> TxFuture<'_, ()> {
+            Box::pin(async move {
+                tx.create_machine().await?;
+                tx.create_machine().await?;
+                Ok(())
+            })
+        }
+        if i % 2 == 0 {
+            let _ = tokio::time::timeout(within, db.transact(two_machines)).await;
+        } else {
+            let _ = tokio::time::timeout(within, session.transact(two_machines)).await;
+        }
+    }
+    for _ in 0..20 {
+        db.transact(|tx| Box::pin(async move { tx.create_machine().await }))
+            .await
+            .expect("a transaction after cancellations");
+        session
+            .transact(|tx| Box::pin(async move { tx.create_machine().await }))
+            .await
+            .expect("a session transaction after cancellations");
+    }
+    let machines = db
+        .read(|tx| Box::pin(async move { tx.machine_ids(None, 100_000).await }))
+        .await
+        .unwrap()
+        .len();
+    assert_eq!(
+        machines % 2,
+        0,
+        "a transaction was half-written: {machines} machines"
+    );
+    session.close().await.unwrap();
+}
+
 shepherd_bmdb::conformance_tests!(
+    cancelled_transactions_leave_nothing_open,
     summaries_and_fleet_counts,
     agent_heartbeats,
     migrations_are_idempotent,

@@ -14,9 +14,8 @@ use async_trait::async_trait;
 use shepherd_bmdb::{Provider as ProviderKind, ProviderStatus, Session};
 use shepherd_loops::penalty::PenaltyBox;
 use shepherd_loops::provider::{
-    record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Recoverer,
+    record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Recorded, Recoverer,
 };
-use uuid::Uuid;
 
 use crate::client::{ApiError, Client};
 use crate::model::*;
@@ -298,7 +297,7 @@ impl Provider for EquinixProvider {
         &self,
         session: &Session,
         unused: &ProviderMachine,
-    ) -> Result<Uuid, ProviderError> {
+    ) -> Result<Recorded, ProviderError> {
         let device = if unused.valid_id().is_some() {
             // An orphan: the device exists, the BMDB does not know it yet.
             tracing::warn!(

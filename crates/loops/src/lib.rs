@@ -2,6 +2,7 @@
 //! generic loop runner with the recoverer on top, and the rate limiter they share
 //! (SPEC §6–§10).
 
+pub mod bounded;
 pub mod initializer;
 pub mod limiter;
 pub mod metrics;

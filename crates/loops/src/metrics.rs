@@ -12,9 +12,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use shepherd_bmdb::{Provider as ProviderKind, Session};
-use uuid::Uuid;
 
-use crate::provider::{Provider, ProviderError, ProviderMachine, Recoverer};
+use crate::provider::{Provider, ProviderError, ProviderMachine, Recorded, Recoverer};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CallLabels {
@@ -164,7 +163,7 @@ impl<P: Provider + ?Sized> Provider for InstrumentedProvider<P> {
         &self,
         session: &Session,
         unused: &ProviderMachine,
-    ) -> Result<Uuid, ProviderError> {
+    ) -> Result<Recorded, ProviderError> {
         self.metrics
             .time(
                 "create",
@@ -181,6 +180,10 @@ impl<P: Recoverer + ?Sized> Recoverer for InstrumentedProvider<P> {
         self.metrics
             .time("reboot", provider_result, self.inner.reboot(machine))
             .await
+    }
+
+    async fn can_reboot(&self) -> bool {
+        self.inner.can_reboot().await
     }
 
     async fn reinstall(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {

@@ -88,7 +88,7 @@ pub trait Provider: Send + Sync {
         &self,
         session: &Session,
         unused: &ProviderMachine,
-    ) -> Result<Uuid, ProviderError>;
+    ) -> Result<Recorded, ProviderError>;
 }
 
 /// A provider that can also power-cycle machines (used by the Recoverer).
@@ -97,21 +97,38 @@ pub trait Recoverer: Provider {
     /// Reboots the machine and waits as long as the provider needs for that to take effect.
     async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError>;
 
+    /// Whether any machine can be rebooted now; while not, the recoverer claims nothing (a
+    /// static inventory that names no BMC, for example).
+    async fn can_reboot(&self) -> bool {
+        true
+    }
+
     /// Reinstalls the machine's OS, where the provider can.
     async fn reinstall(&self, _machine: &ProviderMachine) -> Result<(), ProviderError> {
         Err(ProviderError::NotSupported("reinstall"))
     }
 }
 
+/// A machine written into the BMDB by [`record_new_machine`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Recorded {
+    /// The BMDB machine id.
+    pub machine: Uuid,
+    /// The provider id was already recorded (by another replica, or by an earlier attempt
+    /// whose caller never heard): nothing was written and that machine was adopted.
+    pub adopted: bool,
+}
+
 /// Writes the `machines` row and `machine_provided` tag for a machine a provider just created,
-/// in one session transaction, and returns the new machine id. If the provider id is already
-/// recorded (a previous insert committed but its caller never heard), returns that machine
-/// instead of failing, so a retried creation adopts rather than duplicates.
+/// in one session transaction. If the provider id is already recorded, adopts that machine
+/// instead of failing, so a retried creation or two replicas racing over one inventory never
+/// duplicate a machine. The race (both saw no row, both inserted) ends in the loser's unique
+/// violation, which is answered by reading the winner's row.
 pub async fn record_new_machine(
     session: &Session,
     kind: ProviderKind,
     machine: &ProviderMachine,
-) -> anyhow::Result<Uuid> {
+) -> anyhow::Result<Recorded> {
     let id = machine
         .valid_id()
         .ok_or_else(|| anyhow::anyhow!("provider returned a machine without a valid id"))?
@@ -124,21 +141,51 @@ pub async fn record_new_machine(
         location: machine.location.clone(),
         status: machine.status,
     };
-    let machine_id = session
-        .transact(move |tx| {
+    let inserted = session
+        .transact({
             let provided = provided.clone();
-            Box::pin(async move {
-                if let Some(existing) = tx
-                    .machine_by_provider_id(provided.provider, &provided.provider_id)
-                    .await?
-                {
-                    return Ok(existing);
-                }
-                let id = tx.create_machine().await?;
-                tx.set_provided(id, &provided).await?;
-                Ok(id)
-            })
+            move |tx| {
+                let provided = provided.clone();
+                Box::pin(async move {
+                    if let Some(existing) = tx
+                        .machine_by_provider_id(provided.provider, &provided.provider_id)
+                        .await?
+                    {
+                        return Ok(Recorded {
+                            machine: existing,
+                            adopted: true,
+                        });
+                    }
+                    let id = tx.create_machine().await?;
+                    tx.set_provided(id, &provided).await?;
+                    Ok(Recorded {
+                        machine: id,
+                        adopted: false,
+                    })
+                })
+            }
         })
-        .await?;
-    Ok(machine_id)
+        .await;
+    match inserted {
+        Err(e) if e.is_unique_violation() => {
+            let (kind, provider_id) = (provided.provider, provided.provider_id.clone());
+            let existing = session
+                .transact(move |tx| {
+                    let provider_id = provider_id.clone();
+                    Box::pin(async move { tx.machine_by_provider_id(kind, &provider_id).await })
+                })
+                .await?;
+            let machine = existing.ok_or_else(|| {
+                anyhow::anyhow!(
+                    "provider id {:?} conflicted with a machine that is gone again: {e}",
+                    provided.provider_id
+                )
+            })?;
+            Ok(Recorded {
+                machine,
+                adopted: true,
+            })
+        }
+        other => Ok(other?),
+    }
 }

@@ -42,6 +42,8 @@ pub struct IterationReport {
     pub managed: usize,
     /// Machines brought in this iteration.
     pub created: usize,
+    /// Machines another replica (or an earlier, unanswered attempt) had already recorded.
+    pub adopted: usize,
     /// Creations that failed (logged and skipped).
     pub failed: usize,
 }
@@ -81,8 +83,12 @@ impl<P: Provider> Provisioner<P> {
         for machine in &plan.create {
             self.creation.wait().await;
             match self.provider.create_machine(session, machine).await {
-                Ok(id) => {
-                    tracing::info!(machine = %id, provider_id = ?machine.id, "brought a new machine in");
+                Ok(r) if r.adopted => {
+                    tracing::debug!(machine = %r.machine, provider_id = ?machine.id, "adopted a machine already recorded");
+                    report.adopted += 1;
+                }
+                Ok(r) => {
+                    tracing::info!(machine = %r.machine, provider_id = ?machine.id, "brought a new machine in");
                     report.created += 1;
                 }
                 Err(e) => {
@@ -108,9 +114,16 @@ impl<P: Provider> Pass for Provisioner<P> {
 
     async fn pass(&self, session: &Session) -> anyhow::Result<()> {
         let r = self.iterate(session).await?;
+        if r.adopted > 0 {
+            tracing::info!(
+                adopted = r.adopted,
+                "adopted machines another replica had just recorded"
+            );
+        }
         tracing::debug!(
             managed = r.managed,
             created = r.created,
+            adopted = r.adopted,
             failed = r.failed,
             "reconciled"
         );

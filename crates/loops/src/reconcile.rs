@@ -44,7 +44,11 @@ pub enum ReconcileError {
     },
     /// The provider's and the BMDB's views disagree; acting on either could destroy or leak
     /// machines, so nothing is done until an operator looks.
-    #[error("provider and BMDB disagree, refusing to act: {}", .0.join("; "))]
+    #[error(
+        "provider and BMDB disagree on {} machine(s), refusing to act: {}",
+        .0.len(),
+        crate::bounded::first_few(.0)
+    )]
     Discrepancy(Vec<String>),
 }
 

@@ -56,6 +56,10 @@ impl<P: RecovererProvider + 'static> MachineTask for Recoverer<P> {
         self.backoff
     }
 
+    async fn active(&self) -> bool {
+        self.provider.can_reboot().await
+    }
+
     async fn process_machine(&self, session: &Session, machine: Uuid) -> anyhow::Result<Commit> {
         let provided = session
             .transact(move |tx| Box::pin(async move { tx.provided(machine).await }))

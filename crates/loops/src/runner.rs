@@ -31,6 +31,10 @@ pub trait MachineTask: Send + Sync + 'static {
     fn retrieval(&self) -> Retrieval;
     /// Backoff after a failure.
     fn backoff(&self) -> Backoff;
+    /// Whether the loop may claim now (a recoverer that cannot reboot anything claims nothing).
+    async fn active(&self) -> bool {
+        true
+    }
     /// Processes one claimed machine; an error fails the work with its text as the cause.
     async fn process_machine(&self, session: &Session, machine: Uuid) -> anyhow::Result<Commit>;
 }
@@ -111,6 +115,9 @@ async fn worker<T: MachineTask>(
             biased; // a cancelled loop must not claim more work
             _ = cancel.cancelled() => break,
             _ = limiter.wait() => {}
+        }
+        if !task.active().await {
+            continue;
         }
         let s = match live_session(&db, &session_config, session.take()).await {
             Ok(s) => s,

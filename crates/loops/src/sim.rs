@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::provider::{
-    record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Recoverer,
+    record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Recorded, Recoverer,
 };
 use crate::runner::live_session;
 use crate::transport::{AgentOutput, AgentRun, Transport};
@@ -324,7 +324,7 @@ impl Provider for SimFleet {
         &self,
         session: &Session,
         unused: &ProviderMachine,
-    ) -> Result<Uuid, ProviderError> {
+    ) -> Result<Recorded, ProviderError> {
         let id = unused
             .valid_id()
             .context("unused machine without an id")?

@@ -1,19 +1,25 @@
 //! The static provider (SPEC §6): a JSON inventory `[{"ID", "Addr", "Location", "BMC"}]` read from a
 //! `file://` or `http(s)://` URL. Whether a listed machine is ours is decided by the BMDB
-//! (availability PossiblyUsed). The inventory is read on every listing, so an operator's edit
-//! takes effect at the next reconciliation.
+//! (availability PossiblyUsed). Every listing checks whether the inventory changed, so an
+//! operator's edit takes effect at the next reconciliation; it is parsed once per change and
+//! looked up by id. A broken inventory is a start-up error; later, the last good one is kept.
 
-use std::collections::BTreeSet;
-use std::time::Duration;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use async_trait::async_trait;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use serde::Deserialize;
 use shepherd_bmdb::{Provider as ProviderKind, ProviderStatus, Session, MAX_PROVIDER_ID_LEN};
-use uuid::Uuid;
 
 use crate::provider::{
-    record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Recoverer,
+    record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Recorded, Recoverer,
 };
 use crate::redfish::{Bmc, BmcEntry};
 
@@ -68,17 +74,119 @@ pub fn parse_inventory(bytes: &[u8]) -> anyhow::Result<Vec<InventoryEntry>> {
     Ok(entries)
 }
 
-/// A provider backed by a static inventory.
+/// A parsed inventory, indexed by machine id.
+#[derive(Debug, Default)]
+pub struct Inventory {
+    entries: Vec<InventoryEntry>,
+    by_id: HashMap<String, usize>,
+}
+
+impl Inventory {
+    fn new(entries: Vec<InventoryEntry>) -> Inventory {
+        let by_id = entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.id.clone(), i))
+            .collect();
+        Inventory { entries, by_id }
+    }
+
+    /// Every entry, in file order.
+    pub fn entries(&self) -> &[InventoryEntry] {
+        &self.entries
+    }
+
+    /// The entry with this id.
+    pub fn get(&self, id: &str) -> Option<&InventoryEntry> {
+        self.by_id.get(id).map(|&i| &self.entries[i])
+    }
+
+    /// Whether any entry names a BMC (the recoverer has work only then).
+    pub fn has_bmcs(&self) -> bool {
+        self.entries.iter().any(|e| e.bmc.is_some())
+    }
+}
+
+/// What identifies one version of the inventory without reading it: a file's length,
+/// modification time and inode, or an HTTP validator (`ETag`, else `Last-Modified`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Stamp {
+    File(u64, Option<std::time::SystemTime>, u64),
+    Http(reqwest::header::HeaderName, reqwest::header::HeaderValue),
+    None,
+}
+
+/// The last inventory that was read and parsed successfully, and what was last wrong.
+#[derive(Default)]
+struct Cache {
+    good: Option<(Arc<Inventory>, Stamp)>,
+    checked: Option<Instant>,
+    error: Option<String>,
+}
+
+/// Metrics of the inventory reads.
+#[derive(Debug, Clone, Default)]
+pub struct InventoryMetrics {
+    reads: Family<ResultLabels, Counter>,
+    stale: Gauge,
+    machines: Gauge,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    result: &'static str,
+}
+
+impl InventoryMetrics {
+    /// Adds the metrics to `registry`.
+    pub fn register(&self, registry: &mut Registry) {
+        for result in ["ok", "unchanged", "error"] {
+            let _ = self.reads.get_or_create(&ResultLabels { result });
+        }
+        registry.register(
+            "shepherd_inventory_reads",
+            "Reads of the static inventory, by result (ok, unchanged, error)",
+            self.reads.clone(),
+        );
+        registry.register(
+            "shepherd_inventory_stale",
+            "1 while the last read of the static inventory failed and the last good one is used",
+            self.stale.clone(),
+        );
+        registry.register(
+            "shepherd_inventory_machines",
+            "Machines in the last good static inventory",
+            self.machines.clone(),
+        );
+    }
+
+    fn read(&self, result: &'static str) {
+        self.reads.get_or_create(&ResultLabels { result }).inc();
+    }
+}
+
+/// Lookups reuse an inventory checked this recently; listings always check.
+const LOOKUP_MAX_AGE: Duration = Duration::from_secs(5);
+
+/// Attempts to read an http(s) inventory at start-up before giving up.
+const START_ATTEMPTS: u32 = 5;
+
+/// A provider backed by a static inventory. The inventory is read again only when it changed
+/// (file length, time and inode; HTTP `ETag`/`Last-Modified`) and parsed once per change. A
+/// read that fails keeps the last good inventory, logged once per distinct error.
 pub struct StaticProvider {
     url: url::Url,
     kind: ProviderKind,
     http: reqwest::Client,
     bmc_timeout: Duration,
     reboot_wait: Duration,
+    cache: tokio::sync::Mutex<Cache>,
+    metrics: InventoryMetrics,
 }
 
 impl StaticProvider {
     /// A provider reading `url` (`file://` or `http(s)://`) and recording machines as `kind`.
+    /// Nothing is read yet: see [`StaticProvider::load_at_start`].
     pub fn new(url: &str, kind: ProviderKind) -> anyhow::Result<Self> {
         let url = url::Url::parse(url).with_context(|| format!("inventory URL {url:?}"))?;
         if !matches!(url.scheme(), "file" | "http" | "https") {
@@ -86,6 +194,9 @@ impl StaticProvider {
                 "inventory URL must be file://, http:// or https://, not {}://",
                 url.scheme()
             );
+        }
+        if url.scheme() == "file" && url.to_file_path().is_err() {
+            bail!("inventory URL {url} is not a local file path");
         }
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(30))
@@ -96,6 +207,8 @@ impl StaticProvider {
             http,
             bmc_timeout: Duration::from_secs(30),
             reboot_wait: Duration::ZERO,
+            cache: tokio::sync::Mutex::new(Cache::default()),
+            metrics: InventoryMetrics::default(),
         })
     }
 
@@ -107,62 +220,187 @@ impl StaticProvider {
         self
     }
 
-    /// Whether any entry of the current inventory names a BMC (the recoverer has work only then).
-    pub async fn has_bmcs(&self) -> anyhow::Result<bool> {
-        Ok(self.inventory().await?.iter().any(|e| e.bmc.is_some()))
+    /// The metrics of this provider's inventory reads.
+    pub fn metrics(&self) -> &InventoryMetrics {
+        &self.metrics
     }
 
-    async fn fetch(&self) -> anyhow::Result<Vec<u8>> {
+    /// Reads the inventory for the first time; a start-up check. A `file://` inventory gets
+    /// one attempt; an `http(s)://` one a few, with jittered backoff (the server may be
+    /// restarting too). The error is one line naming the URL and what is wrong.
+    pub async fn load_at_start(&self) -> anyhow::Result<Arc<Inventory>> {
+        let attempts = if self.url.scheme() == "file" {
+            1
+        } else {
+            START_ATTEMPTS
+        };
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match self.refresh(Duration::ZERO).await {
+                Ok(inv) => return Ok(inv),
+                Err(e) if attempt >= attempts => {
+                    return Err(if attempts > 1 {
+                        e.context(format!("after {attempt} attempts"))
+                    } else {
+                        e
+                    });
+                }
+                Err(_) => {
+                    let cap = Duration::from_millis(250 << attempt.min(4));
+                    tokio::time::sleep(cap.mul_f64(0.5 + rand::random::<f64>() / 2.0)).await;
+                }
+            }
+        }
+    }
+
+    /// Whether the last good inventory names any BMC (false before one was read).
+    pub async fn has_bmcs(&self) -> bool {
+        let cache = self.cache.lock().await;
+        cache.good.as_ref().is_some_and(|(inv, _)| inv.has_bmcs())
+    }
+
+    /// The inventory, read again if it was last checked longer than `max_age` ago and changed
+    /// since. When the read fails, the last good inventory (if any) is returned and the error
+    /// is logged once per distinct error.
+    pub async fn refresh(&self, max_age: Duration) -> anyhow::Result<Arc<Inventory>> {
+        let mut cache = self.cache.lock().await;
+        if let (Some((inv, _)), Some(checked)) = (&cache.good, cache.checked) {
+            if checked.elapsed() < max_age {
+                return Ok(inv.clone());
+            }
+        }
+        let stamp = cache.good.as_ref().map(|(_, s)| s.clone());
+        let result = self
+            .fetch_if_changed(stamp.as_ref())
+            .await
+            .and_then(|fetched| match fetched {
+                None => Ok(None),
+                Some((bytes, stamp)) => Ok(Some((parse_inventory(&bytes)?, stamp))),
+            })
+            .with_context(|| format!("inventory {}", self.url));
+        cache.checked = Some(Instant::now());
+        match result {
+            Ok(fresh) => {
+                if cache.error.take().is_some() {
+                    tracing::info!(url = %self.url, "the inventory can be read again");
+                }
+                self.metrics.stale.set(0);
+                match fresh {
+                    None => self.metrics.read("unchanged"),
+                    Some((entries, stamp)) => {
+                        self.metrics.read("ok");
+                        let inv = Arc::new(Inventory::new(entries));
+                        let had_bmcs = cache.good.as_ref().map(|(old, _)| old.has_bmcs());
+                        if had_bmcs.is_some_and(|b| b != inv.has_bmcs()) {
+                            tracing::info!(
+                                url = %self.url,
+                                bmcs = inv.has_bmcs(),
+                                "the inventory now {} BMCs: the recoverer follows it",
+                                if inv.has_bmcs() { "names" } else { "names no" }
+                            );
+                        }
+                        self.metrics.machines.set(inv.entries.len() as i64);
+                        cache.good = Some((inv, stamp));
+                    }
+                }
+                Ok(cache.good.as_ref().expect("a good inventory").0.clone())
+            }
+            Err(e) => {
+                self.metrics.read("error");
+                let text = format!("{e:#}");
+                if cache.error.as_deref() != Some(text.as_str()) {
+                    // With nothing to fall back on the caller gets the error (at start-up).
+                    if let Some((inv, _)) = &cache.good {
+                        tracing::warn!(
+                            error = %text,
+                            machines = inv.entries.len(),
+                            "cannot read the inventory; using the last good one until it can be read again"
+                        );
+                    }
+                    cache.error = Some(text);
+                }
+                match &cache.good {
+                    Some((inv, _)) => {
+                        self.metrics.stale.set(1);
+                        Ok(inv.clone())
+                    }
+                    None => Err(e),
+                }
+            }
+        }
+    }
+
+    /// The inventory's bytes and stamp, or `None` if it is unchanged since `known`.
+    async fn fetch_if_changed(
+        &self,
+        known: Option<&Stamp>,
+    ) -> anyhow::Result<Option<(Vec<u8>, Stamp)>> {
         if self.url.scheme() == "file" {
+            use std::os::unix::fs::MetadataExt;
             let path = self
                 .url
                 .to_file_path()
                 .map_err(|_| anyhow::anyhow!("bad file URL {}", self.url))?;
-            let len = tokio::fs::metadata(&path)
+            let meta = tokio::fs::metadata(&path)
                 .await
-                .with_context(|| format!("reading {}", path.display()))?
-                .len();
-            if len > MAX_INVENTORY_BYTES as u64 {
+                .with_context(|| format!("reading {}", path.display()))?;
+            let stamp = Stamp::File(meta.len(), meta.modified().ok(), meta.ino());
+            if known == Some(&stamp) {
+                return Ok(None);
+            }
+            if meta.len() > MAX_INVENTORY_BYTES as u64 {
                 bail!(
-                    "inventory {} is {len} bytes, more than the {MAX_INVENTORY_BYTES} allowed",
-                    path.display()
+                    "{} is {} bytes, more than the {MAX_INVENTORY_BYTES} allowed",
+                    path.display(),
+                    meta.len()
                 );
             }
-            return tokio::fs::read(&path)
+            let bytes = tokio::fs::read(&path)
                 .await
-                .with_context(|| format!("reading {}", path.display()));
+                .with_context(|| format!("reading {}", path.display()))?;
+            return Ok(Some((bytes, stamp)));
         }
-        let mut resp = self
-            .http
-            .get(self.url.clone())
-            .send()
-            .await?
-            .error_for_status()?;
+        let mut request = self.http.get(self.url.clone());
+        match known {
+            Some(Stamp::Http(name, value)) if name == reqwest::header::ETAG => {
+                request = request.header(reqwest::header::IF_NONE_MATCH, value.clone());
+            }
+            Some(Stamp::Http(_, value)) => {
+                request = request.header(reqwest::header::IF_MODIFIED_SINCE, value.clone());
+            }
+            _ => {}
+        }
+        let mut resp = request.send().await?;
+        if resp.status() == reqwest::StatusCode::NOT_MODIFIED && known.is_some() {
+            return Ok(None);
+        }
+        resp = resp.error_for_status()?;
+        let headers = resp.headers();
+        let stamp = [reqwest::header::ETAG, reqwest::header::LAST_MODIFIED]
+            .into_iter()
+            .find_map(|name| {
+                let value = headers.get(&name)?.clone();
+                Some(Stamp::Http(name, value))
+            })
+            .unwrap_or(Stamp::None);
         let mut body = Vec::new();
         while let Some(chunk) = resp.chunk().await? {
             if body.len() + chunk.len() > MAX_INVENTORY_BYTES {
-                bail!(
-                    "inventory at {} is larger than the {MAX_INVENTORY_BYTES} bytes allowed",
-                    self.url
-                );
+                bail!("larger than the {MAX_INVENTORY_BYTES} bytes allowed");
             }
             body.extend_from_slice(&chunk);
         }
-        Ok(body)
+        Ok(Some((body, stamp)))
     }
 
-    /// The current inventory.
-    pub async fn inventory(&self) -> anyhow::Result<Vec<InventoryEntry>> {
-        parse_inventory(&self.fetch().await?).with_context(|| format!("inventory {}", self.url))
-    }
-
-    fn to_machine(e: InventoryEntry) -> ProviderMachine {
+    fn to_machine(e: &InventoryEntry) -> ProviderMachine {
         ProviderMachine {
-            id: Some(e.id),
-            addr: Some(e.addr),
+            id: Some(e.id.clone()),
+            addr: Some(e.addr.clone()),
             availability: Availability::PossiblyUsed,
             failed: false,
-            location: e.location,
+            location: e.location.clone(),
             status: Some(ProviderStatus::Running),
             reservation: None,
         }
@@ -176,19 +414,14 @@ impl Provider for StaticProvider {
     }
 
     async fn list_machines(&self) -> Result<Vec<ProviderMachine>, ProviderError> {
-        Ok(self
-            .inventory()
-            .await?
-            .into_iter()
-            .map(Self::to_machine)
-            .collect())
+        let inv = self.refresh(Duration::ZERO).await?;
+        Ok(inv.entries.iter().map(Self::to_machine).collect())
     }
 
     async fn get_machine(&self, id: &str) -> Result<ProviderMachine, ProviderError> {
-        self.inventory()
+        self.refresh(LOOKUP_MAX_AGE)
             .await?
-            .into_iter()
-            .find(|e| e.id == id)
+            .get(id)
             .map(Self::to_machine)
             .ok_or_else(|| ProviderError::NotFound(id.to_string()))
     }
@@ -197,25 +430,28 @@ impl Provider for StaticProvider {
         &self,
         session: &Session,
         unused: &ProviderMachine,
-    ) -> Result<Uuid, ProviderError> {
+    ) -> Result<Recorded, ProviderError> {
         Ok(record_new_machine(session, self.kind, unused).await?)
     }
 }
 
 #[async_trait]
 impl Recoverer for StaticProvider {
+    /// Only entries that name a BMC can be power-cycled; this follows the last good inventory.
+    async fn can_reboot(&self) -> bool {
+        self.has_bmcs().await
+    }
+
     /// Power-cycles the machine through the BMC its inventory entry names.
     async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
         let id = machine
             .valid_id()
             .ok_or_else(|| ProviderError::Other(anyhow::anyhow!("machine without an id")))?;
-        let entry = self
-            .inventory()
-            .await?
-            .into_iter()
-            .find(|e| e.id == id)
+        let inv = self.refresh(LOOKUP_MAX_AGE).await?;
+        let entry = inv
+            .get(id)
             .ok_or_else(|| ProviderError::NotFound(id.to_string()))?;
-        let bmc = entry.bmc.ok_or(ProviderError::NotSupported(
+        let bmc = entry.bmc.clone().ok_or(ProviderError::NotSupported(
             "reboot: the inventory entry names no BMC",
         ))?;
         let reset = Bmc::new(&bmc, self.bmc_timeout)?.reset().await?;

@@ -63,7 +63,8 @@ async fn add_machine(db: &Bmdb, id: &str, addr: &str) -> Uuid {
     let m = ProviderMachine::new(id, Some(addr.to_string()), Availability::KnownUnused);
     let machine = record_new_machine(&session, Provider::Static, &m)
         .await
-        .unwrap();
+        .unwrap()
+        .machine;
     session.close().await.unwrap();
     machine
 }

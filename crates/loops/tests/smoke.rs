@@ -10,7 +10,7 @@ use shepherd_loops::initializer::{Initializer, InitializerConfig};
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::provider::{
     record_new_machine, Availability, Provider as ProviderTrait, ProviderError, ProviderMachine,
-    Recoverer as RecovererTrait,
+    Recorded, Recoverer as RecovererTrait,
 };
 use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
 use shepherd_loops::reconcile::Limits;
@@ -79,7 +79,7 @@ impl ProviderTrait for Dummy {
         &self,
         session: &Session,
         unused: &ProviderMachine,
-    ) -> Result<Uuid, ProviderError> {
+    ) -> Result<Recorded, ProviderError> {
         let id = unused.id.clone().unwrap();
         if self.fail_create.contains(&id) {
             return Err(ProviderError::Other(anyhow::anyhow!(

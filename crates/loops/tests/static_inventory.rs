@@ -77,10 +77,12 @@ async fn file_inventory_is_reconciled_and_edits_are_picked_up(db: Bmdb) {
         "{e}"
     );
     assert_eq!(provided(&db).await.len(), 3);
-    // A broken inventory fails the iteration with a message naming the problem.
+    // A broken inventory is not acted on: the last good one still decides (here, the same
+    // refusal), and the failed read shows in the provider's metrics.
     std::fs::write(&path, r#"[{"ID": "m1", "Addr": "10.0.0.1", "Rack": 3}]"#).unwrap();
     let e = format!("{:#}", p.iterate(&s).await.unwrap_err());
-    assert!(e.contains("unknown field `Rack`"), "{e}");
+    assert!(e.contains("BMDB machine m2 is missing"), "{e}");
+    assert_eq!(provided(&db).await.len(), 3);
 }
 
 /// Serves `body` to every HTTP request on a loopback port, for `requests` requests.
@@ -123,7 +125,135 @@ async fn http_inventory_is_reconciled(db: Bmdb) {
     assert_eq!(provided(&db).await.len(), 2);
 }
 
+/// Two provisioning replicas over one inventory race to record the same machines. Every
+/// machine is recorded once; the loser of each race adopts the winner's row instead of
+/// failing, and "new" and "adopted" add up per replica.
+async fn racing_replicas_adopt_instead_of_failing(db: Bmdb) {
+    const MACHINES: usize = 300;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inventory.json");
+    let entries: Vec<String> = (0..MACHINES)
+        .map(|i| {
+            format!(
+                r#"{{"ID": "m{i:04}", "Addr": "10.2.{}.{}"}}"#,
+                i / 250,
+                i % 250
+            )
+        })
+        .collect();
+    std::fs::write(&path, format!("[{}]", entries.join(","))).unwrap();
+    let url = format!("file://{}", path.display());
+    let mut replicas = Vec::new();
+    for n in 0..2 {
+        let p = Provisioner::new(
+            Arc::new(StaticProvider::new(&url, Provider::Static).unwrap()),
+            ProvisionerConfig {
+                limits: Limits {
+                    max_machines: 0,
+                    chunk_size: MACHINES,
+                },
+                ..config()
+            },
+        );
+        let s = db
+            .start_session(SessionConfig::new(
+                format!("provisioner-{n}"),
+                Processor::ShepherdProvisioner,
+            ))
+            .await
+            .unwrap();
+        replicas.push((p, s));
+    }
+    let (a, b) = tokio::join!(
+        replicas[0].0.iterate(&replicas[0].1),
+        replicas[1].0.iterate(&replicas[1].1)
+    );
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_eq!((a.failed, b.failed), (0, 0), "{a:?} {b:?}");
+    assert_eq!(a.created + b.created, MACHINES, "{a:?} {b:?}");
+    assert_eq!(a.created + a.adopted, MACHINES, "{a:?}");
+    assert_eq!(b.created + b.adopted, MACHINES, "{b:?}");
+    let mut ids: Vec<String> = provided(&db)
+        .await
+        .into_iter()
+        .map(|p| p.provider_id)
+        .collect();
+    let recorded = ids.len();
+    ids.dedup();
+    assert_eq!((recorded, ids.len()), (MACHINES, MACHINES));
+    let machines = db
+        .read(|tx| Box::pin(async move { tx.machine_ids(None, 10_000).await }))
+        .await
+        .unwrap();
+    assert_eq!(machines.len(), MACHINES, "no machine row without its tag");
+}
+
+/// After a good start, a broken inventory keeps the last good one (and says so in the
+/// metrics), and whether the recoverer may act follows the last good inventory.
+async fn a_later_broken_inventory_keeps_the_last_good_one(_db: Bmdb) {
+    use shepherd_loops::provider::{Provider as _, Recoverer as _};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inventory.json");
+    std::fs::write(&path, r#"[{"ID": "m1", "Addr": "10.0.0.1"}]"#).unwrap();
+    let p = StaticProvider::new(&format!("file://{}", path.display()), Provider::Static).unwrap();
+    let mut registry = prometheus_client::registry::Registry::default();
+    p.metrics().register(&mut registry);
+    let metric = |registry: &prometheus_client::registry::Registry, name: &str| {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse::<f64>().ok())
+    };
+    assert!(!p.load_at_start().await.unwrap().has_bmcs());
+    assert!(!p.can_reboot().await, "no BMC named: the recoverer waits");
+
+    let bmc = r#"{"ID": "m1", "Addr": "10.0.0.1", "BMC": {"URL": "https://bmc.test", "Username": "u", "PasswordEnv": "BMC_PASSWORD"}}"#;
+    std::fs::write(
+        &path,
+        format!("[{bmc}, {{\"ID\": \"m2\", \"Addr\": \"10.0.0.2\"}}]"),
+    )
+    .unwrap();
+    assert_eq!(p.list_machines().await.unwrap().len(), 2);
+    assert!(p.can_reboot().await, "the new inventory names a BMC");
+
+    std::fs::write(&path, "[{\"ID\": ").unwrap();
+    for _ in 0..3 {
+        assert_eq!(
+            p.list_machines().await.unwrap().len(),
+            2,
+            "last good inventory"
+        );
+    }
+    assert!(p.get_machine("m2").await.is_ok());
+    assert!(p.can_reboot().await, "a failed read changes nothing");
+    assert_eq!(metric(&registry, "shepherd_inventory_stale"), Some(1.0));
+    assert_eq!(
+        metric(
+            &registry,
+            "shepherd_inventory_reads_total{result=\"error\"}"
+        ),
+        Some(3.0)
+    );
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(
+        p.list_machines().await.unwrap().len(),
+        2,
+        "a missing file too"
+    );
+
+    std::fs::write(&path, r#"[{"ID": "m3", "Addr": "10.0.0.3"}]"#).unwrap();
+    let listed = p.list_machines().await.unwrap();
+    assert_eq!(listed[0].id.as_deref(), Some("m3"));
+    assert_eq!(metric(&registry, "shepherd_inventory_stale"), Some(0.0));
+    assert!(
+        !p.can_reboot().await,
+        "the good inventory names no BMC again"
+    );
+}
+
 shepherd_bmdb::conformance_tests!(
     file_inventory_is_reconciled_and_edits_are_picked_up,
-    http_inventory_is_reconciled
+    http_inventory_is_reconciled,
+    racing_replicas_adopt_instead_of_failing,
+    a_later_broken_inventory_keeps_the_last_good_one
 );

@@ -426,10 +426,18 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
                 .as_deref()
                 .context("static-inventory: is required with --provider static")?;
             let provider = Arc::new(
-                StaticProvider::new(url, args.static_provider_type.into())?
+                StaticProvider::new(url, args.static_provider_type.into())
+                    .context("static-inventory")?
                     .with_bmc_timing(args.bmc_timeout, args.bmc_reboot_wait),
             );
             let (ssh, _) = args.ssh_client()?;
+            // A broken inventory is a start-up error: nothing is written, no loop starts.
+            let inventory = provider.load_at_start().await.context("static-inventory")?;
+            if !inventory.has_bmcs() {
+                tracing::warn!(
+                    "no inventory entry names a BMC: machines cannot be rebooted until one does; the recoverer waits for it"
+                );
+            }
             let transport =
                 Arc::new(SshTransport::new(Arc::new(ssh)).with_metrics(ssh_metrics.clone()));
             Chosen::Static(provider, transport)
@@ -470,6 +478,9 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
     provider_metrics.register(&mut registry, "shepherd_provider", "Provider API");
     ssh_metrics.register(&mut registry, "shepherd_ssh", "SSH");
     equinix_metrics.register(&mut registry, "shepherd_equinix_api", "Equinix Metal API");
+    if let Chosen::Static(provider, _) = &chosen {
+        provider.metrics().register(&mut registry);
+    }
     let metrics = crate::metrics_http::serve(
         args.metrics_listen,
         "metrics-listen",
@@ -482,18 +493,18 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
     ));
     let result = match chosen {
         Chosen::Static(provider, transport) => {
-            // Machines are power-cycled through the BMCs their inventory entries name.
-            let bmcs = provider.has_bmcs().await.unwrap_or(false);
+            // Machines are power-cycled through the BMCs their inventory entries name; the
+            // recoverer claims nothing while the last good inventory names none.
             let provider = Arc::new(InstrumentedProvider::new(provider, provider_metrics));
-            let recoverer = if bmcs {
-                Some(provider.clone())
-            } else {
-                tracing::warn!(
-                    "no inventory entry names a BMC: machines cannot be rebooted, the recoverer is not running"
-                );
-                None
-            };
-            run_loops(db.clone(), provider, transport, recoverer, settings, cancel).await
+            run_loops(
+                db.clone(),
+                provider.clone(),
+                transport,
+                Some(provider),
+                settings,
+                cancel,
+            )
+            .await
         }
         Chosen::Equinix(provider, transport) => {
             let provider = Arc::new(InstrumentedProvider::new(provider, provider_metrics));

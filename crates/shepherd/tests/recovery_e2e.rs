@@ -13,7 +13,7 @@ use shepherd_loops::initializer::{Initializer, InitializerConfig};
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::provider::{
     record_new_machine, Availability, Provider as ProviderTrait, ProviderError, ProviderMachine,
-    Recoverer as RecovererTrait,
+    Recorded, Recoverer as RecovererTrait,
 };
 use shepherd_loops::recoverer::Recoverer;
 use shepherd_loops::runner::{run, RunnerConfig};
@@ -24,7 +24,6 @@ use shepherd_server::*;
 use shepherd_ssh::testing::{random_key, Sshd};
 use shepherd_ssh::{Auth, SshClient, SshConfig};
 use tokio_util::sync::CancellationToken;
-use uuid::Uuid;
 
 /// The static provider plus a "reboot" that kills the machine's agent process, as a power
 /// cycle would, and records that it happened.
@@ -49,7 +48,7 @@ impl ProviderTrait for RebootableStatic {
         &self,
         s: &Session,
         m: &ProviderMachine,
-    ) -> Result<Uuid, ProviderError> {
+    ) -> Result<Recorded, ProviderError> {
         self.inner.create_machine(s, m).await
     }
 }
@@ -135,7 +134,8 @@ async fn silent_agent_is_recovered_and_taken_over_again(db: Bmdb) {
         &ProviderMachine::new("box-1", Some(sshd.addr()), Availability::KnownUnused),
     )
     .await
-    .unwrap();
+    .unwrap()
+    .machine;
     session.close().await.unwrap();
 
     // The loops.

@@ -287,7 +287,7 @@ async fn the_recoverer_power_cycles_through_the_inventory_bmc() {
             .unwrap()
             .with_bmc_timing(Duration::from_secs(5), Duration::ZERO),
     );
-    assert!(provider.has_bmcs().await.unwrap());
+    assert!(provider.load_at_start().await.unwrap().has_bmcs());
 
     let t = testing::sqlite().await;
     let ids =
