@@ -337,6 +337,11 @@ impl Tx {
         dispatch!(self.status_counts())
     }
 
+    /// What the database engine's own consistency checks find wrong (empty when healthy).
+    pub async fn integrity_problems(&mut self) -> Result<Vec<String>, Error> {
+        dispatch!(self.integrity_problems())
+    }
+
     /// Test support: inserts a work row without claiming (to build arbitrary fleets).
     #[cfg(feature = "testing")]
     pub async fn insert_work_raw(

@@ -1,4 +1,4 @@
-//! `shepherd bmdb …`: schema migration and a status summary.
+//! `shepherd bmdb …`: schema migration, a status summary and a consistency check.
 
 use anyhow::Result;
 use clap::Subcommand;
@@ -11,6 +11,9 @@ pub enum BmdbCommand {
     Migrate,
     /// Show the schema version and what the database holds.
     Status,
+    /// Check the database's consistency with the engine Shepherd links (SQLite: integrity and
+    /// foreign keys; Postgres: unvalidated constraints and invalid indexes). Exits 1 on problems.
+    Check,
 }
 
 /// Runs a `bmdb` subcommand against `url`.
@@ -43,6 +46,24 @@ pub async fn run(url: &str, command: BmdbCommand) -> Result<()> {
                 .await?;
             print!("{}", render_status(db.target(), &counts));
             db.close().await;
+        }
+        BmdbCommand::Check => {
+            let db = Bmdb::open(url).await?;
+            let problems = db
+                .read(|tx| Box::pin(async move { tx.integrity_problems().await }))
+                .await?;
+            db.close().await;
+            if !problems.is_empty() {
+                const SHOWN: usize = 50;
+                for p in problems.iter().take(SHOWN) {
+                    println!("{p}");
+                }
+                if problems.len() > SHOWN {
+                    println!("… and {} more", problems.len() - SHOWN);
+                }
+                anyhow::bail!("{}: {} problem(s) found", db.target(), problems.len());
+            }
+            println!("{}: ok (schema version {SCHEMA_VERSION})", db.target());
         }
     }
     Ok(())

@@ -193,3 +193,46 @@ async fn status_reports_counts_on_postgres() {
     );
     t.cleanup().await;
 }
+
+/// `bmdb check` says ok on a healthy database (one with sessions, work and history, which
+/// Debian 12's sqlite3 3.40 misreports), and names what is wrong otherwise, exiting non-zero.
+#[tokio::test]
+async fn check_reports_ok_then_a_broken_foreign_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("s.db").display());
+    assert!(shepherd(&["bmdb", "migrate", "--database", &url], None)
+        .status
+        .success());
+    {
+        let db = shepherd_bmdb::Bmdb::open(&url).await.unwrap();
+        let seeded = testing::seed_every_state(&db).await;
+        seeded.1.close().await.unwrap();
+        db.close().await;
+    }
+    let o = shepherd(&["bmdb", "check", "--database", &url], None);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}{err}");
+    assert!(out.contains(": ok (schema version 1)"), "{out}");
+
+    // A tag row whose machine is gone, written with foreign keys off.
+    let mut conn = <sqlx::SqliteConnection as sqlx::Connection>::connect(&format!("{url}?mode=rw"))
+        .await
+        .unwrap();
+    sqlx::query("PRAGMA foreign_keys = OFF")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    sqlx::query("DELETE FROM machines WHERE machine_id IN (SELECT machine_id FROM machine_provided LIMIT 1)")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    sqlx::Connection::close(conn).await.unwrap();
+    let o = shepherd(&["bmdb", "check", "--database", &url], None);
+    let (out, err) = text(&o);
+    assert!(!o.status.success(), "{out}");
+    assert!(
+        out.contains("a machine_provided row refers to a missing machines row"),
+        "{out}"
+    );
+    assert!(err.contains("problem(s) found"), "{err}");
+}

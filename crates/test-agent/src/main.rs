@@ -5,6 +5,9 @@
 //! each kind of bad answer: `garbage` (not protobuf), `error` (an error response), `wrong-echo`
 //! (echoes a different init), `short-key` (a 16-byte key), `hang` (answers nothing for a minute), `exit-1`
 //! (fails without output).
+//!
+//! `SHEPHERD_TEST_AGENT_DELAY_MS` in its environment (an sshd's `SetEnv`) makes it take that
+//! long to answer, as a real takeover does, so tests can act while takeovers are in flight.
 
 use std::io::{Read, Write};
 use std::process::ExitCode;
@@ -27,6 +30,12 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Some(ms) = std::env::var("SHEPHERD_TEST_AGENT_DELAY_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        std::thread::sleep(std::time::Duration::from_millis(ms.min(60_000)));
+    }
     let mut raw = Vec::new();
     if let Err(e) = std::io::stdin().take(MAX_INIT_LEN).read_to_end(&mut raw) {
         eprintln!("reading stdin: {e}");

@@ -1322,3 +1322,20 @@ pub(crate) async fn session_work(c: &mut PgTx, session: Uuid) -> Result<Vec<(Uui
     .await?;
     rows.into_iter().map(|(m, p)| Ok((m, p.parse()?))).collect()
 }
+
+/// What Postgres can tell is wrong without scanning tables: constraints left unvalidated
+/// and indexes left invalid (a failed concurrent build) in the BMDB's schema.
+pub(crate) async fn integrity_problems(c: &mut PgTx) -> Result<Vec<String>> {
+    let rows: Vec<(String,)> = sqlx::query_as(
+        "SELECT format('constraint %s on %s is not validated', conname, conrelid::regclass)
+           FROM pg_constraint
+          WHERE NOT convalidated AND connamespace = current_schema()::regnamespace
+         UNION ALL
+         SELECT format('index %s is not valid', indexrelid::regclass)
+           FROM pg_index JOIN pg_class ON pg_class.oid = indexrelid
+          WHERE NOT indisvalid AND relnamespace = current_schema()::regnamespace",
+    )
+    .fetch_all(&mut **c)
+    .await?;
+    Ok(rows.into_iter().map(|(r,)| r).collect())
+}

@@ -1099,3 +1099,27 @@ pub(crate) async fn session_work(c: &mut SqliteTx, session: Uuid) -> Result<Vec<
     .await?;
     rows.into_iter().map(|(m, p)| Ok((m, p.parse()?))).collect()
 }
+
+/// What SQLite's own checks find wrong: `PRAGMA integrity_check` (pages, indexes, NOT NULL
+/// and CHECK constraints) and `PRAGMA foreign_key_check`, as the SQLite linked into this
+/// binary sees them (older command-line shells misreport WITHOUT ROWID tables).
+pub(crate) async fn integrity_problems(c: &mut SqliteTx) -> Result<Vec<String>> {
+    let rows: Vec<(String,)> = sqlx::query_as("PRAGMA integrity_check")
+        .fetch_all(&mut *c.tx)
+        .await?;
+    let mut problems: Vec<String> = rows
+        .into_iter()
+        .map(|(r,)| r)
+        .filter(|r| r != "ok")
+        .collect();
+    let orphans: Vec<(String, Option<i64>, String, i64)> =
+        sqlx::query_as("PRAGMA foreign_key_check")
+            .fetch_all(&mut *c.tx)
+            .await?;
+    problems.extend(
+        orphans
+            .into_iter()
+            .map(|(table, _, parent, _)| format!("a {table} row refers to a missing {parent} row")),
+    );
+    Ok(problems)
+}

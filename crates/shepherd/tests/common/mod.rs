@@ -105,3 +105,6 @@ pub fn sample(text: &str, name_and_labels: &str) -> Option<f64> {
         .filter(|l| !l.starts_with('#'))
         .find_map(|l| l.strip_prefix(name_and_labels)?.trim().parse().ok())
 }
+
+pub mod history;
+pub mod private_postgres;

@@ -1,0 +1,344 @@
+//! Fault suite: processes of `shepherd run` dying or stopping mid-work.
+//! - kill -9 of one of two replicas on Postgres: its locks are freed within the session
+//!   interval plus a margin, the survivor finishes every machine, and the history shows no
+//!   machine taken over by two sessions at once, none twice, none lost.
+//! - SIGTERM mid-work on both backends: no work rows and no sessions are left, and the work
+//!   in flight is recorded as Canceled.
+
+mod common;
+
+use std::collections::HashSet;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{history, shepherd, signal, ChildGuard};
+use shepherd_bmdb::{testing, Bmdb, Process, StatusCounts, WorkEvent};
+use uuid::Uuid;
+
+const SESSION_INTERVAL: Duration = Duration::from_secs(2);
+
+/// `shepherd run` over a simulated fleet of `machines`, taking `takeover` per machine.
+fn replica(url: &str, machines: usize, takeover: &str, log: &std::path::Path) -> Child {
+    shepherd()
+        .args(["run", "--provider", "sim", "--migrate", "--database", url])
+        .args([
+            "--sim-machines",
+            &machines.to_string(),
+            "--sim-takeover-time",
+            takeover,
+        ])
+        .args([
+            "--agent-endpoint",
+            "bmaas.test:443",
+            "--provisioner-max-machines",
+            "0",
+        ])
+        .args([
+            "--provisioner-reconcile-rate",
+            "200ms,1",
+            "--provisioner-creation-rate",
+            "1ms,100",
+        ])
+        .args(["--provisioner-chunk-size", "100"])
+        .args([
+            "--initializer-parallelism",
+            "4",
+            "--initializer-db-rate",
+            "1ms,8",
+        ])
+        .args(["--session-interval", "2s"])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).unwrap())
+        .spawn()
+        .unwrap()
+}
+
+async fn counts(db: &Bmdb) -> StatusCounts {
+    db.read(|tx| Box::pin(async move { tx.status_counts().await }))
+        .await
+        .unwrap()
+}
+
+/// Sessions of the process with this pid.
+async fn sessions_of(db: &Bmdb, pid: u32) -> HashSet<Uuid> {
+    let pid = format!("pid={pid} ");
+    db.read(|tx| Box::pin(async move { tx.sessions().await }))
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|s| s.runtime_info.contains(&pid))
+        .map(|s| s.session_id)
+        .collect()
+}
+
+/// Machines locked by any of `sessions`.
+async fn work_of(db: &Bmdb, sessions: &HashSet<Uuid>) -> usize {
+    let mut n = 0;
+    for s in sessions.clone() {
+        n += db
+            .read(move |tx| Box::pin(async move { tx.session_work(s).await }))
+            .await
+            .unwrap()
+            .len();
+    }
+    n
+}
+
+async fn wait_for<F, Fut>(what: &str, within: Duration, mut done: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    while !done().await {
+        assert!(Instant::now() < deadline, "{what}: not within {within:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Static-provider replicas over real sshds, one per machine, whose test agent takes
+/// `delay_ms` to answer. Each replica uploads the agent to a path of its own.
+struct SshFleet {
+    _sshds: Vec<shepherd_ssh::testing::Sshd>,
+    inventory: std::path::PathBuf,
+    key: std::path::PathBuf,
+    dir: tempfile::TempDir,
+}
+
+impl SshFleet {
+    fn start(machines: usize, delay_ms: u64) -> SshFleet {
+        let dir = tempfile::tempdir().unwrap();
+        let key = dir.path().join("id_ed25519");
+        let public = shepherd_ssh::load_or_generate_key(&key).unwrap();
+        let env = format!("SetEnv SHEPHERD_TEST_AGENT_DELAY_MS={delay_ms}");
+        let sshds: Vec<_> = (0..machines)
+            .map(|_| shepherd_ssh::testing::Sshd::start_with(&[public.public_key()], &env))
+            .collect();
+        let entries: Vec<_> = sshds
+            .iter()
+            .enumerate()
+            .map(|(i, s)| serde_json::json!({"ID": format!("box-{i:03}"), "Addr": s.addr()}))
+            .collect();
+        let inventory = dir.path().join("inventory.json");
+        std::fs::write(&inventory, serde_json::to_vec(&entries).unwrap()).unwrap();
+        SshFleet {
+            _sshds: sshds,
+            inventory,
+            key,
+            dir,
+        }
+    }
+
+    fn replica(&self, url: &str, name: &str) -> Child {
+        let target = self.dir.path().join(format!("agent-{name}"));
+        shepherd()
+            .args([
+                "run",
+                "--provider",
+                "static",
+                "--migrate",
+                "--database",
+                url,
+            ])
+            .arg(format!(
+                "--static-inventory=file://{}",
+                self.inventory.display()
+            ))
+            .arg(format!(
+                "--agent-executable={}",
+                shepherd_loops::testing::test_agent_path().display()
+            ))
+            .arg(format!("--agent-target-path={}", target.display()))
+            .arg(format!("--ssh-key={}", self.key.display()))
+            .args([
+                "--ssh-user",
+                &std::env::var("USER").unwrap_or_else(|_| "root".into()),
+            ])
+            .args([
+                "--agent-endpoint",
+                "bmaas.test:443",
+                "--provisioner-max-machines",
+                "0",
+            ])
+            .args(["--provisioner-reconcile-rate", "200ms,1"])
+            .args([
+                "--provisioner-creation-rate",
+                "1ms,100",
+                "--provisioner-chunk-size",
+                "100",
+            ])
+            // One worker per replica: every "machine" here shares this host's filesystem, so
+            // two workers of one replica would upload to one path at once.
+            .args([
+                "--initializer-parallelism",
+                "1",
+                "--initializer-db-rate",
+                "1ms,8",
+            ])
+            .args(["--ssh-connect-timeout", "10s", "--session-interval", "2s"])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(self.dir.path().join(format!("{name}.log"))).unwrap())
+            .spawn()
+            .unwrap()
+    }
+
+    fn log(&self, name: &str) -> String {
+        let log = std::fs::read_to_string(self.dir.path().join(format!("{name}.log")));
+        let log = log.unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(20).collect();
+        tail.join("\n")
+    }
+}
+
+async fn open_when_migrated(url: &str) -> Bmdb {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(db) = Bmdb::open(url).await {
+            return db;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "shepherd run never migrated the BMDB"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_of_one_replica_loses_and_duplicates_nothing() {
+    const MACHINES: usize = 30;
+    let Some(url) = testing::fresh_postgres_database().await else {
+        return;
+    };
+    let fleet = SshFleet::start(MACHINES, 700);
+    let mut a = ChildGuard(Some(fleet.replica(&url, "a")));
+    let db = open_when_migrated(&url).await;
+    let mut b = ChildGuard(Some(fleet.replica(&url, "b")));
+    let (a_pid, b_pid) = (a.child().id(), b.child().id());
+    // Both replicas work; a holds machines when it dies.
+    let mut a_sessions = HashSet::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        a_sessions.extend(sessions_of(&db, a_pid).await);
+        if work_of(&db, &a_sessions).await >= 1 && !sessions_of(&db, b_pid).await.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "replica a never held work: {}",
+            fleet.log("a")
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    a_sessions.extend(sessions_of(&db, a_pid).await);
+    signal(a.child(), "KILL");
+    let killed = Instant::now();
+    let _ = a.0.take().unwrap().wait();
+
+    // Its sessions expire after at most one interval; the survivor's keep-alive collects
+    // them (every half interval). Margin for a busy CI machine.
+    wait_for(
+        "the killed replica's locks are freed",
+        SESSION_INTERVAL * 2 + Duration::from_secs(8),
+        || {
+            let (db, a_sessions) = (db.clone(), a_sessions.clone());
+            async move { work_of(&db, &a_sessions).await == 0 }
+        },
+    )
+    .await;
+    let freed_after = killed.elapsed();
+
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let c = counts(&db).await;
+        if c.agent_started == MACHINES as i64 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the survivor did not finish every machine: {c:?}\n{}",
+            fleet.log("b")
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let out = b.terminate();
+    assert!(out.status.success(), "survivor exit: {}", out.status);
+
+    let c = counts(&db).await;
+    assert_eq!(
+        (c.machines, c.provided),
+        (MACHINES as i64, MACHINES as i64),
+        "{c:?}"
+    );
+    let history = history::all(&db).await;
+    let finished = history::exclusive_finishes(&history, Process::ShepherdAgentStart);
+    assert_eq!(finished.len(), MACHINES, "machines never taken over");
+    assert!(
+        finished.values().all(|&n| n == 1),
+        "a machine was taken over twice"
+    );
+    let lost_locks = history
+        .iter()
+        .filter(|h| h.event == WorkEvent::Canceled)
+        .filter(|h| h.session_id.is_some_and(|s| a_sessions.contains(&s)))
+        .count();
+    assert!(
+        lost_locks >= 1,
+        "the killed replica's work was never recorded as lost"
+    );
+    eprintln!("locks freed {freed_after:?} after kill -9; {lost_locks} lost locks recorded");
+    db.close().await;
+}
+
+/// SIGTERM while takeovers are in flight: the work is canceled and recorded, sessions closed.
+async fn sigterm_mid_work_leaves_nothing(url: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut run = ChildGuard(Some(replica(url, 40, "3s", &dir.path().join("run.log"))));
+    let db = open_when_migrated(url).await;
+    wait_for("takeovers in flight", Duration::from_secs(30), || {
+        let db = db.clone();
+        async move { counts(&db).await.work.iter().map(|(_, n)| *n).sum::<i64>() >= 3 }
+    })
+    .await;
+    signal(run.child(), "TERM");
+    let stopping = Instant::now();
+    let status = run.0.take().unwrap().wait().unwrap();
+    assert!(status.success(), "exit {status}");
+    assert!(
+        stopping.elapsed() < Duration::from_secs(15),
+        "slow shutdown"
+    );
+    let c = counts(&db).await;
+    assert_eq!(
+        c.sessions_live + c.sessions_expired,
+        0,
+        "sessions left: {c:?}"
+    );
+    assert!(c.work.iter().all(|(_, n)| *n == 0), "work left: {c:?}");
+    let history = history::all(&db).await;
+    history::exclusive_finishes(&history, Process::ShepherdAgentStart);
+    let canceled = history
+        .iter()
+        .filter(|h| h.event == WorkEvent::Canceled)
+        .count();
+    assert!(
+        canceled >= 3,
+        "work in flight was not recorded as Canceled: {canceled}"
+    );
+    db.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_mid_work_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("s.db").display());
+    sigterm_mid_work_leaves_nothing(&url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_mid_work_on_postgres() {
+    let Some(url) = testing::fresh_postgres_database().await else {
+        return;
+    };
+    sigterm_mid_work_leaves_nothing(&url).await;
+}
