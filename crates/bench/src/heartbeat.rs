@@ -167,10 +167,7 @@ pub async fn run(args: Args) -> Result<()> {
         args.sessions,
     ));
     let cancel = CancellationToken::new();
-    let limits = ServerLimits {
-        max_pending_handshakes: args.agents.max(256),
-        ..ServerLimits::default()
-    };
+    let limits = ServerLimits::for_loopback_fleet(args.agents);
     let server = tokio::spawn(serve(
         listener,
         Arc::new(tls),
@@ -296,7 +293,7 @@ pub async fn run(args: Args) -> Result<()> {
         listener,
         Arc::new(tls),
         BmaasService::new(pool.clone()),
-        ServerLimits::default(),
+        ServerLimits::for_loopback_fleet(args.agents),
         cancel.clone(),
     ));
     let rss = agent_rss_mib(&db, port, &ca_pem).await?;

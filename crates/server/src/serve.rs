@@ -74,6 +74,21 @@ impl Default for ServerLimits {
 }
 
 impl ServerLimits {
+    /// Limits for `agents` simulated agents that all connect from one loopback address (the
+    /// demo, benchmarks): that address is one peer, so its shares are the whole.
+    pub fn for_loopback_fleet(agents: usize) -> ServerLimits {
+        let d = ServerLimits::default();
+        let connections = d.max_connections.max(agents + 64);
+        let handshakes = d.max_pending_handshakes.max(agents);
+        ServerLimits {
+            max_connections: connections,
+            max_connections_per_peer: connections,
+            max_pending_handshakes: handshakes,
+            max_pending_handshakes_per_peer: handshakes,
+            ..d
+        }
+    }
+
     /// Checks the limits make sense; the message names the setting.
     pub fn validate(&self) -> anyhow::Result<()> {
         for (name, d) in [

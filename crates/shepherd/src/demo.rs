@@ -240,10 +240,7 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         SessionConfig::new("bmsrv", Processor::Bmsrv),
         4,
     ));
-    let limits = ServerLimits {
-        max_pending_handshakes: args.machines.max(256),
-        ..ServerLimits::default()
-    };
+    let limits = ServerLimits::for_loopback_fleet(args.machines);
     let server = tokio::spawn(serve(
         listener,
         Arc::new(tls),
