@@ -13,11 +13,12 @@ use shepherd_equinix::{Client, EquinixConfig, EquinixProvider, RetryPolicy};
 use shepherd_loops::initializer::InitializerConfig;
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::metrics::{CallMetrics, InstrumentedProvider};
+use shepherd_loops::provider::Recoverer;
 use shepherd_loops::provisioner::ProvisionerConfig;
 use shepherd_loops::reconcile::Limits;
 use shepherd_loops::sim::{SimFleet, SimKnobs};
 use shepherd_loops::static_provider::StaticProvider;
-use shepherd_loops::transport::SshTransport;
+use shepherd_loops::transport::{SshTransport, Transport};
 use shepherd_ssh::{load_or_generate_key, public_key_openssh, Auth, SshClient, SshConfig};
 
 use crate::fleet::{run_loops, shutdown_on_signals, FleetSettings, LoopSettings};
@@ -492,27 +493,25 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
         "shepherd run: metrics at http://{metrics}/metrics"
     ));
     let result = match chosen {
+        // Machines of a static inventory are power-cycled through the BMCs their entries
+        // name; the recoverer claims nothing while the last good inventory names none.
         Chosen::Static(provider, transport) => {
-            // Machines are power-cycled through the BMCs their inventory entries name; the
-            // recoverer claims nothing while the last good inventory names none.
-            let provider = Arc::new(InstrumentedProvider::new(provider, provider_metrics));
-            run_loops(
+            run_instrumented(
                 db.clone(),
-                provider.clone(),
+                provider,
+                provider_metrics,
                 transport,
-                Some(provider),
                 settings,
                 cancel,
             )
             .await
         }
         Chosen::Equinix(provider, transport) => {
-            let provider = Arc::new(InstrumentedProvider::new(provider, provider_metrics));
-            run_loops(
+            run_instrumented(
                 db.clone(),
-                provider.clone(),
+                provider,
+                provider_metrics,
                 transport,
-                Some(provider),
                 settings,
                 cancel,
             )
@@ -520,12 +519,12 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
         }
         Chosen::Sim(fleet) => {
             let agents = tokio::spawn(fleet.clone().run_agents(db.clone(), cancel.clone()));
-            let provider = Arc::new(InstrumentedProvider::new(fleet.clone(), provider_metrics));
-            let r = run_loops(
+            let transport = fleet.clone();
+            let r = run_instrumented(
                 db.clone(),
-                provider.clone(),
                 fleet,
-                Some(provider),
+                provider_metrics,
+                transport,
                 settings,
                 cancel,
             )
@@ -536,6 +535,28 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
     };
     db.close().await;
     result
+}
+
+/// Runs the loops over `provider`, which also reboots machines, with its calls counted in
+/// `metrics`.
+async fn run_instrumented<P: Recoverer + 'static>(
+    db: Bmdb,
+    provider: Arc<P>,
+    metrics: Arc<CallMetrics>,
+    transport: Arc<dyn Transport>,
+    settings: FleetSettings,
+    cancel: tokio_util::sync::CancellationToken,
+) -> Result<()> {
+    let provider = Arc::new(InstrumentedProvider::new(provider, metrics));
+    run_loops(
+        db,
+        provider.clone(),
+        transport,
+        Some(provider),
+        settings,
+        cancel,
+    )
+    .await
 }
 
 #[cfg(test)]

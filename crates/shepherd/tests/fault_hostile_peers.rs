@@ -12,7 +12,7 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{announced_all, sample, shepherd, ChildGuard};
+use common::{announced_all, sample, shepherd, ChildGuard, TestAgent};
 use shepherd_bmdb::Bmdb;
 use shepherd_proto::bmaas::agent_callback_client::AgentCallbackClient;
 use shepherd_proto::bmaas::HeartbeatRequest;
@@ -111,24 +111,9 @@ async fn one_hostile_peer_cannot_lock_agents_out() {
     let ca_pem = std::fs::read(dir.path().join("certs/ca.pem")).unwrap();
 
     // The agent's machine and key are on record.
-    let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ED25519).unwrap();
-    let cert = rcgen::CertificateParams::new(vec!["agent".into()])
-        .unwrap()
-        .self_signed(&key)
-        .unwrap();
+    let identity = TestAgent::new();
     let db = Bmdb::open(&url).await.unwrap();
-    let raw_key = key.public_key_raw().to_vec();
-    let machine = db
-        .transact(move |tx| {
-            let raw_key = raw_key.clone();
-            Box::pin(async move {
-                let id = tx.create_machine().await?;
-                tx.set_agent_started(id, &raw_key).await?;
-                Ok(id)
-            })
-        })
-        .await
-        .unwrap();
+    let machine = identity.machine(&db).await;
 
     // The hostile peer, 127.0.0.2: idle TLS connections first (a few handshakes at a time,
     // within its per-peer share), then sockets that never start TLS.
@@ -169,7 +154,10 @@ async fn one_hostile_peer_cannot_lock_agents_out() {
             ClientTlsConfig::new()
                 .ca_certificate(Certificate::from_pem(&ca_pem))
                 .domain_name("localhost")
-                .identity(Identity::from_pem(cert.pem(), key.serialize_pem())),
+                .identity(Identity::from_pem(
+                    &identity.cert_pem,
+                    identity.key.serialize_pem(),
+                )),
         )
         .unwrap()
         .connect_timeout(HANDSHAKE_TIMEOUT)

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::private_postgres::PrivatePostgres;
-use common::{announced_all, history, shepherd, ChildGuard};
+use common::{announced_all, history, shepherd, sim_run, ChildGuard, TestAgent};
 use shepherd_bmdb::{Bmdb, Process};
 use shepherd_proto::bmaas::agent_callback_client::AgentCallbackClient;
 use shepherd_proto::bmaas::HeartbeatRequest;
@@ -31,8 +31,7 @@ async fn agent(
     addr: String,
     ca: Vec<u8>,
     machine: Uuid,
-    key: rcgen::KeyPair,
-    cert: String,
+    identity: TestAgent,
     beats: Beats,
     stop: CancellationToken,
 ) {
@@ -42,7 +41,10 @@ async fn agent(
             ClientTlsConfig::new()
                 .ca_certificate(Certificate::from_pem(&ca))
                 .domain_name("localhost")
-                .identity(Identity::from_pem(cert, key.serialize_pem())),
+                .identity(Identity::from_pem(
+                    &identity.cert_pem,
+                    identity.key.serialize_pem(),
+                )),
         )
         .unwrap()
         .timeout(Duration::from_secs(5))
@@ -98,32 +100,15 @@ async fn run_and_server_ride_out_a_postgres_outage() {
     let mut all_beats = Vec::new();
     let mut agents = Vec::new();
     for _ in 0..AGENTS {
-        let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ED25519).unwrap();
-        let cert = rcgen::CertificateParams::new(vec!["agent".into()])
-            .unwrap()
-            .self_signed(&key)
-            .unwrap()
-            .pem();
-        let raw = key.public_key_raw().to_vec();
-        let machine = db
-            .transact(move |tx| {
-                let raw = raw.clone();
-                Box::pin(async move {
-                    let id = tx.create_machine().await?;
-                    tx.set_agent_started(id, &raw).await?;
-                    Ok(id)
-                })
-            })
-            .await
-            .unwrap();
+        let identity = TestAgent::new();
+        let machine = identity.machine(&db).await;
         let beats: Beats = Arc::default();
         all_beats.push(beats.clone());
         agents.push(tokio::spawn(agent(
             addr.trim().to_string(),
             ca.clone(),
             machine,
-            key,
-            cert,
+            identity,
             beats,
             stop.clone(),
         )));
@@ -132,36 +117,7 @@ async fn run_and_server_ride_out_a_postgres_outage() {
     // The loops, bringing a simulated fleet in.
     let run_log = dir.path().join("run.log");
     let mut run = ChildGuard(Some(
-        shepherd()
-            .args(["run", "--provider", "sim", "--database", &url])
-            .args([
-                "--sim-machines",
-                &SIM_MACHINES.to_string(),
-                "--sim-takeover-time",
-                "400ms",
-            ])
-            .args([
-                "--agent-endpoint",
-                "bmaas.test:443",
-                "--provisioner-max-machines",
-                "0",
-            ])
-            .args([
-                "--provisioner-reconcile-rate",
-                "200ms,1",
-                "--provisioner-creation-rate",
-                "1ms,100",
-            ])
-            .args(["--provisioner-chunk-size", "100"])
-            .args([
-                "--initializer-parallelism",
-                "2",
-                "--initializer-db-rate",
-                "1ms,8",
-            ])
-            .args(["--session-interval", "2s"])
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&run_log).unwrap())
+        sim_run(&url, SIM_MACHINES as usize, "400ms", &run_log)
             .spawn()
             .unwrap(),
     ));

@@ -11,47 +11,11 @@ use std::collections::HashSet;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{history, shepherd, signal, ChildGuard};
+use common::{history, shepherd, signal, sim_run, ChildGuard};
 use shepherd_bmdb::{testing, Bmdb, Process, StatusCounts, WorkEvent};
 use uuid::Uuid;
 
 const SESSION_INTERVAL: Duration = Duration::from_secs(2);
-
-/// `shepherd run` over a simulated fleet of `machines`, taking `takeover` per machine.
-fn replica(url: &str, machines: usize, takeover: &str, log: &std::path::Path) -> Child {
-    shepherd()
-        .args(["run", "--provider", "sim", "--migrate", "--database", url])
-        .args([
-            "--sim-machines",
-            &machines.to_string(),
-            "--sim-takeover-time",
-            takeover,
-        ])
-        .args([
-            "--agent-endpoint",
-            "bmaas.test:443",
-            "--provisioner-max-machines",
-            "0",
-        ])
-        .args([
-            "--provisioner-reconcile-rate",
-            "200ms,1",
-            "--provisioner-creation-rate",
-            "1ms,100",
-        ])
-        .args(["--provisioner-chunk-size", "100"])
-        .args([
-            "--initializer-parallelism",
-            "4",
-            "--initializer-db-rate",
-            "1ms,8",
-        ])
-        .args(["--session-interval", "2s"])
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(log).unwrap())
-        .spawn()
-        .unwrap()
-}
 
 async fn counts(db: &Bmdb) -> StatusCounts {
     db.read(|tx| Box::pin(async move { tx.status_counts().await }))
@@ -293,11 +257,15 @@ async fn kill_9_of_one_replica_loses_and_duplicates_nothing() {
 /// SIGTERM while takeovers are in flight: the work is canceled and recorded, sessions closed.
 async fn sigterm_mid_work_leaves_nothing(url: &str) {
     let dir = tempfile::tempdir().unwrap();
-    let mut run = ChildGuard(Some(replica(url, 40, "3s", &dir.path().join("run.log"))));
+    let mut run = ChildGuard(Some(
+        sim_run(url, 40, "3s", &dir.path().join("run.log"))
+            .spawn()
+            .unwrap(),
+    ));
     let db = open_when_migrated(url).await;
     wait_for("takeovers in flight", Duration::from_secs(30), || {
         let db = db.clone();
-        async move { counts(&db).await.work.iter().map(|(_, n)| *n).sum::<i64>() >= 3 }
+        async move { counts(&db).await.work.iter().map(|(_, n)| *n).sum::<i64>() >= 2 }
     })
     .await;
     signal(run.child(), "TERM");
@@ -322,7 +290,7 @@ async fn sigterm_mid_work_leaves_nothing(url: &str) {
         .filter(|h| h.event == WorkEvent::Canceled)
         .count();
     assert!(
-        canceled >= 3,
+        canceled >= 2,
         "work in flight was not recorded as Canceled: {canceled}"
     );
     db.close().await;

@@ -108,3 +108,59 @@ pub fn sample(text: &str, name_and_labels: &str) -> Option<f64> {
 
 pub mod history;
 pub mod private_postgres;
+
+/// An agent identity: a fresh ed25519 key and a self-signed certificate of it.
+pub struct TestAgent {
+    /// The key pair.
+    pub key: rcgen::KeyPair,
+    /// Its self-signed certificate (PEM).
+    pub cert_pem: String,
+}
+
+impl TestAgent {
+    /// A new identity.
+    pub fn new() -> TestAgent {
+        let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ED25519).unwrap();
+        let cert_pem = rcgen::CertificateParams::new(vec!["agent".into()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap()
+            .pem();
+        TestAgent { key, cert_pem }
+    }
+
+    /// A new machine in `db` whose recorded agent key is this identity's.
+    pub async fn machine(&self, db: &shepherd_bmdb::Bmdb) -> uuid::Uuid {
+        let raw = self.key.public_key_raw().to_vec();
+        db.transact(move |tx| {
+            let raw = raw.clone();
+            Box::pin(async move {
+                let id = tx.create_machine().await?;
+                tx.set_agent_started(id, &raw).await?;
+                Ok(id)
+            })
+        })
+        .await
+        .unwrap()
+    }
+}
+
+/// `shepherd run` over a simulated fleet of `machines`, each takeover taking `takeover`, with
+/// a 2 s session interval and its log in `log`.
+pub fn sim_run(url: &str, machines: usize, takeover: &str, log: &std::path::Path) -> Command {
+    let mut cmd = shepherd();
+    cmd.args(["run", "--provider", "sim", "--migrate", "--database", url])
+        .args(["--sim-machines", &machines.to_string()])
+        .args(["--sim-takeover-time", takeover])
+        .args(["--agent-endpoint", "bmaas.test:443"])
+        .args(["--provisioner-max-machines", "0"])
+        .args(["--provisioner-reconcile-rate", "200ms,1"])
+        .args(["--provisioner-creation-rate", "1ms,100"])
+        .args(["--provisioner-chunk-size", "100"])
+        .args(["--initializer-parallelism", "2"])
+        .args(["--initializer-db-rate", "1ms,8"])
+        .args(["--session-interval", "2s"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(log).unwrap());
+    cmd
+}
