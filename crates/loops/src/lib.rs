@@ -3,6 +3,7 @@
 //! (SPEC §6–§10).
 
 pub mod bounded;
+pub mod brake;
 pub mod initializer;
 pub mod limiter;
 pub mod metrics;

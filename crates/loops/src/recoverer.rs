@@ -9,6 +9,7 @@ use async_trait::async_trait;
 use shepherd_bmdb::{Backoff, Process, Processor, RecoveryThresholds, Retrieval, Session};
 use uuid::Uuid;
 
+use crate::brake::Brake;
 use crate::provider::Recoverer as RecovererProvider;
 use crate::runner::{Commit, MachineTask};
 
@@ -17,6 +18,7 @@ pub struct Recoverer<P: RecovererProvider> {
     provider: Arc<P>,
     thresholds: RecoveryThresholds,
     backoff: Backoff,
+    brake: Option<Arc<Brake>>,
 }
 
 impl<P: RecovererProvider> Recoverer<P> {
@@ -26,6 +28,15 @@ impl<P: RecovererProvider> Recoverer<P> {
             provider,
             thresholds,
             backoff: Backoff::exponential(Duration::from_secs(60), Duration::from_secs(3600), 1.2),
+            brake: None,
+        }
+    }
+
+    /// The same recoverer, stopped while `brake` is engaged.
+    pub fn with_brake(self, brake: Arc<Brake>) -> Self {
+        Recoverer {
+            brake: Some(brake),
+            ..self
         }
     }
 
@@ -57,7 +68,7 @@ impl<P: RecovererProvider + 'static> MachineTask for Recoverer<P> {
     }
 
     async fn active(&self) -> bool {
-        self.provider.can_reboot().await
+        !self.brake.as_ref().is_some_and(|b| b.engaged()) && self.provider.can_reboot().await
     }
 
     async fn process_machine(&self, session: &Session, machine: Uuid) -> anyhow::Result<Commit> {

@@ -44,7 +44,16 @@ pub struct BmcEntry {
 impl BmcEntry {
     /// Checks the entry without contacting the BMC.
     pub fn validate(&self) -> anyhow::Result<()> {
-        let url = url::Url::parse(&self.url).with_context(|| format!("BMC URL {:?}", self.url))?;
+        let mut url = url::Url::parse(&self.url)
+            .map_err(|e| anyhow::anyhow!("BMC URL {:?}: {e}", redact_userinfo(&self.url)))?;
+        if !url.username().is_empty() || url.password().is_some() {
+            // Never echo the credentials back: they would land in logs and the BMDB.
+            let _ = url.set_username("");
+            let _ = url.set_password(None);
+            bail!(
+                "BMC URL {url}: must not carry credentials (user:password@); give Username and PasswordFile or PasswordEnv"
+            );
+        }
         if !matches!(url.scheme(), "http" | "https") {
             bail!("BMC URL {:?}: must be http(s)", self.url);
         }
@@ -122,6 +131,46 @@ impl std::fmt::Debug for Bmc {
     }
 }
 
+/// An HTTP client error with every cause (connection refused, an untrusted certificate, a
+/// timeout), not just reqwest's "error sending request"; the URL is left out (the caller
+/// names the BMC).
+fn cause_chain(e: reqwest::Error) -> String {
+    let e = e.without_url();
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(&e);
+    while let Some(cause) = source {
+        let msg = cause.to_string();
+        if !text.contains(&msg) {
+            text.push_str(": ");
+            text.push_str(&msg);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// A BMC's answer body as one bounded line for a log or a failure cause.
+fn one_line(bytes: &[u8]) -> String {
+    const MAX_CHARS: usize = 200;
+    let text = String::from_utf8_lossy(bytes);
+    let mut line: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    if let Some((cut, _)) = line.char_indices().nth(MAX_CHARS) {
+        line.truncate(cut);
+        line.push('…');
+    }
+    line
+}
+
+/// `url` with any `user:password@` removed, for messages about a URL that did not parse.
+fn redact_userinfo(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            format!("{}{}", &url[..scheme + 3], &url[at + 1..])
+        }
+        _ => url.to_string(),
+    }
+}
+
 /// The reset type to ask for, given what the system allows (an empty list allows anything).
 pub fn pick_reset(allowed: &[String]) -> Option<&'static str> {
     if allowed.is_empty() {
@@ -177,13 +226,13 @@ impl Bmc {
         let mut resp = req
             .send()
             .await
-            .map_err(|e| anyhow::anyhow!("BMC {}: {}", self.base, e.without_url()))?;
+            .map_err(|e| anyhow::anyhow!("BMC {}: {}", self.base, cause_chain(e)))?;
         let status = resp.status();
         let mut bytes = Vec::new();
         while let Some(chunk) = resp
             .chunk()
             .await
-            .map_err(|e| anyhow::anyhow!("BMC {}: {}", self.base, e.without_url()))?
+            .map_err(|e| anyhow::anyhow!("BMC {}: {}", self.base, cause_chain(e)))?
         {
             if bytes.len() + chunk.len() > MAX_BODY_BYTES {
                 bail!(
@@ -201,11 +250,7 @@ impl Bmc {
             );
         }
         if !status.is_success() {
-            bail!(
-                "BMC {}: {path}: {status}: {}",
-                self.base,
-                String::from_utf8_lossy(&bytes[..bytes.len().min(200)])
-            );
+            bail!("BMC {}: {path}: {status}: {}", self.base, one_line(&bytes));
         }
         Ok(bytes)
     }
@@ -302,5 +347,54 @@ mod tests {
         e.password_file = None;
         e.url = "ftp://x".into();
         assert!(e.validate().is_err());
+    }
+
+    fn entry(url: &str, password_file: Option<PathBuf>) -> BmcEntry {
+        BmcEntry {
+            url: url.into(),
+            system: Some("/redfish/v1/Systems/1".into()),
+            username: "admin".into(),
+            password_file,
+            password_env: None,
+            ca: None,
+            insecure: false,
+        }
+    }
+
+    #[test]
+    fn credentials_in_the_url_are_refused_and_never_echoed() {
+        let e = entry("https://root:s3cret@bmc.test", Some("/p".into()));
+        let text = format!("{:#}", e.validate().unwrap_err());
+        assert!(text.contains("must not carry credentials"), "{text}");
+        assert!(!text.contains("s3cret"), "{text}");
+        let e = entry("https://root:s3cret@[bad", Some("/p".into()));
+        let text = format!("{:#}", e.validate().unwrap_err());
+        assert!(!text.contains("s3cret"), "{text}");
+    }
+
+    #[tokio::test]
+    async fn transport_errors_name_their_cause() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = closed.local_addr().unwrap().port();
+        drop(closed);
+        let dir = tempfile::tempdir().unwrap();
+        let pw = dir.path().join("pw");
+        std::fs::write(&pw, "x\n").unwrap();
+        let bmc = Bmc::new(
+            &entry(&format!("http://127.0.0.1:{port}"), Some(pw)),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        let text = format!("{:#}", bmc.reset().await.unwrap_err());
+        assert!(text.to_lowercase().contains("connection refused"), "{text}");
+    }
+
+    #[test]
+    fn error_bodies_become_one_bounded_line() {
+        let body = format!("<html>\n  <body>\n{}\n</body>", "oops ".repeat(100));
+        let line = one_line(body.as_bytes());
+        assert!(!line.contains('\n'));
+        assert!(line.chars().count() <= 201, "{line}");
+        assert!(line.starts_with("<html> <body> oops"), "{line}");
     }
 }

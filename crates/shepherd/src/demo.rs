@@ -173,6 +173,11 @@ fn settings(args: &DemoArgs) -> FleetSettings {
             Duration::from_secs(10),
             1.5,
         ),
+        recovery_brake: shepherd_loops::brake::BrakeConfig {
+            interval: Duration::from_secs(2),
+            ..Default::default()
+        },
+        recovery_brake_metrics: Default::default(),
         updater_rate: fast(2000, 1),
         session_interval: Duration::from_secs(5),
     }

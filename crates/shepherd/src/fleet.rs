@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use shepherd_bmdb::{Backoff, Bmdb, Processor, RecoveryThresholds, SessionConfig};
+use shepherd_loops::brake::{Brake, BrakeConfig, BrakeMetrics};
 use shepherd_loops::initializer::{Initializer, InitializerConfig};
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::provider::{Provider, Recoverer as RecovererProvider};
@@ -38,6 +39,10 @@ pub struct FleetSettings {
     pub recovery: RecoveryThresholds,
     /// Recoverer backoff (upstream: 1 min → 1 h, ×1.2).
     pub recoverer_backoff: Backoff,
+    /// When the recoverer stops because too much of the fleet is stale at once.
+    pub recovery_brake: BrakeConfig,
+    /// Where the brake's gauges go (registered by the caller).
+    pub recovery_brake_metrics: BrakeMetrics,
     /// Pace of provider-fact refreshes (the updater).
     pub updater_rate: RateSpec,
     /// Session keep-alive interval.
@@ -96,8 +101,16 @@ where
     );
     let recovering = async {
         if let Some(r) = recoverer {
-            let task =
-                Recoverer::new(r, settings.recovery).with_backoff(settings.recoverer_backoff);
+            let brake = Brake::new(
+                settings.recovery_brake,
+                r.kind(),
+                settings.recovery,
+                settings.recovery_brake_metrics.clone(),
+            );
+            let braking = tokio::spawn(brake.clone().run(db.clone(), cancel.clone()));
+            let task = Recoverer::new(r, settings.recovery)
+                .with_backoff(settings.recoverer_backoff)
+                .with_brake(brake);
             runner::run(
                 db.clone(),
                 Arc::new(task),
@@ -108,7 +121,8 @@ where
                 },
                 cancel.clone(),
             )
-            .await
+            .await;
+            let _ = braking.await;
         }
     };
     tokio::join!(provisioning, initializing, recovering, updating);

@@ -10,6 +10,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use shepherd_bmdb::{Backoff, Bmdb, OpenOptions, Provider as ProviderKind, RecoveryThresholds};
 use shepherd_equinix::{Client, EquinixConfig, EquinixProvider, RetryPolicy};
+use shepherd_loops::brake::{BrakeConfig, BrakeMetrics};
 use shepherd_loops::initializer::InitializerConfig;
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::metrics::{CallMetrics, InstrumentedProvider};
@@ -137,6 +138,16 @@ pub struct RunArgs {
     /// Recoverer: reboot when an agent never heartbeated this long after its start.
     #[arg(long, env = "SHEPHERD_RECOVERY_NO_HEARTBEAT_AFTER", default_value = "30m", value_parser = duration)]
     pub recovery_no_heartbeat_after: Duration,
+    /// Recoverer: stop rebooting while more than this share of the provider's machines are
+    /// due for recovery at once (the server or the network is the likelier cause).
+    #[arg(long, env = "SHEPHERD_RECOVERY_BRAKE_SHARE", default_value_t = 0.5)]
+    pub recovery_brake_share: f64,
+    /// Recoverer: ... and at least this many are due (small fleets still recover).
+    #[arg(long, env = "SHEPHERD_RECOVERY_BRAKE_MIN_STALE", default_value_t = 5)]
+    pub recovery_brake_min_stale: i64,
+    /// Recoverer: how often the brake counts the machines due for recovery.
+    #[arg(long, env = "SHEPHERD_RECOVERY_BRAKE_INTERVAL", default_value = "30s", value_parser = duration)]
+    pub recovery_brake_interval: Duration,
     /// Recoverer: reboot when the last heartbeat is older than this.
     #[arg(long, env = "SHEPHERD_RECOVERY_HEARTBEAT_OLDER_THAN", default_value = "10m", value_parser = duration)]
     pub recovery_heartbeat_older_than: Duration,
@@ -276,6 +287,12 @@ impl RunArgs {
         initializer.ca_certificate = ca;
         initializer.exec_timeout = self.ssh_exec_timeout;
         initializer.validate()?;
+        let recovery_brake = BrakeConfig {
+            max_stale_share: self.recovery_brake_share,
+            min_stale: self.recovery_brake_min_stale,
+            interval: self.recovery_brake_interval,
+        };
+        recovery_brake.validate()?;
         Ok(FleetSettings {
             provisioner: ProvisionerConfig {
                 limits: Limits {
@@ -303,6 +320,8 @@ impl RunArgs {
                 Duration::from_secs(3600),
                 1.2,
             ),
+            recovery_brake,
+            recovery_brake_metrics: BrakeMetrics::default(),
             updater_rate: self.updater_rate,
             session_interval: self.session_interval,
         })
@@ -479,6 +498,7 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
     provider_metrics.register(&mut registry, "shepherd_provider", "Provider API");
     ssh_metrics.register(&mut registry, "shepherd_ssh", "SSH");
     equinix_metrics.register(&mut registry, "shepherd_equinix_api", "Equinix Metal API");
+    settings.recovery_brake_metrics.register(&mut registry);
     if let Chosen::Static(provider, _) = &chosen {
         provider.metrics().register(&mut registry);
     }
