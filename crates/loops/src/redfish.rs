@@ -10,7 +10,9 @@ use anyhow::{bail, Context};
 use serde::Deserialize;
 
 /// Reset types in order of preference.
-const RESET_PREFERENCE: [&str; 3] = ["ForceRestart", "GracefulRestart", "On"];
+const RESTARTS: [&str; 3] = ["ForceRestart", "PowerCycle", "GracefulRestart"];
+/// How often the power state is read while waiting for ForceOff or On to take effect.
+const POWER_POLL: Duration = Duration::from_millis(500);
 /// Largest BMC answer read.
 const MAX_BODY_BYTES: usize = 4 << 20;
 
@@ -116,6 +118,7 @@ struct System {
 /// A session with one BMC.
 pub struct Bmc {
     http: reqwest::Client,
+    timeout: Duration,
     base: String,
     entry: BmcEntry,
     password: String,
@@ -171,14 +174,27 @@ fn redact_userinfo(url: &str) -> String {
     }
 }
 
-/// The reset type to ask for, given what the system allows (an empty list allows anything).
-pub fn pick_reset(allowed: &[String]) -> Option<&'static str> {
+/// How to power-cycle a system, given the reset types it allows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResetPlan {
+    /// One reset that restarts the system whatever its state (`ForceRestart`, `PowerCycle`,
+    /// `GracefulRestart`, in that order of preference).
+    Restart(&'static str),
+    /// `ForceOff`, wait until the system reports Off, then `On` and wait until it reports On.
+    OffThenOn,
+}
+
+/// The plan for a system allowing `allowed` (an empty list allows anything), or `None` when
+/// it allows nothing that power-cycles: `On` alone changes nothing on a system that is on.
+pub fn plan_reset(allowed: &[String]) -> Option<ResetPlan> {
     if allowed.is_empty() {
-        return Some(RESET_PREFERENCE[0]);
+        return Some(ResetPlan::Restart(RESTARTS[0]));
     }
-    RESET_PREFERENCE
-        .into_iter()
-        .find(|r| allowed.iter().any(|a| a == r))
+    let allows = |t: &str| allowed.iter().any(|a| a == t);
+    if let Some(t) = RESTARTS.into_iter().find(|t| allows(t)) {
+        return Some(ResetPlan::Restart(t));
+    }
+    (allows("ForceOff") && allows("On")).then_some(ResetPlan::OffThenOn)
 }
 
 impl Bmc {
@@ -200,6 +216,7 @@ impl Bmc {
         }
         Ok(Bmc {
             http: builder.build()?,
+            timeout,
             base: entry.url.trim_end_matches('/').to_string(),
             password: entry.password()?,
             entry: entry.clone(),
@@ -284,7 +301,9 @@ impl Bmc {
         Ok(self.get::<System>(&path).await?.power_state)
     }
 
-    /// Power-cycles the system; returns the reset type used.
+    /// Power-cycles the system: a reset type that restarts it, else ForceOff and On with the
+    /// power state confirmed after each, else an error naming what the system allows. Returns
+    /// what was done.
     pub async fn reset(&self) -> anyhow::Result<&'static str> {
         let path = self.system_path().await?;
         let system: System = self.get(&path).await?;
@@ -292,19 +311,52 @@ impl Bmc {
             .actions
             .reset
             .with_context(|| format!("BMC {}: {path} offers no ComputerSystem.Reset", self.base))?;
-        let reset = pick_reset(&action.allowed).with_context(|| {
+        let plan = plan_reset(&action.allowed).with_context(|| {
             format!(
-                "BMC {}: {path} allows none of {RESET_PREFERENCE:?} (only {:?})",
+                "BMC {}: {path} allows no reset that power-cycles (none of {RESTARTS:?}, nor ForceOff with On; only {:?})",
                 self.base, action.allowed
             )
         })?;
-        self.request(
-            reqwest::Method::POST,
-            &action.target,
-            Some(serde_json::json!({ "ResetType": reset })),
-        )
-        .await?;
-        Ok(reset)
+        let post = |reset: &'static str| {
+            self.request(
+                reqwest::Method::POST,
+                &action.target,
+                Some(serde_json::json!({ "ResetType": reset })),
+            )
+        };
+        match plan {
+            ResetPlan::Restart(reset) => {
+                post(reset).await?;
+                Ok(reset)
+            }
+            ResetPlan::OffThenOn => {
+                post("ForceOff").await?;
+                self.wait_for_power(&path, "Off").await?;
+                post("On").await?;
+                self.wait_for_power(&path, "On").await?;
+                Ok("ForceOff, then On")
+            }
+        }
+    }
+
+    /// Polls the system's power state until it is `want`, for at most the request timeout.
+    async fn wait_for_power(&self, path: &str, want: &str) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        loop {
+            let state = self.get::<System>(path).await?.power_state;
+            if state.as_deref() == Some(want) {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                bail!(
+                    "BMC {}: {path} still reports power {:?} {:?} after asking for {want}",
+                    self.base,
+                    state.as_deref().unwrap_or("unknown"),
+                    self.timeout
+                );
+            }
+            tokio::time::sleep(POWER_POLL).await;
+        }
     }
 }
 
@@ -315,17 +367,26 @@ mod tests {
     #[test]
     fn reset_types_fall_back_in_order() {
         let v = |s: &[&str]| s.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        let restart = |t| Some(ResetPlan::Restart(t));
         assert_eq!(
-            pick_reset(&v(&["On", "ForceRestart"])),
-            Some("ForceRestart")
+            plan_reset(&v(&["On", "GracefulRestart", "ForceRestart"])),
+            restart("ForceRestart")
         );
         assert_eq!(
-            pick_reset(&v(&["On", "GracefulRestart"])),
-            Some("GracefulRestart")
+            plan_reset(&v(&["On", "GracefulRestart", "PowerCycle"])),
+            restart("PowerCycle")
         );
-        assert_eq!(pick_reset(&v(&["On", "ForceOff"])), Some("On"));
-        assert_eq!(pick_reset(&v(&["ForceOff"])), None);
-        assert_eq!(pick_reset(&[]), Some("ForceRestart"));
+        assert_eq!(
+            plan_reset(&v(&["On", "GracefulRestart"])),
+            restart("GracefulRestart")
+        );
+        assert_eq!(
+            plan_reset(&v(&["On", "ForceOff"])),
+            Some(ResetPlan::OffThenOn)
+        );
+        assert_eq!(plan_reset(&v(&["On"])), None, "On alone is no power cycle");
+        assert_eq!(plan_reset(&v(&["ForceOff"])), None);
+        assert_eq!(plan_reset(&[]), restart("ForceRestart"));
     }
 
     #[test]
@@ -396,5 +457,130 @@ mod tests {
         assert!(!line.contains('\n'));
         assert!(line.chars().count() <= 201, "{line}");
         assert!(line.starts_with("<html> <body> oops"), "{line}");
+    }
+
+    /// A scripted BMC on loopback: one system allowing `allowed`, whose power state follows
+    /// ForceOff and On a moment after each request. Returns its URL and the resets it got.
+    async fn scripted_bmc(
+        allowed: &'static [&'static str],
+    ) -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let resets = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+        let power = std::sync::Arc::new(std::sync::Mutex::new("On".to_string()));
+        let seen = resets.clone();
+        tokio::spawn(async move {
+            // Bounded: a test makes a few dozen requests at most.
+            for _ in 0..200 {
+                let Ok((mut conn, _)) = listener.accept().await else {
+                    return;
+                };
+                let mut buf = vec![0u8; 16 << 10];
+                let mut n = 0;
+                let request = loop {
+                    let Ok(k) = conn.read(&mut buf[n..]).await else {
+                        break None;
+                    };
+                    if k == 0 {
+                        break None;
+                    }
+                    n += k;
+                    let text = String::from_utf8_lossy(&buf[..n]).to_string();
+                    if let Some(head_end) = text.find("\r\n\r\n") {
+                        let len = text
+                            .lines()
+                            .find_map(|l| {
+                                l.to_ascii_lowercase()
+                                    .strip_prefix("content-length:")
+                                    .map(|v| v.trim().parse::<usize>().unwrap_or(0))
+                            })
+                            .unwrap_or(0);
+                        if n >= head_end + 4 + len {
+                            break Some(text);
+                        }
+                    }
+                };
+                let Some(request) = request else { continue };
+                let body = if request.starts_with("POST") {
+                    let reset = [
+                        "ForceOff",
+                        "On",
+                        "ForceRestart",
+                        "PowerCycle",
+                        "GracefulRestart",
+                    ]
+                    .into_iter()
+                    .find(|r| request.contains(&format!("\"{r}\"")))
+                    .unwrap_or("?");
+                    seen.lock().unwrap().push(reset.to_string());
+                    let (power, next) = (
+                        power.clone(),
+                        if reset == "ForceOff" { "Off" } else { "On" },
+                    );
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                        *power.lock().unwrap() = next.to_string();
+                    });
+                    String::new()
+                } else {
+                    serde_json::json!({
+                        "PowerState": *power.lock().unwrap(),
+                        "Actions": {"#ComputerSystem.Reset": {
+                            "target": "/redfish/v1/Systems/1/Actions/ComputerSystem.Reset",
+                            "ResetType@Redfish.AllowableValues": allowed,
+                        }},
+                    })
+                    .to_string()
+                };
+                let status = if body.is_empty() {
+                    "204 No Content"
+                } else {
+                    "200 OK"
+                };
+                let reply = format!(
+                    "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = conn.write_all(reply.as_bytes()).await;
+            }
+        });
+        (url, resets)
+    }
+
+    fn scripted_entry(url: &str, dir: &std::path::Path) -> BmcEntry {
+        let pw = dir.join("pw");
+        std::fs::write(&pw, "x\n").unwrap();
+        entry(url, Some(pw))
+    }
+
+    #[tokio::test]
+    async fn off_then_on_when_nothing_restarts_and_the_state_is_confirmed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (url, resets) = scripted_bmc(&["On", "ForceOff"]).await;
+        let bmc = Bmc::new(&scripted_entry(&url, dir.path()), Duration::from_secs(10)).unwrap();
+        assert_eq!(bmc.reset().await.unwrap(), "ForceOff, then On");
+        assert_eq!(*resets.lock().unwrap(), vec!["ForceOff", "On"]);
+        assert_eq!(bmc.power_state().await.unwrap().as_deref(), Some("On"));
+    }
+
+    #[tokio::test]
+    async fn power_cycle_is_preferred_to_a_graceful_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let (url, resets) =
+            scripted_bmc(&["On", "ForceOff", "GracefulRestart", "PowerCycle"]).await;
+        let bmc = Bmc::new(&scripted_entry(&url, dir.path()), Duration::from_secs(10)).unwrap();
+        assert_eq!(bmc.reset().await.unwrap(), "PowerCycle");
+        assert_eq!(*resets.lock().unwrap(), vec!["PowerCycle"]);
+    }
+
+    #[tokio::test]
+    async fn a_system_that_only_allows_on_is_refused_with_a_cause() {
+        let dir = tempfile::tempdir().unwrap();
+        let (url, resets) = scripted_bmc(&["On"]).await;
+        let bmc = Bmc::new(&scripted_entry(&url, dir.path()), Duration::from_secs(10)).unwrap();
+        let text = format!("{:#}", bmc.reset().await.unwrap_err());
+        assert!(text.contains("allows no reset that power-cycles"), "{text}");
+        assert!(resets.lock().unwrap().is_empty(), "nothing was sent");
     }
 }
