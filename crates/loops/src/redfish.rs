@@ -59,6 +59,11 @@ impl BmcEntry {
         if !matches!(url.scheme(), "http" | "https") {
             bail!("BMC URL {:?}: must be http(s)", self.url);
         }
+        if let Some(system) = &self.system {
+            if !system.starts_with('/') {
+                bail!("BMC System {system:?}: must be a path starting with / (e.g. /redfish/v1/Systems/1)");
+            }
+        }
         match (&self.password_file, &self.password_env) {
             (Some(_), None) | (None, Some(_)) => Ok(()),
             _ => bail!(
@@ -66,6 +71,29 @@ impl BmcEntry {
                 self.url
             ),
         }
+    }
+
+    /// Checks what the entry names on this host: the password (file or variable) is there and
+    /// not empty, and the CA file holds at least one PEM certificate. Run whenever an
+    /// inventory is loaded, so a broken entry stops `run` at start-up instead of failing its
+    /// machine's first recovery.
+    pub fn check_local(&self) -> anyhow::Result<()> {
+        if self.password()?.is_empty() {
+            match (&self.password_file, &self.password_env) {
+                (Some(path), _) => bail!("BMC PasswordFile {}: is empty", path.display()),
+                (_, Some(var)) => bail!("BMC PasswordEnv {var}: is empty"),
+                _ => bail!("BMC {}: no password source", self.url),
+            }
+        }
+        if let Some(ca) = &self.ca {
+            let pem = std::fs::read(ca).with_context(|| format!("BMC CA {}", ca.display()))?;
+            let certs = reqwest::Certificate::from_pem_bundle(&pem)
+                .with_context(|| format!("BMC CA {}", ca.display()))?;
+            if certs.is_empty() {
+                bail!("BMC CA {}: holds no PEM certificate", ca.display());
+            }
+        }
+        Ok(())
     }
 
     fn password(&self) -> anyhow::Result<String> {
@@ -582,5 +610,58 @@ mod tests {
         let text = format!("{:#}", bmc.reset().await.unwrap_err());
         assert!(text.contains("allows no reset that power-cycles"), "{text}");
         assert!(resets.lock().unwrap().is_empty(), "nothing was sent");
+    }
+
+    #[test]
+    fn local_settings_are_checked_with_the_setting_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let empty = dir.path().join("empty");
+        std::fs::write(&empty, "\n").unwrap();
+        let garbage = dir.path().join("garbage.pem");
+        std::fs::write(&garbage, "not a certificate\n").unwrap();
+        let good_pw = dir.path().join("pw");
+        std::fs::write(&good_pw, "secret\n").unwrap();
+        let check = |e: BmcEntry| {
+            format!(
+                "{:#}",
+                e.validate().and_then(|_| e.check_local()).unwrap_err()
+            )
+        };
+
+        let text = check(entry("https://bmc.test", Some(dir.path().join("missing"))));
+        assert!(
+            text.contains("BMC password file") && text.contains("missing"),
+            "{text}"
+        );
+        let text = check(entry("https://bmc.test", Some(empty)));
+        assert!(
+            text.contains("PasswordFile") && text.contains("is empty"),
+            "{text}"
+        );
+        let mut e = entry("https://bmc.test", None);
+        e.password_env = Some("SHEPHERD_TEST_SURELY_UNSET_VARIABLE".into());
+        let text = check(e);
+        assert!(
+            text.contains("SHEPHERD_TEST_SURELY_UNSET_VARIABLE is not set"),
+            "{text}"
+        );
+        let mut e = entry("https://bmc.test", Some(good_pw.clone()));
+        e.ca = Some(garbage);
+        let text = check(e);
+        assert!(text.contains("holds no PEM certificate"), "{text}");
+        let mut e = entry("https://bmc.test", Some(good_pw.clone()));
+        e.ca = Some(dir.path().join("no-ca.pem"));
+        let text = check(e);
+        assert!(
+            text.contains("BMC CA") && text.contains("no-ca.pem"),
+            "{text}"
+        );
+        let mut e = entry("https://bmc.test", Some(good_pw.clone()));
+        e.system = Some("redfish/v1/Systems/1".into());
+        let text = check(e);
+        assert!(text.contains("must be a path starting with /"), "{text}");
+        assert!(entry("https://bmc.test", Some(good_pw))
+            .check_local()
+            .is_ok());
     }
 }

@@ -171,6 +171,18 @@ const LOOKUP_MAX_AGE: Duration = Duration::from_secs(5);
 /// Attempts to read an http(s) inventory at start-up before giving up.
 const START_ATTEMPTS: u32 = 5;
 
+/// Checks what each entry's BMC names on this host (password, CA file): see
+/// [`BmcEntry::check_local`]. Separate from parsing, which needs nothing but the text.
+pub fn check_local(entries: &[InventoryEntry]) -> anyhow::Result<()> {
+    for (i, e) in entries.iter().enumerate() {
+        if let Some(b) = &e.bmc {
+            b.check_local()
+                .with_context(|| format!("inventory entry {i} ({})", e.id))?;
+        }
+    }
+    Ok(())
+}
+
 /// A provider backed by a static inventory. The inventory is read again only when it changed
 /// (file length, time and inode; HTTP `ETag`/`Last-Modified`) and parsed once per change. A
 /// read that fails keeps the last good inventory, logged once per distinct error.
@@ -276,7 +288,11 @@ impl StaticProvider {
             .await
             .and_then(|fetched| match fetched {
                 None => Ok(None),
-                Some((bytes, stamp)) => Ok(Some((parse_inventory(&bytes)?, stamp))),
+                Some((bytes, stamp)) => {
+                    let entries = parse_inventory(&bytes)?;
+                    check_local(&entries)?;
+                    Ok(Some((entries, stamp)))
+                }
             })
             .with_context(|| format!("inventory {}", self.url));
         cache.checked = Some(Instant::now());

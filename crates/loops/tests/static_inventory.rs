@@ -208,7 +208,12 @@ async fn a_later_broken_inventory_keeps_the_last_good_one(_db: Bmdb) {
     assert!(!p.load_at_start().await.unwrap().has_bmcs());
     assert!(!p.can_reboot().await, "no BMC named: the recoverer waits");
 
-    let bmc = r#"{"ID": "m1", "Addr": "10.0.0.1", "BMC": {"URL": "https://bmc.test", "Username": "u", "PasswordEnv": "BMC_PASSWORD"}}"#;
+    let password = dir.path().join("bmc-password");
+    std::fs::write(&password, "secret\n").unwrap();
+    let bmc = format!(
+        r#"{{"ID": "m1", "Addr": "10.0.0.1", "BMC": {{"URL": "https://bmc.test", "Username": "u", "PasswordFile": "{}"}}}}"#,
+        password.display()
+    );
     std::fs::write(
         &path,
         format!("[{bmc}, {{\"ID\": \"m2\", \"Addr\": \"10.0.0.2\"}}]"),

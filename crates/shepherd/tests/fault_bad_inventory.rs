@@ -84,6 +84,30 @@ fn every_broken_file_inventory_fails_at_start_up() {
         assert!(line.contains(&url), "{name}: {line}");
         assert!(line.contains(why), "{name}: {line}");
     }
+    // An entry whose BMC names a password file that is not there.
+    let path = dir.path().join("bmc.json");
+    let no_password = dir.path().join("no-such-password");
+    std::fs::write(
+        &path,
+        format!(
+            r#"[{{"ID": "m1", "Addr": "a:22", "BMC": {{"URL": "https://bmc.test", "Username": "u", "PasswordFile": "{}"}}}}]"#,
+            no_password.display()
+        ),
+    )
+    .unwrap();
+    let out = run_with_inventory(
+        dir.path(),
+        &format!("file://{}", path.display()),
+        Duration::from_secs(20),
+    );
+    assert!(!out.status.success());
+    let line = error_line(&out);
+    assert!(line.contains("inventory entry 0 (m1)"), "{line}");
+    assert!(
+        line.contains("BMC password file") && line.contains("no-such-password"),
+        "{line}"
+    );
+
     let missing = format!("file://{}", dir.path().join("missing.json").display());
     let out = run_with_inventory(dir.path(), &missing, Duration::from_secs(20));
     assert!(!out.status.success());

@@ -587,7 +587,6 @@ fn json_logs_carry_the_work_span() {
 /// value valid), and the example inventory is one the static provider reads.
 #[tokio::test]
 async fn deploy_examples_are_valid() {
-    use shepherd_loops::provider::Provider as _;
     let deploy = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy");
     for site in ["single-site-sqlite", "replicas-postgres"] {
         for command in ["run", "server"] {
@@ -612,13 +611,11 @@ async fn deploy_examples_are_valid() {
             "{text}"
         );
     }
-    let inventory = deploy.join("single-site-sqlite/inventory.json");
-    let provider = shepherd_loops::static_provider::StaticProvider::new(
-        &format!("file://{}", inventory.display()),
-        shepherd_bmdb::Provider::Static,
-    )
-    .unwrap();
-    assert_eq!(provider.list_machines().await.unwrap().len(), 3);
+    // The example's BMC password file and variable exist only on a real host, so only the
+    // text is checked here (`run` also checks what the entries name at start-up).
+    let inventory = std::fs::read(deploy.join("single-site-sqlite/inventory.json")).unwrap();
+    let entries = shepherd_loops::static_provider::parse_inventory(&inventory).unwrap();
+    assert_eq!(entries.len(), 3);
 }
 
 /// `shepherd run --provider equinix` against the fake Equinix Metal API: it ensures the project
