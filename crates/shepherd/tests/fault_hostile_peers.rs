@@ -14,12 +14,10 @@ use std::time::{Duration, Instant};
 
 use common::{announced_all, sample, shepherd, ChildGuard, TestAgent};
 use shepherd_bmdb::Bmdb;
-use shepherd_proto::bmaas::agent_callback_client::AgentCallbackClient;
 use shepherd_proto::bmaas::HeartbeatRequest;
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpSocket, TcpStream};
 use tokio_rustls::rustls;
-use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
 const IDLE_TLS: usize = 1_000;
 const HALF_OPEN: usize = 300;
@@ -148,22 +146,7 @@ async fn one_hostile_peer_cannot_lock_agents_out() {
     }
 
     // An agent on 127.0.0.1 connects and heartbeats within one handshake timeout.
-    let channel = Endpoint::from_shared(format!("https://{addr}"))
-        .unwrap()
-        .tls_config(
-            ClientTlsConfig::new()
-                .ca_certificate(Certificate::from_pem(&ca_pem))
-                .domain_name("localhost")
-                .identity(Identity::from_pem(
-                    &identity.cert_pem,
-                    identity.key.serialize_pem(),
-                )),
-        )
-        .unwrap()
-        .connect_timeout(HANDSHAKE_TIMEOUT)
-        .timeout(HANDSHAKE_TIMEOUT)
-        .connect_lazy();
-    let mut agent = AgentCallbackClient::new(channel);
+    let mut agent = identity.client(&addr.to_string(), &ca_pem, HANDSHAKE_TIMEOUT);
     let beat = HeartbeatRequest {
         machine_id: machine.to_string(),
         ..Default::default()

@@ -13,10 +13,8 @@ use std::time::{Duration, Instant};
 use common::private_postgres::PrivatePostgres;
 use common::{announced_all, history, shepherd, sim_run, ChildGuard, TestAgent};
 use shepherd_bmdb::{Bmdb, Process};
-use shepherd_proto::bmaas::agent_callback_client::AgentCallbackClient;
 use shepherd_proto::bmaas::HeartbeatRequest;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 use uuid::Uuid;
 
 const SIM_MACHINES: i64 = 40;
@@ -35,21 +33,7 @@ async fn agent(
     beats: Beats,
     stop: CancellationToken,
 ) {
-    let channel = Endpoint::from_shared(format!("https://{addr}"))
-        .unwrap()
-        .tls_config(
-            ClientTlsConfig::new()
-                .ca_certificate(Certificate::from_pem(&ca))
-                .domain_name("localhost")
-                .identity(Identity::from_pem(
-                    &identity.cert_pem,
-                    identity.key.serialize_pem(),
-                )),
-        )
-        .unwrap()
-        .timeout(Duration::from_secs(5))
-        .connect_lazy();
-    let mut client = AgentCallbackClient::new(channel);
+    let mut client = identity.client(&addr, &ca, Duration::from_secs(5));
     let until = Instant::now() + Duration::from_secs(180);
     while !stop.is_cancelled() && Instant::now() < until {
         let ok = client

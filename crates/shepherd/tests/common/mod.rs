@@ -129,6 +129,31 @@ impl TestAgent {
         TestAgent { key, cert_pem }
     }
 
+    /// A heartbeat client for the server at `addr` (trusting the PEM CA `ca`, presenting this
+    /// identity), connecting lazily with `timeout` on connects and requests.
+    pub fn client(
+        &self,
+        addr: &str,
+        ca: &[u8],
+        timeout: Duration,
+    ) -> shepherd_proto::bmaas::agent_callback_client::AgentCallbackClient<tonic::transport::Channel>
+    {
+        use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+        let channel = Endpoint::from_shared(format!("https://{addr}"))
+            .unwrap()
+            .tls_config(
+                ClientTlsConfig::new()
+                    .ca_certificate(Certificate::from_pem(ca))
+                    .domain_name("localhost")
+                    .identity(Identity::from_pem(&self.cert_pem, self.key.serialize_pem())),
+            )
+            .unwrap()
+            .connect_timeout(timeout)
+            .timeout(timeout)
+            .connect_lazy();
+        shepherd_proto::bmaas::agent_callback_client::AgentCallbackClient::new(channel)
+    }
+
     /// A new machine in `db` whose recorded agent key is this identity's.
     pub async fn machine(&self, db: &shepherd_bmdb::Bmdb) -> uuid::Uuid {
         let raw = self.key.public_key_raw().to_vec();

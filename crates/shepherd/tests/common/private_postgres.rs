@@ -24,12 +24,16 @@ fn bin_dir() -> PathBuf {
         .expect("no initdb under /usr/lib/postgresql/*/bin")
 }
 
+/// Whether the tests run as root (CI), asked once.
 fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-        .unwrap_or(false)
+    static ROOT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ROOT.get_or_init(|| {
+        Command::new("id")
+            .arg("-u")
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+            .unwrap_or(false)
+    })
 }
 
 impl PrivatePostgres {
@@ -76,15 +80,20 @@ impl PrivatePostgres {
         self.dir.path().join("data").display().to_string()
     }
 
-    fn run(&self, tool: &str, args: &[&str]) {
+    /// `tool` of the installed PostgreSQL, as the `postgres` user when we are root.
+    fn command(&self, tool: &str) -> Command {
         let exe = self.bin.join(tool);
-        let mut cmd = if is_root() {
+        if is_root() {
             let mut c = Command::new("runuser");
             c.args(["-u", "postgres", "--"]).arg(&exe);
             c
         } else {
             Command::new(&exe)
-        };
+        }
+    }
+
+    fn run(&self, tool: &str, args: &[&str]) {
+        let mut cmd = self.command(tool);
         let out = cmd.args(args).output().unwrap();
         assert!(
             out.status.success(),
@@ -143,17 +152,10 @@ impl PrivatePostgres {
 
 impl Drop for PrivatePostgres {
     fn drop(&mut self) {
-        let exe = self.bin.join("pg_ctl");
         let data = self.data();
-        let args = ["-D", data.as_str(), "-m", "immediate", "stop"];
-        let _ = if is_root() {
-            Command::new("runuser")
-                .args(["-u", "postgres", "--"])
-                .arg(&exe)
-                .args(args)
-                .output()
-        } else {
-            Command::new(&exe).args(args).output()
-        };
+        let _ = self
+            .command("pg_ctl")
+            .args(["-D", data.as_str(), "-m", "immediate", "stop"])
+            .output();
     }
 }
