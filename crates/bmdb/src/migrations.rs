@@ -9,15 +9,23 @@ pub(crate) struct Migration {
 }
 
 /// Every migration this binary knows, in order.
-pub(crate) const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "init",
-    sqlite: include_str!("../migrations/sqlite/0001_init.sql"),
-    postgres: include_str!("../migrations/postgres/0001_init.sql"),
-}];
+pub(crate) const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "init",
+        sqlite: include_str!("../migrations/sqlite/0001_init.sql"),
+        postgres: include_str!("../migrations/postgres/0001_init.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "machine_recovery",
+        sqlite: include_str!("../migrations/sqlite/0002_machine_recovery.sql"),
+        postgres: include_str!("../migrations/postgres/0002_machine_recovery.sql"),
+    },
+];
 
 /// The schema version this binary needs and writes.
-pub const SCHEMA_VERSION: i64 = 1;
+pub const SCHEMA_VERSION: i64 = 2;
 
 #[cfg(test)]
 mod tests {

@@ -215,6 +215,16 @@ pub struct SshHostKey {
     pub first_seen_at: DateTime<Utc>,
 }
 
+/// The `machine_recovery` tag: how the recoverer has been rebooting a machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Recovery {
+    /// When the recoverer last rebooted it.
+    pub rebooted_at: DateTime<Utc>,
+    /// Reboots since its agent last heartbeated: 1 after a reboot that followed a heartbeat,
+    /// more when earlier reboots did not bring the agent back.
+    pub in_a_row: i64,
+}
+
 /// One entry of a machine's work history.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HistoryEntry {

@@ -236,7 +236,7 @@ pub async fn seed_every_state(db: &Bmdb) -> (Vec<SeededMachine>, crate::Session)
                     .await?;
                 push(id, Lifecycle::Stale, Some(3));
                 let id = provided(tx, 4).await?;
-                tx.set_backoff_raw(
+                tx.set_backoff(
                     id,
                     Process::ShepherdAgentStart,
                     Utc::now() + Delta::minutes(5),

@@ -312,6 +312,26 @@ impl Tx {
         dispatch!(self.history_after(after_id, limit))
     }
 
+    /// Records that the recoverer rebooted the machine now, the `in_a_row`th time since its
+    /// agent last heartbeated.
+    pub async fn set_recovery(&mut self, id: Uuid, in_a_row: i64) -> Result<(), Error> {
+        dispatch!(self.set_recovery(id, in_a_row))
+    }
+
+    /// The `machine_recovery` tag.
+    pub async fn recovery(&mut self, id: Uuid) -> Result<Option<Recovery>, Error> {
+        dispatch!(self.recovery(id))
+    }
+
+    /// The provider's machines, and how many of them heartbeated within `fresh_within`.
+    pub async fn count_heartbeating(
+        &mut self,
+        provider: Provider,
+        fresh_within: std::time::Duration,
+    ) -> Result<(i64, i64), Error> {
+        dispatch!(self.count_heartbeating(provider, fresh_within))
+    }
+
     /// Work currently held on a machine.
     pub async fn machine_work(&mut self, id: Uuid) -> Result<Vec<ActiveWork>, Error> {
         dispatch!(self.machine_work(id))
@@ -360,9 +380,10 @@ impl Tx {
         dispatch!(self.delete_session(session))
     }
 
-    /// Test support: sets a backoff row directly.
-    #[cfg(feature = "testing")]
-    pub async fn set_backoff_raw(
+    /// Keeps `process` off the machine until `until`, with `cause` for operators. A
+    /// `last_interval` of 0 marks a wait that is not a failure, so the process's next failure
+    /// backs off from its own initial interval.
+    pub async fn set_backoff(
         &mut self,
         machine: Uuid,
         process: Process,
@@ -370,6 +391,16 @@ impl Tx {
         last_interval: i64,
         cause: &str,
     ) -> Result<(), Error> {
-        dispatch!(self.set_backoff_raw(machine, process, until, last_interval, cause))
+        dispatch!(self.set_backoff(machine, process, until, last_interval, cause))
+    }
+
+    /// Ends the machine's backoffs for `process` (every process if `None`) now; returns how
+    /// many there were.
+    pub async fn clear_backoffs(
+        &mut self,
+        machine: Uuid,
+        process: Option<Process>,
+    ) -> Result<u64, Error> {
+        dispatch!(self.clear_backoffs(machine, process))
     }
 }

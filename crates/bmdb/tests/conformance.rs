@@ -747,7 +747,7 @@ async fn eligibility_matches_model(db: Bmdb) {
                         } else {
                             ago(1)
                         };
-                        tx.set_backoff_raw(m.id, p, until, 60, "test").await?;
+                        tx.set_backoff(m.id, p, until, 60, "test").await?;
                     }
                 }
                 Ok(fleet)

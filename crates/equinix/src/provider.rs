@@ -38,7 +38,7 @@ pub struct EquinixConfig {
     pub reservation_cache: Duration,
     /// How long a reservation whose device creation failed is skipped.
     pub reservation_penalty: Duration,
-    /// How long a reboot is given to take effect before the recoverer goes on.
+    /// How long a rebooted device is given before the initializer takes it over again.
     pub reboot_wait: Duration,
 }
 
@@ -350,8 +350,11 @@ impl Recoverer for EquinixProvider {
             ApiError::NotFound => ProviderError::NotFound(id.to_string()),
             e => api(e),
         })?;
-        tokio::time::sleep(self.config.reboot_wait).await;
         Ok(())
+    }
+
+    fn reboot_wait(&self) -> Duration {
+        self.config.reboot_wait
     }
 }
 

@@ -2,26 +2,33 @@
 //! cause is us (the BMaaS server is down, the agents cannot reach it, the network is cut), and
 //! power-cycling the whole fleet would make things worse. Like Kubernetes' node-lifecycle
 //! controller, which stops evictions in a zone that is mostly unhealthy, the brake stops the
-//! recoverer while more than a set share of the provider's machines are stale, and releases
-//! it by itself when the share falls. It is evaluated from two count queries on an interval,
-//! never per claim.
+//! recoverer while more than a set share of the provider's machines are silent (no heartbeat
+//! within the recovery threshold: machines just rebooted count until their agent is back),
+//! and releases it by itself when the share falls.
+//!
+//! It is evaluated from two count queries, never per claim: on an interval, and as soon as the
+//! recoverer has used up the few reboots each count allows (`min_silent`). So however fast
+//! machines go silent between two counts, at most that many are rebooted before the brake
+//! looks again.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use shepherd_bmdb::{Bmdb, Process, Provider, RecoveryThresholds, Retrieval, STALE_AFTER};
+use shepherd_bmdb::{Bmdb, Process, Provider, RecoveryThresholds, Retrieval};
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 /// When the brake engages.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BrakeConfig {
-    /// Engage when more than this share of the provider's machines are due for recovery.
-    pub max_stale_share: f64,
-    /// ... and at least this many are (a small fleet with a few broken machines still recovers).
-    pub min_stale: i64,
+    /// Engage when more than this share of the provider's machines are silent.
+    pub max_silent_share: f64,
+    /// ... and at least this many are (a small fleet with a few broken machines still
+    /// recovers). Also the most reboots between two counts.
+    pub min_silent: i64,
     /// How often the share is counted.
     pub interval: Duration,
 }
@@ -29,8 +36,8 @@ pub struct BrakeConfig {
 impl Default for BrakeConfig {
     fn default() -> Self {
         BrakeConfig {
-            max_stale_share: 0.5,
-            min_stale: 5,
+            max_silent_share: 0.5,
+            min_silent: 5,
             interval: Duration::from_secs(30),
         }
     }
@@ -39,14 +46,14 @@ impl Default for BrakeConfig {
 impl BrakeConfig {
     /// Checks the settings; the message names the setting.
     pub fn validate(&self) -> anyhow::Result<()> {
-        if !(self.max_stale_share > 0.0 && self.max_stale_share <= 1.0) {
+        if !(self.max_silent_share > 0.0 && self.max_silent_share <= 1.0) {
             anyhow::bail!(
                 "recovery-brake-share: must be more than 0 and at most 1, not {}",
-                self.max_stale_share
+                self.max_silent_share
             );
         }
-        if self.min_stale < 0 {
-            anyhow::bail!("recovery-brake-min-stale: must not be negative");
+        if self.min_silent < 0 {
+            anyhow::bail!("recovery-brake-min-silent: must not be negative");
         }
         if self.interval.is_zero() {
             anyhow::bail!("recovery-brake-interval: must be more than zero");
@@ -55,12 +62,33 @@ impl BrakeConfig {
     }
 }
 
-/// The brake's gauges. Cheap to clone; clones share values.
+/// The brake's gauges, which are also its status for the web UI. Cheap to clone; clones
+/// share values.
 #[derive(Debug, Clone, Default)]
 pub struct BrakeMetrics {
     engaged: Gauge,
-    stale: Gauge,
+    due: Gauge,
+    silent: Gauge,
     share: Gauge<f64, std::sync::atomic::AtomicU64>,
+    counted: Arc<AtomicBool>,
+    allowed_share: Gauge<f64, std::sync::atomic::AtomicU64>,
+}
+
+/// The brake as last evaluated, for display.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BrakeStatus {
+    /// Whether the recoverer is stopped.
+    pub engaged: bool,
+    /// Whether the machines were counted yet (the brake holds until they are).
+    pub counted: bool,
+    /// Machines due for recovery at the last count.
+    pub due: i64,
+    /// Machines without a recent heartbeat at the last count.
+    pub silent: i64,
+    /// Their share of the provider's machines.
+    pub share: f64,
+    /// The share above which the brake engages.
+    pub allowed_share: f64,
 }
 
 impl BrakeMetrics {
@@ -74,13 +102,30 @@ impl BrakeMetrics {
         registry.register(
             "shepherd_recovery_due_machines",
             "Machines due for recovery at the brake's last count",
-            self.stale.clone(),
+            self.due.clone(),
         );
         registry.register(
-            "shepherd_recovery_due_share",
-            "Share of the provider's machines due for recovery at the brake's last count",
+            "shepherd_recovery_silent_machines",
+            "Machines of the provider without a recent heartbeat at the brake's last count",
+            self.silent.clone(),
+        );
+        registry.register(
+            "shepherd_recovery_silent_share",
+            "Share of the provider's machines without a recent heartbeat at the brake's last count",
             self.share.clone(),
         );
+    }
+
+    /// The brake's state as last evaluated.
+    pub fn status(&self) -> BrakeStatus {
+        BrakeStatus {
+            engaged: self.engaged.get() != 0,
+            counted: self.counted.load(Ordering::Relaxed),
+            due: self.due.get(),
+            silent: self.silent.get(),
+            share: self.share.get(),
+            allowed_share: self.allowed_share.get(),
+        }
     }
 }
 
@@ -89,6 +134,9 @@ impl BrakeMetrics {
 pub struct BrakeReading {
     /// Machines due for recovery.
     pub due: i64,
+    /// Machines without a heartbeat within the recovery threshold (never heartbeated, just
+    /// rebooted, or gone quiet).
+    pub silent: i64,
     /// Machines of the provider.
     pub machines: i64,
 }
@@ -100,6 +148,10 @@ pub struct Brake {
     provider: Provider,
     thresholds: RecoveryThresholds,
     engaged: AtomicBool,
+    /// Reboots left before the next count.
+    reboots_left: AtomicI64,
+    /// Wakes the counting loop when the reboots are used up.
+    recount: Notify,
     metrics: BrakeMetrics,
 }
 
@@ -112,11 +164,14 @@ impl Brake {
         metrics: BrakeMetrics,
     ) -> Arc<Brake> {
         metrics.engaged.set(1);
+        metrics.allowed_share.set(config.max_silent_share);
         Arc::new(Brake {
             config,
             provider,
             thresholds,
             engaged: AtomicBool::new(true),
+            reboots_left: AtomicI64::new(0),
+            recount: Notify::new(),
             metrics,
         })
     }
@@ -126,16 +181,30 @@ impl Brake {
         self.engaged.load(Ordering::Relaxed)
     }
 
+    /// Whether the recoverer may reboot one more machine before the next count.
+    pub fn admits(&self) -> bool {
+        !self.engaged() && self.reboots_left.load(Ordering::Relaxed) > 0
+    }
+
+    /// Tells the brake a machine was rebooted; the last reboot a count allowed asks for the
+    /// next count at once.
+    pub fn rebooted(&self) {
+        if self.reboots_left.fetch_sub(1, Ordering::Relaxed) <= 1 {
+            self.recount.notify_one();
+        }
+    }
+
     /// Whether `reading` calls for the brake.
     pub fn should_engage(&self, r: BrakeReading) -> bool {
-        r.due >= self.config.min_stale
-            && r.due as f64 > self.config.max_stale_share * r.machines.max(1) as f64
+        r.silent >= self.config.min_silent
+            && r.silent as f64 > self.config.max_silent_share * r.machines.max(1) as f64
     }
 
     /// Counts the machines due for recovery and the provider's machines, and engages or
     /// releases the brake, logging each change once.
     pub async fn evaluate(&self, db: &Bmdb) -> Result<BrakeReading, shepherd_bmdb::Error> {
         let (provider, thresholds) = (self.provider, self.thresholds);
+        let fresh_within = thresholds.heartbeat_older_than;
         let reading = db
             .read(move |tx| {
                 Box::pin(async move {
@@ -148,56 +217,73 @@ impl Brake {
                             },
                         )
                         .await?;
-                    let counts = tx.fleet_counts(STALE_AFTER).await?;
-                    let machines = counts
-                        .provided
-                        .iter()
-                        .find(|(p, _)| *p == provider)
-                        .map_or(0, |(_, n)| *n);
-                    Ok(BrakeReading { due, machines })
+                    let (machines, heartbeating) =
+                        tx.count_heartbeating(provider, fresh_within).await?;
+                    Ok(BrakeReading {
+                        due,
+                        silent: machines - heartbeating,
+                        machines,
+                    })
                 })
             })
             .await?;
         let engage = self.should_engage(reading);
-        let share = reading.due as f64 / reading.machines.max(1) as f64;
-        self.metrics.stale.set(reading.due);
+        let share = reading.silent as f64 / reading.machines.max(1) as f64;
+        self.metrics.due.set(reading.due);
+        self.metrics.silent.set(reading.silent);
         self.metrics.share.set(share);
         self.metrics.engaged.set(i64::from(engage));
+        self.metrics.counted.store(true, Ordering::Relaxed);
+        self.reboots_left.store(
+            if engage {
+                0
+            } else {
+                self.config.min_silent.max(1)
+            },
+            Ordering::Relaxed,
+        );
         let was = self.engaged.swap(engage, Ordering::Relaxed);
         if engage && !was {
             tracing::warn!(
                 provider = %self.provider,
                 due = reading.due,
+                silent = reading.silent,
                 machines = reading.machines,
-                "recovery brake engaged: {} of {} machines ({:.0}%) are due for recovery, more than the {:.0}% allowed; suspecting the BMaaS server or the network, no machine is rebooted until the share falls",
-                reading.due,
+                "recovery brake engaged: {} of {} machines ({:.0}%) have no recent heartbeat, more than the {:.0}% allowed; suspecting the BMaaS server or the network, no machine is rebooted until the share falls ({} due for recovery wait)",
+                reading.silent,
                 reading.machines,
                 share * 100.0,
-                self.config.max_stale_share * 100.0
+                self.config.max_silent_share * 100.0,
+                reading.due
             );
         } else if !engage && was {
             tracing::info!(
                 provider = %self.provider,
                 due = reading.due,
+                silent = reading.silent,
                 machines = reading.machines,
-                "recovery brake released: {} of {} machines are due for recovery",
-                reading.due,
-                reading.machines
+                "recovery brake released: {} of {} machines have no recent heartbeat, {} are due for recovery",
+                reading.silent,
+                reading.machines,
+                reading.due
             );
         }
         Ok(reading)
     }
 
-    /// Evaluates the brake every interval until `cancel`. A failed count keeps the last state
-    /// (engaged before the first count succeeds).
+    /// Evaluates the brake every interval, and whenever the reboots a count allowed are used
+    /// up, until `cancel`. A failed count keeps the brake engaged if it was, and allows no
+    /// more reboots until a count succeeds.
     pub async fn run(self: Arc<Self>, db: Bmdb, cancel: CancellationToken) {
         loop {
             if let Err(e) = self.evaluate(&db).await {
-                tracing::warn!(error = %e, "counting machines for the recovery brake failed; keeping its state");
+                self.reboots_left.store(0, Ordering::Relaxed);
+                tracing::warn!(error = %e, "counting machines for the recovery brake failed; no reboots until a count succeeds");
             }
             tokio::select! {
                 _ = cancel.cancelled() => return,
                 _ = tokio::time::sleep(self.config.interval) => {}
+                _ = self.recount.notified() => {}
             }
         }
     }
@@ -216,7 +302,11 @@ mod tests {
             BrakeMetrics::default(),
         );
         assert!(b.engaged(), "engaged until the first count");
-        let r = |due, machines| BrakeReading { due, machines };
+        let r = |silent, machines| BrakeReading {
+            due: silent,
+            silent,
+            machines,
+        };
         assert!(!b.should_engage(r(4, 4)), "a small fleet still recovers");
         assert!(!b.should_engage(r(50, 100)), "half is not more than half");
         assert!(b.should_engage(r(51, 100)));
@@ -224,7 +314,7 @@ mod tests {
         assert!(!b.should_engage(r(0, 0)));
         for share in [0.0, 1.5, f64::NAN] {
             let bad = BrakeConfig {
-                max_stale_share: share,
+                max_silent_share: share,
                 ..Default::default()
             };
             assert!(bad.validate().is_err(), "{share}");

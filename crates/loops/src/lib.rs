@@ -2,6 +2,7 @@
 //! generic loop runner with the recoverer on top, and the rate limiter they share
 //! (SPEC §6–§10).
 
+pub mod bmc_tls;
 pub mod bounded;
 pub mod brake;
 pub mod initializer;

@@ -186,6 +186,10 @@ impl<P: Recoverer + ?Sized> Recoverer for InstrumentedProvider<P> {
         self.inner.can_reboot().await
     }
 
+    fn reboot_wait(&self) -> std::time::Duration {
+        self.inner.reboot_wait()
+    }
+
     async fn reinstall(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
         self.metrics
             .time("reinstall", provider_result, self.inner.reinstall(machine))

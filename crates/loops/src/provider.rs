@@ -1,5 +1,7 @@
 //! Where machines come from and how they are power-cycled (SPEC §6).
 
+use std::time::Duration;
+
 use async_trait::async_trait;
 use shepherd_bmdb::{Provided, Provider as ProviderKind, ProviderStatus, Session};
 use uuid::Uuid;
@@ -94,8 +96,16 @@ pub trait Provider: Send + Sync {
 /// A provider that can also power-cycle machines (used by the Recoverer).
 #[async_trait]
 pub trait Recoverer: Provider {
-    /// Reboots the machine and waits as long as the provider needs for that to take effect.
+    /// Reboots the machine. Returns once the provider has done so; it does not wait for the
+    /// machine to come back (see [`Recoverer::reboot_wait`]).
     async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError>;
+
+    /// How long a rebooted machine is given to go down and come back before the initializer
+    /// tries to take it over again. The recoverer records this as a wait in the BMDB rather
+    /// than sleeping, so no worker or lock is held meanwhile.
+    fn reboot_wait(&self) -> Duration {
+        Duration::ZERO
+    }
 
     /// Whether any machine can be rebooted now; while not, the recoverer claims nothing (a
     /// static inventory that names no BMC, for example).

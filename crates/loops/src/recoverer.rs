@@ -1,11 +1,21 @@
 //! The Recoverer (SPEC §9): reboots machines whose agent never heartbeated or went silent,
 //! then clears the agent tags so the Initializer takes them over again.
+//!
+//! The recoverer never sleeps while a machine reboots: the wait is written into the BMDB as a
+//! backoff of the initializer, so one worker can reboot machines back to back. Each reboot is
+//! recorded in the `machine_recovery` tag with how many came in a row without the agent
+//! heartbeating in between; from the second such reboot on, the next recovery backs off, and
+//! after an operator-set number the machine is left alone until an operator retries it.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use async_trait::async_trait;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
 use shepherd_bmdb::{Backoff, Process, Processor, RecoveryThresholds, Retrieval, Session};
 use uuid::Uuid;
 
@@ -13,22 +23,123 @@ use crate::brake::Brake;
 use crate::provider::Recoverer as RecovererProvider;
 use crate::runner::{Commit, MachineTask};
 
+/// How long "left alone" lasts: until an operator acts.
+const LEFT_ALONE_FOR: chrono::TimeDelta = chrono::TimeDelta::days(100 * 365);
+
+/// What the recoverer does with a machine that earlier reboots did not bring back.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RepeatPolicy {
+    /// The wait before the second reboot in a row (on top of the recovery thresholds),
+    /// growing by its exponent for each further one.
+    pub backoff: Backoff,
+    /// Reboots in a row after which the machine is left alone until an operator runs
+    /// `shepherd machines retry`; 0 never gives up.
+    pub give_up_after: u32,
+}
+
+impl Default for RepeatPolicy {
+    /// 1 h before the second reboot in a row, doubling up to 24 h, ±10 %; left alone after 6.
+    fn default() -> Self {
+        RepeatPolicy {
+            backoff: Backoff::exponential(
+                Duration::from_secs(3600),
+                Duration::from_secs(24 * 3600),
+                2.0,
+            )
+            .with_jitter(0.1),
+            give_up_after: 6,
+        }
+    }
+}
+
+/// When the recovery after a reboot may happen, as decided by [`RepeatPolicy::after`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum NextRecovery {
+    /// As soon as the machine is due again (the reboot followed a heartbeat).
+    WhenDue,
+    /// Not before `delay` has passed; `interval` is the persisted backoff interval.
+    After { delay: Duration, interval: i64 },
+    /// Not until an operator acts.
+    LeftAlone,
+}
+
+impl RepeatPolicy {
+    /// The decision after the `in_a_row`th reboot in a row.
+    pub fn after(&self, in_a_row: i64) -> NextRecovery {
+        if self.give_up_after > 0 && in_a_row >= i64::from(self.give_up_after) {
+            return NextRecovery::LeftAlone;
+        }
+        if in_a_row < 2 {
+            return NextRecovery::WhenDue;
+        }
+        let mut interval = None;
+        for _ in 1..in_a_row.min(64) {
+            interval = Some(self.backoff.next_interval_seconds(interval));
+        }
+        let interval = interval.unwrap_or_default();
+        NextRecovery::After {
+            delay: self.backoff.delay_with_jitter(interval),
+            interval,
+        }
+    }
+
+    /// Checks the settings; the message names the setting.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.backoff.initial.is_zero() {
+            anyhow::bail!("recovery-repeat-backoff: must be more than zero");
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RebootLabels {
+    /// `first` after a heartbeat, `repeated` when earlier reboots did not bring the agent back,
+    /// `last` when the machine is left alone after it.
+    in_a_row: &'static str,
+}
+
+/// The recoverer's counters. Cheap to clone; clones share values.
+#[derive(Debug, Clone, Default)]
+pub struct RecovererMetrics {
+    reboots: Family<RebootLabels, Counter>,
+}
+
+impl RecovererMetrics {
+    /// Adds `shepherd_recoverer_reboots_total{in_a_row}` to `registry`, every series at 0.
+    pub fn register(&self, registry: &mut Registry) {
+        for in_a_row in ["first", "repeated", "last"] {
+            let _ = self.reboots.get_or_create(&RebootLabels { in_a_row });
+        }
+        registry.register(
+            "shepherd_recoverer_reboots",
+            "Reboots by the recoverer: first (after a heartbeat), repeated (earlier reboots did not bring the agent back) or last (the machine is left alone until an operator retries it)",
+            self.reboots.clone(),
+        );
+    }
+}
+
 /// The recoverer for one provider.
 pub struct Recoverer<P: RecovererProvider> {
     provider: Arc<P>,
     thresholds: RecoveryThresholds,
     backoff: Backoff,
+    repeat: RepeatPolicy,
     brake: Option<Arc<Brake>>,
+    metrics: RecovererMetrics,
 }
 
 impl<P: RecovererProvider> Recoverer<P> {
-    /// A recoverer with upstream's backoff (1 min to 1 h, ×1.2).
+    /// A recoverer with upstream's backoff after a failed reboot (1 min to 1 h, ×1.2) and the
+    /// default [`RepeatPolicy`].
     pub fn new(provider: Arc<P>, thresholds: RecoveryThresholds) -> Self {
         Recoverer {
             provider,
             thresholds,
             backoff: Backoff::exponential(Duration::from_secs(60), Duration::from_secs(3600), 1.2),
+            repeat: RepeatPolicy::default(),
             brake: None,
+            metrics: RecovererMetrics::default(),
         }
     }
 
@@ -40,9 +151,19 @@ impl<P: RecovererProvider> Recoverer<P> {
         }
     }
 
-    /// The same recoverer with another backoff.
+    /// The same recoverer with another backoff after a failed reboot.
     pub fn with_backoff(self, backoff: Backoff) -> Self {
         Recoverer { backoff, ..self }
+    }
+
+    /// The same recoverer with another policy for repeated reboots.
+    pub fn with_repeat_policy(self, repeat: RepeatPolicy) -> Self {
+        Recoverer { repeat, ..self }
+    }
+
+    /// The same recoverer, counting into `metrics`.
+    pub fn with_metrics(self, metrics: RecovererMetrics) -> Self {
+        Recoverer { metrics, ..self }
     }
 }
 
@@ -68,14 +189,23 @@ impl<P: RecovererProvider + 'static> MachineTask for Recoverer<P> {
     }
 
     async fn active(&self) -> bool {
-        !self.brake.as_ref().is_some_and(|b| b.engaged()) && self.provider.can_reboot().await
+        self.brake.as_ref().is_none_or(|b| b.admits()) && self.provider.can_reboot().await
     }
 
     async fn process_machine(&self, session: &Session, machine: Uuid) -> anyhow::Result<Commit> {
-        let provided = session
-            .transact(move |tx| Box::pin(async move { tx.provided(machine).await }))
-            .await?
-            .context("machine has no provided tag")?;
+        let (provided, heartbeat, previous) = session
+            .db()
+            .read(move |tx| {
+                Box::pin(async move {
+                    Ok((
+                        tx.provided(machine).await?,
+                        tx.heartbeat(machine).await?,
+                        tx.recovery(machine).await?,
+                    ))
+                })
+            })
+            .await?;
+        let provided = provided.context("machine has no provided tag")?;
         tracing::Span::current().record("provider_id", provided.provider_id.as_str());
         let at_provider = self
             .provider
@@ -86,13 +216,134 @@ impl<P: RecovererProvider + 'static> MachineTask for Recoverer<P> {
             .reboot(&at_provider)
             .await
             .context("rebooting")?;
-        tracing::info!(%machine, provider_id = %provided.provider_id, "rebooted a machine whose agent went silent");
+        if let Some(b) = &self.brake {
+            b.rebooted();
+        }
+        // The machine's agent heartbeated since the last reboot (a reboot deletes the
+        // heartbeat tag) unless the tag is missing: then the last reboot did not help.
+        let in_a_row = match (heartbeat, previous) {
+            (None, Some(p)) => p.in_a_row.saturating_add(1),
+            _ => 1,
+        };
+        let next = self.repeat.after(in_a_row);
+        let kind = match next {
+            NextRecovery::LeftAlone => "last",
+            _ if in_a_row > 1 => "repeated",
+            _ => "first",
+        };
+        self.metrics
+            .reboots
+            .get_or_create(&RebootLabels { in_a_row: kind })
+            .inc();
+        let provider_id = provided.provider_id;
+        match &next {
+            NextRecovery::WhenDue => {
+                tracing::info!(%machine, %provider_id, "rebooted a machine whose agent went silent")
+            }
+            NextRecovery::After { delay, .. } => tracing::info!(
+                %machine,
+                %provider_id,
+                in_a_row,
+                "rebooted a machine whose agent went silent, {in_a_row} times in a row; the next recovery waits {}",
+                humantime::format_duration(Duration::from_secs(delay.as_secs()))
+            ),
+            NextRecovery::LeftAlone => tracing::warn!(
+                %machine,
+                %provider_id,
+                in_a_row,
+                "rebooted a machine whose agent went silent, {in_a_row} times in a row; leaving it alone until an operator runs `shepherd machines retry {machine}`"
+            ),
+        }
+        let reboot_wait = self.provider.reboot_wait();
         Ok(Box::new(move |tx| {
+            let next = next.clone();
             Box::pin(async move {
                 tx.delete_agent_started(machine).await?;
                 tx.delete_heartbeat(machine).await?;
+                tx.set_recovery(machine, in_a_row).await?;
+                let now = tx.now().await?;
+                if !reboot_wait.is_zero() {
+                    let wait = chrono::TimeDelta::from_std(reboot_wait).unwrap_or(LEFT_ALONE_FOR);
+                    let cause = format!(
+                        "rebooted by the recoverer; given {} to come back",
+                        humantime::format_duration(reboot_wait)
+                    );
+                    tx.set_backoff(machine, Process::ShepherdAgentStart, now + wait, 0, &cause)
+                        .await?;
+                }
+                match next {
+                    NextRecovery::WhenDue => {}
+                    NextRecovery::After { delay, interval } => {
+                        let delay = chrono::TimeDelta::from_std(delay).unwrap_or(LEFT_ALONE_FOR);
+                        let cause = format!(
+                            "rebooted {in_a_row} times in a row without its agent heartbeating; waiting before the next recovery"
+                        );
+                        tx.set_backoff(
+                            machine,
+                            Process::ShepherdRecovery,
+                            now + delay,
+                            interval,
+                            &cause,
+                        )
+                        .await?;
+                    }
+                    NextRecovery::LeftAlone => {
+                        let cause = format!(
+                            "left alone after {in_a_row} reboots in a row without its agent heartbeating; `shepherd machines retry {machine}` tries again"
+                        );
+                        tx.set_backoff(
+                            machine,
+                            Process::ShepherdRecovery,
+                            now + LEFT_ALONE_FOR,
+                            0,
+                            &cause,
+                        )
+                        .await?;
+                    }
+                }
                 Ok(())
             })
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn repeated_reboots_back_off_then_give_up() {
+        let p = RepeatPolicy {
+            backoff: Backoff::exponential(
+                Duration::from_secs(3600),
+                Duration::from_secs(4 * 3600),
+                2.0,
+            ),
+            give_up_after: 5,
+        };
+        assert_eq!(p.after(1), NextRecovery::WhenDue);
+        let intervals: Vec<_> = (2..5)
+            .map(|n| match p.after(n) {
+                NextRecovery::After { interval, delay } => {
+                    assert_eq!(delay.as_secs() as i64, interval, "no jitter configured");
+                    interval
+                }
+                other => panic!("{n}: {other:?}"),
+            })
+            .collect();
+        assert_eq!(intervals, [3600, 7200, 14400]);
+        assert_eq!(p.after(5), NextRecovery::LeftAlone);
+        assert_eq!(p.after(500), NextRecovery::LeftAlone);
+        let never = RepeatPolicy {
+            give_up_after: 0,
+            ..p
+        };
+        assert!(matches!(
+            never.after(10_000),
+            NextRecovery::After {
+                interval: 14400,
+                ..
+            }
+        ));
     }
 }

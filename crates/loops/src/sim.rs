@@ -358,8 +358,11 @@ impl Recoverer for SimFleet {
             s.machines[i].agent = None;
             s.counters.reboots += 1;
         }
-        tokio::time::sleep(self.knobs.reboot_time).await;
         Ok(())
+    }
+
+    fn reboot_wait(&self) -> Duration {
+        self.knobs.reboot_time
     }
 }
 

@@ -224,8 +224,8 @@ impl StaticProvider {
         })
     }
 
-    /// How long BMC requests may take, and how long a reboot is given to take effect before the
-    /// recoverer goes on.
+    /// How long BMC requests may take, and how long a rebooted machine is given before the
+    /// initializer takes it over again.
     pub fn with_bmc_timing(mut self, timeout: Duration, reboot_wait: Duration) -> Self {
         self.bmc_timeout = timeout;
         self.reboot_wait = reboot_wait;
@@ -477,8 +477,11 @@ impl Recoverer for StaticProvider {
             reset,
             "power-cycled through the BMC"
         );
-        tokio::time::sleep(self.reboot_wait).await;
         Ok(())
+    }
+
+    fn reboot_wait(&self) -> Duration {
+        self.reboot_wait
     }
 }
 

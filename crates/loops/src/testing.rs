@@ -1,5 +1,7 @@
 //! Helpers for tests and benchmarks (feature `testing`).
 
+pub mod bmc;
+
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;

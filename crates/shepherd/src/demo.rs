@@ -178,6 +178,12 @@ fn settings(args: &DemoArgs) -> FleetSettings {
             ..Default::default()
         },
         recovery_brake_metrics: Default::default(),
+        recovery_repeat: shepherd_loops::recoverer::RepeatPolicy {
+            backoff: Backoff::exponential(Duration::from_secs(5), Duration::from_secs(60), 2.0)
+                .with_jitter(0.1),
+            give_up_after: 6,
+        },
+        recoverer_metrics: Default::default(),
         updater_rate: fast(2000, 1),
         session_interval: Duration::from_secs(5),
     }
@@ -272,8 +278,13 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         cancel.clone(),
     );
     provider_metrics.register(&mut registry, "shepherd_provider", "Provider API");
-    let app = crate::metrics_http::router(registry)
-        .merge(crate::web::router(db.clone(), Duration::from_secs(2)));
+    settings.recovery_brake_metrics.register(&mut registry);
+    settings.recoverer_metrics.register(&mut registry);
+    let app = crate::metrics_http::router(registry).merge(crate::web::router(
+        db.clone(),
+        Duration::from_secs(2),
+        Some(settings.recovery_brake_metrics.clone()),
+    ));
     let http = match crate::metrics_http::serve(
         args.http_listen,
         "http-listen",

@@ -9,7 +9,7 @@ use shepherd_loops::initializer::{Initializer, InitializerConfig};
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::provider::{Provider, Recoverer as RecovererProvider};
 use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
-use shepherd_loops::recoverer::Recoverer;
+use shepherd_loops::recoverer::{Recoverer, RecovererMetrics, RepeatPolicy};
 use shepherd_loops::runner::{self, RunnerConfig};
 use shepherd_loops::transport::Transport;
 use shepherd_loops::updater::Updater;
@@ -43,6 +43,10 @@ pub struct FleetSettings {
     pub recovery_brake: BrakeConfig,
     /// Where the brake's gauges go (registered by the caller).
     pub recovery_brake_metrics: BrakeMetrics,
+    /// What the recoverer does with machines that earlier reboots did not bring back.
+    pub recovery_repeat: RepeatPolicy,
+    /// Where the recoverer's counters go (registered by the caller).
+    pub recoverer_metrics: RecovererMetrics,
     /// Pace of provider-fact refreshes (the updater).
     pub updater_rate: RateSpec,
     /// Session keep-alive interval.
@@ -110,6 +114,8 @@ where
             let braking = tokio::spawn(brake.clone().run(db.clone(), cancel.clone()));
             let task = Recoverer::new(r, settings.recovery)
                 .with_backoff(settings.recoverer_backoff)
+                .with_repeat_policy(settings.recovery_repeat)
+                .with_metrics(settings.recoverer_metrics.clone())
                 .with_brake(brake);
             runner::run(
                 db.clone(),

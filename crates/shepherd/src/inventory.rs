@@ -6,7 +6,7 @@ use chrono::{DateTime, Utc};
 use serde_json::{json, Value};
 use shepherd_bmdb::{
     ActiveWork, AgentStarted, BackoffEntry, Bmdb, HistoryEntry, Lifecycle, MachineSummary,
-    OsInstallationReport, OsInstallationRequest, Provider, SessionInfo, SshHostKey,
+    OsInstallationReport, OsInstallationRequest, Provider, Recovery, SessionInfo, SshHostKey,
 };
 use shepherd_proto::bmaas::{os_installation_request, AgentHardwareReport};
 use shepherd_proto::Message;
@@ -97,6 +97,8 @@ pub struct Detail {
     pub work: Vec<(ActiveWork, Option<SessionInfo>)>,
     /// Backoffs, expired ones included.
     pub backoffs: Vec<BackoffEntry>,
+    /// How the recoverer has been rebooting it.
+    pub recovery: Option<Recovery>,
     /// The whole work history, oldest first.
     pub history: Vec<HistoryEntry>,
     /// When the states were derived.
@@ -129,6 +131,7 @@ pub async fn detail(db: &Bmdb, id: Uuid) -> Result<Option<Detail>> {
                     report: tx.os_installation_report(id).await?,
                     work,
                     backoffs: tx.machine_backoffs(id).await?,
+                    recovery: tx.recovery(id).await?,
                     history: tx.machine_history(id).await?,
                     now,
                 }))
@@ -221,6 +224,10 @@ pub fn detail_json(d: &Detail) -> Value {
             "cause": b.cause,
         }))
         .collect::<Vec<_>>());
+    v["recovery"] = json!(d.recovery.as_ref().map(|r| json!({
+        "rebooted_at": r.rebooted_at.to_rfc3339(),
+        "in_a_row": r.in_a_row,
+    })));
     v["history"] = json!(d
         .history
         .iter()

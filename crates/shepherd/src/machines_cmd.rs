@@ -4,7 +4,7 @@ use anyhow::{bail, Context, Result};
 use chrono::Utc;
 use clap::Subcommand;
 use serde_json::Value;
-use shepherd_bmdb::{Bmdb, Lifecycle, OsInstallationRequest};
+use shepherd_bmdb::{Bmdb, Lifecycle, OsInstallationRequest, Process};
 use shepherd_proto::bmaas as proto;
 use shepherd_proto::Message;
 use uuid::Uuid;
@@ -50,6 +50,15 @@ pub enum MachinesCommand {
         /// Machine id.
         id: Uuid,
     },
+    /// Ends the machine's backoffs now, so the loops may take it again at once: after a
+    /// machine was left alone by the recoverer, or once a failure's cause is fixed.
+    Retry {
+        /// Machine id.
+        id: Uuid,
+        /// Only this process's backoff (ShepherdAccess, ShepherdAgentStart, ShepherdRecovery).
+        #[arg(long)]
+        process: Option<Process>,
+    },
     /// Asks the machine's agent to install an OS image (the next heartbeat response carries
     /// the request; the generation is bumped so a new request is never mistaken for an old one).
     Install {
@@ -65,6 +74,14 @@ pub enum MachinesCommand {
         #[arg(long)]
         device: String,
     },
+}
+
+/// Who runs this command, for the log: the login name from the environment.
+fn operator() -> String {
+    ["USER", "LOGNAME"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok().filter(|s| !s.is_empty()))
+        .unwrap_or_else(|| "unknown".into())
 }
 
 fn text(v: &Value) -> String {
@@ -198,6 +215,28 @@ async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
                     h.event.to_string(),
                     h.cause.unwrap_or_default()
                 );
+            }
+        }
+        MachinesCommand::Retry { id, process } => {
+            let cleared = db
+                .transact(move |tx| {
+                    Box::pin(async move {
+                        if !tx.machine_exists(id).await? {
+                            return Ok(None);
+                        }
+                        Ok(Some(tx.clear_backoffs(id, process).await?))
+                    })
+                })
+                .await?;
+            match cleared {
+                None => bail!("machine {id} does not exist"),
+                Some(0) => println!("machine {id}: no backoff to clear"),
+                Some(n) => {
+                    tracing::info!(machine = %id, cleared = n, by = %operator(), "backoffs cleared by an operator");
+                    println!(
+                        "machine {id}: {n} backoff(s) cleared; the loops may take it again now"
+                    )
+                }
             }
         }
         MachinesCommand::Install {

@@ -17,6 +17,7 @@ use shepherd_loops::metrics::{CallMetrics, InstrumentedProvider};
 use shepherd_loops::provider::Recoverer;
 use shepherd_loops::provisioner::ProvisionerConfig;
 use shepherd_loops::reconcile::Limits;
+use shepherd_loops::recoverer::{RecovererMetrics, RepeatPolicy};
 use shepherd_loops::sim::{SimFleet, SimKnobs};
 use shepherd_loops::static_provider::StaticProvider;
 use shepherd_loops::transport::{SshTransport, Transport};
@@ -138,16 +139,25 @@ pub struct RunArgs {
     /// Recoverer: reboot when an agent never heartbeated this long after its start.
     #[arg(long, env = "SHEPHERD_RECOVERY_NO_HEARTBEAT_AFTER", default_value = "30m", value_parser = duration)]
     pub recovery_no_heartbeat_after: Duration,
-    /// Recoverer: stop rebooting while more than this share of the provider's machines are
-    /// due for recovery at once (the server or the network is the likelier cause).
+    /// Recoverer: stop rebooting while more than this share of the provider's machines have
+    /// no recent heartbeat at once (the server or the network is the likelier cause).
     #[arg(long, env = "SHEPHERD_RECOVERY_BRAKE_SHARE", default_value_t = 0.5)]
     pub recovery_brake_share: f64,
-    /// Recoverer: ... and at least this many are due (small fleets still recover).
-    #[arg(long, env = "SHEPHERD_RECOVERY_BRAKE_MIN_STALE", default_value_t = 5)]
-    pub recovery_brake_min_stale: i64,
+    /// Recoverer: ... and at least this many have none (small fleets still recover). Also the
+    /// most reboots between two counts of the brake.
+    #[arg(long, env = "SHEPHERD_RECOVERY_BRAKE_MIN_SILENT", default_value_t = 5)]
+    pub recovery_brake_min_silent: i64,
     /// Recoverer: how often the brake counts the machines due for recovery.
     #[arg(long, env = "SHEPHERD_RECOVERY_BRAKE_INTERVAL", default_value = "30s", value_parser = duration)]
     pub recovery_brake_interval: Duration,
+    /// Recoverer: when a reboot did not bring a machine's agent back, wait this long (on top
+    /// of the thresholds) before rebooting it again, doubling per further reboot up to 24 h.
+    #[arg(long, env = "SHEPHERD_RECOVERY_REPEAT_BACKOFF", default_value = "1h", value_parser = duration)]
+    pub recovery_repeat_backoff: Duration,
+    /// Recoverer: leave a machine alone after this many reboots in a row without its agent
+    /// heartbeating, until an operator runs `shepherd machines retry` (0: never give up).
+    #[arg(long, env = "SHEPHERD_RECOVERY_GIVE_UP_AFTER", default_value_t = 6)]
+    pub recovery_give_up_after: u32,
     /// Recoverer: reboot when the last heartbeat is older than this.
     #[arg(long, env = "SHEPHERD_RECOVERY_HEARTBEAT_OLDER_THAN", default_value = "10m", value_parser = duration)]
     pub recovery_heartbeat_older_than: Duration,
@@ -188,7 +198,8 @@ pub struct RunArgs {
     #[arg(long, env = "SHEPHERD_SSH_MAX_HANDSHAKES", default_value_t = 8)]
     pub ssh_max_handshakes: usize,
 
-    /// Where `/metrics` is served (Prometheus text format); port 0 picks a free port.
+    /// Where `/metrics` (Prometheus text format) and the web UI are served; port 0 picks a
+    /// free port.
     #[arg(
         long,
         env = "SHEPHERD_METRICS_LISTEN",
@@ -288,11 +299,22 @@ impl RunArgs {
         initializer.exec_timeout = self.ssh_exec_timeout;
         initializer.validate()?;
         let recovery_brake = BrakeConfig {
-            max_stale_share: self.recovery_brake_share,
-            min_stale: self.recovery_brake_min_stale,
+            max_silent_share: self.recovery_brake_share,
+            min_silent: self.recovery_brake_min_silent,
             interval: self.recovery_brake_interval,
         };
         recovery_brake.validate()?;
+        let recovery_repeat = RepeatPolicy {
+            backoff: Backoff::exponential(
+                self.recovery_repeat_backoff,
+                self.recovery_repeat_backoff
+                    .max(Duration::from_secs(24 * 3600)),
+                2.0,
+            )
+            .with_jitter(0.1),
+            give_up_after: self.recovery_give_up_after,
+        };
+        recovery_repeat.validate()?;
         Ok(FleetSettings {
             provisioner: ProvisionerConfig {
                 limits: Limits {
@@ -322,6 +344,8 @@ impl RunArgs {
             ),
             recovery_brake,
             recovery_brake_metrics: BrakeMetrics::default(),
+            recovery_repeat,
+            recoverer_metrics: RecovererMetrics::default(),
             updater_rate: self.updater_rate,
             session_interval: self.session_interval,
         })
@@ -499,18 +523,25 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
     ssh_metrics.register(&mut registry, "shepherd_ssh", "SSH");
     equinix_metrics.register(&mut registry, "shepherd_equinix_api", "Equinix Metal API");
     settings.recovery_brake_metrics.register(&mut registry);
+    settings.recoverer_metrics.register(&mut registry);
     if let Chosen::Static(provider, _) = &chosen {
         provider.metrics().register(&mut registry);
     }
-    let metrics = crate::metrics_http::serve(
-        args.metrics_listen,
-        "metrics-listen",
-        crate::metrics_http::router(registry),
-        cancel.clone(),
-    )
-    .await?;
+    // The web UI here shows the recovery brake of this process's recoverer, besides what
+    // `shepherd server`'s shows.
+    let app = crate::metrics_http::router(registry).merge(crate::web::router(
+        db.clone(),
+        Duration::from_secs(5),
+        Some(settings.recovery_brake_metrics.clone()),
+    ));
+    let metrics =
+        crate::metrics_http::serve(args.metrics_listen, "metrics-listen", app, cancel.clone())
+            .await?;
     crate::fleet::announce(&format!(
         "shepherd run: metrics at http://{metrics}/metrics"
+    ));
+    crate::fleet::announce(&format!(
+        "shepherd run: web UI at http://{metrics}/machines"
     ));
     let result = match chosen {
         // Machines of a static inventory are power-cycled through the BMCs their entries

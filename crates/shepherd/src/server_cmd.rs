@@ -173,8 +173,11 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     let http = crate::metrics_http::serve(
         args.http_listen,
         "http-listen",
-        crate::metrics_http::router(registry)
-            .merge(crate::web::router(db.clone(), args.web_refresh)),
+        crate::metrics_http::router(registry).merge(crate::web::router(
+            db.clone(),
+            args.web_refresh,
+            None,
+        )),
         cancel.clone(),
     )
     .await?;

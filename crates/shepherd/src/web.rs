@@ -13,6 +13,7 @@ use chrono::{DateTime, Utc};
 use maud::{html, Markup, PreEscaped, DOCTYPE};
 use serde::Deserialize;
 use shepherd_bmdb::{Bmdb, FleetCounts, Lifecycle, Provider, SessionInfo, STALE_AFTER};
+use shepherd_loops::brake::{BrakeMetrics, BrakeStatus};
 use uuid::Uuid;
 
 use crate::inventory::{self, Detail};
@@ -28,11 +29,14 @@ struct Ui {
     db: Bmdb,
     /// Seconds between automatic page refreshes; 0 turns them off.
     refresh: u64,
+    /// The recovery brake of the recoverer in this process, if one runs here.
+    brake: Option<BrakeMetrics>,
 }
 
 /// The UI's routes (`/`, `/machines`, `/machines/{id}`, `/sessions`, `/sessions/{id}`); pages
-/// reload themselves every `refresh` (zero: never).
-pub fn router(db: Bmdb, refresh: std::time::Duration) -> Router {
+/// reload themselves every `refresh` (zero: never). With `brake`, the machines page says
+/// whether this process's recoverer is braked.
+pub fn router(db: Bmdb, refresh: std::time::Duration, brake: Option<BrakeMetrics>) -> Router {
     Router::new()
         .route("/", get(|| async { Redirect::to("/machines") }))
         .route("/machines", get(machines))
@@ -42,6 +46,7 @@ pub fn router(db: Bmdb, refresh: std::time::Duration) -> Router {
         .with_state(Arc::new(Ui {
             db,
             refresh: refresh.as_secs(),
+            brake,
         }))
 }
 
@@ -211,6 +216,7 @@ async fn machines(
     };
     let now = listing.now;
     let body = html! {
+        @if let Some(b) = &ui.brake { (brake_banner(b.status())) }
         (fleet_counts(&counts))
         form method="get" action="/machines" {
             label { "Provider " select name="provider" id="provider" {
@@ -258,6 +264,28 @@ async fn machines(
         }
     };
     Ok(page("Machines", ui.refresh, body))
+}
+
+/// Whether the recoverer is stopped by its brake, and why.
+fn brake_banner(b: BrakeStatus) -> Markup {
+    let pct = |s: f64| format!("{:.0}%", s * 100.0);
+    html! {
+        @if !b.counted {
+            p.error id="brake" data-engaged="true" {
+                "Recovery brake engaged: the machines without a recent heartbeat have not been counted yet; no machine is rebooted until they are."
+            }
+        } @else if b.engaged {
+            p.error id="brake" data-engaged="true" {
+                "Recovery brake engaged: " (b.silent) " machines (" (pct(b.share)) ") have no recent heartbeat, more than the "
+                (pct(b.allowed_share)) " allowed. The BMaaS server or the network is the likelier cause; no machine is rebooted until the share falls ("
+                (b.due) " due for recovery wait)."
+            }
+        } @else {
+            p.muted id="brake" data-engaged="false" {
+                "Recovery brake released: " (b.silent) " machines (" (pct(b.share)) ") have no recent heartbeat, " (b.due) " are due for recovery; it engages above " (pct(b.allowed_share)) "."
+            }
+        }
+    }
 }
 
 fn fleet_counts(c: &FleetCounts) -> Markup {
@@ -332,6 +360,14 @@ fn machine_body(d: &Detail) -> Markup {
                 Some(r) => { "generation " (r.generation) ": " (r.result.to_string()) },
                 None => span.muted { "none" },
             } }
+        }
+        h2 { "Recovery" }
+        @match &d.recovery {
+            None => p.muted id="recovery" { "Never rebooted by the recoverer." },
+            Some(r) => dl id="recovery" {
+                dt { "last reboot" } dd { (time(r.rebooted_at, now)) }
+                dt { "reboots in a row" } dd data-field="in_a_row" { (r.in_a_row) }
+            },
         }
         h2 { "Active work" }
         @if d.work.is_empty() { p.muted id="work" { "None." } } @else {

@@ -2,7 +2,7 @@
 
 use std::process::{Command, Output};
 
-use shepherd_bmdb::testing;
+use shepherd_bmdb::{testing, SCHEMA_VERSION};
 
 fn shepherd(args: &[&str], database: Option<&str>) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_shepherd"));
@@ -27,17 +27,27 @@ fn migrate_then_status_on_sqlite_via_flag_and_env() {
     let o = shepherd(&["bmdb", "migrate", "--database", &url], None);
     let (out, err) = text(&o);
     assert!(o.status.success(), "{err}");
-    assert!(out.contains("migrated schema from version 0 to 1"), "{out}");
+    assert!(
+        out.contains(&format!(
+            "migrated schema from version 0 to {SCHEMA_VERSION}"
+        )),
+        "{out}"
+    );
     let o = shepherd(&["bmdb", "migrate"], Some(&url));
     assert!(
-        text(&o).0.contains("up to date (version 1)"),
+        text(&o)
+            .0
+            .contains(&format!("up to date (version {SCHEMA_VERSION})")),
         "{:?}",
         text(&o)
     );
     let o = shepherd(&["bmdb", "status"], Some(&url));
     let (out, err) = text(&o);
     assert!(o.status.success(), "{err}");
-    assert!(out.contains("schema version:  1"), "{out}");
+    assert!(
+        out.contains(&format!("schema version:  {SCHEMA_VERSION}")),
+        "{out}"
+    );
     assert!(out.contains("machines:        0"), "{out}");
 }
 
@@ -107,7 +117,9 @@ async fn newer_schema_is_refused(url: &str) {
         let (_, err) = text(&o);
         assert!(!o.status.success(), "{cmd} accepted a newer schema");
         assert!(
-            err.contains("schema version 99 is newer than this binary knows (1)"),
+            err.contains(&format!(
+                "schema version 99 is newer than this binary knows ({SCHEMA_VERSION})"
+            )),
             "{cmd}: {err}"
         );
     }
@@ -212,7 +224,10 @@ async fn check_reports_ok_then_a_broken_foreign_key() {
     let o = shepherd(&["bmdb", "check", "--database", &url], None);
     let (out, err) = text(&o);
     assert!(o.status.success(), "{out}{err}");
-    assert!(out.contains(": ok (schema version 1)"), "{out}");
+    assert!(
+        out.contains(&format!(": ok (schema version {SCHEMA_VERSION})")),
+        "{out}"
+    );
 
     // A tag row whose machine is gone, written with foreign keys off.
     let mut conn = <sqlx::SqliteConnection as sqlx::Connection>::connect(&format!("{url}?mode=rw"))

@@ -284,3 +284,101 @@ async fn install_requests_bump_the_generation_and_bad_ones_are_refused() {
     session.close().await.unwrap();
     t.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_clears_backoffs_so_the_loops_take_the_machine_again() {
+    let t = testing::sqlite().await;
+    let url = t.url.clone();
+    let (_, seeded, session) = seed(&t.db).await;
+    let m = seeded
+        .iter()
+        .find(|m| m.state == Lifecycle::InBackoff)
+        .unwrap()
+        .id;
+    // A second backoff, as the recoverer leaves one when it gives up on a machine.
+    t.db.transact(move |tx| {
+        Box::pin(async move {
+            let until = tx.now().await? + chrono::TimeDelta::days(36_500);
+            tx.set_backoff(
+                m,
+                Process::ShepherdRecovery,
+                until,
+                0,
+                "left alone after 6 reboots",
+            )
+            .await
+        })
+    })
+    .await
+    .unwrap();
+    let active = |url: &str| {
+        let shown = json(&shepherd(
+            url,
+            &["machines", "show", &m.to_string(), "--json"],
+        ));
+        let mut processes: Vec<String> = shown["backoffs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|b| b["active"] == true)
+            .map(|b| b["process"].as_str().unwrap().to_string())
+            .collect();
+        processes.sort();
+        processes
+    };
+    assert_eq!(active(&url), ["ShepherdAgentStart", "ShepherdRecovery"]);
+
+    let out = shepherd(
+        &url,
+        &[
+            "machines",
+            "retry",
+            &m.to_string(),
+            "--process",
+            "ShepherdRecovery",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("1 backoff(s) cleared"));
+    assert_eq!(
+        active(&url),
+        ["ShepherdAgentStart"],
+        "only the named process"
+    );
+
+    let out = shepherd(&url, &["machines", "retry", &m.to_string()]);
+    assert!(out.status.success());
+    assert!(active(&url).is_empty());
+    let shown = json(&shepherd(
+        &url,
+        &["machines", "show", &m.to_string(), "--json"],
+    ));
+    assert_ne!(shown["state"], "in backoff", "{shown}");
+    let out = shepherd(&url, &["machines", "retry", &m.to_string()]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("no backoff to clear"));
+
+    for (args, err) in [
+        (vec![Uuid::new_v4().to_string()], "does not exist"),
+        (
+            vec![m.to_string(), "--process".into(), "Nope".into()],
+            "--process",
+        ),
+    ] {
+        let mut full = vec!["machines".to_string(), "retry".into()];
+        full.extend(args);
+        let full: Vec<&str> = full.iter().map(String::as_str).collect();
+        let out = shepherd(&url, &full);
+        assert!(!out.status.success(), "{full:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains(err),
+            "{full:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    session.close().await.unwrap();
+    t.cleanup().await;
+}

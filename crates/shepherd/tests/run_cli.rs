@@ -447,13 +447,26 @@ async fn demo_serves_its_web_ui_and_metrics() {
             .text()
             .await
             .unwrap();
-        if metrics.contains("shepherd_fleet_machines_heartbeating 20") {
+        if metrics.contains("shepherd_fleet_machines_heartbeating 20")
+            && metrics.contains("shepherd_recovery_brake_engaged 0")
+        {
             assert!(metrics.contains("bmdb_work_finished_total{"), "{metrics}");
+            assert!(
+                metrics.contains("shepherd_recoverer_reboots_total{in_a_row=\"last\"} 0"),
+                "{metrics}"
+            );
             break;
         }
         assert!(Instant::now() < deadline, "{metrics}");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    // A healthy fleet: the page says the recovery brake is released, and at what share it
+    // would engage.
+    let page = reqwest::get(&ui).await.unwrap().text().await.unwrap();
+    assert!(
+        page.contains(r#"id="brake" data-engaged="false""#) && page.contains("engages above 50%"),
+        "{page}"
+    );
     assert!(
         child.try_wait().unwrap().is_none(),
         "--stay keeps the demo up"

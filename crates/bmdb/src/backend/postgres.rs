@@ -379,6 +379,30 @@ pub(crate) async fn heartbeat(c: &mut PgTx, id: Uuid) -> Result<Option<DateTime<
     )
 }
 
+pub(crate) async fn set_recovery(c: &mut PgTx, id: Uuid, in_a_row: i64) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO machine_recovery (machine_id, rebooted_at, in_a_row) VALUES ($1, now(), $2)
+         ON CONFLICT (machine_id) DO UPDATE SET rebooted_at = EXCLUDED.rebooted_at, in_a_row = EXCLUDED.in_a_row",
+    )
+    .bind(id)
+    .bind(i32::try_from(in_a_row).unwrap_or(i32::MAX))
+    .execute(&mut **c)
+    .await?;
+    Ok(())
+}
+
+pub(crate) async fn recovery(c: &mut PgTx, id: Uuid) -> Result<Option<Recovery>> {
+    let row: Option<(DateTime<Utc>, i32)> =
+        sqlx::query_as("SELECT rebooted_at, in_a_row FROM machine_recovery WHERE machine_id = $1")
+            .bind(id)
+            .fetch_optional(&mut **c)
+            .await?;
+    Ok(row.map(|(rebooted_at, in_a_row)| Recovery {
+        rebooted_at,
+        in_a_row: in_a_row.into(),
+    }))
+}
+
 pub(crate) async fn set_hardware_report(c: &mut PgTx, id: Uuid, raw: &[u8]) -> Result<()> {
     sqlx::query(
         "INSERT INTO machine_hardware_report (machine_id, report_raw) VALUES ($1, $2)
@@ -610,6 +634,22 @@ pub(crate) async fn count_eligible(
     );
     let q = sqlx::query_as::<_, (i64,)>(&sql);
     Ok(bind_thresholds(q, retrieval).fetch_one(&mut **c).await?.0)
+}
+
+pub(crate) async fn count_heartbeating(
+    c: &mut PgTx,
+    provider: Provider,
+    fresh_within: std::time::Duration,
+) -> Result<(i64, i64)> {
+    Ok(sqlx::query_as(
+        "SELECT count(*), count(h.machine_id) FILTER (WHERE h.heartbeat_at > now() - make_interval(secs => $2))
+         FROM machine_provided p LEFT JOIN machine_agent_heartbeat h ON h.machine_id = p.machine_id
+         WHERE p.provider = $1",
+    )
+    .bind(provider.as_str())
+    .bind(fresh_within.as_secs_f64())
+    .fetch_one(&mut **c)
+    .await?)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1149,8 +1189,7 @@ pub(crate) async fn insert_work_raw(
     Ok(())
 }
 
-#[cfg(feature = "testing")]
-pub(crate) async fn set_backoff_raw(
+pub(crate) async fn set_backoff(
     c: &mut PgTx,
     machine: Uuid,
     process: Process,
@@ -1170,6 +1209,21 @@ pub(crate) async fn set_backoff_raw(
     .execute(&mut **c)
     .await?;
     Ok(())
+}
+
+pub(crate) async fn clear_backoffs(
+    c: &mut PgTx,
+    machine: Uuid,
+    process: Option<Process>,
+) -> Result<u64> {
+    let done = sqlx::query(
+        "DELETE FROM work_backoff WHERE machine_id = $1 AND ($2::text IS NULL OR process = $2)",
+    )
+    .bind(machine)
+    .bind(process.map(|p| p.as_str()))
+    .execute(&mut **c)
+    .await?;
+    Ok(done.rows_affected())
 }
 
 pub(crate) async fn now(c: &mut PgTx) -> Result<DateTime<Utc>> {

@@ -356,6 +356,34 @@ pub(crate) async fn heartbeat(c: &mut SqliteTx, id: Uuid) -> Result<Option<DateT
     us.map(from_us).transpose()
 }
 
+pub(crate) async fn set_recovery(c: &mut SqliteTx, id: Uuid, in_a_row: i64) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO machine_recovery (machine_id, rebooted_at, in_a_row) VALUES ($1, $2, $3)
+         ON CONFLICT (machine_id) DO UPDATE SET rebooted_at = excluded.rebooted_at, in_a_row = excluded.in_a_row",
+    )
+    .bind(id)
+    .bind(c.now)
+    .bind(in_a_row)
+    .execute(&mut *c.tx)
+    .await?;
+    Ok(())
+}
+
+pub(crate) async fn recovery(c: &mut SqliteTx, id: Uuid) -> Result<Option<Recovery>> {
+    let row: Option<(i64, i64)> =
+        sqlx::query_as("SELECT rebooted_at, in_a_row FROM machine_recovery WHERE machine_id = $1")
+            .bind(id)
+            .fetch_optional(&mut *c.tx)
+            .await?;
+    row.map(|(at, in_a_row)| {
+        Ok(Recovery {
+            rebooted_at: from_us(at)?,
+            in_a_row,
+        })
+    })
+    .transpose()
+}
+
 pub(crate) async fn set_hardware_report(c: &mut SqliteTx, id: Uuid, raw: &[u8]) -> Result<()> {
     sqlx::query(
         "INSERT INTO machine_hardware_report (machine_id, report_raw) VALUES ($1, $2)
@@ -581,6 +609,22 @@ pub(crate) async fn count_eligible(
         .0)
 }
 
+pub(crate) async fn count_heartbeating(
+    c: &mut SqliteTx,
+    provider: Provider,
+    fresh_within: std::time::Duration,
+) -> Result<(i64, i64)> {
+    Ok(sqlx::query_as(
+        "SELECT count(*), count(h.machine_id) FILTER (WHERE h.heartbeat_at > $2)
+         FROM machine_provided p LEFT JOIN machine_agent_heartbeat h ON h.machine_id = p.machine_id
+         WHERE p.provider = $1",
+    )
+    .bind(provider.as_str())
+    .bind(c.now - secs_us(fresh_within.as_secs_f64()))
+    .fetch_one(&mut *c.tx)
+    .await?)
+}
+
 // ---------------------------------------------------------------------------------------------
 // Work (SPEC §4)
 
@@ -739,18 +783,8 @@ pub(crate) async fn fail_work(
     if outcome != EndOutcome::Done {
         return Ok(outcome);
     }
-    sqlx::query(
-        "INSERT INTO work_backoff (machine_id, process, until, cause, last_interval_seconds) VALUES ($1, $2, $3, $4, $5)
-         ON CONFLICT (machine_id, process) DO UPDATE SET until = excluded.until, cause = excluded.cause,
-            last_interval_seconds = excluded.last_interval_seconds",
-    )
-    .bind(machine)
-    .bind(process.as_str())
-    .bind(c.now + secs_us(delay.as_secs_f64()))
-    .bind(cause)
-    .bind(interval_seconds)
-    .execute(&mut *c.tx)
-    .await?;
+    let until = from_us(c.now + secs_us(delay.as_secs_f64()))?;
+    set_backoff(c, machine, process, until, interval_seconds, cause).await?;
     write_history(c, session, machine, process, WorkEvent::Failed, Some(cause)).await?;
     Ok(outcome)
 }
@@ -921,8 +955,7 @@ pub(crate) async fn insert_work_raw(
     Ok(())
 }
 
-#[cfg(feature = "testing")]
-pub(crate) async fn set_backoff_raw(
+pub(crate) async fn set_backoff(
     c: &mut SqliteTx,
     machine: Uuid,
     process: Process,
@@ -942,6 +975,21 @@ pub(crate) async fn set_backoff_raw(
     .execute(&mut *c.tx)
     .await?;
     Ok(())
+}
+
+pub(crate) async fn clear_backoffs(
+    c: &mut SqliteTx,
+    machine: Uuid,
+    process: Option<Process>,
+) -> Result<u64> {
+    let done = sqlx::query(
+        "DELETE FROM work_backoff WHERE machine_id = $1 AND ($2 IS NULL OR process = $2)",
+    )
+    .bind(machine)
+    .bind(process.map(|p| p.as_str()))
+    .execute(&mut *c.tx)
+    .await?;
+    Ok(done.rows_affected())
 }
 
 pub(crate) fn now(c: &SqliteTx) -> Result<DateTime<Utc>> {

@@ -1,0 +1,271 @@
+//! A scripted BMC on loopback for tests: one system, `/redfish/v1/Systems/1`, allowing the
+//! reset types it is given, whose power state follows ForceOff and On a moment after each
+//! request. It can answer every request with an error status, or hang, and it can speak TLS
+//! with the certificates BMCs really ship (see [`BmcCerts`]).
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// How the scripted BMC answers.
+#[derive(Debug, Clone)]
+pub enum Answer {
+    /// As a working BMC does.
+    Normal,
+    /// Every request gets this status line (`500 Internal Server Error`) and a multi-line
+    /// HTML body, as broken BMC firmware sends.
+    Status(&'static str),
+    /// Requests are read and never answered (the connection is held for a minute).
+    Hang,
+}
+
+/// What the scripted BMC does.
+#[derive(Debug, Clone)]
+pub struct Script {
+    /// The reset types the system allows.
+    pub allowed: &'static [&'static str],
+    /// How it answers.
+    pub answer: Answer,
+    /// TLS, with this configuration; plain HTTP if `None`.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
+}
+
+impl Script {
+    /// A working plain-HTTP BMC allowing `allowed`.
+    pub fn allowing(allowed: &'static [&'static str]) -> Script {
+        Script {
+            allowed,
+            answer: Answer::Normal,
+            tls: None,
+        }
+    }
+}
+
+/// A running scripted BMC; it stops after a few hundred connections or when dropped with the
+/// test's runtime.
+pub struct ScriptedBmc {
+    /// Its base URL (`http://127.0.0.1:PORT` or `https://…`).
+    pub url: String,
+    resets: Arc<Mutex<Vec<String>>>,
+}
+
+impl ScriptedBmc {
+    /// Starts it on a free loopback port.
+    pub async fn start(script: Script) -> ScriptedBmc {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let scheme = if script.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        let url = format!("{scheme}://{}", listener.local_addr().unwrap());
+        let resets = Arc::new(Mutex::new(Vec::new()));
+        let state = Arc::new(State {
+            script,
+            resets: resets.clone(),
+            power: Mutex::new("On".into()),
+        });
+        tokio::spawn(async move {
+            // Bounded: a test makes a few dozen requests at most.
+            for _ in 0..500 {
+                let Ok((tcp, _)) = listener.accept().await else {
+                    return;
+                };
+                let state = state.clone();
+                tokio::spawn(async move {
+                    match state.script.tls.clone() {
+                        None => state.serve(tcp).await,
+                        Some(tls) => {
+                            if let Ok(conn) = tokio_rustls::TlsAcceptor::from(tls).accept(tcp).await
+                            {
+                                state.serve(conn).await
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        ScriptedBmc { url, resets }
+    }
+
+    /// An inventory entry for this BMC (system 1, user `admin`, its password in a file in
+    /// `dir`), trusting the system's store.
+    pub fn entry(&self, dir: &std::path::Path) -> crate::redfish::BmcEntry {
+        let pw = dir.join("bmc-password");
+        std::fs::write(&pw, "x\n").unwrap();
+        crate::redfish::BmcEntry {
+            url: self.url.clone(),
+            system: Some("/redfish/v1/Systems/1".into()),
+            username: "admin".into(),
+            password_file: Some(pw),
+            password_env: None,
+            ca: None,
+            insecure: false,
+        }
+    }
+
+    /// The reset types POSTed so far, in order.
+    pub fn resets(&self) -> Vec<String> {
+        self.resets.lock().unwrap().clone()
+    }
+}
+
+struct State {
+    script: Script,
+    resets: Arc<Mutex<Vec<String>>>,
+    power: Mutex<String>,
+}
+
+impl State {
+    /// Answers one request on `conn` and closes it.
+    async fn serve<S: AsyncRead + AsyncWrite + Unpin>(self: Arc<Self>, mut conn: S) {
+        let Some(request) = read_request(&mut conn).await else {
+            return;
+        };
+        let (status, body) = match self.script.answer {
+            Answer::Hang => {
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                return;
+            }
+            Answer::Status(status) => (
+                status,
+                format!("<html>\n<body>\n<h1>{status}</h1>\n<p>firmware says no</p>\n</body>\n</html>\n"),
+            ),
+            Answer::Normal if request.starts_with("POST") => {
+                self.reset(&request);
+                ("204 No Content", String::new())
+            }
+            Answer::Normal => ("200 OK", self.system()),
+        };
+        let reply = format!(
+            "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        let _ = conn.write_all(reply.as_bytes()).await;
+        let _ = conn.shutdown().await;
+    }
+
+    fn reset(self: &Arc<Self>, request: &str) {
+        let reset = [
+            "ForceOff",
+            "On",
+            "ForceRestart",
+            "PowerCycle",
+            "GracefulRestart",
+        ]
+        .into_iter()
+        .find(|r| request.contains(&format!("\"{r}\"")))
+        .unwrap_or("?");
+        self.resets.lock().unwrap().push(reset.to_string());
+        let next = if reset == "ForceOff" { "Off" } else { "On" };
+        let state = self.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            *state.power.lock().unwrap() = next.to_string();
+        });
+    }
+
+    fn system(&self) -> String {
+        serde_json::json!({
+            "PowerState": *self.power.lock().unwrap(),
+            "Actions": {"#ComputerSystem.Reset": {
+                "target": "/redfish/v1/Systems/1/Actions/ComputerSystem.Reset",
+                "ResetType@Redfish.AllowableValues": self.script.allowed,
+            }},
+        })
+        .to_string()
+    }
+}
+
+/// Reads one HTTP/1.1 request (head and `content-length` body), at most 16 KiB.
+async fn read_request<S: AsyncRead + Unpin>(conn: &mut S) -> Option<String> {
+    let mut buf = vec![0u8; 16 << 10];
+    let mut n = 0;
+    loop {
+        let k = conn.read(&mut buf[n..]).await.ok()?;
+        if k == 0 {
+            return None;
+        }
+        n += k;
+        let text = String::from_utf8_lossy(&buf[..n]).to_string();
+        if let Some(head_end) = text.find("\r\n\r\n") {
+            let len = text
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().parse::<usize>().unwrap_or(0))
+                })
+                .unwrap_or(0);
+            if n >= head_end + 4 + len {
+                return Some(text);
+            }
+        }
+        if n == buf.len() {
+            return None;
+        }
+    }
+}
+
+/// TLS certificates in the forms BMCs ship, as PEM, with the server configurations that
+/// present them.
+pub struct BmcCerts {
+    /// Self-signed with `CA:TRUE` and only a common name, as `openssl req -x509` makes it
+    /// (and as most BMCs ship): no subject alternative name, so no name check can pass.
+    pub self_signed_pem: String,
+    /// A server presenting [`BmcCerts::self_signed_pem`].
+    pub self_signed_server: Arc<rustls::ServerConfig>,
+    /// A site CA.
+    pub ca_pem: String,
+    /// A server presenting a certificate for `127.0.0.1` issued by [`BmcCerts::ca_pem`].
+    pub ca_signed_server: Arc<rustls::ServerConfig>,
+}
+
+impl BmcCerts {
+    /// New certificates and keys.
+    pub fn generate() -> BmcCerts {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "bmc.example");
+        let self_signed = params.self_signed(&key).unwrap();
+        let self_signed_server = server_config(&self_signed, &key);
+
+        let ca_key = KeyPair::generate().unwrap();
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, "site BMC CA");
+        let ca = ca_params.self_signed(&ca_key).unwrap();
+        let leaf_key = KeyPair::generate().unwrap();
+        let leaf_params = CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
+        let leaf = leaf_params
+            .signed_by(&leaf_key, &Issuer::from_params(&ca_params, &ca_key))
+            .unwrap();
+        BmcCerts {
+            self_signed_pem: self_signed.pem(),
+            self_signed_server,
+            ca_pem: ca.pem(),
+            ca_signed_server: server_config(&leaf, &leaf_key),
+        }
+    }
+}
+
+fn server_config(cert: &rcgen::Certificate, key: &rcgen::KeyPair) -> Arc<rustls::ServerConfig> {
+    let key = rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der()).unwrap();
+    Arc::new(
+        rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![cert.der().clone()], key)
+        .unwrap(),
+    )
+}
