@@ -2,9 +2,10 @@
 //! cause is us (the BMaaS server is down, the agents cannot reach it, the network is cut), and
 //! power-cycling the whole fleet would make things worse. Like Kubernetes' node-lifecycle
 //! controller, which stops evictions in a zone that is mostly unhealthy, the brake stops the
-//! recoverer while more than a set share of the provider's machines are silent (no heartbeat
-//! within the recovery threshold: machines just rebooted count until their agent is back),
-//! and releases it by itself when the share falls.
+//! recoverer while more than a set share of the provider's machines are silent, and releases
+//! it by itself when the share falls. Silent means no heartbeat within *half* the recovery
+//! threshold (machines just rebooted count until their agent is back), so when a whole fleet
+//! goes quiet the brake engages well before any machine falls due.
 //!
 //! It is evaluated from two count queries, never per claim: on an interval, and as soon as the
 //! recoverer has used up the few reboots each count allows (`min_silent`). So however fast
@@ -134,8 +135,8 @@ impl BrakeMetrics {
 pub struct BrakeReading {
     /// Machines due for recovery.
     pub due: i64,
-    /// Machines without a heartbeat within the recovery threshold (never heartbeated, just
-    /// rebooted, or gone quiet).
+    /// Machines without a heartbeat within half the recovery threshold (never heartbeated,
+    /// just rebooted, or gone quiet).
     pub silent: i64,
     /// Machines of the provider.
     pub machines: i64,
@@ -204,7 +205,7 @@ impl Brake {
     /// releases the brake, logging each change once.
     pub async fn evaluate(&self, db: &Bmdb) -> Result<BrakeReading, shepherd_bmdb::Error> {
         let (provider, thresholds) = (self.provider, self.thresholds);
-        let fresh_within = thresholds.heartbeat_older_than;
+        let fresh_within = thresholds.heartbeat_older_than / 2;
         let reading = db
             .read(move |tx| {
                 Box::pin(async move {

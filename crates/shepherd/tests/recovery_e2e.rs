@@ -1,14 +1,19 @@
 //! Recovery end to end, in one process with real parts: a real sshd as the machine, the real
 //! agent binary started over SSH by the initializer, the real BMaaS server over TLS, and the
-//! recoverer. The agent is killed; with short thresholds the recoverer reboots the machine
-//! (observable through the test provider), clears its agent tags, the initializer takes it
-//! over again with a fresh key, and heartbeats resume.
+//! recoverer.
+//! - The agent is killed; with short thresholds the recoverer reboots the machine (observable
+//!   through the test provider), clears its agent tags, the initializer takes it over again
+//!   with a fresh key, and heartbeats resume.
+//! - The BMaaS server stops while the agent runs: its heartbeats end, the recovery brake
+//!   engages and nothing is rebooted; the server comes back on the same address, the agent
+//!   heartbeats again and the brake releases by itself.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use shepherd_bmdb::*;
+use shepherd_loops::brake::{Brake, BrakeConfig, BrakeMetrics};
 use shepherd_loops::initializer::{Initializer, InitializerConfig};
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::provider::{
@@ -24,6 +29,7 @@ use shepherd_server::*;
 use shepherd_ssh::testing::{random_key, Sshd};
 use shepherd_ssh::{Auth, SshClient, SshConfig};
 use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
 
 /// The static provider plus a "reboot" that kills the machine's agent process, as a power
 /// cycle would, and records that it happened.
@@ -82,115 +88,204 @@ async fn wait_for<T>(what: &str, secs: u64, mut f: impl AsyncFnMut() -> Option<T
     }
 }
 
-async fn silent_agent_is_recovered_and_taken_over_again(db: Bmdb) {
-    let dir = tempfile::tempdir().unwrap();
-    // The server.
-    let certs = dev_certs(&dir.path().join("certs"), &["localhost".into()]).unwrap();
-    let tls = load_server_config(&certs.cert_pem, &certs.key_pem).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let pool = Arc::new(SessionPool::new(
-        db.clone(),
-        SessionConfig::new("bmsrv", Processor::Bmsrv),
-        2,
-    ));
-    let cancel = CancellationToken::new();
-    let server = tokio::spawn(serve(
-        listener,
-        Arc::new(tls),
-        BmaasService::new(pool.clone()),
-        ServerLimits::default(),
-        cancel.clone(),
-    ));
-    let ca_pem = std::fs::read_to_string(&certs.ca_pem).unwrap();
-    let ca_der = rustls_pemfile_der(&ca_pem);
+/// The BMaaS server on one loopback port, which can be stopped and started again there.
+struct Server {
+    port: u16,
+    certs: DevCerts,
+    ca_der: Vec<u8>,
+    pool: Arc<SessionPool>,
+    running: Option<(
+        CancellationToken,
+        tokio::task::JoinHandle<anyhow::Result<()>>,
+    )>,
+}
 
-    // The machine: an sshd whose sessions tell the agent to heartbeat every 300 ms.
-    let key = random_key();
-    let sshd = Sshd::start_with(
-        &[key.public_key()],
-        "SetEnv SHEPHERD_AGENT_HEARTBEAT_INTERVAL=300ms",
-    );
-    let target = sshd.dir().join("agent").display().to_string();
-    let inventory = dir.path().join("inventory.json");
-    std::fs::write(
-        &inventory,
-        format!(r#"[{{"ID": "box-1", "Addr": "{}"}}]"#, sshd.addr()),
-    )
-    .unwrap();
-    let provider = Arc::new(RebootableStatic {
-        inner: StaticProvider::new(&format!("file://{}", inventory.display()), Provider::Static)
-            .unwrap(),
-        agent_path: target.clone(),
-        reboots: Mutex::new(Vec::new()),
-    });
-    let session = db
-        .start_session(SessionConfig::new("test", Processor::Unknown))
-        .await
+impl Server {
+    async fn start(db: &Bmdb, dir: &std::path::Path) -> Server {
+        let certs = dev_certs(&dir.join("certs"), &["localhost".into()]).unwrap();
+        let ca_der = rustls_pemfile_der(&std::fs::read_to_string(&certs.ca_pem).unwrap());
+        let pool = Arc::new(SessionPool::new(
+            db.clone(),
+            SessionConfig::new("bmsrv", Processor::Bmsrv),
+            2,
+        ));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let mut server = Server {
+            port,
+            certs,
+            ca_der,
+            pool,
+            running: None,
+        };
+        server.serve(listener);
+        server
+    }
+
+    fn serve(&mut self, listener: tokio::net::TcpListener) {
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(serve(
+            listener,
+            Arc::new(load_server_config(&self.certs.cert_pem, &self.certs.key_pem).unwrap()),
+            BmaasService::new(self.pool.clone()),
+            ServerLimits::default(),
+            cancel.clone(),
+        ));
+        self.running = Some((cancel, task));
+    }
+
+    async fn stop(&mut self) {
+        let (cancel, task) = self.running.take().expect("running");
+        cancel.cancel();
+        task.await.unwrap().unwrap();
+    }
+
+    /// Serves again on the same port (agents reconnect to the address they were given).
+    async fn restart(&mut self) {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", self.port))
+            .await
+            .unwrap();
+        self.serve(listener);
+    }
+
+    async fn close(mut self) {
+        if self.running.is_some() {
+            self.stop().await;
+        }
+        self.pool.close().await;
+    }
+}
+
+/// One machine: an sshd whose sessions tell the agent to heartbeat every 300 ms, recorded in
+/// the BMDB as `box-1` of a static inventory whose "reboot" kills the agent.
+struct Machine {
+    _sshd: Sshd,
+    id: Uuid,
+    target: String,
+    provider: Arc<RebootableStatic>,
+    ssh: Arc<SshClient>,
+}
+
+impl Machine {
+    async fn record(db: &Bmdb, dir: &std::path::Path) -> Machine {
+        let key = random_key();
+        let sshd = Sshd::start_with(
+            &[key.public_key()],
+            "SetEnv SHEPHERD_AGENT_HEARTBEAT_INTERVAL=300ms",
+        );
+        let target = sshd.dir().join("agent").display().to_string();
+        let inventory = dir.join("inventory.json");
+        std::fs::write(
+            &inventory,
+            format!(r#"[{{"ID": "box-1", "Addr": "{}"}}]"#, sshd.addr()),
+        )
         .unwrap();
-    let m = record_new_machine(
-        &session,
-        Provider::Static,
-        &ProviderMachine::new("box-1", Some(sshd.addr()), Availability::KnownUnused),
-    )
-    .await
-    .unwrap()
-    .machine;
-    session.close().await.unwrap();
+        let provider = Arc::new(RebootableStatic {
+            inner: StaticProvider::new(
+                &format!("file://{}", inventory.display()),
+                Provider::Static,
+            )
+            .unwrap(),
+            agent_path: target.clone(),
+            reboots: Mutex::new(Vec::new()),
+        });
+        let session = db
+            .start_session(SessionConfig::new("test", Processor::Unknown))
+            .await
+            .unwrap();
+        let id = record_new_machine(
+            &session,
+            Provider::Static,
+            &ProviderMachine::new("box-1", Some(sshd.addr()), Availability::KnownUnused),
+        )
+        .await
+        .unwrap()
+        .machine;
+        session.close().await.unwrap();
+        let mut ssh = SshConfig::new(Auth::Key(Arc::new(key)));
+        ssh.user = std::env::var("USER").unwrap_or_else(|_| "root".into());
+        ssh.connect_timeout = Duration::from_secs(10);
+        Machine {
+            _sshd: sshd,
+            id,
+            target,
+            provider,
+            ssh: Arc::new(SshClient::new(ssh)),
+        }
+    }
 
-    // The loops.
-    let mut ssh = SshConfig::new(Auth::Key(Arc::new(key)));
-    ssh.user = std::env::var("USER").unwrap_or_else(|_| "root".into());
-    ssh.connect_timeout = Duration::from_secs(10);
-    let mut init = InitializerConfig::new(
-        std::fs::read(agent_path()).unwrap(),
-        format!("localhost:{port}"),
-    );
-    init.target_path = target.clone();
-    init.ca_certificate = Some(ca_der);
-    init.backoff = Backoff::exponential(Duration::from_secs(1), Duration::from_secs(2), 1.5);
-    let initializer = Initializer::new(
-        provider.clone(),
-        Arc::new(SshTransport::new(Arc::new(SshClient::new(ssh)))),
-        init,
-    )
-    .unwrap();
-    let recoverer = Recoverer::new(
-        provider.clone(),
-        RecoveryThresholds {
-            no_heartbeat_after_start: Duration::from_secs(5),
-            heartbeat_older_than: Duration::from_secs(2),
-        },
-    )
-    .with_backoff(Backoff::exponential(
-        Duration::from_secs(1),
-        Duration::from_secs(2),
-        1.5,
-    ));
+    /// The initializer that takes this machine over for `server`.
+    fn initializer(&self, server: &Server) -> Initializer<RebootableStatic> {
+        let mut init = InitializerConfig::new(
+            std::fs::read(agent_path()).unwrap(),
+            format!("localhost:{}", server.port),
+        );
+        init.target_path = self.target.clone();
+        init.ca_certificate = Some(server.ca_der.clone());
+        init.backoff = Backoff::exponential(Duration::from_secs(1), Duration::from_secs(2), 1.5);
+        Initializer::new(
+            self.provider.clone(),
+            Arc::new(SshTransport::new(self.ssh.clone())),
+            init,
+        )
+        .unwrap()
+    }
+
+    fn reboots(&self) -> Vec<String> {
+        self.provider.reboots.lock().unwrap().clone()
+    }
+}
+
+const THRESHOLDS: RecoveryThresholds = RecoveryThresholds {
+    no_heartbeat_after_start: Duration::from_secs(5),
+    heartbeat_older_than: Duration::from_secs(2),
+};
+
+/// Runs `initializer` and `recoverer` (one worker each) until `cancel`.
+fn run_loops(
+    db: &Bmdb,
+    initializer: Initializer<RebootableStatic>,
+    recoverer: Recoverer<RebootableStatic>,
+    cancel: &CancellationToken,
+) -> tokio::task::JoinHandle<()> {
     let runner = |name: &str, processor| RunnerConfig {
         parallelism: 1,
         db_rate: RateSpec::new(Duration::from_millis(100), 1),
         session: SessionConfig::new(name, processor),
     };
-    let loops = tokio::spawn({
-        let (db, cancel) = (db.clone(), cancel.clone());
-        let (ri, rr) = (
-            runner("initializer", Processor::ShepherdInitializer),
-            runner("recoverer", Processor::ShepherdRecoverer),
+    let (db, cancel) = (db.clone(), cancel.clone());
+    let (ri, rr) = (
+        runner("initializer", Processor::ShepherdInitializer),
+        runner("recoverer", Processor::ShepherdRecoverer),
+    );
+    tokio::spawn(async move {
+        tokio::join!(
+            run(db.clone(), Arc::new(initializer), ri, cancel.clone()),
+            run(db, Arc::new(recoverer), rr, cancel),
         );
-        async move {
-            tokio::join!(
-                run(db.clone(), Arc::new(initializer), ri, cancel.clone()),
-                run(db, Arc::new(recoverer), rr, cancel),
-            );
-        }
-    });
+    })
+}
 
-    let heartbeat = async || {
-        db.read(move |tx| Box::pin(async move { tx.heartbeat(m).await }))
-            .await
-            .unwrap()
-    };
+async fn heartbeat(db: &Bmdb, m: Uuid) -> Option<chrono::DateTime<chrono::Utc>> {
+    db.read(move |tx| Box::pin(async move { tx.heartbeat(m).await }))
+        .await
+        .unwrap()
+}
+
+async fn silent_agent_is_recovered_and_taken_over_again(db: Bmdb) {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&db, dir.path()).await;
+    let machine = Machine::record(&db, dir.path()).await;
+    let m = machine.id;
+    let target = machine.target.clone();
+    let recoverer = Recoverer::new(machine.provider.clone(), THRESHOLDS).with_backoff(
+        Backoff::exponential(Duration::from_secs(1), Duration::from_secs(2), 1.5),
+    );
+    let cancel = CancellationToken::new();
+    let loops = run_loops(&db, machine.initializer(&server), recoverer, &cancel);
+    let provider = machine.provider.clone();
+
+    let beat = async || heartbeat(&db, m).await;
     let agent_key = async || {
         db.read(move |tx| Box::pin(async move { tx.agent_started(m).await }))
             .await
@@ -198,10 +293,10 @@ async fn silent_agent_is_recovered_and_taken_over_again(db: Bmdb) {
             .map(|a| a.public_key)
     };
     let first_key = wait_for("the first takeover", 30, agent_key).await;
-    let first_beat = wait_for("the first heartbeat", 30, heartbeat).await;
+    let first_beat = wait_for("the first heartbeat", 30, beat).await;
     // Heartbeats keep coming, and nothing is recovered while they do.
     wait_for("a later heartbeat", 10, async || {
-        heartbeat().await.filter(|h| *h > first_beat)
+        beat().await.filter(|h| *h > first_beat)
     })
     .await;
     assert!(provider.reboots.lock().unwrap().is_empty());
@@ -218,7 +313,7 @@ async fn silent_agent_is_recovered_and_taken_over_again(db: Bmdb) {
     .await;
     let rebooted_at = chrono::Utc::now();
     wait_for("heartbeats from the new agent", 30, async || {
-        heartbeat().await.filter(|h| *h > rebooted_at)
+        beat().await.filter(|h| *h > rebooted_at)
     })
     .await;
     assert_eq!(second_key.len(), 32);
@@ -226,8 +321,7 @@ async fn silent_agent_is_recovered_and_taken_over_again(db: Bmdb) {
 
     cancel.cancel();
     loops.await.unwrap();
-    server.await.unwrap().unwrap();
-    pool.close().await;
+    server.close().await;
     kill_agent(&target);
     let history = db
         .read(move |tx| Box::pin(async move { tx.machine_history(m).await }))
@@ -251,6 +345,75 @@ async fn silent_agent_is_recovered_and_taken_over_again(db: Bmdb) {
     );
 }
 
+async fn a_stopped_server_brakes_recovery_until_it_is_back(db: Bmdb) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = Server::start(&db, dir.path()).await;
+    let machine = Machine::record(&db, dir.path()).await;
+    let m = machine.id;
+    // One machine: one silent machine is the whole fleet, so the brake may engage for it.
+    let brake = Brake::new(
+        BrakeConfig {
+            max_silent_share: 0.5,
+            min_silent: 1,
+            interval: Duration::from_millis(200),
+        },
+        Provider::Static,
+        THRESHOLDS,
+        BrakeMetrics::default(),
+    );
+    let cancel = CancellationToken::new();
+    let braking = tokio::spawn(brake.clone().run(db.clone(), cancel.clone()));
+    let recoverer = Recoverer::new(machine.provider.clone(), THRESHOLDS).with_brake(brake.clone());
+    let loops = run_loops(&db, machine.initializer(&server), recoverer, &cancel);
+
+    let first = wait_for("the first heartbeat", 60, async || heartbeat(&db, m).await).await;
+    wait_for("the brake to release", 10, async || {
+        (!brake.engaged()).then_some(())
+    })
+    .await;
+
+    // The server stops; the agent runs on but its heartbeats cannot arrive.
+    server.stop().await;
+    let stopped = chrono::Utc::now();
+    wait_for("the brake to engage", 10, async || {
+        brake.engaged().then_some(())
+    })
+    .await;
+    // Well past the point where the machine is due for recovery: nothing is rebooted.
+    tokio::time::sleep(THRESHOLDS.heartbeat_older_than * 2).await;
+    assert!(brake.engaged());
+    assert!(
+        machine.reboots().is_empty(),
+        "rebooted: {:?}",
+        machine.reboots()
+    );
+    assert!(heartbeat(&db, m)
+        .await
+        .is_some_and(|h| h < stopped && h >= first));
+
+    // The server comes back at the same address: heartbeats resume, the brake releases.
+    server.restart().await;
+    wait_for("heartbeats through the restarted server", 30, async || {
+        heartbeat(&db, m).await.filter(|h| *h > stopped)
+    })
+    .await;
+    wait_for("the brake to release", 10, async || {
+        (!brake.engaged()).then_some(())
+    })
+    .await;
+    assert!(
+        machine.reboots().is_empty(),
+        "rebooted: {:?}",
+        machine.reboots()
+    );
+
+    cancel.cancel();
+    loops.await.unwrap();
+    braking.await.unwrap();
+    server.close().await;
+    kill_agent(&machine.target);
+}
+
 fn rustls_pemfile_der(pem: &str) -> Vec<u8> {
     use base64::Engine;
     let body: String = pem.lines().filter(|l| !l.starts_with("-----")).collect();
@@ -259,4 +422,7 @@ fn rustls_pemfile_der(pem: &str) -> Vec<u8> {
         .unwrap()
 }
 
-shepherd_bmdb::conformance_tests!(silent_agent_is_recovered_and_taken_over_again);
+shepherd_bmdb::conformance_tests!(
+    silent_agent_is_recovered_and_taken_over_again,
+    a_stopped_server_brakes_recovery_until_it_is_back
+);

@@ -18,6 +18,7 @@ use shepherd_loops::recoverer::Recoverer;
 use shepherd_loops::redfish::{Bmc, BmcEntry};
 use shepherd_loops::runner::{self, RunnerConfig};
 use shepherd_loops::static_provider::StaticProvider;
+use shepherd_loops::testing::bmc::BmcCerts;
 use tokio_util::sync::CancellationToken;
 
 const SYSTEM_A: &str = "8b5e2a5c-0000-4000-8000-00000000000a";
@@ -55,39 +56,45 @@ impl Drop for Emulator {
     }
 }
 
-struct Certs {
-    ca_pem: PathBuf,
-    cert_pem: PathBuf,
-    key_pem: PathBuf,
+/// Which certificate the emulator presents.
+#[derive(Clone, Copy)]
+enum CertForm {
+    /// Self-signed with `CA:TRUE`, as most BMCs ship; given to Shepherd as `CA` (pinned).
+    SelfSigned,
+    /// Issued for 127.0.0.1 by a site CA; the CA is given to Shepherd as `CA`.
+    CaSigned,
 }
 
-/// A CA and a server certificate for `localhost` (ECDSA P-256, which Python's ssl loads).
-fn bmc_certs(dir: &Path) -> Certs {
-    let ca_key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
-    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(rcgen::DnType::CommonName, "test BMC CA");
-    let ca = ca_params.self_signed(&ca_key).unwrap();
-    let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
-    let params = rcgen::CertificateParams::new(vec!["localhost".to_string()]).unwrap();
-    let issuer = rcgen::Issuer::from_params(&ca_params, &ca_key);
-    let cert = params.signed_by(&key, &issuer).unwrap();
-    let certs = Certs {
-        ca_pem: dir.join("bmc-ca.pem"),
-        cert_pem: dir.join("bmc.pem"),
-        key_pem: dir.join("bmc.key"),
+/// Writes the emulator's certificate and key, and what Shepherd is given as `CA`; returns
+/// their paths (certificate, key, CA).
+fn bmc_certs(dir: &Path, form: CertForm) -> (PathBuf, PathBuf, PathBuf) {
+    let certs = BmcCerts::generate();
+    let (cert, key, ca) = match form {
+        CertForm::SelfSigned => (
+            &certs.self_signed_pem,
+            &certs.self_signed_key_pem,
+            &certs.self_signed_pem,
+        ),
+        CertForm::CaSigned => (
+            &certs.ca_signed_pem,
+            &certs.ca_signed_key_pem,
+            &certs.ca_pem,
+        ),
     };
-    std::fs::write(&certs.ca_pem, ca.pem()).unwrap();
-    std::fs::write(&certs.cert_pem, cert.pem()).unwrap();
-    std::fs::write(&certs.key_pem, key.serialize_pem()).unwrap();
-    certs
+    let paths = (
+        dir.join("bmc.pem"),
+        dir.join("bmc.key"),
+        dir.join("bmc-ca.pem"),
+    );
+    std::fs::write(&paths.0, cert).unwrap();
+    std::fs::write(&paths.1, key).unwrap();
+    std::fs::write(&paths.2, ca).unwrap();
+    paths
 }
 
-/// sushy-emulator with two fake systems (both On), HTTPS with a development CA, and basic
-/// auth for admin / the password in `password_file`.
-fn start_emulator(dir: &Path) -> Emulator {
+/// sushy-emulator with two fake systems (both On), HTTPS with a certificate of `form`, and
+/// basic auth for admin / the password in `password_file`.
+fn start_emulator(dir: &Path, form: CertForm) -> Emulator {
     let bin = emulator_binary();
     let python = bin.parent().unwrap().join("python");
     let password = "bmc-secret-42";
@@ -112,7 +119,7 @@ fn start_emulator(dir: &Path) -> Emulator {
     .unwrap();
     let password_file = dir.join("bmc-password");
     std::fs::write(&password_file, format!("{password}\n")).unwrap();
-    let certs = bmc_certs(dir);
+    let (cert_pem, key_pem, ca) = bmc_certs(dir, form);
     let port = free_port();
     let system = |uuid: &str, name: &str| {
         format!(
@@ -135,8 +142,8 @@ fn start_emulator(dir: &Path) -> Emulator {
             system(SYSTEM_A, "node-a"),
             system(SYSTEM_B, "node-b"),
             htpasswd.display(),
-            certs.cert_pem.display(),
-            certs.key_pem.display(),
+            cert_pem.display(),
+            key_pem.display(),
             dir.join("state").display(),
         ),
     )
@@ -163,8 +170,8 @@ fn start_emulator(dir: &Path) -> Emulator {
     }
     Emulator {
         child,
-        url: format!("https://localhost:{port}"),
-        ca: certs.ca_pem,
+        url: format!("https://127.0.0.1:{port}"),
+        ca,
         password_file,
     }
 }
@@ -193,7 +200,8 @@ async fn power(e: &Emulator, system: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_right_system_is_power_cycled() {
     let dir = tempfile::tempdir().unwrap();
-    let emu = start_emulator(dir.path());
+    // The certificate most BMCs ship, pinned through `CA` (refused before as CaUsedAsEndEntity).
+    let emu = start_emulator(dir.path(), CertForm::SelfSigned);
     assert_eq!(power(&emu, SYSTEM_A).await, "On");
     assert_eq!(power(&emu, SYSTEM_B).await, "On");
     let used = Bmc::new(&entry(&emu, SYSTEM_B), Duration::from_secs(10))
@@ -247,7 +255,7 @@ async fn the_right_system_is_power_cycled() {
     );
     assert_eq!(power(&emu, SYSTEM_A).await, "On");
 
-    // TLS is verified: without the CA the self-signed chain is refused.
+    // TLS is verified: without `CA` the system's trust store does not know the certificate.
     let mut untrusted = entry(&emu, SYSTEM_A);
     untrusted.ca = None;
     let err = Bmc::new(&untrusted, Duration::from_secs(10))
@@ -257,7 +265,7 @@ async fn the_right_system_is_power_cycled() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("certificate") && err.contains("UnknownIssuer"),
+        err.contains("invalid peer certificate: Other(OtherError(CaUsedAsEndEntity))"),
         "the cause names the untrusted certificate: {err}"
     );
 }
@@ -266,7 +274,7 @@ async fn the_right_system_is_power_cycled() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_recoverer_power_cycles_through_the_inventory_bmc() {
     let dir = tempfile::tempdir().unwrap();
-    let emu = start_emulator(dir.path());
+    let emu = start_emulator(dir.path(), CertForm::CaSigned);
     let wrong = dir.path().join("wrong");
     std::fs::write(&wrong, "nope\n").unwrap();
     let bmc = |e: BmcEntry| {

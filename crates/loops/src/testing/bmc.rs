@@ -208,17 +208,23 @@ async fn read_request<S: AsyncRead + Unpin>(conn: &mut S) -> Option<String> {
     }
 }
 
-/// TLS certificates in the forms BMCs ship, as PEM, with the server configurations that
-/// present them.
+/// TLS certificates in the forms BMCs ship (ECDSA P-256, which every TLS stack loads), as
+/// PEM, with the server configurations that present them.
 pub struct BmcCerts {
     /// Self-signed with `CA:TRUE` and only a common name, as `openssl req -x509` makes it
     /// (and as most BMCs ship): no subject alternative name, so no name check can pass.
     pub self_signed_pem: String,
+    /// Its key.
+    pub self_signed_key_pem: String,
     /// A server presenting [`BmcCerts::self_signed_pem`].
     pub self_signed_server: Arc<rustls::ServerConfig>,
     /// A site CA.
     pub ca_pem: String,
-    /// A server presenting a certificate for `127.0.0.1` issued by [`BmcCerts::ca_pem`].
+    /// A certificate for `127.0.0.1` issued by [`BmcCerts::ca_pem`].
+    pub ca_signed_pem: String,
+    /// Its key.
+    pub ca_signed_key_pem: String,
+    /// A server presenting [`BmcCerts::ca_signed_pem`].
     pub ca_signed_server: Arc<rustls::ServerConfig>,
 }
 
@@ -249,8 +255,11 @@ impl BmcCerts {
             .unwrap();
         BmcCerts {
             self_signed_pem: self_signed.pem(),
+            self_signed_key_pem: key.serialize_pem(),
             self_signed_server,
             ca_pem: ca.pem(),
+            ca_signed_pem: leaf.pem(),
+            ca_signed_key_pem: leaf_key.serialize_pem(),
             ca_signed_server: server_config(&leaf, &leaf_key),
         }
     }
