@@ -4,7 +4,8 @@
 # local connections and a database named `test`; OpenSSH's sshd binary (the tests start their
 # own daemons on loopback ports; no system sshd is started or configured); Chromium and
 # chromedriver for the web UI tests; the sushy-tools Redfish emulator in a virtualenv under
-# ~/.cache/shepherd (SHEPHERD_SUSHY_VENV).
+# ~/.cache/shepherd (SHEPHERD_SUSHY_VENV); QEMU and the tools that build the VM tests' guest
+# image, and the image itself (scripts/vm-image.sh, cached under ~/.cache/shepherd/vm).
 set -euo pipefail
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
@@ -79,8 +80,32 @@ ensure_sushy() {
   echo "test-deps: sushy-tools $("$venv/bin/pip" show sushy-tools 2>/dev/null | sed -n 's/^Version: //p')"
 }
 
+ensure_vm() {
+  # QEMU (TCG: this machine's nested KVM cannot run these guests) and the image tools, in one
+  # apt command: qemu-system-x86 alone conflicts with a backported qemu-utils, so the
+  # distribution's qemu-utils comes with it.
+  local tool missing=0
+  for tool in qemu-system-x86_64 mmdebstrap syslinux mcopy mkfs.vfat sfdisk socat mke2fs; do
+    command -v "$tool" >/dev/null 2>&1 || missing=1
+  done
+  [ -f /usr/lib/syslinux/mbr/mbr.bin ] || missing=1
+  if [ "$missing" = 1 ]; then
+    echo "test-deps: installing QEMU and the guest image tools"
+    local release
+    release=$(. /etc/os-release && echo "$VERSION_CODENAME")
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --allow-downgrades \
+      qemu-system-x86 "qemu-utils/$release" mmdebstrap syslinux syslinux-common mtools \
+      dosfstools fdisk socat e2fsprogs >/dev/null
+  fi
+  qemu-system-x86_64 --version | head -n 1 | sed 's/^/test-deps: /'
+  as_root env HOME="$HOME" SHEPHERD_VM_DIR="${SHEPHERD_VM_DIR:-$HOME/.cache/shepherd/vm}" \
+    "$(dirname "$0")/vm-image.sh" | sed 's/^/test-deps: /'
+}
+
 ensure_postgres
 ensure_sshd
 ensure_chromium
 ensure_sushy
+ensure_vm
 echo "test-deps: ready"

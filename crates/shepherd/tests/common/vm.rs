@@ -1,0 +1,227 @@
+//! QEMU VMs for the VM fleet tests: the guest image `scripts/vm-image.sh` builds, booted under
+//! TCG with user-mode networking that reaches nothing but what the test forwards (its sshd on a
+//! loopback port, `shepherd server` at 10.0.2.100:4443 inside the guest), and a QMP socket.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Where the guest sees `shepherd server`.
+pub const SERVER_IN_GUEST: &str = "10.0.2.100:4443";
+
+/// The built guest image and the key root accepts in it.
+pub struct GuestImage {
+    /// The raw boot disk.
+    pub disk: PathBuf,
+    /// The private key (a copy with mode 0400, as `shepherd run` wants it).
+    pub key: PathBuf,
+}
+
+impl GuestImage {
+    /// The image `scripts/vm-image.sh` built (the test fails, never skips, without it); the
+    /// key is copied into `dir`.
+    pub fn locate(dir: &Path) -> GuestImage {
+        use std::os::unix::fs::PermissionsExt;
+        let vm_dir = std::env::var_os("SHEPHERD_VM_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                    .join(".cache/shepherd/vm")
+            });
+        let disk = vm_dir.join("guest.img");
+        assert!(
+            disk.exists(),
+            "{} is missing: run scripts/test-deps.sh (it builds the guest image)",
+            disk.display()
+        );
+        let key = dir.join("vm_id_ed25519");
+        std::fs::copy(vm_dir.join("id_ed25519"), &key).unwrap();
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o400)).unwrap();
+        GuestImage { disk, key }
+    }
+}
+
+/// One running VM; killed on drop.
+pub struct Vm {
+    /// Its name (also in its MAC address and serial log).
+    pub name: String,
+    /// The loopback port forwarded to its sshd.
+    pub ssh_port: u16,
+    /// Its NIC's MAC address.
+    pub mac: String,
+    /// Its QMP socket.
+    pub qmp: PathBuf,
+    /// Its serial console log.
+    pub serial: PathBuf,
+    child: Child,
+}
+
+/// How a VM is made.
+pub struct VmSpec<'a> {
+    /// The boot disk (booted as a throwaway snapshot: every start makes new host keys).
+    pub image: &'a GuestImage,
+    /// Index, for the MAC address.
+    pub index: u8,
+    /// Loopback port of `shepherd server`, forwarded to [`SERVER_IN_GUEST`].
+    pub server_port: u16,
+    /// Memory in MiB.
+    pub memory_mib: u32,
+}
+
+impl Vm {
+    /// Starts a VM in `dir`.
+    pub fn start(dir: &Path, spec: VmSpec<'_>) -> Vm {
+        assert!(
+            Path::new("/usr/bin/qemu-system-x86_64").exists(),
+            "qemu-system-x86_64 is missing: run scripts/test-deps.sh"
+        );
+        let name = format!("vm{}", spec.index);
+        let ssh_port = super::free_port();
+        let mac = format!("52:54:00:5e:00:{:02x}", spec.index);
+        let qmp = dir.join(format!("{name}.qmp"));
+        let serial = dir.join(format!("{name}.serial"));
+        let netdev = format!(
+            "user,id=n0,restrict=on,hostfwd=tcp:127.0.0.1:{ssh_port}-:22,\
+             guestfwd=tcp:{SERVER_IN_GUEST}-cmd:socat STDIO TCP:127.0.0.1:{}",
+            spec.server_port
+        );
+        let child = Command::new("qemu-system-x86_64")
+            .args([
+                "-machine",
+                "q35",
+                "-accel",
+                "tcg,tb-size=128",
+                "-cpu",
+                "qemu64",
+            ])
+            .args(["-smp", "1", "-m", &spec.memory_mib.to_string()])
+            .args(["-display", "none", "-monitor", "none"])
+            .arg("-serial")
+            .arg(format!("file:{}", serial.display()))
+            .arg("-qmp")
+            .arg(format!("unix:{},server=on,wait=off", qmp.display()))
+            .arg("-drive")
+            .arg(format!(
+                "file={},format=raw,if=virtio,snapshot=on",
+                spec.image.disk.display()
+            ))
+            .args(["-netdev", &netdev])
+            .args(["-device", &format!("virtio-net-pci,netdev=n0,mac={mac}")])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        Vm {
+            name,
+            ssh_port,
+            mac,
+            qmp,
+            serial,
+            child,
+        }
+    }
+
+    /// `127.0.0.1:PORT` of its sshd.
+    pub fn ssh_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.ssh_port)
+    }
+
+    /// Waits until its sshd greets, for at most `limit`. (The forwarded port accepts
+    /// connections before the guest listens, so the greeting is what counts.)
+    pub fn wait_for_ssh(&mut self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                let mut err = String::new();
+                let _ = self.child.stderr.take().unwrap().read_to_string(&mut err);
+                panic!("{} exited ({status}): {err}", self.name);
+            }
+            if ssh_greets(self.ssh_port) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} did not answer SSH within {limit:?}; serial console:\n{}",
+                self.name,
+                self.serial_log()
+            );
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    }
+
+    /// What the VM wrote to its serial console so far.
+    pub fn serial_log(&self) -> String {
+        String::from_utf8_lossy(&std::fs::read(&self.serial).unwrap_or_default()).into_owned()
+    }
+
+    /// Runs `command` in the guest as root over SSH with the image's key; its stdout.
+    pub fn ssh(&self, image: &GuestImage, command: &str) -> String {
+        let out = Command::new("ssh")
+            .args(["-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no"])
+            .args([
+                "-o",
+                "UserKnownHostsFile=/dev/null",
+                "-o",
+                "ConnectTimeout=10",
+            ])
+            .args(["-o", "LogLevel=ERROR", "-i"])
+            .arg(&image.key)
+            .args(["-p", &self.ssh_port.to_string(), "root@127.0.0.1", command])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}: {command}: {}",
+            self.name,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// Sends one QMP command (`system_reset`, `quit`, …) and returns QEMU's answer.
+    pub fn qmp(&self, command: &str) -> String {
+        qmp(&self.qmp, command)
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Whether an sshd greets on the loopback `port` within a few seconds.
+fn ssh_greets(port: u16) -> bool {
+    let Ok(mut conn) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(3)));
+    let mut buf = [0u8; 4];
+    conn.read_exact(&mut buf).is_ok() && &buf == b"SSH-"
+}
+
+/// One QMP command over the socket at `path`: greeting, capabilities, the command.
+pub fn qmp(path: &Path, command: &str) -> String {
+    let mut conn = UnixStream::connect(path).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut reader = BufReader::new(conn.try_clone().unwrap());
+    let mut line = String::new();
+    reader.read_line(&mut line).unwrap(); // greeting
+    for cmd in ["qmp_capabilities", command] {
+        writeln!(conn, r#"{{"execute": "{cmd}"}}"#).unwrap();
+        loop {
+            line.clear();
+            reader.read_line(&mut line).unwrap();
+            // Events may come before the answer.
+            if line.contains("\"return\"") || line.contains("\"error\"") {
+                break;
+            }
+        }
+    }
+    line
+}

@@ -1,0 +1,215 @@
+//! A fleet of real machines: three QEMU VMs booted from the Debian guest image
+//! (`scripts/vm-image.sh`), managed by the real `shepherd server` and `shepherd run` binaries.
+//! The VMs reach nothing but their forwarded sshd and the server (QEMU's user-mode network,
+//! `restrict=on`), so all traffic stays on this host.
+
+mod common;
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use common::vm::{GuestImage, Vm, VmSpec, SERVER_IN_GUEST};
+use common::{announced, free_port, shepherd, ChildGuard};
+use serde_json::Value;
+use shepherd_bmdb::{testing, Bmdb, Provider};
+use uuid::Uuid;
+
+const VMS: u8 = 3;
+const MEMORY_MIB: u32 = 256;
+
+/// Polls `f` every second until it returns `Some`, for at most `secs`.
+async fn wait_for<T>(what: &str, secs: u64, mut f: impl AsyncFnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+async fn machine_of(db: &Bmdb, vm: &Vm) -> Uuid {
+    let id = vm.name.clone();
+    db.read(move |tx| {
+        let id = id.clone();
+        Box::pin(async move { tx.machine_by_provider_id(Provider::Static, &id).await })
+    })
+    .await
+    .unwrap()
+    .unwrap_or_else(|| panic!("{} was not provisioned", vm.name))
+}
+
+/// `shepherd machines show ID --json`.
+fn show(url: &str, m: Uuid) -> Value {
+    let out = shepherd()
+        .args([
+            "machines",
+            "show",
+            &m.to_string(),
+            "--json",
+            "--database",
+            url,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vm_fleet_is_taken_over_and_heartbeats() {
+    let dir = tempfile::tempdir().unwrap();
+    let image = GuestImage::locate(dir.path());
+    let t = testing::sqlite().await;
+    let server_port = free_port();
+    let mut vms: Vec<Vm> = (1..=VMS)
+        .map(|index| {
+            Vm::start(
+                dir.path(),
+                VmSpec {
+                    image: &image,
+                    index,
+                    server_port,
+                    memory_mib: MEMORY_MIB,
+                },
+            )
+        })
+        .collect();
+
+    let certs = dir.path().join("certs");
+    let mut server = ChildGuard(Some(
+        shepherd()
+            .args(["server", "--database", &t.url, "--migrate"])
+            .args(["--listen", &format!("127.0.0.1:{server_port}")])
+            .arg("--dev-certs")
+            .arg(&certs)
+            .args([
+                "--dev-cert-names",
+                SERVER_IN_GUEST.split(':').next().unwrap(),
+            ])
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(dir.path().join("server.log")).unwrap())
+            .spawn()
+            .unwrap(),
+    ));
+    announced(server.child(), "shepherd server: listening on ");
+
+    // Start `run` only once every VM answers SSH: a failed first attempt would wait out the
+    // initializer's backoff.
+    tokio::task::block_in_place(|| {
+        for vm in &mut vms {
+            vm.wait_for_ssh(Duration::from_secs(300));
+        }
+    });
+    let inventory = dir.path().join("inventory.json");
+    let entries: Vec<Value> = vms
+        .iter()
+        .map(|vm| serde_json::json!({"ID": vm.name, "Addr": vm.ssh_addr(), "Location": "qemu"}))
+        .collect();
+    std::fs::write(&inventory, serde_json::to_string(&entries).unwrap()).unwrap();
+    let run_log = dir.path().join("run.log");
+    let _run = ChildGuard(Some(
+        shepherd()
+            .args(["run", "--provider", "static", "--database", &t.url])
+            .arg("--static-inventory")
+            .arg(format!("file://{}", inventory.display()))
+            .arg("--agent-executable")
+            .arg(shepherd_loops::testing::agent_path())
+            .args(["--agent-endpoint", SERVER_IN_GUEST])
+            .arg("--agent-ca")
+            .arg(certs.join("ca.pem"))
+            .arg("--ssh-key")
+            .arg(&image.key)
+            .args(["--ssh-user", "root", "--ssh-exec-timeout", "120s"])
+            .args(["--initializer-parallelism", &VMS.to_string()])
+            .args(["--initializer-db-rate", "100ms,8"])
+            .args(["--provisioner-reconcile-rate", "1s,1"])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&run_log).unwrap())
+            .spawn()
+            .unwrap(),
+    ));
+
+    // Every VM is taken over and heartbeats over TLS.
+    let db = t.db.clone();
+    let log = || std::fs::read_to_string(&run_log).unwrap_or_default();
+    wait_for("every VM to heartbeat", 240, async || {
+        let c = db
+            .read(|tx| Box::pin(async move { tx.status_counts().await }))
+            .await
+            .unwrap();
+        (c.heartbeating == i64::from(VMS)).then_some(())
+    })
+    .await;
+
+    let mut pinned = vec![];
+    for vm in &vms {
+        let m = machine_of(&db, vm).await;
+        let shown = show(&t.url, m);
+        // The host key pinned is the one this VM made on its first boot.
+        let key = shown["ssh_host_key"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{shown}\n{}", log()));
+        let key: Vec<&str> = key.split_whitespace().take(2).collect();
+        let guest_keys = vm.ssh(&image, "cat /etc/ssh/ssh_host_*_key.pub");
+        assert!(
+            guest_keys
+                .lines()
+                .any(|l| l.split_whitespace().take(2).eq(key.iter().copied())),
+            "{}: pinned {key:?}, the guest has {guest_keys}",
+            vm.name
+        );
+        pinned.push(key.join(" "));
+
+        // The hardware report describes the VM as QEMU was configured.
+        let hw = &shown["hardware_report"];
+        assert_eq!(hw["cpu_threads"], 1, "{}: {hw}", vm.name);
+        let memory = hw["memory_bytes"].as_i64().unwrap();
+        assert!(
+            memory > i64::from(MEMORY_MIB - 64) << 20 && memory <= i64::from(MEMORY_MIB) << 20,
+            "{}: {memory} bytes of memory",
+            vm.name
+        );
+        let macs: Vec<&str> = hw["nics"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|n| n["mac"].as_str())
+            .collect();
+        assert_eq!(macs, [vm.mac.as_str()], "{}: {hw}", vm.name);
+        let disks: Vec<i64> = hw["block_devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b["capacity_bytes"].as_i64().unwrap())
+            .collect();
+        let image_bytes = std::fs::metadata(&image.disk).unwrap().len() as i64;
+        assert_eq!(disks, [image_bytes], "{}: {hw}", vm.name);
+    }
+    pinned.sort();
+    pinned.dedup();
+    assert_eq!(
+        pinned.len(),
+        usize::from(VMS),
+        "every VM has its own host key"
+    );
+
+    // Heartbeats keep coming at the short interval the takeover environment set.
+    let m = machine_of(&db, &vms[0]).await;
+    let beat = async || {
+        db.read(move |tx| Box::pin(async move { tx.heartbeat(m).await }))
+            .await
+            .unwrap()
+    };
+    let first = beat().await.unwrap();
+    wait_for("a later heartbeat", 15, async || {
+        beat().await.filter(|h| *h > first)
+    })
+    .await;
+    t.cleanup().await;
+}
