@@ -5,176 +5,32 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use common::free_port;
+use common::sushy::{start_emulator, CertForm, Emulator, FakeSystem};
 use shepherd_bmdb::*;
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::recoverer::Recoverer;
 use shepherd_loops::redfish::{Bmc, BmcEntry};
 use shepherd_loops::runner::{self, RunnerConfig};
 use shepherd_loops::static_provider::StaticProvider;
-use shepherd_loops::testing::bmc::BmcCerts;
 use tokio_util::sync::CancellationToken;
 
 const SYSTEM_A: &str = "8b5e2a5c-0000-4000-8000-00000000000a";
 const SYSTEM_B: &str = "8b5e2a5c-0000-4000-8000-00000000000b";
-
-fn emulator_binary() -> PathBuf {
-    let venv = std::env::var_os("SHEPHERD_SUSHY_VENV")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            let home = std::env::var_os("HOME")
-                .map(PathBuf::from)
-                .unwrap_or_default();
-            home.join(".cache/shepherd/sushy-venv")
-        });
-    let path = venv.join("bin/sushy-emulator");
-    assert!(
-        path.exists(),
-        "{} is missing: run scripts/test-deps.sh (installs sushy-tools in a virtualenv)",
-        path.display()
-    );
-    path
-}
-
-struct Emulator {
-    child: Child,
-    url: String,
-    ca: PathBuf,
-    password_file: PathBuf,
-}
-
-impl Drop for Emulator {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Which certificate the emulator presents.
-#[derive(Clone, Copy)]
-enum CertForm {
-    /// Self-signed with `CA:TRUE`, as most BMCs ship; given to Shepherd as `CA` (pinned).
-    SelfSigned,
-    /// Issued for 127.0.0.1 by a site CA; the CA is given to Shepherd as `CA`.
-    CaSigned,
-}
-
-/// Writes the emulator's certificate and key, and what Shepherd is given as `CA`; returns
-/// their paths (certificate, key, CA).
-fn bmc_certs(dir: &Path, form: CertForm) -> (PathBuf, PathBuf, PathBuf) {
-    let certs = BmcCerts::generate();
-    let (cert, key, ca) = match form {
-        CertForm::SelfSigned => (
-            &certs.self_signed_pem,
-            &certs.self_signed_key_pem,
-            &certs.self_signed_pem,
-        ),
-        CertForm::CaSigned => (
-            &certs.ca_signed_pem,
-            &certs.ca_signed_key_pem,
-            &certs.ca_pem,
-        ),
-    };
-    let paths = (
-        dir.join("bmc.pem"),
-        dir.join("bmc.key"),
-        dir.join("bmc-ca.pem"),
-    );
-    std::fs::write(&paths.0, cert).unwrap();
-    std::fs::write(&paths.1, key).unwrap();
-    std::fs::write(&paths.2, ca).unwrap();
-    paths
-}
-
-/// sushy-emulator with two fake systems (both On), HTTPS with a certificate of `form`, and
-/// basic auth for admin / the password in `password_file`.
-fn start_emulator(dir: &Path, form: CertForm) -> Emulator {
-    let bin = emulator_binary();
-    let python = bin.parent().unwrap().join("python");
-    let password = "bmc-secret-42";
-    let hash = Command::new(&python)
-        .args([
-            "-c",
-            "import bcrypt,sys; print(bcrypt.hashpw(sys.argv[1].encode(), bcrypt.gensalt(4)).decode())",
-            password,
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        hash.status.success(),
-        "{}",
-        String::from_utf8_lossy(&hash.stderr)
-    );
-    let htpasswd = dir.join("htpasswd");
-    std::fs::write(
-        &htpasswd,
-        format!("admin:{}", String::from_utf8_lossy(&hash.stdout).trim()),
-    )
-    .unwrap();
-    let password_file = dir.join("bmc-password");
-    std::fs::write(&password_file, format!("{password}\n")).unwrap();
-    let (cert_pem, key_pem, ca) = bmc_certs(dir, form);
-    let port = free_port();
-    let system = |uuid: &str, name: &str| {
-        format!(
-            "{{'uuid': '{uuid}', 'name': '{name}', 'power_state': 'On', 'external_notifier': False, 'nics': [{{'mac': '00:5c:52:31:3a:9c', 'ip': '172.22.0.100'}}]}}"
-        )
-    };
-    let config = dir.join("emulator.conf");
-    std::fs::create_dir_all(dir.join("state")).unwrap();
-    std::fs::write(
-        &config,
-        format!(
-            "SUSHY_EMULATOR_LISTEN_IP = '127.0.0.1'\n\
-             SUSHY_EMULATOR_LISTEN_PORT = {port}\n\
-             SUSHY_EMULATOR_FAKE_DRIVER = True\n\
-             SUSHY_EMULATOR_FAKE_SYSTEMS = [{}, {}]\n\
-             SUSHY_EMULATOR_AUTH_FILE = '{}'\n\
-             SUSHY_EMULATOR_SSL_CERT = '{}'\n\
-             SUSHY_EMULATOR_SSL_KEY = '{}'\n\
-             SUSHY_EMULATOR_STATE_DIR = '{}'\n",
-            system(SYSTEM_A, "node-a"),
-            system(SYSTEM_B, "node-b"),
-            htpasswd.display(),
-            cert_pem.display(),
-            key_pem.display(),
-            dir.join("state").display(),
-        ),
-    )
-    .unwrap();
-    let log = dir.join("emulator.log");
-    let mut child = Command::new(&bin)
-        .args(["--config"])
-        .arg(&config)
-        .arg("--fake")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        let exited = child.try_wait().unwrap();
-        if exited.is_some() || Instant::now() > deadline {
-            panic!(
-                "sushy-emulator did not start ({exited:?}): {}",
-                std::fs::read_to_string(&log).unwrap_or_default()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    Emulator {
-        child,
-        url: format!("https://127.0.0.1:{port}"),
-        ca,
-        password_file,
-    }
-}
+const SYSTEMS: [FakeSystem<'static>; 2] = [
+    FakeSystem {
+        uuid: SYSTEM_A,
+        name: "node-a",
+    },
+    FakeSystem {
+        uuid: SYSTEM_B,
+        name: "node-b",
+    },
+];
 
 fn entry(e: &Emulator, system: &str) -> BmcEntry {
     BmcEntry {
@@ -201,7 +57,7 @@ async fn power(e: &Emulator, system: &str) -> String {
 async fn the_right_system_is_power_cycled() {
     let dir = tempfile::tempdir().unwrap();
     // The certificate most BMCs ship, pinned through `CA` (refused before as CaUsedAsEndEntity).
-    let emu = start_emulator(dir.path(), CertForm::SelfSigned);
+    let emu = start_emulator(dir.path(), CertForm::SelfSigned, &SYSTEMS, None);
     assert_eq!(power(&emu, SYSTEM_A).await, "On");
     assert_eq!(power(&emu, SYSTEM_B).await, "On");
     let used = Bmc::new(&entry(&emu, SYSTEM_B), Duration::from_secs(10))
@@ -274,7 +130,7 @@ async fn the_right_system_is_power_cycled() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_recoverer_power_cycles_through_the_inventory_bmc() {
     let dir = tempfile::tempdir().unwrap();
-    let emu = start_emulator(dir.path(), CertForm::CaSigned);
+    let emu = start_emulator(dir.path(), CertForm::CaSigned, &SYSTEMS, None);
     let wrong = dir.path().join("wrong");
     std::fs::write(&wrong, "nope\n").unwrap();
     let bmc = |e: BmcEntry| {

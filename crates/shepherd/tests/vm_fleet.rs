@@ -1,14 +1,16 @@
 //! A fleet of real machines: three QEMU VMs booted from the Debian guest image
-//! (`scripts/vm-image.sh`), managed by the real `shepherd server` and `shepherd run` binaries.
-//! The VMs reach nothing but their forwarded sshd and the server (QEMU's user-mode network,
-//! `restrict=on`), so all traffic stays on this host.
+//! (`scripts/vm-image.sh`), managed by the real `shepherd server` and `shepherd run` binaries,
+//! with power control through Redfish: the sushy-tools fake driver, whose power changes a
+//! follower turns into QMP resets of the VMs. The VMs reach nothing but their forwarded sshd
+//! and the server (QEMU's user-mode network, `restrict=on`), so all traffic stays on this host.
 
 mod common;
 
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::vm::{GuestImage, Vm, VmSpec, SERVER_IN_GUEST};
+use common::sushy::{start_emulator, CertForm, FakeSystem};
+use common::vm::{power_follower, GuestImage, Vm, VmSpec, SERVER_IN_GUEST};
 use common::{announced, free_port, shepherd, ChildGuard};
 use serde_json::Value;
 use shepherd_bmdb::{testing, Bmdb, Provider};
@@ -61,8 +63,13 @@ fn show(url: &str, m: Uuid) -> Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// The Redfish id of a VM's fake system.
+fn system_id(vm: &Vm) -> String {
+    format!("8b5e2a5c-0000-4000-8000-{:012x}", vm.index)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_vm_fleet_is_taken_over_and_heartbeats() {
+async fn a_vm_fleet_is_taken_over_heartbeats_and_is_recovered_through_redfish() {
     let dir = tempfile::tempdir().unwrap();
     let image = GuestImage::locate(dir.path());
     let t = testing::sqlite().await;
@@ -106,10 +113,31 @@ async fn a_vm_fleet_is_taken_over_and_heartbeats() {
             vm.wait_for_ssh(Duration::from_secs(300));
         }
     });
+    // Their BMCs: one emulator, a fake system per VM, power changes followed by QMP.
+    let (follower, resets) = power_follower(
+        vms.iter()
+            .map(|vm| (vm.name.clone(), vm.qmp.clone()))
+            .collect(),
+    )
+    .await;
+    let ids: Vec<String> = vms.iter().map(system_id).collect();
+    let systems: Vec<FakeSystem> = vms
+        .iter()
+        .zip(&ids)
+        .map(|(vm, uuid)| FakeSystem {
+            uuid,
+            name: &vm.name,
+        })
+        .collect();
+    let bmc = start_emulator(dir.path(), CertForm::SelfSigned, &systems, Some(&follower));
     let inventory = dir.path().join("inventory.json");
     let entries: Vec<Value> = vms
         .iter()
-        .map(|vm| serde_json::json!({"ID": vm.name, "Addr": vm.ssh_addr(), "Location": "qemu"}))
+        .map(|vm| {
+            serde_json::json!({"ID": vm.name, "Addr": vm.ssh_addr(), "Location": "qemu",
+                "BMC": {"URL": bmc.url, "Username": "admin", "PasswordFile": bmc.password_file,
+                        "CA": bmc.ca, "System": format!("/redfish/v1/Systems/{}", system_id(vm))}})
+        })
         .collect();
     std::fs::write(&inventory, serde_json::to_string(&entries).unwrap()).unwrap();
     let run_log = dir.path().join("run.log");
@@ -129,6 +157,12 @@ async fn a_vm_fleet_is_taken_over_and_heartbeats() {
             .args(["--initializer-parallelism", &VMS.to_string()])
             .args(["--initializer-db-rate", "100ms,8"])
             .args(["--provisioner-reconcile-rate", "1s,1"])
+            .args(["--recovery-heartbeat-older-than", "10s"])
+            .args(["--recovery-no-heartbeat-after", "90s"])
+            .args(["--recovery-brake-interval", "2s"])
+            .args(["--recoverer-db-rate", "1s,1"])
+            // Longer than a VM takes to boot, so the initializer finds it up.
+            .args(["--bmc-reboot-wait", "60s"])
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&run_log).unwrap())
             .spawn()
@@ -211,5 +245,47 @@ async fn a_vm_fleet_is_taken_over_and_heartbeats() {
         beat().await.filter(|h| *h > first)
     })
     .await;
+    assert!(
+        resets.lock().unwrap().is_empty(),
+        "a healthy fleet was reset"
+    );
+
+    // One VM's agent dies. The recoverer power-cycles that VM through Redfish (a real reset,
+    // through QMP), the initializer takes it over again with a new agent key, and heartbeats
+    // resume.
+    let victim = &vms[1];
+    let m = machine_of(&db, victim).await;
+    let agent_key = show(&t.url, m)["agent_key"].clone();
+    let killed = chrono::Utc::now();
+    victim.ssh(&image, "pkill -x agent");
+    wait_for("the Redfish reset", 120, async || {
+        (!resets.lock().unwrap().is_empty()).then_some(())
+    })
+    .await;
+    assert_eq!(*resets.lock().unwrap(), [victim.name.as_str()], "{}", log());
+    let beat = async || {
+        db.read(move |tx| Box::pin(async move { tx.heartbeat(m).await }))
+            .await
+            .unwrap()
+    };
+    wait_for("heartbeats after the recovery", 240, async || {
+        beat().await.filter(|h| *h > killed)
+    })
+    .await;
+    let shown = show(&t.url, m);
+    assert_ne!(
+        shown["agent_key"], agent_key,
+        "a new agent took the machine over"
+    );
+    assert_eq!(shown["recovery"]["in_a_row"], 1, "{shown}");
+    assert!(
+        victim.serial_log().matches("shepherd-guest login:").count() >= 2,
+        "the VM booted twice"
+    );
+    assert_eq!(
+        resets.lock().unwrap().len(),
+        1,
+        "only the silent VM was reset"
+    );
     t.cleanup().await;
 }

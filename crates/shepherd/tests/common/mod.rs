@@ -108,6 +108,7 @@ pub fn sample(text: &str, name_and_labels: &str) -> Option<f64> {
 
 pub mod history;
 pub mod private_postgres;
+pub mod sushy;
 pub mod vm;
 
 /// An agent identity: a fresh ed25519 key and a self-signed certificate of it.

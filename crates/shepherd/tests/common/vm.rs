@@ -45,8 +45,10 @@ impl GuestImage {
 
 /// One running VM; killed on drop.
 pub struct Vm {
-    /// Its name (also in its MAC address and serial log).
+    /// Its name (`vmN`).
     pub name: String,
+    /// N.
+    pub index: u8,
     /// The loopback port forwarded to its sshd.
     pub ssh_port: u16,
     /// Its NIC's MAC address.
@@ -116,6 +118,7 @@ impl Vm {
             .unwrap();
         Vm {
             name,
+            index: spec.index,
             ssh_port,
             mac,
             qmp,
@@ -224,4 +227,52 @@ pub fn qmp(path: &Path, command: &str) -> String {
         }
     }
     line
+}
+
+/// The VMs a [`power_follower`] resets, and the names it reset so far.
+#[derive(Clone)]
+struct Follower {
+    qmp_by_name: std::sync::Arc<std::collections::HashMap<String, PathBuf>>,
+    resets: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+/// One power notification: a pending restart of a system resets the VM of its name.
+async fn follow(
+    axum::extract::State(f): axum::extract::State<Follower>,
+    axum::Json(system): axum::Json<serde_json::Value>,
+) -> axum::http::StatusCode {
+    let name = system["name"].as_str().unwrap_or_default().to_string();
+    let pending = system["pending_power"]["power_state"]
+        .as_str()
+        .unwrap_or_default();
+    if pending.contains("Restart") {
+        if let Some(path) = f.qmp_by_name.get(&name).cloned() {
+            tokio::task::spawn_blocking(move || qmp(&path, "system_reset"))
+                .await
+                .unwrap();
+            f.resets.lock().unwrap().push(name);
+        }
+    }
+    axum::http::StatusCode::NO_CONTENT
+}
+
+/// Follows the sushy-tools fake driver's power notifications with QMP, so that a Redfish
+/// restart of fake system `name` really resets the VM of that name: the way Metal3's and
+/// Ironic's CI drive VMs through Redfish. Returns the URL to give the emulator and the names
+/// of the VMs reset so far.
+pub async fn power_follower(
+    qmp_by_name: std::collections::HashMap<String, PathBuf>,
+) -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    let follower = Follower {
+        qmp_by_name: std::sync::Arc::new(qmp_by_name),
+        resets: Default::default(),
+    };
+    let resets = follower.resets.clone();
+    let app = axum::Router::new()
+        .route("/", axum::routing::put(follow))
+        .with_state(follower);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, resets)
 }
