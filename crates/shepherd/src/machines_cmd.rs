@@ -59,6 +59,13 @@ pub enum MachinesCommand {
         #[arg(long)]
         process: Option<Process>,
     },
+    /// Forgets the machine's pinned SSH host key, after the operator checked that it changed
+    /// legitimately (the machine was reinstalled): the next takeover pins the key it finds,
+    /// and the takeover's backoff ends now.
+    ForgetHostKey {
+        /// Machine id.
+        id: Uuid,
+    },
     /// Asks the machine's agent to install an OS image (the next heartbeat response carries
     /// the request; the generation is bumped so a new request is never mistaken for an old one).
     Install {
@@ -235,6 +242,36 @@ async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
                     tracing::info!(machine = %id, cleared = n, by = %operator(), "backoffs cleared by an operator");
                     println!(
                         "machine {id}: {n} backoff(s) cleared; the loops may take it again now"
+                    )
+                }
+            }
+        }
+        MachinesCommand::ForgetHostKey { id } => {
+            let forgot = db
+                .transact(move |tx| {
+                    Box::pin(async move {
+                        let Some(key) = tx.ssh_host_key(id).await? else {
+                            return Ok(if tx.machine_exists(id).await? {
+                                Some(None)
+                            } else {
+                                None
+                            });
+                        };
+                        tx.delete_ssh_host_key(id).await?;
+                        tx.clear_backoffs(id, Some(Process::ShepherdAgentStart))
+                            .await?;
+                        Ok(Some(Some(key)))
+                    })
+                })
+                .await?;
+            match forgot {
+                None => bail!("machine {id} does not exist"),
+                Some(None) => println!("machine {id}: no host key pinned"),
+                Some(Some(key)) => {
+                    tracing::info!(machine = %id, key = %key.key, by = %operator(), "pinned host key forgotten by an operator");
+                    println!(
+                        "machine {id}: forgot host key {}; the next takeover pins the key it finds",
+                        key.key
                     )
                 }
             }

@@ -382,3 +382,61 @@ async fn retry_clears_backoffs_so_the_loops_take_the_machine_again() {
     session.close().await.unwrap();
     t.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forget_host_key_drops_the_pin_and_ends_the_takeover_backoff() {
+    let t = testing::sqlite().await;
+    let url = t.url.clone();
+    let (_, seeded, session) = seed(&t.db).await;
+    let m = seeded
+        .iter()
+        .find(|m| m.state == Lifecycle::InBackoff)
+        .unwrap()
+        .id;
+    t.db.transact(move |tx| {
+        Box::pin(async move {
+            tx.pin_ssh_host_key(m, "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOld old")
+                .await?;
+            Ok(())
+        })
+    })
+    .await
+    .unwrap();
+    let shown = json(&shepherd(
+        &url,
+        &["machines", "show", &m.to_string(), "--json"],
+    ));
+    assert!(shown["ssh_host_key"].as_str().unwrap().contains("AAAAIOld"));
+    assert_eq!(shown["state"], "in backoff");
+
+    let out = shepherd(&url, &["machines", "forget-host-key", &m.to_string()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("forgot host key ssh-ed25519"));
+    let shown = json(&shepherd(
+        &url,
+        &["machines", "show", &m.to_string(), "--json"],
+    ));
+    assert_eq!(shown["ssh_host_key"], Value::Null);
+    assert!(
+        !shown["backoffs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|b| b["process"] == "ShepherdAgentStart" && b["active"] == true),
+        "{shown}"
+    );
+    let out = shepherd(&url, &["machines", "forget-host-key", &m.to_string()]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("no host key pinned"));
+    let out = shepherd(
+        &url,
+        &["machines", "forget-host-key", &Uuid::new_v4().to_string()],
+    );
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("does not exist"));
+    session.close().await.unwrap();
+    t.cleanup().await;
+}

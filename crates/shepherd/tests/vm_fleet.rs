@@ -69,7 +69,7 @@ fn system_id(vm: &Vm) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_vm_fleet_is_taken_over_heartbeats_and_is_recovered_through_redfish() {
+async fn a_vm_fleet_is_taken_over_recovered_through_redfish_and_pins_host_keys() {
     let dir = tempfile::tempdir().unwrap();
     let image = GuestImage::locate(dir.path());
     let t = testing::sqlite().await;
@@ -250,26 +250,32 @@ async fn a_vm_fleet_is_taken_over_heartbeats_and_is_recovered_through_redfish() 
         "a healthy fleet was reset"
     );
 
-    // One VM's agent dies. The recoverer power-cycles that VM through Redfish (a real reset,
-    // through QMP), the initializer takes it over again with a new agent key, and heartbeats
-    // resume.
-    let victim = &vms[1];
+    // At once: one VM's agent dies, and another VM is reinstalled (a fresh copy of its
+    // image, so new host keys). Both go silent and are power-cycled through Redfish (a real
+    // reset, through QMP).
+    vms[2].reinstall();
+    let killed = chrono::Utc::now();
+    let (victim, reinstalled) = (&vms[1], &vms[2]);
     let m = machine_of(&db, victim).await;
     let agent_key = show(&t.url, m)["agent_key"].clone();
-    let killed = chrono::Utc::now();
     victim.ssh(&image, "pkill -x agent");
-    wait_for("the Redfish reset", 120, async || {
-        (!resets.lock().unwrap().is_empty()).then_some(())
+    let mut want = vec![victim.name.clone(), reinstalled.name.clone()];
+    want.sort();
+    wait_for("both Redfish resets", 180, async || {
+        let mut got = resets.lock().unwrap().clone();
+        got.sort();
+        (got == want).then_some(())
     })
     .await;
-    assert_eq!(*resets.lock().unwrap(), [victim.name.as_str()], "{}", log());
-    let beat = async || {
+
+    // The killed agent's VM is taken over again with a new agent key, and heartbeats resume.
+    let beat = async |m: Uuid| {
         db.read(move |tx| Box::pin(async move { tx.heartbeat(m).await }))
             .await
             .unwrap()
     };
     wait_for("heartbeats after the recovery", 240, async || {
-        beat().await.filter(|h| *h > killed)
+        beat(m).await.filter(|h| *h > killed)
     })
     .await;
     let shown = show(&t.url, m);
@@ -282,10 +288,62 @@ async fn a_vm_fleet_is_taken_over_heartbeats_and_is_recovered_through_redfish() 
         victim.serial_log().matches("shepherd-guest login:").count() >= 2,
         "the VM booted twice"
     );
+
+    // The reinstalled VM presents another host key: its takeover is refused until an operator
+    // who checked the change forgets the pin; then it is taken over and pins the new key.
+    let r = machine_of(&db, reinstalled).await;
+    let old_key = show(&t.url, r)["ssh_host_key"].clone();
+    let cause = wait_for("the takeover to meet the new host key", 240, async || {
+        show(&t.url, r)["backoffs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|b| b["process"] == "ShepherdAgentStart" && b["active"] == true)
+            .map(|b| b["cause"].as_str().unwrap().to_string())
+    })
+    .await;
+    assert!(cause.contains("host key mismatch"), "{cause}");
+    assert_eq!(show(&t.url, r)["ssh_host_key"], old_key, "the pin stays");
+    assert!(
+        beat(r).await.is_none(),
+        "no agent runs on the reinstalled VM"
+    );
+    let out = shepherd()
+        .args([
+            "machines",
+            "forget-host-key",
+            &r.to_string(),
+            "--database",
+            &t.url,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_for("heartbeats from the reinstalled VM", 120, async || {
+        beat(r).await
+    })
+    .await;
+    let new_key = show(&t.url, r)["ssh_host_key"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_ne!(Value::from(new_key.clone()), old_key);
+    let new_key: Vec<&str> = new_key.split_whitespace().take(2).collect();
+    let guest_keys = reinstalled.ssh(&image, "cat /etc/ssh/ssh_host_*_key.pub");
+    assert!(
+        guest_keys
+            .lines()
+            .any(|l| l.split_whitespace().take(2).eq(new_key.iter().copied())),
+        "pinned {new_key:?}, the reinstalled guest has {guest_keys}"
+    );
     assert_eq!(
         resets.lock().unwrap().len(),
-        1,
-        "only the silent VM was reset"
+        2,
+        "only the two silent VMs were reset"
     );
     t.cleanup().await;
 }

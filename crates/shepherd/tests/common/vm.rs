@@ -57,7 +57,18 @@ pub struct Vm {
     pub qmp: PathBuf,
     /// Its serial console log.
     pub serial: PathBuf,
+    args: Vec<String>,
     child: Child,
+}
+
+fn spawn_qemu(args: &[String]) -> Child {
+    Command::new("qemu-system-x86_64")
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
 }
 
 /// How a VM is made.
@@ -89,33 +100,40 @@ impl Vm {
              guestfwd=tcp:{SERVER_IN_GUEST}-cmd:socat STDIO TCP:127.0.0.1:{}",
             spec.server_port
         );
-        let child = Command::new("qemu-system-x86_64")
-            .args([
-                "-machine",
-                "q35",
-                "-accel",
-                "tcg,tb-size=128",
-                "-cpu",
-                "qemu64",
-            ])
-            .args(["-smp", "1", "-m", &spec.memory_mib.to_string()])
-            .args(["-display", "none", "-monitor", "none"])
-            .arg("-serial")
-            .arg(format!("file:{}", serial.display()))
-            .arg("-qmp")
-            .arg(format!("unix:{},server=on,wait=off", qmp.display()))
-            .arg("-drive")
-            .arg(format!(
+        let mut args: Vec<String> = [
+            "-machine",
+            "q35",
+            "-accel",
+            "tcg,tb-size=128",
+            "-cpu",
+            "qemu64",
+            "-smp",
+            "1",
+            "-display",
+            "none",
+            "-monitor",
+            "none",
+        ]
+        .map(String::from)
+        .to_vec();
+        args.extend([
+            "-m".into(),
+            spec.memory_mib.to_string(),
+            "-serial".into(),
+            format!("file:{}", serial.display()),
+            "-qmp".into(),
+            format!("unix:{},server=on,wait=off", qmp.display()),
+            "-drive".into(),
+            format!(
                 "file={},format=raw,if=virtio,snapshot=on",
                 spec.image.disk.display()
-            ))
-            .args(["-netdev", &netdev])
-            .args(["-device", &format!("virtio-net-pci,netdev=n0,mac={mac}")])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+            ),
+            "-netdev".into(),
+            netdev,
+            "-device".into(),
+            format!("virtio-net-pci,netdev=n0,mac={mac}"),
+        ]);
+        let child = spawn_qemu(&args);
         Vm {
             name,
             index: spec.index,
@@ -123,8 +141,18 @@ impl Vm {
             mac,
             qmp,
             serial,
+            args,
             child,
         }
+    }
+
+    /// Powers the VM off and starts it again from a fresh copy of its image, at the same
+    /// addresses: the same machine, reinstalled, with new host keys.
+    pub fn reinstall(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.qmp);
+        self.child = spawn_qemu(&self.args);
     }
 
     /// `127.0.0.1:PORT` of its sshd.
