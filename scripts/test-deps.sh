@@ -103,6 +103,11 @@ ensure_vm() {
     "$(dirname "$0")/vm-image.sh" | sed 's/^/test-deps: /'
 }
 
+# `test-deps.sh vm` sets up only what the VMs need (scripts/vm-fleet.sh).
+if [ "${1:-}" = vm ]; then
+  ensure_vm
+  exit 0
+fi
 ensure_postgres
 ensure_sshd
 ensure_chromium

@@ -4,7 +4,13 @@
 # boot partition filled with mtools and made bootable with syslinux, and an MBR from syslinux.
 # The result is cached in $SHEPHERD_VM_DIR (default ~/.cache/shepherd/vm) and rebuilt only when
 # this script changes:
-#   guest.img        raw disk: vda1 FAT (syslinux, kernel, initrd), vda2 ext4 root
+#   guest.img         raw disk: vda1 FAT (syslinux, kernel, initrd), vda2 ext4 root
+#   tftp/             the same kernel and initrd with an iPXE script, for VMs that boot a target
+#                     disk first and fall back to the network into the base system (as a real
+#                     machine does while its OS is being installed)
+#   installable.img   the OS image the agent installs onto a target disk (a few MB: syslinux,
+#                     the kernel and a busybox initramfs that announces itself on the console),
+#                     with its sha256 in installable.img.sha256
 #   id_ed25519{,.pub} the SSH key root accepts in the guest (test use only)
 # Needs root (mmdebstrap, ownership in the image) and scripts/test-deps.sh's VM packages.
 set -euo pipefail
@@ -25,7 +31,7 @@ say() { echo "guest image: $*"; }
 say "bootstrapping Debian bookworm (minbase) into $work/root"
 root="$work/root"
 mmdebstrap --quiet --variant=minbase --mode=root \
-    --include=systemd-sysv,udev,openssh-server,linux-image-cloud-amd64,initramfs-tools,curl,ca-certificates,iproute2 \
+    --include=systemd-sysv,udev,openssh-server,linux-image-cloud-amd64,initramfs-tools,curl,ca-certificates,iproute2,busybox-static \
     --dpkgopt='path-exclude=/usr/share/doc/*' \
     --dpkgopt='path-exclude=/usr/share/man/*' \
     --dpkgopt='path-exclude=/usr/share/locale/*' \
@@ -68,6 +74,52 @@ mcopy -i "$work/boot.img" "$work/syslinux.cfg" ::syslinux.cfg
 syslinux --install "$work/boot.img"
 mke2fs -q -t ext4 -L root -d "$root" "$work/root.img" "${root_mib}M"
 
+# A FAT-partitioned disk image of $2 MiB at $1 whose partition holds syslinux and the files
+# given as NAME=PATH, booting with kernel command line $3.
+bootable_disk() {
+    local disk="$1" mib="$2" append="$3"
+    shift 3
+    local fat="$disk.fat"
+    mkfs.vfat -n BOOT -C "$fat" $(((mib - 1) * 1024)) >/dev/null
+    printf 'DEFAULT linux\nPROMPT 0\nTIMEOUT 0\nLABEL linux\n  KERNEL vmlinuz\n  APPEND initrd=initrd.img %s\n' "$append" > "$disk.cfg"
+    mcopy -i "$fat" "$disk.cfg" ::syslinux.cfg
+    local f
+    for f in "$@"; do mcopy -i "$fat" "${f#*=}" "::${f%%=*}"; done
+    syslinux --install "$fat"
+    truncate -s "${mib}M" "$disk"
+    printf 'label: dos\nstart=2048, type=c, bootable\n' | sfdisk --quiet "$disk"
+    dd if=/usr/lib/syslinux/mbr/mbr.bin of="$disk" bs=440 count=1 conv=notrunc status=none
+    dd if="$fat" of="$disk" bs=512 seek=2048 conv=notrunc status=none
+    rm -f "$fat" "$disk.cfg"
+}
+
+say "making the installable image"
+inst="$work/installed-root"
+mkdir -p "$inst/bin" "$inst/proc" "$inst/dev"
+cp "$root/bin/busybox" "$inst/bin/busybox"
+cat > "$inst/init" <<'INIT'
+#!/bin/busybox sh
+/bin/busybox mount -t proc proc /proc
+/bin/busybox mount -t devtmpfs dev /dev
+while :; do
+    echo "shepherd installed OS: running ($(/bin/busybox cat /proc/cmdline))" > /dev/console
+    /bin/busybox sleep 5
+done
+INIT
+chmod 755 "$inst/init"
+mv "$inst" "$root/tmp/installed-root"
+chroot "$root" sh -c 'cd /tmp/installed-root && find . | cpio --quiet -o -H newc' | gzip -9 > "$work/installed-initrd.img"
+rm -rf "$root/tmp/installed-root"
+bootable_disk "$work/installable.img" 24 "console=ttyS0 shepherd.installed=1" \
+    vmlinuz="$kernel" initrd.img="$work/installed-initrd.img"
+
+say "making the network boot files"
+mkdir -p "$work/tftp"
+cp "$kernel" "$work/tftp/vmlinuz"
+cp "$initrd" "$work/tftp/initrd.img"
+printf '#!ipxe\nkernel tftp://10.0.2.2/vmlinuz initrd=initrd.img root=/dev/vda2 rw console=ttyS0 net.ifnames=1 quiet\ninitrd tftp://10.0.2.2/initrd.img\nboot\n' \
+    > "$work/tftp/boot.ipxe"
+
 disk="$work/guest.img"
 start1=2048
 start2=$((start1 + boot_mib * 2048))
@@ -80,6 +132,10 @@ EOF
 dd if=/usr/lib/syslinux/mbr/mbr.bin of="$disk" bs=440 count=1 conv=notrunc status=none
 dd if="$work/boot.img" of="$disk" bs=512 seek=$start1 conv=notrunc,sparse status=none
 dd if="$work/root.img" of="$disk" bs=512 seek=$start2 conv=notrunc,sparse status=none
+rm -rf "$out/tftp"
+mv "$work/tftp" "$out/tftp"
+mv "$work/installable.img" "$out/installable.img"
+(cd "$out" && sha256sum installable.img | cut -d' ' -f1 > installable.img.sha256)
 mv "$disk" "$out/guest.img"
 echo "$stamp" > "$out/stamp"
-say "$out/guest.img ($(du -h --apparent-size "$out/guest.img" | cut -f1), $(du -h "$out/guest.img" | cut -f1) used)"
+say "$out/guest.img ($(du -h --apparent-size "$out/guest.img" | cut -f1), $(du -h "$out/guest.img" | cut -f1) used), installable.img ($(du -h --apparent-size "$out/installable.img" | cut -f1))"

@@ -121,6 +121,9 @@ pub async fn run_agent(
         .unwrap_or(0);
     let mut hardware_report = Some(config.hardware_report.clone());
     let mut installation_report: Option<OsInstallationReport> = None;
+    // An installation runs beside the heartbeats, so a long download does not make the
+    // machine look silent (and get it power-cycled mid-write by the recoverer).
+    let mut installing: Option<(i64, tokio::task::JoinHandle<Result<(), String>>)> = None;
     let mut reboot_after_ack = false;
     let mut failures = 0u32;
     loop {
@@ -129,7 +132,7 @@ pub async fn run_agent(
             hardware_report: hardware_report.clone(),
             installation_report: installation_report.clone(),
         };
-        match client.heartbeat(request).await {
+        let wait = match client.heartbeat(request).await {
             Ok(response) => {
                 failures = 0;
                 hardware_report = None;
@@ -139,10 +142,14 @@ pub async fn run_agent(
                     install::reboot(&config.reboot_command).await;
                 }
                 if let Some(req) = response.into_inner().installation_request {
-                    if req.generation > installed_generation {
-                        let outcome = match &req.r#type {
+                    if req.generation > installed_generation && installing.is_none() {
+                        let outcome: Result<(), String> = match req.r#type {
                             Some(os_installation_request::Type::Image(image)) => {
-                                install::install(image).await
+                                installing = Some((
+                                    req.generation,
+                                    tokio::spawn(async move { install::install(&image).await }),
+                                ));
+                                Ok(())
                             }
                             Some(os_installation_request::Type::Metropolis(_)) => Err(
                                 "Metropolis installation requests are not supported by this agent"
@@ -150,29 +157,18 @@ pub async fn run_agent(
                             ),
                             None => Err("installation request names no installation type".into()),
                         };
-                        installed_generation = req.generation;
-                        if let Some((path, st)) = persist.as_mut() {
-                            st.installed_generation = req.generation;
-                            if let Err(e) = state::save(path, st) {
-                                eprintln!("shepherd-agent: saving state: {e}");
-                            }
+                        if let Err(error) = outcome {
+                            installation_report = Some(finish_installation(
+                                &mut persist,
+                                req.generation,
+                                Err(error),
+                            ));
+                            installed_generation = req.generation;
+                            continue; // report right away
                         }
-                        reboot_after_ack = outcome.is_ok();
-                        installation_report = Some(OsInstallationReport {
-                            generation: req.generation,
-                            result: Some(match outcome {
-                                Ok(()) => os_installation_report::Result::Success(
-                                    os_installation_report::Success {},
-                                ),
-                                Err(error) => os_installation_report::Result::Error(
-                                    os_installation_report::Error { error },
-                                ),
-                            }),
-                        });
-                        continue; // report right away
                     }
                 }
-                tokio::time::sleep(config.heartbeat_interval).await;
+                config.heartbeat_interval
             }
             Err(status) => {
                 failures += 1;
@@ -182,9 +178,51 @@ pub async fn run_agent(
                     status.code(),
                     status.message()
                 );
-                tokio::time::sleep(delay).await;
+                delay
             }
+        };
+        // Sleep until the next heartbeat, or until a running installation ends: its report
+        // goes out at once, and the reboot follows the server's acknowledgement.
+        let ended = match installing.as_mut() {
+            Some((_, task)) => tokio::select! {
+                r = task => Some(r.unwrap_or_else(|e| Err(format!("installation task failed: {e}")))),
+                _ = tokio::time::sleep(wait) => None,
+            },
+            None => {
+                tokio::time::sleep(wait).await;
+                None
+            }
+        };
+        if let Some(outcome) = ended {
+            let (generation, _) = installing.take().expect("an installation was running");
+            reboot_after_ack = outcome.is_ok();
+            installation_report = Some(finish_installation(&mut persist, generation, outcome));
+            installed_generation = generation;
         }
+    }
+}
+
+/// Records that `generation` was installed (or failed) so a restarted agent does not install
+/// it again, and returns the report for the server.
+fn finish_installation(
+    persist: &mut Option<(std::path::PathBuf, AgentState)>,
+    generation: i64,
+    outcome: Result<(), String>,
+) -> OsInstallationReport {
+    if let Some((path, st)) = persist.as_mut() {
+        st.installed_generation = generation;
+        if let Err(e) = state::save(path, st) {
+            eprintln!("shepherd-agent: saving state: {e}");
+        }
+    }
+    OsInstallationReport {
+        generation,
+        result: Some(match outcome {
+            Ok(()) => os_installation_report::Result::Success(os_installation_report::Success {}),
+            Err(error) => {
+                os_installation_report::Result::Error(os_installation_report::Error { error })
+            }
+        }),
     }
 }
 

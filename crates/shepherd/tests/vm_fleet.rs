@@ -1,7 +1,8 @@
 //! A fleet of real machines: three QEMU VMs booted from the Debian guest image
 //! (`scripts/vm-image.sh`), managed by the real `shepherd server` and `shepherd run` binaries,
 //! with power control through Redfish: the sushy-tools fake driver, whose power changes a
-//! follower turns into QMP resets of the VMs. The VMs reach nothing but their forwarded sshd
+//! follower turns into QMP resets of the VMs. The first VM has an empty second disk, booted
+//! first with network boot into the base system as the fallback, and gets an OS installed. The VMs reach nothing but their forwarded sshd
 //! and the server (QEMU's user-mode network, `restrict=on`), so all traffic stays on this host.
 
 mod common;
@@ -10,7 +11,10 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::sushy::{start_emulator, CertForm, FakeSystem};
-use common::vm::{power_follower, GuestImage, Vm, VmSpec, SERVER_IN_GUEST};
+use common::vm::{
+    image_server, power_follower, GuestImage, Vm, VmSpec, IMAGES_IN_GUEST, SERVER_IN_GUEST,
+    TARGET_DISK_BYTES,
+};
 use common::{announced, free_port, shepherd, ChildGuard};
 use serde_json::Value;
 use shepherd_bmdb::{testing, Bmdb, Provider};
@@ -69,11 +73,12 @@ fn system_id(vm: &Vm) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_vm_fleet_is_taken_over_recovered_through_redfish_and_pins_host_keys() {
+async fn a_vm_fleet_is_taken_over_installed_recovered_and_pins_host_keys() {
     let dir = tempfile::tempdir().unwrap();
     let image = GuestImage::locate(dir.path());
     let t = testing::sqlite().await;
     let server_port = free_port();
+    let (images_port, downloads) = image_server(&image).await;
     let mut vms: Vec<Vm> = (1..=VMS)
         .map(|index| {
             Vm::start(
@@ -83,6 +88,7 @@ async fn a_vm_fleet_is_taken_over_recovered_through_redfish_and_pins_host_keys()
                     index,
                     server_port,
                     memory_mib: MEMORY_MIB,
+                    install_target: (index == 1).then_some(images_port),
                 },
             )
         })
@@ -216,14 +222,19 @@ async fn a_vm_fleet_is_taken_over_recovered_through_redfish_and_pins_host_keys()
             .filter_map(|n| n["mac"].as_str())
             .collect();
         assert_eq!(macs, [vm.mac.as_str()], "{}: {hw}", vm.name);
-        let disks: Vec<i64> = hw["block_devices"]
+        let mut disks: Vec<i64> = hw["block_devices"]
             .as_array()
             .unwrap()
             .iter()
             .map(|b| b["capacity_bytes"].as_i64().unwrap())
             .collect();
-        let image_bytes = std::fs::metadata(&image.disk).unwrap().len() as i64;
-        assert_eq!(disks, [image_bytes], "{}: {hw}", vm.name);
+        let mut want = vec![std::fs::metadata(&image.disk).unwrap().len() as i64];
+        if vm.index == 1 {
+            want.push(TARGET_DISK_BYTES as i64);
+        }
+        disks.sort();
+        want.sort();
+        assert_eq!(disks, want, "{}: {hw}", vm.name);
     }
     pinned.sort();
     pinned.dedup();
@@ -249,6 +260,55 @@ async fn a_vm_fleet_is_taken_over_recovered_through_redfish_and_pins_host_keys()
         resets.lock().unwrap().is_empty(),
         "a healthy fleet was reset"
     );
+    // An OS is installed onto the first VM's second disk: the agent downloads the image,
+    // checks its sha256, writes it, reports success and reboots; the BIOS now boots the target
+    // disk, and the installed OS runs.
+    let installing = &vms[0];
+    let m = machine_of(&db, installing).await;
+    let out = shepherd()
+        .args(["machines", "install", &m.to_string(), "--database", &t.url])
+        .args([
+            "--image",
+            &format!("http://{IMAGES_IN_GUEST}/installable.img"),
+        ])
+        .args([
+            "--sha256",
+            &image.installable_sha256,
+            "--device",
+            "/dev/vdb",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let report = loop {
+        let shown = show(&t.url, m);
+        if !shown["installation_report"].is_null() {
+            break shown["installation_report"].clone();
+        }
+        if Instant::now() > deadline {
+            panic!(
+                "no installation report: {shown}\nserial console: {}\nserver log: {}",
+                installing.serial_log(),
+                std::fs::read_to_string(dir.path().join("server.log")).unwrap_or_default()
+            );
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
+    assert_eq!(report["result"], "Success", "{report}");
+    assert_eq!(report["generation"], 1);
+    assert_eq!(downloads.load(std::sync::atomic::Ordering::Relaxed), 1);
+    wait_for("the installed OS to run", 120, async || {
+        installing
+            .serial_log()
+            .contains("shepherd installed OS: running")
+            .then_some(())
+    })
+    .await;
 
     // At once: one VM's agent dies, and another VM is reinstalled (a fresh copy of its
     // image, so new host keys). Both go silent and are power-cycled through Redfish (a real
@@ -345,5 +405,6 @@ async fn a_vm_fleet_is_taken_over_recovered_through_redfish_and_pins_host_keys()
         2,
         "only the two silent VMs were reset"
     );
+
     t.cleanup().await;
 }

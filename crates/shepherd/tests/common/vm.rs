@@ -10,11 +10,19 @@ use std::time::{Duration, Instant};
 
 /// Where the guest sees `shepherd server`.
 pub const SERVER_IN_GUEST: &str = "10.0.2.100:4443";
+/// Where the guest sees the test's image server (plain HTTP).
+pub const IMAGES_IN_GUEST: &str = "10.0.2.101:80";
 
 /// The built guest image and the key root accepts in it.
 pub struct GuestImage {
     /// The raw boot disk.
     pub disk: PathBuf,
+    /// The network boot files (iPXE script, kernel, initrd) of the same system.
+    pub tftp: PathBuf,
+    /// The OS image the agent installs.
+    pub installable: PathBuf,
+    /// Its sha256, hex.
+    pub installable_sha256: String,
     /// The private key (a copy with mode 0400, as `shepherd run` wants it).
     pub key: PathBuf,
 }
@@ -39,9 +47,22 @@ impl GuestImage {
         let key = dir.join("vm_id_ed25519");
         std::fs::copy(vm_dir.join("id_ed25519"), &key).unwrap();
         std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o400)).unwrap();
-        GuestImage { disk, key }
+        let installable_sha256 = std::fs::read_to_string(vm_dir.join("installable.img.sha256"))
+            .unwrap()
+            .trim()
+            .to_string();
+        GuestImage {
+            disk,
+            tftp: vm_dir.join("tftp"),
+            installable: vm_dir.join("installable.img"),
+            installable_sha256,
+            key,
+        }
     }
 }
+
+/// Size of the empty disk a VM with an install target gets.
+pub const TARGET_DISK_BYTES: u64 = 64 << 20;
 
 /// One running VM; killed on drop.
 pub struct Vm {
@@ -81,6 +102,10 @@ pub struct VmSpec<'a> {
     pub server_port: u16,
     /// Memory in MiB.
     pub memory_mib: u32,
+    /// With `Some(port)`: an empty second disk (`/dev/vdb`, 64 MiB) to install onto, booted
+    /// first, with network boot into the base system as the fallback while it holds no OS;
+    /// and the test's image server on that loopback port at [`IMAGES_IN_GUEST`].
+    pub install_target: Option<u16>,
 }
 
 impl Vm {
@@ -95,11 +120,35 @@ impl Vm {
         let mac = format!("52:54:00:5e:00:{:02x}", spec.index);
         let qmp = dir.join(format!("{name}.qmp"));
         let serial = dir.join(format!("{name}.serial"));
-        let netdev = format!(
+        let mut netdev = format!(
             "user,id=n0,restrict=on,hostfwd=tcp:127.0.0.1:{ssh_port}-:22,\
              guestfwd=tcp:{SERVER_IN_GUEST}-cmd:socat STDIO TCP:127.0.0.1:{}",
             spec.server_port
         );
+        let mut disks = vec![format!(
+            "file={},format=raw,if=none,id=d0,snapshot=on",
+            spec.image.disk.display()
+        )];
+        let mut boot_disk = "virtio-blk-pci,drive=d0".to_string();
+        let mut nic = format!("virtio-net-pci,netdev=n0,mac={mac}");
+        if let Some(images) = spec.install_target {
+            let target = dir.join(format!("{name}-target.img"));
+            std::fs::File::create(&target)
+                .unwrap()
+                .set_len(TARGET_DISK_BYTES)
+                .unwrap();
+            disks.push(format!(
+                "file={},format=raw,if=none,id=d1",
+                target.display()
+            ));
+            netdev += &format!(
+                ",tftp={},bootfile=boot.ipxe,\
+                 guestfwd=tcp:{IMAGES_IN_GUEST}-cmd:socat STDIO TCP:127.0.0.1:{images}",
+                spec.image.tftp.display()
+            );
+            boot_disk += ",bootindex=1";
+            nic += ",bootindex=2";
+        }
         let mut args: Vec<String> = [
             "-machine",
             "q35",
@@ -123,16 +172,24 @@ impl Vm {
             format!("file:{}", serial.display()),
             "-qmp".into(),
             format!("unix:{},server=on,wait=off", qmp.display()),
-            "-drive".into(),
-            format!(
-                "file={},format=raw,if=virtio,snapshot=on",
-                spec.image.disk.display()
-            ),
             "-netdev".into(),
             netdev,
             "-device".into(),
-            format!("virtio-net-pci,netdev=n0,mac={mac}"),
+            nic,
         ]);
+        for d in disks {
+            args.extend(["-drive".into(), d]);
+        }
+        // The base disk is the first PCI disk (/dev/vda), the target the second (/dev/vdb);
+        // the BIOS tries the target first (it boots only the first disk it tries), then the
+        // network.
+        args.extend(["-device".into(), boot_disk]);
+        if spec.install_target.is_some() {
+            args.extend([
+                "-device".into(),
+                "virtio-blk-pci,drive=d1,bootindex=0".into(),
+            ]);
+        }
         let child = spawn_qemu(&args);
         Vm {
             name,
@@ -303,4 +360,28 @@ pub async fn power_follower(
     let url = format!("http://{}/", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await });
     (url, resets)
+}
+
+/// Serves the installable image at `http://IMAGES_IN_GUEST/installable.img` through the
+/// loopback port returned (give it to [`VmSpec::install_target`]); counts the downloads.
+pub async fn image_server(
+    image: &GuestImage,
+) -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let bytes = axum::body::Bytes::from(std::fs::read(&image.installable).unwrap());
+    let downloads = Arc::new(AtomicUsize::new(0));
+    let counted = downloads.clone();
+    let app = axum::Router::new().route(
+        "/installable.img",
+        axum::routing::get(move || {
+            counted.fetch_add(1, Ordering::Relaxed);
+            let bytes = bytes.clone();
+            async move { bytes }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (port, downloads)
 }
