@@ -8,10 +8,13 @@
 //!   engages and nothing is rebooted; the server comes back on the same address, the agent
 //!   heartbeats again and the brake releases by itself.
 
+mod common;
+
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
+use common::wait_for;
 use shepherd_bmdb::*;
 use shepherd_loops::brake::{Brake, BrakeConfig, BrakeMetrics};
 use shepherd_loops::initializer::{Initializer, InitializerConfig};
@@ -75,17 +78,6 @@ fn kill_agent(path: &str) {
     let _ = std::process::Command::new("pkill")
         .args(["-f", path])
         .status();
-}
-
-async fn wait_for<T>(what: &str, secs: u64, mut f: impl AsyncFnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// The BMaaS server on one loopback port, which can be stopped and started again there.

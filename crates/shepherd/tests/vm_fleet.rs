@@ -15,25 +15,13 @@ use common::vm::{
     image_server, power_follower, GuestImage, Vm, VmSpec, IMAGES_IN_GUEST, SERVER_IN_GUEST,
     TARGET_DISK_BYTES,
 };
-use common::{announced, free_port, shepherd, ChildGuard};
+use common::{announced, free_port, shepherd, wait_for, ChildGuard};
 use serde_json::Value;
 use shepherd_bmdb::{testing, Bmdb, Provider};
 use uuid::Uuid;
 
 const VMS: u8 = 3;
 const MEMORY_MIB: u32 = 256;
-
-/// Polls `f` every second until it returns `Some`, for at most `secs`.
-async fn wait_for<T>(what: &str, secs: u64, mut f: impl AsyncFnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    }
-}
 
 async fn machine_of(db: &Bmdb, vm: &Vm) -> Uuid {
     let id = vm.name.clone();

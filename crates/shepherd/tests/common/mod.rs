@@ -99,6 +99,21 @@ pub fn signal(child: &Child, name: &str) {
     assert!(ok, "kill -{name} failed");
 }
 
+/// Polls `f` every half second until it returns `Some`, for at most `secs`.
+pub async fn wait_for<T>(what: &str, secs: u64, mut f: impl AsyncFnMut() -> Option<T>) -> T {
+    let deadline = std::time::Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 /// The value of one sample of a Prometheus text exposition, if present.
 pub fn sample(text: &str, name_and_labels: &str) -> Option<f64> {
     text.lines()
