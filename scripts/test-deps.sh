@@ -85,7 +85,7 @@ ensure_vm() {
   # apt command: qemu-system-x86 alone conflicts with a backported qemu-utils, so the
   # distribution's qemu-utils comes with it.
   local tool missing=0
-  for tool in qemu-system-x86_64 mmdebstrap syslinux mcopy mkfs.vfat sfdisk socat mke2fs; do
+  for tool in qemu-system-x86_64 mmdebstrap syslinux mcopy mkfs.vfat sfdisk socat mke2fs faketime; do
     command -v "$tool" >/dev/null 2>&1 || missing=1
   done
   [ -f /usr/lib/syslinux/mbr/mbr.bin ] || missing=1
@@ -96,7 +96,7 @@ ensure_vm() {
     as_root apt-get update -qq
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --allow-downgrades \
       qemu-system-x86 "qemu-utils/$release" mmdebstrap syslinux syslinux-common mtools \
-      dosfstools fdisk socat e2fsprogs >/dev/null
+      dosfstools fdisk socat e2fsprogs faketime >/dev/null
   fi
   qemu-system-x86_64 --version | head -n 1 | sed 's/^/test-deps: /'
   as_root env HOME="$HOME" SHEPHERD_VM_DIR="${SHEPHERD_VM_DIR:-$HOME/.cache/shepherd/vm}" \

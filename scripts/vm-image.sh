@@ -3,7 +3,10 @@
 # loop devices or mounts: mmdebstrap into a directory, an ext4 root made with `mke2fs -d`, a FAT
 # boot partition filled with mtools and made bootable with syslinux, and an MBR from syslinux.
 # The result is cached in $SHEPHERD_VM_DIR (default ~/.cache/shepherd/vm) and rebuilt only when
-# this script changes:
+# its inputs change: this script, and the release file of Debian bookworm, which pins the version
+# of every package (it changes with a point release). Without network the cached image is used.
+# The build is repeatable: SOURCE_DATE_EPOCH comes from the release file, file systems get fixed
+# UUIDs and serials, and packages.txt lists every package and version in the guest.
 #   guest.img         raw disk: vda1 FAT (syslinux, kernel, initrd), vda2 ext4 root
 #   tftp/             the same kernel and initrd with an iPXE script, for VMs that boot a target
 #                     disk first and fall back to the network into the base system (as a real
@@ -11,20 +14,34 @@
 #   installable.img   the OS image the agent installs onto a target disk (a few MB: syslinux,
 #                     the kernel and a busybox initramfs that announces itself on the console),
 #                     with its sha256 in installable.img.sha256
+#   packages.txt      every package in the guest, with its version
 #   id_ed25519{,.pub} the SSH key root accepts in the guest (test use only)
 # Needs root (mmdebstrap, ownership in the image) and scripts/test-deps.sh's VM packages.
 set -euo pipefail
 
 out="${SHEPHERD_VM_DIR:-$HOME/.cache/shepherd/vm}"
-stamp="$(sha256sum "$0" | cut -c1-16)"
-if [[ -f "$out/guest.img" && "$(cat "$out/stamp" 2>/dev/null)" == "$stamp" ]]; then
-    echo "guest image: $out/guest.img (cached)"
-    exit 0
-fi
+mirror=http://deb.debian.org/debian
+say() { echo "guest image: $*"; }
 mkdir -p "$out"
 work="$(mktemp -d "$out/build.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
-say() { echo "guest image: $*"; }
+if ! curl -fsS --max-time 30 -o "$work/InRelease" "$mirror/dists/bookworm/InRelease"; then
+    if [[ -f "$out/guest.img" ]]; then
+        say "$out/guest.img (cached; the Debian archive is out of reach, so it was not checked)"
+        exit 0
+    fi
+    say "cannot reach $mirror and no image is cached" >&2
+    exit 1
+fi
+stamp="$(cat "$0" "$work/InRelease" | sha256sum | cut -c1-16)"
+if [[ -f "$out/guest.img" && "$(cat "$out/stamp" 2>/dev/null)" == "$stamp" ]]; then
+    say "$out/guest.img (cached)"
+    exit 0
+fi
+SOURCE_DATE_EPOCH="$(date -d "$(sed -n 's/^Date: //p' "$work/InRelease")" +%s)"
+export SOURCE_DATE_EPOCH
+# mke2fs stamps its superblocks and inodes with this time instead of the clock.
+export E2FSPROGS_FAKE_TIME="$SOURCE_DATE_EPOCH"
 
 [[ -f "$out/id_ed25519" ]] || ssh-keygen -q -t ed25519 -N '' -C shepherd-vm-tests -f "$out/id_ed25519"
 
@@ -38,7 +55,8 @@ mmdebstrap --quiet --variant=minbase --mode=root \
     --dpkgopt='path-include=/usr/share/locale/locale.alias' \
     --dpkgopt='path-exclude=/usr/share/info/*' \
     --essential-hook='mkdir -p "$1/etc/initramfs-tools/conf.d"; echo MODULES=list > "$1/etc/initramfs-tools/conf.d/modules"; printf "%s\n" virtio_pci virtio_blk virtio_net ext4 > "$1/etc/initramfs-tools/modules"' \
-    bookworm "$root" http://deb.debian.org/debian
+    bookworm "$root" "$mirror"
+chroot "$root" dpkg-query -W -f '${Package} ${Version}\n' > "$work/packages.txt"
 
 say "configuring"
 echo shepherd-guest > "$root/etc/hostname"
@@ -65,14 +83,23 @@ kernel="$(ls "$root"/boot/vmlinuz-* | head -1)"
 initrd="$(ls "$root"/boot/initrd.img-* | head -1)"
 boot_mib=64
 root_mib=1024
-mkfs.vfat -n BOOT -C "$work/boot.img" $((boot_mib * 1024)) >/dev/null
+mkfs.vfat -n BOOT -i 5e9e0001 --invariant -C "$work/boot.img" $((boot_mib * 1024)) >/dev/null
 printf 'DEFAULT linux\nPROMPT 0\nTIMEOUT 0\nLABEL linux\n  KERNEL vmlinuz\n  APPEND initrd=initrd.img root=/dev/vda2 rw console=ttyS0 net.ifnames=1 quiet\n' \
     > "$work/syslinux.cfg"
-mcopy -i "$work/boot.img" "$kernel" ::vmlinuz
-mcopy -i "$work/boot.img" "$initrd" ::initrd.img
-mcopy -i "$work/boot.img" "$work/syslinux.cfg" ::syslinux.cfg
-syslinux --install "$work/boot.img"
-mke2fs -q -t ext4 -L root -d "$root" "$work/root.img" "${root_mib}M"
+touch -d "@$SOURCE_DATE_EPOCH" "$work/syslinux.cfg"
+mcopy -m -i "$work/boot.img" "$kernel" ::vmlinuz
+mcopy -m -i "$work/boot.img" "$initrd" ::initrd.img
+mcopy -m -i "$work/boot.img" "$work/syslinux.cfg" ::syslinux.cfg
+faketime "@$SOURCE_DATE_EPOCH" syslinux --install "$work/boot.img"
+# Files made since the release (configuration, initramfs, logs) get its time, as packages do.
+find "$root" -newermt "@$SOURCE_DATE_EPOCH" -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} +
+mke2fs -q -t ext4 -L root -U 5e9e0000-0000-4000-8000-000000000002 \
+    -E hash_seed=5e9e0000-0000-4000-8000-000000000003 -d "$root" "$work/root.img" "${root_mib}M"
+# mke2fs copies each file's ctime, which only the clock sets, and its atime, which reading it
+# for the copy may have just set; give them the release's time too.
+(cd "$root" && find . -printf "sif \"/%P\" ctime @$SOURCE_DATE_EPOCH\nsif \"/%P\" atime @$SOURCE_DATE_EPOCH\n") \
+    > "$work/times"
+debugfs -w -f "$work/times" "$work/root.img" >/dev/null 2>&1
 
 # A FAT-partitioned disk image of $2 MiB at $1 whose partition holds syslinux and the files
 # given as NAME=PATH, booting with kernel command line $3.
@@ -80,14 +107,15 @@ bootable_disk() {
     local disk="$1" mib="$2" append="$3"
     shift 3
     local fat="$disk.fat"
-    mkfs.vfat -n BOOT -C "$fat" $(((mib - 1) * 1024)) >/dev/null
+    mkfs.vfat -n BOOT -i 5e9e0002 --invariant -C "$fat" $(((mib - 1) * 1024)) >/dev/null
     printf 'DEFAULT linux\nPROMPT 0\nTIMEOUT 0\nLABEL linux\n  KERNEL vmlinuz\n  APPEND initrd=initrd.img %s\n' "$append" > "$disk.cfg"
-    mcopy -i "$fat" "$disk.cfg" ::syslinux.cfg
+    touch -d "@$SOURCE_DATE_EPOCH" "$disk.cfg" "${@#*=}"
+    mcopy -m -i "$fat" "$disk.cfg" ::syslinux.cfg
     local f
-    for f in "$@"; do mcopy -i "$fat" "${f#*=}" "::${f%%=*}"; done
-    syslinux --install "$fat"
+    for f in "$@"; do mcopy -m -i "$fat" "${f#*=}" "::${f%%=*}"; done
+    faketime "@$SOURCE_DATE_EPOCH" syslinux --install "$fat"
     truncate -s "${mib}M" "$disk"
-    printf 'label: dos\nstart=2048, type=c, bootable\n' | sfdisk --quiet "$disk"
+    printf 'label: dos\nlabel-id: 0x5e9e0002\nstart=2048, type=c, bootable\n' | sfdisk --quiet "$disk"
     dd if=/usr/lib/syslinux/mbr/mbr.bin of="$disk" bs=440 count=1 conv=notrunc status=none
     dd if="$fat" of="$disk" bs=512 seek=2048 conv=notrunc status=none
     rm -f "$fat" "$disk.cfg"
@@ -108,7 +136,7 @@ done
 INIT
 chmod 755 "$inst/init"
 mv "$inst" "$root/tmp/installed-root"
-chroot "$root" sh -c 'cd /tmp/installed-root && find . | cpio --quiet -o -H newc' | gzip -9 > "$work/installed-initrd.img"
+chroot "$root" sh -c 'cd /tmp/installed-root && find . -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} + && find . | sort | cpio --quiet -o -H newc --reproducible' | gzip -9n > "$work/installed-initrd.img"
 rm -rf "$root/tmp/installed-root"
 bootable_disk "$work/installable.img" 24 "console=ttyS0 shepherd.installed=1" \
     vmlinuz="$kernel" initrd.img="$work/installed-initrd.img"
@@ -126,6 +154,7 @@ start2=$((start1 + boot_mib * 2048))
 truncate -s $(((start2 + root_mib * 2048) * 512)) "$disk"
 sfdisk --quiet "$disk" <<EOF
 label: dos
+label-id: 0x5e9e0001
 start=$start1, size=$((boot_mib * 2048)), type=c, bootable
 start=$start2, size=$((root_mib * 2048)), type=83
 EOF
@@ -137,5 +166,6 @@ mv "$work/tftp" "$out/tftp"
 mv "$work/installable.img" "$out/installable.img"
 (cd "$out" && sha256sum installable.img | cut -d' ' -f1 > installable.img.sha256)
 mv "$disk" "$out/guest.img"
+mv "$work/packages.txt" "$out/packages.txt"
 echo "$stamp" > "$out/stamp"
 say "$out/guest.img ($(du -h --apparent-size "$out/guest.img" | cut -f1), $(du -h "$out/guest.img" | cut -f1) used), installable.img ($(du -h --apparent-size "$out/installable.img" | cut -f1))"
