@@ -1,4 +1,5 @@
-//! [`Bmdb`]: a connection pool to one BMDB, its schema, and transactions with retries.
+//! [`Bmdb`]: a connection pool to one BMDB, its schema, and BEGIN (transactions themselves run
+//! through `transaction.rs`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,10 +16,9 @@ use crate::backend::{postgres, sqlite};
 use crate::claim_hints::ClaimHints;
 use crate::metrics::BmdbMetrics;
 use crate::migrations::{MIGRATIONS, SCHEMA_VERSION};
-use crate::retry::Retry;
 use crate::tx::{dispatch, Tx, TxInner};
 use crate::url::DatabaseUrl;
-use crate::{Error, Processor};
+use crate::Error;
 
 /// The future a transaction body returns; see [`Bmdb::transact`].
 pub type TxFuture<'t, T> = BoxFuture<'t, Result<T, Error>>;
@@ -349,73 +349,6 @@ impl Bmdb {
             Ok(c) => Ok(c),
             Err(e) => Err(self.inner.explain(e).await),
         }
-    }
-
-    /// Runs `body` in a read-write transaction and commits it, retrying (bounded, jittered)
-    /// on serialization failures and lock contention. `body` may run more than once, so it
-    /// must have no side effects outside the database.
-    ///
-    /// ```ignore
-    /// let id = db.transact(|tx| Box::pin(async move { tx.create_machine().await })).await?;
-    /// ```
-    pub async fn transact<T, F>(&self, body: F) -> Result<T, Error>
-    where
-        F: for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, T>,
-    {
-        self.run(Processor::Unknown, Mode::Write, None, body).await
-    }
-
-    /// Like [`Bmdb::transact`] for read-only work; on SQLite it does not wait for the writer.
-    pub async fn read<T, F>(&self, body: F) -> Result<T, Error>
-    where
-        F: for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, T>,
-    {
-        self.run(Processor::Unknown, Mode::Read, None, body).await
-    }
-
-    /// The retry loop shared by plain and session transactions. With a session, the session's
-    /// liveness is checked inside the transaction before `body` runs.
-    pub(crate) async fn run<T, F>(
-        &self,
-        processor: Processor,
-        mode: Mode,
-        session: Option<&crate::session::SessionInner>,
-        mut body: F,
-    ) -> Result<T, Error>
-    where
-        F: for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, T>,
-    {
-        let mut retry = Retry::new(&self.inner.metrics, processor);
-        loop {
-            match self.attempt(mode, session, &mut body).await {
-                Ok(v) => {
-                    retry.succeeded();
-                    return Ok(v);
-                }
-                Err(e) => retry.on_error(e).await?,
-            }
-        }
-    }
-
-    async fn attempt<T, F>(
-        &self,
-        mode: Mode,
-        session: Option<&crate::session::SessionInner>,
-        body: &mut F,
-    ) -> Result<T, Error>
-    where
-        F: for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, T>,
-    {
-        if let Some(s) = session {
-            s.ensure_alive()?;
-        }
-        let mut tx = self.begin(mode).await?;
-        if let Some(s) = session {
-            s.check_in(&mut tx).await?;
-        }
-        let v = body(&mut tx).await?;
-        tx.commit().await?;
-        Ok(v)
     }
 
     /// Deletes expired sessions and their work (recording Canceled history); returns how

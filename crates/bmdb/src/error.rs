@@ -84,6 +84,30 @@ impl Error {
 }
 
 impl Error {
+    /// Whether the failure lies with the database or this process's hold on it (unreachable,
+    /// a session or lock lost, contention that outlasted the retries) rather than with the
+    /// data: the same work may succeed unchanged once the BMDB is back. Control loops release
+    /// such work without charging the machine a backoff.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Error::Connect { .. }
+            | Error::Unavailable { .. }
+            | Error::SessionExpired
+            | Error::WorkLost { .. } => true,
+            Error::Database(e) => {
+                is_retryable_sqlx(e)
+                    || matches!(
+                        e,
+                        sqlx::Error::Io(_)
+                            | sqlx::Error::PoolTimedOut
+                            | sqlx::Error::PoolClosed
+                            | sqlx::Error::WorkerCrashed
+                    )
+            }
+            _ => false,
+        }
+    }
+
     /// Whether a unique constraint refused the write (another writer got there first).
     pub fn is_unique_violation(&self) -> bool {
         match self {

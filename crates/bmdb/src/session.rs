@@ -8,13 +8,12 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use crate::backend::{postgres, sqlite, ClaimOutcome, ClaimStrategy};
+use crate::backend::postgres;
 use crate::db::{Mode, Pools, TxFuture};
 use crate::metrics::WorkResult;
-use crate::retry::Retry;
-use crate::tx::{dispatch, Tx, TxInner};
-use crate::work::{Claim, Work};
-use crate::{Bmdb, Error, Process, Processor, Retrieval};
+use crate::transaction::{retrying, Guard};
+use crate::tx::{dispatch, Tx};
+use crate::{Bmdb, Error, Process, Processor};
 
 /// Default keep-alive interval (SPEC §17).
 pub const DEFAULT_SESSION_INTERVAL: Duration = Duration::from_secs(5);
@@ -106,6 +105,18 @@ impl SessionInner {
         if let Some(h) = self.keepalive.lock().unwrap().take() {
             h.abort();
         }
+    }
+}
+
+/// Every session transaction re-checks, inside the transaction, that the session is alive:
+/// a session that expired can never commit.
+impl Guard for SessionInner {
+    fn before(&self) -> Result<(), Error> {
+        self.ensure_alive()
+    }
+
+    fn inside<'t>(&'t self, tx: &'t mut Tx) -> TxFuture<'t, ()> {
+        Box::pin(self.check_in(tx))
     }
 }
 
@@ -256,105 +267,25 @@ impl Session {
     where
         F: for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, T>,
     {
+        let guard: &dyn Guard = &*self.inner;
         self.inner
             .db
-            .run(self.inner.processor, Mode::Write, Some(&self.inner), body)
+            .run(self.inner.processor, Mode::Write, Some(guard), body)
             .await
     }
 
-    /// Claims one machine eligible under `retrieval` for `process` (SPEC §4). Returns
-    /// [`Claim::NothingToDo`] when none is eligible and [`Claim::Conflict`] when every candidate
-    /// was taken by concurrent claimers.
-    pub async fn work(&self, process: Process, retrieval: Retrieval) -> Result<Claim, Error> {
-        self.work_with_strategy(process, retrieval, ClaimStrategy::SkipLocked)
-            .await
-    }
-
-    /// [`Session::work`] with a chosen claim shape; only benchmarks use anything but the default.
-    #[doc(hidden)]
-    pub async fn work_with_strategy(
-        &self,
-        process: Process,
-        retrieval: Retrieval,
-        strategy: ClaimStrategy,
-    ) -> Result<Claim, Error> {
-        let db = &self.inner.db;
-        let mut retry = Retry::new(db.metrics(), self.inner.processor);
-        loop {
-            match self.attempt_claim(process, &retrieval, strategy).await {
-                Ok(claim) => {
-                    retry.succeeded();
-                    return Ok(claim);
-                }
-                Err(e) => retry.on_error(e).await?,
-            }
-        }
-    }
-
-    async fn attempt_claim(
-        &self,
-        process: Process,
-        retrieval: &Retrieval,
-        strategy: ClaimStrategy,
-    ) -> Result<Claim, Error> {
+    /// Runs `body` in a read-only transaction, counted under this session's processor. A read
+    /// cannot commit anything, so only the local liveness is checked; on SQLite it does not
+    /// wait for the writer.
+    pub async fn read<T, F>(&self, body: F) -> Result<T, Error>
+    where
+        F: for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, T>,
+    {
         self.inner.ensure_alive()?;
-        let session = self.inner.id;
-        let outcome = match &self.inner.db.inner.pools {
-            // Several statements: one IMMEDIATE transaction, committed only if it claimed.
-            Pools::Sqlite { .. } => {
-                let mut tx = self.inner.db.begin(Mode::Write).await?;
-                let TxInner::Sqlite(c) = &mut tx.inner else {
-                    unreachable!("a SQLite pool gave a non-SQLite transaction")
-                };
-                let outcome = sqlite::claim(c, session, process, retrieval).await?;
-                if matches!(outcome, ClaimOutcome::Claimed { .. }) {
-                    tx.commit().await?;
-                } else {
-                    tx.rollback().await?;
-                }
-                outcome
-            }
-            // One statement, atomic on its own: no BEGIN/COMMIT round trips.
-            Pools::Postgres(pool) => {
-                let mut conn = self.inner.db.acquire_pg(pool).await?;
-                postgres::claim(
-                    &mut conn,
-                    session,
-                    process,
-                    retrieval,
-                    strategy,
-                    &postgres::ClaimShared {
-                        hints: &self.inner.db.inner.claim_hints,
-                        metrics: self.inner.db.metrics(),
-                        processor: self.inner.processor,
-                    },
-                )
-                .await?
-            }
-        };
-        match outcome {
-            ClaimOutcome::Claimed {
-                machine_id,
-                last_interval,
-            } => {
-                self.inner
-                    .db
-                    .metrics()
-                    .work_started(self.inner.processor, process);
-                Ok(Claim::Work(Work::new(
-                    self.clone(),
-                    machine_id,
-                    process,
-                    last_interval,
-                )))
-            }
-            ClaimOutcome::SessionExpired => {
-                self.inner.mark_expired();
-                Err(Error::SessionExpired)
-            }
-            ClaimOutcome::Nothing => Ok(Claim::NothingToDo),
-            ClaimOutcome::Conflict => Ok(Claim::Conflict),
-        }
+        self.inner
+            .db
+            .run(self.inner.processor, Mode::Read, None, body)
+            .await
     }
 
     /// Records an agent's heartbeat if `key` is the agent key of `machine` (SPEC §12), and
@@ -384,28 +315,19 @@ impl Session {
                 })
                 .await;
         };
-        let mut retry = Retry::new(db.metrics(), self.inner.processor);
-        loop {
+        let recorded = retrying(db.metrics(), self.inner.processor, || async {
             self.inner.ensure_alive()?;
-            let attempt = async {
-                let mut conn = self.inner.db.acquire_pg(pool).await?;
-                postgres::agent_heartbeat(&mut conn, self.inner.id, machine, key).await
-            };
-            match attempt.await {
-                Ok((false, _, _)) => {
-                    self.inner.mark_expired();
-                    return Err(Error::SessionExpired);
-                }
-                Ok((true, false, _)) => {
-                    retry.succeeded();
-                    return Ok(AgentHeartbeat::Unauthorized);
-                }
-                Ok((true, true, pending_request)) => {
-                    retry.succeeded();
-                    return Ok(AgentHeartbeat::Recorded { pending_request });
-                }
-                Err(e) => retry.on_error(e).await?,
+            let mut conn = db.acquire_pg(pool).await?;
+            postgres::agent_heartbeat(&mut conn, self.inner.id, machine, key).await
+        })
+        .await?;
+        match recorded {
+            (false, _, _) => {
+                self.inner.mark_expired();
+                Err(Error::SessionExpired)
             }
+            (true, false, _) => Ok(AgentHeartbeat::Unauthorized),
+            (true, true, pending_request) => Ok(AgentHeartbeat::Recorded { pending_request }),
         }
     }
 

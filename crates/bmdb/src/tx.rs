@@ -23,8 +23,8 @@ pub struct Tx {
 macro_rules! dispatch {
     ($self:ident . $f:ident ( $($arg:expr),* )) => {
         match &mut $self.inner {
-            TxInner::Sqlite(c) => sqlite::$f(c, $($arg),*).await,
-            TxInner::Postgres(c) => postgres::$f(c, $($arg),*).await,
+            $crate::tx::TxInner::Sqlite(c) => $crate::backend::sqlite::$f(c, $($arg),*).await,
+            $crate::tx::TxInner::Postgres(c) => $crate::backend::postgres::$f(c, $($arg),*).await,
         }
     };
 }

@@ -1,12 +1,13 @@
-//! A claimed unit of work and its three endings: finish, fail, cancel (SPEC §4).
+//! Work (SPEC §4): claiming a machine for a process ([`Session::work`]) and the claimed
+//! [`Work`]'s three endings: finish, fail, cancel.
 
-use crate::backend::{postgres, sqlite, EndOutcome};
+use crate::backend::{postgres, sqlite, ClaimOutcome, ClaimStrategy, EndOutcome};
 use crate::backoff::{default_interval_seconds, Backoff};
-use crate::db::{Mode, TxFuture};
+use crate::db::{Mode, Pools, TxFuture};
 use crate::metrics::WorkResult;
-use crate::retry::Retry;
+use crate::transaction::retrying;
 use crate::tx::{dispatch, Tx, TxInner};
-use crate::{Error, Process, Session};
+use crate::{Error, Process, Retrieval, Session};
 use uuid::Uuid;
 
 /// Longest failure cause stored; longer causes are cut (at a character boundary).
@@ -21,6 +22,93 @@ pub enum Claim {
     NothingToDo,
     /// Machines were eligible but concurrent claimers took them; try again.
     Conflict,
+}
+
+impl Session {
+    /// Claims one machine eligible under `retrieval` for `process` (SPEC §4). Returns
+    /// [`Claim::NothingToDo`] when none is eligible and [`Claim::Conflict`] when every candidate
+    /// was taken by concurrent claimers.
+    pub async fn work(&self, process: Process, retrieval: Retrieval) -> Result<Claim, Error> {
+        self.work_with_strategy(process, retrieval, ClaimStrategy::SkipLocked)
+            .await
+    }
+
+    /// [`Session::work`] with a chosen claim shape; only benchmarks use anything but the default.
+    #[doc(hidden)]
+    pub async fn work_with_strategy(
+        &self,
+        process: Process,
+        retrieval: Retrieval,
+        strategy: ClaimStrategy,
+    ) -> Result<Claim, Error> {
+        retrying(self.db().metrics(), self.processor(), || {
+            self.attempt_claim(process, &retrieval, strategy)
+        })
+        .await
+    }
+
+    async fn attempt_claim(
+        &self,
+        process: Process,
+        retrieval: &Retrieval,
+        strategy: ClaimStrategy,
+    ) -> Result<Claim, Error> {
+        self.inner.ensure_alive()?;
+        let session = self.id();
+        let outcome = match &self.db().inner.pools {
+            // Several statements: one IMMEDIATE transaction, committed only if it claimed.
+            Pools::Sqlite { .. } => {
+                let mut tx = self.db().begin(Mode::Write).await?;
+                let TxInner::Sqlite(c) = &mut tx.inner else {
+                    unreachable!("a SQLite pool gave a non-SQLite transaction")
+                };
+                let outcome = sqlite::claim(c, session, process, retrieval).await?;
+                if matches!(outcome, ClaimOutcome::Claimed { .. }) {
+                    tx.commit().await?;
+                } else {
+                    tx.rollback().await?;
+                }
+                outcome
+            }
+            // One statement, atomic on its own: no BEGIN/COMMIT round trips.
+            Pools::Postgres(pool) => {
+                let mut conn = self.db().acquire_pg(pool).await?;
+                postgres::claim(
+                    &mut conn,
+                    session,
+                    process,
+                    retrieval,
+                    strategy,
+                    &postgres::ClaimShared {
+                        hints: &self.db().inner.claim_hints,
+                        metrics: self.db().metrics(),
+                        processor: self.processor(),
+                    },
+                )
+                .await?
+            }
+        };
+        match outcome {
+            ClaimOutcome::Claimed {
+                machine_id,
+                last_interval,
+            } => {
+                self.db().metrics().work_started(self.processor(), process);
+                Ok(Claim::Work(Work::new(
+                    self.clone(),
+                    machine_id,
+                    process,
+                    last_interval,
+                )))
+            }
+            ClaimOutcome::SessionExpired => {
+                self.mark_expired();
+                Err(Error::SessionExpired)
+            }
+            ClaimOutcome::Nothing => Ok(Claim::NothingToDo),
+            ClaimOutcome::Conflict => Ok(Claim::Conflict),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,34 +185,29 @@ impl Work {
     /// Ends the work successfully: releases the lock, clears the backoff, writes Finished
     /// history and runs `commit` (which sets tags), all in one transaction. `commit` may run
     /// more than once if the transaction is retried.
-    pub async fn finish<F>(&mut self, mut commit: F) -> Result<(), Error>
+    pub async fn finish<F>(&mut self, commit: F) -> Result<(), Error>
     where
-        F: for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, ()>,
+        F: for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, ()> + Send,
     {
         self.ensure_active()?;
         let (session, machine, process) = (self.session.id(), self.machine_id, self.process);
-        let db = self.session.db().clone();
-        let mut retry = Retry::new(db.metrics(), self.session.processor());
-        loop {
-            let attempt = async {
-                let mut tx = db.begin(Mode::Write).await?;
-                let outcome = dispatch!(tx.finish_work(session, machine, process))?;
-                if outcome == EndOutcome::Done {
-                    commit(&mut tx).await?;
-                    tx.commit().await?;
-                } else {
-                    tx.rollback().await?;
-                }
-                Ok(outcome)
-            };
-            match attempt.await {
-                Ok(outcome) => {
-                    retry.succeeded();
-                    return self.ended(outcome, State::Finished, WorkResult::Finished);
-                }
-                Err(e) => retry.on_error(e).await?,
+        let db = self.session.db();
+        // Attempts never overlap; the lock only hands `commit` to the attempt under way.
+        let commit = &std::sync::Mutex::new(commit);
+        let outcome = retrying(db.metrics(), self.session.processor(), || async move {
+            let mut tx = db.begin(Mode::Write).await?;
+            let outcome = dispatch!(tx.finish_work(session, machine, process))?;
+            if outcome == EndOutcome::Done {
+                let pending = (commit.lock().expect("a commit function panicked"))(&mut tx);
+                pending.await?;
+                tx.commit().await?;
+            } else {
+                tx.rollback().await?;
             }
-        }
+            Ok(outcome)
+        })
+        .await?;
+        self.ended(outcome, State::Finished, WorkResult::Finished)
     }
 
     /// Ends the work as failed: releases the lock, writes Failed history with `cause`, and
@@ -142,28 +225,18 @@ impl Work {
         };
         let cause = bounded_cause(cause);
         let (session, machine, process) = (self.session.id(), self.machine_id, self.process);
-        let db = self.session.db().clone();
-        let mut retry = Retry::new(db.metrics(), self.session.processor());
-        loop {
-            let attempt = async {
-                let mut tx = db.begin(Mode::Write).await?;
-                let outcome =
-                    dispatch!(tx.fail_work(session, machine, process, &cause, interval, delay))?;
-                if outcome == EndOutcome::Done {
-                    tx.commit().await?;
-                } else {
-                    tx.rollback().await?;
-                }
-                Ok::<_, Error>(outcome)
-            };
-            match attempt.await {
-                Ok(outcome) => {
-                    retry.succeeded();
-                    return self.ended(outcome, State::Failed, WorkResult::Failed);
-                }
-                Err(e) => retry.on_error(e).await?,
-            }
-        }
+        // The statement writes nothing unless the lock was still held, so committing is safe.
+        let outcome = self
+            .session
+            .db()
+            .run(self.session.processor(), Mode::Write, None, |tx| {
+                let cause = cause.clone();
+                Box::pin(async move {
+                    dispatch!(tx.fail_work(session, machine, process, &cause, interval, delay))
+                })
+            })
+            .await?;
+        self.ended(outcome, State::Failed, WorkResult::Failed)
     }
 
     fn ended(

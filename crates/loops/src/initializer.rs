@@ -9,10 +9,11 @@ use async_trait::async_trait;
 use shepherd_bmdb::{Backoff, Process, Processor, Retrieval, Session, AGENT_KEY_LEN};
 use shepherd_proto::agent::{takeover_response, TakeoverInit, TakeoverResponse};
 use shepherd_proto::Message;
+use shepherd_ssh::SshError;
 use uuid::Uuid;
 
-use crate::provider::Provider;
-use crate::runner::{Commit, MachineTask};
+use crate::provider::{Provider, ProviderError};
+use crate::runner::{Commit, MachineTask, OnError};
 use crate::transport::{AgentRun, Transport};
 
 /// Most stderr shown in logs per takeover.
@@ -84,6 +85,77 @@ impl InitializerConfig {
     }
 }
 
+/// Why a takeover failed; [`Initializer`]'s error policy decides per kind.
+#[derive(Debug, thiserror::Error)]
+pub enum TakeoverFailure {
+    /// The BMDB failed, or the finishing commit refused (a host key pinned meanwhile).
+    #[error(transparent)]
+    Bmdb(#[from] shepherd_bmdb::Error),
+    /// The machine has no `machine_provided` tag.
+    #[error("machine has no provided tag")]
+    NotProvided,
+    /// The provider could not be asked about the machine.
+    #[error("looking up {provider_id} at the provider: {error:#}")]
+    Lookup {
+        /// The machine's provider id.
+        provider_id: String,
+        /// What the provider said.
+        error: ProviderError,
+    },
+    /// The provider knows the machine but has no address for it yet (still provisioning).
+    #[error("the provider has no address for this machine")]
+    NoAddress,
+    /// The machine presented another host key than the pinned one: reinstalled, or someone in
+    /// the middle. An operator decides (`shepherd machines forget-host-key`).
+    #[error("{0:#}")]
+    HostKeyMismatch(anyhow::Error),
+    /// No SSH session could be had (refused, unreachable, timed out): often a machine still
+    /// booting.
+    #[error("{0:#}")]
+    Unreachable(anyhow::Error),
+    /// The upload, the agent or its answer failed.
+    #[error("{0:#}")]
+    Agent(anyhow::Error),
+}
+
+impl TakeoverFailure {
+    /// Sorts a transport failure by what the SSH client says went wrong.
+    fn from_transport(e: anyhow::Error) -> Self {
+        let ssh = e.chain().find_map(|c| c.downcast_ref::<SshError>());
+        match ssh {
+            Some(SshError::HostKeyMismatch { .. }) => TakeoverFailure::HostKeyMismatch(e),
+            Some(SshError::Connect { .. } | SshError::ConnectTimeout { .. }) => {
+                TakeoverFailure::Unreachable(e)
+            }
+            _ => TakeoverFailure::Agent(e),
+        }
+    }
+}
+
+/// The backoff of a machine the provider has not given an address yet: it is usually being
+/// provisioned, so it is asked again soon.
+const NO_ADDRESS_BACKOFF: (Duration, Duration) =
+    (Duration::from_secs(30), Duration::from_secs(5 * 60));
+
+/// How a failed takeover ends, given the configured `backoff`. A BMDB outage is not the
+/// machine's fault: the work is released as it is. A machine without an address is asked again
+/// soon; one presenting another host key waits the longest backoff (an operator must look);
+/// anything else backs off as configured.
+pub fn takeover_policy(backoff: Backoff, error: &TakeoverFailure) -> OnError {
+    match error {
+        TakeoverFailure::Bmdb(e) if e.is_transient() => OnError::Cancel,
+        TakeoverFailure::Bmdb(shepherd_bmdb::Error::InvalidValue(_))
+        | TakeoverFailure::HostKeyMismatch(_) => {
+            OnError::Backoff(Backoff::constant(backoff.maximum).with_jitter(backoff.jitter))
+        }
+        TakeoverFailure::NoAddress => OnError::Backoff(
+            Backoff::exponential(NO_ADDRESS_BACKOFF.0, NO_ADDRESS_BACKOFF.1, 2.0)
+                .with_jitter(backoff.jitter),
+        ),
+        _ => OnError::Backoff(backoff),
+    }
+}
+
 /// The initializer for one provider.
 pub struct Initializer<P: Provider> {
     provider: Arc<P>,
@@ -145,6 +217,8 @@ fn trimmed_stderr(stderr: &[u8]) -> String {
 
 #[async_trait]
 impl<P: Provider + 'static> MachineTask for Initializer<P> {
+    type Error = TakeoverFailure;
+
     fn process(&self) -> Process {
         Process::ShepherdAgentStart
     }
@@ -159,29 +233,37 @@ impl<P: Provider + 'static> MachineTask for Initializer<P> {
         }
     }
 
-    fn backoff(&self) -> Backoff {
-        self.config.backoff
+    /// See [`takeover_policy`].
+    fn error_policy(&self, error: &TakeoverFailure) -> OnError {
+        takeover_policy(self.config.backoff, error)
     }
 
-    async fn process_machine(&self, session: &Session, machine: Uuid) -> anyhow::Result<Commit> {
+    async fn process_machine(
+        &self,
+        session: &Session,
+        machine: Uuid,
+    ) -> Result<Commit, TakeoverFailure> {
         let (provided, pinned) = session
-            .transact(move |tx| {
+            .read(move |tx| {
                 Box::pin(async move {
                     Ok((tx.provided(machine).await?, tx.ssh_host_key(machine).await?))
                 })
             })
             .await?;
-        let provided = provided.context("machine has no provided tag")?;
+        let provided = provided.ok_or(TakeoverFailure::NotProvided)?;
         tracing::Span::current().record("provider_id", provided.provider_id.as_str());
         let at_provider = self
             .provider
             .get_machine(&provided.provider_id)
             .await
-            .with_context(|| format!("looking up {} at the provider", provided.provider_id))?;
+            .map_err(|error| TakeoverFailure::Lookup {
+                provider_id: provided.provider_id.clone(),
+                error,
+            })?;
         let addr = at_provider
             .addr
             .filter(|a| !a.is_empty())
-            .context("the provider has no address for this machine")?;
+            .ok_or(TakeoverFailure::NoAddress)?;
 
         let init = TakeoverInit {
             machine_id: machine.to_string(),
@@ -199,15 +281,18 @@ impl<P: Provider + 'static> MachineTask for Initializer<P> {
                 stdin: &stdin,
                 timeout: self.config.exec_timeout,
             })
-            .await?;
+            .await
+            .map_err(TakeoverFailure::from_transport)?;
         let stderr = trimmed_stderr(&output.stderr);
         if !stderr.is_empty() {
             tracing::info!(%addr, stderr = %stderr, "agent stderr");
         }
-        let key = verify_response(&init, &output.stdout).map_err(|e| match output.exit_status {
-            Some(0) | None => e,
-            Some(status) => e.context(format!("agent exited with status {status}")),
-        })?;
+        let key = verify_response(&init, &output.stdout)
+            .map_err(|e| match output.exit_status {
+                Some(0) | None => e,
+                Some(status) => e.context(format!("agent exited with status {status}")),
+            })
+            .map_err(TakeoverFailure::Agent)?;
         tracing::info!(%addr, "agent started");
 
         let host_key = output.host_key;
@@ -251,6 +336,50 @@ mod tests {
             })),
         }
         .encode_to_vec()
+    }
+
+    #[test]
+    fn each_kind_of_takeover_failure_ends_its_own_way() {
+        let configured = InitializerConfig::new(vec![1], "e:443").backoff;
+        let policy = |e: TakeoverFailure| takeover_policy(configured, &e);
+        let outage = shepherd_bmdb::Error::Unavailable {
+            target: "db".into(),
+            cause: "connection refused".into(),
+        };
+        assert_eq!(policy(outage.into()), OnError::Cancel);
+        assert_eq!(
+            policy(shepherd_bmdb::Error::SessionExpired.into()),
+            OnError::Cancel
+        );
+        let longest = OnError::Backoff(Backoff::constant(configured.maximum));
+        let mismatch =
+            TakeoverFailure::from_transport(anyhow::Error::from(SshError::HostKeyMismatch {
+                pinned: "a".into(),
+                presented: "b".into(),
+            }));
+        assert!(matches!(mismatch, TakeoverFailure::HostKeyMismatch(_)));
+        assert_eq!(policy(mismatch), longest);
+        let pinned_meanwhile = shepherd_bmdb::Error::InvalidValue("host key mismatch".into());
+        assert_eq!(policy(pinned_meanwhile.into()), longest);
+        let OnError::Backoff(soon) = policy(TakeoverFailure::NoAddress) else {
+            panic!("no address must back off");
+        };
+        assert!(soon.maximum <= configured.initial, "{soon:?}");
+        let refused = TakeoverFailure::from_transport(
+            anyhow::Error::from(SshError::Connect {
+                addr: "192.0.2.1:22".into(),
+                source: std::io::ErrorKind::ConnectionRefused.into(),
+            })
+            .context("connecting"),
+        );
+        assert!(
+            matches!(refused, TakeoverFailure::Unreachable(_)),
+            "{refused}"
+        );
+        assert_eq!(policy(refused), OnError::Backoff(configured));
+        let garbled =
+            TakeoverFailure::Agent(anyhow::anyhow!("agent response is not a TakeoverResponse"));
+        assert_eq!(policy(garbled), OnError::Backoff(configured));
     }
 
     #[test]

@@ -71,7 +71,7 @@ impl<P: Provider> Provisioner<P> {
         let kind = self.provider.kind();
         let (listed, recorded) = tokio::join!(
             self.provider.list_machines(),
-            session.transact(move |tx| Box::pin(async move { tx.provided_by(kind).await }))
+            session.read(move |tx| Box::pin(async move { tx.provided_by(kind).await }))
         );
         let listed = listed?;
         let in_bmdb: BTreeSet<String> = recorded?.into_iter().map(|(_, p)| p.provider_id).collect();

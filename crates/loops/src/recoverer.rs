@@ -10,7 +10,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
 use async_trait::async_trait;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -20,8 +19,33 @@ use shepherd_bmdb::{Backoff, Process, Processor, RecoveryThresholds, Retrieval, 
 use uuid::Uuid;
 
 use crate::brake::Brake;
-use crate::provider::Recoverer as RecovererProvider;
-use crate::runner::{Commit, MachineTask};
+use crate::provider::{ProviderError, Recoverer as RecovererProvider};
+use crate::runner::{Commit, MachineTask, OnError};
+
+/// Why a recovery failed; [`Recoverer`]'s error policy decides per kind.
+#[derive(Debug, thiserror::Error)]
+pub enum RecoveryError {
+    /// Reading the machine's tags failed, before anything was done to it.
+    #[error("reading the machine: {0}")]
+    Read(shepherd_bmdb::Error),
+    /// Finishing failed after the reboot: the machine may well have been rebooted.
+    #[error("recording the reboot: {0}")]
+    Finish(#[from] shepherd_bmdb::Error),
+    /// The machine has no `machine_provided` tag.
+    #[error("machine has no provided tag")]
+    NotProvided,
+    /// The provider could not be asked about the machine.
+    #[error("looking up {provider_id} at the provider: {error:#}")]
+    Lookup {
+        /// The machine's provider id.
+        provider_id: String,
+        /// What the provider said.
+        error: ProviderError,
+    },
+    /// The reboot failed (the BMC or the provider's API said no, or did not answer).
+    #[error("rebooting: {0:#}")]
+    Reboot(ProviderError),
+}
 
 /// How long "left alone" lasts: until an operator acts.
 const LEFT_ALONE_FOR: chrono::TimeDelta = chrono::TimeDelta::days(100 * 365);
@@ -169,6 +193,8 @@ impl<P: RecovererProvider> Recoverer<P> {
 
 #[async_trait]
 impl<P: RecovererProvider + 'static> MachineTask for Recoverer<P> {
+    type Error = RecoveryError;
+
     fn process(&self) -> Process {
         Process::ShepherdRecovery
     }
@@ -184,17 +210,26 @@ impl<P: RecovererProvider + 'static> MachineTask for Recoverer<P> {
         }
     }
 
-    fn backoff(&self) -> Backoff {
-        self.backoff
+    /// A BMDB outage before the reboot is not the machine's fault: the work is released as it
+    /// is. Once the machine may have been rebooted, every failure backs off, so that a BMDB
+    /// that comes back does not reboot it again at once.
+    fn error_policy(&self, error: &RecoveryError) -> OnError {
+        match error {
+            RecoveryError::Read(e) if e.is_transient() => OnError::Cancel,
+            _ => OnError::Backoff(self.backoff),
+        }
     }
 
     async fn active(&self) -> bool {
         self.brake.as_ref().is_none_or(|b| b.admits()) && self.provider.can_reboot().await
     }
 
-    async fn process_machine(&self, session: &Session, machine: Uuid) -> anyhow::Result<Commit> {
+    async fn process_machine(
+        &self,
+        session: &Session,
+        machine: Uuid,
+    ) -> Result<Commit, RecoveryError> {
         let (provided, heartbeat, previous) = session
-            .db()
             .read(move |tx| {
                 Box::pin(async move {
                     Ok((
@@ -204,18 +239,22 @@ impl<P: RecovererProvider + 'static> MachineTask for Recoverer<P> {
                     ))
                 })
             })
-            .await?;
-        let provided = provided.context("machine has no provided tag")?;
+            .await
+            .map_err(RecoveryError::Read)?;
+        let provided = provided.ok_or(RecoveryError::NotProvided)?;
         tracing::Span::current().record("provider_id", provided.provider_id.as_str());
         let at_provider = self
             .provider
             .get_machine(&provided.provider_id)
             .await
-            .with_context(|| format!("looking up {} at the provider", provided.provider_id))?;
+            .map_err(|error| RecoveryError::Lookup {
+                provider_id: provided.provider_id.clone(),
+                error,
+            })?;
         self.provider
             .reboot(&at_provider)
             .await
-            .context("rebooting")?;
+            .map_err(RecoveryError::Reboot)?;
         if let Some(b) = &self.brake {
             b.rebooted();
         }
@@ -310,6 +349,33 @@ impl<P: RecovererProvider + 'static> MachineTask for Recoverer<P> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_an_outage_before_the_reboot_releases_the_machine_without_backoff() {
+        let r = Recoverer::new(
+            Arc::new(crate::sim::SimFleet::new(1, Default::default()).unwrap()),
+            RecoveryThresholds::default(),
+        );
+        let outage = || shepherd_bmdb::Error::Unavailable {
+            target: "db".into(),
+            cause: "connection refused".into(),
+        };
+        assert_eq!(
+            r.error_policy(&RecoveryError::Read(outage())),
+            OnError::Cancel
+        );
+        // After a reboot the machine may be down already: never reboot it again at once.
+        assert_eq!(
+            r.error_policy(&RecoveryError::Finish(outage())),
+            OnError::Backoff(r.backoff)
+        );
+        assert_eq!(
+            r.error_policy(&RecoveryError::Reboot(ProviderError::NotSupported(
+                "reboot"
+            ))),
+            OnError::Backoff(r.backoff)
+        );
+    }
 
     #[test]
     fn repeated_reboots_back_off_then_give_up() {

@@ -1,6 +1,7 @@
 //! The control loop runner shared by the Initializer, the Recoverer and later loops (SPEC §10):
 //! N workers, each with its own session, claim one machine at a time at a rate-limited pace,
-//! process it, and finish or fail the work with the loop's backoff.
+//! process it, and finish the work, or end it as the loop's [`MachineTask::error_policy`] says
+//! for the error (as kube-runtime's `error_policy` does for a reconcile error).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,7 +9,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use shepherd_bmdb::{
     Backoff, Bmdb, Claim, Error as BmdbError, Process, Processor, Retrieval, Session,
-    SessionConfig, Tx, TxFuture,
+    SessionConfig, Tx, TxFuture, Work,
 };
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -20,23 +21,41 @@ use crate::limiter::{Limiter, RateSpec};
 /// work's Finish. May run more than once if that transaction is retried.
 pub type Commit = Box<dyn for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, ()> + Send>;
 
+/// How a loop ends work whose processing or finishing failed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum OnError {
+    /// End the work as Failed with the error as its cause, and hold the machine back from this
+    /// process as `Backoff` says (SPEC §4).
+    Backoff(Backoff),
+    /// Release the machine without a verdict and without a backoff: the failure was not the
+    /// machine's (the BMDB was unreachable, a lock was lost), so it may be claimed again.
+    Cancel,
+}
+
 /// What a control loop does with one machine.
 #[async_trait]
 pub trait MachineTask: Send + Sync + 'static {
+    /// Why processing a machine failed. A failed finish (the BMDB, or the commit refusing) is
+    /// converted into it too, so that one policy decides every ending.
+    type Error: std::fmt::Display + From<BmdbError> + Send + Sync + 'static;
     /// The work process (and lock) of this loop.
     fn process(&self) -> Process;
     /// Metrics label of the loop's sessions.
     fn processor(&self) -> Processor;
     /// Which machines the loop takes.
     fn retrieval(&self) -> Retrieval;
-    /// Backoff after a failure.
-    fn backoff(&self) -> Backoff;
     /// Whether the loop may claim now (a recoverer that cannot reboot anything claims nothing).
     async fn active(&self) -> bool {
         true
     }
-    /// Processes one claimed machine; an error fails the work with its text as the cause.
-    async fn process_machine(&self, session: &Session, machine: Uuid) -> anyhow::Result<Commit>;
+    /// Processes one claimed machine; the returned commit runs in the finishing transaction.
+    async fn process_machine(
+        &self,
+        session: &Session,
+        machine: Uuid,
+    ) -> Result<Commit, Self::Error>;
+    /// How to end the work after `error`.
+    fn error_policy(&self, error: &Self::Error) -> OnError;
 }
 
 /// Runner settings (SPEC §17 defaults: one worker, `250ms,8`, 5 s sessions).
@@ -89,6 +108,17 @@ pub(crate) async fn live_session(
     match held.filter(|s| !s.is_expired()) {
         Some(s) => Ok(s),
         None => db.start_session(config.clone()).await,
+    }
+}
+
+/// Ends `work` after `failure` as the task's error policy says.
+async fn end_failed<T: MachineTask>(work: &mut Work, task: &T, failure: &T::Error) {
+    let ended = match task.error_policy(failure) {
+        OnError::Backoff(backoff) => work.fail(Some(&backoff), &format!("{failure:#}")).await,
+        OnError::Cancel => work.cancel().await,
+    };
+    if let Err(e) = ended {
+        tracing::warn!(error = %e, "ending failed work failed; it is released when the session ends");
     }
 }
 
@@ -146,17 +176,31 @@ async fn worker<T: MachineTask>(
                         _ = cancel.cancelled() => None,
                         r = task.process_machine(&s, machine) => Some(r),
                     };
-                    let ended = match outcome {
-                        None => work.cancel().await,
-                        Some(Ok(commit)) => work.finish(commit).await,
+                    let failure = match outcome {
+                        None => {
+                            if let Err(e) = work.cancel().await {
+                                tracing::warn!(error = %e, "canceling work failed");
+                            }
+                            return;
+                        }
+                        Some(Ok(commit)) => match work.finish(commit).await {
+                            Ok(()) => return,
+                            // The lock or the session is gone: there is nothing left to end.
+                            Err(e @ (BmdbError::SessionExpired | BmdbError::WorkLost { .. })) => {
+                                tracing::warn!(error = %e, "finishing work failed");
+                                return;
+                            }
+                            Err(e) => {
+                                tracing::warn!(error = %e, "finishing work failed");
+                                T::Error::from(e)
+                            }
+                        },
                         Some(Err(e)) => {
                             tracing::warn!(error = %format!("{e:#}"), "processing failed");
-                            work.fail(Some(&task.backoff()), &format!("{e:#}")).await
+                            e
                         }
                     };
-                    if let Err(e) = ended {
-                        tracing::warn!(error = %e, "ending work failed");
-                    }
+                    end_failed(&mut work, &*task, &failure).await;
                 }
                 .instrument(span)
                 .await;

@@ -70,7 +70,7 @@ impl<P: Provider + ?Sized> Updater<P> {
         let kind = self.provider.kind();
         let (listed, recorded) = tokio::join!(
             self.provider.list_machines(),
-            session.transact(move |tx| Box::pin(async move { tx.provided_by(kind).await }))
+            session.read(move |tx| Box::pin(async move { tx.provided_by(kind).await }))
         );
         let listed = listed?;
         let by_id: HashMap<&str, &ProviderMachine> = listed

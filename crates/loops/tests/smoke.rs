@@ -483,7 +483,106 @@ async fn initializer_starts_the_agent_on_all_provided(db: Bmdb) {
     }
 }
 
+/// Runs the real test agent, but first pins another host key for the machine, as a replica
+/// that took the same machine over meanwhile would: the finishing commit must then refuse.
+struct PinnedMeanwhile {
+    db: Bmdb,
+}
+
+#[async_trait]
+impl Transport for PinnedMeanwhile {
+    async fn run_agent(&self, run: AgentRun<'_>) -> anyhow::Result<AgentOutput> {
+        use shepherd_proto::Message;
+        let init = shepherd_proto::agent::TakeoverInit::decode(run.stdin)?;
+        let machine: Uuid = init.machine_id.parse()?;
+        self.db
+            .transact(move |tx| {
+                Box::pin(async move {
+                    tx.pin_ssh_host_key(machine, "ssh-ed25519 AAAApinnedMeanwhile")
+                        .await
+                        .map(|_| ())
+                })
+            })
+            .await?;
+        let out = LocalTransport.run_agent(run).await?;
+        Ok(AgentOutput {
+            host_key: "ssh-ed25519 AAAApresented".into(),
+            ..out
+        })
+    }
+}
+
+/// A finish whose commit refuses (here: the host key was pinned meanwhile) ends the work as
+/// Failed with that cause and a backoff, not as a Canceled with no cause.
+async fn a_refused_commit_fails_the_work_with_its_cause(db: Bmdb) {
+    let machine = db
+        .transact(|tx| {
+            Box::pin(async move {
+                let id = tx.create_machine().await?;
+                tx.set_provided(id, &Provided::new(Provider::None, "dummy-000"))
+                    .await?;
+                Ok(id)
+            })
+        })
+        .await
+        .unwrap();
+    let init = Initializer::new(
+        Arc::new(Dummy::with_capacity(1)),
+        Arc::new(PinnedMeanwhile { db: db.clone() }),
+        InitializerConfig::new(vec![0x7f], "bmaas.example:443"),
+    )
+    .unwrap();
+    let cancel = CancellationToken::new();
+    let run = tokio::spawn(runner::run(
+        db.clone(),
+        Arc::new(init),
+        RunnerConfig {
+            parallelism: 1,
+            db_rate: fast(),
+            session: SessionConfig::new("initializer", Processor::ShepherdInitializer),
+        },
+        cancel.clone(),
+    ));
+    let history = |db: Bmdb| async move {
+        db.read(move |tx| Box::pin(async move { tx.machine_history(machine).await }))
+            .await
+            .unwrap()
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while history(db.clone()).await.len() < 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the work never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    cancel.cancel();
+    run.await.unwrap();
+    let history = history(db.clone()).await;
+    let ended = &history[1];
+    assert_eq!(ended.event, WorkEvent::Failed, "{history:?}");
+    let cause = ended.cause.as_deref().unwrap_or_default();
+    assert!(cause.contains("pinned meanwhile"), "{cause}");
+    let backoffs = db
+        .read(move |tx| Box::pin(async move { tx.machine_backoffs(machine).await }))
+        .await
+        .unwrap();
+    assert!(
+        backoffs
+            .iter()
+            .any(|b| b.process == Process::ShepherdAgentStart
+                && b.cause.contains("pinned meanwhile")),
+        "{backoffs:?}"
+    );
+    let started = db
+        .read(move |tx| Box::pin(async move { tx.agent_started(machine).await }))
+        .await
+        .unwrap();
+    assert!(started.is_none(), "nothing of the refused commit was kept");
+}
+
 shepherd_bmdb::conformance_tests!(
+    a_refused_commit_fails_the_work_with_its_cause,
     provisioner_stops_at_max,
     initializer_starts_the_agent_on_all_provided,
     failed_creations_do_not_stop_the_others,

@@ -1,5 +1,7 @@
-//! Database backends. Each module holds all hand-written SQL for its database; the rest of
-//! the crate reaches them only through [`crate::Tx`] and [`crate::Bmdb`].
+//! Database backends. Each module holds all hand-written SQL for its database. The rest of
+//! the crate reaches them through [`crate::Tx`] (every typed query, inside a transaction),
+//! `db.rs` (migrations) and the two hot paths that run outside a BEGIN on Postgres as one
+//! autocommitted statement: claims (`work.rs`) and agent heartbeats (`session.rs`).
 
 pub(crate) mod postgres;
 pub(crate) mod sqlite;

@@ -104,7 +104,6 @@ pub(crate) async fn poke_session(c: &mut PgTx, id: Uuid) -> Result<bool> {
     Ok(r.rows_affected() == 1)
 }
 
-/// Whether the session is alive; holds a key-share lock so it cannot be deleted before commit.
 /// An agent heartbeat in one autocommitted statement: session liveness, the agent's key, the
 /// heartbeat upsert and the pending installation request. Returns (session alive, key
 /// matches, pending request); the heartbeat is written only if both hold.
@@ -141,6 +140,7 @@ pub(crate) async fn agent_heartbeat(
     Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?))
 }
 
+/// Whether the session is alive; holds a key-share lock so it cannot be deleted before commit.
 pub(crate) async fn check_session(c: &mut PgConnection, id: Uuid) -> Result<bool> {
     let row = sqlx::query(
         "SELECT 1 FROM sessions WHERE session_id = $1 AND deadline > now() FOR KEY SHARE",

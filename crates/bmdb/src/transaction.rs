@@ -1,0 +1,150 @@
+//! The one transaction runner. Every BMDB transaction, claim and single-statement write goes
+//! through [`retrying`]: attempts are retried, bounded and jittered, while they fail on
+//! serialization failures or lock contention, and each logical transaction is counted once in
+//! the metrics (executed, retried, failed). [`Bmdb::transact`], [`Bmdb::read`] and the session
+//! layer's transactions are built on it; a [`Guard`] lets a caller (a session) check its own
+//! liveness in every attempt without this module knowing what a session is.
+
+use std::future::Future;
+use std::time::Duration;
+
+use crate::db::{Mode, TxFuture};
+use crate::metrics::BmdbMetrics;
+use crate::tx::Tx;
+use crate::{Bmdb, Error, Processor};
+
+/// Attempts per transaction before giving up.
+pub(crate) const MAX_ATTEMPTS: u32 = 10;
+const BASE_DELAY: Duration = Duration::from_millis(2);
+const MAX_DELAY: Duration = Duration::from_millis(500);
+
+/// Runs `attempt` until it succeeds, fails with an error that is not worth retrying, or has
+/// failed [`MAX_ATTEMPTS`] times. Each attempt must be a whole transaction (or one autocommitted
+/// statement), so that a retry starts from scratch.
+pub(crate) async fn retrying<T, F, Fut>(
+    metrics: &BmdbMetrics,
+    processor: Processor,
+    mut attempt: F,
+) -> Result<T, Error>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, Error>>,
+{
+    let mut failures = 0;
+    loop {
+        match attempt().await {
+            Ok(v) => {
+                metrics.transaction_executed(processor);
+                return Ok(v);
+            }
+            Err(e) => {
+                failures += 1;
+                if !e.is_retryable() || failures >= MAX_ATTEMPTS {
+                    metrics.transaction_failed(processor);
+                    return Err(e);
+                }
+                metrics.transaction_retried(processor);
+                tokio::time::sleep(delay(failures)).await;
+            }
+        }
+    }
+}
+
+/// Full-jitter exponential delay: uniform in [0, min(MAX, BASE × 2^attempt)].
+pub(crate) fn delay(attempt: u32) -> Duration {
+    let cap = BASE_DELAY
+        .saturating_mul(1u32 << attempt.min(16))
+        .min(MAX_DELAY);
+    cap.mul_f64(rand::random::<f64>())
+}
+
+/// A precondition of every attempt of a transaction (the session layer's: "this session is
+/// still alive"), checked cheaply before BEGIN and again inside the transaction.
+pub(crate) trait Guard: Send + Sync {
+    /// Fails fast, before a connection is taken.
+    fn before(&self) -> Result<(), Error>;
+    /// Runs first inside the transaction; an error rolls the attempt back.
+    fn inside<'t>(&'t self, tx: &'t mut Tx) -> TxFuture<'t, ()>;
+}
+
+impl Bmdb {
+    /// Runs `body` in a read-write transaction and commits it, retrying (bounded, jittered)
+    /// on serialization failures and lock contention. `body` may run more than once, so it
+    /// must have no side effects outside the database.
+    ///
+    /// ```ignore
+    /// let id = db.transact(|tx| Box::pin(async move { tx.create_machine().await })).await?;
+    /// ```
+    pub async fn transact<T, F>(&self, body: F) -> Result<T, Error>
+    where
+        F: for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, T>,
+    {
+        self.run(Processor::Unknown, Mode::Write, None, body).await
+    }
+
+    /// Like [`Bmdb::transact`] for read-only work; on SQLite it does not wait for the writer.
+    pub async fn read<T, F>(&self, body: F) -> Result<T, Error>
+    where
+        F: for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, T>,
+    {
+        self.run(Processor::Unknown, Mode::Read, None, body).await
+    }
+
+    /// Runs `body` in a transaction of `mode` through [`retrying`], with `guard` checked in
+    /// every attempt, and commits it.
+    pub(crate) async fn run<T, F>(
+        &self,
+        processor: Processor,
+        mode: Mode,
+        guard: Option<&dyn Guard>,
+        body: F,
+    ) -> Result<T, Error>
+    where
+        F: for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, T>,
+    {
+        // Each attempt's future needs `body` for a while; attempts never overlap, so the lock
+        // is never contended: it only hands the one `FnMut` to the attempt under way.
+        let body = &std::sync::Mutex::new(body);
+        retrying(self.metrics(), processor, || async move {
+            if let Some(g) = guard {
+                g.before()?;
+            }
+            let mut tx = self.begin(mode).await?;
+            if let Some(g) = guard {
+                g.inside(&mut tx).await?;
+            }
+            let pending = (body.lock().expect("a transaction body panicked"))(&mut tx);
+            let v = pending.await?;
+            tx.commit().await?;
+            Ok(v)
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delays_are_bounded() {
+        for attempt in 0..40 {
+            assert!(delay(attempt) <= MAX_DELAY);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn gives_up_at_once_on_errors_that_are_not_contention() {
+        let metrics = BmdbMetrics::default();
+        let mut attempts = 0;
+        let r: Result<(), _> = retrying(&metrics, Processor::Unknown, || {
+            attempts += 1;
+            // A protocol error is not a serialization or lock error: not retried.
+            async { Err(Error::Database(sqlx::Error::Protocol("unexpected".into()))) }
+        })
+        .await;
+        assert!(r.is_err());
+        assert_eq!(attempts, 1);
+        assert_eq!(metrics.transactions_retried(Processor::Unknown), 0);
+    }
+}
