@@ -1,6 +1,8 @@
-//! Shepherd's control loops over the BMDB: the provider abstraction, the provisioner, the
-//! generic loop runner with the recoverer on top, and the rate limiter they share
-//! (SPEC §6–§10).
+//! Shepherd's control loops over the BMDB (SPEC §6–§10): the provider traits and the static,
+//! Redfish-backed and simulated providers; the provisioner and the updater (one pass at a
+//! time); the per-machine runner with the initializer and the recoverer on it, and the
+//! recovery brake; and what they share: the rate limiter, the penalty box, call metrics and
+//! bounded log lists.
 
 pub mod bmc_tls;
 pub mod bounded;

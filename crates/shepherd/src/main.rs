@@ -1,6 +1,7 @@
 //! `shepherd`: one binary for every Shepherd role: `run` (the control loops), `server` (the
-//! agent-facing BMaaS server), `demo` (the whole lifecycle over a simulated fleet), `bmdb
-//! migrate` and `bmdb status`.
+//! agent-facing BMaaS server), `demo` (the whole lifecycle over a simulated fleet), and the
+//! operators' commands: `machines` (list, show, history, install, retry, forget-host-key),
+//! `sessions list`, `bmdb` (migrate, status, check) and `config print` (the merged settings).
 
 mod bmdb_cmd;
 mod config_cmd;
