@@ -18,13 +18,14 @@ vm_dir="${SHEPHERD_VM_DIR:-$HOME/.cache/shepherd/vm}"
 work="$(mktemp -d /tmp/shepherd-vm-fleet.XXXXXX)"
 pids=()
 cleanup() {
-    trap - EXIT INT TERM
+    trap - EXIT
     echo "vm-fleet: tearing down"
     for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
     wait 2>/dev/null || true
     rm -rf "$work"
 }
-trap cleanup EXIT INT TERM
+trap cleanup EXIT
+trap 'exit 130' INT TERM
 
 # A loopback port nothing listens on.
 free_port() {
