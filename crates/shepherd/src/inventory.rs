@@ -37,15 +37,24 @@ pub async fn list(
     limit: usize,
     scan_budget: usize,
 ) -> Result<Listing> {
-    let now = Utc::now();
+    // States are derived with the database's clock, as the loops and the counts derive them.
+    let mut now = None;
     let mut machines = Vec::new();
     let mut cursor = after;
     let mut scanned = 0;
     loop {
         let c = cursor;
-        let page = db
-            .read(move |tx| Box::pin(async move { tx.machine_summaries(c, provider, PAGE).await }))
+        let (page, page_now) = db
+            .read(move |tx| {
+                Box::pin(async move {
+                    Ok((
+                        tx.machine_summaries(c, provider, PAGE).await?,
+                        tx.now().await?,
+                    ))
+                })
+            })
             .await?;
+        let now = *now.get_or_insert(page_now);
         let full_page = page.len() as i64 == PAGE;
         for s in page {
             scanned += 1;
@@ -107,13 +116,13 @@ pub struct Detail {
 
 /// Loads one machine; `None` if it does not exist.
 pub async fn detail(db: &Bmdb, id: Uuid) -> Result<Option<Detail>> {
-    let now = Utc::now();
     Ok(db
         .read(move |tx| {
             Box::pin(async move {
                 let Some(summary) = tx.machine_summary(id).await? else {
                     return Ok(None);
                 };
+                let now = tx.now().await?;
                 let mut work = Vec::new();
                 for w in tx.machine_work(id).await? {
                     let s = tx.session(w.session_id).await?;

@@ -1,7 +1,6 @@
 //! `shepherd machines …` and `shepherd sessions list`: what the BMDB knows, for operators.
 
 use anyhow::{bail, Context, Result};
-use chrono::Utc;
 use clap::Subcommand;
 use serde_json::Value;
 use shepherd_bmdb::{Bmdb, Lifecycle, OsInstallationRequest, Process};
@@ -334,11 +333,11 @@ async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
 pub async fn sessions(url: &str) -> Result<()> {
     let db = Bmdb::open(url).await?;
     let sessions = db
-        .read(|tx| Box::pin(async move { tx.sessions().await }))
+        .read(|tx| Box::pin(async move { Ok((tx.sessions().await?, tx.now().await?)) }))
         .await;
     db.close().await;
-    let now = Utc::now();
-    for s in sessions? {
+    let (sessions, now) = sessions?;
+    for s in sessions {
         println!(
             "{}  {:<22} {:<22} {:<8} deadline {} ({})",
             s.session_id,

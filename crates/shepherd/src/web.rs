@@ -423,11 +423,10 @@ fn hardware(r: &shepherd_proto::bmaas::AgentHardwareReport) -> Markup {
 }
 
 async fn sessions(State(ui): State<Arc<Ui>>) -> Result<Html<String>, PageError> {
-    let list = ui
+    let (list, now) = ui
         .db
-        .read(|tx| Box::pin(async move { tx.sessions().await }))
+        .read(|tx| Box::pin(async move { Ok((tx.sessions().await?, tx.now().await?)) }))
         .await?;
-    let now = Utc::now();
     Ok(page(
         "Sessions",
         ui.refresh,
@@ -456,10 +455,16 @@ async fn session(
     let id: Uuid = id
         .parse()
         .map_err(|e| bad_request(format!("{id:?} is not a session id: {e}")))?;
-    let (info, work) = ui
+    let (info, work, now) = ui
         .db
         .read(move |tx| {
-            Box::pin(async move { Ok((tx.session(id).await?, tx.session_work(id).await?)) })
+            Box::pin(async move {
+                Ok((
+                    tx.session(id).await?,
+                    tx.session_work(id).await?,
+                    tx.now().await?,
+                ))
+            })
         })
         .await?;
     let Some(s) = info else {
@@ -467,7 +472,6 @@ async fn session(
             "session {id} does not exist (closed sessions are removed)"
         )));
     };
-    let now = Utc::now();
     Ok(page(
         &format!("Session {id}"),
         ui.refresh,
