@@ -24,6 +24,14 @@ impl Default for RecoveryThresholds {
     }
 }
 
+impl RecoveryThresholds {
+    /// How old a last heartbeat must be for operators' views and gauges to call the machine
+    /// stale: the same silence after which the recoverer reboots it.
+    pub fn stale_after(&self) -> chrono::Duration {
+        chrono::Duration::from_std(self.heartbeat_older_than).unwrap_or(chrono::Duration::MAX)
+    }
+}
+
 /// A rule selecting machines in a state a process can act on.
 ///
 /// Every rule also requires, for the claiming process: no active work of any process in its

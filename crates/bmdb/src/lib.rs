@@ -32,7 +32,7 @@ pub use metrics::{BmdbMetrics, ClaimSearch};
 pub use migrations::SCHEMA_VERSION;
 pub use model::*;
 pub use session::{AgentHeartbeat, Session, SessionConfig, DEFAULT_SESSION_INTERVAL};
-pub use summary::{FleetCounts, Lifecycle, MachineSummary, STALE_AFTER};
+pub use summary::{FleetCounts, Lifecycle, MachineSummary};
 pub use tx::{Tx, AGENT_KEY_LEN};
 pub use url::{DatabaseUrl, DEFAULT_DATABASE_URL};
 pub use work::{Claim, Work, MAX_CAUSE_LEN};

@@ -9,10 +9,6 @@ use uuid::Uuid;
 
 use crate::{Error, InstallationResult, Process, Provided};
 
-/// How long after its last heartbeat an agent counts as stale in listings and statistics
-/// (upstream's recovery threshold for silent agents).
-pub const STALE_AFTER: chrono::Duration = chrono::Duration::minutes(10);
-
 /// One machine's tags, as one row (what listings and the lifecycle state need).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MachineSummary {
@@ -46,9 +42,9 @@ pub enum Lifecycle {
     Installed,
     /// An installation request waits for a successful report of its generation.
     Installing,
-    /// Heartbeating, the last heartbeat within [`STALE_AFTER`].
+    /// Heartbeating, the last heartbeat within the stale threshold.
     Heartbeating,
-    /// Heartbeated, but not within [`STALE_AFTER`].
+    /// Heartbeated, but not within the stale threshold (the recoverer's silence threshold).
     Stale,
     /// Agent started, no heartbeat yet.
     AgentStarting,
@@ -134,8 +130,9 @@ impl MachineSummary {
         Some(self.report == Some((generation, InstallationResult::Success)))
     }
 
-    /// The lifecycle state at `now`.
-    pub fn lifecycle(&self, now: DateTime<Utc>) -> Lifecycle {
+    /// The lifecycle state at `now` (the database's clock): a heartbeat older than
+    /// `stale_after` (the recoverer's [`crate::RecoveryThresholds::stale_after`]) is stale.
+    pub fn lifecycle(&self, now: DateTime<Utc>, stale_after: chrono::Duration) -> Lifecycle {
         if !self.work.is_empty() {
             Lifecycle::InWork
         } else if self.backoff_until.is_some_and(|u| u > now) {
@@ -145,7 +142,7 @@ impl MachineSummary {
         } else if self.installation_done() == Some(false) {
             Lifecycle::Installing
         } else if let Some(h) = self.heartbeat_at {
-            if now - h > STALE_AFTER {
+            if now - h > stale_after {
                 Lifecycle::Stale
             } else {
                 Lifecycle::Heartbeating
@@ -169,9 +166,9 @@ pub struct FleetCounts {
     pub provided: Vec<(crate::Provider, i64)>,
     /// Machines whose agent was started.
     pub agent_started: i64,
-    /// Machines whose last heartbeat is within [`STALE_AFTER`].
+    /// Machines whose last heartbeat is within the stale threshold asked for.
     pub heartbeating: i64,
-    /// Machines that heartbeated, but not within [`STALE_AFTER`].
+    /// Machines that heartbeated, but not within the stale threshold asked for.
     pub stale: i64,
     /// Installation requests without a successful report of their generation.
     pub pending_install: i64,
@@ -186,6 +183,8 @@ pub struct FleetCounts {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const STALE: chrono::Duration = chrono::Duration::minutes(10);
 
     fn bare() -> MachineSummary {
         MachineSummary {
@@ -204,28 +203,32 @@ mod tests {
     fn lifecycle_precedence() {
         let now = Utc::now();
         let mut m = bare();
-        assert_eq!(m.lifecycle(now), Lifecycle::Unprovided);
+        assert_eq!(m.lifecycle(now, STALE), Lifecycle::Unprovided);
         m.provided = Some(Provided::new(crate::Provider::Sim, "x"));
-        assert_eq!(m.lifecycle(now), Lifecycle::Provided);
+        assert_eq!(m.lifecycle(now, STALE), Lifecycle::Provided);
         m.agent_started_at = Some(now);
-        assert_eq!(m.lifecycle(now), Lifecycle::AgentStarting);
-        m.heartbeat_at = Some(now - STALE_AFTER - chrono::Duration::seconds(1));
-        assert_eq!(m.lifecycle(now), Lifecycle::Stale);
+        assert_eq!(m.lifecycle(now, STALE), Lifecycle::AgentStarting);
+        m.heartbeat_at = Some(now - STALE - chrono::Duration::seconds(1));
+        assert_eq!(m.lifecycle(now, STALE), Lifecycle::Stale);
         m.heartbeat_at = Some(now);
-        assert_eq!(m.lifecycle(now), Lifecycle::Heartbeating);
+        assert_eq!(m.lifecycle(now, STALE), Lifecycle::Heartbeating);
         m.request_generation = Some(2);
         m.report = Some((1, InstallationResult::Success));
-        assert_eq!(m.lifecycle(now), Lifecycle::Installing);
+        assert_eq!(m.lifecycle(now, STALE), Lifecycle::Installing);
         m.report = Some((2, InstallationResult::Error));
-        assert_eq!(m.lifecycle(now), Lifecycle::Installing);
+        assert_eq!(m.lifecycle(now, STALE), Lifecycle::Installing);
         m.report = Some((2, InstallationResult::Success));
-        assert_eq!(m.lifecycle(now), Lifecycle::Installed);
+        assert_eq!(m.lifecycle(now, STALE), Lifecycle::Installed);
         m.backoff_until = Some(now - chrono::Duration::seconds(1));
-        assert_eq!(m.lifecycle(now), Lifecycle::Installed, "expired backoff");
+        assert_eq!(
+            m.lifecycle(now, STALE),
+            Lifecycle::Installed,
+            "expired backoff"
+        );
         m.backoff_until = Some(now + chrono::Duration::seconds(1));
-        assert_eq!(m.lifecycle(now), Lifecycle::InBackoff);
+        assert_eq!(m.lifecycle(now, STALE), Lifecycle::InBackoff);
         m.work = vec![Process::ShepherdRecovery];
-        assert_eq!(m.lifecycle(now), Lifecycle::InWork);
+        assert_eq!(m.lifecycle(now, STALE), Lifecycle::InWork);
     }
 
     #[test]

@@ -949,7 +949,11 @@ async fn summaries_and_fleet_counts(db: Bmdb) {
     assert_eq!(all.len(), seeded.len());
     for m in &seeded {
         let s = all.iter().find(|s| s.machine_id == m.id).expect("listed");
-        assert_eq!(s.lifecycle(now), m.state, "{m:?}: {s:?}");
+        assert_eq!(
+            s.lifecycle(now, RecoveryThresholds::default().stale_after()),
+            m.state,
+            "{m:?}: {s:?}"
+        );
         assert_eq!(
             s.provided.as_ref().map(|p| p.provider_id.clone()),
             m.provider_id
@@ -1005,7 +1009,12 @@ async fn summaries_and_fleet_counts(db: Bmdb) {
     assert_eq!(paged, want);
 
     let c = db
-        .read(|tx| Box::pin(async move { tx.fleet_counts(STALE_AFTER).await }))
+        .read(|tx| {
+            Box::pin(async move {
+                tx.fleet_counts(RecoveryThresholds::default().stale_after())
+                    .await
+            })
+        })
         .await
         .unwrap();
     assert_eq!(c.machines, 9);

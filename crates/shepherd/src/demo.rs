@@ -23,11 +23,8 @@ use shepherd_server::{
     dev_certs, load_server_config, serve, BmaasService, ServerLimits, SessionPool,
 };
 
+use crate::flags::duration;
 use crate::fleet::{run_loops, shutdown_on_signals, FleetSettings, LoopSettings};
-
-fn duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s).map_err(|e| format!("{e} (want e.g. 500ms, 2s, 5m)"))
-}
 
 /// Settings of the demo.
 #[derive(Debug, Clone, Args)]
@@ -283,6 +280,7 @@ pub async fn run(args: DemoArgs) -> Result<()> {
     let app = crate::metrics_http::router(registry).merge(crate::web::router(
         db.clone(),
         Duration::from_secs(2),
+        settings.recovery,
         Some(settings.recovery_brake_metrics.clone()),
     ));
     let http = match crate::metrics_http::serve(

@@ -12,7 +12,7 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use shepherd_bmdb::{Bmdb, Process, RecoveryThresholds, Retrieval, STALE_AFTER};
+use shepherd_bmdb::{Bmdb, Process, RecoveryThresholds, Retrieval};
 use shepherd_proto::bmaas::AgentHardwareReport;
 use shepherd_proto::Message;
 use tokio_util::sync::CancellationToken;
@@ -75,12 +75,12 @@ impl FleetStats {
         );
         r.register(
             "machines_heartbeating",
-            "Machines whose agent heartbeated within the last 10 minutes",
+            "Machines whose agent heartbeated within the recoverer's silence threshold (--recovery-heartbeat-older-than)",
             self.heartbeating.clone(),
         );
         r.register(
             "machines_stale",
-            "Machines whose agent heartbeated, but not within the last 10 minutes",
+            "Machines whose agent heartbeated, but not within the recoverer's silence threshold",
             self.stale.clone(),
         );
         r.register(
@@ -150,7 +150,7 @@ impl FleetStats {
         let (counts, eligible) = db
             .read(move |tx| {
                 Box::pin(async move {
-                    let counts = tx.fleet_counts(STALE_AFTER).await?;
+                    let counts = tx.fleet_counts(thresholds.stale_after()).await?;
                     let mut eligible = BTreeMap::new();
                     for (provider, _) in &counts.provided {
                         for (process, retrieval) in [

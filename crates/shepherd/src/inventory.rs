@@ -22,8 +22,17 @@ pub struct Listing {
     pub machines: Vec<MachineSummary>,
     /// Where the next page starts, if the scan stopped before the end of the table.
     pub next: Option<Uuid>,
-    /// The database clock-independent time the states were derived at.
+    /// When the states were derived (the database's clock).
     pub now: DateTime<Utc>,
+    /// How old a last heartbeat must be to count as stale.
+    pub stale_after: chrono::Duration,
+}
+
+impl Listing {
+    /// The lifecycle state of one of the listed machines.
+    pub fn state_of(&self, m: &MachineSummary) -> Lifecycle {
+        m.lifecycle(self.now, self.stale_after)
+    }
 }
 
 /// Lists up to `limit` machines after `after` that match the filters. At most `scan_budget`
@@ -36,6 +45,7 @@ pub async fn list(
     after: Option<Uuid>,
     limit: usize,
     scan_budget: usize,
+    stale_after: chrono::Duration,
 ) -> Result<Listing> {
     // States are derived with the database's clock, as the loops and the counts derive them.
     let mut now = None;
@@ -59,13 +69,14 @@ pub async fn list(
         for s in page {
             scanned += 1;
             cursor = Some(s.machine_id);
-            if state.is_none_or(|st| s.lifecycle(now) == st) {
+            if state.is_none_or(|st| s.lifecycle(now, stale_after) == st) {
                 machines.push(s);
                 if machines.len() >= limit {
                     return Ok(Listing {
                         machines,
                         next: cursor,
                         now,
+                        stale_after,
                     });
                 }
             }
@@ -75,6 +86,7 @@ pub async fn list(
                 machines,
                 next: None,
                 now,
+                stale_after,
             });
         }
         if scanned >= scan_budget {
@@ -82,6 +94,7 @@ pub async fn list(
                 machines,
                 next: cursor,
                 now,
+                stale_after,
             });
         }
     }
@@ -110,12 +123,21 @@ pub struct Detail {
     pub recovery: Option<Recovery>,
     /// The whole work history, oldest first.
     pub history: Vec<HistoryEntry>,
-    /// When the states were derived.
+    /// When the states were derived (the database's clock).
     pub now: DateTime<Utc>,
+    /// How old a last heartbeat must be to count as stale.
+    pub stale_after: chrono::Duration,
+}
+
+impl Detail {
+    /// The machine's lifecycle state.
+    pub fn state(&self) -> Lifecycle {
+        self.summary.lifecycle(self.now, self.stale_after)
+    }
 }
 
 /// Loads one machine; `None` if it does not exist.
-pub async fn detail(db: &Bmdb, id: Uuid) -> Result<Option<Detail>> {
+pub async fn detail(db: &Bmdb, id: Uuid, stale_after: chrono::Duration) -> Result<Option<Detail>> {
     Ok(db
         .read(move |tx| {
             Box::pin(async move {
@@ -143,6 +165,7 @@ pub async fn detail(db: &Bmdb, id: Uuid) -> Result<Option<Detail>> {
                     recovery: tx.recovery(id).await?,
                     history: tx.machine_history(id).await?,
                     now,
+                    stale_after,
                 }))
             })
         })
@@ -164,11 +187,11 @@ pub fn mac(bytes: &[u8]) -> String {
 }
 
 /// The one-line JSON form of a machine (`machines list --json`).
-pub fn summary_json(s: &MachineSummary, now: DateTime<Utc>) -> Value {
+pub fn summary_json(s: &MachineSummary, state: Lifecycle) -> Value {
     let p = s.provided.as_ref();
     json!({
         "machine_id": s.machine_id.to_string(),
-        "state": s.lifecycle(now).label(),
+        "state": state.label(),
         "provider": p.map(|p| p.provider.to_string()),
         "provider_id": p.map(|p| p.provider_id.clone()),
         "address": p.and_then(|p| p.ip_address.clone()),
@@ -197,7 +220,7 @@ pub fn describe_request(r: &OsInstallationRequest) -> String {
 
 /// The JSON form of everything about a machine (`machines show --json`).
 pub fn detail_json(d: &Detail) -> Value {
-    let mut v = summary_json(&d.summary, d.now);
+    let mut v = summary_json(&d.summary, d.state());
     v["agent_started_at"] = json!(d.agent.as_ref().map(|a| a.started_at.to_rfc3339()));
     v["agent_key"] = json!(d.agent.as_ref().map(|a| hex(&a.public_key)));
     v["ssh_host_key"] = json!(d.host_key.as_ref().map(|k| k.key.clone()));

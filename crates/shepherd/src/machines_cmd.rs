@@ -1,5 +1,6 @@
 //! `shepherd machines …` and `shepherd sessions list`: what the BMDB knows, for operators.
 
+use crate::flags::ThresholdArgs;
 use anyhow::{bail, Context, Result};
 use clap::Subcommand;
 use serde_json::Value;
@@ -35,6 +36,9 @@ pub enum MachinesCommand {
         /// JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// The recoverer's thresholds (what counts as stale).
+        #[command(flatten)]
+        thresholds: ThresholdArgs,
     },
     /// Every tag of one machine, its work, backoffs and history.
     Show {
@@ -43,6 +47,9 @@ pub enum MachinesCommand {
         /// JSON instead of text.
         #[arg(long)]
         json: bool,
+        /// The recoverer's thresholds (what counts as stale).
+        #[command(flatten)]
+        thresholds: ThresholdArgs,
     },
     /// The work history of one machine.
     History {
@@ -163,15 +170,25 @@ async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
             after,
             limit,
             json,
+            thresholds,
         } => {
             let provider: Option<shepherd_bmdb::Provider> = provider
                 .map(|p| p.parse().with_context(|| format!("provider {p:?}")))
                 .transpose()?;
-            let listing = inventory::list(db, provider, state, after, limit, usize::MAX).await?;
+            let listing = inventory::list(
+                db,
+                provider,
+                state,
+                after,
+                limit,
+                usize::MAX,
+                thresholds.thresholds().stale_after(),
+            )
+            .await?;
             let rows: Vec<Value> = listing
                 .machines
                 .iter()
-                .map(|m| inventory::summary_json(m, listing.now))
+                .map(|m| inventory::summary_json(m, listing.state_of(m)))
                 .collect();
             if json {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
@@ -196,8 +213,13 @@ async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
                 );
             }
         }
-        MachinesCommand::Show { id, json } => {
-            let Some(detail) = inventory::detail(db, id).await? else {
+        MachinesCommand::Show {
+            id,
+            json,
+            thresholds,
+        } => {
+            let stale_after = thresholds.thresholds().stale_after();
+            let Some(detail) = inventory::detail(db, id, stale_after).await? else {
                 bail!("machine {id} does not exist");
             };
             let v = inventory::detail_json(&detail);

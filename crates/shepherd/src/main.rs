@@ -8,6 +8,7 @@ mod config_cmd;
 mod config_file;
 mod demo;
 mod fds;
+mod flags;
 mod fleet;
 mod fleet_stats;
 mod inventory;

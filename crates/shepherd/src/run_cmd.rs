@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
-use shepherd_bmdb::{Backoff, Bmdb, OpenOptions, Provider as ProviderKind, RecoveryThresholds};
+use shepherd_bmdb::{Backoff, Bmdb, OpenOptions, Provider as ProviderKind};
 use shepherd_equinix::{Client, EquinixConfig, EquinixProvider, RetryPolicy};
 use shepherd_loops::brake::{BrakeConfig, BrakeMetrics};
 use shepherd_loops::initializer::InitializerConfig;
@@ -23,6 +23,7 @@ use shepherd_loops::static_provider::StaticProvider;
 use shepherd_loops::transport::{SshTransport, Transport};
 use shepherd_ssh::{load_or_generate_key, public_key_openssh, Auth, SshClient, SshConfig};
 
+use crate::flags::{duration, ThresholdArgs};
 use crate::fleet::{run_loops, shutdown_on_signals, FleetSettings, LoopSettings};
 
 /// Where machines come from.
@@ -58,10 +59,6 @@ impl From<StaticKind> for ProviderKind {
             StaticKind::None => ProviderKind::None,
         }
     }
-}
-
-pub(crate) fn duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s).map_err(|e| format!("{e} (want e.g. 500ms, 2s, 5m)"))
 }
 
 /// Settings of `shepherd run` (SPEC §17).
@@ -136,9 +133,9 @@ pub struct RunArgs {
     /// Recoverer: BMDB query rate, "DURATION,BURST".
     #[arg(long, env = "SHEPHERD_RECOVERER_DB_RATE", default_value = "250ms,8")]
     pub recoverer_db_rate: RateSpec,
-    /// Recoverer: reboot when an agent never heartbeated this long after its start.
-    #[arg(long, env = "SHEPHERD_RECOVERY_NO_HEARTBEAT_AFTER", default_value = "30m", value_parser = duration)]
-    pub recovery_no_heartbeat_after: Duration,
+    /// Recoverer thresholds (also what views call stale).
+    #[command(flatten)]
+    pub thresholds: ThresholdArgs,
     /// Recoverer: stop rebooting while more than this share of the provider's machines have
     /// no recent heartbeat at once (the server or the network is the likelier cause).
     #[arg(long, env = "SHEPHERD_RECOVERY_BRAKE_SHARE", default_value_t = 0.5)]
@@ -158,9 +155,6 @@ pub struct RunArgs {
     /// heartbeating, until an operator runs `shepherd machines retry` (0: never give up).
     #[arg(long, env = "SHEPHERD_RECOVERY_GIVE_UP_AFTER", default_value_t = 6)]
     pub recovery_give_up_after: u32,
-    /// Recoverer: reboot when the last heartbeat is older than this.
-    #[arg(long, env = "SHEPHERD_RECOVERY_HEARTBEAT_OLDER_THAN", default_value = "10m", value_parser = duration)]
-    pub recovery_heartbeat_older_than: Duration,
 
     /// Agent executable uploaded to each machine (not needed with the sim provider).
     #[arg(long, env = "SHEPHERD_AGENT_EXECUTABLE")]
@@ -333,10 +327,7 @@ impl RunArgs {
                 parallelism: self.recoverer_parallelism.max(1),
                 db_rate: self.recoverer_db_rate,
             },
-            recovery: RecoveryThresholds {
-                no_heartbeat_after_start: self.recovery_no_heartbeat_after,
-                heartbeat_older_than: self.recovery_heartbeat_older_than,
-            },
+            recovery: self.thresholds.thresholds(),
             recoverer_backoff: Backoff::exponential(
                 Duration::from_secs(60),
                 Duration::from_secs(3600),
@@ -532,6 +523,7 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
     let app = crate::metrics_http::router(registry).merge(crate::web::router(
         db.clone(),
         Duration::from_secs(5),
+        settings.recovery,
         Some(settings.recovery_brake_metrics.clone()),
     ));
     let metrics =

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use shepherd_bmdb::{Bmdb, OpenOptions, Processor, RecoveryThresholds, SessionConfig};
+use shepherd_bmdb::{Bmdb, OpenOptions, Processor, SessionConfig};
 use shepherd_server::{
     dev_certs, load_server_config, serve_with_metrics, BmaasService, ConnectionMetrics,
     ServerLimits, SessionPool,
@@ -21,6 +21,10 @@ pub struct ServerArgs {
     /// TOML file whose keys are these flags' names; flags and environment variables win.
     #[arg(long, env = "SHEPHERD_CONFIG")]
     pub config: Option<PathBuf>,
+    /// The recoverer's thresholds, so that this server's web UI and gauges call the same
+    /// machines stale (and eligible for recovery) as the site's `shepherd run` does.
+    #[command(flatten)]
+    pub thresholds: crate::flags::ThresholdArgs,
     /// Apply pending BMDB migrations at start-up.
     #[arg(long, env = "SHEPHERD_MIGRATE")]
     pub migrate: bool,
@@ -49,17 +53,17 @@ pub struct ServerArgs {
     #[arg(long, env = "SHEPHERD_HTTP_LISTEN", default_value = "127.0.0.1:9465")]
     pub http_listen: SocketAddr,
     /// How often web UI pages reload themselves; 0s turns it off.
-    #[arg(long, env = "SHEPHERD_WEB_REFRESH", default_value = "5s", value_parser = crate::run_cmd::duration)]
+    #[arg(long, env = "SHEPHERD_WEB_REFRESH", default_value = "5s", value_parser = crate::flags::duration)]
     pub web_refresh: std::time::Duration,
     /// How often the fleet statistics gauges are recomputed from the BMDB.
-    #[arg(long, env = "SHEPHERD_STATS_INTERVAL", default_value = "30s", value_parser = crate::run_cmd::duration)]
+    #[arg(long, env = "SHEPHERD_STATS_INTERVAL", default_value = "30s", value_parser = crate::flags::duration)]
     pub stats_interval: std::time::Duration,
     /// BMDB sessions shared by all requests.
     #[arg(long, env = "SHEPHERD_SERVER_SESSIONS", default_value_t = 4)]
     pub sessions: usize,
 
     /// A TLS handshake must finish within this.
-    #[arg(long, env = "SHEPHERD_SERVER_HANDSHAKE_TIMEOUT", default_value = "5s", value_parser = crate::run_cmd::duration)]
+    #[arg(long, env = "SHEPHERD_SERVER_HANDSHAKE_TIMEOUT", default_value = "5s", value_parser = crate::flags::duration)]
     pub handshake_timeout: Duration,
     /// TLS handshakes in progress, in all.
     #[arg(
@@ -90,16 +94,16 @@ pub struct ServerArgs {
     )]
     pub max_connections_per_peer: usize,
     /// Close a connection that made no request for this long (a few agent heartbeat intervals).
-    #[arg(long, env = "SHEPHERD_SERVER_IDLE_TIMEOUT", default_value = "2m", value_parser = crate::run_cmd::duration)]
+    #[arg(long, env = "SHEPHERD_SERVER_IDLE_TIMEOUT", default_value = "2m", value_parser = crate::flags::duration)]
     pub idle_timeout: Duration,
     /// Close a connection that made no authorized agent request this long after its handshake.
-    #[arg(long, env = "SHEPHERD_SERVER_UNAUTHENTICATED_TIMEOUT", default_value = "30s", value_parser = crate::run_cmd::duration)]
+    #[arg(long, env = "SHEPHERD_SERVER_UNAUTHENTICATED_TIMEOUT", default_value = "30s", value_parser = crate::flags::duration)]
     pub unauthenticated_timeout: Duration,
     /// HTTP/2 ping interval on quiet connections.
-    #[arg(long, env = "SHEPHERD_SERVER_KEEPALIVE_INTERVAL", default_value = "1m", value_parser = crate::run_cmd::duration)]
+    #[arg(long, env = "SHEPHERD_SERVER_KEEPALIVE_INTERVAL", default_value = "1m", value_parser = crate::flags::duration)]
     pub keepalive_interval: Duration,
     /// Close a connection whose ping is not answered within this.
-    #[arg(long, env = "SHEPHERD_SERVER_KEEPALIVE_TIMEOUT", default_value = "20s", value_parser = crate::run_cmd::duration)]
+    #[arg(long, env = "SHEPHERD_SERVER_KEEPALIVE_TIMEOUT", default_value = "20s", value_parser = crate::flags::duration)]
     pub keepalive_timeout: Duration,
 }
 
@@ -164,7 +168,7 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     let cancel = shutdown_on_signals();
     let mut registry = crate::metrics_http::registry_with_fleet_stats(
         &db,
-        RecoveryThresholds::default(),
+        args.thresholds.thresholds(),
         args.stats_interval,
         cancel.clone(),
     );
@@ -176,6 +180,7 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
         crate::metrics_http::router(registry).merge(crate::web::router(
             db.clone(),
             args.web_refresh,
+            args.thresholds.thresholds(),
             None,
         )),
         cancel.clone(),

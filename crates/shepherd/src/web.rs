@@ -12,7 +12,7 @@ use axum::Router;
 use chrono::{DateTime, Utc};
 use maud::{html, Markup, PreEscaped, DOCTYPE};
 use serde::Deserialize;
-use shepherd_bmdb::{Bmdb, FleetCounts, Lifecycle, Provider, SessionInfo, STALE_AFTER};
+use shepherd_bmdb::{Bmdb, FleetCounts, Lifecycle, Provider, RecoveryThresholds, SessionInfo};
 use shepherd_loops::brake::{BrakeMetrics, BrakeStatus};
 use uuid::Uuid;
 
@@ -29,6 +29,8 @@ struct Ui {
     db: Bmdb,
     /// Seconds between automatic page refreshes; 0 turns them off.
     refresh: u64,
+    /// How old a last heartbeat must be to count as stale (the recoverer's threshold).
+    stale_after: chrono::Duration,
     /// The recovery brake of the recoverer in this process, if one runs here.
     brake: Option<BrakeMetrics>,
 }
@@ -36,7 +38,12 @@ struct Ui {
 /// The UI's routes (`/`, `/machines`, `/machines/{id}`, `/sessions`, `/sessions/{id}`); pages
 /// reload themselves every `refresh` (zero: never). With `brake`, the machines page says
 /// whether this process's recoverer is braked.
-pub fn router(db: Bmdb, refresh: std::time::Duration, brake: Option<BrakeMetrics>) -> Router {
+pub fn router(
+    db: Bmdb,
+    refresh: std::time::Duration,
+    thresholds: RecoveryThresholds,
+    brake: Option<BrakeMetrics>,
+) -> Router {
     Router::new()
         .route("/", get(|| async { Redirect::to("/machines") }))
         .route("/machines", get(machines))
@@ -46,6 +53,7 @@ pub fn router(db: Bmdb, refresh: std::time::Duration, brake: Option<BrakeMetrics
         .with_state(Arc::new(Ui {
             db,
             refresh: refresh.as_secs(),
+            stale_after: thresholds.stale_after(),
             brake,
         }))
 }
@@ -193,10 +201,20 @@ async fn machines(
             }
         },
     };
-    let listing = inventory::list(&ui.db, provider, state, after, limit, SCAN_BUDGET).await?;
+    let stale_after = ui.stale_after;
+    let listing = inventory::list(
+        &ui.db,
+        provider,
+        state,
+        after,
+        limit,
+        SCAN_BUDGET,
+        stale_after,
+    )
+    .await?;
     let counts = ui
         .db
-        .read(|tx| Box::pin(async move { tx.fleet_counts(STALE_AFTER).await }))
+        .read(move |tx| Box::pin(async move { tx.fleet_counts(stale_after).await }))
         .await?;
     let link = |after: Option<Uuid>| {
         let mut params = vec![];
@@ -243,7 +261,7 @@ async fn machines(
             tbody {
                 @for m in &listing.machines {
                     @let p = m.provided.as_ref();
-                    @let st = m.lifecycle(now);
+                    @let st = listing.state_of(m);
                     tr data-machine=(m.machine_id) data-state=(st.slug()) {
                         td.mono { a href={"/machines/" (m.machine_id)} { (m.machine_id) } }
                         td { (state_badge(st)) }
@@ -314,7 +332,7 @@ async fn machine(
     let id: Uuid = id
         .parse()
         .map_err(|e| bad_request(format!("{id:?} is not a machine id: {e}")))?;
-    let Some(d) = inventory::detail(&ui.db, id).await? else {
+    let Some(d) = inventory::detail(&ui.db, id, ui.stale_after).await? else {
         return Err(not_found(format!("machine {id} does not exist")));
     };
     Ok(page(&format!("Machine {id}"), ui.refresh, machine_body(&d)))
@@ -324,7 +342,7 @@ fn machine_body(d: &Detail) -> Markup {
     let now = d.now;
     let s = &d.summary;
     html! {
-        p { "State: " span id="state" { (state_badge(s.lifecycle(now))) } }
+        p { "State: " span id="state" { (state_badge(d.state())) } }
         h2 { "machine_provided" }
         @match &s.provided {
             None => p.muted id="provided" { "Not provided." },

@@ -134,6 +134,30 @@ async fn machines_are_listed_filtered_and_shown() {
     assert_eq!(stale.as_array().unwrap().len(), 1);
     assert_eq!(stale[0]["provider_id"], "box-3");
     assert_eq!(stale[0]["address"], "10.0.0.3");
+    // Stale means what the site's recoverer means: silent for longer than its threshold.
+    let patient = [
+        "machines",
+        "list",
+        "--json",
+        "--state",
+        "stale",
+        "--recovery-heartbeat-older-than",
+        "30m",
+    ];
+    assert_eq!(json(&shepherd(&url, &patient)).as_array().unwrap().len(), 0);
+    let box3 = stale[0]["machine_id"].as_str().unwrap();
+    let shown = json(&shepherd(
+        &url,
+        &[
+            "machines",
+            "show",
+            box3,
+            "--json",
+            "--recovery-heartbeat-older-than",
+            "30m",
+        ],
+    ));
+    assert_eq!(shown["state"], "heartbeating", "{shown}");
     let sim = json(&shepherd(
         &url,
         &["machines", "list", "--json", "--provider", "Sim"],

@@ -42,8 +42,14 @@ fn screenshot_dir() -> PathBuf {
 
 /// `shepherd server` on free ports over `url`; returns it and its web UI base URL.
 fn start_server(url: &str, dir: &Path) -> (Guard, String) {
+    start_server_with(url, dir, &[])
+}
+
+/// [`start_server`] with more flags.
+fn start_server_with(url: &str, dir: &Path, flags: &[&str]) -> (Guard, String) {
     let child = shepherd()
         .args(["server", "--database", url, "--listen", "127.0.0.1:0"])
+        .args(flags)
         .args(["--http-listen", "127.0.0.1:0"])
         // A reload in the middle of reading a page would detach the elements being read.
         .args(["--web-refresh", "0s"])
@@ -421,5 +427,69 @@ async fn web_ui_shows_what_the_bmdb_holds() {
 
     c.close().await.unwrap();
     holder.close().await.unwrap();
+    t.cleanup().await;
+}
+
+/// What the server's page and gauges call stale follows the recoverer's threshold: with
+/// `--recovery-heartbeat-older-than 30m`, a machine silent for 11 minutes is heartbeating.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_follows_the_recoverers_threshold() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = testing::sqlite().await;
+    let (seeded, _holder) = testing::seed_every_state(&t.db).await;
+    let silent = seeded
+        .iter()
+        .find(|m| m.state == Lifecycle::Stale)
+        .unwrap()
+        .id;
+    let (_server, base) = start_server_with(
+        &t.url,
+        dir.path(),
+        &[
+            "--recovery-heartbeat-older-than",
+            "30m",
+            "--stats-interval",
+            "1s",
+        ],
+    );
+    let page = reqwest::get(format!("{base}/machines/{silent}"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(page.contains("s-heartbeating"), "{page}");
+    let list = reqwest::get(format!("{base}/machines?state=stale"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(!list.contains(&silent.to_string()), "{list}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let metrics = reqwest::get(format!("{base}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let gauge = |name: &str| {
+            metrics
+                .lines()
+                .find_map(|l| l.strip_prefix(name)?.trim().parse::<f64>().ok())
+        };
+        if let (Some(stale), Some(heartbeating)) = (
+            gauge("shepherd_fleet_machines_stale "),
+            gauge("shepherd_fleet_machines_heartbeating "),
+        ) {
+            if heartbeating > 0.0 {
+                assert_eq!(stale, 0.0, "{metrics}");
+                break;
+            }
+        }
+        assert!(Instant::now() < deadline, "no fleet gauges: {metrics}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     t.cleanup().await;
 }

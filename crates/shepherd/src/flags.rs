@@ -1,0 +1,35 @@
+//! Flags that more than one subcommand takes: the duration parser and the recoverer's
+//! thresholds, which also decide what the web UI, `machines` and the fleet gauges call stale, so
+//! that every process of a site says "stale" about the machines its recoverer would reboot.
+
+use std::time::Duration;
+
+use clap::Args;
+use shepherd_bmdb::RecoveryThresholds;
+
+/// Parses a human duration (`500ms`, `2s`, `5m`, `1h`).
+pub(crate) fn duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("{e} (want e.g. 500ms, 2s, 5m)"))
+}
+
+/// When the recoverer counts an agent as lost (SPEC §9).
+#[derive(Debug, Clone, Args)]
+pub struct ThresholdArgs {
+    /// Recoverer: reboot when an agent never heartbeated this long after its start.
+    #[arg(long, env = "SHEPHERD_RECOVERY_NO_HEARTBEAT_AFTER", default_value = "30m", value_parser = duration)]
+    pub recovery_no_heartbeat_after: Duration,
+    /// Recoverer: reboot when the last heartbeat is older than this. Views and gauges call
+    /// such a machine stale.
+    #[arg(long, env = "SHEPHERD_RECOVERY_HEARTBEAT_OLDER_THAN", default_value = "10m", value_parser = duration)]
+    pub recovery_heartbeat_older_than: Duration,
+}
+
+impl ThresholdArgs {
+    /// The thresholds these flags set.
+    pub fn thresholds(&self) -> RecoveryThresholds {
+        RecoveryThresholds {
+            no_heartbeat_after_start: self.recovery_no_heartbeat_after,
+            heartbeat_older_than: self.recovery_heartbeat_older_than,
+        }
+    }
+}
