@@ -194,9 +194,9 @@ impl Bmdb {
     pub async fn connect(url: &str, opts: &OpenOptions) -> Result<Bmdb, Error> {
         let parsed = DatabaseUrl::parse(url)?;
         let target = parsed.display_target();
-        let connect_err = |source| Error::Connect {
+        let connect_err = |error| Error::Connect {
             target: target.clone(),
-            source,
+            error,
         };
         let pools = match parsed {
             DatabaseUrl::Sqlite(path) => {

@@ -1,4 +1,5 @@
-//! The one error type of the BMDB library.
+//! The one error type of the BMDB library. Messages carry their cause in their text and do
+//! not also name it as `source()`, so a cause is printed once however the error is shown.
 
 /// Everything that can go wrong talking to the BMDB.
 #[derive(Debug, thiserror::Error)]
@@ -14,13 +15,12 @@ pub enum Error {
         reason: String,
     },
     /// The database could not be reached or opened.
-    #[error("cannot connect to database {target}: {source}")]
+    #[error("cannot connect to database {target}: {error}")]
     Connect {
         /// Where we tried to connect (no password).
         target: String,
         /// The driver's error.
-        #[source]
-        source: sqlx::Error,
+        error: sqlx::Error,
     },
     /// The SQLite database file does not exist and we were not asked to create it.
     #[error("database file {0} does not exist; create it with `shepherd bmdb migrate`")]
@@ -69,7 +69,13 @@ pub enum Error {
     },
     /// A database error that was not retried or kept failing after retries.
     #[error("database error: {0}")]
-    Database(#[from] sqlx::Error),
+    Database(sqlx::Error),
+}
+
+impl From<sqlx::Error> for Error {
+    fn from(e: sqlx::Error) -> Self {
+        Error::Database(e)
+    }
 }
 
 impl Error {

@@ -78,6 +78,22 @@ pub enum ApiError {
     Decode(String),
 }
 
+/// An error's text followed by its causes' (reqwest says "error sending request" and keeps
+/// "connection refused" in its source), so that the transport error carries the whole story.
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let next = c.to_string();
+        if !text.ends_with(&next) {
+            text.push_str(": ");
+            text.push_str(&next);
+        }
+        cause = c.source();
+    }
+    text
+}
+
 impl ApiError {
     /// Whether trying again may help.
     pub fn retryable(&self) -> bool {
@@ -164,7 +180,7 @@ impl Client {
         let mut resp = req
             .send()
             .await
-            .map_err(|e| ApiError::Transport(e.without_url().to_string()))?;
+            .map_err(|e| ApiError::Transport(with_causes(&e.without_url())))?;
         let status = resp.status();
         let retry_after = resp
             .headers()
@@ -173,11 +189,12 @@ impl Client {
             .and_then(|v| v.trim().parse::<u64>().ok())
             .map(Duration::from_secs);
         let mut bytes = Vec::new();
-        while let Some(chunk) = resp
-            .chunk()
-            .await
-            .map_err(|e| ApiError::Transport(format!("reading the body: {}", e.without_url())))?
-        {
+        while let Some(chunk) = resp.chunk().await.map_err(|e| {
+            ApiError::Transport(format!(
+                "reading the body: {}",
+                with_causes(&e.without_url())
+            ))
+        })? {
             if bytes.len() + chunk.len() > MAX_BODY_BYTES {
                 return Err(ApiError::Decode(format!(
                     "body larger than {MAX_BODY_BYTES} bytes"

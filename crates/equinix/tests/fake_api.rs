@@ -549,3 +549,30 @@ async fn the_recoverer_reboots_silent_devices_through_the_api() {
     }
     t.cleanup().await;
 }
+
+/// A transport failure names its cause ("connection refused"), not only reqwest's "error
+/// sending request".
+#[tokio::test]
+async fn an_unreachable_api_says_why() {
+    // A port that was just free: nothing listens there.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let client = Client::new(
+        &format!("http://127.0.0.1:{port}"),
+        "token",
+        "project",
+        RetryPolicy {
+            attempts: 1,
+            base_delay: Duration::from_millis(1),
+            max_delay: Duration::from_millis(1),
+            timeout: Duration::from_secs(5),
+        },
+        Arc::new(CallMetrics::default()),
+    )
+    .unwrap();
+    let err = client.list_devices().await.unwrap_err().to_string();
+    assert!(err.to_lowercase().contains("refused"), "{err}");
+}

@@ -368,7 +368,7 @@ mod tests {
         let refused = TakeoverFailure::from_transport(
             anyhow::Error::from(SshError::Connect {
                 addr: "192.0.2.1:22".into(),
-                source: std::io::ErrorKind::ConnectionRefused.into(),
+                error: std::io::ErrorKind::ConnectionRefused.into(),
             })
             .context("connecting"),
         );

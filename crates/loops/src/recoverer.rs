@@ -30,7 +30,7 @@ pub enum RecoveryError {
     Read(shepherd_bmdb::Error),
     /// Finishing failed after the reboot: the machine may well have been rebooted.
     #[error("recording the reboot: {0}")]
-    Finish(#[from] shepherd_bmdb::Error),
+    Finish(shepherd_bmdb::Error),
     /// The machine has no `machine_provided` tag.
     #[error("machine has no provided tag")]
     NotProvided,
@@ -45,6 +45,13 @@ pub enum RecoveryError {
     /// The reboot failed (the BMC or the provider's API said no, or did not answer).
     #[error("rebooting: {0:#}")]
     Reboot(ProviderError),
+}
+
+impl From<shepherd_bmdb::Error> for RecoveryError {
+    /// A failed finish (the runner converts it): the reboot happened before.
+    fn from(e: shepherd_bmdb::Error) -> Self {
+        RecoveryError::Finish(e)
+    }
 }
 
 /// How long "left alone" lasts: until an operator acts.

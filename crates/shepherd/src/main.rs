@@ -181,19 +181,8 @@ async fn main() {
     }
 }
 
-/// The error and its causes on one line, skipping causes whose text an outer message already
-/// includes (many driver errors embed their source in their own message).
+/// The error and its causes on one line. Shepherd's own errors carry their cause in their
+/// message without also naming it as `source()`, so each cause appears once.
 fn error_chain(e: &anyhow::Error) -> String {
-    let mut text = String::new();
-    for cause in e.chain() {
-        let msg = cause.to_string();
-        if text.contains(&msg) {
-            continue;
-        }
-        if !text.is_empty() {
-            text.push_str(": ");
-        }
-        text.push_str(&msg);
-    }
-    text
+    format!("{e:#}")
 }

@@ -186,9 +186,9 @@ impl SshClient {
         let attempt = async {
             let socket = tokio::net::TcpStream::connect(&target)
                 .await
-                .map_err(|source| SshError::Connect {
+                .map_err(|error| SshError::Connect {
                     addr: target.clone(),
-                    source,
+                    error,
                 })?;
             let _ = socket.set_nodelay(true);
             let mut handle = match client::connect_stream(self.russh.clone(), socket, handler).await

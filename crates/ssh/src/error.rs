@@ -1,4 +1,5 @@
 //! What can go wrong talking to a machine, worded so the text is a useful work-failure cause.
+//! Messages carry their cause in their text and do not also name it as `source()`.
 
 use std::time::Duration;
 
@@ -6,12 +7,12 @@ use std::time::Duration;
 #[derive(Debug, thiserror::Error)]
 pub enum SshError {
     /// The TCP connection could not be made.
-    #[error("connecting to {addr}: {source}")]
+    #[error("connecting to {addr}: {error}")]
     Connect {
         /// Where we tried to connect.
         addr: String,
         /// Why it failed.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// TCP connect, SSH handshake and authentication did not finish in time.
     #[error("connecting to {addr}: no SSH session after {after:?}")]
@@ -40,7 +41,7 @@ pub enum SshError {
     },
     /// The SSH protocol failed (disconnect, bad packet...).
     #[error("ssh: {0}")]
-    Protocol(#[from] russh::Error),
+    Protocol(russh::Error),
     /// The SFTP upload failed.
     #[error("sftp upload to {path}: {message}")]
     Sftp {
@@ -55,4 +56,10 @@ pub enum SshError {
         /// The exec timeout.
         after: Duration,
     },
+}
+
+impl From<russh::Error> for SshError {
+    fn from(e: russh::Error) -> Self {
+        SshError::Protocol(e)
+    }
 }

@@ -22,12 +22,12 @@ pub enum KeyError {
         mode: u32,
     },
     /// Reading or writing the file failed.
-    #[error("SSH key {path}: {source}")]
+    #[error("SSH key {path}: {error}")]
     Io {
         /// The key file.
         path: PathBuf,
         /// Why.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// The file is not an OpenSSH private key we can use.
     #[error("SSH key {path}: {message}")]
@@ -42,9 +42,9 @@ pub enum KeyError {
 /// Loads the ed25519 private key at `path`, or, if there is no file, generates one and writes it
 /// there (OpenSSH format, mode 0400, never overwriting a file that appears meanwhile).
 pub fn load_or_generate_key(path: &Path) -> Result<PrivateKey, KeyError> {
-    let io = |source| KeyError::Io {
+    let io = |error| KeyError::Io {
         path: path.to_owned(),
-        source,
+        error,
     };
     match std::fs::metadata(path) {
         Ok(meta) => {
