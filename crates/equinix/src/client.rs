@@ -3,6 +3,7 @@
 //! truncated or undecodable bodies. Creations are never retried here: a retried POST could create
 //! a second device, so the provider decides (it looks for the device first).
 
+use shepherd_loops::causes::reqwest_causes;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -76,22 +77,6 @@ pub enum ApiError {
     /// The body was not the JSON expected (or was cut short).
     #[error("undecodable response: {0}")]
     Decode(String),
-}
-
-/// An error's text followed by its causes' (reqwest says "error sending request" and keeps
-/// "connection refused" in its source), so that the transport error carries the whole story.
-fn with_causes(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        let next = c.to_string();
-        if !text.ends_with(&next) {
-            text.push_str(": ");
-            text.push_str(&next);
-        }
-        cause = c.source();
-    }
-    text
 }
 
 impl ApiError {
@@ -180,7 +165,7 @@ impl Client {
         let mut resp = req
             .send()
             .await
-            .map_err(|e| ApiError::Transport(with_causes(&e.without_url())))?;
+            .map_err(|e| ApiError::Transport(reqwest_causes(e)))?;
         let status = resp.status();
         let retry_after = resp
             .headers()
@@ -189,12 +174,11 @@ impl Client {
             .and_then(|v| v.trim().parse::<u64>().ok())
             .map(Duration::from_secs);
         let mut bytes = Vec::new();
-        while let Some(chunk) = resp.chunk().await.map_err(|e| {
-            ApiError::Transport(format!(
-                "reading the body: {}",
-                with_causes(&e.without_url())
-            ))
-        })? {
+        while let Some(chunk) = resp
+            .chunk()
+            .await
+            .map_err(|e| ApiError::Transport(format!("reading the body: {}", reqwest_causes(e))))?
+        {
             if bytes.len() + chunk.len() > MAX_BODY_BYTES {
                 return Err(ApiError::Decode(format!(
                     "body larger than {MAX_BODY_BYTES} bytes"

@@ -12,7 +12,7 @@ use shepherd_proto::Message;
 use shepherd_ssh::SshError;
 use uuid::Uuid;
 
-use crate::provider::{Provider, ProviderError};
+use crate::provider::{look_up, LookupFailed, Provider};
 use crate::runner::{Commit, MachineTask, OnError};
 use crate::transport::{AgentRun, Transport};
 
@@ -95,13 +95,8 @@ pub enum TakeoverFailure {
     #[error("machine has no provided tag")]
     NotProvided,
     /// The provider could not be asked about the machine.
-    #[error("looking up {provider_id} at the provider: {error:#}")]
-    Lookup {
-        /// The machine's provider id.
-        provider_id: String,
-        /// What the provider said.
-        error: ProviderError,
-    },
+    #[error(transparent)]
+    Lookup(#[from] LookupFailed),
     /// The provider knows the machine but has no address for it yet (still provisioning).
     #[error("the provider has no address for this machine")]
     NoAddress,
@@ -252,14 +247,7 @@ impl<P: Provider + 'static> MachineTask for Initializer<P> {
             .await?;
         let provided = provided.ok_or(TakeoverFailure::NotProvided)?;
         tracing::Span::current().record("provider_id", provided.provider_id.as_str());
-        let at_provider = self
-            .provider
-            .get_machine(&provided.provider_id)
-            .await
-            .map_err(|error| TakeoverFailure::Lookup {
-                provider_id: provided.provider_id.clone(),
-                error,
-            })?;
+        let at_provider = look_up(&*self.provider, &provided.provider_id).await?;
         let addr = at_provider
             .addr
             .filter(|a| !a.is_empty())

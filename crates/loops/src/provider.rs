@@ -72,6 +72,30 @@ pub enum ProviderError {
     Other(#[from] anyhow::Error),
 }
 
+/// A machine could not be looked up at its provider.
+#[derive(Debug, thiserror::Error)]
+#[error("looking up {provider_id} at the provider: {error:#}")]
+pub struct LookupFailed {
+    /// The machine's provider id.
+    pub provider_id: String,
+    /// What the provider said.
+    pub error: ProviderError,
+}
+
+/// Looks `provider_id` up at `provider`, naming it in the error.
+pub async fn look_up<P: Provider + ?Sized>(
+    provider: &P,
+    provider_id: &str,
+) -> Result<ProviderMachine, LookupFailed> {
+    provider
+        .get_machine(provider_id)
+        .await
+        .map_err(|error| LookupFailed {
+            provider_id: provider_id.to_string(),
+            error,
+        })
+}
+
 /// A source of machines. Providers are not called concurrently.
 #[async_trait]
 pub trait Provider: Send + Sync {

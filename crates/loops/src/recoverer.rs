@@ -19,7 +19,7 @@ use shepherd_bmdb::{Backoff, Process, Processor, RecoveryThresholds, Retrieval, 
 use uuid::Uuid;
 
 use crate::brake::Brake;
-use crate::provider::{ProviderError, Recoverer as RecovererProvider};
+use crate::provider::{look_up, LookupFailed, ProviderError, Recoverer as RecovererProvider};
 use crate::runner::{Commit, MachineTask, OnError};
 
 /// Why a recovery failed; [`Recoverer`]'s error policy decides per kind.
@@ -35,13 +35,8 @@ pub enum RecoveryError {
     #[error("machine has no provided tag")]
     NotProvided,
     /// The provider could not be asked about the machine.
-    #[error("looking up {provider_id} at the provider: {error:#}")]
-    Lookup {
-        /// The machine's provider id.
-        provider_id: String,
-        /// What the provider said.
-        error: ProviderError,
-    },
+    #[error(transparent)]
+    Lookup(#[from] LookupFailed),
     /// The reboot failed (the BMC or the provider's API said no, or did not answer).
     #[error("rebooting: {0:#}")]
     Reboot(ProviderError),
@@ -250,14 +245,7 @@ impl<P: RecovererProvider + 'static> MachineTask for Recoverer<P> {
             .map_err(RecoveryError::Read)?;
         let provided = provided.ok_or(RecoveryError::NotProvided)?;
         tracing::Span::current().record("provider_id", provided.provider_id.as_str());
-        let at_provider = self
-            .provider
-            .get_machine(&provided.provider_id)
-            .await
-            .map_err(|error| RecoveryError::Lookup {
-                provider_id: provided.provider_id.clone(),
-                error,
-            })?;
+        let at_provider = look_up(&*self.provider, &provided.provider_id).await?;
         self.provider
             .reboot(&at_provider)
             .await

@@ -3,6 +3,7 @@
 //! power state confirmed, else a refusal naming what the system allows. HTTP basic auth; TLS
 //! trusted as [`crate::bmc_tls`] says. Credentials are never logged.
 
+use crate::causes::reqwest_causes;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -173,24 +174,6 @@ impl std::fmt::Debug for Bmc {
     }
 }
 
-/// An HTTP client error with every cause (connection refused, an untrusted certificate, a
-/// timeout), not just reqwest's "error sending request"; the URL is left out (the caller
-/// names the BMC).
-fn cause_chain(e: reqwest::Error) -> String {
-    let e = e.without_url();
-    let mut text = e.to_string();
-    let mut source = std::error::Error::source(&e);
-    while let Some(cause) = source {
-        let msg = cause.to_string();
-        if !text.contains(&msg) {
-            text.push_str(": ");
-            text.push_str(&msg);
-        }
-        source = cause.source();
-    }
-    text
-}
-
 /// A BMC's answer body as one bounded line for a log or a failure cause.
 fn one_line(bytes: &[u8]) -> String {
     const MAX_CHARS: usize = 200;
@@ -275,13 +258,13 @@ impl Bmc {
         let mut resp = req
             .send()
             .await
-            .map_err(|e| anyhow::anyhow!("BMC {}: {}", self.base, cause_chain(e)))?;
+            .map_err(|e| anyhow::anyhow!("BMC {}: {}", self.base, reqwest_causes(e)))?;
         let status = resp.status();
         let mut bytes = Vec::new();
         while let Some(chunk) = resp
             .chunk()
             .await
-            .map_err(|e| anyhow::anyhow!("BMC {}: {}", self.base, cause_chain(e)))?
+            .map_err(|e| anyhow::anyhow!("BMC {}: {}", self.base, reqwest_causes(e)))?
         {
             if bytes.len() + chunk.len() > MAX_BODY_BYTES {
                 bail!(

@@ -373,6 +373,34 @@ async fn recoverer_reboots_silent_machines(db: Bmdb) {
     assert!(sessions.is_empty(), "{sessions:?}");
 }
 
+/// Runs an initializer over `provider` and `transport` with `parallelism` workers until the
+/// returned token is cancelled.
+fn start_initializer(
+    db: &Bmdb,
+    provider: Arc<Dummy>,
+    transport: impl Transport + 'static,
+    parallelism: usize,
+) -> (CancellationToken, tokio::task::JoinHandle<()>) {
+    let init = Initializer::new(
+        provider,
+        Arc::new(transport),
+        InitializerConfig::new(vec![0x7f], "bmaas.example:443"),
+    )
+    .unwrap();
+    let cancel = CancellationToken::new();
+    let run = tokio::spawn(runner::run(
+        db.clone(),
+        Arc::new(init),
+        RunnerConfig {
+            parallelism,
+            db_rate: fast(),
+            session: SessionConfig::new("initializer", Processor::ShepherdInitializer),
+        },
+        cancel.clone(),
+    ));
+    (cancel, run)
+}
+
 /// Runs the agent as a local process instead of over SSH (the SSH path has its own tests
 /// against a real sshd); the agent itself is the real test agent.
 struct LocalTransport;
@@ -422,23 +450,7 @@ async fn initializer_starts_the_agent_on_all_provided(db: Bmdb) {
     }
     s.close().await.unwrap();
 
-    let init = Initializer::new(
-        provider.clone(),
-        Arc::new(LocalTransport),
-        InitializerConfig::new(vec![0x7f], "bmaas.example:443"),
-    )
-    .unwrap();
-    let cancel = CancellationToken::new();
-    let run = tokio::spawn(runner::run(
-        db.clone(),
-        Arc::new(init),
-        RunnerConfig {
-            parallelism: 3,
-            db_rate: fast(),
-            session: SessionConfig::new("initializer", Processor::ShepherdInitializer),
-        },
-        cancel.clone(),
-    ));
+    let (cancel, run) = start_initializer(&db, provider.clone(), LocalTransport, 3);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     let machines = loop {
         let started = db
@@ -526,23 +538,12 @@ async fn a_refused_commit_fails_the_work_with_its_cause(db: Bmdb) {
         })
         .await
         .unwrap();
-    let init = Initializer::new(
+    let (cancel, run) = start_initializer(
+        &db,
         Arc::new(Dummy::with_capacity(1)),
-        Arc::new(PinnedMeanwhile { db: db.clone() }),
-        InitializerConfig::new(vec![0x7f], "bmaas.example:443"),
-    )
-    .unwrap();
-    let cancel = CancellationToken::new();
-    let run = tokio::spawn(runner::run(
-        db.clone(),
-        Arc::new(init),
-        RunnerConfig {
-            parallelism: 1,
-            db_rate: fast(),
-            session: SessionConfig::new("initializer", Processor::ShepherdInitializer),
-        },
-        cancel.clone(),
-    ));
+        PinnedMeanwhile { db: db.clone() },
+        1,
+    );
     let history = |db: Bmdb| async move {
         db.read(move |tx| Box::pin(async move { tx.machine_history(machine).await }))
             .await

@@ -430,6 +430,11 @@ async fn web_ui_shows_what_the_bmdb_holds() {
     t.cleanup().await;
 }
 
+/// The body of a plain GET of `url`.
+async fn text_of(url: &str) -> String {
+    reqwest::get(url).await.unwrap().text().await.unwrap()
+}
+
 /// What the server's page and gauges call stale follows the recoverer's threshold: with
 /// `--recovery-heartbeat-older-than 30m`, a machine silent for 11 minutes is heartbeating.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -452,28 +457,13 @@ async fn stale_follows_the_recoverers_threshold() {
             "1s",
         ],
     );
-    let page = reqwest::get(format!("{base}/machines/{silent}"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let page = text_of(&format!("{base}/machines/{silent}")).await;
     assert!(page.contains("s-heartbeating"), "{page}");
-    let list = reqwest::get(format!("{base}/machines?state=stale"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let list = text_of(&format!("{base}/machines?state=stale")).await;
     assert!(!list.contains(&silent.to_string()), "{list}");
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let metrics = reqwest::get(format!("{base}/metrics"))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let metrics = text_of(&format!("{base}/metrics")).await;
         let gauge = |name: &str| {
             metrics
                 .lines()
