@@ -31,7 +31,7 @@ pub use error::Error;
 pub use metrics::{BmdbMetrics, ClaimSearch};
 pub use migrations::SCHEMA_VERSION;
 pub use model::*;
-pub use session::{AgentHeartbeat, Session, SessionConfig, DEFAULT_SESSION_INTERVAL};
+pub use session::{Session, SessionConfig, DEFAULT_SESSION_INTERVAL};
 pub use summary::{FleetCounts, Lifecycle, MachineSummary};
 pub use tx::{Tx, AGENT_KEY_LEN};
 pub use url::{DatabaseUrl, DEFAULT_DATABASE_URL};

@@ -206,6 +206,34 @@ pub struct OsInstallationReport {
     pub report_raw: Vec<u8>,
 }
 
+/// What an agent sent with a heartbeat, besides the heartbeat itself.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AgentReport {
+    /// A serialized `AgentHardwareReport`.
+    pub hardware: Option<Vec<u8>>,
+    /// An installation report.
+    pub installation: Option<OsInstallationReport>,
+}
+
+impl AgentReport {
+    /// Whether there is nothing but the heartbeat.
+    pub fn is_empty(&self) -> bool {
+        self.hardware.is_none() && self.installation.is_none()
+    }
+}
+
+/// What recording an agent's heartbeat found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AgentHeartbeat {
+    /// The machine is unknown or its agent has another key; nothing was written.
+    Unauthorized,
+    /// The heartbeat (and report) was recorded.
+    Recorded {
+        /// The serialized installation request no report has fulfilled yet, if any.
+        pending_request: Option<Vec<u8>>,
+    },
+}
+
 /// The `machine_ssh_host_key` tag: the pinned SSH host key of a machine.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SshHostKey {

@@ -13,7 +13,7 @@ use crate::db::{Mode, Pools, TxFuture};
 use crate::metrics::WorkResult;
 use crate::transaction::{retrying, Guard};
 use crate::tx::{dispatch, Tx};
-use crate::{Bmdb, Error, Process, Processor};
+use crate::{AgentHeartbeat, AgentReport, Bmdb, Error, Process, Processor};
 
 /// Default keep-alive interval (SPEC §17).
 pub const DEFAULT_SESSION_INTERVAL: Duration = Duration::from_secs(5);
@@ -124,18 +124,6 @@ impl Drop for SessionInner {
     fn drop(&mut self) {
         self.stop_keepalive();
     }
-}
-
-/// What [`Session::agent_heartbeat`] found.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum AgentHeartbeat {
-    /// The machine is unknown or its agent has another key; nothing was written.
-    Unauthorized,
-    /// The heartbeat was recorded.
-    Recorded {
-        /// The serialized installation request no report has fulfilled yet, if any.
-        pending_request: Option<Vec<u8>>,
-    },
 }
 
 /// A live session. Cheap to clone; the keep-alive stops when the last clone is dropped (the
@@ -288,32 +276,32 @@ impl Session {
             .await
     }
 
-    /// Records an agent's heartbeat if `key` is the agent key of `machine` (SPEC §12), and
-    /// returns the pending installation request. The BMaaS server's hot path: on Postgres one
-    /// autocommitted statement, on SQLite one write transaction; the session is checked inside
-    /// either, as for every session transaction.
+    /// The one entry point for what an agent sends (SPEC §12): if `key` is the agent key of
+    /// `machine`, records its heartbeat and `report`, and returns the pending installation
+    /// request; otherwise writes nothing. The BMaaS server's hot path: a bare heartbeat on
+    /// Postgres is one autocommitted statement (the same rule in SQL); anything else is one
+    /// session transaction through [`Tx::record_agent_heartbeat`]. The session is checked
+    /// inside either.
     pub async fn agent_heartbeat(
         &self,
         machine: Uuid,
         key: &[u8],
+        report: &AgentReport,
     ) -> Result<AgentHeartbeat, Error> {
         let db = &self.inner.db;
-        let Pools::Postgres(pool) = &db.inner.pools else {
-            let key = key.to_vec();
-            return self
-                .transact(move |tx| {
-                    let key = key.clone();
-                    Box::pin(async move {
-                        if !tx.agent_key_matches(machine, &key).await? {
-                            return Ok(AgentHeartbeat::Unauthorized);
-                        }
-                        tx.set_heartbeat(machine).await?;
-                        Ok(AgentHeartbeat::Recorded {
-                            pending_request: tx.pending_installation_request(machine).await?,
-                        })
+        let pool = match &db.inner.pools {
+            Pools::Postgres(pool) if report.is_empty() => pool,
+            _ => {
+                let (key, report) = (key.to_vec(), report.clone());
+                return self
+                    .transact(move |tx| {
+                        let (key, report) = (key.clone(), report.clone());
+                        Box::pin(
+                            async move { tx.record_agent_heartbeat(machine, &key, &report).await },
+                        )
                     })
-                })
-                .await;
+                    .await;
+            }
         };
         let recorded = retrying(db.metrics(), self.inner.processor, || async {
             self.inner.ensure_alive()?;

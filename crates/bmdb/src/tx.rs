@@ -223,6 +223,32 @@ impl Tx {
         Ok((!fulfilled).then_some(request.request_raw))
     }
 
+    /// The agent-report rule (SPEC §12): if `key` is the agent key of `machine`, stores
+    /// `report`, records the heartbeat and returns the pending installation request; else
+    /// writes nothing. [`crate::Session::agent_heartbeat`] is its entry point; Postgres's
+    /// one-statement path for a bare heartbeat is the same rule in SQL.
+    pub async fn record_agent_heartbeat(
+        &mut self,
+        machine: Uuid,
+        key: &[u8],
+        report: &AgentReport,
+    ) -> Result<AgentHeartbeat, Error> {
+        if !self.agent_key_matches(machine, key).await? {
+            return Ok(AgentHeartbeat::Unauthorized);
+        }
+        if let Some(raw) = &report.hardware {
+            self.set_hardware_report(machine, raw).await?;
+        }
+        if let Some(installation) = &report.installation {
+            self.set_os_installation_report(machine, installation)
+                .await?;
+        }
+        self.set_heartbeat(machine).await?;
+        Ok(AgentHeartbeat::Recorded {
+            pending_request: self.pending_installation_request(machine).await?,
+        })
+    }
+
     /// Pins `key` as the machine's SSH host key unless one is pinned already; returns the
     /// pinned key, which the caller compares with what it saw.
     pub async fn pin_ssh_host_key(&mut self, id: Uuid, key: &str) -> Result<SshHostKey, Error> {

@@ -868,11 +868,15 @@ async fn agent_heartbeats(db: Bmdb) {
             .unwrap()
     };
     assert_eq!(
-        s.agent_heartbeat(m, &other).await.unwrap(),
+        s.agent_heartbeat(m, &other, &AgentReport::default())
+            .await
+            .unwrap(),
         AgentHeartbeat::Unauthorized
     );
     assert_eq!(
-        s.agent_heartbeat(Uuid::new_v4(), &key).await.unwrap(),
+        s.agent_heartbeat(Uuid::new_v4(), &key, &AgentReport::default())
+            .await
+            .unwrap(),
         AgentHeartbeat::Unauthorized
     );
     assert!(
@@ -880,7 +884,9 @@ async fn agent_heartbeats(db: Bmdb) {
         "written without authorization"
     );
     assert_eq!(
-        s.agent_heartbeat(m, &key).await.unwrap(),
+        s.agent_heartbeat(m, &key, &AgentReport::default())
+            .await
+            .unwrap(),
         AgentHeartbeat::Recorded {
             pending_request: None
         }
@@ -898,7 +904,9 @@ async fn agent_heartbeats(db: Bmdb) {
     .unwrap();
     tokio::time::sleep(Duration::from_millis(20)).await;
     assert_eq!(
-        s.agent_heartbeat(m, &key).await.unwrap(),
+        s.agent_heartbeat(m, &key, &AgentReport::default())
+            .await
+            .unwrap(),
         AgentHeartbeat::Recorded {
             pending_request: Some(vec![1; 3])
         }
@@ -912,16 +920,42 @@ async fn agent_heartbeats(db: Bmdb) {
         result: InstallationResult::Success,
         report_raw: vec![],
     };
-    db.transact(move |tx| {
-        Box::pin(async move { tx.set_os_installation_report(m, &report(1)).await })
-    })
-    .await
-    .unwrap();
+    // Reports travel with a heartbeat, through the same entry point and the same key check.
+    let with_report = AgentReport {
+        hardware: Some(vec![9; 4]),
+        installation: Some(report(1)),
+    };
+    let stored = |db: Bmdb| async move {
+        db.read(move |tx| {
+            Box::pin(async move {
+                Ok((
+                    tx.hardware_report(m).await?,
+                    tx.os_installation_report(m).await?,
+                ))
+            })
+        })
+        .await
+        .unwrap()
+    };
     assert_eq!(
-        s.agent_heartbeat(m, &key).await.unwrap(),
+        s.agent_heartbeat(m, &other, &with_report).await.unwrap(),
+        AgentHeartbeat::Unauthorized
+    );
+    assert_eq!(
+        stored(db.clone()).await,
+        (None, None),
+        "stored without authorization"
+    );
+    assert_eq!(
+        s.agent_heartbeat(m, &key, &with_report).await.unwrap(),
         AgentHeartbeat::Recorded {
             pending_request: None
-        }
+        },
+        "the report fulfils the request it answers"
+    );
+    assert_eq!(
+        stored(db.clone()).await,
+        (Some(vec![9; 4]), Some(report(1)))
     );
 
     // A session whose row is gone may not write.
@@ -933,7 +967,7 @@ async fn agent_heartbeats(db: Bmdb) {
         .unwrap();
     let before = beat(db.clone()).await;
     assert!(matches!(
-        dead.agent_heartbeat(m, &key).await,
+        dead.agent_heartbeat(m, &key, &AgentReport::default()).await,
         Err(Error::SessionExpired)
     ));
     assert_eq!(beat(db.clone()).await, before);

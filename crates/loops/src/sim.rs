@@ -10,7 +10,9 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use async_trait::async_trait;
 use rand::Rng;
-use shepherd_bmdb::{Bmdb, Processor, Provider as ProviderKind, Session, SessionConfig};
+use shepherd_bmdb::{
+    AgentHeartbeat, AgentReport, Bmdb, Processor, Provider as ProviderKind, Session, SessionConfig,
+};
 use shepherd_proto::agent::{takeover_response, TakeoverInit, TakeoverResponse, TakeoverSuccess};
 use shepherd_proto::Message;
 use tokio_util::sync::CancellationToken;
@@ -269,8 +271,10 @@ impl SimFleet {
                     Box::pin(async move {
                         let mut n = 0u64;
                         for (machine, key) in agents {
-                            if tx.agent_key_matches(machine, &key).await? {
-                                tx.set_heartbeat(machine).await?;
+                            let beat = tx
+                                .record_agent_heartbeat(machine, &key, &AgentReport::default())
+                                .await?;
+                            if beat != AgentHeartbeat::Unauthorized {
                                 n += 1;
                             }
                         }

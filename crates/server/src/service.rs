@@ -1,10 +1,12 @@
-//! The `AgentCallback` service: authorize the agent, store what it reports, answer with the
-//! pending installation request.
+//! The `AgentCallback` service: decode what the agent sent, hand it to the BMDB's one entry
+//! point (`Session::agent_heartbeat`, which authorizes and stores it), and map the outcome to a
+//! gRPC answer with the pending installation request.
 
 use std::sync::Arc;
 
 use shepherd_bmdb::{
-    AgentHeartbeat, Error as BmdbError, InstallationResult, OsInstallationReport as ReportTag,
+    AgentHeartbeat, AgentReport, Error as BmdbError, InstallationResult,
+    OsInstallationReport as ReportTag,
 };
 use shepherd_proto::bmaas::agent_callback_server::AgentCallback;
 use shepherd_proto::bmaas::{
@@ -33,11 +35,6 @@ impl BmaasService {
     pub fn new(pool: Arc<SessionPool>) -> Self {
         BmaasService { pool }
     }
-}
-
-enum Outcome {
-    Unauthorized,
-    Done(Option<Vec<u8>>),
 }
 
 fn unavailable(e: BmdbError) -> Status {
@@ -81,42 +78,17 @@ impl AgentCallback for BmaasService {
             }
         };
         let session = self.pool.get().await.map_err(unavailable)?;
-        let outcome = if hardware.is_none() && installation.is_none() {
-            // The common case: nothing but the heartbeat, on the BMDB's one-statement path.
-            match session
-                .agent_heartbeat(machine, &key)
-                .await
-                .map_err(unavailable)?
-            {
-                AgentHeartbeat::Unauthorized => Outcome::Unauthorized,
-                AgentHeartbeat::Recorded { pending_request } => Outcome::Done(pending_request),
-            }
-        } else {
-            session
-                .transact(move |tx| {
-                    let (hardware, installation) = (hardware.clone(), installation.clone());
-                    Box::pin(async move {
-                        if !tx.agent_key_matches(machine, &key).await? {
-                            return Ok(Outcome::Unauthorized);
-                        }
-                        if let Some(raw) = &hardware {
-                            tx.set_hardware_report(machine, raw).await?;
-                        }
-                        if let Some(report) = &installation {
-                            tx.set_os_installation_report(machine, report).await?;
-                        }
-                        tx.set_heartbeat(machine).await?;
-                        Ok(Outcome::Done(
-                            tx.pending_installation_request(machine).await?,
-                        ))
-                    })
-                })
-                .await
-                .map_err(unavailable)?
+        let report = AgentReport {
+            hardware,
+            installation,
         };
-        let pending = match outcome {
-            Outcome::Unauthorized => return Err(Status::unauthenticated(UNAUTHENTICATED)),
-            Outcome::Done(pending) => pending,
+        let pending = match session
+            .agent_heartbeat(machine, &key, &report)
+            .await
+            .map_err(unavailable)?
+        {
+            AgentHeartbeat::Unauthorized => return Err(Status::unauthenticated(UNAUTHENTICATED)),
+            AgentHeartbeat::Recorded { pending_request } => pending_request,
         };
         if let Some(peer) = &peer {
             peer.authorized();
