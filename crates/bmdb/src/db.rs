@@ -12,11 +12,11 @@ use sqlx::sqlite::{
 };
 use sqlx::{ConnectOptions, Connection};
 
-use crate::backend::{postgres, sqlite};
 use crate::claim_hints::ClaimHints;
 use crate::metrics::BmdbMetrics;
 use crate::migrations::{MIGRATIONS, SCHEMA_VERSION};
-use crate::tx::{dispatch, Tx, TxInner};
+use crate::sql::{self, Conn, SqliteTx};
+use crate::tx::Tx;
 use crate::url::DatabaseUrl;
 use crate::Error;
 
@@ -93,7 +93,7 @@ impl Inner {
                     .begin_with("BEGIN IMMEDIATE")
                     .await
                     .map_err(|e| self.explain_sqlite(e, "the SQLite writer"))?;
-                TxInner::Sqlite(sqlite::SqliteTx {
+                Conn::Sqlite(SqliteTx {
                     tx,
                     now: Utc::now().timestamp_micros(),
                 })
@@ -103,13 +103,13 @@ impl Inner {
                     .begin()
                     .await
                     .map_err(|e| self.explain_sqlite(e, "a SQLite reader"))?;
-                TxInner::Sqlite(sqlite::SqliteTx {
+                Conn::Sqlite(SqliteTx {
                     tx,
                     now: Utc::now().timestamp_micros(),
                 })
             }
             (Pools::Postgres(pool), _) => match pool.begin().await {
-                Ok(tx) => TxInner::Postgres(tx),
+                Ok(tx) => Conn::Postgres(tx),
                 Err(e) => return Err(self.explain(e).await),
             },
         };
@@ -273,7 +273,7 @@ impl Bmdb {
     /// The schema version stored in the database (0 if never migrated).
     pub async fn schema_version(&self) -> Result<i64, Error> {
         let mut tx = self.begin(Mode::Read).await?;
-        let v = dispatch!(tx.schema_version())?;
+        let v = sql::schema::schema_version(&mut tx.inner).await?;
         tx.rollback().await?;
         Ok(v)
     }
@@ -301,10 +301,8 @@ impl Bmdb {
     /// than this binary knows.
     pub async fn migrate(&self) -> Result<(i64, i64), Error> {
         let mut tx = self.begin(Mode::Write).await?;
-        if let TxInner::Postgres(c) = &mut tx.inner {
-            postgres::lock_for_migration(c).await?;
-        }
-        let found = dispatch!(tx.schema_version())?;
+        sql::schema::lock_for_migration(&mut tx.inner).await?;
+        let found = sql::schema::schema_version(&mut tx.inner).await?;
         if found > SCHEMA_VERSION {
             tx.rollback().await?;
             return Err(Error::SchemaTooNew {
@@ -313,14 +311,7 @@ impl Bmdb {
             });
         }
         for m in MIGRATIONS.iter().filter(|m| m.version > found) {
-            match &mut tx.inner {
-                TxInner::Sqlite(c) => {
-                    sqlite::apply_migration(c, m.version, m.name, m.sqlite).await?
-                }
-                TxInner::Postgres(c) => {
-                    postgres::apply_migration(c, m.version, m.name, m.postgres).await?
-                }
-            }
+            sql::schema::apply_migration(&mut tx.inner, m).await?;
             tracing::info!(version = m.version, name = m.name, "applied BMDB migration");
         }
         tx.commit().await?;
@@ -354,8 +345,10 @@ impl Bmdb {
     /// Deletes expired sessions and their work (recording Canceled history); returns how
     /// many sessions were removed. Sessions run this periodically; it is safe to run anywhere.
     pub async fn collect_garbage(&self) -> Result<u64, Error> {
-        self.transact(|tx| Box::pin(async move { dispatch!(tx.collect_garbage()) }))
-            .await
+        self.transact(|tx| {
+            Box::pin(async move { sql::sessions::collect_garbage(&mut tx.inner).await })
+        })
+        .await
     }
 
     /// Closes the pools, waiting for connections to be returned.

@@ -1,5 +1,5 @@
-//! Which machines a process may claim (SPEC §5). The SQL for each rule lives in the backend
-//! modules; this is the backend-neutral description of the rule and its parameters.
+//! Which machines a process may claim (SPEC §5). The SQL of each rule is in `sql/claims.rs`;
+//! this is the engine-neutral description of the rule and its parameters.
 
 use std::time::Duration;
 

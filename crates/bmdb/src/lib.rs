@@ -2,9 +2,8 @@
 //! work locks, backoff and an audit history, on embedded SQLite or PostgreSQL behind one API.
 //!
 //! Every Shepherd component coordinates only through this crate. See `ARCHITECTURE.md` and
-//! SPEC §2–§5 for the model; the SQL for each backend lives in `backend/`.
+//! SPEC §2–§5 for the model; every SQL statement lives in `sql/`, by concern.
 
-mod backend;
 mod backoff;
 mod claim_hints;
 mod db;
@@ -14,6 +13,7 @@ mod metrics;
 mod migrations;
 mod model;
 mod session;
+mod sql;
 mod summary;
 mod transaction;
 mod tx;
@@ -23,7 +23,6 @@ mod work;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use backend::{ClaimStrategy, StatusCounts};
 pub use backoff::{default_interval_seconds, Backoff};
 pub use db::{BackendKind, Bmdb, OpenOptions, TxFuture};
 pub use eligibility::{RecoveryThresholds, Retrieval};
@@ -32,6 +31,8 @@ pub use metrics::{BmdbMetrics, ClaimSearch};
 pub use migrations::SCHEMA_VERSION;
 pub use model::*;
 pub use session::{Session, SessionConfig, DEFAULT_SESSION_INTERVAL};
+pub use sql::claims::ClaimStrategy;
+pub use sql::views::StatusCounts;
 pub use summary::{FleetCounts, Lifecycle, MachineSummary};
 pub use tx::{Tx, AGENT_KEY_LEN};
 pub use url::{DatabaseUrl, DEFAULT_DATABASE_URL};

@@ -1,11 +1,13 @@
-//! Numbered, forward-only schema migrations, one SQL file per version and backend.
+//! Numbered, forward-only schema migrations, one SQL file per version and engine.
+
+use crate::sql::Dialects;
 
 /// One schema step.
 pub(crate) struct Migration {
     pub(crate) version: i64,
     pub(crate) name: &'static str,
-    pub(crate) sqlite: &'static str,
-    pub(crate) postgres: &'static str,
+    /// The script for each engine.
+    pub(crate) script: Dialects,
 }
 
 /// Every migration this binary knows, in order.
@@ -13,14 +15,18 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
     Migration {
         version: 1,
         name: "init",
-        sqlite: include_str!("../migrations/sqlite/0001_init.sql"),
-        postgres: include_str!("../migrations/postgres/0001_init.sql"),
+        script: Dialects {
+            postgres: include_str!("../migrations/postgres/0001_init.sql"),
+            sqlite: include_str!("../migrations/sqlite/0001_init.sql"),
+        },
     },
     Migration {
         version: 2,
         name: "machine_recovery",
-        sqlite: include_str!("../migrations/sqlite/0002_machine_recovery.sql"),
-        postgres: include_str!("../migrations/postgres/0002_machine_recovery.sql"),
+        script: Dialects {
+            postgres: include_str!("../migrations/postgres/0002_machine_recovery.sql"),
+            sqlite: include_str!("../migrations/sqlite/0002_machine_recovery.sql"),
+        },
     },
 ];
 

@@ -8,11 +8,11 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use crate::backend::postgres;
 use crate::db::{Mode, Pools, TxFuture};
 use crate::metrics::WorkResult;
+use crate::sql;
 use crate::transaction::{retrying, Guard};
-use crate::tx::{dispatch, Tx};
+use crate::tx::Tx;
 use crate::{AgentHeartbeat, AgentReport, Bmdb, Error, Process, Processor};
 
 /// Default keep-alive interval (SPEC §17).
@@ -93,7 +93,7 @@ impl SessionInner {
     /// deleted until `tx` ends).
     pub(crate) async fn check_in(&self, tx: &mut Tx) -> Result<(), Error> {
         let id = self.id;
-        if dispatch!(tx.check_session(id))? {
+        if sql::sessions::check_session(&mut tx.inner, id).await? {
             Ok(())
         } else {
             self.mark_expired();
@@ -157,13 +157,15 @@ impl Bmdb {
         self.run(config.processor, Mode::Write, None, |tx| {
             let (component, runtime) = (component.clone(), runtime.clone());
             Box::pin(async move {
-                dispatch!(tx.create_session(
+                sql::sessions::create_session(
+                    &mut tx.inner,
                     id,
                     &component,
                     &runtime,
                     processor,
-                    interval_secs as i64
-                ))
+                    interval_secs as i64,
+                )
+                .await
             })
         })
         .await?;
@@ -195,7 +197,7 @@ async fn keepalive(session: Weak<SessionInner>, interval: Duration) {
         let id = s.id;
         let poked =
             s.db.run(s.processor, Mode::Write, None, |tx| {
-                Box::pin(async move { dispatch!(tx.poke_session(id)) })
+                Box::pin(async move { sql::sessions::poke_session(&mut tx.inner, id).await })
             })
             .await;
         match poked {
@@ -306,7 +308,7 @@ impl Session {
         let recorded = retrying(db.metrics(), self.inner.processor, || async {
             self.inner.ensure_alive()?;
             let mut conn = db.acquire_pg(pool).await?;
-            postgres::agent_heartbeat(&mut conn, self.inner.id, machine, key).await
+            sql::sessions::agent_heartbeat_pg(&mut conn, self.inner.id, machine, key).await
         })
         .await?;
         match recorded {
@@ -345,7 +347,7 @@ impl Session {
             .inner
             .db
             .run(self.inner.processor, Mode::Write, None, |tx| {
-                Box::pin(async move { dispatch!(tx.delete_session(id)) })
+                Box::pin(async move { sql::sessions::delete_session(&mut tx.inner, id).await })
             })
             .await;
         self.inner.mark_expired();

@@ -1,5 +1,5 @@
 //! Flattened views of machines for operators: one row of tags per machine (listings, the web
-//! UI) and fleet-wide counts (statistics gauges). Read-only; the SQL is per backend.
+//! UI) and fleet-wide counts (statistics gauges). Read-only; the SQL is in `sql/views.rs`.
 
 use std::fmt;
 use std::str::FromStr;

@@ -2,7 +2,8 @@
 //! macro that runs one test body against both backends.
 //!
 //! Postgres comes from `SHEPHERD_TEST_POSTGRES` (default `postgres://postgres@127.0.0.1/test`);
-//! each test gets its own database so tests run in parallel. If Postgres is unreachable the
+//! each test gets its own database, named after the test, so tests run in parallel and a failed
+//! test's database can be found and inspected. If Postgres is unreachable the
 //! Postgres variant prints a skip notice, unless `SHEPHERD_REQUIRE_POSTGRES=1`, which makes it
 //! fail (CI sets it).
 
@@ -94,7 +95,11 @@ pub async fn postgres() -> Option<TestDb> {
     })
 }
 
-/// Creates an empty Postgres database and returns its URL (not migrated).
+/// Creates an empty Postgres database for the running test and returns its URL (not
+/// migrated). Like `#[sqlx::test]`, the database is named after the test (see
+/// [`test_database_prefix`]) and its name is printed, which the harness shows only when the
+/// test fails; a passing test drops it in [`TestDb::cleanup`], a failing one leaves it to be
+/// inspected, and the next run of the same test drops it first.
 pub async fn fresh_postgres_database() -> Option<String> {
     let admin = postgres_admin_url();
     let pool = match PgPoolOptions::new()
@@ -112,7 +117,12 @@ pub async fn fresh_postgres_database() -> Option<String> {
             return None;
         }
     };
-    let name = format!("shepherd_t_{}", uuid::Uuid::new_v4().simple());
+    let prefix = test_database_prefix();
+    drop_leftovers(&pool, &prefix).await;
+    let name = format!(
+        "{prefix}_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
     let mut last_err = None;
     for _ in 0..5 {
         match sqlx::query(&format!("CREATE DATABASE \"{name}\""))
@@ -133,10 +143,58 @@ pub async fn fresh_postgres_database() -> Option<String> {
         panic!("cannot create test database {name}: {e}");
     }
     pool.close().await;
+    eprintln!("test database: {name} (kept if the test fails)");
     let opts = PgConnectOptions::from_str(&admin)
         .expect("admin URL")
         .database(&name);
     Some(opts.to_url_lossy().to_string())
+}
+
+/// `st_` + the test binary + the test's name (libtest names each test's thread after it),
+/// reduced to `[a-z0-9_]` and cut so that a unique suffix still fits Postgres' 63 bytes.
+fn test_database_prefix() -> String {
+    let binary = std::env::current_exe()
+        .ok()
+        .and_then(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned()))
+        .map(|stem| match stem.rsplit_once('-') {
+            Some((name, _hash)) => name.to_string(),
+            None => stem,
+        })
+        .unwrap_or_default();
+    let test = std::thread::current()
+        .name()
+        .unwrap_or("unnamed")
+        .to_string();
+    let raw = format!("st_{binary}_{test}");
+    let mut name: String = raw
+        .chars()
+        .map(|c| match c.to_ascii_lowercase() {
+            c @ ('a'..='z' | '0'..='9') => c,
+            _ => '_',
+        })
+        .collect();
+    name.truncate(54);
+    name
+}
+
+/// Drops the databases an earlier run of the same test left behind (it failed), skipping any
+/// that someone is connected to: a concurrent run of the same test.
+async fn drop_leftovers(pool: &sqlx::PgPool, prefix: &str) {
+    let pattern = format!("{prefix}_");
+    let leftovers: Vec<(String,)> = sqlx::query_as(
+        "SELECT datname FROM pg_database d
+          WHERE left(datname, length($1)) = $1 AND length(datname) = length($1) + 8
+            AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname)",
+    )
+    .bind(&pattern)
+    .fetch_all(pool)
+    .await
+    .unwrap_or_default();
+    for (name,) in leftovers {
+        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS \"{name}\""))
+            .execute(pool)
+            .await;
+    }
 }
 
 /// Defines, for each named `async fn NAME(db: Bmdb)`, a module `NAME` with two tests,
@@ -283,4 +341,61 @@ pub async fn seed_every_state(db: &Bmdb) -> (Vec<SeededMachine>, crate::Session)
         .await
         .expect("seed");
     (seeded, session)
+}
+
+/// Every claim statement variant the loops run, named, as the claims run them: Postgres' three
+/// searches and SQLite's two candidate queries, for the initializer's start rule and the
+/// recoverer's recovery rule on `provider`. For the snapshot test of the statements' text.
+pub fn claim_statements(provider: crate::Provider) -> Vec<(String, String)> {
+    crate::sql::claims::claim_statement_variants(&loop_rules(provider))
+        .into_iter()
+        .map(|(name, _, _, _, sql)| (name, sql))
+        .collect()
+}
+
+fn loop_rules(provider: crate::Provider) -> [(&'static str, crate::Process, crate::Retrieval); 2] {
+    [
+        (
+            "start",
+            crate::Process::ShepherdAgentStart,
+            crate::Retrieval::AgentStart { provider },
+        ),
+        (
+            "recovery",
+            crate::Process::ShepherdRecovery,
+            crate::Retrieval::AgentRecovery {
+                provider,
+                thresholds: crate::RecoveryThresholds::default(),
+            },
+        ),
+    ]
+}
+
+/// The executed Postgres query plan (`EXPLAIN ANALYZE`, one line a row, the claim rolled
+/// back) of each Postgres claim statement variant of [`claim_statements`], named, with
+/// parameters bound as a claim of `session` binds them. For the test that claims use the
+/// indexes.
+pub async fn explain_claims(
+    db: &Bmdb,
+    session: uuid::Uuid,
+    provider: crate::Provider,
+) -> Result<Vec<(String, Vec<String>)>, crate::Error> {
+    let crate::db::Pools::Postgres(pool) = &db.inner.pools else {
+        return Err(crate::Error::InvalidValue(
+            "query plans are Postgres only".into(),
+        ));
+    };
+    let mut conn = pool.acquire().await?;
+    let mut plans = Vec::new();
+    for (name, _, retrieval, search, sql) in
+        crate::sql::claims::claim_statement_variants(&loop_rules(provider))
+    {
+        if name.starts_with("postgres") {
+            let plan =
+                crate::sql::claims::explain_claim(&mut conn, session, &retrieval, &search, &sql)
+                    .await?;
+            plans.push((name, plan));
+        }
+    }
+    Ok(plans)
 }

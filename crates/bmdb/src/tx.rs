@@ -3,32 +3,17 @@
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use crate::backend::{postgres, sqlite, StatusCounts};
 use crate::model::*;
+use crate::sql::{self, tags::TagTable, Conn, StatusCounts};
 use crate::summary::{FleetCounts, MachineSummary};
 use crate::{Error, Retrieval};
-
-pub(crate) enum TxInner {
-    Sqlite(sqlite::SqliteTx),
-    Postgres(postgres::PgTx),
-}
 
 /// An open transaction. Obtained inside [`crate::Bmdb::transact`], [`crate::Session::transact`]
 /// or [`crate::Work::finish`]; every typed query of the BMDB is a method here, so callers never
 /// write SQL and the same code runs on SQLite and Postgres.
 pub struct Tx {
-    pub(crate) inner: TxInner,
+    pub(crate) inner: Conn,
 }
-
-macro_rules! dispatch {
-    ($self:ident . $f:ident ( $($arg:expr),* )) => {
-        match &mut $self.inner {
-            $crate::tx::TxInner::Sqlite(c) => $crate::backend::sqlite::$f(c, $($arg),*).await,
-            $crate::tx::TxInner::Postgres(c) => $crate::backend::postgres::$f(c, $($arg),*).await,
-        }
-    };
-}
-pub(crate) use dispatch;
 
 /// The public key length of an ed25519 agent key.
 pub const AGENT_KEY_LEN: usize = 32;
@@ -36,38 +21,35 @@ pub const AGENT_KEY_LEN: usize = 32;
 impl Tx {
     pub(crate) async fn commit(self) -> Result<(), Error> {
         match self.inner {
-            TxInner::Sqlite(c) => c.tx.commit().await?,
-            TxInner::Postgres(c) => c.commit().await?,
+            Conn::Sqlite(c) => c.tx.commit().await?,
+            Conn::Postgres(c) => c.commit().await?,
         }
         Ok(())
     }
 
     pub(crate) async fn rollback(self) -> Result<(), Error> {
         match self.inner {
-            TxInner::Sqlite(c) => c.tx.rollback().await?,
-            TxInner::Postgres(c) => c.rollback().await?,
+            Conn::Sqlite(c) => c.tx.rollback().await?,
+            Conn::Postgres(c) => c.rollback().await?,
         }
         Ok(())
     }
 
     /// The transaction's notion of the current time (the database clock on Postgres).
     pub async fn now(&mut self) -> Result<DateTime<Utc>, Error> {
-        match &mut self.inner {
-            TxInner::Sqlite(c) => sqlite::now(c),
-            TxInner::Postgres(c) => postgres::now(c).await,
-        }
+        sql::views::now(&mut self.inner).await
     }
 
     /// Adds a new machine with a fresh id and returns the id.
     pub async fn create_machine(&mut self) -> Result<Uuid, Error> {
         let id = Uuid::new_v4();
-        dispatch!(self.create_machine(id))?;
+        sql::tags::create_machine(&mut self.inner, id).await?;
         Ok(id)
     }
 
     /// Whether a machine with this id exists.
     pub async fn machine_exists(&mut self, id: Uuid) -> Result<bool, Error> {
-        dispatch!(self.machine_exists(id))
+        sql::tags::machine_exists(&mut self.inner, id).await
     }
 
     /// Machine ids in id order, starting after `after`, at most `limit` of them (for paging).
@@ -76,18 +58,18 @@ impl Tx {
         after: Option<Uuid>,
         limit: i64,
     ) -> Result<Vec<Uuid>, Error> {
-        dispatch!(self.machine_ids(after, limit))
+        sql::tags::machine_ids(&mut self.inner, after, limit).await
     }
 
     /// Sets (or replaces) the `machine_provided` tag.
     pub async fn set_provided(&mut self, id: Uuid, p: &Provided) -> Result<(), Error> {
         p.validate()?;
-        dispatch!(self.set_provided(id, p))
+        sql::tags::set_provided(&mut self.inner, id, p).await
     }
 
     /// The `machine_provided` tag of a machine.
     pub async fn provided(&mut self, id: Uuid) -> Result<Option<Provided>, Error> {
-        dispatch!(self.provided(id))
+        sql::tags::provided(&mut self.inner, id).await
     }
 
     /// Every machine the BMDB says `provider` provided, ordered by provider id.
@@ -95,7 +77,7 @@ impl Tx {
         &mut self,
         provider: Provider,
     ) -> Result<Vec<(Uuid, Provided)>, Error> {
-        dispatch!(self.provided_by(provider))
+        sql::tags::provided_by(&mut self.inner, provider).await
     }
 
     /// The machine a provider knows by `provider_id`, if any.
@@ -104,7 +86,7 @@ impl Tx {
         provider: Provider,
         provider_id: &str,
     ) -> Result<Option<Uuid>, Error> {
-        dispatch!(self.machine_by_provider_id(provider, provider_id))
+        sql::tags::machine_by_provider_id(&mut self.inner, provider, provider_id).await
     }
 
     /// Records that the agent was started now with this ed25519 public key.
@@ -125,52 +107,52 @@ impl Tx {
                 public_key.len()
             )));
         }
-        dispatch!(self.set_agent_started(id, at, public_key))
+        sql::tags::set_agent_started(&mut self.inner, id, at, public_key).await
     }
 
     /// The `agent_started` tag of a machine.
     pub async fn agent_started(&mut self, id: Uuid) -> Result<Option<AgentStarted>, Error> {
-        dispatch!(self.agent_started(id))
+        sql::tags::agent_started(&mut self.inner, id).await
     }
 
     /// Removes the `agent_started` tag; true if there was one.
     pub async fn delete_agent_started(&mut self, id: Uuid) -> Result<bool, Error> {
-        dispatch!(self.delete_tag("machine_agent_started", id))
+        sql::tags::delete_tag(&mut self.inner, TagTable::AgentStarted, id).await
     }
 
     /// Whether `key` is the public key recorded for the machine's started agent.
     pub async fn agent_key_matches(&mut self, id: Uuid, key: &[u8]) -> Result<bool, Error> {
-        dispatch!(self.agent_key_matches(id, key))
+        sql::tags::agent_key_matches(&mut self.inner, id, key).await
     }
 
     /// Records a heartbeat now.
     pub async fn set_heartbeat(&mut self, id: Uuid) -> Result<(), Error> {
-        dispatch!(self.set_heartbeat(id, None))
+        sql::tags::set_heartbeat(&mut self.inner, id, None).await
     }
 
     /// Records a heartbeat at an explicit time.
     pub async fn set_heartbeat_at(&mut self, id: Uuid, at: DateTime<Utc>) -> Result<(), Error> {
-        dispatch!(self.set_heartbeat(id, Some(at)))
+        sql::tags::set_heartbeat(&mut self.inner, id, Some(at)).await
     }
 
     /// The last heartbeat of a machine's agent.
     pub async fn heartbeat(&mut self, id: Uuid) -> Result<Option<DateTime<Utc>>, Error> {
-        dispatch!(self.heartbeat(id))
+        sql::tags::heartbeat(&mut self.inner, id).await
     }
 
     /// Removes the heartbeat tag; true if there was one.
     pub async fn delete_heartbeat(&mut self, id: Uuid) -> Result<bool, Error> {
-        dispatch!(self.delete_tag("machine_agent_heartbeat", id))
+        sql::tags::delete_tag(&mut self.inner, TagTable::AgentHeartbeat, id).await
     }
 
     /// Stores the serialized hardware report.
     pub async fn set_hardware_report(&mut self, id: Uuid, raw: &[u8]) -> Result<(), Error> {
-        dispatch!(self.set_hardware_report(id, raw))
+        sql::tags::set_hardware_report(&mut self.inner, id, raw).await
     }
 
     /// The serialized hardware report of a machine.
     pub async fn hardware_report(&mut self, id: Uuid) -> Result<Option<Vec<u8>>, Error> {
-        dispatch!(self.hardware_report(id))
+        sql::tags::hardware_report(&mut self.inner, id).await
     }
 
     /// Sets the OS installation request.
@@ -179,7 +161,7 @@ impl Tx {
         id: Uuid,
         r: &OsInstallationRequest,
     ) -> Result<(), Error> {
-        dispatch!(self.set_os_installation_request(id, r))
+        sql::tags::set_os_installation_request(&mut self.inner, id, r).await
     }
 
     /// The OS installation request of a machine.
@@ -187,7 +169,7 @@ impl Tx {
         &mut self,
         id: Uuid,
     ) -> Result<Option<OsInstallationRequest>, Error> {
-        dispatch!(self.os_installation_request(id))
+        sql::tags::os_installation_request(&mut self.inner, id).await
     }
 
     /// Sets the OS installation report.
@@ -196,7 +178,7 @@ impl Tx {
         id: Uuid,
         r: &OsInstallationReport,
     ) -> Result<(), Error> {
-        dispatch!(self.set_os_installation_report(id, r))
+        sql::tags::set_os_installation_report(&mut self.inner, id, r).await
     }
 
     /// The OS installation report of a machine.
@@ -204,7 +186,7 @@ impl Tx {
         &mut self,
         id: Uuid,
     ) -> Result<Option<OsInstallationReport>, Error> {
-        dispatch!(self.os_installation_report(id))
+        sql::tags::os_installation_report(&mut self.inner, id).await
     }
 
     /// The serialized installation request of a machine unless a report with its generation
@@ -252,17 +234,17 @@ impl Tx {
     /// Pins `key` as the machine's SSH host key unless one is pinned already; returns the
     /// pinned key, which the caller compares with what it saw.
     pub async fn pin_ssh_host_key(&mut self, id: Uuid, key: &str) -> Result<SshHostKey, Error> {
-        dispatch!(self.pin_ssh_host_key(id, key))
+        sql::tags::pin_ssh_host_key(&mut self.inner, id, key).await
     }
 
     /// The pinned SSH host key of a machine.
     pub async fn ssh_host_key(&mut self, id: Uuid) -> Result<Option<SshHostKey>, Error> {
-        dispatch!(self.ssh_host_key(id))
+        sql::tags::ssh_host_key(&mut self.inner, id).await
     }
 
     /// Forgets the pinned SSH host key (an operator re-keyed the machine on purpose).
     pub async fn delete_ssh_host_key(&mut self, id: Uuid) -> Result<bool, Error> {
-        dispatch!(self.delete_tag("machine_ssh_host_key", id))
+        sql::tags::delete_tag(&mut self.inner, TagTable::SshHostKey, id).await
     }
 
     /// Machines `process` may claim under `retrieval`, in id order, at most `limit`.
@@ -272,7 +254,7 @@ impl Tx {
         retrieval: &Retrieval,
         limit: i64,
     ) -> Result<Vec<Uuid>, Error> {
-        dispatch!(self.eligible(process, retrieval, limit))
+        sql::claims::eligible(&mut self.inner, process, retrieval, limit).await
     }
 
     /// How many machines [`Tx::eligible_machines`] would return without a limit.
@@ -281,7 +263,7 @@ impl Tx {
         process: Process,
         retrieval: &Retrieval,
     ) -> Result<i64, Error> {
-        dispatch!(self.count_eligible(process, retrieval))
+        sql::claims::count_eligible(&mut self.inner, process, retrieval).await
     }
 
     /// Up to `limit` machines after `after` in id order, each as one row of tags; only those
@@ -292,12 +274,12 @@ impl Tx {
         provider: Option<Provider>,
         limit: i64,
     ) -> Result<Vec<MachineSummary>, Error> {
-        dispatch!(self.machine_summaries(after, provider, limit))
+        sql::views::machine_summaries(&mut self.inner, after, provider, limit).await
     }
 
     /// One machine as one row of tags; `None` if it does not exist.
     pub async fn machine_summary(&mut self, id: Uuid) -> Result<Option<MachineSummary>, Error> {
-        dispatch!(self.machine_summary(id))
+        sql::views::machine_summary(&mut self.inner, id).await
     }
 
     /// Fleet-wide counts for the statistics gauges; heartbeats older than `stale_after` count
@@ -306,8 +288,8 @@ impl Tx {
         &mut self,
         stale_after: chrono::Duration,
     ) -> Result<FleetCounts, Error> {
-        let secs = stale_after.num_milliseconds() as f64 / 1000.0;
-        dispatch!(self.fleet_counts(secs))
+        let stale_after = stale_after.to_std().unwrap_or_default();
+        sql::views::fleet_counts(&mut self.inner, stale_after).await
     }
 
     /// Up to `limit` raw hardware reports after machine `after`, with the machine's location.
@@ -316,17 +298,17 @@ impl Tx {
         after: Option<Uuid>,
         limit: i64,
     ) -> Result<Vec<(Uuid, Option<String>, Vec<u8>)>, Error> {
-        dispatch!(self.hardware_reports(after, limit))
+        sql::views::hardware_reports(&mut self.inner, after, limit).await
     }
 
     /// Work held by a session: (machine, process), in machine order.
     pub async fn session_work(&mut self, session: Uuid) -> Result<Vec<(Uuid, Process)>, Error> {
-        dispatch!(self.session_work(session))
+        sql::sessions::session_work(&mut self.inner, session).await
     }
 
     /// A machine's work history, oldest first.
     pub async fn machine_history(&mut self, id: Uuid) -> Result<Vec<HistoryEntry>, Error> {
-        dispatch!(self.machine_history(id))
+        sql::endings::machine_history(&mut self.inner, id).await
     }
 
     /// History entries of all machines with id above `after_id`, oldest first, at most `limit`.
@@ -335,18 +317,18 @@ impl Tx {
         after_id: i64,
         limit: i64,
     ) -> Result<Vec<HistoryEntry>, Error> {
-        dispatch!(self.history_after(after_id, limit))
+        sql::endings::history_after(&mut self.inner, after_id, limit).await
     }
 
     /// Records that the recoverer rebooted the machine now, the `in_a_row`th time since its
     /// agent last heartbeated.
     pub async fn set_recovery(&mut self, id: Uuid, in_a_row: i64) -> Result<(), Error> {
-        dispatch!(self.set_recovery(id, in_a_row))
+        sql::tags::set_recovery(&mut self.inner, id, in_a_row).await
     }
 
     /// The `machine_recovery` tag.
     pub async fn recovery(&mut self, id: Uuid) -> Result<Option<Recovery>, Error> {
-        dispatch!(self.recovery(id))
+        sql::tags::recovery(&mut self.inner, id).await
     }
 
     /// The provider's machines, and how many of them heartbeated within `fresh_within`.
@@ -355,37 +337,37 @@ impl Tx {
         provider: Provider,
         fresh_within: std::time::Duration,
     ) -> Result<(i64, i64), Error> {
-        dispatch!(self.count_heartbeating(provider, fresh_within))
+        sql::claims::count_heartbeating(&mut self.inner, provider, fresh_within).await
     }
 
     /// Work currently held on a machine.
     pub async fn machine_work(&mut self, id: Uuid) -> Result<Vec<ActiveWork>, Error> {
-        dispatch!(self.machine_work(id))
+        sql::endings::machine_work(&mut self.inner, id).await
     }
 
     /// Backoffs recorded for a machine (active or expired).
     pub async fn machine_backoffs(&mut self, id: Uuid) -> Result<Vec<BackoffEntry>, Error> {
-        dispatch!(self.machine_backoffs(id))
+        sql::endings::machine_backoffs(&mut self.inner, id).await
     }
 
     /// One session by id.
     pub async fn session(&mut self, id: Uuid) -> Result<Option<SessionInfo>, Error> {
-        dispatch!(self.session(id))
+        sql::sessions::session(&mut self.inner, id).await
     }
 
     /// All sessions, oldest first.
     pub async fn sessions(&mut self) -> Result<Vec<SessionInfo>, Error> {
-        dispatch!(self.sessions())
+        sql::sessions::sessions(&mut self.inner).await
     }
 
     /// Counts for `shepherd bmdb status`.
     pub async fn status_counts(&mut self) -> Result<StatusCounts, Error> {
-        dispatch!(self.status_counts())
+        sql::views::status_counts(&mut self.inner).await
     }
 
     /// What the database engine's own consistency checks find wrong (empty when healthy).
     pub async fn integrity_problems(&mut self) -> Result<Vec<String>, Error> {
-        dispatch!(self.integrity_problems())
+        sql::views::integrity_problems(&mut self.inner).await
     }
 
     /// Test support: inserts a work row without claiming (to build arbitrary fleets).
@@ -396,14 +378,14 @@ impl Tx {
         session: Uuid,
         process: Process,
     ) -> Result<(), Error> {
-        dispatch!(self.insert_work_raw(machine, session, process))
+        sql::endings::insert_work_raw(&mut self.inner, machine, session, process).await
     }
 
     /// Test support: deletes a session row (its work cascades) behind its owner's back, as a
     /// partition plus another replica's garbage collection would.
     #[cfg(feature = "testing")]
     pub async fn delete_session_raw(&mut self, session: Uuid) -> Result<(), Error> {
-        dispatch!(self.delete_session(session))
+        sql::sessions::delete_session(&mut self.inner, session).await
     }
 
     /// Keeps `process` off the machine until `until`, with `cause` for operators. A
@@ -417,7 +399,15 @@ impl Tx {
         last_interval: i64,
         cause: &str,
     ) -> Result<(), Error> {
-        dispatch!(self.set_backoff(machine, process, until, last_interval, cause))
+        sql::endings::set_backoff(
+            &mut self.inner,
+            machine,
+            process,
+            until,
+            last_interval,
+            cause,
+        )
+        .await
     }
 
     /// Ends the machine's backoffs for `process` (every process if `None`) now; returns how
@@ -427,6 +417,6 @@ impl Tx {
         machine: Uuid,
         process: Option<Process>,
     ) -> Result<u64, Error> {
-        dispatch!(self.clear_backoffs(machine, process))
+        sql::endings::clear_backoffs(&mut self.inner, machine, process).await
     }
 }

@@ -1,12 +1,14 @@
 //! Work (SPEC §4): claiming a machine for a process ([`Session::work`]) and the claimed
 //! [`Work`]'s three endings: finish, fail, cancel.
 
-use crate::backend::{postgres, sqlite, ClaimOutcome, ClaimStrategy, EndOutcome};
 use crate::backoff::{default_interval_seconds, Backoff};
 use crate::db::{Mode, Pools, TxFuture};
 use crate::metrics::WorkResult;
+use crate::sql::claims::{self, ClaimOutcome, ClaimShared, ClaimStrategy};
+use crate::sql::endings::EndOutcome;
+use crate::sql::{self, Conn};
 use crate::transaction::retrying;
-use crate::tx::{dispatch, Tx, TxInner};
+use crate::tx::Tx;
 use crate::{Error, Process, Retrieval, Session};
 use uuid::Uuid;
 
@@ -59,10 +61,10 @@ impl Session {
             // Several statements: one IMMEDIATE transaction, committed only if it claimed.
             Pools::Sqlite { .. } => {
                 let mut tx = self.db().begin(Mode::Write).await?;
-                let TxInner::Sqlite(c) = &mut tx.inner else {
+                let Conn::Sqlite(c) = &mut tx.inner else {
                     unreachable!("a SQLite pool gave a non-SQLite transaction")
                 };
-                let outcome = sqlite::claim(c, session, process, retrieval).await?;
+                let outcome = claims::claim_sqlite(c, session, process, retrieval).await?;
                 if matches!(outcome, ClaimOutcome::Claimed { .. }) {
                     tx.commit().await?;
                 } else {
@@ -73,13 +75,13 @@ impl Session {
             // One statement, atomic on its own: no BEGIN/COMMIT round trips.
             Pools::Postgres(pool) => {
                 let mut conn = self.db().acquire_pg(pool).await?;
-                postgres::claim(
+                claims::claim_pg(
                     &mut conn,
                     session,
                     process,
                     retrieval,
                     strategy,
-                    &postgres::ClaimShared {
+                    &ClaimShared {
                         hints: &self.db().inner.claim_hints,
                         metrics: self.db().metrics(),
                         processor: self.processor(),
@@ -196,7 +198,8 @@ impl Work {
         let commit = &std::sync::Mutex::new(commit);
         let outcome = retrying(db.metrics(), self.session.processor(), || async move {
             let mut tx = db.begin(Mode::Write).await?;
-            let outcome = dispatch!(tx.finish_work(session, machine, process))?;
+            let outcome =
+                sql::endings::finish_work(&mut tx.inner, session, machine, process).await?;
             if outcome == EndOutcome::Done {
                 let pending = (commit.lock().expect("a commit function panicked"))(&mut tx);
                 pending.await?;
@@ -232,7 +235,16 @@ impl Work {
             .run(self.session.processor(), Mode::Write, None, |tx| {
                 let cause = cause.clone();
                 Box::pin(async move {
-                    dispatch!(tx.fail_work(session, machine, process, &cause, interval, delay))
+                    sql::endings::fail_work(
+                        &mut tx.inner,
+                        session,
+                        machine,
+                        process,
+                        &cause,
+                        interval,
+                        delay,
+                    )
+                    .await
                 })
             })
             .await?;
@@ -282,7 +294,9 @@ async fn cancel(session: &Session, machine: Uuid, process: Process) -> Result<()
     let released = session
         .db()
         .run(session.processor(), Mode::Write, None, |tx| {
-            Box::pin(async move { dispatch!(tx.cancel_work(id, machine, process)) })
+            Box::pin(
+                async move { sql::endings::cancel_work(&mut tx.inner, id, machine, process).await },
+            )
         })
         .await?;
     if released {

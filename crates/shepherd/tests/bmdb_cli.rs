@@ -200,7 +200,9 @@ async fn status_reports_counts_on_postgres() {
     assert!(o.status.success(), "{err}");
     assert!(out.contains("machines:        1"), "{out}");
     assert!(
-        out.starts_with("database:        postgres://postgres@127.0.0.1:5432/shepherd_t_"),
+        out.starts_with(
+            "database:        postgres://postgres@127.0.0.1:5432/st_bmdb_cli_status_reports"
+        ),
         "{out}"
     );
     t.cleanup().await;

@@ -1,0 +1,714 @@
+//! Eligibility (SPEC §5) and claiming work (SPEC §4).
+//!
+//! One eligibility condition serves both engines; they differ in how it reads time (Postgres'
+//! `now()` and intervals, SQLite's bound microseconds) and Postgres also chooses how its
+//! `EXISTS` checks are planned ([`Shape`]). The claims themselves differ by design: Postgres
+//! claims with one autocommitted statement that skips rows other replicas hold, SQLite inside
+//! one `BEGIN IMMEDIATE` transaction that already excludes every other writer.
+
+use sqlx::postgres::PgArguments;
+use sqlx::query::QueryAs;
+use sqlx::sqlite::SqliteArguments;
+use sqlx::{Acquire, PgConnection, Postgres, Sqlite};
+use uuid::Uuid;
+
+use super::{is_sqlstate, on_engine, secs_us, sessions, Conn, Dialects, Result, SqliteTx};
+use crate::claim_hints::{ClaimHints, HintKey};
+use crate::eligibility::{exclusion_list, Retrieval};
+use crate::metrics::{BmdbMetrics, ClaimSearch};
+use crate::model::{Process, Processor, Provider};
+
+/// What a claim found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ClaimOutcome {
+    /// The session is gone or past its deadline.
+    SessionExpired,
+    /// No machine is eligible.
+    Nothing,
+    /// Machines were eligible, but every candidate was taken by a concurrent claimer.
+    Conflict,
+    /// The machine is locked for us; the backoff interval persisted by its last failure.
+    Claimed {
+        machine_id: Uuid,
+        last_interval: Option<i64>,
+    },
+}
+
+/// How a claim picks its machine. Only [`ClaimStrategy::SkipLocked`] is for production; the
+/// upstream shape is kept as a benchmark baseline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ClaimStrategy {
+    /// Spread claimers over the candidates and skip rows other claimers hold (SPEC §4).
+    #[default]
+    SkipLocked,
+    /// Upstream's shape: take the first eligible machine and rely on the unique constraint.
+    /// Benchmark baseline only.
+    UpstreamFirstRow,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Eligibility
+
+/// How the `EXISTS` checks of a Postgres eligibility condition are planned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Shape {
+    /// Each check stays a per-row index probe (`OFFSET 0` keeps Postgres from flattening it into
+    /// a join). For queries that stop after a few rows: claims and limited listings. Without it
+    /// the planner may pick merge anti-joins that read every started machine per claim.
+    Probe,
+    /// Checks may become hash or merge anti-joins. For queries that read every machine: counts.
+    Join,
+}
+
+/// The engine an eligibility condition is written for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Flavor {
+    /// Thresholds are parameters `$first` and `$first + 1`, in seconds.
+    Postgres(Shape),
+    /// The transaction's time is parameter `$first`; thresholds are `$first + 1` and
+    /// `$first + 2`, in microseconds.
+    Sqlite,
+}
+
+/// The WHERE condition over `machine_provided p` for `process` claiming by `retrieval`, its
+/// parameters numbered from `$first` (see [`Flavor`]; bound by [`bind_pg`] / [`bind_sqlite`]).
+pub(crate) fn eligibility(
+    process: Process,
+    retrieval: &Retrieval,
+    first: usize,
+    flavor: Flavor,
+) -> String {
+    let (fence, now, ago): (&str, String, Box<dyn Fn(usize) -> String>) = match flavor {
+        Flavor::Postgres(shape) => (
+            if shape == Shape::Probe {
+                " OFFSET 0"
+            } else {
+                ""
+            },
+            "now()".into(),
+            Box::new(move |i| format!("now() - make_interval(secs => ${}::float8)", first + i)),
+        ),
+        Flavor::Sqlite => (
+            "",
+            format!("${first}"),
+            Box::new(move |i| format!("${first} - ${}", first + 1 + i)),
+        ),
+    };
+    let excluded = exclusion_list(process);
+    let work = if excluded.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "AND NOT EXISTS (SELECT 1 FROM work w WHERE w.machine_id = p.machine_id AND w.process IN ({excluded}){fence})"
+        )
+    };
+    let common = format!(
+        "p.provider = '{provider}' {work}
+         AND NOT EXISTS (SELECT 1 FROM work_backoff b WHERE b.machine_id = p.machine_id
+                         AND b.process = '{process}' AND b.until > {now}{fence})",
+        provider = retrieval.provider().as_str(),
+        process = process.as_str(),
+    );
+    match retrieval {
+        Retrieval::AgentStart { .. } => format!(
+            "NOT EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id{fence})
+             AND NOT EXISTS (SELECT 1 FROM machine_os_installation_request r
+                             JOIN machine_os_installation_report o ON o.machine_id = r.machine_id
+                             WHERE r.machine_id = p.machine_id AND o.generation = r.generation{fence})
+             AND {common}"
+        ),
+        Retrieval::AgentRecovery { .. } => format!(
+            "NOT EXISTS (SELECT 1 FROM machine_os_installation_request r
+                             JOIN machine_os_installation_report o ON o.machine_id = r.machine_id
+                             WHERE r.machine_id = p.machine_id AND o.generation = r.generation
+                             AND o.result = 'Success'{fence})
+             AND EXISTS (SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id AND (
+                    (s.started_at < {never_beat}
+                     AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id{fence}))
+                 OR EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
+                            AND h.heartbeat_at < {went_silent}{fence})){fence})
+             AND {common}",
+            never_beat = ago(0),
+            went_silent = ago(1),
+        ),
+    }
+}
+
+type PgQueryAs<'q, O> = QueryAs<'q, Postgres, O, PgArguments>;
+type SqliteQueryAs<'q, O> = QueryAs<'q, Sqlite, O, SqliteArguments<'q>>;
+
+/// Binds a Postgres eligibility condition's parameters (see [`Flavor::Postgres`]).
+fn bind_pg<'q, O>(q: PgQueryAs<'q, O>, retrieval: &Retrieval) -> PgQueryAs<'q, O> {
+    match retrieval {
+        Retrieval::AgentStart { .. } => q,
+        Retrieval::AgentRecovery { thresholds, .. } => q
+            .bind(thresholds.no_heartbeat_after_start.as_secs_f64())
+            .bind(thresholds.heartbeat_older_than.as_secs_f64()),
+    }
+}
+
+/// Binds a SQLite eligibility condition's parameters (see [`Flavor::Sqlite`]).
+fn bind_sqlite<'q, O>(
+    q: SqliteQueryAs<'q, O>,
+    now: i64,
+    retrieval: &Retrieval,
+) -> SqliteQueryAs<'q, O> {
+    let q = q.bind(now);
+    match retrieval {
+        Retrieval::AgentStart { .. } => q,
+        Retrieval::AgentRecovery { thresholds, .. } => q
+            .bind(secs_us(thresholds.no_heartbeat_after_start.as_secs_f64()))
+            .bind(secs_us(thresholds.heartbeat_older_than.as_secs_f64())),
+    }
+}
+
+/// Eligible machines in id order, at most `limit` (an operator's listing).
+pub(crate) async fn eligible(
+    conn: &mut Conn,
+    process: Process,
+    retrieval: &Retrieval,
+    limit: i64,
+) -> Result<Vec<Uuid>> {
+    match conn {
+        Conn::Postgres(c) => eligible_pg(c, process, retrieval, limit).await,
+        Conn::Sqlite(c) => {
+            let sql = eligible_sql(process, retrieval, Flavor::Sqlite);
+            let q = sqlx::query_as::<_, (Uuid,)>(&sql).bind(limit);
+            let rows = bind_sqlite(q, c.now, retrieval)
+                .fetch_all(&mut *c.tx)
+                .await?;
+            Ok(rows.into_iter().map(|(id,)| id).collect())
+        }
+    }
+}
+
+fn eligible_sql(process: Process, retrieval: &Retrieval, flavor: Flavor) -> String {
+    format!(
+        "SELECT p.machine_id FROM machine_provided p WHERE {} ORDER BY p.machine_id LIMIT $1",
+        eligibility(process, retrieval, 2, flavor)
+    )
+}
+
+async fn eligible_pg(
+    c: &mut PgConnection,
+    process: Process,
+    retrieval: &Retrieval,
+    limit: i64,
+) -> Result<Vec<Uuid>> {
+    let sql = eligible_sql(process, retrieval, Flavor::Postgres(Shape::Probe));
+    let q = sqlx::query_as::<_, (Uuid,)>(&sql).bind(limit);
+    let rows = bind_pg(q, retrieval).fetch_all(&mut *c).await?;
+    Ok(rows.into_iter().map(|(id,)| id).collect())
+}
+
+/// How many machines are eligible (the loops' backlog gauges).
+pub(crate) async fn count_eligible(
+    conn: &mut Conn,
+    process: Process,
+    retrieval: &Retrieval,
+) -> Result<i64> {
+    let count = |flavor| {
+        format!(
+            "SELECT count(*) FROM machine_provided p WHERE {}",
+            eligibility(process, retrieval, 1, flavor)
+        )
+    };
+    let row: (i64,) = match conn {
+        Conn::Postgres(c) => {
+            let sql = count(Flavor::Postgres(Shape::Join));
+            bind_pg(sqlx::query_as(&sql), retrieval)
+                .fetch_one(&mut **c)
+                .await?
+        }
+        Conn::Sqlite(c) => {
+            let sql = count(Flavor::Sqlite);
+            bind_sqlite(sqlx::query_as(&sql), c.now, retrieval)
+                .fetch_one(&mut *c.tx)
+                .await?
+        }
+    };
+    Ok(row.0)
+}
+
+const COUNT_HEARTBEATING: Dialects = Dialects {
+    postgres: "SELECT count(*), count(h.machine_id)
+                      FILTER (WHERE h.heartbeat_at > now() - make_interval(secs => $2))
+                 FROM machine_provided p
+                 LEFT JOIN machine_agent_heartbeat h ON h.machine_id = p.machine_id
+                WHERE p.provider = $1",
+    sqlite: "SELECT count(*), count(h.machine_id) FILTER (WHERE h.heartbeat_at > $3 - $2)
+               FROM machine_provided p
+               LEFT JOIN machine_agent_heartbeat h ON h.machine_id = p.machine_id
+              WHERE p.provider = $1",
+};
+
+/// A provider's machines, and how many of them heartbeated within `fresh_within` (the
+/// recoverer's brake).
+pub(crate) async fn count_heartbeating(
+    conn: &mut Conn,
+    provider: Provider,
+    fresh_within: std::time::Duration,
+) -> Result<(i64, i64)> {
+    on_engine!(conn, |c, e| {
+        let q = sqlx::query_as(e.sql(&COUNT_HEARTBEATING))
+            .bind(provider.as_str())
+            .bind(e.span(fresh_within));
+        Ok(e.with_now(q).fetch_one(c).await?)
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Claims on SQLite
+
+/// Claims the first eligible machine from a random point. The transaction holds SQLite's write
+/// lock from its first statement (`BEGIN IMMEDIATE`), so there are no concurrent claimers to
+/// lose against; the caller commits only if it claimed.
+pub(crate) async fn claim_sqlite(
+    c: &mut SqliteTx,
+    session: Uuid,
+    process: Process,
+    retrieval: &Retrieval,
+) -> Result<ClaimOutcome> {
+    let alive = sqlx::query(sessions::CHECK.sqlite)
+        .bind(session)
+        .bind(c.now)
+        .fetch_optional(&mut *c.tx)
+        .await?;
+    if alive.is_none() {
+        return Ok(ClaimOutcome::SessionExpired);
+    }
+    let Some(machine_id) = first_eligible_from_random_point(c, process, retrieval).await? else {
+        return Ok(ClaimOutcome::Nothing);
+    };
+    let inserted = sqlx::query(
+        "INSERT INTO work (machine_id, session_id, process) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+    )
+    .bind(machine_id)
+    .bind(session)
+    .bind(process.as_str())
+    .execute(&mut *c.tx)
+    .await?;
+    if inserted.rows_affected() == 0 {
+        return Ok(ClaimOutcome::Conflict);
+    }
+    sqlx::query("UPDATE machines SET claim_count = claim_count + 1 WHERE machine_id = $1")
+        .bind(machine_id)
+        .execute(&mut *c.tx)
+        .await?;
+    sqlx::query(
+        "INSERT INTO work_history (machine_id, process, event, at, session_id)
+         VALUES ($1, $2, 'Started', $3, $4)",
+    )
+    .bind(machine_id)
+    .bind(process.as_str())
+    .bind(c.now)
+    .bind(session)
+    .execute(&mut *c.tx)
+    .await?;
+    let last_interval = sqlx::query_scalar(LAST_INTERVAL)
+        .bind(machine_id)
+        .bind(process.as_str())
+        .fetch_optional(&mut *c.tx)
+        .await?;
+    Ok(ClaimOutcome::Claimed {
+        machine_id,
+        last_interval,
+    })
+}
+
+/// The backoff interval a machine's last failure of a process left.
+const LAST_INTERVAL: &str =
+    "SELECT last_interval_seconds FROM work_backoff WHERE machine_id = $1 AND process = $2";
+
+/// SQLite's candidate search: the first eligible machine at (`>=`) or before (`<`) `$1`.
+pub(crate) fn sqlite_candidate_sql(process: Process, retrieval: &Retrieval, op: &str) -> String {
+    format!(
+        "SELECT p.machine_id FROM machine_provided p WHERE p.machine_id {op} $1 AND {}
+         ORDER BY p.machine_id LIMIT 1",
+        eligibility(process, retrieval, 2, Flavor::Sqlite)
+    )
+}
+
+/// The first eligible machine at or after a random id, wrapping around. Starting at a random
+/// point keeps a claim from re-scanning every machine processed before it (which would make a
+/// pass over the fleet quadratic) and spreads retries of failing machines.
+async fn first_eligible_from_random_point(
+    c: &mut SqliteTx,
+    process: Process,
+    retrieval: &Retrieval,
+) -> Result<Option<Uuid>> {
+    let start = Uuid::new_v4();
+    for op in [">=", "<"] {
+        let sql = sqlite_candidate_sql(process, retrieval, op);
+        let q = sqlx::query_as::<_, (Uuid,)>(&sql).bind(start);
+        if let Some((id,)) = bind_sqlite(q, c.now, retrieval)
+            .fetch_optional(&mut *c.tx)
+            .await?
+        {
+            return Ok(Some(id));
+        }
+    }
+    Ok(None)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Claims on Postgres
+
+/// How many candidates a claim considers before giving up as conflicted.
+const CLAIM_CANDIDATES: i64 = 32;
+
+/// Index entries the window search looks at.
+const CLAIM_WINDOW: i64 = 64;
+
+/// Candidates a full search collects: one is claimed, the rest become hints.
+const CLAIM_HINTS: i64 = 256;
+
+/// Hints one claim checks. Few, so parallel claimers check different ones; those still
+/// eligible but not claimed go back to the list.
+const HINTS_PER_CLAIM: usize = 8;
+
+/// What every claim of one `Bmdb` handle shares: leftover candidates and the metrics.
+pub(crate) struct ClaimShared<'a> {
+    pub(crate) hints: &'a ClaimHints,
+    pub(crate) metrics: &'a BmdbMetrics,
+    pub(crate) processor: Processor,
+}
+
+/// Where a claim statement looks for candidates.
+#[derive(Debug, Clone)]
+pub(crate) enum Search {
+    /// Leftover candidates of an earlier full search.
+    Given(Vec<Uuid>),
+    /// The next `CLAIM_WINDOW` machines of the provider at or after the start point.
+    Window(Uuid),
+    /// Every machine of the provider, from the start point, wrapping around.
+    Everywhere(Uuid),
+}
+
+impl Search {
+    /// The `search` label of the claim search metric.
+    fn label(&self) -> ClaimSearch {
+        match self {
+            Search::Given(_) => ClaimSearch::Hinted,
+            Search::Window(_) => ClaimSearch::Window,
+            Search::Everywhere(_) => ClaimSearch::Everywhere,
+        }
+    }
+
+    /// Candidates the statement considers at most; a full search keeps its extra ones as hints.
+    fn limit(&self) -> i64 {
+        match self {
+            Search::Given(_) | Search::Window(_) => CLAIM_CANDIDATES,
+            Search::Everywhere(_) => CLAIM_HINTS,
+        }
+    }
+}
+
+/// Claims one eligible machine for `process` with autocommitted statements, cheapest search
+/// first. Leftover candidates of an earlier full search (`hints`) are checked first; then a
+/// small window of the id index after a random point, checking each machine with index
+/// probes: cheap when eligible machines are common, and it spreads parallel claimers over the
+/// fleet. If neither yields a machine to lock, the last statement searches the whole provider
+/// (wrapping around) with a join-shaped query the planner can run as an anti-join, which stays
+/// cheap when eligible machines are rare or absent, and leaves its other candidates as hints.
+pub(crate) async fn claim_pg(
+    conn: &mut PgConnection,
+    session: Uuid,
+    process: Process,
+    retrieval: &Retrieval,
+    strategy: ClaimStrategy,
+    shared: &ClaimShared<'_>,
+) -> Result<ClaimOutcome> {
+    if strategy == ClaimStrategy::UpstreamFirstRow {
+        let mut tx = conn.begin().await?;
+        let outcome = claim_upstream(&mut tx, session, process, retrieval).await?;
+        if matches!(outcome, ClaimOutcome::Claimed { .. }) {
+            tx.commit().await?;
+        } else {
+            tx.rollback().await?;
+        }
+        return Ok(outcome);
+    }
+    let key = HintKey::new(process, retrieval);
+    let hints = shared.hints;
+    let hinted = hints.take(key, HINTS_PER_CLAIM);
+    if !hinted.is_empty() {
+        let search = Search::Given(hinted);
+        let (outcome, unused) =
+            claim_statement(conn, session, process, retrieval, shared, search).await?;
+        hints.give_back(key, unused);
+        if !matches!(outcome, ClaimOutcome::Nothing | ClaimOutcome::Conflict) {
+            return Ok(outcome);
+        }
+    }
+    let start = Uuid::new_v4();
+    let search = Search::Window(start);
+    let (outcome, _) = claim_statement(conn, session, process, retrieval, shared, search).await?;
+    if !matches!(outcome, ClaimOutcome::Nothing | ClaimOutcome::Conflict) {
+        return Ok(outcome);
+    }
+    let search = Search::Everywhere(start);
+    let (outcome, leftovers) =
+        claim_statement(conn, session, process, retrieval, shared, search).await?;
+    match outcome {
+        ClaimOutcome::Nothing => hints.clear(key),
+        _ => hints.replace(key, leftovers),
+    }
+    Ok(outcome)
+}
+
+/// The text of one claim statement (see [`claim_statement`]). Parameters: `$1` the session,
+/// `$2` the start point or the given ids, `$3` the candidate limit, then the eligibility
+/// thresholds from `$4`.
+pub(crate) fn claim_sql(process: Process, retrieval: &Retrieval, search: &Search) -> String {
+    let provider = retrieval.provider().as_str();
+    let probe = Flavor::Postgres(Shape::Probe);
+    let candidates = match search {
+        Search::Given(_) => {
+            let cond = eligibility(process, retrieval, 4, probe);
+            format!(
+                "SELECT p.machine_id FROM machine_provided p
+                 WHERE p.machine_id = ANY($2::uuid[]) AND {cond} ORDER BY p.machine_id LIMIT $3"
+            )
+        }
+        Search::Window(_) => {
+            let cond = eligibility(process, retrieval, 4, probe);
+            format!(
+                "SELECT p.machine_id FROM (
+                    SELECT * FROM machine_provided WHERE provider = '{provider}' AND machine_id >= $2
+                    ORDER BY machine_id LIMIT {CLAIM_WINDOW}) p
+                 WHERE {cond} ORDER BY p.machine_id LIMIT $3"
+            )
+        }
+        Search::Everywhere(_) => {
+            let cond = eligibility(process, retrieval, 4, Flavor::Postgres(Shape::Join));
+            format!(
+                "(SELECT p.machine_id FROM machine_provided p
+                  WHERE p.machine_id >= $2 AND {cond} ORDER BY p.machine_id LIMIT $3)
+                 UNION ALL
+                 (SELECT p.machine_id FROM machine_provided p
+                  WHERE p.machine_id < $2 AND {cond} ORDER BY p.machine_id LIMIT $3)
+                 LIMIT $3"
+            )
+        }
+    };
+    let leftovers = match search {
+        Search::Window(_) => "NULL::uuid[]",
+        Search::Given(_) | Search::Everywhere(_) => {
+            "(SELECT array_agg(machine_id) FROM cand
+              WHERE machine_id NOT IN (SELECT machine_id FROM locked))"
+        }
+    };
+    let proc = process.as_str();
+    format!(
+        "WITH sess AS (
+            SELECT session_id FROM sessions WHERE session_id = $1 AND deadline > now()),
+         cand AS ({candidates}),
+         locked AS (
+            SELECT m.machine_id FROM cand
+            JOIN machines seen ON seen.machine_id = cand.machine_id
+            JOIN machines m ON m.machine_id = cand.machine_id
+            WHERE m.claim_count = seen.claim_count AND EXISTS (SELECT 1 FROM sess)
+            LIMIT 1 FOR NO KEY UPDATE OF m SKIP LOCKED),
+         ins AS (
+            INSERT INTO work (machine_id, session_id, process)
+            SELECT machine_id, $1, '{proc}' FROM locked
+            ON CONFLICT DO NOTHING RETURNING machine_id),
+         bump AS (
+            UPDATE machines SET claim_count = claim_count + 1
+            WHERE machine_id IN (SELECT machine_id FROM ins)),
+         hist AS (
+            INSERT INTO work_history (machine_id, process, event, at, session_id)
+            SELECT machine_id, '{proc}', 'Started', now(), $1 FROM ins)
+         SELECT EXISTS (SELECT 1 FROM sess),
+                EXISTS (SELECT 1 FROM locked),
+                (SELECT machine_id FROM ins),
+                (SELECT b.last_interval_seconds FROM work_backoff b JOIN ins ON b.machine_id = ins.machine_id
+                 WHERE b.process = '{proc}'),
+                CASE WHEN EXISTS (SELECT 1 FROM locked) THEN 0 ELSE (SELECT count(*) FROM cand) END,
+                {leftovers}"
+    )
+}
+
+/// Binds a claim statement's parameters (see [`claim_sql`]).
+fn bind_claim<'q, O>(
+    q: PgQueryAs<'q, O>,
+    session: Uuid,
+    search: &Search,
+    retrieval: &Retrieval,
+) -> PgQueryAs<'q, O> {
+    let q = q.bind(session);
+    let q = match search {
+        Search::Given(ids) => q.bind(ids.clone()),
+        Search::Window(start) | Search::Everywhere(start) => q.bind(*start),
+    };
+    bind_pg(q.bind(search.limit()), retrieval)
+}
+
+/// One claim statement: live-session check; candidates evaluated lazily until one locks; a
+/// `SKIP LOCKED` row lock that also skips machines claimed since our snapshot (their
+/// `claim_count` moved on, and READ COMMITTED re-checks the condition against the newest
+/// version of the locked row while `seen` keeps the snapshot's); the lock insert (a lost race
+/// yields no row instead of an error); Started history; the previous backoff interval. Also
+/// returns, for a full or hinted search, the eligible candidates it did not lock.
+async fn claim_statement(
+    conn: &mut PgConnection,
+    session: Uuid,
+    process: Process,
+    retrieval: &Retrieval,
+    shared: &ClaimShared<'_>,
+    search: Search,
+) -> Result<(ClaimOutcome, Vec<Uuid>)> {
+    type ClaimRow = (
+        bool,
+        bool,
+        Option<Uuid>,
+        Option<i64>,
+        i64,
+        Option<Vec<Uuid>>,
+    );
+    let sql = claim_sql(process, retrieval, &search);
+    let row = bind_claim(
+        sqlx::query_as::<_, ClaimRow>(&sql),
+        session,
+        &search,
+        retrieval,
+    )
+    .fetch_one(&mut *conn)
+    .await;
+    let (session_ok, locked, machine, last_interval, candidates, leftovers) = match row {
+        // The session row was deleted (garbage-collected) after our snapshot saw it alive: the
+        // lock insert's foreign key check, which key-share locks the session, refused it.
+        Err(e) if is_sqlstate(&e, "23503") => {
+            return Ok((ClaimOutcome::SessionExpired, Vec::new()))
+        }
+        other => other?,
+    };
+    let outcome = match machine {
+        Some(machine_id) => ClaimOutcome::Claimed {
+            machine_id,
+            last_interval,
+        },
+        None if !session_ok => ClaimOutcome::SessionExpired,
+        // Locked a row but the unique lock said no: the constraint backstop caught a race.
+        None if locked => ClaimOutcome::Conflict,
+        // Every candidate we saw is being or has been claimed by others. If the search was cut
+        // at the candidate limit, more may lie beyond it; otherwise nothing is left for us.
+        None if candidates >= search.limit() => ClaimOutcome::Conflict,
+        None => ClaimOutcome::Nothing,
+    };
+    let claimed = matches!(outcome, ClaimOutcome::Claimed { .. });
+    shared
+        .metrics
+        .claim_search(shared.processor, process, search.label(), claimed);
+    Ok((outcome, leftovers.unwrap_or_default()))
+}
+
+/// Upstream's claim shape, kept only as a benchmark baseline: first eligible row, plain insert,
+/// and a unique violation as the conflict signal.
+async fn claim_upstream(
+    c: &mut PgConnection,
+    session: Uuid,
+    process: Process,
+    retrieval: &Retrieval,
+) -> Result<ClaimOutcome> {
+    let alive = sqlx::query(sessions::CHECK.postgres)
+        .bind(session)
+        .fetch_optional(&mut *c)
+        .await?;
+    if alive.is_none() {
+        return Ok(ClaimOutcome::SessionExpired);
+    }
+    let ids = eligible_pg(c, process, retrieval, 1).await?;
+    let Some(machine_id) = ids.first().copied() else {
+        return Ok(ClaimOutcome::Nothing);
+    };
+    let inserted =
+        sqlx::query("INSERT INTO work (machine_id, session_id, process) VALUES ($1, $2, $3)")
+            .bind(machine_id)
+            .bind(session)
+            .bind(process.as_str())
+            .execute(&mut *c)
+            .await;
+    match inserted {
+        Ok(_) => {}
+        Err(e) if is_sqlstate(&e, "23505") => return Ok(ClaimOutcome::Conflict),
+        Err(e) => return Err(e.into()),
+    }
+    sqlx::query(
+        "INSERT INTO work_history (machine_id, process, event, at, session_id)
+         VALUES ($1, $2, 'Started', now(), $3)",
+    )
+    .bind(machine_id)
+    .bind(process.as_str())
+    .bind(session)
+    .execute(&mut *c)
+    .await?;
+    let last_interval = sqlx::query_scalar(LAST_INTERVAL)
+        .bind(machine_id)
+        .bind(process.as_str())
+        .fetch_optional(&mut *c)
+        .await?;
+    Ok(ClaimOutcome::Claimed {
+        machine_id,
+        last_interval,
+    })
+}
+
+/// Every claim statement variant of each named (process, rule) pair, for the snapshot test
+/// and the query-plan test: Postgres' three searches and SQLite's two candidate queries.
+#[cfg(feature = "testing")]
+pub(crate) fn claim_statement_variants(
+    rules: &[(&str, Process, Retrieval)],
+) -> Vec<(String, Process, Retrieval, Search, String)> {
+    let mut out = Vec::new();
+    for &(rule, process, retrieval) in rules {
+        let start = Uuid::nil();
+        for (name, search) in [
+            ("hinted", Search::Given(vec![start])),
+            ("window", Search::Window(start)),
+            ("everywhere", Search::Everywhere(start)),
+        ] {
+            let sql = claim_sql(process, &retrieval, &search);
+            out.push((
+                format!("postgres {rule} {name}"),
+                process,
+                retrieval,
+                search,
+                sql,
+            ));
+        }
+        for (name, op) in [("from start", ">="), ("before start", "<")] {
+            let sql = sqlite_candidate_sql(process, &retrieval, op);
+            let search = Search::Window(start);
+            out.push((
+                format!("sqlite {rule} {name}"),
+                process,
+                retrieval,
+                search,
+                sql,
+            ));
+        }
+    }
+    out
+}
+
+/// The executed query plan (`EXPLAIN ANALYZE`, one line a row) of a Postgres claim
+/// statement with its parameters bound as a claim binds them, in a transaction rolled back
+/// afterwards so the claim it makes is undone. For the query-plan test.
+#[cfg(feature = "testing")]
+pub(crate) async fn explain_claim(
+    c: &mut PgConnection,
+    session: Uuid,
+    retrieval: &Retrieval,
+    search: &Search,
+    sql: &str,
+) -> Result<Vec<String>> {
+    let explain = format!("EXPLAIN (ANALYZE, TIMING OFF) {sql}");
+    let mut tx = c.begin().await?;
+    let rows: Vec<(String,)> = bind_claim(sqlx::query_as(&explain), session, search, retrieval)
+        .fetch_all(&mut *tx)
+        .await?;
+    tx.rollback().await?;
+    Ok(rows.into_iter().map(|(line,)| line).collect())
+}

@@ -1,0 +1,213 @@
+//! Sessions (SPEC §3): creation, keep-alive, liveness, closing, garbage collection, and the
+//! agent heartbeat that Postgres runs as one statement outside a transaction.
+
+use sqlx::{PgConnection, Row};
+use uuid::Uuid;
+
+use super::{on_engine, Columns, Conn, Dialects, Result};
+use crate::model::{Process, SessionInfo};
+
+const CREATE: Dialects = Dialects {
+    postgres: "INSERT INTO sessions (session_id, component_name, runtime_info, processor,
+                                     created_at, interval_seconds, deadline)
+               VALUES ($1, $2, $3, $4, now(), $5, now() + make_interval(secs => $5))",
+    sqlite: "INSERT INTO sessions (session_id, component_name, runtime_info, processor,
+                                   created_at, interval_seconds, deadline)
+             VALUES ($1, $2, $3, $4, $6, $5, $6 + $5 * 1000000)",
+};
+
+const POKE: Dialects = Dialects {
+    postgres: "UPDATE sessions SET deadline = now() + make_interval(secs => interval_seconds)
+               WHERE session_id = $1 AND deadline > now()",
+    sqlite: "UPDATE sessions SET deadline = $2 + interval_seconds * 1000000
+             WHERE session_id = $1 AND deadline > $2",
+};
+
+/// A live session; on Postgres the key-share lock keeps it from being deleted until commit.
+pub(crate) const CHECK: Dialects = Dialects {
+    postgres: "SELECT 1 FROM sessions WHERE session_id = $1 AND deadline > now() FOR KEY SHARE",
+    sqlite: "SELECT 1 FROM sessions WHERE session_id = $1 AND deadline > $2",
+};
+
+const CANCEL_ALL_WORK: Dialects = Dialects {
+    postgres: "INSERT INTO work_history (machine_id, process, event, at, session_id, failed_cause)
+               SELECT machine_id, process, 'Canceled', now(), session_id, 'session closed'
+                 FROM work WHERE session_id = $1",
+    sqlite: "INSERT INTO work_history (machine_id, process, event, at, session_id, failed_cause)
+             SELECT machine_id, process, 'Canceled', $2, session_id, 'session closed'
+               FROM work WHERE session_id = $1",
+};
+
+pub(crate) async fn create_session(
+    conn: &mut Conn,
+    id: Uuid,
+    component: &str,
+    runtime_info: &str,
+    processor: &str,
+    interval_seconds: i64,
+) -> Result<()> {
+    on_engine!(conn, |c, e| {
+        let q = sqlx::query(e.sql(&CREATE))
+            .bind(id)
+            .bind(component)
+            .bind(runtime_info)
+            .bind(processor)
+            .bind(interval_seconds);
+        e.with_now(q).execute(c).await?;
+        Ok(())
+    })
+}
+
+/// Extends a live session's deadline; false if it is gone or already past its deadline.
+pub(crate) async fn poke_session(conn: &mut Conn, id: Uuid) -> Result<bool> {
+    on_engine!(conn, |c, e| {
+        let r = e
+            .with_now(sqlx::query(e.sql(&POKE)).bind(id))
+            .execute(c)
+            .await?;
+        Ok(r.rows_affected() == 1)
+    })
+}
+
+/// Whether the session is alive (see [`CHECK`]).
+pub(crate) async fn check_session(conn: &mut Conn, id: Uuid) -> Result<bool> {
+    on_engine!(conn, |c, e| {
+        let row = e
+            .with_now(sqlx::query(e.sql(&CHECK)).bind(id))
+            .fetch_optional(c)
+            .await?;
+        Ok(row.is_some())
+    })
+}
+
+/// Closes a session: its work is recorded as Canceled and released with it.
+pub(crate) async fn delete_session(conn: &mut Conn, id: Uuid) -> Result<()> {
+    on_engine!(conn, |c, e| {
+        e.with_now(sqlx::query(e.sql(&CANCEL_ALL_WORK)).bind(id))
+            .execute(&mut *c)
+            .await?;
+        sqlx::query("DELETE FROM sessions WHERE session_id = $1")
+            .bind(id)
+            .execute(&mut *c)
+            .await?;
+        Ok(())
+    })
+}
+
+/// Deletes expired sessions (their work cascades), recording each lost lock as Canceled.
+/// On Postgres one statement, so that history names exactly the sessions it deleted even if a
+/// concurrent keep-alive races it; SQLite's single writer has no such race.
+pub(crate) async fn collect_garbage(conn: &mut Conn) -> Result<u64> {
+    match conn {
+        Conn::Postgres(c) => {
+            let n: i64 = sqlx::query_scalar(
+                "WITH dead AS (DELETE FROM sessions WHERE deadline < now() RETURNING session_id),
+                 hist AS (
+                    INSERT INTO work_history (machine_id, process, event, at, session_id, failed_cause)
+                    SELECT w.machine_id, w.process, 'Canceled', now(), w.session_id, 'session expired'
+                    FROM work w JOIN dead d ON d.session_id = w.session_id)
+                 SELECT count(*) FROM dead",
+            )
+            .fetch_one(&mut **c)
+            .await?;
+            Ok(n as u64)
+        }
+        Conn::Sqlite(c) => {
+            sqlx::query(
+                "INSERT INTO work_history (machine_id, process, event, at, session_id, failed_cause)
+                 SELECT w.machine_id, w.process, 'Canceled', $1, w.session_id, 'session expired'
+                 FROM work w JOIN sessions s ON s.session_id = w.session_id WHERE s.deadline < $1",
+            )
+            .bind(c.now)
+            .execute(&mut *c.tx)
+            .await?;
+            let r = sqlx::query("DELETE FROM sessions WHERE deadline < $1")
+                .bind(c.now)
+                .execute(&mut *c.tx)
+                .await?;
+            Ok(r.rows_affected())
+        }
+    }
+}
+
+fn session_from_row(r: &impl Columns) -> Result<SessionInfo> {
+    Ok(SessionInfo {
+        session_id: r.get("session_id")?,
+        component_name: r.get("component_name")?,
+        runtime_info: r.get("runtime_info")?,
+        processor: r.get("processor")?,
+        created_at: r.time("created_at")?,
+        interval_seconds: r.get("interval_seconds")?,
+        deadline: r.time("deadline")?,
+    })
+}
+
+pub(crate) async fn session(conn: &mut Conn, id: Uuid) -> Result<Option<SessionInfo>> {
+    on_engine!(conn, |c, _| {
+        let row = sqlx::query("SELECT * FROM sessions WHERE session_id = $1")
+            .bind(id)
+            .fetch_optional(c)
+            .await?;
+        row.as_ref().map(session_from_row).transpose()
+    })
+}
+
+pub(crate) async fn sessions(conn: &mut Conn) -> Result<Vec<SessionInfo>> {
+    on_engine!(conn, |c, _| {
+        let rows = sqlx::query("SELECT * FROM sessions ORDER BY created_at, session_id")
+            .fetch_all(c)
+            .await?;
+        rows.iter().map(session_from_row).collect()
+    })
+}
+
+/// The work a session holds, by machine and process.
+pub(crate) async fn session_work(conn: &mut Conn, session: Uuid) -> Result<Vec<(Uuid, Process)>> {
+    on_engine!(conn, |c, _| {
+        let rows: Vec<(Uuid, String)> = sqlx::query_as(
+            "SELECT machine_id, process FROM work WHERE session_id = $1
+             ORDER BY machine_id, process",
+        )
+        .bind(session)
+        .fetch_all(c)
+        .await?;
+        rows.into_iter().map(|(m, p)| Ok((m, p.parse()?))).collect()
+    })
+}
+
+/// An agent heartbeat in one autocommitted Postgres statement: session liveness, the agent's
+/// key, the heartbeat upsert and the pending installation request. Returns (session alive, key
+/// matches, pending request); the heartbeat is written only if both hold. SQLite, and reports,
+/// take the transaction path (`Tx::record_agent_heartbeat`).
+pub(crate) async fn agent_heartbeat_pg(
+    c: &mut PgConnection,
+    session: Uuid,
+    machine: Uuid,
+    key: &[u8],
+) -> Result<(bool, bool, Option<Vec<u8>>)> {
+    let row = sqlx::query(
+        "WITH alive AS (
+             SELECT 1 FROM sessions WHERE session_id = $1 AND deadline > now() FOR KEY SHARE
+         ), authorized AS (
+             SELECT 1 FROM machine_agent_started WHERE machine_id = $2 AND public_key = $3
+         ), beat AS (
+             INSERT INTO machine_agent_heartbeat (machine_id, heartbeat_at)
+             SELECT $2, now()
+             WHERE EXISTS (SELECT 1 FROM alive) AND EXISTS (SELECT 1 FROM authorized)
+             ON CONFLICT (machine_id) DO UPDATE SET heartbeat_at = EXCLUDED.heartbeat_at
+             RETURNING 1
+         )
+         SELECT EXISTS (SELECT 1 FROM alive), EXISTS (SELECT 1 FROM authorized),
+                (SELECT q.request_raw FROM machine_os_installation_request q
+                  WHERE q.machine_id = $2
+                    AND NOT EXISTS (SELECT 1 FROM machine_os_installation_report r
+                                     WHERE r.machine_id = $2 AND r.generation = q.generation)),
+                (SELECT count(*) FROM beat)",
+    )
+    .bind(session)
+    .bind(machine)
+    .bind(key)
+    .fetch_one(&mut *c)
+    .await?;
+    Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?))
+}
