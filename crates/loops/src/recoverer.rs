@@ -63,18 +63,22 @@ pub struct RepeatPolicy {
     pub give_up_after: u32,
 }
 
+impl RepeatPolicy {
+    /// `first` before the second reboot in a row, doubling up to 24 h (or `first` if longer),
+    /// ±10 %; left alone after `give_up_after` reboots in a row.
+    pub fn doubling_from(first: Duration, give_up_after: u32) -> Self {
+        RepeatPolicy {
+            backoff: Backoff::exponential(first, first.max(Duration::from_secs(24 * 3600)), 2.0)
+                .with_jitter(0.1),
+            give_up_after,
+        }
+    }
+}
+
 impl Default for RepeatPolicy {
     /// 1 h before the second reboot in a row, doubling up to 24 h, ±10 %; left alone after 6.
     fn default() -> Self {
-        RepeatPolicy {
-            backoff: Backoff::exponential(
-                Duration::from_secs(3600),
-                Duration::from_secs(24 * 3600),
-                2.0,
-            )
-            .with_jitter(0.1),
-            give_up_after: 6,
-        }
+        RepeatPolicy::doubling_from(Duration::from_secs(3600), 6)
     }
 }
 
@@ -145,6 +149,11 @@ impl RecovererMetrics {
     }
 }
 
+/// Upstream's backoff after a failed reboot: 1 min, growing ×1.2 up to 1 h.
+pub fn failed_reboot_backoff() -> Backoff {
+    Backoff::exponential(Duration::from_secs(60), Duration::from_secs(3600), 1.2)
+}
+
 /// The recoverer for one provider.
 pub struct Recoverer<P: RecovererProvider> {
     provider: Arc<P>,
@@ -156,13 +165,13 @@ pub struct Recoverer<P: RecovererProvider> {
 }
 
 impl<P: RecovererProvider> Recoverer<P> {
-    /// A recoverer with upstream's backoff after a failed reboot (1 min to 1 h, ×1.2) and the
-    /// default [`RepeatPolicy`].
+    /// A recoverer with upstream's backoff after a failed reboot ([`failed_reboot_backoff`])
+    /// and the default [`RepeatPolicy`].
     pub fn new(provider: Arc<P>, thresholds: RecoveryThresholds) -> Self {
         Recoverer {
             provider,
             thresholds,
-            backoff: Backoff::exponential(Duration::from_secs(60), Duration::from_secs(3600), 1.2),
+            backoff: failed_reboot_backoff(),
             repeat: RepeatPolicy::default(),
             brake: None,
             metrics: RecovererMetrics::default(),

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
-use shepherd_bmdb::{Backoff, Bmdb, OpenOptions, Provider as ProviderKind};
+use shepherd_bmdb::{Bmdb, OpenOptions, Provider as ProviderKind};
 use shepherd_equinix::{Client, EquinixConfig, EquinixProvider, RetryPolicy};
 use shepherd_loops::brake::{BrakeConfig, BrakeMetrics};
 use shepherd_loops::initializer::InitializerConfig;
@@ -17,7 +17,7 @@ use shepherd_loops::metrics::{CallMetrics, InstrumentedProvider};
 use shepherd_loops::provider::Recoverer;
 use shepherd_loops::provisioner::ProvisionerConfig;
 use shepherd_loops::reconcile::Limits;
-use shepherd_loops::recoverer::{RecovererMetrics, RepeatPolicy};
+use shepherd_loops::recoverer::{failed_reboot_backoff, RecovererMetrics, RepeatPolicy};
 use shepherd_loops::sim::{SimFleet, SimKnobs};
 use shepherd_loops::static_provider::StaticProvider;
 use shepherd_loops::transport::{SshTransport, Transport};
@@ -298,16 +298,8 @@ impl RunArgs {
             interval: self.recovery_brake_interval,
         };
         recovery_brake.validate()?;
-        let recovery_repeat = RepeatPolicy {
-            backoff: Backoff::exponential(
-                self.recovery_repeat_backoff,
-                self.recovery_repeat_backoff
-                    .max(Duration::from_secs(24 * 3600)),
-                2.0,
-            )
-            .with_jitter(0.1),
-            give_up_after: self.recovery_give_up_after,
-        };
+        let recovery_repeat =
+            RepeatPolicy::doubling_from(self.recovery_repeat_backoff, self.recovery_give_up_after);
         recovery_repeat.validate()?;
         Ok(FleetSettings {
             provisioner: ProvisionerConfig {
@@ -328,11 +320,7 @@ impl RunArgs {
                 db_rate: self.recoverer_db_rate,
             },
             recovery: self.thresholds.thresholds(),
-            recoverer_backoff: Backoff::exponential(
-                Duration::from_secs(60),
-                Duration::from_secs(3600),
-                1.2,
-            ),
+            recoverer_backoff: failed_reboot_backoff(),
             recovery_brake,
             recovery_brake_metrics: BrakeMetrics::default(),
             recovery_repeat,
@@ -415,20 +403,13 @@ fn read_ca(path: &PathBuf) -> Result<Vec<u8>> {
     Ok(der)
 }
 
-/// The DER bytes of the first certificate in a PEM text.
+/// The DER bytes of the first certificate in a PEM text (rustls-pemfile reads it).
 pub(crate) fn pem_to_der(pem: &str) -> Result<Vec<u8>> {
-    use base64::Engine;
-    let begin = "-----BEGIN CERTIFICATE-----";
-    let end = "-----END CERTIFICATE-----";
-    let start = pem.find(begin).context("no PEM certificate found")? + begin.len();
-    let stop = pem[start..]
-        .find(end)
-        .context("unterminated PEM certificate")?
-        + start;
-    let b64: String = pem[start..stop].split_whitespace().collect();
-    base64::engine::general_purpose::STANDARD
-        .decode(b64)
-        .context("PEM certificate is not valid base64")
+    let first = rustls_pemfile::certs(&mut pem.as_bytes())
+        .next()
+        .context("no PEM certificate found")?
+        .context("the PEM certificate cannot be read")?;
+    Ok(first.to_vec())
 }
 
 /// The provider (and how to reach its machines) chosen at start-up.
