@@ -19,6 +19,9 @@ use crate::provider::{Provider, ProviderMachine};
 /// Tags written per transaction.
 const BATCH: usize = 500;
 
+/// Provider ids a log line names at most; the rest are counted.
+const LOGGED_EXAMPLES: usize = 5;
+
 /// What one update pass did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct UpdateReport {
@@ -99,6 +102,7 @@ impl<P: Provider + ?Sized> Updater<P> {
                  Missing (partial provider data?)"
             );
         }
+        let mut missing_examples = Vec::new();
         for batch in changes.chunks(BATCH) {
             let batch = batch.to_vec();
             let writes = batch.clone();
@@ -113,14 +117,23 @@ impl<P: Provider + ?Sized> Updater<P> {
                     })
                 })
                 .await?;
-            for (id, tag, newly_missing) in batch {
+            for (_, tag, newly_missing) in batch {
                 if newly_missing {
-                    tracing::warn!(machine = %id, provider_id = tag.provider_id, "the provider no longer lists this machine; marked Missing");
+                    if missing_examples.len() < LOGGED_EXAMPLES {
+                        missing_examples.push(tag.provider_id);
+                    }
                     report.missing += 1;
                 } else {
                     report.updated += 1;
                 }
             }
+        }
+        if report.missing > 0 {
+            tracing::warn!(
+                count = report.missing,
+                examples = ?missing_examples,
+                "the provider no longer lists these machines; marked Missing"
+            );
         }
         Ok(report)
     }
