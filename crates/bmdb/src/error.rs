@@ -70,6 +70,14 @@ pub enum Error {
     /// A database error that was not retried or kept failing after retries.
     #[error("database error: {0}")]
     Database(sqlx::Error),
+    /// A batch this call was written in failed (see `heartbeats.rs`); every member gets this.
+    #[error("heartbeat batch failed: {cause}")]
+    BatchFailed {
+        /// The batch's error.
+        cause: String,
+        /// Whether the batch's error was transient.
+        transient: bool,
+    },
 }
 
 impl From<sqlx::Error> for Error {
@@ -100,6 +108,7 @@ impl Error {
             | Error::Unavailable { .. }
             | Error::SessionExpired
             | Error::WorkLost { .. } => true,
+            Error::BatchFailed { transient, .. } => *transient,
             Error::Database(e) => {
                 is_retryable_sqlx(e)
                     || matches!(
@@ -115,6 +124,18 @@ impl Error {
     }
 
     /// Whether a unique constraint refused the write (another writer got there first).
+    /// What each member of a failed batch is told: the same kind of error where it can be
+    /// told again (an expired session), else the batch's message and whether it was transient.
+    pub(crate) fn for_each_of_a_batch(&self) -> Error {
+        match self {
+            Error::SessionExpired => Error::SessionExpired,
+            e => Error::BatchFailed {
+                cause: e.to_string(),
+                transient: e.is_transient(),
+            },
+        }
+    }
+
     pub fn is_unique_violation(&self) -> bool {
         match self {
             Error::Database(e) => e

@@ -72,6 +72,8 @@ pub struct BmdbMetrics {
     work_started: Family<WorkLabels, Counter>,
     work_finished: Family<WorkEndLabels, Counter>,
     claim_searches: Family<ClaimSearchLabels, Counter>,
+    heartbeat_batches: Family<ProcessorLabels, Counter>,
+    heartbeats_batched: Family<ProcessorLabels, Counter>,
 }
 
 impl BmdbMetrics {
@@ -111,6 +113,16 @@ impl BmdbMetrics {
             "bmdb_claim_searches",
             "Claim statements on Postgres, by where they searched and whether they claimed",
             self.claim_searches.clone(),
+        );
+        registry.register(
+            "bmdb_heartbeat_batches",
+            "Transactions that wrote a batch of agent heartbeats (group commit)",
+            self.heartbeat_batches.clone(),
+        );
+        registry.register(
+            "bmdb_heartbeats_batched",
+            "Agent heartbeats written in batches; divided by the batches, the mean batch size",
+            self.heartbeats_batched.clone(),
         );
     }
 
@@ -205,6 +217,24 @@ impl BmdbMetrics {
         self.claim_searches
             .get_or_create(&Self::search_labels(processor, process, search, claimed))
             .get()
+    }
+
+    pub(crate) fn heartbeat_batch(&self, processor: Processor, size: usize) {
+        self.heartbeat_batches
+            .get_or_create(&Self::p(processor))
+            .inc();
+        self.heartbeats_batched
+            .get_or_create(&Self::p(processor))
+            .inc_by(size as u64);
+    }
+
+    /// Heartbeat batches written so far for `processor`, and the heartbeats in them.
+    pub fn heartbeat_batches(&self, processor: Processor) -> (u64, u64) {
+        let p = Self::p(processor);
+        (
+            self.heartbeat_batches.get_or_create(&p).get(),
+            self.heartbeats_batched.get_or_create(&p).get(),
+        )
     }
 
     /// Committed transactions so far for `processor` (for tests and status output).

@@ -1,17 +1,18 @@
 //! Sessions (SPEC §3): a component's lease on the BMDB, kept alive in the background. Work
 //! and transactions run through a session can never commit after the session died.
 
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use crate::db::{Mode, Pools, TxFuture};
+use crate::db::{Mode, TxFuture};
+use crate::heartbeats::Batcher;
 use crate::metrics::WorkResult;
 use crate::sql;
-use crate::transaction::{retrying, Guard};
+use crate::transaction::Guard;
 use crate::tx::Tx;
 use crate::{AgentHeartbeat, AgentReport, Bmdb, Error, Process, Processor};
 
@@ -70,10 +71,12 @@ pub(crate) struct SessionInner {
     interval: Duration,
     state: Mutex<LocalState>,
     keepalive: Mutex<Option<JoinHandle<()>>>,
+    /// The group-commit writer of this session's bare agent heartbeats, started by the first.
+    heartbeats: OnceLock<Batcher>,
 }
 
 impl SessionInner {
-    fn mark_expired(&self) {
+    pub(crate) fn mark_expired(&self) {
         self.state.lock().unwrap().expired = true;
     }
 
@@ -180,6 +183,7 @@ impl Bmdb {
                 deadline: started + interval,
             }),
             keepalive: Mutex::new(None),
+            heartbeats: OnceLock::new(),
         });
         let task = tokio::spawn(keepalive(Arc::downgrade(&inner), interval));
         *inner.keepalive.lock().unwrap() = Some(task);
@@ -280,45 +284,31 @@ impl Session {
 
     /// The one entry point for what an agent sends (SPEC §12): if `key` is the agent key of
     /// `machine`, records its heartbeat and `report`, and returns the pending installation
-    /// request; otherwise writes nothing. The BMaaS server's hot path: a bare heartbeat on
-    /// Postgres is one autocommitted statement (the same rule in SQL); anything else is one
-    /// session transaction through [`Tx::record_agent_heartbeat`]. The session is checked
-    /// inside either.
+    /// request; otherwise writes nothing. The BMaaS server's hot path: a bare heartbeat joins
+    /// this session's group commit (`heartbeats.rs`: many heartbeats, one transaction; on
+    /// Postgres one statement, the same rule in SQL) and is answered once its batch committed;
+    /// a heartbeat with a report is one session transaction through
+    /// [`Tx::record_agent_heartbeat`]. The session is checked inside either.
     pub async fn agent_heartbeat(
         &self,
         machine: Uuid,
         key: &[u8],
         report: &AgentReport,
     ) -> Result<AgentHeartbeat, Error> {
-        let db = &self.inner.db;
-        let pool = match &db.inner.pools {
-            Pools::Postgres(pool) if report.is_empty() => pool,
-            _ => {
-                let (key, report) = (key.to_vec(), report.clone());
-                return self
-                    .transact(move |tx| {
-                        let (key, report) = (key.clone(), report.clone());
-                        Box::pin(
-                            async move { tx.record_agent_heartbeat(machine, &key, &report).await },
-                        )
-                    })
-                    .await;
-            }
-        };
-        let recorded = retrying(db.metrics(), self.inner.processor, || async {
-            self.inner.ensure_alive()?;
-            let mut conn = db.acquire_pg(pool).await?;
-            sql::sessions::agent_heartbeat_pg(&mut conn, self.inner.id, machine, key).await
-        })
-        .await?;
-        match recorded {
-            (false, _, _) => {
-                self.inner.mark_expired();
-                Err(Error::SessionExpired)
-            }
-            (true, false, _) => Ok(AgentHeartbeat::Unauthorized),
-            (true, true, pending_request) => Ok(AgentHeartbeat::Recorded { pending_request }),
+        self.inner.ensure_alive()?;
+        if report.is_empty() {
+            let batcher = self
+                .inner
+                .heartbeats
+                .get_or_init(|| Batcher::start(Arc::downgrade(&self.inner)));
+            return batcher.beat(machine, key).await;
         }
+        let (key, report) = (key.to_vec(), report.clone());
+        self.transact(move |tx| {
+            let (key, report) = (key.clone(), report.clone());
+            Box::pin(async move { tx.record_agent_heartbeat(machine, &key, &report).await })
+        })
+        .await
     }
 
     pub(crate) fn record_work_end(&self, process: Process, result: WorkResult) {

@@ -1108,10 +1108,96 @@ async fn cancelled_transactions_leave_nothing_open(db: Bmdb) {
     session.close().await.unwrap();
 }
 
+/// Concurrent bare heartbeats are group-committed: far fewer transactions than heartbeats,
+/// yet each caller gets its own answer — authorized or not, with its own pending request —
+/// and only authorized heartbeats are written.
+async fn heartbeats_are_group_committed(db: Bmdb) {
+    const MACHINES: usize = 300;
+    let s = session(&db, "bmsrv").await;
+    let machines: Vec<Uuid> = db
+        .transact(|tx| {
+            Box::pin(async move {
+                let mut ids = Vec::new();
+                for i in 0..MACHINES {
+                    let id = tx.create_machine().await?;
+                    tx.set_agent_started(id, &[(i % 200) as u8; 32]).await?;
+                    if i % 3 == 0 {
+                        let request = OsInstallationRequest {
+                            generation: i as i64,
+                            request_raw: vec![i as u8; 2],
+                        };
+                        tx.set_os_installation_request(id, &request).await?;
+                    }
+                    ids.push(id);
+                }
+                Ok(ids)
+            })
+        })
+        .await
+        .unwrap();
+    let (batches_before, _) = db.metrics().heartbeat_batches(s.processor());
+    // Every fifth agent presents the wrong key; the first ten heartbeat twice at once (the
+    // same machine twice in one batch is written once and answered twice).
+    let key_of = |i: usize| {
+        if i % 5 == 4 {
+            [255u8; 32]
+        } else {
+            [(i % 200) as u8; 32]
+        }
+    };
+    let expected = |i: usize| {
+        if i % 5 == 4 {
+            AgentHeartbeat::Unauthorized
+        } else {
+            AgentHeartbeat::Recorded {
+                pending_request: (i % 3 == 0).then(|| vec![i as u8; 2]),
+            }
+        }
+    };
+    let mut calls = Vec::new();
+    for (i, &machine) in machines[..10].iter().chain(&machines).enumerate() {
+        let i = if i < 10 { i } else { i - 10 };
+        let (s, key) = (s.clone(), key_of(i));
+        let call = tokio::spawn(async move {
+            s.agent_heartbeat(machine, &key, &AgentReport::default())
+                .await
+                .unwrap()
+        });
+        calls.push((i, call));
+    }
+    for (i, call) in calls {
+        assert_eq!(call.await.unwrap(), expected(i), "heartbeat {i}");
+    }
+    let written = db
+        .read(move |tx| {
+            let machines = machines.clone();
+            Box::pin(async move {
+                let mut written = Vec::new();
+                for m in machines {
+                    written.push(tx.heartbeat(m).await?.is_some());
+                }
+                Ok(written)
+            })
+        })
+        .await
+        .unwrap();
+    for (i, written) in written.into_iter().enumerate() {
+        assert_eq!(written, i % 5 != 4, "heartbeat {i} written");
+    }
+    let (batches, beats) = db.metrics().heartbeat_batches(s.processor());
+    let batches = batches - batches_before;
+    assert_eq!(beats, MACHINES as u64 + 10);
+    assert!(
+        batches * 4 <= MACHINES as u64,
+        "{MACHINES} concurrent heartbeats took {batches} transactions"
+    );
+}
+
 shepherd_bmdb::conformance_tests!(
     cancelled_transactions_leave_nothing_open,
     summaries_and_fleet_counts,
     agent_heartbeats,
+    heartbeats_are_group_committed,
     migrations_are_idempotent,
     tags_round_trip,
     session_expiry_releases_work,

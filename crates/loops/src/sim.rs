@@ -4,11 +4,13 @@
 //! and multi-replica tests; nothing leaves the process.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
 use async_trait::async_trait;
+use futures::StreamExt;
 use rand::Rng;
 use shepherd_bmdb::{
     AgentHeartbeat, AgentReport, Bmdb, Processor, Provider as ProviderKind, Session, SessionConfig,
@@ -43,6 +45,12 @@ pub struct SimKnobs {
     pub heartbeat_interval: Duration,
 }
 
+/// How often the simulated agents look for heartbeats that are due (at most).
+const AGENT_TICK: Duration = Duration::from_millis(250);
+
+/// Simulated heartbeats in flight at once: enough to fill a few group-commit batches.
+const AGENTS_AT_ONCE: usize = 4 * shepherd_bmdb::MAX_BATCH;
+
 impl Default for SimKnobs {
     fn default() -> Self {
         SimKnobs {
@@ -58,8 +66,11 @@ impl Default for SimKnobs {
 }
 
 impl SimKnobs {
-    /// Checks that rates are probabilities.
+    /// Checks that rates are probabilities and the heartbeat interval is not zero.
     pub fn validate(&self) -> anyhow::Result<()> {
+        if self.heartbeat_interval.is_zero() {
+            bail!("sim heartbeat interval: must be longer than zero");
+        }
         for (name, rate) in [
             ("sim connect failure rate", self.connect_failure),
             ("sim bad agent rate", self.bad_agent),
@@ -95,6 +106,9 @@ struct SimAgent {
     machine_id: Uuid,
     key: Vec<u8>,
     silent: bool,
+    /// When this agent heartbeats next: at once when started, then every heartbeat interval,
+    /// each agent on its own phase as real agents are.
+    next_heartbeat: std::time::Instant,
     /// The real agent's heartbeat loop, when the fleet runs real agents; stops when dropped
     /// (a reboot).
     _task: Option<AgentTask>,
@@ -232,13 +246,14 @@ impl SimFleet {
         )
     }
 
-    /// Runs the simulated agents until `cancel`: every heartbeat interval, writes a heartbeat
-    /// for each running, non-silent agent whose key the BMDB knows for its machine (as the
-    /// BMaaS server authorizes heartbeats), all in one transaction.
+    /// Runs the simulated agents until `cancel`: each running, non-silent agent heartbeats
+    /// when it starts and then every heartbeat interval, through the BMaaS server's own entry
+    /// point ([`Session::agent_heartbeat`]: the key check and group commit), many at once.
     pub async fn run_agents(self: Arc<Self>, db: Bmdb, cancel: CancellationToken) {
         let config = SessionConfig::new("sim-agents", Processor::Bmsrv);
         let mut session: Option<Session> = None;
-        let mut tick = tokio::time::interval(self.knobs.heartbeat_interval);
+        let interval = self.knobs.heartbeat_interval;
+        let mut tick = tokio::time::interval(interval.min(AGENT_TICK));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
@@ -246,16 +261,20 @@ impl SimFleet {
                 _ = cancel.cancelled() => break,
                 _ = tick.tick() => {}
             }
-            let agents: Vec<(Uuid, Vec<u8>)> = {
-                let s = self.state.lock().unwrap();
+            let due: Vec<(Uuid, Vec<u8>)> = {
+                let now = std::time::Instant::now();
+                let mut s = self.state.lock().unwrap();
                 s.machines
-                    .iter()
-                    .filter_map(|m| m.agent.as_ref())
-                    .filter(|a| !a.silent)
-                    .map(|a| (a.machine_id, a.key.clone()))
+                    .iter_mut()
+                    .filter_map(|m| m.agent.as_mut())
+                    .filter(|a| !a.silent && a.next_heartbeat <= now)
+                    .map(|a| {
+                        a.next_heartbeat = now + interval;
+                        (a.machine_id, a.key.clone())
+                    })
                     .collect()
             };
-            if agents.is_empty() {
+            if due.is_empty() {
                 continue;
             }
             let s = match live_session(&db, &config, session.take()).await {
@@ -265,27 +284,32 @@ impl SimFleet {
                     continue;
                 }
             };
-            let written = s
-                .transact(move |tx| {
-                    let agents = agents.clone();
-                    Box::pin(async move {
-                        let mut n = 0u64;
-                        for (machine, key) in agents {
-                            let beat = tx
-                                .record_agent_heartbeat(machine, &key, &AgentReport::default())
-                                .await?;
-                            if beat != AgentHeartbeat::Unauthorized {
-                                n += 1;
+            let recorded = AtomicU64::new(0);
+            let failed = AtomicU64::new(0);
+            futures::stream::iter(due)
+                .for_each_concurrent(AGENTS_AT_ONCE, |(machine, key)| {
+                    let (s, recorded, failed) = (&s, &recorded, &failed);
+                    async move {
+                        match s
+                            .agent_heartbeat(machine, &key, &AgentReport::default())
+                            .await
+                        {
+                            Ok(AgentHeartbeat::Recorded { .. }) => {
+                                recorded.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Ok(AgentHeartbeat::Unauthorized) => {}
+                            Err(_) => {
+                                failed.fetch_add(1, Ordering::Relaxed);
                             }
                         }
-                        Ok(n)
-                    })
+                    }
                 })
                 .await;
-            match written {
-                Ok(n) => self.state.lock().unwrap().counters.heartbeats += n,
-                Err(e) => tracing::warn!(error = %e, "sim heartbeats failed"),
+            let failed = failed.into_inner();
+            if failed > 0 {
+                tracing::warn!(failed, "sim heartbeats failed");
             }
+            self.state.lock().unwrap().counters.heartbeats += recorded.into_inner();
             session = Some(s);
         }
         if let Some(s) = session {
@@ -443,6 +467,7 @@ impl Transport for SimFleet {
             }
         };
         s.machines[i].agent = Some(SimAgent {
+            next_heartbeat: std::time::Instant::now(),
             machine_id,
             key: key.clone(),
             silent,

@@ -99,6 +99,9 @@ pub struct RunArgs {
     /// Sim provider: time one takeover takes.
     #[arg(long, env = "SHEPHERD_SIM_TAKEOVER_TIME", default_value = "100ms", value_parser = duration)]
     pub sim_takeover_time: Duration,
+    /// Sim provider: how often each simulated agent heartbeats (real agents: 30 s).
+    #[arg(long, env = "SHEPHERD_SIM_HEARTBEAT_INTERVAL", default_value = "30s", value_parser = duration)]
+    pub sim_heartbeat_interval: Duration,
 
     /// Provisioner: most machines to manage (0 = no limit).
     #[arg(long, env = "SHEPHERD_PROVISIONER_MAX_MACHINES", default_value_t = 50)]
@@ -336,6 +339,7 @@ impl RunArgs {
             bad_agent: self.sim_bad_agent_rate,
             silent_agent: self.sim_silent_agent_rate,
             takeover_time: self.sim_takeover_time,
+            heartbeat_interval: self.sim_heartbeat_interval,
             ..SimKnobs::default()
         }
     }

@@ -1,5 +1,5 @@
 //! Sessions (SPEC §3): creation, keep-alive, liveness, closing, garbage collection, and the
-//! agent heartbeat that Postgres runs as one statement outside a transaction.
+//! batch of agent heartbeats that Postgres writes as one statement outside a transaction.
 
 use sqlx::{PgConnection, Row};
 use uuid::Uuid;
@@ -175,39 +175,49 @@ pub(crate) async fn session_work(conn: &mut Conn, session: Uuid) -> Result<Vec<(
     })
 }
 
-/// An agent heartbeat in one autocommitted Postgres statement: session liveness, the agent's
-/// key, the heartbeat upsert and the pending installation request. Returns (session alive, key
-/// matches, pending request); the heartbeat is written only if both hold. SQLite, and reports,
-/// take the transaction path (`Tx::record_agent_heartbeat`).
-pub(crate) async fn agent_heartbeat_pg(
+/// A batch of bare agent heartbeats in one autocommitted Postgres statement (the group commit
+/// of `heartbeats.rs`): session liveness, each agent's key, the heartbeat upserts of those
+/// authorized (each machine once, in id order so concurrent batches lock alike) and each
+/// machine's pending installation request. Returns one (session alive, key matches, pending
+/// request) per input, in input order; a heartbeat is written only if both hold.
+pub(crate) async fn agent_heartbeats_pg(
     c: &mut PgConnection,
     session: Uuid,
-    machine: Uuid,
-    key: &[u8],
-) -> Result<(bool, bool, Option<Vec<u8>>)> {
-    let row = sqlx::query(
+    machines: &[Uuid],
+    keys: &[Vec<u8>],
+) -> Result<Vec<(bool, bool, Option<Vec<u8>>)>> {
+    let rows = sqlx::query(
         "WITH alive AS (
              SELECT 1 FROM sessions WHERE session_id = $1 AND deadline > now() FOR KEY SHARE
+         ), beats AS (
+             SELECT * FROM unnest($2::uuid[], $3::bytea[]) WITH ORDINALITY AS b(machine_id, public_key, n)
          ), authorized AS (
-             SELECT 1 FROM machine_agent_started WHERE machine_id = $2 AND public_key = $3
-         ), beat AS (
+             SELECT b.n, b.machine_id FROM beats b
+               JOIN machine_agent_started s
+                 ON s.machine_id = b.machine_id AND s.public_key = b.public_key
+         ), written AS (
              INSERT INTO machine_agent_heartbeat (machine_id, heartbeat_at)
-             SELECT $2, now()
-             WHERE EXISTS (SELECT 1 FROM alive) AND EXISTS (SELECT 1 FROM authorized)
-             ON CONFLICT (machine_id) DO UPDATE SET heartbeat_at = EXCLUDED.heartbeat_at
+             SELECT DISTINCT machine_id, now() FROM authorized
+              WHERE EXISTS (SELECT 1 FROM alive)
+              ORDER BY machine_id
+             ON CONFLICT (machine_id) DO UPDATE SET heartbeat_at = excluded.heartbeat_at
              RETURNING 1
          )
-         SELECT EXISTS (SELECT 1 FROM alive), EXISTS (SELECT 1 FROM authorized),
+         SELECT EXISTS (SELECT 1 FROM alive), a.n IS NOT NULL,
                 (SELECT q.request_raw FROM machine_os_installation_request q
-                  WHERE q.machine_id = $2
+                  WHERE q.machine_id = b.machine_id
                     AND NOT EXISTS (SELECT 1 FROM machine_os_installation_report r
-                                     WHERE r.machine_id = $2 AND r.generation = q.generation)),
-                (SELECT count(*) FROM beat)",
+                                     WHERE r.machine_id = q.machine_id
+                                       AND r.generation = q.generation))
+           FROM beats b LEFT JOIN authorized a ON a.n = b.n
+          ORDER BY b.n",
     )
     .bind(session)
-    .bind(machine)
-    .bind(key)
-    .fetch_one(&mut *c)
+    .bind(machines)
+    .bind(keys)
+    .fetch_all(&mut *c)
     .await?;
-    Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?))
+    rows.iter()
+        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+        .collect()
 }
