@@ -3,6 +3,7 @@
 
 mod bmdb;
 mod heartbeat;
+mod scale;
 mod ssh;
 mod stats;
 
@@ -23,6 +24,8 @@ enum Bench {
     Heartbeat(heartbeat::Args),
     /// Takeovers over a real sshd: Shepherd's SSH transport against OpenSSH scp + ssh.
     Ssh(ssh::Args),
+    /// Fleet scale: static inventory lookups, the demo with 1,000 and 10,000 machines.
+    Scale(scale::Args),
 }
 
 #[tokio::main(flavor = "multi_thread")]
@@ -31,5 +34,6 @@ async fn main() -> anyhow::Result<()> {
         Bench::Bmdb(args) => bmdb::run(args).await,
         Bench::Ssh(args) => ssh::run(args).await,
         Bench::Heartbeat(args) => heartbeat::run(args).await,
+        Bench::Scale(args) => scale::run(args).await,
     }
 }

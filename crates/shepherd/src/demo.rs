@@ -162,8 +162,8 @@ fn settings(args: &DemoArgs) -> FleetSettings {
             db_rate: fast(50, 8),
         },
         recovery: RecoveryThresholds {
-            no_heartbeat_after_start: Duration::from_secs(8),
-            heartbeat_older_than: Duration::from_secs(8),
+            no_heartbeat_after_start: 4 * agent_heartbeat_interval(args.machines),
+            heartbeat_older_than: 4 * agent_heartbeat_interval(args.machines),
         },
         recoverer_backoff: Backoff::exponential(
             Duration::from_secs(1),
@@ -184,6 +184,25 @@ fn settings(args: &DemoArgs) -> FleetSettings {
         updater_rate: fast(2000, 1),
         session_interval: Duration::from_secs(5),
     }
+}
+
+/// How often the demo's agents heartbeat: every 2 s in small fleets, slower in large ones so
+/// that the whole fleet sends about 1,000 heartbeats a second (real agents: every 30 s). The
+/// recovery thresholds are four intervals, so only silent agents look lost.
+fn agent_heartbeat_interval(machines: usize) -> Duration {
+    Duration::from_millis(machines as u64).max(Duration::from_secs(2))
+}
+
+/// Whether this process may open both ends of a connection for each of `machines` agents, with
+/// room to spare (the limit is read from `/proc/self/limits`; unknown counts as enough).
+fn open_files_hold_every_connection(machines: usize) -> bool {
+    let limit = std::fs::read_to_string("/proc/self/limits")
+        .ok()
+        .and_then(|limits| {
+            let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+            line.split_whitespace().nth(3)?.parse::<usize>().ok()
+        });
+    limit.is_none_or(|limit| 2 * machines + 1024 <= limit)
 }
 
 /// Work history counts per (process, event).
@@ -248,7 +267,13 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         SessionConfig::new("bmsrv", Processor::Bmsrv),
         4,
     ));
-    let limits = ServerLimits::for_loopback_fleet(args.machines);
+    let mut limits = ServerLimits::for_loopback_fleet(args.machines);
+    if !open_files_hold_every_connection(args.machines) {
+        // Both ends of every agent's connection live in this process: when the file limit
+        // cannot hold them all, the server closes a connection idle for half a heartbeat
+        // interval, so each agent connects for its heartbeat and fewer are open at once.
+        limits.idle_timeout = agent_heartbeat_interval(args.machines) / 2;
+    }
     let server = tokio::spawn(serve(
         listener,
         Arc::new(tls),
@@ -261,7 +286,7 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         SimFleet::new(args.machines, knobs)?.with_real_agents(RealAgents {
             endpoint: format!("localhost:{port}"),
             ca_der,
-            heartbeat_interval: Duration::from_secs(2),
+            heartbeat_interval: agent_heartbeat_interval(args.machines),
         }),
     );
     let settings = settings(&args);
