@@ -311,7 +311,7 @@ impl Bmdb {
             });
         }
         for m in MIGRATIONS.iter().filter(|m| m.version > found) {
-            sql::schema::apply_migration(&mut tx.inner, m).await?;
+            sql::schema::apply_migration(&mut tx.inner, m.version, m.name, &m.script).await?;
             tracing::info!(version = m.version, name = m.name, "applied BMDB migration");
         }
         tx.commit().await?;

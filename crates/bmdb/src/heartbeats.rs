@@ -3,23 +3,19 @@
 //! (and SQLite has one writer). Concurrent bare heartbeats of one session are therefore
 //! gathered — at most [`MAX_BATCH`], waiting at most [`BATCH_WAIT`] after the first — and
 //! written in one transaction: on Postgres one statement over arrays, on SQLite one write
-//! transaction applying [`Tx::record_agent_heartbeat`] to each. Every caller is answered only
+//! transaction applying `Tx::record_agent_heartbeat` to each (the writing is
+//! `Session::write_heartbeats`; this module only gathers and answers). Every caller is answered only
 //! after its batch committed, with its own authorization and its own pending installation
 //! request, exactly as if it had been written alone. Heartbeats carrying a report keep their
 //! own transaction (`Session::agent_heartbeat`).
 
-use std::sync::Weak;
 use std::time::Duration;
 
+use futures::future::BoxFuture;
 use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
-use crate::db::Pools;
-use crate::session::SessionInner;
-use crate::sql;
-use crate::transaction::retrying;
-use crate::tx::Tx;
-use crate::{AgentHeartbeat, AgentReport, Error, Session};
+use crate::{AgentHeartbeat, Error};
 
 /// Most heartbeats written in one transaction.
 pub const MAX_BATCH: usize = 256;
@@ -37,6 +33,14 @@ struct Beat {
     reply: oneshot::Sender<Result<AgentHeartbeat, Error>>,
 }
 
+/// Writes one batch of (machine, key) heartbeats in one transaction and returns one outcome per
+/// heartbeat, in order (the session provides it: `Session::write_heartbeats`).
+pub(crate) type WriteBatch = Box<
+    dyn Fn(Vec<(Uuid, Vec<u8>)>) -> BoxFuture<'static, Result<Vec<AgentHeartbeat>, Error>>
+        + Send
+        + Sync,
+>;
+
 /// The queue into one session's heartbeat writer. The writer stops when this is dropped (with
 /// the session).
 pub(crate) struct Batcher {
@@ -44,10 +48,10 @@ pub(crate) struct Batcher {
 }
 
 impl Batcher {
-    /// Starts the writer of `session`'s batches.
-    pub(crate) fn start(session: Weak<SessionInner>) -> Batcher {
+    /// Starts the task that gathers heartbeats into batches and hands each to `write`.
+    pub(crate) fn start(write: WriteBatch) -> Batcher {
         let (queue, incoming) = mpsc::channel(QUEUE);
-        tokio::spawn(write_batches(session, incoming));
+        tokio::spawn(write_batches(write, incoming));
         Batcher { queue }
     }
 
@@ -68,7 +72,7 @@ impl Batcher {
 }
 
 /// Takes batches off the queue and writes them, one at a time, until the session is gone.
-async fn write_batches(session: Weak<SessionInner>, mut incoming: mpsc::Receiver<Beat>) {
+async fn write_batches(write: WriteBatch, mut incoming: mpsc::Receiver<Beat>) {
     while let Some(first) = incoming.recv().await {
         let mut batch = vec![first];
         let deadline = tokio::time::Instant::now() + BATCH_WAIT;
@@ -78,11 +82,8 @@ async fn write_batches(session: Weak<SessionInner>, mut incoming: mpsc::Receiver
                 Ok(None) | Err(_) => break,
             }
         }
-        let outcomes = match session.upgrade() {
-            Some(inner) => write(&Session { inner }, &batch).await,
-            None => Err(Error::SessionExpired),
-        };
-        match outcomes {
+        let beats = batch.iter().map(|b| (b.machine, b.key.clone())).collect();
+        match write(beats).await {
             Ok(outcomes) => {
                 for (beat, outcome) in batch.into_iter().zip(outcomes) {
                     let _ = beat.reply.send(Ok(outcome));
@@ -95,58 +96,4 @@ async fn write_batches(session: Weak<SessionInner>, mut incoming: mpsc::Receiver
             }
         }
     }
-}
-
-/// Writes one batch in one transaction; one outcome per heartbeat, in order.
-async fn write(session: &Session, batch: &[Beat]) -> Result<Vec<AgentHeartbeat>, Error> {
-    let inner = &session.inner;
-    let db = &inner.db;
-    inner
-        .db
-        .metrics()
-        .heartbeat_batch(inner.processor, batch.len());
-    match &db.inner.pools {
-        Pools::Postgres(pool) => {
-            let machines: Vec<Uuid> = batch.iter().map(|b| b.machine).collect();
-            let keys: Vec<Vec<u8>> = batch.iter().map(|b| b.key.clone()).collect();
-            let rows = retrying(db.metrics(), inner.processor, || async {
-                inner.ensure_alive()?;
-                let mut conn = db.acquire_pg(pool).await?;
-                sql::sessions::agent_heartbeats_pg(&mut conn, inner.id, &machines, &keys).await
-            })
-            .await?;
-            rows.into_iter()
-                .map(
-                    |(alive, authorized, pending_request)| match (alive, authorized) {
-                        (false, _) => {
-                            inner.mark_expired();
-                            Err(Error::SessionExpired)
-                        }
-                        (true, false) => Ok(AgentHeartbeat::Unauthorized),
-                        (true, true) => Ok(AgentHeartbeat::Recorded { pending_request }),
-                    },
-                )
-                .collect()
-        }
-        Pools::Sqlite { .. } => {
-            let beats: Vec<(Uuid, Vec<u8>)> =
-                batch.iter().map(|b| (b.machine, b.key.clone())).collect();
-            session
-                .transact(move |tx| {
-                    let beats = beats.clone();
-                    Box::pin(async move { record_each(tx, &beats).await })
-                })
-                .await
-        }
-    }
-}
-
-/// The agent-report rule for each bare heartbeat of a batch, inside one transaction.
-async fn record_each(tx: &mut Tx, beats: &[(Uuid, Vec<u8>)]) -> Result<Vec<AgentHeartbeat>, Error> {
-    let bare = AgentReport::default();
-    let mut outcomes = Vec::with_capacity(beats.len());
-    for (machine, key) in beats {
-        outcomes.push(tx.record_agent_heartbeat(*machine, key, &bare).await?);
-    }
-    Ok(outcomes)
 }

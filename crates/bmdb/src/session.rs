@@ -8,11 +8,11 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use crate::db::{Mode, TxFuture};
+use crate::db::{Mode, Pools, TxFuture};
 use crate::heartbeats::Batcher;
 use crate::metrics::WorkResult;
 use crate::sql;
-use crate::transaction::Guard;
+use crate::transaction::{retrying, Guard};
 use crate::tx::Tx;
 use crate::{AgentHeartbeat, AgentReport, Bmdb, Error, Process, Processor};
 
@@ -76,7 +76,7 @@ pub(crate) struct SessionInner {
 }
 
 impl SessionInner {
-    pub(crate) fn mark_expired(&self) {
+    fn mark_expired(&self) {
         self.state.lock().unwrap().expired = true;
     }
 
@@ -297,10 +297,18 @@ impl Session {
     ) -> Result<AgentHeartbeat, Error> {
         self.inner.ensure_alive()?;
         if report.is_empty() {
-            let batcher = self
-                .inner
-                .heartbeats
-                .get_or_init(|| Batcher::start(Arc::downgrade(&self.inner)));
+            let batcher = self.inner.heartbeats.get_or_init(|| {
+                let session = Arc::downgrade(&self.inner);
+                Batcher::start(Box::new(move |beats| {
+                    let session = session.clone();
+                    Box::pin(async move {
+                        match session.upgrade() {
+                            Some(inner) => Session { inner }.write_heartbeats(beats).await,
+                            None => Err(Error::SessionExpired),
+                        }
+                    })
+                }))
+            });
             return batcher.beat(machine, key).await;
         }
         let (key, report) = (key.to_vec(), report.clone());
@@ -309,6 +317,52 @@ impl Session {
             Box::pin(async move { tx.record_agent_heartbeat(machine, &key, &report).await })
         })
         .await
+    }
+
+    /// Writes one group-commit batch of bare heartbeats (`heartbeats.rs`) in one transaction:
+    /// on Postgres one statement over arrays, on SQLite the agent-report rule for each inside
+    /// one session transaction. One outcome per heartbeat, in order.
+    async fn write_heartbeats(
+        &self,
+        beats: Vec<(Uuid, Vec<u8>)>,
+    ) -> Result<Vec<AgentHeartbeat>, Error> {
+        let inner = &self.inner;
+        let db = &inner.db;
+        db.metrics().heartbeat_batch(inner.processor, beats.len());
+        let Pools::Postgres(pool) = &db.inner.pools else {
+            return self
+                .transact(move |tx| {
+                    let beats = beats.clone();
+                    Box::pin(async move {
+                        let bare = AgentReport::default();
+                        let mut outcomes = Vec::with_capacity(beats.len());
+                        for (machine, key) in &beats {
+                            outcomes.push(tx.record_agent_heartbeat(*machine, key, &bare).await?);
+                        }
+                        Ok(outcomes)
+                    })
+                })
+                .await;
+        };
+        let (machines, keys): (Vec<Uuid>, Vec<Vec<u8>>) = beats.into_iter().unzip();
+        let rows = retrying(db.metrics(), inner.processor, || async {
+            inner.ensure_alive()?;
+            let mut conn = db.acquire_pg(pool).await?;
+            sql::sessions::agent_heartbeats_pg(&mut conn, inner.id, &machines, &keys).await
+        })
+        .await?;
+        rows.into_iter()
+            .map(
+                |(alive, authorized, pending_request)| match (alive, authorized) {
+                    (false, _) => {
+                        inner.mark_expired();
+                        Err(Error::SessionExpired)
+                    }
+                    (true, false) => Ok(AgentHeartbeat::Unauthorized),
+                    (true, true) => Ok(AgentHeartbeat::Recorded { pending_request }),
+                },
+            )
+            .collect()
     }
 
     pub(crate) fn record_work_end(&self, process: Process, result: WorkResult) {

@@ -1150,7 +1150,7 @@ async fn heartbeats_are_group_committed(db: Bmdb) {
             AgentHeartbeat::Unauthorized
         } else {
             AgentHeartbeat::Recorded {
-                pending_request: (i % 3 == 0).then(|| vec![i as u8; 2]),
+                pending_request: i.is_multiple_of(3).then(|| vec![i as u8; 2]),
             }
         }
     };

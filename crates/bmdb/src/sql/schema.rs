@@ -1,7 +1,6 @@
 //! Migrations' bookkeeping: which schema version a database has, and recording one applied.
 
 use super::{on_engine, Conn, Dialects, Result};
-use crate::migrations::Migration;
 
 /// Advisory lock key serializing concurrent migrations on Postgres ("shepherd" in ASCII).
 const MIGRATION_LOCK: i64 = 0x7368_6570_6865_7264;
@@ -53,12 +52,17 @@ pub(crate) async fn lock_for_migration(conn: &mut Conn) -> Result<()> {
     Ok(())
 }
 
-/// Runs one migration's script and records it.
-pub(crate) async fn apply_migration(conn: &mut Conn, m: &Migration) -> Result<()> {
+/// Runs migration `version`'s `script` and records it under `name`.
+pub(crate) async fn apply_migration(
+    conn: &mut Conn,
+    version: i64,
+    name: &str,
+    script: &Dialects,
+) -> Result<()> {
     on_engine!(conn, |c, e| {
         sqlx::raw_sql(e.sql(&CREATE_TABLE)).execute(&mut *c).await?;
-        sqlx::raw_sql(e.sql(&m.script)).execute(&mut *c).await?;
-        e.with_now(sqlx::query(e.sql(&RECORD)).bind(m.version).bind(m.name))
+        sqlx::raw_sql(e.sql(script)).execute(&mut *c).await?;
+        e.with_now(sqlx::query(e.sql(&RECORD)).bind(version).bind(name))
             .execute(&mut *c)
             .await?;
         Ok(())
