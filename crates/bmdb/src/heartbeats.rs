@@ -82,16 +82,19 @@ async fn write_batches(write: WriteBatch, mut incoming: mpsc::Receiver<Beat>) {
                 Ok(None) | Err(_) => break,
             }
         }
-        let beats = batch.iter().map(|b| (b.machine, b.key.clone())).collect();
+        let (beats, replies): (Vec<_>, Vec<_>) = batch
+            .into_iter()
+            .map(|b| ((b.machine, b.key), b.reply))
+            .unzip();
         match write(beats).await {
             Ok(outcomes) => {
-                for (beat, outcome) in batch.into_iter().zip(outcomes) {
-                    let _ = beat.reply.send(Ok(outcome));
+                for (reply, outcome) in replies.into_iter().zip(outcomes) {
+                    let _ = reply.send(Ok(outcome));
                 }
             }
             Err(e) => {
-                for beat in batch {
-                    let _ = beat.reply.send(Err(e.for_each_of_a_batch()));
+                for reply in replies {
+                    let _ = reply.send(Err(e.for_each_of_a_batch()));
                 }
             }
         }

@@ -78,21 +78,15 @@ pub(crate) fn eligibility(
     first: usize,
     flavor: Flavor,
 ) -> String {
-    let (fence, now, ago): (&str, String, Box<dyn Fn(usize) -> String>) = match flavor {
-        Flavor::Postgres(shape) => (
-            if shape == Shape::Probe {
-                " OFFSET 0"
-            } else {
-                ""
-            },
-            "now()".into(),
-            Box::new(move |i| format!("now() - make_interval(secs => ${}::float8)", first + i)),
-        ),
-        Flavor::Sqlite => (
-            "",
-            format!("${first}"),
-            Box::new(move |i| format!("${first} - ${}", first + 1 + i)),
-        ),
+    let (fence, now) = match flavor {
+        Flavor::Postgres(Shape::Probe) => (" OFFSET 0", "now()".to_string()),
+        Flavor::Postgres(Shape::Join) => ("", "now()".to_string()),
+        Flavor::Sqlite => ("", format!("${first}")),
+    };
+    // The time the `i`-th threshold reaches back to.
+    let ago = |i: usize| match flavor {
+        Flavor::Postgres(_) => format!("now() - make_interval(secs => ${}::float8)", first + i),
+        Flavor::Sqlite => format!("${first} - ${}", first + 1 + i),
     };
     let excluded = exclusion_list(process);
     let work = if excluded.is_empty() {
@@ -269,12 +263,7 @@ pub(crate) async fn claim_sqlite(
     process: Process,
     retrieval: &Retrieval,
 ) -> Result<ClaimOutcome> {
-    let alive = sqlx::query(sessions::CHECK.sqlite)
-        .bind(session)
-        .bind(c.now)
-        .fetch_optional(&mut *c.tx)
-        .await?;
-    if alive.is_none() {
+    if !sessions::alive_sqlite(c, session).await? {
         return Ok(ClaimOutcome::SessionExpired);
     }
     let Some(machine_id) = first_eligible_from_random_point(c, process, retrieval).await? else {
@@ -612,11 +601,7 @@ async fn claim_upstream(
     process: Process,
     retrieval: &Retrieval,
 ) -> Result<ClaimOutcome> {
-    let alive = sqlx::query(sessions::CHECK.postgres)
-        .bind(session)
-        .fetch_optional(&mut *c)
-        .await?;
-    if alive.is_none() {
+    if !sessions::alive_pg(c, session).await? {
         return Ok(ClaimOutcome::SessionExpired);
     }
     let ids = eligible_pg(c, process, retrieval, 1).await?;

@@ -185,12 +185,7 @@ async fn end_work_sqlite(
     machine: Uuid,
     process: Process,
 ) -> Result<EndOutcome> {
-    let alive = sqlx::query(super::sessions::CHECK.sqlite)
-        .bind(session)
-        .bind(c.now)
-        .fetch_optional(&mut *c.tx)
-        .await?
-        .is_some();
+    let alive = super::sessions::alive_sqlite(c, session).await?;
     let deleted = alive && delete_work_sqlite(c, session, machine, process).await?;
     Ok(EndOutcome::of(alive, deleted))
 }

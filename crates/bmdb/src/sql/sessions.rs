@@ -4,7 +4,7 @@
 use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
-use super::{on_engine, Columns, Conn, Dialects, Result};
+use super::{on_engine, Columns, Conn, Dialects, Result, SqliteTx};
 use crate::model::{Process, SessionInfo};
 
 const CREATE: Dialects = Dialects {
@@ -24,7 +24,7 @@ const POKE: Dialects = Dialects {
 };
 
 /// A live session; on Postgres the key-share lock keeps it from being deleted until commit.
-pub(crate) const CHECK: Dialects = Dialects {
+const CHECK: Dialects = Dialects {
     postgres: "SELECT 1 FROM sessions WHERE session_id = $1 AND deadline > now() FOR KEY SHARE",
     sqlite: "SELECT 1 FROM sessions WHERE session_id = $1 AND deadline > $2",
 };
@@ -71,13 +71,29 @@ pub(crate) async fn poke_session(conn: &mut Conn, id: Uuid) -> Result<bool> {
 
 /// Whether the session is alive (see [`CHECK`]).
 pub(crate) async fn check_session(conn: &mut Conn, id: Uuid) -> Result<bool> {
-    on_engine!(conn, |c, e| {
-        let row = e
-            .with_now(sqlx::query(e.sql(&CHECK)).bind(id))
-            .fetch_optional(c)
-            .await?;
-        Ok(row.is_some())
-    })
+    match conn {
+        Conn::Sqlite(c) => alive_sqlite(c, id).await,
+        Conn::Postgres(c) => alive_pg(c, id).await,
+    }
+}
+
+/// [`check_session`] inside a SQLite transaction a caller holds as such (claims, endings).
+pub(crate) async fn alive_sqlite(c: &mut SqliteTx, id: Uuid) -> Result<bool> {
+    let row = sqlx::query(CHECK.sqlite)
+        .bind(id)
+        .bind(c.now)
+        .fetch_optional(&mut *c.tx)
+        .await?;
+    Ok(row.is_some())
+}
+
+/// [`check_session`] on a Postgres connection, inside a transaction or not.
+pub(crate) async fn alive_pg(c: &mut PgConnection, id: Uuid) -> Result<bool> {
+    let row = sqlx::query(CHECK.postgres)
+        .bind(id)
+        .fetch_optional(&mut *c)
+        .await?;
+    Ok(row.is_some())
 }
 
 /// Closes a session: its work is recorded as Canceled and released with it.
