@@ -140,13 +140,20 @@ fn cpus(root: &Path, warnings: &mut Vec<String>) -> Vec<Cpu> {
         .collect()
 }
 
+/// The entries of sysfs directory `dir` under `root`; none, with a warning, if it is unreadable.
+fn sys_entries(root: &Path, dir: &str, warnings: &mut Vec<String>) -> Vec<std::fs::DirEntry> {
+    match std::fs::read_dir(root.join(dir)) {
+        Ok(entries) => entries.filter_map(|e| e.ok()).collect(),
+        Err(_) => {
+            warnings.push(format!("/{dir} unreadable"));
+            Vec::new()
+        }
+    }
+}
+
 fn block_devices(root: &Path, warnings: &mut Vec<String>) -> Vec<BlockDevice> {
-    let Ok(dir) = std::fs::read_dir(root.join("sys/block")) else {
-        warnings.push("/sys/block unreadable".into());
-        return Vec::new();
-    };
     let mut devices = Vec::new();
-    for entry in dir.filter_map(|e| e.ok()) {
+    for entry in sys_entries(root, "sys/block", warnings) {
         let name = entry.file_name().to_string_lossy().to_string();
         if ["loop", "ram", "zram", "dm-", "sr"]
             .iter()
@@ -190,12 +197,8 @@ fn parse_mac(s: &str) -> Option<Vec<u8>> {
 }
 
 fn network_interfaces(root: &Path, warnings: &mut Vec<String>) -> Vec<NetworkInterface> {
-    let Ok(dir) = std::fs::read_dir(root.join("sys/class/net")) else {
-        warnings.push("/sys/class/net unreadable".into());
-        return Vec::new();
-    };
     let mut nics = Vec::new();
-    for entry in dir.filter_map(|e| e.ok()) {
+    for entry in sys_entries(root, "sys/class/net", warnings) {
         let p = entry.path();
         // Only physical interfaces have a device; skip lo, bridges, veths.
         if !p.join("device").exists() {

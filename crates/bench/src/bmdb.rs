@@ -235,27 +235,22 @@ async fn write_ceiling(backend: Backend, args: &Args, explicit: bool) -> Result<
                 .bind(n as i32)
                 .execute(&pool)
                 .await?;
-            let mut tasks = vec![];
-            for i in 0..n {
-                let (pool, count) = (pool.clone(), count.clone());
-                tasks.push(tokio::spawn(async move {
-                    let update = "UPDATE ceiling SET n = n + 1 WHERE id = $1";
-                    while started.elapsed() < duration {
-                        if explicit {
-                            let mut tx = pool.begin().await?;
-                            sqlx::query(update).bind(i as i32).execute(&mut *tx).await?;
-                            tx.commit().await?;
-                        } else {
-                            sqlx::query(update).bind(i as i32).execute(&pool).await?;
-                        }
-                        count.fetch_add(1, Ordering::Relaxed);
+            let update = "UPDATE ceiling SET n = n + 1 WHERE id = $1";
+            let workers_pool = pool.clone();
+            until(duration, n, &count, move |i| {
+                let pool = workers_pool.clone();
+                async move {
+                    if explicit {
+                        let mut tx = pool.begin().await?;
+                        sqlx::query(update).bind(i as i32).execute(&mut *tx).await?;
+                        tx.commit().await
+                    } else {
+                        sqlx::query(update).bind(i as i32).execute(&pool).await?;
+                        Ok(())
                     }
-                    Ok::<_, sqlx::Error>(())
-                }));
-            }
-            for task in tasks {
-                task.await??;
-            }
+                }
+            })
+            .await?;
             pool.close().await;
         }
         Backend::Sqlite => {
@@ -282,31 +277,56 @@ async fn write_ceiling(backend: Backend, args: &Args, explicit: bool) -> Result<
                     .execute(&pool)
                     .await?;
             }
-            let mut tasks = vec![];
-            for i in 0..n {
-                let (pool, count) = (pool.clone(), count.clone());
-                tasks.push(tokio::spawn(async move {
-                    while started.elapsed() < duration {
-                        let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
-                        sqlx::query("UPDATE ceiling SET n = n + 1 WHERE id = $1")
-                            .bind(i as i64)
-                            .execute(&mut *tx)
-                            .await?;
-                        tx.commit().await?;
-                        count.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Ok::<_, sqlx::Error>(())
-                }));
-            }
-            for task in tasks {
-                task.await??;
-            }
+            let workers_pool = pool.clone();
+            until(duration, n, &count, move |i| {
+                let pool = workers_pool.clone();
+                async move {
+                    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+                    sqlx::query("UPDATE ceiling SET n = n + 1 WHERE id = $1")
+                        .bind(i as i64)
+                        .execute(&mut *tx)
+                        .await?;
+                    tx.commit().await
+                }
+            })
+            .await?;
             pool.close().await;
         }
     }
     let rate = count.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
     t.cleanup().await;
     Ok(rate)
+}
+
+/// Runs `workers` tasks, each calling `step(its index)` back to back for `duration`, and counts
+/// the steps into `count`.
+async fn until<F, Fut>(
+    duration: Duration,
+    workers: usize,
+    count: &Arc<AtomicU64>,
+    step: F,
+) -> Result<(), sqlx::Error>
+where
+    F: Fn(usize) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = Result<(), sqlx::Error>> + Send,
+{
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..workers)
+        .map(|i| {
+            let (step, count) = (step.clone(), count.clone());
+            tokio::spawn(async move {
+                while started.elapsed() < duration {
+                    step(i).await?;
+                    count.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok::<_, sqlx::Error>(())
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("a ceiling worker panicked")?;
+    }
+    Ok(())
 }
 
 struct Latency {
@@ -407,31 +427,32 @@ impl Report {
     }
 }
 
+/// Claim+finish over a fresh, provisioned database of `backend` with `strategy`.
+async fn claim_finish_on_fresh(
+    backend: Backend,
+    args: &Args,
+    strategy: ClaimStrategy,
+) -> Result<Throughput> {
+    let t = fresh(backend).await?;
+    provision(&t, args.machines).await?;
+    let measured = claim_finish(&t.db, args, strategy).await?;
+    t.cleanup().await;
+    eprintln!(
+        "[{backend:?}]     {:.0} machines/s, {} conflicts",
+        measured.per_second(),
+        measured.conflicts
+    );
+    Ok(measured)
+}
+
 async fn measure(backend: Backend, args: &Args) -> Result<Report> {
     eprintln!(
         "[{backend:?}] (a) claim+finish, {} workers, {} machines",
         args.workers, args.machines
     );
-    let t = fresh(backend).await?;
-    provision(&t, args.machines).await?;
-    let ours = claim_finish(&t.db, args, ClaimStrategy::SkipLocked).await?;
-    t.cleanup().await;
-    eprintln!(
-        "[{backend:?}]     {:.0} machines/s, {} conflicts",
-        ours.per_second(),
-        ours.conflicts
-    );
-
+    let ours = claim_finish_on_fresh(backend, args, ClaimStrategy::SkipLocked).await?;
     eprintln!("[{backend:?}] (b) upstream-style claimer");
-    let t = fresh(backend).await?;
-    provision(&t, args.machines).await?;
-    let upstream = claim_finish(&t.db, args, ClaimStrategy::UpstreamFirstRow).await?;
-    t.cleanup().await;
-    eprintln!(
-        "[{backend:?}]     {:.0} machines/s, {} conflicts",
-        upstream.per_second(),
-        upstream.conflicts
-    );
+    let upstream = claim_finish_on_fresh(backend, args, ClaimStrategy::UpstreamFirstRow).await?;
 
     eprintln!(
         "[{backend:?}] (c) raw write ceiling, {} connections",
@@ -507,60 +528,50 @@ pub async fn run(args: Args) -> Result<()> {
     let row = |md: &mut String, name: &str, a: String, b: String| {
         md.push_str(&format!("| {name} | {a} | {b} |\n"))
     };
-    row(
-        &mut md,
-        "(a) claim+finish, machines/s",
-        format!("{:.0}", pg.ours.per_second()),
-        format!("{:.0}", lite.ours.per_second()),
-    );
-    row(
-        &mut md,
-        "(a) machines processed / conflicts",
-        format!("{} / {}", pg.ours.processed, pg.ours.conflicts),
-        format!("{} / {}", lite.ours.processed, lite.ours.conflicts),
-    );
     let split = |t: &Throughput| match t.head_and_tail(args.machines) {
         Some((head, tail)) => format!("{head:.0} / {tail:.0}"),
         None => "-".into(),
     };
-    row(
-        &mut md,
-        "(a) machines/s over the first 90 % / the last 10 % of machines",
-        split(&pg.ours),
-        split(&lite.ours),
-    );
-    row(
-        &mut md,
-        "(a) claim statements: hinted / window / everywhere",
-        format!(
-            "{} / {} / {}",
-            pg.ours.searches[0], pg.ours.searches[1], pg.ours.searches[2]
+    type Figure<'a> = (&'a str, Box<dyn Fn(&Report) -> String + 'a>);
+    let both: Vec<Figure> = vec![
+        (
+            "(a) claim+finish, machines/s",
+            Box::new(|m| format!("{:.0}", m.ours.per_second())),
         ),
+        (
+            "(a) machines processed / conflicts",
+            Box::new(|m| format!("{} / {}", m.ours.processed, m.ours.conflicts)),
+        ),
+        (
+            "(a) machines/s over the first 90 % / the last 10 % of machines",
+            Box::new(|m| split(&m.ours)),
+        ),
+        (
+            "(b) upstream-style claimer, machines/s",
+            Box::new(|m| format!("{:.0}", m.upstream.per_second())),
+        ),
+        (
+            "(b) machines processed / conflicts",
+            Box::new(|m| format!("{} / {}", m.upstream.processed, m.upstream.conflicts)),
+        ),
+        (
+            "(c) raw single-row UPDATE transactions/s, autocommit",
+            Box::new(|m| format!("{:.0}", m.ceiling_autocommit)),
+        ),
+        (
+            "(c) raw single-row UPDATE transactions/s, BEGIN; UPDATE; COMMIT",
+            Box::new(|m| format!("{:.0}", m.ceiling_explicit)),
+        ),
+    ];
+    for (name, figure) in &both {
+        row(&mut md, name, figure(&pg), figure(&lite));
+    }
+    let searches = &pg.ours.searches;
+    row(
+        &mut md,
+        "(a) claim statements: hinted / window / everywhere (Postgres only)",
+        format!("{} / {} / {}", searches[0], searches[1], searches[2]),
         "-".into(),
-    );
-    row(
-        &mut md,
-        "(b) upstream-style claimer, machines/s",
-        format!("{:.0}", pg.upstream.per_second()),
-        format!("{:.0}", lite.upstream.per_second()),
-    );
-    row(
-        &mut md,
-        "(b) machines processed / conflicts",
-        format!("{} / {}", pg.upstream.processed, pg.upstream.conflicts),
-        format!("{} / {}", lite.upstream.processed, lite.upstream.conflicts),
-    );
-    row(
-        &mut md,
-        "(c) raw single-row UPDATE transactions/s, autocommit",
-        format!("{:.0}", pg.ceiling_autocommit),
-        format!("{:.0}", lite.ceiling_autocommit),
-    );
-    row(
-        &mut md,
-        "(c) raw single-row UPDATE transactions/s, BEGIN; UPDATE; COMMIT",
-        format!("{:.0}", pg.ceiling_explicit),
-        format!("{:.0}", lite.ceiling_explicit),
     );
     for (i, (size, _)) in pg.latency.iter().enumerate() {
         let (p, l) = (&pg.latency[i].1, &lite.latency[i].1);

@@ -13,15 +13,12 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use futures::stream::{self, StreamExt};
 use shepherd_bmdb::testing;
-use shepherd_bmdb::{Bmdb, Processor, SessionConfig};
+use shepherd_bmdb::Bmdb;
 use shepherd_proto::agent::TakeoverInit;
 use shepherd_proto::bmaas::agent_callback_client::AgentCallbackClient;
 use shepherd_proto::bmaas::HeartbeatRequest;
 use shepherd_proto::Message;
-use shepherd_server::{
-    dev_certs, load_server_config, serve, BmaasService, ServerLimits, SessionPool,
-};
-use tokio_util::sync::CancellationToken;
+use shepherd_server::{LoopbackServer, ServerLimits};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use uuid::Uuid;
 
@@ -75,21 +72,17 @@ where
 }
 
 /// Idle RSS (MiB) of the real agent, started by takeover and heartbeating to the server.
-async fn agent_rss_mib(db: &Bmdb, port: u16, ca_pem: &str) -> Result<f64> {
+async fn agent_rss_mib(db: &Bmdb, server: &LoopbackServer) -> Result<f64> {
     let dir = tempfile::tempdir()?;
     let exe = dir.path().join("agent");
     std::fs::copy(shepherd_loops::testing::agent_path(), &exe)?;
     let machine = db
         .transact(|tx| Box::pin(async move { tx.create_machine().await }))
         .await?;
-    let ca_der = rustls_pemfile::certs(&mut ca_pem.as_bytes())
-        .next()
-        .context("no CA")??
-        .to_vec();
     let init = TakeoverInit {
         machine_id: machine.to_string(),
-        bmaas_endpoint: format!("localhost:{port}"),
-        ca_certificate: ca_der,
+        bmaas_endpoint: server.endpoint(),
+        ca_certificate: server.ca_der().to_vec(),
     };
     let mut child = Command::new(&exe)
         .env("SHEPHERD_AGENT_HEARTBEAT_INTERVAL", "1s")
@@ -156,25 +149,14 @@ pub async fn run(args: Args) -> Result<()> {
     let t = testing::postgres().await.context("Postgres is required")?;
     let db = t.db.clone();
     let dir = tempfile::tempdir()?;
-    let certs = dev_certs(dir.path(), &["localhost".into()])?;
-    let tls = load_server_config(&certs.cert_pem, &certs.key_pem)?;
-    let ca_pem = std::fs::read_to_string(&certs.ca_pem)?;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let port = listener.local_addr()?.port();
-    let pool = Arc::new(SessionPool::new(
-        db.clone(),
-        SessionConfig::new("bmsrv-bench", Processor::Bmsrv),
+    let server = LoopbackServer::start(
+        &db,
+        dir.path(),
         args.sessions,
-    ));
-    let cancel = CancellationToken::new();
-    let limits = ServerLimits::for_loopback_fleet(args.agents);
-    let server = tokio::spawn(serve(
-        listener,
-        Arc::new(tls),
-        BmaasService::new(pool.clone()),
-        limits,
-        cancel.clone(),
-    ));
+        ServerLimits::for_loopback_fleet(args.agents),
+    )
+    .await?;
+    let (port, ca_pem) = (server.port(), server.ca_pem().to_string());
 
     println!("creating {} machines and agent identities", args.agents);
     let identities: Vec<(Vec<u8>, String, String)> = (0..args.agents)
@@ -248,9 +230,7 @@ pub async fn run(args: Args) -> Result<()> {
         }
     })
     .await;
-    cancel.cancel();
-    let _ = server.await;
-    pool.close().await;
+    server.close().await?;
     drop(agents);
 
     println!("measuring the raw upsert for {} s", args.seconds);
@@ -280,26 +260,16 @@ pub async fn run(args: Args) -> Result<()> {
     .await;
 
     // The real agent, against a fresh server on the same database.
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let port = listener.local_addr()?.port();
-    let tls = load_server_config(&certs.cert_pem, &certs.key_pem)?;
-    let pool = Arc::new(SessionPool::new(
-        db.clone(),
-        SessionConfig::new("bmsrv-bench", Processor::Bmsrv),
+    let server = LoopbackServer::start(
+        &db,
+        dir.path(),
         1,
-    ));
-    let cancel = CancellationToken::new();
-    let server = tokio::spawn(serve(
-        listener,
-        Arc::new(tls),
-        BmaasService::new(pool.clone()),
         ServerLimits::for_loopback_fleet(args.agents),
-        cancel.clone(),
-    ));
-    let rss = agent_rss_mib(&db, port, &ca_pem).await?;
-    cancel.cancel();
-    let _ = server.await;
-    pool.close().await;
+    )
+    .await?;
+    let rss = agent_rss_mib(&db, &server).await;
+    server.close().await?;
+    let rss = rss?;
     let binary = agent_binary_mb()?;
 
     let secs = args.seconds as f64;

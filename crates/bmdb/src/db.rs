@@ -50,6 +50,18 @@ impl Default for OpenOptions {
     }
 }
 
+impl OpenOptions {
+    /// The defaults, creating (SQLite) and migrating the database when `migrate` is set: what
+    /// `--migrate`, the demo and tests ask for.
+    pub fn migrating(migrate: bool) -> OpenOptions {
+        OpenOptions {
+            create: migrate,
+            migrate,
+            ..OpenOptions::default()
+        }
+    }
+}
+
 /// Which database engine backs a [`Bmdb`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BackendKind {

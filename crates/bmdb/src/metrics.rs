@@ -54,6 +54,17 @@ impl ClaimSearch {
     }
 }
 
+/// How one attempt of a transaction ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TransactionEnd {
+    /// It committed.
+    Executed,
+    /// It failed with an error worth another attempt, which follows.
+    Retried,
+    /// It failed for good.
+    Failed,
+}
+
 /// How a unit of work ended, for the `result` label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum WorkResult {
@@ -138,22 +149,14 @@ impl BmdbMetrics {
             .inc();
     }
 
-    pub(crate) fn transaction_executed(&self, processor: Processor) {
-        self.transaction_executed
-            .get_or_create(&Self::p(processor))
-            .inc();
-    }
-
-    pub(crate) fn transaction_retried(&self, processor: Processor) {
-        self.transaction_retried
-            .get_or_create(&Self::p(processor))
-            .inc();
-    }
-
-    pub(crate) fn transaction_failed(&self, processor: Processor) {
-        self.transaction_failed
-            .get_or_create(&Self::p(processor))
-            .inc();
+    /// Counts one end of a transaction attempt: committed, retried or failed for good.
+    pub(crate) fn transaction(&self, processor: Processor, end: TransactionEnd) {
+        let family = match end {
+            TransactionEnd::Executed => &self.transaction_executed,
+            TransactionEnd::Retried => &self.transaction_retried,
+            TransactionEnd::Failed => &self.transaction_failed,
+        };
+        family.get_or_create(&Self::p(processor)).inc();
     }
 
     pub(crate) fn work_started(&self, processor: Processor, process: Process) {

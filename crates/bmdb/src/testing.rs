@@ -55,16 +55,9 @@ impl TestDb {
 pub async fn sqlite() -> TestDb {
     let dir = tempfile::tempdir().expect("temp dir");
     let url = format!("sqlite:{}", dir.path().join("bmdb.sqlite").display());
-    let db = Bmdb::open_with(
-        &url,
-        &OpenOptions {
-            create: true,
-            migrate: true,
-            ..Default::default()
-        },
-    )
-    .await
-    .expect("open sqlite test database");
+    let db = Bmdb::open_with(&url, &OpenOptions::migrating(true))
+        .await
+        .expect("open sqlite test database");
     TestDb {
         db,
         url,
@@ -222,6 +215,49 @@ macro_rules! conformance_tests {
     };
 }
 
+/// A SQLite URL in a fresh temporary directory; the file does not exist yet, so the process
+/// under test creates it (`--migrate`). The directory goes when this is dropped.
+pub struct FreshSqliteUrl {
+    /// The URL.
+    pub url: String,
+    _dir: tempfile::TempDir,
+}
+
+/// See [`FreshSqliteUrl`].
+pub fn fresh_sqlite_url() -> FreshSqliteUrl {
+    let dir = tempfile::tempdir().expect("temp dir");
+    FreshSqliteUrl {
+        url: format!("sqlite:{}", dir.path().join("bmdb.sqlite").display()),
+        _dir: dir,
+    }
+}
+
+/// Like [`conformance_tests!`] for tests of whole processes, which take a database URL: each
+/// `async fn NAME(url: &str)` runs once on a fresh SQLite URL ([`fresh_sqlite_url`]) and once
+/// on a fresh Postgres database ([`fresh_postgres_database`]).
+#[macro_export]
+macro_rules! url_conformance_tests {
+    ($($name:ident),+ $(,)?) => {
+        $(
+            mod $name {
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn sqlite() {
+                    let fresh = $crate::testing::fresh_sqlite_url();
+                    super::$name(&fresh.url).await;
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn postgres() {
+                    let Some(url) = $crate::testing::fresh_postgres_database().await else {
+                        return;
+                    };
+                    super::$name(&url).await;
+                }
+            }
+        )+
+    };
+}
+
 /// One seeded machine of [`seed_every_state`].
 #[derive(Debug, Clone)]
 pub struct SeededMachine {
@@ -240,13 +276,7 @@ pub struct SeededMachine {
 pub async fn seed_every_state(db: &Bmdb) -> (Vec<SeededMachine>, crate::Session) {
     use crate::*;
     use chrono::{Duration as Delta, Utc};
-    let session = db
-        .start_session(SessionConfig::new(
-            "shepherd-initializer",
-            Processor::ShepherdInitializer,
-        ))
-        .await
-        .expect("start session");
+    let session = self::session(db, Processor::ShepherdInitializer).await;
     let sid = session.id();
     let seeded = db
         .transact(move |tx| {
@@ -398,4 +428,128 @@ pub async fn explain_claims(
         }
     }
     Ok(plans)
+}
+
+/// A session of `processor`, named after it (`shepherd-initializer`, …), for tests that drive
+/// a loop or the BMDB by hand.
+pub async fn session(db: &Bmdb, processor: crate::Processor) -> crate::Session {
+    db.start_session(crate::SessionConfig::new(processor.label(), processor))
+        .await
+        .expect("start a test session")
+}
+
+/// Polls `f` until it returns `Ok` and returns that value, failing the test when `within`
+/// passes first with a message naming `what` and the last `Err` (the state it was stuck in).
+/// It polls every 1/200 of `within`, between 20 and 500 ms. Tests that wait for the system to
+/// get somewhere wait through this, so no wait is unbounded and every timeout says where
+/// things stood.
+pub async fn eventually<T, D: std::fmt::Debug>(
+    what: &str,
+    within: Duration,
+    mut f: impl AsyncFnMut() -> Result<T, D>,
+) -> T {
+    let every = (within / 200).clamp(Duration::from_millis(20), Duration::from_millis(500));
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match f().await {
+            Ok(v) => return v,
+            Err(state) => assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out after {within:?} waiting for {what}; last seen: {state:?}"
+            ),
+        }
+        tokio::time::sleep(every).await;
+    }
+}
+
+/// What an [`eventually`] poll returns: `Ok(state)` once `done`, else `Err(state)`.
+pub fn when<T>(done: bool, state: T) -> Result<T, T> {
+    if done {
+        Ok(state)
+    } else {
+        Err(state)
+    }
+}
+
+/// Stores `raw` (a serialized `OSInstallationRequest`) as machine `m`'s installation request
+/// of `generation`, as `shepherd machines install` does.
+pub async fn request_installation(db: &Bmdb, m: uuid::Uuid, generation: i64, raw: Vec<u8>) {
+    let request = crate::OsInstallationRequest {
+        generation,
+        request_raw: raw,
+    };
+    db.transact(move |tx| {
+        let request = request.clone();
+        Box::pin(async move { tx.set_os_installation_request(m, &request).await })
+    })
+    .await
+    .expect("store the installation request");
+}
+
+/// Machine `m`'s stored installation report, if any.
+pub async fn installation_report(db: &Bmdb, m: uuid::Uuid) -> Option<crate::OsInstallationReport> {
+    db.read(move |tx| Box::pin(async move { tx.os_installation_report(m).await }))
+        .await
+        .expect("read the installation report")
+}
+
+/// Every work history entry, oldest first, read page by page.
+pub async fn all_history(db: &Bmdb) -> Vec<crate::HistoryEntry> {
+    let mut entries = Vec::new();
+    loop {
+        let after = entries.last().map_or(0, |e: &crate::HistoryEntry| e.id);
+        let page = db
+            .read(move |tx| Box::pin(async move { tx.history_after(after, 5000).await }))
+            .await
+            .expect("read the work history");
+        if page.is_empty() {
+            return entries;
+        }
+        entries.extend(page);
+    }
+}
+
+/// A new machine whose agent was started with public key `key` (the `agent_started` tag an
+/// initializer leaves), so agents holding that key may heartbeat for it.
+pub async fn machine_with_agent(db: &Bmdb, key: &[u8]) -> uuid::Uuid {
+    let key = key.to_vec();
+    db.transact(move |tx| {
+        let key = key.clone();
+        Box::pin(async move {
+            let id = tx.create_machine().await?;
+            tx.set_agent_started(id, &key).await?;
+            Ok(id)
+        })
+    })
+    .await
+    .expect("create a machine with an agent")
+}
+
+/// Records for each of `machines` an agent start two hours ago (each with a key of its own)
+/// and no heartbeat since: every one is due for recovery at the default thresholds.
+pub async fn agents_silent_for_hours(db: &Bmdb, machines: &[uuid::Uuid]) {
+    let machines = machines.to_vec();
+    db.transact(move |tx| {
+        let machines = machines.clone();
+        Box::pin(async move {
+            let long_ago = chrono::Utc::now() - chrono::Duration::hours(2);
+            for (n, id) in machines.into_iter().enumerate() {
+                tx.set_agent_started_at(id, Some(long_ago), &[n as u8 + 1; 32])
+                    .await?;
+            }
+            Ok(())
+        })
+    })
+    .await
+    .expect("record silent agents")
+}
+
+/// What the BMDB records as provided by `provider`: (machine, provided tag), by provider id.
+pub async fn provided_by(
+    db: &Bmdb,
+    provider: crate::Provider,
+) -> Vec<(uuid::Uuid, crate::Provided)> {
+    db.read(move |tx| Box::pin(async move { tx.provided_by(provider).await }))
+        .await
+        .expect("read the provided machines")
 }

@@ -9,7 +9,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use crate::db::{Mode, TxFuture};
-use crate::metrics::BmdbMetrics;
+use crate::metrics::{BmdbMetrics, TransactionEnd};
 use crate::tx::Tx;
 use crate::{Bmdb, Error, Processor};
 
@@ -34,16 +34,16 @@ where
     loop {
         match attempt().await {
             Ok(v) => {
-                metrics.transaction_executed(processor);
+                metrics.transaction(processor, TransactionEnd::Executed);
                 return Ok(v);
             }
             Err(e) => {
                 failures += 1;
                 if !e.is_retryable() || failures >= MAX_ATTEMPTS {
-                    metrics.transaction_failed(processor);
+                    metrics.transaction(processor, TransactionEnd::Failed);
                     return Err(e);
                 }
-                metrics.transaction_retried(processor);
+                metrics.transaction(processor, TransactionEnd::Retried);
                 tokio::time::sleep(delay(failures)).await;
             }
         }
@@ -88,6 +88,13 @@ impl Bmdb {
         F: for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, T>,
     {
         self.run(Processor::Unknown, Mode::Read, None, body).await
+    }
+
+    /// The machine and session counts of `shepherd bmdb status`, the demo and many tests, in
+    /// one read transaction.
+    pub async fn status_counts(&self) -> Result<crate::StatusCounts, Error> {
+        self.read(|tx| Box::pin(async move { tx.status_counts().await }))
+            .await
     }
 
     /// Runs `body` in a transaction of `mode` through [`retrying`], with `guard` checked in

@@ -213,19 +213,21 @@ async fn tags_round_trip(db: Bmdb) {
         .await;
     assert!(dup.is_err(), "duplicate provider id accepted");
 
+    // Each delete says whether there was a row; the second heartbeat delete finds none.
     let deleted = db
         .transact(move |tx| {
             Box::pin(async move {
-                Ok((
-                    tx.delete_agent_started(id).await?,
+                let started = tx.delete_agent_started(id).await?;
+                let beats = [
                     tx.delete_heartbeat(id).await?,
                     tx.delete_heartbeat(id).await?,
-                ))
+                ];
+                Ok((started, beats))
             })
         })
         .await
         .unwrap();
-    assert_eq!(deleted, (true, true, false));
+    assert_eq!(deleted, (true, [true, false]));
 }
 
 async fn session_expiry_releases_work(db: Bmdb) {
@@ -539,25 +541,12 @@ async fn claims_are_exclusive_under_parallelism(db: Bmdb) {
         "conflict rate too high: {conflicts} conflicts in {} attempts",
         claims + conflicts
     );
-    let status = db
-        .read(|tx| Box::pin(async move { tx.status_counts().await }))
-        .await
-        .unwrap();
+    let status = db.status_counts().await.unwrap();
     assert_eq!(status.agent_started, MACHINES as i64);
     assert!(status.work.is_empty());
 
     // Audit: per (machine, process) events alternate Started / ending, never two Started in a row.
-    let mut entries = vec![];
-    let mut after = 0;
-    loop {
-        let page = db
-            .read(move |tx| Box::pin(async move { tx.history_after(after, 5000).await }))
-            .await
-            .unwrap();
-        let Some(last) = page.last() else { break };
-        after = last.id;
-        entries.extend(page);
-    }
+    let entries = testing::all_history(&db).await;
     let mut open: HashMap<(Uuid, Process), Uuid> = HashMap::new();
     let mut started: HashMap<Uuid, u32> = HashMap::new();
     for e in &entries {
@@ -850,18 +839,7 @@ async fn eligibility_matches_model(db: Bmdb) {
 async fn agent_heartbeats(db: Bmdb) {
     let s = session(&db, "bmsrv").await;
     let (key, other) = (vec![7u8; 32], vec![8u8; 32]);
-    let k = key.clone();
-    let m = db
-        .transact(move |tx| {
-            let k = k.clone();
-            Box::pin(async move {
-                let id = tx.create_machine().await?;
-                tx.set_agent_started(id, &k).await?;
-                Ok(id)
-            })
-        })
-        .await
-        .unwrap();
+    let m = testing::machine_with_agent(&db, &key).await;
     let beat = |db: Bmdb| async move {
         db.read(move |tx| Box::pin(async move { tx.heartbeat(m).await }))
             .await
@@ -1245,10 +1223,7 @@ async fn two_processes_share_one_sqlite_file() {
         total += w.await.unwrap();
     }
     assert_eq!(total, 300);
-    let counts = other
-        .read(|tx| Box::pin(async move { tx.status_counts().await }))
-        .await
-        .unwrap();
+    let counts = other.status_counts().await.unwrap();
     assert_eq!((counts.agent_started, counts.history_entries), (300, 600));
     other.close().await;
     t.cleanup().await;

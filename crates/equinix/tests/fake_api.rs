@@ -15,6 +15,7 @@ use shepherd_loops::metrics::{CallMetrics, CallResult};
 use shepherd_loops::provider::{Availability, Provider, ProviderError, Recoverer};
 use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
 use shepherd_loops::reconcile::Limits;
+use uuid::Uuid;
 
 const TOKEN: &str = "test-token";
 const PROJECT: &str = "proj-1";
@@ -55,14 +56,41 @@ async fn provider(fake: &FakeEquinix) -> (Arc<EquinixProvider>, Arc<CallMetrics>
     (Arc::new(p), metrics)
 }
 
+/// What most tests here start from: the fake API with some devices, a fresh BMDB, a
+/// provisioner's session on it and the provider.
+struct Rig {
+    fake: FakeEquinix,
+    t: testing::TestDb,
+    s: Session,
+    p: Arc<EquinixProvider>,
+    metrics: Arc<CallMetrics>,
+}
+
+/// Closes a test's session and removes its database.
+async fn done(s: Session, t: testing::TestDb) {
+    s.close().await.unwrap();
+    t.cleanup().await;
+}
+
+async fn rig(devices: usize) -> Rig {
+    let fake = FakeEquinix::start(TOKEN, PROJECT, devices).await;
+    let t = testing::sqlite().await;
+    let s = session(&t.db).await;
+    let (p, metrics) = provider(&fake).await;
+    Rig {
+        fake,
+        t,
+        s,
+        p,
+        metrics,
+    }
+}
+
 fn provisioner(p: Arc<EquinixProvider>, max: usize, chunk: usize) -> Provisioner<EquinixProvider> {
     Provisioner::new(
         p,
         ProvisionerConfig {
-            limits: Limits {
-                max_machines: max,
-                chunk_size: chunk,
-            },
+            limits: Limits::new(max, chunk),
             reconcile_rate: RateSpec::new(Duration::from_millis(1), 1),
             creation_rate: RateSpec::new(Duration::from_millis(1), 100),
         },
@@ -70,12 +98,13 @@ fn provisioner(p: Arc<EquinixProvider>, max: usize, chunk: usize) -> Provisioner
 }
 
 async fn session(db: &Bmdb) -> Session {
-    db.start_session(SessionConfig::new(
-        "shepherd-provisioner",
-        Processor::ShepherdProvisioner,
-    ))
-    .await
-    .unwrap()
+    testing::session(db, Processor::ShepherdProvisioner).await
+}
+
+/// Every Equinix machine in the BMDB, by provider id.
+async fn recorded_ids(db: &Bmdb) -> Vec<Uuid> {
+    let provided = testing::provided_by(db, Kind::Equinix).await;
+    provided.into_iter().map(|(id, _)| id).collect()
 }
 
 /// (provider id, reservation id) of every Equinix machine in the BMDB.
@@ -156,12 +185,9 @@ async fn the_project_ssh_key_is_created_updated_and_then_left_alone() {
 
 #[tokio::test]
 async fn provisioning_honours_the_maximum_and_the_chunk_size() {
-    let fake = FakeEquinix::start(TOKEN, PROJECT, 10).await;
+    let Rig { fake, t, s, p, .. } = rig(10).await;
     fake.set_page_size(3); // listings span several pages
     fake.add_foreign_device("someone-else-1");
-    let t = testing::sqlite().await;
-    let s = session(&t.db).await;
-    let (p, _) = provider(&fake).await;
     let prov = provisioner(p.clone(), 4, 3);
     let r = prov.iterate(&s).await.unwrap();
     assert_eq!((r.managed, r.created, r.failed), (0, 3, 0));
@@ -191,16 +217,12 @@ async fn provisioning_honours_the_maximum_and_the_chunk_size() {
         assert_eq!(p.location.as_deref(), Some("da"));
         assert_eq!(p.status, Some(shepherd_bmdb::ProviderStatus::Running));
     }
-    s.close().await.unwrap();
-    t.cleanup().await;
+    done(s, t).await;
 }
 
 #[tokio::test]
 async fn a_reservation_that_failed_is_skipped_for_its_penalty() {
-    let fake = FakeEquinix::start(TOKEN, PROJECT, 3).await;
-    let t = testing::sqlite().await;
-    let s = session(&t.db).await;
-    let (p, _) = provider(&fake).await;
+    let Rig { fake, t, s, p, .. } = rig(3).await;
     fake.fail_next("POST /projects/devices", Failure::Status(422));
     let r = provisioner(p.clone(), 0, 10).iterate(&s).await.unwrap();
     assert_eq!((r.created, r.failed), (2, 1));
@@ -215,17 +237,19 @@ async fn a_reservation_that_failed_is_skipped_for_its_penalty() {
     let r = provisioner(p, 0, 10).iterate(&s).await.unwrap();
     assert_eq!(r.created, 1);
     assert_consistent(&fake, &t.db).await;
-    s.close().await.unwrap();
-    t.cleanup().await;
+    done(s, t).await;
 }
 
 #[tokio::test]
 async fn injected_api_failures_lead_to_retries_not_duplicates() {
-    let fake = FakeEquinix::start(TOKEN, PROJECT, 12).await;
+    let Rig {
+        fake,
+        t,
+        s,
+        p,
+        metrics,
+    } = rig(12).await;
     fake.set_page_size(5);
-    let t = testing::sqlite().await;
-    let s = session(&t.db).await;
-    let (p, metrics) = provider(&fake).await;
     for (route, f) in [
         ("GET /projects/devices", Failure::Status(500)),
         (
@@ -265,16 +289,12 @@ async fn injected_api_failures_lead_to_retries_not_duplicates() {
     assert_eq!(fake.pending_failures(), 0, "every injected failure was hit");
     assert!(metrics.count("list_devices", CallResult::Error) >= 3);
     assert!(metrics.count("create_device", CallResult::Error) >= 3);
-    s.close().await.unwrap();
-    t.cleanup().await;
+    done(s, t).await;
 }
 
 #[tokio::test]
 async fn a_device_whose_bmdb_insert_failed_is_adopted_not_duplicated() {
-    let fake = FakeEquinix::start(TOKEN, PROJECT, 4).await;
-    let t = testing::sqlite().await;
-    let s = session(&t.db).await;
-    let (p, _) = provider(&fake).await;
+    let Rig { fake, t, s, p, .. } = rig(4).await;
     let path = t.url.strip_prefix("sqlite:").unwrap().to_string();
     let raw = sqlx::SqlitePool::connect(&format!("sqlite://{path}"))
         .await
@@ -302,16 +322,12 @@ async fn a_device_whose_bmdb_insert_failed_is_adopted_not_duplicated() {
     assert_consistent(&fake, &t.db).await;
     let r = provisioner(p, 0, 10).iterate(&s).await.unwrap();
     assert_eq!((r.managed, r.created), (4, 0));
-    s.close().await.unwrap();
-    t.cleanup().await;
+    done(s, t).await;
 }
 
 #[tokio::test]
 async fn reboots_and_lookups() {
-    let fake = FakeEquinix::start(TOKEN, PROJECT, 3).await;
-    let t = testing::sqlite().await;
-    let s = session(&t.db).await;
-    let (p, _) = provider(&fake).await;
+    let Rig { fake, t, s, p, .. } = rig(3).await;
     provisioner(p.clone(), 2, 10).iterate(&s).await.unwrap();
     fake.set_stuck_provisioning(true);
     provisioner(p.clone(), 0, 10).iterate(&s).await.unwrap();
@@ -349,18 +365,14 @@ async fn reboots_and_lookups() {
         p.reboot(&gone).await,
         Err(ProviderError::NotFound(_))
     ));
-    s.close().await.unwrap();
-    t.cleanup().await;
+    done(s, t).await;
 }
 
 #[tokio::test]
 async fn the_updater_maps_states_and_marks_vanished_devices_missing() {
     use shepherd_bmdb::ProviderStatus;
     use shepherd_loops::updater::{UpdateReport, Updater};
-    let fake = FakeEquinix::start(TOKEN, PROJECT, 3).await;
-    let t = testing::sqlite().await;
-    let s = session(&t.db).await;
-    let (p, _) = provider(&fake).await;
+    let Rig { fake, t, s, p, .. } = rig(3).await;
     provisioner(p.clone(), 0, 10).iterate(&s).await.unwrap();
     let devices = fake.devices();
     fake.set_device_state(&devices[0].id, "failed");
@@ -417,25 +429,18 @@ async fn the_updater_maps_states_and_marks_vanished_devices_missing() {
         status(devices[2].id.clone()).await.status,
         Some(ProviderStatus::Running)
     );
-    s.close().await.unwrap();
-    t.cleanup().await;
+    done(s, t).await;
 }
 
 #[tokio::test]
 async fn creations_wait_for_the_creation_rate() {
-    let fake = FakeEquinix::start(TOKEN, PROJECT, 5).await;
-    let t = testing::sqlite().await;
-    let s = session(&t.db).await;
-    let (p, _) = provider(&fake).await;
+    let Rig { fake, t, s, p, .. } = rig(5).await;
     // A burst of 2, then one creation per hour: one iteration gets exactly two devices made
     // and then waits on the limiter (it is stopped there).
     let prov = Provisioner::new(
         p,
         ProvisionerConfig {
-            limits: Limits {
-                max_machines: 0,
-                chunk_size: 10,
-            },
+            limits: Limits::new(0, 10),
             reconcile_rate: RateSpec::new(Duration::from_millis(1), 1),
             creation_rate: RateSpec::new(Duration::from_secs(3600), 2),
         },
@@ -444,39 +449,21 @@ async fn creations_wait_for_the_creation_rate() {
     assert!(stopped.is_err(), "the third creation must wait an hour");
     assert_eq!(fake.devices().len(), 2);
     assert_eq!(recorded(&t.db).await.len(), 2);
-    s.close().await.unwrap();
-    t.cleanup().await;
+    done(s, t).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_recoverer_reboots_silent_devices_through_the_api() {
-    use chrono::Utc;
     use shepherd_bmdb::{Process, RecoveryThresholds, WorkEvent};
     use shepherd_loops::recoverer::Recoverer as RecovererTask;
     use shepherd_loops::runner::{self, RunnerConfig};
-    let fake = FakeEquinix::start(TOKEN, PROJECT, 2).await;
-    let t = testing::sqlite().await;
-    let s = session(&t.db).await;
-    let (p, _) = provider(&fake).await;
+    let Rig { fake, t, s, p, .. } = rig(2).await;
     provisioner(p.clone(), 0, 10).iterate(&s).await.unwrap();
     s.close().await.unwrap();
     // Both agents were started two hours ago and never heartbeated; one device is gone.
     let devices = fake.devices();
-    let ids =
-        t.db.transact(|tx| {
-            Box::pin(async move {
-                let mut ids = vec![];
-                for (n, (id, _)) in tx.provided_by(Kind::Equinix).await?.into_iter().enumerate() {
-                    let at = Utc::now() - chrono::Duration::hours(2);
-                    tx.set_agent_started_at(id, Some(at), &[n as u8 + 1; 32])
-                        .await?;
-                    ids.push(id);
-                }
-                Ok(ids)
-            })
-        })
-        .await
-        .unwrap();
+    let ids: Vec<Uuid> = recorded_ids(&t.db).await;
+    testing::agents_silent_for_hours(&t.db, &ids).await;
     let gone = &devices[1].id;
     fake.remove_device(gone);
     let cancel = tokio_util::sync::CancellationToken::new();

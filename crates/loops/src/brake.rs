@@ -244,12 +244,17 @@ impl Brake {
             Ordering::Relaxed,
         );
         let was = self.engaged.swap(engage, Ordering::Relaxed);
+        // The counts go on both messages, as fields of the event's span.
+        let _counts = tracing::info_span!(
+            "recovery_brake",
+            provider = %self.provider,
+            due = reading.due,
+            silent = reading.silent,
+            machines = reading.machines,
+        )
+        .entered();
         if engage && !was {
             tracing::warn!(
-                provider = %self.provider,
-                due = reading.due,
-                silent = reading.silent,
-                machines = reading.machines,
                 "recovery brake engaged: {} of {} machines ({:.0}%) have no recent heartbeat, more than the {:.0}% allowed; suspecting the BMaaS server or the network, no machine is rebooted until the share falls ({} due for recovery wait)",
                 reading.silent,
                 reading.machines,
@@ -259,10 +264,6 @@ impl Brake {
             );
         } else if !engage && was {
             tracing::info!(
-                provider = %self.provider,
-                due = reading.due,
-                silent = reading.silent,
-                machines = reading.machines,
                 "recovery brake released: {} of {} machines have no recent heartbeat, {} are due for recovery",
                 reading.silent,
                 reading.machines,

@@ -153,6 +153,20 @@ pub struct Recorded {
     pub adopted: bool,
 }
 
+/// Both views of one provider, read at the same time: what it lists now, and what the BMDB
+/// records as provided by it. The provisioner and the updater each start from these.
+pub async fn listed_and_recorded<P: Provider + ?Sized>(
+    provider: &P,
+    session: &Session,
+) -> anyhow::Result<(Vec<ProviderMachine>, Vec<(Uuid, Provided)>)> {
+    let kind = provider.kind();
+    let (listed, recorded) = tokio::join!(
+        provider.list_machines(),
+        session.read(move |tx| Box::pin(async move { tx.provided_by(kind).await }))
+    );
+    Ok((listed?, recorded?))
+}
+
 /// Writes the `machines` row and `machine_provided` tag for a machine a provider just created,
 /// in one session transaction. If the provider id is already recorded, adopts that machine
 /// instead of failing, so a retried creation or two replicas racing over one inventory never

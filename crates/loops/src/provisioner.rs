@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::limiter::{Limiter, RateSpec};
 use crate::periodic::{self, Pass};
-use crate::provider::Provider;
+use crate::provider::{listed_and_recorded, Provider};
 use crate::reconcile::{reconcile, Limits};
 
 /// Provisioner settings (SPEC §17 defaults).
@@ -68,13 +68,8 @@ impl<P: Provider> Provisioner<P> {
     /// One reconciliation (SPEC §7 steps 1–5). A discrepancy between the provider and the
     /// BMDB is an error and nothing is created.
     pub async fn iterate(&self, session: &Session) -> anyhow::Result<IterationReport> {
-        let kind = self.provider.kind();
-        let (listed, recorded) = tokio::join!(
-            self.provider.list_machines(),
-            session.read(move |tx| Box::pin(async move { tx.provided_by(kind).await }))
-        );
-        let listed = listed?;
-        let in_bmdb: BTreeSet<String> = recorded?.into_iter().map(|(_, p)| p.provider_id).collect();
+        let (listed, recorded) = listed_and_recorded(&*self.provider, session).await?;
+        let in_bmdb: BTreeSet<String> = recorded.into_iter().map(|(_, p)| p.provider_id).collect();
         let plan = reconcile(&listed, &in_bmdb, self.config.limits)?;
         let mut report = IterationReport {
             managed: plan.managed,

@@ -14,6 +14,16 @@ pub struct Limits {
     pub chunk_size: usize,
 }
 
+impl Limits {
+    /// At most `max_machines` managed (0: no limit), `chunk_size` brought in per iteration.
+    pub fn new(max_machines: usize, chunk_size: usize) -> Limits {
+        Limits {
+            max_machines,
+            chunk_size,
+        }
+    }
+}
+
 impl Default for Limits {
     /// SPEC §17: at most 50 machines, 20 per iteration.
     fn default() -> Self {

@@ -14,7 +14,7 @@ use uuid::Uuid;
 
 use crate::limiter::RateSpec;
 use crate::periodic::{self, Pass};
-use crate::provider::{Provider, ProviderMachine};
+use crate::provider::{listed_and_recorded, Provider, ProviderMachine};
 
 /// Tags written per transaction.
 const BATCH: usize = 500;
@@ -70,19 +70,14 @@ impl<P: Provider + ?Sized> Updater<P> {
 
     /// One pass.
     pub async fn iterate(&self, session: &Session) -> anyhow::Result<UpdateReport> {
-        let kind = self.provider.kind();
-        let (listed, recorded) = tokio::join!(
-            self.provider.list_machines(),
-            session.read(move |tx| Box::pin(async move { tx.provided_by(kind).await }))
-        );
-        let listed = listed?;
+        let (listed, recorded) = listed_and_recorded(&*self.provider, session).await?;
         let by_id: HashMap<&str, &ProviderMachine> = listed
             .iter()
             .filter_map(|m| m.valid_id().map(|id| (id, m)))
             .collect();
         let mut report = UpdateReport::default();
         let mut changes: Vec<(Uuid, Provided, bool)> = Vec::new();
-        for (id, current) in recorded? {
+        for (id, current) in recorded {
             let next = refreshed(&current, by_id.get(current.provider_id.as_str()).copied());
             if next == current {
                 report.unchanged += 1;

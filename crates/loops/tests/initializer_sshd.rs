@@ -106,22 +106,15 @@ async fn run_until_ended(
         session: SessionConfig::new("initializer-test", Processor::ShepherdInitializer),
     };
     let runner = tokio::spawn(run(db.clone(), Arc::new(init), config, cancel.clone()));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    let history = loop {
+    let history = testing::eventually("the work to end", Duration::from_secs(60), async || {
         let h = db
             .read(move |tx| Box::pin(async move { tx.machine_history(machine).await }))
             .await
             .unwrap();
         let ended = h.iter().filter(|e| e.event != WorkEvent::Started).count();
-        if ended >= ends {
-            break h;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no result in time: {h:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+        testing::when(ended >= ends, h)
+    })
+    .await;
     cancel.cancel();
     runner.await.unwrap();
     history
@@ -133,11 +126,9 @@ async fn tags(
 ) -> (Option<AgentStarted>, Option<SshHostKey>, Vec<BackoffEntry>) {
     db.read(move |tx| {
         Box::pin(async move {
-            Ok((
-                tx.agent_started(machine).await?,
-                tx.ssh_host_key(machine).await?,
-                tx.machine_backoffs(machine).await?,
-            ))
+            let started = tx.agent_started(machine).await?;
+            let pinned = tx.ssh_host_key(machine).await?;
+            Ok((started, pinned, tx.machine_backoffs(machine).await?))
         })
     })
     .await

@@ -40,28 +40,27 @@ fn runner(name: &str, processor: Processor) -> RunnerConfig {
     }
 }
 
+/// The initializer over the simulated fleet, run until `cancel`.
+async fn initializing(db: Bmdb, fleet: &Arc<SimFleet>, cancel: CancellationToken) {
+    let config = InitializerConfig::new(vec![0x7f], "bmaas.example:443");
+    let init = Initializer::new(fleet.clone(), fleet.clone(), config).unwrap();
+    let workers = runner("initializer", Processor::ShepherdInitializer);
+    run(db, Arc::new(init), workers, cancel).await
+}
+
 /// Brings the fleet in and takes every machine over (no recoverer yet).
 async fn take_over(db: &Bmdb, fleet: &Arc<SimFleet>) {
     let cancel = CancellationToken::new();
     let provisioner = Provisioner::new(
         fleet.clone(),
         ProvisionerConfig {
-            limits: Limits {
-                max_machines: 0,
-                chunk_size: MACHINES,
-            },
+            limits: Limits::new(0, MACHINES),
             reconcile_rate: RateSpec::new(Duration::from_millis(50), 1),
             creation_rate: RateSpec::new(Duration::from_millis(1), 50),
         },
     );
-    let init = Initializer::new(
-        fleet.clone(),
-        fleet.clone(),
-        InitializerConfig::new(vec![0x7f], "bmaas.example:443"),
-    )
-    .unwrap();
     let work = tokio::spawn({
-        let (db, cancel) = (db.clone(), cancel.clone());
+        let (db, cancel, fleet) = (db.clone(), cancel.clone(), fleet.clone());
         async move {
             tokio::join!(
                 provisioner.run(
@@ -69,27 +68,23 @@ async fn take_over(db: &Bmdb, fleet: &Arc<SimFleet>) {
                     SessionConfig::new("provisioner", Processor::ShepherdProvisioner),
                     cancel.clone()
                 ),
-                run(
-                    db,
-                    Arc::new(init),
-                    runner("initializer", Processor::ShepherdInitializer),
-                    cancel
-                ),
+                initializing(db, &fleet, cancel),
             );
         }
     });
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let c = db
-            .read(|tx| Box::pin(async move { tx.status_counts().await }))
-            .await
-            .unwrap();
-        if c.agent_started == MACHINES as i64 {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "stuck at {c:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    testing::eventually(
+        "every machine taken over",
+        Duration::from_secs(60),
+        async || {
+            let c = db.status_counts().await.unwrap();
+            if c.agent_started == MACHINES as i64 {
+                Ok(())
+            } else {
+                Err(c)
+            }
+        },
+    )
+    .await;
     cancel.cancel();
     work.await.unwrap();
 }
@@ -239,14 +234,18 @@ async fn a_server_stopping_under_a_running_recoverer_costs_a_few_reboots_at_most
         runner("recoverer", Processor::ShepherdRecoverer),
         cancel.clone(),
     ));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while b.engaged() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "a healthy fleet braked"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    testing::eventually(
+        "a healthy fleet's brake to release",
+        Duration::from_secs(10),
+        async || {
+            if b.engaged() {
+                Err("engaged")
+            } else {
+                Ok(())
+            }
+        },
+    )
+    .await;
     // The server stops: every agent goes silent at once, and the whole fleet falls due between
     // two counts. Only the few reboots one count allows get through before the next count
     // sees the silence.
@@ -312,23 +311,12 @@ async fn initialize_and_recover(
     done: impl Fn(&Option<Recovery>, &[BackoffEntry]) -> bool,
 ) {
     let cancel = CancellationToken::new();
-    let init = Initializer::new(
-        fleet.clone(),
-        fleet.clone(),
-        InitializerConfig::new(vec![0x7f], "bmaas.example:443"),
-    )
-    .unwrap();
     let loops = tokio::spawn({
-        let (db, cancel) = (db.clone(), cancel.clone());
+        let (db, cancel, fleet) = (db.clone(), cancel.clone(), fleet.clone());
         async move {
             tokio::join!(
                 brake.run(db.clone(), cancel.clone()),
-                run(
-                    db.clone(),
-                    Arc::new(init),
-                    runner("initializer", Processor::ShepherdInitializer),
-                    cancel.clone()
-                ),
+                initializing(db.clone(), &fleet, cancel.clone()),
                 run(
                     db,
                     Arc::new(recoverer),
@@ -338,19 +326,19 @@ async fn initialize_and_recover(
             );
         }
     });
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let all = recoveries(db).await;
-        if all.iter().all(|(_, r, b)| done(r, b)) {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "not every machine got there: {:#?}",
-            &all[..3]
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    testing::eventually(
+        "every machine to get there",
+        Duration::from_secs(60),
+        async || {
+            let all = recoveries(db).await;
+            if all.iter().all(|(_, r, b)| done(r, b)) {
+                Ok(())
+            } else {
+                Err(all[..3].to_vec())
+            }
+        },
+    )
+    .await;
     cancel.cancel();
     loops.await.unwrap();
 }
@@ -463,10 +451,7 @@ async fn a_reboot_wait_holds_no_worker(db: Bmdb) {
     })
     .await;
     assert_eq!(fleet.counters().reboots, MACHINES as u64);
-    let counts = db
-        .read(|tx| Box::pin(async move { tx.status_counts().await }))
-        .await
-        .unwrap();
+    let counts = db.status_counts().await.unwrap();
     assert_eq!(
         counts.agent_started, 0,
         "the initializer took over a machine that was given an hour to come back"

@@ -21,10 +21,7 @@ async fn replica(db: Bmdb, fleet: Arc<SimFleet>, name: &str, cancel: Cancellatio
     let provisioner = Provisioner::new(
         fleet.clone(),
         ProvisionerConfig {
-            limits: Limits {
-                max_machines: 0,
-                chunk_size: 50,
-            },
+            limits: Limits::new(0, 50),
             reconcile_rate: RateSpec::new(Duration::from_millis(100), 1),
             creation_rate: RateSpec::new(Duration::from_millis(1), 50),
         },
@@ -69,22 +66,16 @@ async fn two_replicas_take_each_machine_over_once(db: Bmdb, url: String) {
         cancel.clone(),
     ));
 
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
-    loop {
-        let counts = db
-            .read(|tx| Box::pin(async move { tx.status_counts().await }))
-            .await
-            .unwrap();
-        if counts.agent_started == MACHINES as i64 {
-            assert_eq!(counts.provided, MACHINES as i64);
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "stuck at {counts:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let within = Duration::from_secs(120);
+    testing::eventually(
+        "both replicas to take every machine over",
+        within,
+        async || {
+            let counts = db.status_counts().await.unwrap();
+            testing::when(counts.agent_started == MACHINES as i64, counts)
+        },
+    )
+    .await;
     cancel.cancel();
     a.await.unwrap();
     b.await.unwrap();

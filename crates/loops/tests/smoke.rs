@@ -115,6 +115,19 @@ fn fast() -> RateSpec {
     RateSpec::new(Duration::from_millis(1), 100)
 }
 
+/// A provisioner that manages at most `max_machines` (0: all), creating `chunk_size` per pass,
+/// with no pacing to wait for.
+fn unpaced(max_machines: usize, chunk_size: usize) -> ProvisionerConfig {
+    ProvisionerConfig {
+        limits: Limits {
+            max_machines,
+            chunk_size,
+        },
+        reconcile_rate: fast(),
+        creation_rate: fast(),
+    }
+}
+
 async fn provided_ids(db: &Bmdb) -> Vec<String> {
     db.read(|tx| Box::pin(async move { tx.provided_by(Provider::None).await }))
         .await
@@ -126,22 +139,8 @@ async fn provided_ids(db: &Bmdb) -> Vec<String> {
 
 async fn provisioner_stops_at_max(db: Bmdb) {
     let provider = Arc::new(Dummy::with_capacity(100));
-    let config = ProvisionerConfig {
-        limits: Limits {
-            max_machines: 10,
-            chunk_size: 4,
-        },
-        reconcile_rate: fast(),
-        creation_rate: fast(),
-    };
-    let p = Provisioner::new(provider.clone(), config);
-    let s = db
-        .start_session(SessionConfig::new(
-            "provisioner",
-            Processor::ShepherdProvisioner,
-        ))
-        .await
-        .unwrap();
+    let p = Provisioner::new(provider.clone(), unpaced(10, 4));
+    let s = testing::session(&db, Processor::ShepherdProvisioner).await;
     let mut created = vec![];
     for _ in 0..5 {
         created.push(p.iterate(&s).await.unwrap().created);
@@ -173,22 +172,8 @@ async fn failed_creations_do_not_stop_the_others(db: Bmdb) {
         fail_create: ["dummy-001".to_string(), "dummy-002".to_string()].into(),
         ..Dummy::with_capacity(6)
     });
-    let config = ProvisionerConfig {
-        limits: Limits {
-            max_machines: 0,
-            chunk_size: 4,
-        },
-        reconcile_rate: fast(),
-        creation_rate: fast(),
-    };
-    let p = Provisioner::new(provider, config);
-    let s = db
-        .start_session(SessionConfig::new(
-            "provisioner",
-            Processor::ShepherdProvisioner,
-        ))
-        .await
-        .unwrap();
+    let p = Provisioner::new(provider, unpaced(0, 4));
+    let s = testing::session(&db, Processor::ShepherdProvisioner).await;
     let r = p.iterate(&s).await.unwrap();
     assert_eq!((r.created, r.failed), (2, 2));
     assert_eq!(provided_ids(&db).await, vec!["dummy-000", "dummy-003"]);
@@ -213,13 +198,7 @@ async fn discrepancy_means_no_action(db: Bmdb) {
             ..Default::default()
         },
     );
-    let s = db
-        .start_session(SessionConfig::new(
-            "provisioner",
-            Processor::ShepherdProvisioner,
-        ))
-        .await
-        .unwrap();
+    let s = testing::session(&db, Processor::ShepherdProvisioner).await;
     let err = p.iterate(&s).await.unwrap_err().to_string();
     assert!(
         err.contains("BMDB machine ghost is missing at the provider"),
@@ -429,54 +408,37 @@ impl Transport for LocalTransport {
 
 async fn initializer_starts_the_agent_on_all_provided(db: Bmdb) {
     let provider = Arc::new(Dummy::with_capacity(100));
-    let config = ProvisionerConfig {
-        limits: Limits {
-            max_machines: 10,
-            chunk_size: 4,
-        },
-        reconcile_rate: fast(),
-        creation_rate: fast(),
-    };
-    let p = Provisioner::new(provider.clone(), config);
-    let s = db
-        .start_session(SessionConfig::new(
-            "provisioner",
-            Processor::ShepherdProvisioner,
-        ))
-        .await
-        .unwrap();
+    let p = Provisioner::new(provider.clone(), unpaced(10, 4));
+    let s = testing::session(&db, Processor::ShepherdProvisioner).await;
     for _ in 0..3 {
         p.iterate(&s).await.unwrap();
     }
     s.close().await.unwrap();
 
     let (cancel, run) = start_initializer(&db, provider.clone(), LocalTransport, 3);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    let machines = loop {
-        let started = db
-            .read(|tx| {
-                Box::pin(async move {
-                    let mut started = Vec::new();
-                    for (id, _) in tx.provided_by(Provider::None).await? {
-                        if let Some(a) = tx.agent_started(id).await? {
-                            started.push((id, a.public_key));
+    let machines =
+        testing::eventually("every agent started", Duration::from_secs(30), async || {
+            let started = db
+                .read(|tx| {
+                    Box::pin(async move {
+                        let mut started = Vec::new();
+                        for (id, _) in tx.provided_by(Provider::None).await? {
+                            if let Some(a) = tx.agent_started(id).await? {
+                                started.push((id, a.public_key));
+                            }
                         }
-                    }
-                    Ok(started)
+                        Ok(started)
+                    })
                 })
-            })
-            .await
-            .unwrap();
-        if started.len() == 10 {
-            break started;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "only {} started",
-            started.len()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+                .await
+                .unwrap();
+            if started.len() == 10 {
+                Ok(started)
+            } else {
+                Err(started.len())
+            }
+        })
+        .await;
     cancel.cancel();
     run.await.unwrap();
     let keys: BTreeSet<_> = machines.iter().map(|(_, k)| k.clone()).collect();
@@ -549,14 +511,15 @@ async fn a_refused_commit_fails_the_work_with_its_cause(db: Bmdb) {
             .await
             .unwrap()
     };
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while history(db.clone()).await.len() < 2 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the work never ended"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    testing::eventually("the work to end", Duration::from_secs(30), async || {
+        let h = history(db.clone()).await;
+        if h.len() < 2 {
+            Err(h)
+        } else {
+            Ok(())
+        }
+    })
+    .await;
     cancel.cancel();
     run.await.unwrap();
     let history = history(db.clone()).await;

@@ -13,22 +13,15 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 fn config() -> ProvisionerConfig {
     let fast = RateSpec::new(Duration::from_millis(1), 100);
     ProvisionerConfig {
-        limits: Limits {
-            max_machines: 0,
-            chunk_size: 20,
-        },
+        limits: Limits::new(0, 20),
         reconcile_rate: fast,
         creation_rate: fast,
     }
 }
 
 async fn provided(db: &Bmdb) -> Vec<Provided> {
-    db.read(|tx| Box::pin(async move { tx.provided_by(Provider::Static).await }))
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|(_, p)| p)
-        .collect()
+    let provided = testing::provided_by(db, Provider::Static).await;
+    provided.into_iter().map(|(_, p)| p).collect()
 }
 
 async fn file_inventory_is_reconciled_and_edits_are_picked_up(db: Bmdb) {
@@ -39,13 +32,7 @@ async fn file_inventory_is_reconciled_and_edits_are_picked_up(db: Bmdb) {
         StaticProvider::new(&format!("file://{}", path.display()), Provider::Static).unwrap(),
     );
     let p = Provisioner::new(provider, config());
-    let s = db
-        .start_session(SessionConfig::new(
-            "provisioner",
-            Processor::ShepherdProvisioner,
-        ))
-        .await
-        .unwrap();
+    let s = testing::session(&db, Processor::ShepherdProvisioner).await;
 
     assert_eq!(p.iterate(&s).await.unwrap().created, 2);
     let got = provided(&db).await;
@@ -114,13 +101,7 @@ async fn http_inventory_is_reconciled(db: Bmdb) {
         Arc::new(StaticProvider::new(&url, Provider::Static).unwrap()),
         config(),
     );
-    let s = db
-        .start_session(SessionConfig::new(
-            "provisioner",
-            Processor::ShepherdProvisioner,
-        ))
-        .await
-        .unwrap();
+    let s = testing::session(&db, Processor::ShepherdProvisioner).await;
     assert_eq!(p.iterate(&s).await.unwrap().created, 2);
     assert_eq!(provided(&db).await.len(), 2);
 }
@@ -148,10 +129,7 @@ async fn racing_replicas_adopt_instead_of_failing(db: Bmdb) {
         let p = Provisioner::new(
             Arc::new(StaticProvider::new(&url, Provider::Static).unwrap()),
             ProvisionerConfig {
-                limits: Limits {
-                    max_machines: 0,
-                    chunk_size: MACHINES,
-                },
+                limits: Limits::new(0, MACHINES),
                 ..config()
             },
         );

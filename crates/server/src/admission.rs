@@ -70,6 +70,31 @@ impl State {
     }
 }
 
+/// The two kinds of slot a peer holds.
+#[derive(Debug, Clone, Copy)]
+enum Slot {
+    /// A TLS handshake in progress.
+    Handshake,
+    /// An established connection.
+    Connection,
+}
+
+impl Slot {
+    fn of_state(self, s: &mut State) -> &mut usize {
+        match self {
+            Slot::Handshake => &mut s.pending,
+            Slot::Connection => &mut s.established,
+        }
+    }
+
+    fn of_peer(self, c: &mut Counts) -> &mut usize {
+        match self {
+            Slot::Handshake => &mut c.pending,
+            Slot::Connection => &mut c.established,
+        }
+    }
+}
+
 /// The server's connection slots.
 #[derive(Debug)]
 pub struct Admission {
@@ -125,22 +150,17 @@ impl Admission {
         })
     }
 
-    fn release_handshake(&self, peer: PeerKey) {
+    /// Gives back a slot `peer` held.
+    fn release(&self, peer: PeerKey, slot: Slot) {
         let mut s = self.lock();
-        s.pending -= 1;
-        s.peer(peer).pending -= 1;
+        *slot.of_state(&mut s) -= 1;
+        *slot.of_peer(s.peer(peer)) -= 1;
         s.tidy(peer);
         drop(s);
-        self.metrics.handshaking.dec();
-    }
-
-    fn release_connection(&self, peer: PeerKey) {
-        let mut s = self.lock();
-        s.established -= 1;
-        s.peer(peer).established -= 1;
-        s.tidy(peer);
-        drop(s);
-        self.metrics.established.dec();
+        match slot {
+            Slot::Handshake => self.metrics.handshaking.dec(),
+            Slot::Connection => self.metrics.established.dec(),
+        };
     }
 
     /// Slots held now: (handshakes, established connections, peers holding any).
@@ -194,7 +214,7 @@ impl HandshakeTicket {
 impl Drop for HandshakeTicket {
     fn drop(&mut self) {
         if !self.done {
-            self.admission.release_handshake(self.peer);
+            self.admission.release(self.peer, Slot::Handshake);
         }
     }
 }
@@ -208,7 +228,7 @@ pub struct ConnectionTicket {
 
 impl Drop for ConnectionTicket {
     fn drop(&mut self) {
-        self.admission.release_connection(self.peer);
+        self.admission.release(self.peer, Slot::Connection);
     }
 }
 

@@ -3,6 +3,7 @@
 //! tag, and heartbeats, hardware reports and installation reports land in the BMDB.
 
 pub mod admission;
+pub mod loopback;
 pub mod metrics;
 pub mod pool;
 pub mod serve;
@@ -10,6 +11,7 @@ pub mod service;
 pub mod status;
 pub mod tls;
 
+pub use loopback::LoopbackServer;
 pub use metrics::{CloseReason, ConnectionMetrics, Rejection};
 pub use pool::SessionPool;
 pub use serve::{serve, serve_with_metrics, Peer, ServerLimits};

@@ -5,10 +5,10 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sha2::{Digest, Sha256};
-use shepherd_bmdb::{Bmdb, InstallationResult, Processor, SessionConfig};
+use shepherd_bmdb::{testing, Bmdb, InstallationResult};
 use shepherd_loops::initializer::verify_response;
 use shepherd_loops::testing::agent_path;
 use shepherd_proto::agent::TakeoverInit;
@@ -16,7 +16,6 @@ use shepherd_proto::bmaas::*;
 use shepherd_proto::Message;
 use shepherd_server::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 /// Serves `body` for every GET on a loopback port; returns the URL base.
@@ -74,43 +73,19 @@ fn pid_of(exe: &Path) -> Option<u32> {
         .ok()
 }
 
+/// Waits up to 30 s for `f` to return `Some`.
 async fn wait_for<T>(what: &str, mut f: impl AsyncFnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let within = Duration::from_secs(30);
+    testing::eventually(what, within, async || f().await.ok_or("not yet")).await
 }
 
 async fn agent_takes_over_heartbeats_and_installs(db: Bmdb) {
     // The server, with development certificates the agent trusts through TakeoverInit.
     let dir = tempfile::tempdir().unwrap();
-    let certs = dev_certs(&dir.path().join("certs"), &["localhost".into()]).unwrap();
-    let tls = load_server_config(&certs.cert_pem, &certs.key_pem).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let pool = Arc::new(SessionPool::new(
-        db.clone(),
-        SessionConfig::new("bmsrv", Processor::Bmsrv),
-        2,
-    ));
-    let cancel = CancellationToken::new();
-    tokio::spawn(serve(
-        listener,
-        Arc::new(tls),
-        BmaasService::new(pool.clone()),
-        ServerLimits::default(),
-        cancel.clone(),
-    ));
-    let ca_pem = std::fs::read_to_string(&certs.ca_pem).unwrap();
-    let ca_der = rustls_pemfile::certs(&mut ca_pem.as_bytes())
-        .next()
-        .unwrap()
-        .unwrap()
-        .to_vec();
+    let server = LoopbackServer::start(&db, &dir.path().join("certs"), 2, ServerLimits::default())
+        .await
+        .unwrap();
+    let ca_der = server.ca_der().to_vec();
 
     // The agent is copied where the Initializer would upload it, and run as it would run it.
     let exe: PathBuf = dir.path().join("agent");
@@ -121,27 +96,16 @@ async fn agent_takes_over_heartbeats_and_installs(db: Bmdb) {
         .unwrap();
     let init = TakeoverInit {
         machine_id: machine.to_string(),
-        bmaas_endpoint: format!("localhost:{port}"),
+        bmaas_endpoint: server.endpoint(),
         ca_certificate: ca_der,
     };
     let marker = dir.path().join("rebooted");
-    let mut child = Command::new(&exe)
-        .env("SHEPHERD_AGENT_HEARTBEAT_INTERVAL", "200ms")
-        .env(
-            "SHEPHERD_AGENT_REBOOT_COMMAND",
-            format!("touch {}", marker.display()),
-        )
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all_sync(&init.encode_to_vec());
-    let out = child.wait_with_output().unwrap();
+    let mut agent = Command::new(&exe);
+    agent.env("SHEPHERD_AGENT_HEARTBEAT_INTERVAL", "200ms").env(
+        "SHEPHERD_AGENT_REBOOT_COMMAND",
+        format!("touch {}", marker.display()),
+    );
+    let out = take_over(agent, &init);
     assert!(
         out.status.success(),
         "{}",
@@ -218,26 +182,9 @@ async fn agent_takes_over_heartbeats_and_installs(db: Bmdb) {
             )),
         }
         .encode_to_vec();
-        db.transact(move |tx| {
-            let raw = raw.clone();
-            Box::pin(async move {
-                tx.set_os_installation_request(
-                    m,
-                    &shepherd_bmdb::OsInstallationRequest {
-                        generation,
-                        request_raw: raw,
-                    },
-                )
-                .await
-            })
-        })
-        .await
-        .unwrap();
+        testing::request_installation(&db, m, generation, raw).await;
         let stored = wait_for("the installation report", async || {
-            let r = db
-                .read(move |tx| Box::pin(async move { tx.os_installation_report(m).await }))
-                .await
-                .unwrap()?;
+            let r = testing::installation_report(&db, m).await?;
             (r.generation == generation).then_some(r)
         })
         .await;
@@ -255,18 +202,21 @@ async fn agent_takes_over_heartbeats_and_installs(db: Bmdb) {
     }
     assert_eq!(std::fs::read(&disk).unwrap(), image);
     wait_for("the reboot action", async || marker.exists().then_some(())).await;
-    cancel.cancel();
-    pool.close().await;
+    server.close().await.unwrap();
 }
 
-trait WriteAllSync {
-    fn write_all_sync(self, bytes: &[u8]);
-}
-
-impl WriteAllSync for std::process::ChildStdin {
-    fn write_all_sync(mut self, bytes: &[u8]) {
-        std::io::Write::write_all(&mut self, bytes).unwrap();
-    }
+/// Runs the agent as the Initializer does: `init` on its stdin, its answer on its stdout.
+fn take_over(mut agent: Command, init: &TakeoverInit) -> std::process::Output {
+    let mut child = agent
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    std::io::Write::write_all(&mut stdin, &init.encode_to_vec()).unwrap();
+    drop(stdin);
+    child.wait_with_output().unwrap()
 }
 
 shepherd_bmdb::conformance_tests!(agent_takes_over_heartbeats_and_installs);
@@ -280,17 +230,7 @@ fn takeover_without_endpoint_is_an_error_response() {
         machine_id: Uuid::new_v4().to_string(),
         ..Default::default()
     };
-    let mut child = Command::new(&exe)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all_sync(&init.encode_to_vec());
-    let out = child.wait_with_output().unwrap();
+    let out = take_over(Command::new(&exe), &init);
     let err = verify_response(&init, &out.stdout).unwrap_err().to_string();
     assert!(err.contains("no BMaaS endpoint"), "{err}");
     assert!(!dir.path().join("agent.state").exists());

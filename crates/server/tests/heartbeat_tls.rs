@@ -1,51 +1,34 @@
 //! The BMaaS server over real TLS on both backends: authorization by agent key, what a
 //! heartbeat writes, size bounds, and the installation request/report cycle.
 
-use std::sync::Arc;
-
-use shepherd_bmdb::{Bmdb, InstallationResult, Processor, SessionConfig};
+use shepherd_bmdb::{testing, Bmdb, InstallationResult};
 use shepherd_proto::agent::Node;
 use shepherd_proto::bmaas::agent_callback_client::AgentCallbackClient;
 use shepherd_proto::bmaas::*;
 use shepherd_proto::Message;
 use shepherd_server::*;
-use tokio_util::sync::CancellationToken;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use tonic::Code;
 use uuid::Uuid;
 
+/// The server under test and the directory holding its certificates.
 struct Server {
-    addr: String,
-    ca_pem: String,
-    cancel: CancellationToken,
+    bmaas: LoopbackServer,
     _dir: tempfile::TempDir,
+}
+
+impl Server {
+    fn addr(&self) -> String {
+        format!("https://127.0.0.1:{}", self.bmaas.port())
+    }
 }
 
 async fn start(db: &Bmdb) -> Server {
     let dir = tempfile::tempdir().unwrap();
-    let certs = dev_certs(dir.path(), &["localhost".into()]).unwrap();
-    let tls = load_server_config(&certs.cert_pem, &certs.key_pem).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    let pool = Arc::new(SessionPool::new(
-        db.clone(),
-        SessionConfig::new("bmsrv-test", Processor::Bmsrv),
-        2,
-    ));
-    let cancel = CancellationToken::new();
-    tokio::spawn(serve(
-        listener,
-        Arc::new(tls),
-        BmaasService::new(pool),
-        ServerLimits::default(),
-        cancel.clone(),
-    ));
-    Server {
-        addr,
-        ca_pem: std::fs::read_to_string(&certs.ca_pem).unwrap(),
-        cancel,
-        _dir: dir,
-    }
+    let bmaas = LoopbackServer::start(db, dir.path(), 2, ServerLimits::default())
+        .await
+        .unwrap();
+    Server { bmaas, _dir: dir }
 }
 
 /// An agent identity: a self-signed certificate of a fresh ed25519 key.
@@ -73,12 +56,12 @@ async fn client(
     agent: Option<&Agent>,
 ) -> Result<AgentCallbackClient<Channel>, tonic::transport::Error> {
     let mut tls = ClientTlsConfig::new()
-        .ca_certificate(Certificate::from_pem(&server.ca_pem))
+        .ca_certificate(Certificate::from_pem(server.bmaas.ca_pem()))
         .domain_name("localhost");
     if let Some(a) = agent {
         tls = tls.identity(Identity::from_pem(&a.cert_pem, &a.key_pem));
     }
-    let channel = Endpoint::from_shared(format!("https://{}", server.addr))?
+    let channel = Endpoint::from_shared(server.addr())?
         .tls_config(tls)?
         .connect()
         .await?;
@@ -96,10 +79,10 @@ struct NotAHeartbeat {
 /// Sends bytes that do not decode as a HeartbeatRequest to the Heartbeat method.
 async fn garbage_heartbeat(server: &Server, agent: &Agent) -> tonic::Status {
     let tls = ClientTlsConfig::new()
-        .ca_certificate(Certificate::from_pem(&server.ca_pem))
+        .ca_certificate(Certificate::from_pem(server.bmaas.ca_pem()))
         .domain_name("localhost")
         .identity(Identity::from_pem(&agent.cert_pem, &agent.key_pem));
-    let channel = Endpoint::from_shared(format!("https://{}", server.addr))
+    let channel = Endpoint::from_shared(server.addr())
         .unwrap()
         .tls_config(tls)
         .unwrap()
@@ -117,20 +100,6 @@ async fn garbage_heartbeat(server: &Server, agent: &Agent) -> tonic::Status {
         .unwrap_err()
 }
 
-async fn machine_with_agent(db: &Bmdb, key: &[u8]) -> Uuid {
-    let key = key.to_vec();
-    db.transact(move |tx| {
-        let key = key.clone();
-        Box::pin(async move {
-            let id = tx.create_machine().await?;
-            tx.set_agent_started(id, &key).await?;
-            Ok(id)
-        })
-    })
-    .await
-    .unwrap()
-}
-
 async fn heartbeat_of(db: &Bmdb, id: Uuid) -> Option<chrono::DateTime<chrono::Utc>> {
     db.read(move |tx| Box::pin(async move { tx.heartbeat(id).await }))
         .await
@@ -144,10 +113,16 @@ fn beat(id: &str) -> HeartbeatRequest {
     }
 }
 
+/// The installation request a bare heartbeat for `m` is answered with.
+async fn pending(c: &mut AgentCallbackClient<Channel>, m: Uuid) -> Option<OsInstallationRequest> {
+    let answer = c.heartbeat(beat(&m.to_string())).await.unwrap();
+    answer.into_inner().installation_request
+}
+
 async fn agents_are_authorized_by_key(db: Bmdb) {
     let server = start(&db).await;
     let (good, other) = (agent(), agent());
-    let m = machine_with_agent(&db, &good.key).await;
+    let m = testing::machine_with_agent(&db, &good.key).await;
     let mut c = client(&server, Some(&good)).await.unwrap();
 
     let report = AgentHardwareReport {
@@ -180,7 +155,7 @@ async fn agents_are_authorized_by_key(db: Bmdb) {
     );
 
     // Another key for this machine, and any key for an unknown machine: the same answer.
-    let m2 = machine_with_agent(&db, &good.key).await;
+    let m2 = testing::machine_with_agent(&db, &good.key).await;
     let mut wrong = client(&server, Some(&other)).await.unwrap();
     let e1 = wrong.heartbeat(beat(&m2.to_string())).await.unwrap_err();
     let e2 = c
@@ -201,7 +176,7 @@ async fn agents_are_authorized_by_key(db: Bmdb) {
     assert_eq!(e.code(), Code::InvalidArgument);
 
     // An oversized report is refused and nothing is written.
-    let m3 = machine_with_agent(&db, &good.key).await;
+    let m3 = testing::machine_with_agent(&db, &good.key).await;
     let huge = HeartbeatRequest {
         machine_id: m3.to_string(),
         hardware_report: Some(AgentHardwareReport {
@@ -228,13 +203,13 @@ async fn agents_are_authorized_by_key(db: Bmdb) {
         anonymous.is_some(),
         "a client without a certificate got through"
     );
-    server.cancel.cancel();
+    server.bmaas.close().await.unwrap();
 }
 
 async fn installation_requests_until_reported(db: Bmdb) {
     let server = start(&db).await;
     let a = agent();
-    let m = machine_with_agent(&db, &a.key).await;
+    let m = testing::machine_with_agent(&db, &a.key).await;
     let mut c = client(&server, Some(&a)).await.unwrap();
     let request = |generation| OsInstallationRequest {
         generation,
@@ -247,34 +222,11 @@ async fn installation_requests_until_reported(db: Bmdb) {
         )),
     };
     let set = |generation| {
-        let raw = request(generation).encode_to_vec();
-        let db = db.clone();
-        async move {
-            db.transact(move |tx| {
-                let raw = raw.clone();
-                Box::pin(async move {
-                    tx.set_os_installation_request(
-                        m,
-                        &shepherd_bmdb::OsInstallationRequest {
-                            generation,
-                            request_raw: raw,
-                        },
-                    )
-                    .await
-                })
-            })
-            .await
-            .unwrap()
-        }
+        testing::request_installation(&db, m, generation, request(generation).encode_to_vec())
     };
     set(1).await;
     for _ in 0..2 {
-        let resp = c
-            .heartbeat(beat(&m.to_string()))
-            .await
-            .unwrap()
-            .into_inner();
-        assert_eq!(resp.installation_request, Some(request(1)));
+        assert_eq!(pending(&mut c, m).await, Some(request(1)));
     }
     let report = |generation, error: Option<&str>| OsInstallationReport {
         generation,
@@ -298,11 +250,7 @@ async fn installation_requests_until_reported(db: Bmdb) {
         resp.installation_request.is_none(),
         "a reported generation is no longer pending"
     );
-    let stored = db
-        .read(move |tx| Box::pin(async move { tx.os_installation_report(m).await }))
-        .await
-        .unwrap()
-        .unwrap();
+    let stored = testing::installation_report(&db, m).await.unwrap();
     assert_eq!(
         (stored.generation, stored.result),
         (1, InstallationResult::Error)
@@ -310,12 +258,7 @@ async fn installation_requests_until_reported(db: Bmdb) {
 
     // A new generation is pending again; a report without a result is refused.
     set(2).await;
-    let resp = c
-        .heartbeat(beat(&m.to_string()))
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(resp.installation_request, Some(request(2)));
+    assert_eq!(pending(&mut c, m).await, Some(request(2)));
     let e = c
         .heartbeat(HeartbeatRequest {
             machine_id: m.to_string(),
@@ -335,16 +278,12 @@ async fn installation_requests_until_reported(db: Bmdb) {
     })
     .await
     .unwrap();
-    let stored = db
-        .read(move |tx| Box::pin(async move { tx.os_installation_report(m).await }))
-        .await
-        .unwrap()
-        .unwrap();
+    let stored = testing::installation_report(&db, m).await.unwrap();
     assert_eq!(
         (stored.generation, stored.result),
         (2, InstallationResult::Success)
     );
-    server.cancel.cancel();
+    server.bmaas.close().await.unwrap();
 }
 
 shepherd_bmdb::conformance_tests!(

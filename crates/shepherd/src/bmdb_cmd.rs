@@ -41,9 +41,7 @@ pub async fn run(url: &str, command: BmdbCommand) -> Result<()> {
         }
         BmdbCommand::Status => {
             let db = Bmdb::open(url).await?;
-            let counts = db
-                .read(|tx| Box::pin(async move { tx.status_counts().await }))
-                .await?;
+            let counts = db.status_counts().await?;
             print!("{}", render_status(db.target(), &counts));
             db.close().await;
         }

@@ -10,8 +10,7 @@ use anyhow::{bail, Result};
 use clap::Args;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use shepherd_bmdb::{
-    Backoff, Bmdb, OpenOptions, Process, Processor, RecoveryThresholds, SessionConfig,
-    StatusCounts, WorkEvent,
+    Backoff, Bmdb, OpenOptions, Process, RecoveryThresholds, StatusCounts, WorkEvent,
 };
 use shepherd_loops::initializer::InitializerConfig;
 use shepherd_loops::limiter::RateSpec;
@@ -19,9 +18,7 @@ use shepherd_loops::metrics::{CallMetrics, InstrumentedProvider};
 use shepherd_loops::provisioner::ProvisionerConfig;
 use shepherd_loops::reconcile::Limits;
 use shepherd_loops::sim::{RealAgents, SimCounters, SimFleet, SimKnobs};
-use shepherd_server::{
-    dev_certs, load_server_config, serve, BmaasService, ServerLimits, SessionPool,
-};
+use shepherd_server::{LoopbackServer, ServerLimits};
 
 use crate::flags::duration;
 use crate::fleet::{run_loops, shutdown_on_signals, FleetSettings, LoopSettings};
@@ -145,10 +142,7 @@ fn settings(args: &DemoArgs) -> FleetSettings {
         Backoff::exponential(Duration::from_secs(1), Duration::from_secs(10), 1.5);
     FleetSettings {
         provisioner: ProvisionerConfig {
-            limits: Limits {
-                max_machines: 0,
-                chunk_size: 100,
-            },
+            limits: Limits::new(0, 100),
             reconcile_rate: fast(500, 1),
             creation_rate: fast(2, 20),
         },
@@ -238,15 +232,7 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         .prefix("shepherd-demo-")
         .tempdir()?;
     let url = format!("sqlite:{}", dir.path().join("bmdb.sqlite").display());
-    let db = Bmdb::open_with(
-        &url,
-        &OpenOptions {
-            create: true,
-            migrate: true,
-            ..Default::default()
-        },
-    )
-    .await?;
+    let db = Bmdb::open_with(&url, &OpenOptions::migrating(true)).await?;
     eprintln!(
         "shepherd demo: {} simulated machines, BMDB {url}\n  injected: {:.0}% SSH connect failures, {:.0}% garbage agent answers, {:.0}% silent agents (rebooted by the recoverer)",
         args.machines,
@@ -258,15 +244,6 @@ pub async fn run(args: DemoArgs) -> Result<()> {
 
     // The real BMaaS server on loopback TLS; every simulated machine's agent runs the real
     // agent heartbeat code against it.
-    let certs = dev_certs(&dir.path().join("certs"), &["localhost".into()])?;
-    let tls = load_server_config(&certs.cert_pem, &certs.key_pem)?;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let port = listener.local_addr()?.port();
-    let pool = Arc::new(SessionPool::new(
-        db.clone(),
-        SessionConfig::new("bmsrv", Processor::Bmsrv),
-        4,
-    ));
     let mut limits = ServerLimits::for_loopback_fleet(args.machines);
     if !open_files_hold_every_connection(args.machines) {
         // Both ends of every agent's connection live in this process: when the file limit
@@ -274,18 +251,11 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         // interval, so each agent connects for its heartbeat and fewer are open at once.
         limits.idle_timeout = agent_heartbeat_interval(args.machines) / 2;
     }
-    let server = tokio::spawn(serve(
-        listener,
-        Arc::new(tls),
-        BmaasService::new(pool.clone()),
-        limits,
-        cancel.clone(),
-    ));
-    let ca_der = crate::run_cmd::pem_to_der(&std::fs::read_to_string(&certs.ca_pem)?)?;
+    let server = LoopbackServer::start(&db, &dir.path().join("certs"), 4, limits).await?;
     let fleet = Arc::new(
         SimFleet::new(args.machines, knobs)?.with_real_agents(RealAgents {
-            endpoint: format!("localhost:{port}"),
-            ca_der,
+            endpoint: server.endpoint(),
+            ca_der: server.ca_der().to_vec(),
             heartbeat_interval: agent_heartbeat_interval(args.machines),
         }),
     );
@@ -338,9 +308,7 @@ pub async fn run(args: DemoArgs) -> Result<()> {
     let mut bars = Bars::new(args.machines as u64);
     let n = args.machines as i64;
     let converged = loop {
-        let counts = db
-            .read(|tx| Box::pin(async move { tx.status_counts().await }))
-            .await?;
+        let counts = db.status_counts().await?;
         bars.update(&counts, &fleet.counters(), started.elapsed());
         if counts.heartbeating == n && counts.agent_started == n {
             break true;
@@ -363,12 +331,9 @@ pub async fn run(args: DemoArgs) -> Result<()> {
     fleet.stop_agents();
     cancel.cancel();
     loops.await??;
-    server.await??;
-    pool.close().await;
+    server.close().await?;
 
-    let counts = db
-        .read(|tx| Box::pin(async move { tx.status_counts().await }))
-        .await?;
+    let counts = db.status_counts().await?;
     let history = history_counts(&db).await?;
     let sim = fleet.counters();
     let reports = db

@@ -237,39 +237,25 @@ pub fn detail_json(d: &Detail) -> Value {
         Some(Ok(r)) => hardware_json(r),
         Some(Err(e)) => json!({ "error": e }),
     };
-    v["work"] = json!(d
-        .work
-        .iter()
-        .map(|(w, s)| json!({
+    v["work"] = each(&d.work, |(w, s)| {
+        json!({
             "process": w.process.to_string(),
             "session_id": w.session_id.to_string(),
             "session_component": s.as_ref().map(|s| s.component_name.clone()),
-        }))
-        .collect::<Vec<_>>());
-    v["backoffs"] = json!(d
-        .backoffs
-        .iter()
-        .map(|b| json!({
-            "process": b.process.to_string(),
-            "until": b.until.to_rfc3339(),
-            "active": b.until > d.now,
-            "cause": b.cause,
-        }))
-        .collect::<Vec<_>>());
+        })
+    });
+    v["backoffs"] = each(&d.backoffs, |b| {
+        json!({"process": b.process.to_string(), "until": b.until.to_rfc3339(),
+               "active": b.until > d.now, "cause": b.cause})
+    });
     v["recovery"] = json!(d.recovery.as_ref().map(|r| json!({
         "rebooted_at": r.rebooted_at.to_rfc3339(),
         "in_a_row": r.in_a_row,
     })));
-    v["history"] = json!(d
-        .history
-        .iter()
-        .map(|h| json!({
-            "at": h.at.to_rfc3339(),
-            "process": h.process.to_string(),
-            "event": h.event.to_string(),
-            "cause": h.cause,
-        }))
-        .collect::<Vec<_>>());
+    v["history"] = each(&d.history, |h| {
+        json!({"at": h.at.to_rfc3339(), "process": h.process.to_string(),
+               "event": h.event.to_string(), "cause": h.cause})
+    });
     v
 }
 
@@ -298,4 +284,9 @@ pub fn hardware_json(r: &AgentHardwareReport) -> Value {
         })).collect::<Vec<_>>(),
         "warnings": r.warning,
     })
+}
+
+/// A JSON array of `f` applied to each of `items`.
+fn each<T>(items: &[T], f: impl Fn(&T) -> Value) -> Value {
+    Value::Array(items.iter().map(f).collect())
 }

@@ -61,7 +61,7 @@ impl From<StaticKind> for ProviderKind {
     }
 }
 
-/// Settings of `shepherd run` (SPEC §17).
+/// Settings of `shepherd run` (SPEC §17), grouped by the part of Shepherd they steer.
 #[derive(Debug, Clone, Args)]
 pub struct RunArgs {
     /// TOML file whose keys are these flags' names; flags and environment variables win.
@@ -70,6 +70,53 @@ pub struct RunArgs {
     /// Apply pending BMDB migrations at start-up.
     #[arg(long, env = "SHEPHERD_MIGRATE")]
     pub migrate: bool,
+    /// Where machines come from.
+    #[command(flatten)]
+    pub source: SourceArgs,
+    /// The simulated fleet of `--provider sim`.
+    #[command(flatten)]
+    pub sim: SimArgs,
+    /// The provisioner.
+    #[command(flatten)]
+    pub provisioner: ProvisionerArgs,
+    /// The initializer and the agent it starts.
+    #[command(flatten)]
+    pub initializer: InitializerArgs,
+    /// The recoverer.
+    #[command(flatten)]
+    pub recoverer: RecovererArgs,
+    /// How the initializer reaches machines.
+    #[command(flatten)]
+    pub ssh: SshArgs,
+    /// The Equinix Metal provider.
+    #[command(flatten)]
+    pub equinix: EquinixArgs,
+    /// BMCs of a static inventory.
+    #[command(flatten)]
+    pub bmc: BmcArgs,
+    /// Where `/metrics` (Prometheus text format) and the web UI are served; port 0 picks a
+    /// free port.
+    #[arg(
+        long,
+        env = "SHEPHERD_METRICS_LISTEN",
+        default_value = "127.0.0.1:9464"
+    )]
+    pub metrics_listen: std::net::SocketAddr,
+    /// How often the fleet statistics gauges are recomputed from the BMDB.
+    #[arg(long, env = "SHEPHERD_STATS_INTERVAL", default_value = "30s", value_parser = duration)]
+    pub stats_interval: Duration,
+    /// Pace of the updater, which refreshes address, location, status and reservation of every
+    /// machine from one provider listing and marks vanished machines Missing.
+    #[arg(long, env = "SHEPHERD_UPDATER_RATE", default_value = "5m,1")]
+    pub updater_rate: RateSpec,
+    /// BMDB session keep-alive interval.
+    #[arg(long, env = "SHEPHERD_SESSION_INTERVAL", default_value = "5s", value_parser = duration)]
+    pub session_interval: Duration,
+}
+
+/// Where machines come from.
+#[derive(Debug, Clone, Args)]
+pub struct SourceArgs {
     /// Where machines come from.
     #[arg(long, env = "SHEPHERD_PROVIDER", value_enum, default_value = "static")]
     pub provider: ProviderChoice,
@@ -84,6 +131,11 @@ pub struct RunArgs {
         default_value = "static"
     )]
     pub static_provider_type: StaticKind,
+}
+
+/// The simulated fleet of `--provider sim`.
+#[derive(Debug, Clone, Args)]
+pub struct SimArgs {
     /// Sim provider: fleet size.
     #[arg(long, env = "SHEPHERD_SIM_MACHINES", default_value_t = 1000)]
     pub sim_machines: usize,
@@ -102,7 +154,24 @@ pub struct RunArgs {
     /// Sim provider: how often each simulated agent heartbeats (real agents: 30 s).
     #[arg(long, env = "SHEPHERD_SIM_HEARTBEAT_INTERVAL", default_value = "30s", value_parser = duration)]
     pub sim_heartbeat_interval: Duration,
+}
 
+impl SimArgs {
+    fn knobs(&self) -> SimKnobs {
+        SimKnobs {
+            connect_failure: self.sim_connect_failure_rate,
+            bad_agent: self.sim_bad_agent_rate,
+            silent_agent: self.sim_silent_agent_rate,
+            takeover_time: self.sim_takeover_time,
+            heartbeat_interval: self.sim_heartbeat_interval,
+            ..SimKnobs::default()
+        }
+    }
+}
+
+/// The provisioner.
+#[derive(Debug, Clone, Args)]
+pub struct ProvisionerArgs {
     /// Provisioner: most machines to manage (0 = no limit).
     #[arg(long, env = "SHEPHERD_PROVISIONER_MAX_MACHINES", default_value_t = 50)]
     pub provisioner_max_machines: usize,
@@ -123,13 +192,80 @@ pub struct RunArgs {
         default_value = "5s,1"
     )]
     pub provisioner_creation_rate: RateSpec,
+}
 
+impl ProvisionerArgs {
+    fn config(&self) -> Result<ProvisionerConfig> {
+        if self.provisioner_chunk_size == 0 {
+            bail!("provisioner-chunk-size: must be at least 1");
+        }
+        Ok(ProvisionerConfig {
+            limits: Limits::new(self.provisioner_max_machines, self.provisioner_chunk_size),
+            reconcile_rate: self.provisioner_reconcile_rate,
+            creation_rate: self.provisioner_creation_rate,
+        })
+    }
+}
+
+/// The initializer and the agent it starts.
+#[derive(Debug, Clone, Args)]
+pub struct InitializerArgs {
     /// Initializer: parallel workers.
     #[arg(long, env = "SHEPHERD_INITIALIZER_PARALLELISM", default_value_t = 1)]
     pub initializer_parallelism: usize,
     /// Initializer: BMDB query rate, "DURATION,BURST".
     #[arg(long, env = "SHEPHERD_INITIALIZER_DB_RATE", default_value = "250ms,8")]
     pub initializer_db_rate: RateSpec,
+    /// Agent executable uploaded to each machine (not needed with the sim provider).
+    #[arg(long, env = "SHEPHERD_AGENT_EXECUTABLE")]
+    pub agent_executable: Option<PathBuf>,
+    /// Where the agent is put on the machine.
+    #[arg(
+        long,
+        env = "SHEPHERD_AGENT_TARGET_PATH",
+        default_value = "/root/agent"
+    )]
+    pub agent_target_path: String,
+    /// BMaaS endpoint agents heartbeat to (required).
+    #[arg(long, env = "SHEPHERD_AGENT_ENDPOINT")]
+    pub agent_endpoint: Option<String>,
+    /// PEM file of the CA that signs the BMaaS server's certificate.
+    #[arg(long, env = "SHEPHERD_AGENT_CA")]
+    pub agent_ca: Option<PathBuf>,
+}
+
+impl InitializerArgs {
+    /// The initializer's settings, with the agent's bytes and the CA certificate (DER) read.
+    fn config(
+        &self,
+        agent: Vec<u8>,
+        ca: Option<Vec<u8>>,
+        exec_timeout: Duration,
+    ) -> Result<InitializerConfig> {
+        let endpoint = self
+            .agent_endpoint
+            .clone()
+            .filter(|e| !e.trim().is_empty())
+            .context("agent-endpoint: is required (the BMaaS address agents heartbeat to)")?;
+        let mut initializer = InitializerConfig::new(agent, endpoint);
+        initializer.target_path = self.agent_target_path.clone();
+        initializer.ca_certificate = ca;
+        initializer.exec_timeout = exec_timeout;
+        initializer.validate()?;
+        Ok(initializer)
+    }
+
+    fn loop_settings(&self) -> LoopSettings {
+        LoopSettings {
+            parallelism: self.initializer_parallelism.max(1),
+            db_rate: self.initializer_db_rate,
+        }
+    }
+}
+
+/// The recoverer.
+#[derive(Debug, Clone, Args)]
+pub struct RecovererArgs {
     /// Recoverer: parallel workers.
     #[arg(long, env = "SHEPHERD_RECOVERER_PARALLELISM", default_value_t = 1)]
     pub recoverer_parallelism: usize,
@@ -158,24 +294,37 @@ pub struct RunArgs {
     /// heartbeating, until an operator runs `shepherd machines retry` (0: never give up).
     #[arg(long, env = "SHEPHERD_RECOVERY_GIVE_UP_AFTER", default_value_t = 6)]
     pub recovery_give_up_after: u32,
+}
 
-    /// Agent executable uploaded to each machine (not needed with the sim provider).
-    #[arg(long, env = "SHEPHERD_AGENT_EXECUTABLE")]
-    pub agent_executable: Option<PathBuf>,
-    /// Where the agent is put on the machine.
-    #[arg(
-        long,
-        env = "SHEPHERD_AGENT_TARGET_PATH",
-        default_value = "/root/agent"
-    )]
-    pub agent_target_path: String,
-    /// BMaaS endpoint agents heartbeat to (required).
-    #[arg(long, env = "SHEPHERD_AGENT_ENDPOINT")]
-    pub agent_endpoint: Option<String>,
-    /// PEM file of the CA that signs the BMaaS server's certificate.
-    #[arg(long, env = "SHEPHERD_AGENT_CA")]
-    pub agent_ca: Option<PathBuf>,
+impl RecovererArgs {
+    fn brake(&self) -> Result<BrakeConfig> {
+        let brake = BrakeConfig {
+            max_silent_share: self.recovery_brake_share,
+            min_silent: self.recovery_brake_min_silent,
+            interval: self.recovery_brake_interval,
+        };
+        brake.validate()?;
+        Ok(brake)
+    }
 
+    fn repeat(&self) -> Result<RepeatPolicy> {
+        let repeat =
+            RepeatPolicy::doubling_from(self.recovery_repeat_backoff, self.recovery_give_up_after);
+        repeat.validate()?;
+        Ok(repeat)
+    }
+
+    fn loop_settings(&self) -> LoopSettings {
+        LoopSettings {
+            parallelism: self.recoverer_parallelism.max(1),
+            db_rate: self.recoverer_db_rate,
+        }
+    }
+}
+
+/// How the initializer reaches machines.
+#[derive(Debug, Clone, Args)]
+pub struct SshArgs {
     /// SSH: connect (TCP + handshake + auth) timeout.
     #[arg(long, env = "SHEPHERD_SSH_CONNECT_TIMEOUT", default_value = "2s", value_parser = duration)]
     pub ssh_connect_timeout: Duration,
@@ -194,158 +343,11 @@ pub struct RunArgs {
     /// SSH: most handshakes in flight at once.
     #[arg(long, env = "SHEPHERD_SSH_MAX_HANDSHAKES", default_value_t = 8)]
     pub ssh_max_handshakes: usize,
-
-    /// Where `/metrics` (Prometheus text format) and the web UI are served; port 0 picks a
-    /// free port.
-    #[arg(
-        long,
-        env = "SHEPHERD_METRICS_LISTEN",
-        default_value = "127.0.0.1:9464"
-    )]
-    pub metrics_listen: std::net::SocketAddr,
-
-    /// How often the fleet statistics gauges are recomputed from the BMDB.
-    #[arg(long, env = "SHEPHERD_STATS_INTERVAL", default_value = "30s", value_parser = duration)]
-    pub stats_interval: Duration,
-
-    /// Pace of the updater, which refreshes address, location, status and reservation of every
-    /// machine from one provider listing and marks vanished machines Missing.
-    #[arg(long, env = "SHEPHERD_UPDATER_RATE", default_value = "5m,1")]
-    pub updater_rate: RateSpec,
-
-    /// Static provider: timeout of each request to a machine's BMC (Redfish).
-    #[arg(long, env = "SHEPHERD_BMC_TIMEOUT", default_value = "30s", value_parser = duration)]
-    pub bmc_timeout: Duration,
-
-    /// Static provider: how long the recoverer waits after a BMC power-cycle.
-    #[arg(long, env = "SHEPHERD_BMC_REBOOT_WAIT", default_value = "30s", value_parser = duration)]
-    pub bmc_reboot_wait: Duration,
-
-    /// Equinix Metal: API base URL.
-    #[arg(
-        long,
-        env = "SHEPHERD_EQUINIX_API_URL",
-        default_value = "https://api.equinix.com/metal/v1"
-    )]
-    pub equinix_api_url: String,
-
-    /// Equinix Metal: API token (prefer the environment variable; never logged).
-    #[arg(long, env = "SHEPHERD_EQUINIX_API_TOKEN", hide_env_values = true)]
-    pub equinix_api_token: Option<String>,
-
-    /// Equinix Metal: project id.
-    #[arg(long, env = "SHEPHERD_EQUINIX_PROJECT_ID")]
-    pub equinix_project_id: Option<String>,
-
-    /// Equinix Metal: hostname prefix of devices Shepherd owns.
-    #[arg(
-        long,
-        env = "SHEPHERD_EQUINIX_DEVICE_PREFIX",
-        default_value = "shepherd-"
-    )]
-    pub equinix_device_prefix: String,
-
-    /// Equinix Metal: operating system of new devices.
-    #[arg(long, env = "SHEPHERD_EQUINIX_OS", default_value = "ubuntu_20_04")]
-    pub equinix_os: String,
-
-    /// Equinix Metal: label of the project SSH key Shepherd keeps up to date.
-    #[arg(
-        long,
-        env = "SHEPHERD_EQUINIX_SSH_KEY_LABEL",
-        default_value = "shepherd"
-    )]
-    pub equinix_ssh_key_label: String,
-
-    /// Equinix Metal: how long a hardware reservation listing is reused.
-    #[arg(long, env = "SHEPHERD_EQUINIX_RESERVATION_CACHE", default_value = "5m", value_parser = duration)]
-    pub equinix_reservation_cache: Duration,
-
-    /// Equinix Metal: how long the recoverer waits after asking for a reboot.
-    #[arg(long, env = "SHEPHERD_EQUINIX_REBOOT_WAIT", default_value = "30s", value_parser = duration)]
-    pub equinix_reboot_wait: Duration,
-
-    /// BMDB session keep-alive interval.
-    #[arg(long, env = "SHEPHERD_SESSION_INTERVAL", default_value = "5s", value_parser = duration)]
-    pub session_interval: Duration,
 }
 
-impl RunArgs {
-    /// Checks and converts everything that does not need I/O; the message names the setting.
-    pub fn settings(&self, agent: Vec<u8>, ca: Option<Vec<u8>>) -> Result<FleetSettings> {
-        let endpoint = self
-            .agent_endpoint
-            .clone()
-            .filter(|e| !e.trim().is_empty())
-            .context("agent-endpoint: is required (the BMaaS address agents heartbeat to)")?;
-        for (name, d) in [
-            ("ssh-connect-timeout", self.ssh_connect_timeout),
-            ("ssh-exec-timeout", self.ssh_exec_timeout),
-            ("session-interval", self.session_interval),
-        ] {
-            if d.is_zero() {
-                bail!("{name}: must be more than zero");
-            }
-        }
-        if self.provisioner_chunk_size == 0 {
-            bail!("provisioner-chunk-size: must be at least 1");
-        }
-        let mut initializer = InitializerConfig::new(agent, endpoint);
-        initializer.target_path = self.agent_target_path.clone();
-        initializer.ca_certificate = ca;
-        initializer.exec_timeout = self.ssh_exec_timeout;
-        initializer.validate()?;
-        let recovery_brake = BrakeConfig {
-            max_silent_share: self.recovery_brake_share,
-            min_silent: self.recovery_brake_min_silent,
-            interval: self.recovery_brake_interval,
-        };
-        recovery_brake.validate()?;
-        let recovery_repeat =
-            RepeatPolicy::doubling_from(self.recovery_repeat_backoff, self.recovery_give_up_after);
-        recovery_repeat.validate()?;
-        Ok(FleetSettings {
-            provisioner: ProvisionerConfig {
-                limits: Limits {
-                    max_machines: self.provisioner_max_machines,
-                    chunk_size: self.provisioner_chunk_size,
-                },
-                reconcile_rate: self.provisioner_reconcile_rate,
-                creation_rate: self.provisioner_creation_rate,
-            },
-            initializer,
-            initializer_loop: LoopSettings {
-                parallelism: self.initializer_parallelism.max(1),
-                db_rate: self.initializer_db_rate,
-            },
-            recoverer_loop: LoopSettings {
-                parallelism: self.recoverer_parallelism.max(1),
-                db_rate: self.recoverer_db_rate,
-            },
-            recovery: self.thresholds.thresholds(),
-            recoverer_backoff: failed_reboot_backoff(),
-            recovery_brake,
-            recovery_brake_metrics: BrakeMetrics::default(),
-            recovery_repeat,
-            recoverer_metrics: RecovererMetrics::default(),
-            updater_rate: self.updater_rate,
-            session_interval: self.session_interval,
-        })
-    }
-
-    fn sim_knobs(&self) -> SimKnobs {
-        SimKnobs {
-            connect_failure: self.sim_connect_failure_rate,
-            bad_agent: self.sim_bad_agent_rate,
-            silent_agent: self.sim_silent_agent_rate,
-            takeover_time: self.sim_takeover_time,
-            heartbeat_interval: self.sim_heartbeat_interval,
-            ..SimKnobs::default()
-        }
-    }
-
+impl SshArgs {
     /// The SSH client, and the public key line of its key (if it uses one).
-    fn ssh_client(&self) -> Result<(SshClient, Option<String>)> {
+    fn client(&self) -> Result<(SshClient, Option<String>)> {
         let mut public = None;
         let auth = match (&self.ssh_key, &self.ssh_password) {
             (Some(path), _) => {
@@ -364,9 +366,52 @@ impl RunArgs {
         config.max_handshakes = self.ssh_max_handshakes.max(1);
         Ok((SshClient::new(config), public))
     }
+}
 
+/// The Equinix Metal provider.
+#[derive(Debug, Clone, Args)]
+pub struct EquinixArgs {
+    /// Equinix Metal: API base URL.
+    #[arg(
+        long,
+        env = "SHEPHERD_EQUINIX_API_URL",
+        default_value = "https://api.equinix.com/metal/v1"
+    )]
+    pub equinix_api_url: String,
+    /// Equinix Metal: API token (prefer the environment variable; never logged).
+    #[arg(long, env = "SHEPHERD_EQUINIX_API_TOKEN", hide_env_values = true)]
+    pub equinix_api_token: Option<String>,
+    /// Equinix Metal: project id.
+    #[arg(long, env = "SHEPHERD_EQUINIX_PROJECT_ID")]
+    pub equinix_project_id: Option<String>,
+    /// Equinix Metal: hostname prefix of devices Shepherd owns.
+    #[arg(
+        long,
+        env = "SHEPHERD_EQUINIX_DEVICE_PREFIX",
+        default_value = "shepherd-"
+    )]
+    pub equinix_device_prefix: String,
+    /// Equinix Metal: operating system of new devices.
+    #[arg(long, env = "SHEPHERD_EQUINIX_OS", default_value = "ubuntu_20_04")]
+    pub equinix_os: String,
+    /// Equinix Metal: label of the project SSH key Shepherd keeps up to date.
+    #[arg(
+        long,
+        env = "SHEPHERD_EQUINIX_SSH_KEY_LABEL",
+        default_value = "shepherd"
+    )]
+    pub equinix_ssh_key_label: String,
+    /// Equinix Metal: how long a hardware reservation listing is reused.
+    #[arg(long, env = "SHEPHERD_EQUINIX_RESERVATION_CACHE", default_value = "5m", value_parser = duration)]
+    pub equinix_reservation_cache: Duration,
+    /// Equinix Metal: how long the recoverer waits after asking for a reboot.
+    #[arg(long, env = "SHEPHERD_EQUINIX_REBOOT_WAIT", default_value = "30s", value_parser = duration)]
+    pub equinix_reboot_wait: Duration,
+}
+
+impl EquinixArgs {
     /// The Equinix client and provider settings (the SSH public key becomes the project key).
-    fn equinix(
+    fn client(
         &self,
         public_key: Option<String>,
         metrics: Arc<CallMetrics>,
@@ -400,6 +445,48 @@ impl RunArgs {
     }
 }
 
+/// BMCs of a static inventory.
+#[derive(Debug, Clone, Args)]
+pub struct BmcArgs {
+    /// Static provider: timeout of each request to a machine's BMC (Redfish).
+    #[arg(long, env = "SHEPHERD_BMC_TIMEOUT", default_value = "30s", value_parser = duration)]
+    pub bmc_timeout: Duration,
+    /// Static provider: how long the recoverer waits after a BMC power-cycle.
+    #[arg(long, env = "SHEPHERD_BMC_REBOOT_WAIT", default_value = "30s", value_parser = duration)]
+    pub bmc_reboot_wait: Duration,
+}
+
+impl RunArgs {
+    /// Checks and converts everything that does not need I/O; the message names the setting.
+    pub fn settings(&self, agent: Vec<u8>, ca: Option<Vec<u8>>) -> Result<FleetSettings> {
+        for (name, d) in [
+            ("ssh-connect-timeout", self.ssh.ssh_connect_timeout),
+            ("ssh-exec-timeout", self.ssh.ssh_exec_timeout),
+            ("session-interval", self.session_interval),
+        ] {
+            if d.is_zero() {
+                bail!("{name}: must be more than zero");
+            }
+        }
+        Ok(FleetSettings {
+            provisioner: self.provisioner.config()?,
+            initializer: self
+                .initializer
+                .config(agent, ca, self.ssh.ssh_exec_timeout)?,
+            initializer_loop: self.initializer.loop_settings(),
+            recoverer_loop: self.recoverer.loop_settings(),
+            recovery: self.recoverer.thresholds.thresholds(),
+            recoverer_backoff: failed_reboot_backoff(),
+            recovery_brake: self.recoverer.brake()?,
+            recovery_brake_metrics: BrakeMetrics::default(),
+            recovery_repeat: self.recoverer.repeat()?,
+            recoverer_metrics: RecovererMetrics::default(),
+            updater_rate: self.updater_rate,
+            session_interval: self.session_interval,
+        })
+    }
+}
+
 fn read_ca(path: &PathBuf) -> Result<Vec<u8>> {
     let pem =
         std::fs::read_to_string(path).with_context(|| format!("agent-ca: {}", path.display()))?;
@@ -425,8 +512,13 @@ enum Chosen {
 
 /// Runs `shepherd run` until SIGINT/SIGTERM.
 pub async fn run(database: &str, args: RunArgs) -> Result<()> {
-    let ca = args.agent_ca.as_ref().map(read_ca).transpose()?;
-    let agent = match (&args.agent_executable, args.provider) {
+    let ca = args
+        .initializer
+        .agent_ca
+        .as_ref()
+        .map(read_ca)
+        .transpose()?;
+    let agent = match (&args.initializer.agent_executable, args.source.provider) {
         (Some(path), _) => {
             std::fs::read(path).with_context(|| format!("agent-executable: {}", path.display()))?
         }
@@ -439,18 +531,19 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
     let ssh_metrics = Arc::new(CallMetrics::default());
     let equinix_metrics = Arc::new(CallMetrics::default());
     // Everything that can be checked without the database is checked before connecting.
-    let chosen = match args.provider {
+    let chosen = match args.source.provider {
         ProviderChoice::Static => {
             let url = args
+                .source
                 .static_inventory
                 .as_deref()
                 .context("static-inventory: is required with --provider static")?;
             let provider = Arc::new(
-                StaticProvider::new(url, args.static_provider_type.into())
+                StaticProvider::new(url, args.source.static_provider_type.into())
                     .context("static-inventory")?
-                    .with_bmc_timing(args.bmc_timeout, args.bmc_reboot_wait),
+                    .with_bmc_timing(args.bmc.bmc_timeout, args.bmc.bmc_reboot_wait),
             );
-            let (ssh, _) = args.ssh_client()?;
+            let (ssh, _) = args.ssh.client()?;
             // A broken inventory is a start-up error: nothing is written, no loop starts.
             let inventory = provider.load_at_start().await.context("static-inventory")?;
             if !inventory.has_bmcs() {
@@ -463,8 +556,8 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
             Chosen::Static(provider, transport)
         }
         ProviderChoice::Equinix => {
-            let (ssh, public_key) = args.ssh_client()?;
-            let (client, config) = args.equinix(public_key, equinix_metrics.clone())?;
+            let (ssh, public_key) = args.ssh.client()?;
+            let (client, config) = args.equinix.client(public_key, equinix_metrics.clone())?;
             let provider = Arc::new(
                 EquinixProvider::connect(client, config)
                     .await
@@ -475,19 +568,11 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
             Chosen::Equinix(provider, transport)
         }
         ProviderChoice::Sim => Chosen::Sim(Arc::new(SimFleet::new(
-            args.sim_machines,
-            args.sim_knobs(),
+            args.sim.sim_machines,
+            args.sim.knobs(),
         )?)),
     };
-    let db = Bmdb::open_with(
-        database,
-        &OpenOptions {
-            create: args.migrate,
-            migrate: args.migrate,
-            ..Default::default()
-        },
-    )
-    .await?;
+    let db = Bmdb::open_with(database, &OpenOptions::migrating(args.migrate)).await?;
     let cancel = shutdown_on_signals();
     let mut registry = crate::metrics_http::registry_with_fleet_stats(
         &db,

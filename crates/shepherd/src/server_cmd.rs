@@ -144,15 +144,7 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
         (None, None, None) => bail!("tls-cert and tls-key (or dev-certs) are required"),
         _ => bail!("give either tls-cert and tls-key, or dev-certs"),
     };
-    let db = Bmdb::open_with(
-        database,
-        &OpenOptions {
-            create: args.migrate,
-            migrate: args.migrate,
-            ..Default::default()
-        },
-    )
-    .await?;
+    let db = Bmdb::open_with(database, &OpenOptions::migrating(args.migrate)).await?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listen: {}", args.listen))?;

@@ -325,13 +325,17 @@ fn fleet_counts(c: &FleetCounts) -> Markup {
     }
 }
 
+/// The id in a page's path; a bad one is a bad request that names what it should have been.
+fn parse_id(id: &str, what: &str) -> Result<Uuid, PageError> {
+    id.parse()
+        .map_err(|e| bad_request(format!("{id:?} is not a {what} id: {e}")))
+}
+
 async fn machine(
     State(ui): State<Arc<Ui>>,
     Path(id): Path<String>,
 ) -> Result<Html<String>, PageError> {
-    let id: Uuid = id
-        .parse()
-        .map_err(|e| bad_request(format!("{id:?} is not a machine id: {e}")))?;
+    let id = parse_id(&id, "machine")?;
     let Some(d) = inventory::detail(&ui.db, id, ui.stale_after).await? else {
         return Err(not_found(format!("machine {id} does not exist")));
     };
@@ -470,9 +474,7 @@ async fn session(
     State(ui): State<Arc<Ui>>,
     Path(id): Path<String>,
 ) -> Result<Html<String>, PageError> {
-    let id: Uuid = id
-        .parse()
-        .map_err(|e| bad_request(format!("{id:?} is not a session id: {e}")))?;
+    let id = parse_id(&id, "session")?;
     let (info, work, now) = ui
         .db
         .read(move |tx| {

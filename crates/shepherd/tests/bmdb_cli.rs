@@ -71,33 +71,22 @@ fn bad_urls_fail_clearly_and_create_nothing() {
             assert!(!err.contains("hunter2"), "password leaked: {err}");
         }
     }
-    // Status on a missing SQLite file explains itself and does not create the file.
-    let path = dir.path().join("absent.db");
-    let o = shepherd(
-        &[
-            "bmdb",
-            "status",
-            "--database",
-            &format!("sqlite:{}", path.display()),
-        ],
-        None,
+    // Status on a missing SQLite file explains itself and does not create the file; migrate
+    // into a directory that does not exist fails without creating it.
+    let (absent, deep) = (
+        dir.path().join("absent.db"),
+        dir.path().join("no/such/dir/x.db"),
     );
-    assert!(!o.status.success());
-    assert!(text(&o).1.contains("does not exist"), "{:?}", text(&o));
-    assert!(!path.exists());
-    // Migrate into a directory that does not exist fails without creating it.
-    let deep = dir.path().join("no/such/dir/x.db");
-    let o = shepherd(
-        &[
-            "bmdb",
-            "migrate",
-            "--database",
-            &format!("sqlite:{}", deep.display()),
-        ],
-        None,
-    );
-    assert!(!o.status.success());
-    assert!(text(&o).1.contains("cannot connect"), "{:?}", text(&o));
+    for (cmd, file, want) in [
+        ("status", &absent, "does not exist"),
+        ("migrate", &deep, "cannot connect"),
+    ] {
+        let url = format!("sqlite:{}", file.display());
+        let o = shepherd(&["bmdb", cmd, "--database", &url], None);
+        assert!(!o.status.success());
+        assert!(text(&o).1.contains(want), "{cmd}: {:?}", text(&o));
+    }
+    assert!(!absent.exists());
     assert!(!dir.path().join("no").exists());
 }
 
@@ -173,19 +162,7 @@ async fn dump(url: &str) -> (Vec<i64>, Vec<String>) {
     }
 }
 
-#[tokio::test]
-async fn newer_schema_is_refused_on_sqlite() {
-    let dir = tempfile::tempdir().unwrap();
-    newer_schema_is_refused(&format!("sqlite:{}", dir.path().join("n.db").display())).await;
-}
-
-#[tokio::test]
-async fn newer_schema_is_refused_on_postgres() {
-    let Some(url) = testing::fresh_postgres_database().await else {
-        return;
-    };
-    newer_schema_is_refused(&url).await;
-}
+shepherd_bmdb::url_conformance_tests!(newer_schema_is_refused);
 
 #[tokio::test]
 async fn status_reports_counts_on_postgres() {

@@ -12,7 +12,7 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{announced_all, sample, shepherd, ChildGuard, TestAgent};
+use common::{announced_all, sample, ChildGuard, TestAgent};
 use shepherd_bmdb::Bmdb;
 use shepherd_proto::bmaas::HeartbeatRequest;
 use tokio::io::AsyncReadExt;
@@ -83,11 +83,7 @@ async fn one_hostile_peer_cannot_lock_agents_out() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite:{}", dir.path().join("bmdb.sqlite").display());
     let mut server = ChildGuard(Some(
-        shepherd()
-            .args(["server", "--migrate", "--database", &url])
-            .args(["--listen", "127.0.0.1:0"])
-            .arg("--dev-certs")
-            .arg(dir.path().join("certs"))
+        common::server(&url, dir.path())
             .args(["--handshake-timeout", "5s"])
             .args(["--max-pending-handshakes-per-peer", "16"])
             .args(["--unauthenticated-timeout", "20s"])

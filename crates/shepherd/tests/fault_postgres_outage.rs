@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::private_postgres::PrivatePostgres;
-use common::{announced_all, history, shepherd, sim_run, ChildGuard, TestAgent};
+use common::{announced_all, history, sim_run, ChildGuard, TestAgent};
 use shepherd_bmdb::{Bmdb, Process};
 use shepherd_proto::bmaas::HeartbeatRequest;
 use tokio_util::sync::CancellationToken;
@@ -52,7 +52,7 @@ async fn agent(
 }
 
 async fn agent_started(db: &Bmdb) -> i64 {
-    db.read(|tx| Box::pin(async move { tx.status_counts().await }))
+    db.status_counts()
         .await
         .map(|c| c.agent_started)
         .unwrap_or(-1)
@@ -65,11 +65,7 @@ async fn run_and_server_ride_out_a_postgres_outage() {
     let dir = tempfile::tempdir().unwrap();
     let server_log = dir.path().join("server.log");
     let mut server = ChildGuard(Some(
-        shepherd()
-            .args(["server", "--migrate", "--database", &url])
-            .args(["--listen", "127.0.0.1:0"])
-            .arg("--dev-certs")
-            .arg(dir.path().join("certs"))
+        common::server(&url, dir.path())
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&server_log).unwrap())
             .spawn()
@@ -182,11 +178,7 @@ async fn run_and_server_ride_out_a_postgres_outage() {
         finished.values().all(|&n| n == 1),
         "a machine was taken over twice"
     );
-    let provided = db
-        .read(|tx| Box::pin(async move { tx.status_counts().await }))
-        .await
-        .unwrap()
-        .provided;
+    let provided = db.status_counts().await.unwrap().provided;
     assert_eq!(provided, SIM_MACHINES);
 
     for (name, p) in [("run", run), ("server", server)] {

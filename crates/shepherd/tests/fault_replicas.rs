@@ -18,9 +18,7 @@ use uuid::Uuid;
 const SESSION_INTERVAL: Duration = Duration::from_secs(2);
 
 async fn counts(db: &Bmdb) -> StatusCounts {
-    db.read(|tx| Box::pin(async move { tx.status_counts().await }))
-        .await
-        .unwrap()
+    db.status_counts().await.unwrap()
 }
 
 /// Sessions of the process with this pid.
@@ -46,18 +44,6 @@ async fn work_of(db: &Bmdb, sessions: &HashSet<Uuid>) -> usize {
             .len();
     }
     n
-}
-
-async fn wait_for<F, Fut>(what: &str, within: Duration, mut done: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + within;
-    while !done().await {
-        assert!(Instant::now() < deadline, "{what}: not within {within:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// Static-provider replicas over real sshds, one per machine, whose test agent takes
@@ -118,27 +104,19 @@ impl SshFleet {
                 "--ssh-user",
                 &std::env::var("USER").unwrap_or_else(|_| "root".into()),
             ])
+            .args(["--agent-endpoint", "bmaas.test:443"])
             .args([
-                "--agent-endpoint",
-                "bmaas.test:443",
                 "--provisioner-max-machines",
                 "0",
-            ])
-            .args(["--provisioner-reconcile-rate", "200ms,1"])
-            .args([
-                "--provisioner-creation-rate",
-                "1ms,100",
                 "--provisioner-chunk-size",
                 "100",
             ])
+            .args(["--provisioner-reconcile-rate", "200ms,1"])
+            .args(["--provisioner-creation-rate", "1ms,100"])
             // One worker per replica: every "machine" here shares this host's filesystem, so
             // two workers of one replica would upload to one path at once.
-            .args([
-                "--initializer-parallelism",
-                "1",
-                "--initializer-db-rate",
-                "1ms,8",
-            ])
+            .args(["--initializer-parallelism", "1"])
+            .args(["--initializer-db-rate", "1ms,8"])
             .args(["--ssh-connect-timeout", "10s", "--session-interval", "2s"])
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(self.dir.path().join(format!("{name}.log"))).unwrap())
@@ -155,17 +133,11 @@ impl SshFleet {
 }
 
 async fn open_when_migrated(url: &str) -> Bmdb {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Ok(db) = Bmdb::open(url).await {
-            return db;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "shepherd run never migrated the BMDB"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let migrated = "shepherd run to migrate the BMDB";
+    testing::eventually(migrated, Duration::from_secs(30), async || {
+        Bmdb::open(url).await
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -181,19 +153,19 @@ async fn kill_9_of_one_replica_loses_and_duplicates_nothing() {
     let (a_pid, b_pid) = (a.child().id(), b.child().id());
     // Both replicas work; a holds machines when it dies.
     let mut a_sessions = HashSet::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        a_sessions.extend(sessions_of(&db, a_pid).await);
-        if work_of(&db, &a_sessions).await >= 1 && !sessions_of(&db, b_pid).await.is_empty() {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "replica a never held work: {}",
-            fleet.log("a")
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    testing::eventually(
+        "replica a to hold work",
+        Duration::from_secs(30),
+        async || {
+            a_sessions.extend(sessions_of(&db, a_pid).await);
+            if work_of(&db, &a_sessions).await >= 1 && !sessions_of(&db, b_pid).await.is_empty() {
+                Ok(())
+            } else {
+                Err(fleet.log("a"))
+            }
+        },
+    )
+    .await;
     a_sessions.extend(sessions_of(&db, a_pid).await);
     signal(a.child(), "KILL");
     let killed = Instant::now();
@@ -201,30 +173,25 @@ async fn kill_9_of_one_replica_loses_and_duplicates_nothing() {
 
     // Its sessions expire after at most one interval; the survivor's keep-alive collects
     // them (every half interval). Margin for a busy CI machine.
-    wait_for(
-        "the killed replica's locks are freed",
-        SESSION_INTERVAL * 2 + Duration::from_secs(8),
-        || {
-            let (db, a_sessions) = (db.clone(), a_sessions.clone());
-            async move { work_of(&db, &a_sessions).await == 0 }
-        },
-    )
+    let within = SESSION_INTERVAL * 2 + Duration::from_secs(8);
+    let freed = "the killed replica's locks to be freed";
+    testing::eventually(freed, within, async || {
+        let held = work_of(&db, &a_sessions).await;
+        testing::when(held == 0, held)
+    })
     .await;
     let freed_after = killed.elapsed();
 
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
+    let every_machine = "the survivor to finish every machine";
+    testing::eventually(every_machine, Duration::from_secs(90), async || {
         let c = counts(&db).await;
         if c.agent_started == MACHINES as i64 {
-            break;
+            Ok(())
+        } else {
+            Err((c, fleet.log("b")))
         }
-        assert!(
-            Instant::now() < deadline,
-            "the survivor did not finish every machine: {c:?}\n{}",
-            fleet.log("b")
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    })
+    .await;
     let out = b.terminate();
     assert!(out.status.success(), "survivor exit: {}", out.status);
 
@@ -263,9 +230,9 @@ async fn sigterm_mid_work_leaves_nothing(url: &str) {
             .unwrap(),
     ));
     let db = open_when_migrated(url).await;
-    wait_for("takeovers in flight", Duration::from_secs(30), || {
-        let db = db.clone();
-        async move { counts(&db).await.work.iter().map(|(_, n)| *n).sum::<i64>() >= 2 }
+    testing::eventually("takeovers in flight", Duration::from_secs(30), async || {
+        let held = counts(&db).await.work.iter().map(|(_, n)| *n).sum::<i64>();
+        testing::when(held >= 2, held)
     })
     .await;
     signal(run.child(), "TERM");
@@ -296,17 +263,4 @@ async fn sigterm_mid_work_leaves_nothing(url: &str) {
     db.close().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_mid_work_on_sqlite() {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite:{}", dir.path().join("s.db").display());
-    sigterm_mid_work_leaves_nothing(&url).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_mid_work_on_postgres() {
-    let Some(url) = testing::fresh_postgres_database().await else {
-        return;
-    };
-    sigterm_mid_work_leaves_nothing(&url).await;
-}
+shepherd_bmdb::url_conformance_tests!(sigterm_mid_work_leaves_nothing);

@@ -1,6 +1,8 @@
 //! `shepherd machines list/show/history` and `shepherd sessions list` over a BMDB seeded with a
 //! machine in every lifecycle state.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::process::{Command, Output};
 
@@ -42,6 +44,21 @@ async fn seed(
         seeded,
         session,
     )
+}
+
+/// A fresh BMDB seeded with one machine per state; returns it, the machine in backoff and the
+/// session kept alive for the in-work machine.
+async fn seeded_in_backoff() -> (testing::TestDb, Uuid, Session) {
+    let t = testing::sqlite().await;
+    let (_, seeded, session) = seed(&t.db).await;
+    let m = seeded.iter().find(|m| m.state == Lifecycle::InBackoff);
+    (t, m.unwrap().id, session)
+}
+
+/// Closes the seeding session and removes the database.
+async fn done(session: Session, t: testing::TestDb) {
+    session.close().await.unwrap();
+    t.cleanup().await;
 }
 
 /// Replaces what differs between runs (machine and session ids, times) with stable
@@ -206,8 +223,7 @@ async fn machines_are_listed_filtered_and_shown() {
         text.contains(&session.id().to_string()) && text.contains("live"),
         "{text}"
     );
-    session.close().await.unwrap();
-    t.cleanup().await;
+    done(session, t).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -288,12 +304,7 @@ async fn install_requests_bump_the_generation_and_bad_ones_are_refused() {
         ),
     ] {
         let out = install(heartbeating, args.0, args.1, args.2);
-        assert!(!out.status.success());
-        assert!(
-            String::from_utf8_lossy(&out.stderr).contains(err),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        common::refused(&out, err);
     }
     let missing = install(Uuid::new_v4(), "https://x/os.img", &sha, "/dev/sda");
     assert!(String::from_utf8_lossy(&missing.stderr).contains("does not exist"));
@@ -305,20 +316,13 @@ async fn install_requests_bump_the_generation_and_bad_ones_are_refused() {
         shown["installation_request"]["generation"], 2,
         "refused requests change nothing"
     );
-    session.close().await.unwrap();
-    t.cleanup().await;
+    done(session, t).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retry_clears_backoffs_so_the_loops_take_the_machine_again() {
-    let t = testing::sqlite().await;
+    let (t, m, session) = seeded_in_backoff().await;
     let url = t.url.clone();
-    let (_, seeded, session) = seed(&t.db).await;
-    let m = seeded
-        .iter()
-        .find(|m| m.state == Lifecycle::InBackoff)
-        .unwrap()
-        .id;
     // A second backoff, as the recoverer leaves one when it gives up on a machine.
     t.db.transact(move |tx| {
         Box::pin(async move {
@@ -396,27 +400,15 @@ async fn retry_clears_backoffs_so_the_loops_take_the_machine_again() {
         full.extend(args);
         let full: Vec<&str> = full.iter().map(String::as_str).collect();
         let out = shepherd(&url, &full);
-        assert!(!out.status.success(), "{full:?}");
-        assert!(
-            String::from_utf8_lossy(&out.stderr).contains(err),
-            "{full:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        common::refused(&out, err);
     }
-    session.close().await.unwrap();
-    t.cleanup().await;
+    done(session, t).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forget_host_key_drops_the_pin_and_ends_the_takeover_backoff() {
-    let t = testing::sqlite().await;
+    let (t, m, session) = seeded_in_backoff().await;
     let url = t.url.clone();
-    let (_, seeded, session) = seed(&t.db).await;
-    let m = seeded
-        .iter()
-        .find(|m| m.state == Lifecycle::InBackoff)
-        .unwrap()
-        .id;
     t.db.transact(move |tx| {
         Box::pin(async move {
             tx.pin_ssh_host_key(m, "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOld old")
@@ -461,6 +453,5 @@ async fn forget_host_key_drops_the_pin_and_ends_the_takeover_backoff() {
     );
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("does not exist"));
-    session.close().await.unwrap();
-    t.cleanup().await;
+    done(session, t).await;
 }

@@ -5,10 +5,10 @@
 mod common;
 
 use std::collections::HashMap;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{announced, shepherd};
+use common::{announced, shepherd, signal};
 use shepherd_bmdb::{testing, Bmdb, Process, StatusCounts, WorkEvent};
 
 const MACHINES: usize = 1000;
@@ -71,24 +71,13 @@ fn get(samples: &Samples, name: &str, labels: &[(&str, &str)]) -> f64 {
 }
 
 async fn counts(db: &Bmdb) -> StatusCounts {
-    db.read(|tx| Box::pin(async move { tx.status_counts().await }))
-        .await
-        .unwrap()
+    db.status_counts().await.unwrap()
 }
 
 async fn history_counts(db: &Bmdb) -> HashMap<(Process, WorkEvent), f64> {
     let mut out = HashMap::new();
-    let mut after = 0;
-    loop {
-        let page = db
-            .read(move |tx| Box::pin(async move { tx.history_after(after, 5000).await }))
-            .await
-            .unwrap();
-        let Some(last) = page.last() else { break };
-        after = last.id;
-        for h in page {
-            *out.entry((h.process, h.event)).or_insert(0.0) += 1.0;
-        }
+    for h in testing::all_history(db).await {
+        *out.entry((h.process, h.event)).or_insert(0.0) += 1.0;
     }
     out
 }
@@ -262,12 +251,7 @@ async fn metrics_match_the_work_history() {
     let heartbeating = get(&samples, "shepherd_fleet_machines_heartbeating", &[]);
     assert!(heartbeating <= settled.agent_started as f64);
 
-    let pid = child.id().to_string();
-    assert!(Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap()
-        .success());
+    signal(&child, "TERM");
     assert!(child.wait().unwrap().success());
     t.cleanup().await;
 }

@@ -80,74 +80,6 @@ fn kill_agent(path: &str) {
         .status();
 }
 
-/// The BMaaS server on one loopback port, which can be stopped and started again there.
-struct Server {
-    port: u16,
-    certs: DevCerts,
-    ca_der: Vec<u8>,
-    pool: Arc<SessionPool>,
-    running: Option<(
-        CancellationToken,
-        tokio::task::JoinHandle<anyhow::Result<()>>,
-    )>,
-}
-
-impl Server {
-    async fn start(db: &Bmdb, dir: &std::path::Path) -> Server {
-        let certs = dev_certs(&dir.join("certs"), &["localhost".into()]).unwrap();
-        let ca_der = rustls_pemfile_der(&std::fs::read_to_string(&certs.ca_pem).unwrap());
-        let pool = Arc::new(SessionPool::new(
-            db.clone(),
-            SessionConfig::new("bmsrv", Processor::Bmsrv),
-            2,
-        ));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let mut server = Server {
-            port,
-            certs,
-            ca_der,
-            pool,
-            running: None,
-        };
-        server.serve(listener);
-        server
-    }
-
-    fn serve(&mut self, listener: tokio::net::TcpListener) {
-        let cancel = CancellationToken::new();
-        let task = tokio::spawn(serve(
-            listener,
-            Arc::new(load_server_config(&self.certs.cert_pem, &self.certs.key_pem).unwrap()),
-            BmaasService::new(self.pool.clone()),
-            ServerLimits::default(),
-            cancel.clone(),
-        ));
-        self.running = Some((cancel, task));
-    }
-
-    async fn stop(&mut self) {
-        let (cancel, task) = self.running.take().expect("running");
-        cancel.cancel();
-        task.await.unwrap().unwrap();
-    }
-
-    /// Serves again on the same port (agents reconnect to the address they were given).
-    async fn restart(&mut self) {
-        let listener = tokio::net::TcpListener::bind(("127.0.0.1", self.port))
-            .await
-            .unwrap();
-        self.serve(listener);
-    }
-
-    async fn close(mut self) {
-        if self.running.is_some() {
-            self.stop().await;
-        }
-        self.pool.close().await;
-    }
-}
-
 /// One machine: an sshd whose sessions tell the agent to heartbeat every 300 ms, recorded in
 /// the BMDB as `box-1` of a static inventory whose "reboot" kills the agent.
 struct Machine {
@@ -207,13 +139,11 @@ impl Machine {
     }
 
     /// The initializer that takes this machine over for `server`.
-    fn initializer(&self, server: &Server) -> Initializer<RebootableStatic> {
-        let mut init = InitializerConfig::new(
-            std::fs::read(agent_path()).unwrap(),
-            format!("localhost:{}", server.port),
-        );
+    fn initializer(&self, server: &LoopbackServer) -> Initializer<RebootableStatic> {
+        let mut init =
+            InitializerConfig::new(std::fs::read(agent_path()).unwrap(), server.endpoint());
         init.target_path = self.target.clone();
-        init.ca_certificate = Some(server.ca_der.clone());
+        init.ca_certificate = Some(server.ca_der().to_vec());
         init.backoff = Backoff::exponential(Duration::from_secs(1), Duration::from_secs(2), 1.5);
         Initializer::new(
             self.provider.clone(),
@@ -266,7 +196,9 @@ async fn heartbeat(db: &Bmdb, m: Uuid) -> Option<chrono::DateTime<chrono::Utc>> 
 
 async fn silent_agent_is_recovered_and_taken_over_again(db: Bmdb) {
     let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(&db, dir.path()).await;
+    let server = LoopbackServer::start(&db, &dir.path().join("certs"), 2, ServerLimits::default())
+        .await
+        .unwrap();
     let machine = Machine::record(&db, dir.path()).await;
     let m = machine.id;
     let target = machine.target.clone();
@@ -313,7 +245,7 @@ async fn silent_agent_is_recovered_and_taken_over_again(db: Bmdb) {
 
     cancel.cancel();
     loops.await.unwrap();
-    server.close().await;
+    server.close().await.unwrap();
     kill_agent(&target);
     let history = db
         .read(move |tx| Box::pin(async move { tx.machine_history(m).await }))
@@ -339,7 +271,10 @@ async fn silent_agent_is_recovered_and_taken_over_again(db: Bmdb) {
 
 async fn a_stopped_server_brakes_recovery_until_it_is_back(db: Bmdb) {
     let dir = tempfile::tempdir().unwrap();
-    let mut server = Server::start(&db, dir.path()).await;
+    let mut server =
+        LoopbackServer::start(&db, &dir.path().join("certs"), 2, ServerLimits::default())
+            .await
+            .unwrap();
     let machine = Machine::record(&db, dir.path()).await;
     let m = machine.id;
     // One machine: one silent machine is the whole fleet, so the brake may engage for it.
@@ -365,7 +300,7 @@ async fn a_stopped_server_brakes_recovery_until_it_is_back(db: Bmdb) {
     .await;
 
     // The server stops; the agent runs on but its heartbeats cannot arrive.
-    server.stop().await;
+    server.stop().await.unwrap();
     let stopped = chrono::Utc::now();
     wait_for("the brake to engage", 10, async || {
         brake.engaged().then_some(())
@@ -384,7 +319,7 @@ async fn a_stopped_server_brakes_recovery_until_it_is_back(db: Bmdb) {
         .is_some_and(|h| h < stopped && h >= first));
 
     // The server comes back at the same address: heartbeats resume, the brake releases.
-    server.restart().await;
+    server.restart().await.unwrap();
     wait_for("heartbeats through the restarted server", 30, async || {
         heartbeat(&db, m).await.filter(|h| *h > stopped)
     })
@@ -402,16 +337,8 @@ async fn a_stopped_server_brakes_recovery_until_it_is_back(db: Bmdb) {
     cancel.cancel();
     loops.await.unwrap();
     braking.await.unwrap();
-    server.close().await;
+    server.close().await.unwrap();
     kill_agent(&machine.target);
-}
-
-fn rustls_pemfile_der(pem: &str) -> Vec<u8> {
-    use base64::Engine;
-    let body: String = pem.lines().filter(|l| !l.starts_with("-----")).collect();
-    base64::engine::general_purpose::STANDARD
-        .decode(body)
-        .unwrap()
 }
 
 shepherd_bmdb::conformance_tests!(

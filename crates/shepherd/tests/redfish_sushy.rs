@@ -8,7 +8,6 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use chrono::Utc;
 use common::free_port;
 use common::sushy::{start_emulator, CertForm, Emulator, FakeSystem};
 use shepherd_bmdb::*;
@@ -73,21 +72,20 @@ async fn the_right_system_is_power_cycled() {
         "On",
         "the other system is untouched"
     );
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while power(&emu, SYSTEM_B).await != "On" {
-        assert!(Instant::now() < deadline, "system B never came back on");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    testing::eventually(
+        "system B to come back on",
+        Duration::from_secs(20),
+        async || {
+            let power = power(&emu, SYSTEM_B).await;
+            testing::when(power == "On", power)
+        },
+    )
+    .await;
 
     // Without a System, a BMC listing two systems is an error that says what to do.
     let mut no_system = entry(&emu, SYSTEM_A);
     no_system.system = None;
-    let err = Bmc::new(&no_system, Duration::from_secs(10))
-        .unwrap()
-        .reset()
-        .await
-        .unwrap_err()
-        .to_string();
+    let err = reset_error(&no_system).await;
     assert!(err.contains("lists 2 systems"), "{err}");
 
     // Wrong credentials.
@@ -95,12 +93,7 @@ async fn the_right_system_is_power_cycled() {
     std::fs::write(&wrong, "nope\n").unwrap();
     let mut bad = entry(&emu, SYSTEM_A);
     bad.password_file = Some(wrong);
-    let err = Bmc::new(&bad, Duration::from_secs(10))
-        .unwrap()
-        .reset()
-        .await
-        .unwrap_err()
-        .to_string();
+    let err = reset_error(&bad).await;
     assert!(
         err.contains("credentials") && err.contains("refused"),
         "{err}"
@@ -114,16 +107,17 @@ async fn the_right_system_is_power_cycled() {
     // TLS is verified: without `CA` the system's trust store does not know the certificate.
     let mut untrusted = entry(&emu, SYSTEM_A);
     untrusted.ca = None;
-    let err = Bmc::new(&untrusted, Duration::from_secs(10))
-        .unwrap()
-        .reset()
-        .await
-        .unwrap_err()
-        .to_string();
+    let err = reset_error(&untrusted).await;
     assert!(
         err.contains("invalid peer certificate: Other(OtherError(CaUsedAsEndEntity))"),
         "the cause names the untrusted certificate: {err}"
     );
+}
+
+/// Why a power cycle through `entry` failed; panics if it succeeded.
+async fn reset_error(entry: &BmcEntry) -> String {
+    let bmc = Bmc::new(entry, Duration::from_secs(10)).unwrap();
+    bmc.reset().await.unwrap_err().to_string()
 }
 
 /// Machines whose agents went silent, with BMCs: reachable (B), wrong password, unreachable.
@@ -163,15 +157,9 @@ async fn the_recoverer_power_cycles_through_the_inventory_bmc() {
         t.db.transact(|tx| {
             Box::pin(async move {
                 let mut ids = vec![];
-                for (n, name) in ["box-b", "box-wrong", "box-gone", "box-none"]
-                    .iter()
-                    .enumerate()
-                {
+                for name in ["box-b", "box-wrong", "box-gone", "box-none"] {
                     let id = tx.create_machine().await?;
-                    tx.set_provided(id, &Provided::new(Provider::Static, *name))
-                        .await?;
-                    let long_ago = Utc::now() - chrono::Duration::hours(2);
-                    tx.set_agent_started_at(id, Some(long_ago), &[n as u8 + 1; 32])
+                    tx.set_provided(id, &Provided::new(Provider::Static, name))
                         .await?;
                     ids.push(id);
                 }
@@ -180,6 +168,7 @@ async fn the_recoverer_power_cycles_through_the_inventory_bmc() {
         })
         .await
         .unwrap();
+    testing::agents_silent_for_hours(&t.db, &ids).await;
     let task = Recoverer::new(provider, RecoveryThresholds::default());
     let cancel = CancellationToken::new();
     let run = tokio::spawn(runner::run(

@@ -5,37 +5,13 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::shepherd;
+use common::{announced, shepherd, ChildGuard};
 use shepherd_bmdb::Bmdb;
 use shepherd_proto::bmaas::AgentHardwareReport;
 use shepherd_proto::Message;
-
-/// Kills a child process on drop unless it was waited for.
-struct Guard(Option<Child>);
-
-impl Guard {
-    fn terminate(mut self) -> std::process::Output {
-        let child = self.0.take().unwrap();
-        Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status()
-            .unwrap();
-        child.wait_with_output().unwrap()
-    }
-}
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.0.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_started_over_ssh_heartbeats_to_the_server() {
@@ -43,39 +19,22 @@ async fn agent_started_over_ssh_heartbeats_to_the_server() {
     let url = format!("sqlite:{}", dir.path().join("bmdb.sqlite").display());
 
     // The server, on a free port, with development certificates.
-    let mut server = shepherd()
-        .args([
-            "server",
-            "--migrate",
-            "--database",
-            &url,
-            "--listen",
-            "127.0.0.1:0",
-        ])
-        .arg("--dev-certs")
-        .arg(dir.path().join("certs"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(server.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let server = Guard(Some(server));
-    let addr = line.trim().rsplit(' ').next().unwrap().to_string();
+    let mut server = ChildGuard(Some(
+        common::server(&url, dir.path())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
+    let addr = announced(server.child(), "shepherd server: listening on ");
     let port = addr.rsplit_once(':').unwrap().1;
 
     // A machine (the sshd) in a static inventory, and the loops pointing agents at the server.
-    let key_path = dir.path().join("id_ed25519");
-    let key = shepherd_ssh::load_or_generate_key(&key_path).unwrap();
-    let sshd = shepherd_ssh::testing::Sshd::start(&[key.public_key()]);
-    let inventory = dir.path().join("inventory.json");
-    std::fs::write(
-        &inventory,
-        format!(r#"[{{"ID": "box-1", "Addr": "{}"}}]"#, sshd.addr()),
-    )
-    .unwrap();
+    let common::SshdMachine {
+        sshd,
+        key_path,
+        inventory,
+    } = common::sshd_machine(dir.path(), serde_json::json!({"ID": "box-1"}));
     let agent = shepherd_loops::testing::agent_path();
     let target = sshd.dir().join("agent");
     let run = shepherd()
@@ -109,7 +68,7 @@ async fn agent_started_over_ssh_heartbeats_to_the_server() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let run = Guard(Some(run));
+    let run = ChildGuard(Some(run));
 
     let db = Bmdb::open(&url).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);

@@ -33,6 +33,10 @@ fn files(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
+fn architecture_md(root: &Path) -> String {
+    std::fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap()
+}
+
 fn rust_files(root: &Path) -> Vec<PathBuf> {
     files(&root.join("crates"))
         .into_iter()
@@ -53,8 +57,7 @@ fn every_rust_file_opens_with_a_module_comment() {
 
 #[test]
 fn every_source_file_is_named_in_architecture_md() {
-    let root = workspace();
-    let map = std::fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
+    let (root, map) = (workspace(), architecture_md(&workspace()));
     let missing: Vec<_> = rust_files(&root)
         .into_iter()
         .filter_map(|p| {
@@ -72,8 +75,7 @@ fn every_source_file_is_named_in_architecture_md() {
 
 #[test]
 fn every_path_architecture_md_names_exists() {
-    let root = workspace();
-    let map = std::fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
+    let (root, map) = (workspace(), architecture_md(&workspace()));
     let all: Vec<String> = files(&root)
         .into_iter()
         .map(|p| p.strip_prefix(&root).unwrap().display().to_string())

@@ -36,23 +36,31 @@ async fn machine_of(db: &Bmdb, vm: &Vm) -> Uuid {
 
 /// `shepherd machines show ID --json`.
 fn show(url: &str, m: Uuid) -> Value {
-    let out = shepherd()
-        .args([
-            "machines",
-            "show",
-            &m.to_string(),
-            "--json",
-            "--database",
-            url,
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = common::succeeds(shepherd().args([
+        "machines",
+        "show",
+        &m.to_string(),
+        "--json",
+        "--database",
+        url,
+    ]));
     serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Fails unless `pinned` (an OpenSSH public key line) is one of the host keys the guest made
+/// for itself; returns its type and key, without the comment.
+fn assert_guest_has_key(vm: &Vm, image: &GuestImage, pinned: &str) -> String {
+    let key: Vec<&str> = pinned.split_whitespace().take(2).collect();
+    let guest_keys = vm.ssh(image, "cat /etc/ssh/ssh_host_*_key.pub");
+    let found = guest_keys
+        .lines()
+        .any(|l| l.split_whitespace().take(2).eq(key.iter().copied()));
+    assert!(
+        found,
+        "{}: pinned {key:?}, the guest has {guest_keys}",
+        vm.name
+    );
+    key.join(" ")
 }
 
 /// The Redfish id of a VM's fake system.
@@ -167,10 +175,7 @@ async fn a_vm_fleet_is_taken_over_installed_recovered_and_pins_host_keys() {
     let db = t.db.clone();
     let log = || std::fs::read_to_string(&run_log).unwrap_or_default();
     wait_for("every VM to heartbeat", 240, async || {
-        let c = db
-            .read(|tx| Box::pin(async move { tx.status_counts().await }))
-            .await
-            .unwrap();
+        let c = db.status_counts().await.unwrap();
         (c.heartbeating == i64::from(VMS)).then_some(())
     })
     .await;
@@ -183,16 +188,7 @@ async fn a_vm_fleet_is_taken_over_installed_recovered_and_pins_host_keys() {
         let key = shown["ssh_host_key"]
             .as_str()
             .unwrap_or_else(|| panic!("{shown}\n{}", log()));
-        let key: Vec<&str> = key.split_whitespace().take(2).collect();
-        let guest_keys = vm.ssh(&image, "cat /etc/ssh/ssh_host_*_key.pub");
-        assert!(
-            guest_keys
-                .lines()
-                .any(|l| l.split_whitespace().take(2).eq(key.iter().copied())),
-            "{}: pinned {key:?}, the guest has {guest_keys}",
-            vm.name
-        );
-        pinned.push(key.join(" "));
+        pinned.push(assert_guest_has_key(vm, &image, key));
 
         // The hardware report describes the VM as QEMU was configured.
         let hw = &shown["hardware_report"];
@@ -253,24 +249,19 @@ async fn a_vm_fleet_is_taken_over_installed_recovered_and_pins_host_keys() {
     // disk, and the installed OS runs.
     let installing = &vms[0];
     let m = machine_of(&db, installing).await;
-    let out = shepherd()
-        .args(["machines", "install", &m.to_string(), "--database", &t.url])
-        .args([
-            "--image",
-            &format!("http://{IMAGES_IN_GUEST}/installable.img"),
-        ])
-        .args([
-            "--sha256",
-            &image.installable_sha256,
-            "--device",
-            "/dev/vdb",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    common::succeeds(
+        shepherd()
+            .args(["machines", "install", &m.to_string(), "--database", &t.url])
+            .args([
+                "--image",
+                &format!("http://{IMAGES_IN_GUEST}/installable.img"),
+            ])
+            .args([
+                "--sha256",
+                &image.installable_sha256,
+                "--device",
+                "/dev/vdb",
+            ]),
     );
     let deadline = Instant::now() + Duration::from_secs(120);
     let report = loop {
@@ -356,21 +347,13 @@ async fn a_vm_fleet_is_taken_over_installed_recovered_and_pins_host_keys() {
         beat(r).await.is_none(),
         "no agent runs on the reinstalled VM"
     );
-    let out = shepherd()
-        .args([
-            "machines",
-            "forget-host-key",
-            &r.to_string(),
-            "--database",
-            &t.url,
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::succeeds(shepherd().args([
+        "machines",
+        "forget-host-key",
+        &r.to_string(),
+        "--database",
+        &t.url,
+    ]));
     wait_for("heartbeats from the reinstalled VM", 120, async || {
         beat(r).await
     })
@@ -380,14 +363,7 @@ async fn a_vm_fleet_is_taken_over_installed_recovered_and_pins_host_keys() {
         .unwrap()
         .to_string();
     assert_ne!(Value::from(new_key.clone()), old_key);
-    let new_key: Vec<&str> = new_key.split_whitespace().take(2).collect();
-    let guest_keys = reinstalled.ssh(&image, "cat /etc/ssh/ssh_host_*_key.pub");
-    assert!(
-        guest_keys
-            .lines()
-            .any(|l| l.split_whitespace().take(2).eq(new_key.iter().copied())),
-        "pinned {new_key:?}, the reinstalled guest has {guest_keys}"
-    );
+    assert_guest_has_key(reinstalled, &image, &new_key);
     assert_eq!(
         resets.lock().unwrap().len(),
         2,

@@ -139,6 +139,17 @@ async fn rows(c: &Client) -> BTreeMap<String, String> {
 }
 
 /// Clicks a link or button and waits until the browser has loaded the page it leads to.
+/// The seeded machine in `state`.
+fn in_state(seeded: &[testing::SeededMachine], state: Lifecycle) -> &testing::SeededMachine {
+    seeded.iter().find(|m| m.state == state).unwrap()
+}
+
+/// Picks the option of value `value` in the form's select `css`.
+async fn choose(c: &Client, css: &str, value: &str) {
+    let select = c.find(Locator::Css(css)).await.unwrap();
+    select.select_by_value(value).await.unwrap();
+}
+
 async fn click_and_wait(c: &Client, element: fantoccini::elements::Element) {
     let before = c.current_url().await.unwrap();
     element.click().await.unwrap();
@@ -182,13 +193,7 @@ async fn taken_over_machine(db: &Bmdb) -> Uuid {
         })
         .await
         .unwrap();
-    let session = db
-        .start_session(SessionConfig::new(
-            "shepherd-initializer",
-            Processor::ShepherdInitializer,
-        ))
-        .await
-        .unwrap();
+    let session = testing::session(db, Processor::ShepherdInitializer).await;
     let retrieval = Retrieval::AgentStart {
         provider: Provider::Static,
     };
@@ -272,12 +277,7 @@ async fn web_ui_shows_what_the_bmdb_holds() {
     std::fs::write(shots.join("machines.png"), c.screenshot().await.unwrap()).unwrap();
 
     // Filter by state through the form.
-    c.find(Locator::Css("#state"))
-        .await
-        .unwrap()
-        .select_by_value("stale")
-        .await
-        .unwrap();
+    choose(&c, "#state", "stale").await;
     click_and_wait(&c, c.find(Locator::Css("#filter")).await.unwrap()).await;
     let stale: Vec<String> = rows(&c).await.into_values().collect();
     assert_eq!(stale, vec!["stale".to_string()]);
@@ -290,18 +290,8 @@ async fn web_ui_shows_what_the_bmdb_holds() {
         .contains("state=stale"));
 
     // Filter by provider (the state filter is kept in the form; reset it to "any").
-    c.find(Locator::Css("#state"))
-        .await
-        .unwrap()
-        .select_by_value("")
-        .await
-        .unwrap();
-    c.find(Locator::Css("#provider"))
-        .await
-        .unwrap()
-        .select_by_value("Sim")
-        .await
-        .unwrap();
+    choose(&c, "#state", "").await;
+    choose(&c, "#provider", "Sim").await;
     click_and_wait(&c, c.find(Locator::Css("#filter")).await.unwrap()).await;
     let sim = rows(&c).await;
     let box0 = seeded
@@ -366,10 +356,7 @@ async fn web_ui_shows_what_the_bmdb_holds() {
     std::fs::write(shots.join("machine.png"), c.screenshot().await.unwrap()).unwrap();
 
     // A machine in backoff shows the cause; one in work links to the session holding it.
-    let in_backoff = seeded
-        .iter()
-        .find(|m| m.state == Lifecycle::InBackoff)
-        .unwrap();
+    let in_backoff = in_state(&seeded, Lifecycle::InBackoff);
     c.goto(&format!("{base}/machines/{}", in_backoff.id))
         .await
         .unwrap();
@@ -378,20 +365,14 @@ async fn web_ui_shows_what_the_bmdb_holds() {
         backoffs.contains("ShepherdAgentStart") && backoffs.contains("ssh: connection refused"),
         "{backoffs}"
     );
-    let installed = seeded
-        .iter()
-        .find(|m| m.state == Lifecycle::Installed)
-        .unwrap();
+    let installed = in_state(&seeded, Lifecycle::Installed);
     c.goto(&format!("{base}/machines/{}", installed.id))
         .await
         .unwrap();
     assert!(text(&c, "[data-field=report]")
         .await
         .contains("generation 3: Success"));
-    let in_work = seeded
-        .iter()
-        .find(|m| m.state == Lifecycle::InWork)
-        .unwrap();
+    let in_work = in_state(&seeded, Lifecycle::InWork);
     c.goto(&format!("{base}/machines/{}", in_work.id))
         .await
         .unwrap();

@@ -7,11 +7,16 @@ use std::time::{Duration, Instant};
 use shepherd_ssh::testing::{random_key, Sshd};
 use shepherd_ssh::{parse_public_key, Auth, SshClient, SshConfig, SshError};
 
-fn client(key: &shepherd_ssh::PrivateKey) -> SshClient {
+/// The settings of a client logging in with `key` as the user running the tests.
+fn config(key: &shepherd_ssh::PrivateKey) -> SshConfig {
     let mut config = SshConfig::new(Auth::Key(Arc::new(key.clone())));
     config.user = whoami();
     config.connect_timeout = Duration::from_secs(5);
-    SshClient::new(config)
+    config
+}
+
+fn client(key: &shepherd_ssh::PrivateKey) -> SshClient {
+    SshClient::new(config(key))
 }
 
 fn whoami() -> String {
@@ -22,10 +27,16 @@ fn whoami() -> String {
     String::from_utf8(out.stdout).unwrap().trim().to_string()
 }
 
-#[tokio::test]
-async fn exec_upload_and_host_key() {
+/// A fresh key and a real sshd that trusts it.
+fn trusting_sshd() -> (shepherd_ssh::PrivateKey, Sshd) {
     let key = random_key();
     let sshd = Sshd::start(&[key.public_key()]);
+    (key, sshd)
+}
+
+#[tokio::test]
+async fn exec_upload_and_host_key() {
+    let (key, sshd) = trusting_sshd();
     let ssh = client(&key);
     let session = ssh.connect(&sshd.addr(), None).await.unwrap();
     assert_eq!(session.host_key(), sshd.host_key());
@@ -73,10 +84,8 @@ async fn exec_upload_and_host_key() {
 
 #[tokio::test]
 async fn stdout_is_bounded() {
-    let key = random_key();
-    let sshd = Sshd::start(&[key.public_key()]);
-    let mut config = SshConfig::new(Auth::Key(Arc::new(key.clone())));
-    config.user = whoami();
+    let (key, sshd) = trusting_sshd();
+    let mut config = config(&key);
     config.max_stdout = 1000;
     let session = SshClient::new(config)
         .connect(&sshd.addr(), None)
@@ -135,8 +144,7 @@ async fn unknown_client_key_is_rejected() {
 
 #[tokio::test]
 async fn exec_timeout_closes_the_channel() {
-    let key = random_key();
-    let sshd = Sshd::start(&[key.public_key()]);
+    let (key, sshd) = trusting_sshd();
     let session = client(&key).connect(&sshd.addr(), None).await.unwrap();
     let marker = sshd.dir().join("still-running");
     let cmd = format!("sleep 30; touch {}", marker.display());
@@ -195,10 +203,8 @@ async fn connect_failures_are_told_apart() {
 
 #[tokio::test]
 async fn handshake_bursts_beyond_the_cap_all_succeed() {
-    let key = random_key();
-    let sshd = Sshd::start(&[key.public_key()]);
-    let mut config = SshConfig::new(Auth::Key(Arc::new(key.clone())));
-    config.user = whoami();
+    let (key, sshd) = trusting_sshd();
+    let mut config = config(&key);
     config.max_handshakes = 4;
     config.connect_timeout = Duration::from_secs(20);
     let ssh = Arc::new(SshClient::new(config));

@@ -10,7 +10,9 @@
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use super::{on_engine, secs_us, Columns, Conn, DbTime, Result, SqliteTx};
+use super::{
+    from_columns, on_engine, rows_by_key, secs_us, Conn, DbTime, FromColumns, Result, SqliteTx,
+};
 use crate::model::*;
 
 /// What ending a unit of work found.
@@ -295,27 +297,10 @@ pub(crate) async fn insert_work_raw(
     })
 }
 
-fn history_from_row(r: &impl Columns) -> Result<HistoryEntry> {
-    Ok(HistoryEntry {
-        id: r.get("id")?,
-        machine_id: r.get("machine_id")?,
-        process: r.parsed("process")?,
-        event: r.parsed("event")?,
-        at: r.time("at")?,
-        session_id: r.get("session_id")?,
-        cause: r.get("failed_cause")?,
-    })
-}
-
 /// A machine's history, oldest first.
 pub(crate) async fn machine_history(conn: &mut Conn, machine: Uuid) -> Result<Vec<HistoryEntry>> {
-    on_engine!(conn, |c, _| {
-        let rows = sqlx::query("SELECT * FROM work_history WHERE machine_id = $1 ORDER BY id")
-            .bind(machine)
-            .fetch_all(c)
-            .await?;
-        rows.iter().map(history_from_row).collect()
-    })
+    let sql = "SELECT * FROM work_history WHERE machine_id = $1 ORDER BY id";
+    rows_by_key(conn, sql, machine).await
 }
 
 /// History entries after `after_id`, at most `limit`, oldest first.
@@ -330,51 +315,31 @@ pub(crate) async fn history_after(
             .bind(limit)
             .fetch_all(c)
             .await?;
-        rows.iter().map(history_from_row).collect()
+        rows.iter().map(HistoryEntry::from_columns).collect()
     })
 }
 
 /// The work held on a machine, by process.
 pub(crate) async fn machine_work(conn: &mut Conn, machine: Uuid) -> Result<Vec<ActiveWork>> {
-    on_engine!(conn, |c, _| {
-        let rows = sqlx::query(
-            "SELECT machine_id, process, session_id FROM work WHERE machine_id = $1 ORDER BY process",
-        )
-        .bind(machine)
-        .fetch_all(c)
-        .await?;
-        rows.iter()
-            .map(|r| {
-                Ok(ActiveWork {
-                    machine_id: r.get("machine_id")?,
-                    process: r.parsed("process")?,
-                    session_id: r.get("session_id")?,
-                })
-            })
-            .collect()
-    })
+    let sql =
+        "SELECT machine_id, process, session_id FROM work WHERE machine_id = $1 ORDER BY process";
+    rows_by_key(conn, sql, machine).await
 }
 
 /// A machine's backoffs, expired ones included, by process.
 pub(crate) async fn machine_backoffs(conn: &mut Conn, machine: Uuid) -> Result<Vec<BackoffEntry>> {
-    on_engine!(conn, |c, _| {
-        let rows = sqlx::query(
-            "SELECT machine_id, process, until, cause, last_interval_seconds FROM work_backoff
-              WHERE machine_id = $1 ORDER BY process",
-        )
-        .bind(machine)
-        .fetch_all(c)
-        .await?;
-        rows.iter()
-            .map(|r| {
-                Ok(BackoffEntry {
-                    machine_id: r.get("machine_id")?,
-                    process: r.parsed("process")?,
-                    until: r.time("until")?,
-                    cause: r.get("cause")?,
-                    last_interval_seconds: r.get("last_interval_seconds")?,
-                })
-            })
-            .collect()
-    })
+    let sql = "SELECT machine_id, process, until, cause, last_interval_seconds FROM work_backoff
+                WHERE machine_id = $1 ORDER BY process";
+    rows_by_key(conn, sql, machine).await
+}
+
+from_columns! {
+    HistoryEntry {
+        id: get, machine_id: get, process: parsed, event: parsed, at: time, session_id: get,
+        cause: get("failed_cause"),
+    }
+    ActiveWork { machine_id: get, process: parsed, session_id: get }
+    BackoffEntry {
+        machine_id: get, process: parsed, until: time, cause: get, last_interval_seconds: get,
+    }
 }

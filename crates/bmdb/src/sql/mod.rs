@@ -36,6 +36,8 @@ use sqlx::query::{Query, QueryAs, QueryScalar};
 use sqlx::sqlite::{SqliteArguments, SqliteRow, SqliteTypeInfo, SqliteValueRef};
 use sqlx::{Database, Decode, Encode, Postgres, Row, Sqlite, Type};
 
+use uuid::Uuid;
+
 use crate::Error;
 
 pub(crate) type Result<T> = std::result::Result<T, Error>;
@@ -263,6 +265,48 @@ impl Columns for SqliteRow {
     fn get<T: Decodes>(&self, column: &str) -> Result<T> {
         Ok(self.try_get(column)?)
     }
+}
+
+/// A row type decoded alike on both engines, by column name: each row shape is decoded once.
+pub(crate) trait FromColumns: Sized {
+    fn from_columns(r: &impl Columns) -> Result<Self>;
+}
+
+/// Implements [`FromColumns`] for structs whose fields are read by name: `field: how`, with
+/// `how` a method of [`Columns`] (`get`, `time`, `parsed`), reads the column named like the
+/// field; `field: how("column")` one named otherwise.
+macro_rules! from_columns {
+    ($($ty:ident { $($field:ident: $how:ident $(($column:literal))?),+ $(,)? })+) => {
+        $(
+            impl $crate::sql::FromColumns for $ty {
+                fn from_columns(r: &impl $crate::sql::Columns) -> $crate::sql::Result<Self> {
+                    Ok($ty { $($field: r.$how([$($column,)? stringify!($field)][0])?,)+ })
+                }
+            }
+        )+
+    };
+}
+pub(crate) use from_columns;
+
+/// The row `sql` selects for `key`, its one parameter (a primary key), if there is one.
+pub(crate) async fn row_by_key<T: FromColumns>(
+    conn: &mut Conn,
+    sql: &'static str,
+    key: Uuid,
+) -> Result<Option<T>> {
+    Ok(rows_by_key(conn, sql, key).await?.into_iter().next())
+}
+
+/// The rows `sql` selects for `key`, its one parameter, in the statement's order.
+pub(crate) async fn rows_by_key<T: FromColumns>(
+    conn: &mut Conn,
+    sql: &'static str,
+    key: Uuid,
+) -> Result<Vec<T>> {
+    on_engine!(conn, |c, _| {
+        let rows = sqlx::query(sql).bind(key).fetch_all(c).await?;
+        rows.iter().map(T::from_columns).collect()
+    })
 }
 
 /// Parses the names of `(name, count)` rows (processes, providers).

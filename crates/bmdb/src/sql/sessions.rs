@@ -4,7 +4,7 @@
 use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
-use super::{on_engine, Columns, Conn, Dialects, Result, SqliteTx};
+use super::{from_columns, on_engine, row_by_key, Conn, Dialects, FromColumns, Result, SqliteTx};
 use crate::model::{Process, SessionInfo};
 
 const CREATE: Dialects = Dialects {
@@ -146,26 +146,8 @@ pub(crate) async fn collect_garbage(conn: &mut Conn) -> Result<u64> {
     }
 }
 
-fn session_from_row(r: &impl Columns) -> Result<SessionInfo> {
-    Ok(SessionInfo {
-        session_id: r.get("session_id")?,
-        component_name: r.get("component_name")?,
-        runtime_info: r.get("runtime_info")?,
-        processor: r.get("processor")?,
-        created_at: r.time("created_at")?,
-        interval_seconds: r.get("interval_seconds")?,
-        deadline: r.time("deadline")?,
-    })
-}
-
 pub(crate) async fn session(conn: &mut Conn, id: Uuid) -> Result<Option<SessionInfo>> {
-    on_engine!(conn, |c, _| {
-        let row = sqlx::query("SELECT * FROM sessions WHERE session_id = $1")
-            .bind(id)
-            .fetch_optional(c)
-            .await?;
-        row.as_ref().map(session_from_row).transpose()
-    })
+    row_by_key(conn, "SELECT * FROM sessions WHERE session_id = $1", id).await
 }
 
 pub(crate) async fn sessions(conn: &mut Conn) -> Result<Vec<SessionInfo>> {
@@ -173,7 +155,7 @@ pub(crate) async fn sessions(conn: &mut Conn) -> Result<Vec<SessionInfo>> {
         let rows = sqlx::query("SELECT * FROM sessions ORDER BY created_at, session_id")
             .fetch_all(c)
             .await?;
-        rows.iter().map(session_from_row).collect()
+        rows.iter().map(SessionInfo::from_columns).collect()
     })
 }
 
@@ -236,4 +218,11 @@ pub(crate) async fn agent_heartbeats_pg(
     rows.iter()
         .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
         .collect()
+}
+
+from_columns! {
+    SessionInfo {
+        session_id: get, component_name: get, runtime_info: get, processor: get,
+        created_at: time, interval_seconds: get, deadline: time,
+    }
 }

@@ -3,7 +3,9 @@
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use super::{on_engine, Columns, Conn, DbTime, Dialects, Result};
+use super::{
+    from_columns, on_engine, row_by_key, Columns, Conn, DbTime, Dialects, FromColumns, Result,
+};
 use crate::model::*;
 use crate::Error;
 
@@ -113,33 +115,31 @@ pub(crate) async fn set_provided(conn: &mut Conn, id: Uuid, p: &Provided) -> Res
 }
 
 /// A `machine_provided` row, also the provided half of an operator's summary row.
-pub(crate) fn provided_from_row(r: &impl Columns) -> Result<(Uuid, Provided)> {
-    let status: Option<String> = r.get("status")?;
-    Ok((
-        r.get("machine_id")?,
-        Provided {
-            provider: r.parsed("provider")?,
-            provider_id: r.get("provider_id")?,
-            reservation_id: r.get("reservation_id")?,
-            ip_address: r.get("ip_address")?,
-            location: r.get("location")?,
-            status: status.map(|s| s.parse()).transpose()?,
-        },
-    ))
+impl FromColumns for (Uuid, Provided) {
+    fn from_columns(r: &impl Columns) -> Result<Self> {
+        let status: Option<String> = r.get("status")?;
+        Ok((
+            r.get("machine_id")?,
+            Provided {
+                provider: r.parsed("provider")?,
+                provider_id: r.get("provider_id")?,
+                reservation_id: r.get("reservation_id")?,
+                ip_address: r.get("ip_address")?,
+                location: r.get("location")?,
+                status: status.map(|s| s.parse()).transpose()?,
+            },
+        ))
+    }
 }
 
 pub(crate) async fn provided(conn: &mut Conn, id: Uuid) -> Result<Option<Provided>> {
-    on_engine!(conn, |c, _| {
-        let row = sqlx::query("SELECT * FROM machine_provided WHERE machine_id = $1")
-            .bind(id)
-            .fetch_optional(c)
-            .await?;
-        Ok(row
-            .as_ref()
-            .map(provided_from_row)
-            .transpose()?
-            .map(|(_, p)| p))
-    })
+    let row: Option<(Uuid, Provided)> = row_by_key(
+        conn,
+        "SELECT * FROM machine_provided WHERE machine_id = $1",
+        id,
+    )
+    .await?;
+    Ok(row.map(|(_, p)| p))
 }
 
 pub(crate) async fn provided_by(
@@ -152,7 +152,7 @@ pub(crate) async fn provided_by(
                 .bind(provider.as_str())
                 .fetch_all(c)
                 .await?;
-        rows.iter().map(provided_from_row).collect()
+        rows.iter().map(FromColumns::from_columns).collect()
     })
 }
 
@@ -190,21 +190,8 @@ pub(crate) async fn set_agent_started(
 }
 
 pub(crate) async fn agent_started(conn: &mut Conn, id: Uuid) -> Result<Option<AgentStarted>> {
-    on_engine!(conn, |c, _| {
-        let row = sqlx::query(
-            "SELECT started_at, public_key FROM machine_agent_started WHERE machine_id = $1",
-        )
-        .bind(id)
-        .fetch_optional(c)
-        .await?;
-        row.map(|r| {
-            Ok(AgentStarted {
-                started_at: r.time("started_at")?,
-                public_key: r.get("public_key")?,
-            })
-        })
-        .transpose()
-    })
+    let sql = "SELECT started_at, public_key FROM machine_agent_started WHERE machine_id = $1";
+    row_by_key(conn, sql, id).await
 }
 
 pub(crate) async fn agent_key_matches(conn: &mut Conn, id: Uuid, key: &[u8]) -> Result<bool> {
@@ -322,22 +309,9 @@ pub(crate) async fn os_installation_request(
     conn: &mut Conn,
     id: Uuid,
 ) -> Result<Option<OsInstallationRequest>> {
-    on_engine!(conn, |c, _| {
-        let row = sqlx::query(
-            "SELECT generation, request_raw FROM machine_os_installation_request
-              WHERE machine_id = $1",
-        )
-        .bind(id)
-        .fetch_optional(c)
-        .await?;
-        row.map(|r| {
-            Ok(OsInstallationRequest {
-                generation: r.get("generation")?,
-                request_raw: r.get("request_raw")?,
-            })
-        })
-        .transpose()
-    })
+    let sql = "SELECT generation, request_raw FROM machine_os_installation_request
+                WHERE machine_id = $1";
+    row_by_key(conn, sql, id).await
 }
 
 pub(crate) async fn set_os_installation_report(
@@ -366,23 +340,9 @@ pub(crate) async fn os_installation_report(
     conn: &mut Conn,
     id: Uuid,
 ) -> Result<Option<OsInstallationReport>> {
-    on_engine!(conn, |c, _| {
-        let row = sqlx::query(
-            "SELECT generation, result, report_raw FROM machine_os_installation_report
-              WHERE machine_id = $1",
-        )
-        .bind(id)
-        .fetch_optional(c)
-        .await?;
-        row.map(|r| {
-            Ok(OsInstallationReport {
-                generation: r.get("generation")?,
-                result: r.parsed("result")?,
-                report_raw: r.get("report_raw")?,
-            })
-        })
-        .transpose()
-    })
+    let sql = "SELECT generation, result, report_raw FROM machine_os_installation_report
+                WHERE machine_id = $1";
+    row_by_key(conn, sql, id).await
 }
 
 /// Pins `key` unless a key is pinned already; returns the pinned one.
@@ -398,21 +358,8 @@ pub(crate) async fn pin_ssh_host_key(conn: &mut Conn, id: Uuid, key: &str) -> Re
 }
 
 pub(crate) async fn ssh_host_key(conn: &mut Conn, id: Uuid) -> Result<Option<SshHostKey>> {
-    on_engine!(conn, |c, _| {
-        let row = sqlx::query(
-            "SELECT key, first_seen_at FROM machine_ssh_host_key WHERE machine_id = $1",
-        )
-        .bind(id)
-        .fetch_optional(c)
-        .await?;
-        row.map(|r| {
-            Ok(SshHostKey {
-                key: r.get("key")?,
-                first_seen_at: r.time("first_seen_at")?,
-            })
-        })
-        .transpose()
-    })
+    let sql = "SELECT key, first_seen_at FROM machine_ssh_host_key WHERE machine_id = $1";
+    row_by_key(conn, sql, id).await
 }
 
 /// A tag table: the closed list [`delete_tag`] may name.
@@ -440,4 +387,11 @@ pub(crate) async fn delete_tag(conn: &mut Conn, table: TagTable, id: Uuid) -> Re
         let r = sqlx::query(&sql).bind(id).execute(c).await?;
         Ok(r.rows_affected() > 0)
     })
+}
+
+from_columns! {
+    AgentStarted { started_at: time, public_key: get }
+    SshHostKey { key: get, first_seen_at: time }
+    OsInstallationRequest { generation: get, request_raw: get }
+    OsInstallationReport { generation: get, result: parsed, report_raw: get }
 }

@@ -4,7 +4,7 @@
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use super::{from_us, on_engine, parse_counts, tags, Columns, Conn, Dialects, Result};
+use super::{from_us, on_engine, parse_counts, Columns, Conn, Dialects, FromColumns, Result};
 use crate::model::{Process, Provider};
 use crate::summary::{FleetCounts, MachineSummary};
 
@@ -123,7 +123,7 @@ fn summary_select(now: &str) -> String {
 fn summary_from_row(r: &impl Columns) -> Result<MachineSummary> {
     let provider: Option<String> = r.get("provider")?;
     let provided = match provider {
-        Some(_) => Some(tags::provided_from_row(r)?.1),
+        Some(_) => Some(<(Uuid, crate::Provided)>::from_columns(r)?.1),
         None => None,
     };
     let work: Option<String> = r.get("work")?;

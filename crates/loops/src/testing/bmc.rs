@@ -231,23 +231,11 @@ pub struct BmcCerts {
 impl BmcCerts {
     /// New certificates and keys.
     pub fn generate() -> BmcCerts {
-        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params
-            .distinguished_name
-            .push(DnType::CommonName, "bmc.example");
-        let self_signed = params.self_signed(&key).unwrap();
+        use rcgen::{CertificateParams, Issuer, KeyPair};
+        // The self-signed `CA:TRUE` certificate many BMCs ship, and a site CA.
+        let (self_signed, key, _) = self_signed_ca("bmc.example");
         let self_signed_server = server_config(&self_signed, &key);
-
-        let ca_key = KeyPair::generate().unwrap();
-        let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca_params
-            .distinguished_name
-            .push(DnType::CommonName, "site BMC CA");
-        let ca = ca_params.self_signed(&ca_key).unwrap();
+        let (ca, ca_key, ca_params) = self_signed_ca("site BMC CA");
         let leaf_key = KeyPair::generate().unwrap();
         let leaf_params = CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
         let leaf = leaf_params
@@ -263,6 +251,17 @@ impl BmcCerts {
             ca_signed_server: server_config(&leaf, &leaf_key),
         }
     }
+}
+
+/// A self-signed CA certificate named `name`, its key and the parameters it was made from.
+fn self_signed_ca(name: &str) -> (rcgen::Certificate, rcgen::KeyPair, rcgen::CertificateParams) {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.distinguished_name.push(DnType::CommonName, name);
+    let cert = params.self_signed(&key).unwrap();
+    (cert, key, params)
 }
 
 fn server_config(cert: &rcgen::Certificate, key: &rcgen::KeyPair) -> Arc<rustls::ServerConfig> {

@@ -7,9 +7,7 @@ use uuid::Uuid;
 
 /// Every history entry.
 pub async fn all(db: &Bmdb) -> Vec<HistoryEntry> {
-    db.read(|tx| Box::pin(async move { tx.history_after(0, 10_000_000).await }))
-        .await
-        .unwrap()
+    shepherd_bmdb::testing::all_history(db).await
 }
 
 /// Asserts that no machine was worked on for `process` by two sessions at once (every Started

@@ -19,6 +19,43 @@ pub fn shepherd() -> Command {
     cmd
 }
 
+/// `shepherd server` creating and migrating the BMDB at `url`, listening on a free loopback
+/// port (it prints which), with development certificates in `dir/certs`.
+pub fn server(url: &str, dir: &std::path::Path) -> Command {
+    let mut cmd = shepherd();
+    cmd.args(["server", "--migrate", "--database", url])
+        .args(["--listen", "127.0.0.1:0", "--dev-certs"])
+        .arg(dir.join("certs"));
+    cmd
+}
+
+/// A machine for `--provider static`: a real sshd that trusts the operator key at
+/// `dir/id_ed25519`, listed in the inventory at `dir/inventory.json`.
+pub struct SshdMachine {
+    /// The machine.
+    pub sshd: shepherd_ssh::testing::Sshd,
+    /// The operator's private key, for `--ssh-key`.
+    pub key_path: std::path::PathBuf,
+    /// The inventory, for `--static-inventory=file://…`.
+    pub inventory: std::path::PathBuf,
+}
+
+/// Starts an sshd and writes an inventory holding `entry` (`ID`, `Location`, …) with the
+/// sshd's address as `Addr`.
+pub fn sshd_machine(dir: &std::path::Path, mut entry: serde_json::Value) -> SshdMachine {
+    let key_path = dir.join("id_ed25519");
+    let key = shepherd_ssh::load_or_generate_key(&key_path).unwrap();
+    let sshd = shepherd_ssh::testing::Sshd::start(&[key.public_key()]);
+    entry["Addr"] = sshd.addr().to_string().into();
+    let inventory = dir.join("inventory.json");
+    std::fs::write(&inventory, serde_json::to_vec(&[entry]).unwrap()).unwrap();
+    SshdMachine {
+        sshd,
+        key_path,
+        inventory,
+    }
+}
+
 /// A loopback port nobody listens on right now.
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -89,6 +126,21 @@ impl Drop for ChildGuard {
     }
 }
 
+/// Runs `cmd` to its end and fails the test, with its standard error, unless it succeeded.
+pub fn succeeds(cmd: &mut Command) -> std::process::Output {
+    let out = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{cmd:?} failed: {err}");
+    out
+}
+
+/// Fails the test unless the command `o` came from failed and said `want` on standard error.
+pub fn refused(o: &std::process::Output, want: &str) {
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "succeeded; stderr: {err}");
+    assert!(err.contains(want), "want {want:?} in: {err}");
+}
+
 /// Sends `SIG{name}` to `child`.
 pub fn signal(child: &Child, name: &str) {
     let ok = Command::new("kill")
@@ -99,19 +151,10 @@ pub fn signal(child: &Child, name: &str) {
     assert!(ok, "kill -{name} failed");
 }
 
-/// Polls `f` every half second until it returns `Some`, for at most `secs`.
+/// Polls `f` until it returns `Some`, for at most `secs`.
 pub async fn wait_for<T>(what: &str, secs: u64, mut f: impl AsyncFnMut() -> Option<T>) -> T {
-    let deadline = std::time::Instant::now() + Duration::from_secs(secs);
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    let within = Duration::from_secs(secs);
+    shepherd_bmdb::testing::eventually(what, within, async || f().await.ok_or("not yet")).await
 }
 
 /// The value of one sample of a Prometheus text exposition, if present.
@@ -173,17 +216,7 @@ impl TestAgent {
 
     /// A new machine in `db` whose recorded agent key is this identity's.
     pub async fn machine(&self, db: &shepherd_bmdb::Bmdb) -> uuid::Uuid {
-        let raw = self.key.public_key_raw().to_vec();
-        db.transact(move |tx| {
-            let raw = raw.clone();
-            Box::pin(async move {
-                let id = tx.create_machine().await?;
-                tx.set_agent_started(id, &raw).await?;
-                Ok(id)
-            })
-        })
-        .await
-        .unwrap()
+        shepherd_bmdb::testing::machine_with_agent(db, self.key.public_key_raw()).await
     }
 }
 

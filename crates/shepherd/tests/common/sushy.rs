@@ -101,19 +101,11 @@ pub fn start_emulator(
     let bin = emulator_binary();
     let python = bin.parent().unwrap().join("python");
     let password = "bmc-secret-42";
-    let hash = Command::new(&python)
-        .args([
-            "-c",
-            "import bcrypt,sys; print(bcrypt.hashpw(sys.argv[1].encode(), bcrypt.gensalt(4)).decode())",
-            password,
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        hash.status.success(),
-        "{}",
-        String::from_utf8_lossy(&hash.stderr)
-    );
+    let hash = super::succeeds(Command::new(&python).args([
+        "-c",
+        "import bcrypt,sys; print(bcrypt.hashpw(sys.argv[1].encode(), bcrypt.gensalt(4)).decode())",
+        password,
+    ]));
     let htpasswd = dir.join("htpasswd");
     std::fs::write(
         &htpasswd,
