@@ -123,7 +123,7 @@ pub async fn run_agent(
     let mut installation_report: Option<OsInstallationReport> = None;
     // An installation runs beside the heartbeats, so a long download does not make the
     // machine look silent (and get it power-cycled mid-write by the recoverer).
-    let mut installing: Option<(i64, tokio::task::JoinHandle<Result<(), String>>)> = None;
+    let mut installing: Option<(i64, tokio::sync::oneshot::Receiver<Result<(), String>>)> = None;
     let mut reboot_after_ack = false;
     let mut failures = 0u32;
     loop {
@@ -145,10 +145,7 @@ pub async fn run_agent(
                     if req.generation > installed_generation && installing.is_none() {
                         let outcome: Result<(), String> = match req.r#type {
                             Some(os_installation_request::Type::Image(image)) => {
-                                installing = Some((
-                                    req.generation,
-                                    tokio::spawn(async move { install::install(&image).await }),
-                                ));
+                                installing = Some((req.generation, install::spawn(image)));
                                 Ok(())
                             }
                             Some(os_installation_request::Type::Metropolis(_)) => Err(
@@ -185,7 +182,7 @@ pub async fn run_agent(
         // goes out at once, and the reboot follows the server's acknowledgement.
         let ended = match installing.as_mut() {
             Some((_, task)) => tokio::select! {
-                r = task => Some(r.unwrap_or_else(|e| Err(format!("installation task failed: {e}")))),
+                r = task => Some(r.unwrap_or_else(|_| Err("the installation thread ended without an outcome".into()))),
                 _ = tokio::time::sleep(wait) => None,
             },
             None => {

@@ -5,6 +5,49 @@ use sha2::{Digest, Sha256};
 use shepherd_proto::bmaas::ImageInstallationRequest;
 use tokio::io::AsyncWriteExt;
 
+/// Starts [`install`] on a thread of its own, with a runtime of its own, at the lowest CPU
+/// priority; the outcome arrives on the returned channel. A machine being installed may have
+/// one slow CPU (a small VM, an emulated guest): downloading, hashing and writing an image
+/// would then keep the agent's heartbeats from running for longer than the recoverer waits
+/// before it power-cycles a silent machine, mid-write. At the lowest priority the installation
+/// takes only the CPU the heartbeats leave.
+pub fn spawn(
+    image: ImageInstallationRequest,
+) -> tokio::sync::oneshot::Receiver<Result<(), String>> {
+    let (done, outcome) = tokio::sync::oneshot::channel();
+    let started = std::thread::Builder::new()
+        .name("install".into())
+        .spawn(move || {
+            lowest_cpu_priority();
+            let result = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt.block_on(install(&image)),
+                Err(e) => Err(format!("starting the installation's runtime: {e}")),
+            };
+            let _ = done.send(result);
+        });
+    if let Err(e) = started {
+        // The sender went with the closure: the receiver reports the failure as a closed channel.
+        eprintln!("shepherd-agent: starting the installation thread: {e}");
+    }
+    outcome
+}
+
+/// Lowers the calling thread's CPU priority as far as it goes (nice 19); on Linux the nice
+/// value is per thread. Failing to is harmless: the installation then competes as equals.
+fn lowest_cpu_priority() {
+    // SAFETY: setpriority only reads its arguments; `0` names the calling thread.
+    let r = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) };
+    if r != 0 {
+        eprintln!(
+            "shepherd-agent: lowering the installation's CPU priority: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
 /// Downloads `image.url` into `image.target_device`, checking the sha256 over exactly the
 /// bytes written. An error means the device may hold a partial image; it is never reported as
 /// success.

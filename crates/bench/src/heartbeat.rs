@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use futures::stream::{self, StreamExt};
 use shepherd_bmdb::testing;
-use shepherd_bmdb::Bmdb;
+use shepherd_bmdb::{Bmdb, Processor};
 use shepherd_proto::agent::TakeoverInit;
 use shepherd_proto::bmaas::agent_callback_client::AgentCallbackClient;
 use shepherd_proto::bmaas::HeartbeatRequest;
@@ -215,6 +215,13 @@ pub async fn run(args: Args) -> Result<()> {
     let agents = Arc::new(agents);
 
     println!("measuring heartbeats for {} s", args.seconds);
+    // Transactions per heartbeat: the server's batches and its other transactions (reports,
+    // none here), over the heartbeats answered.
+    let writes = |db: &Bmdb| {
+        let (batches, _) = db.metrics().heartbeat_batches(Processor::Bmsrv);
+        batches + db.metrics().transactions_executed(Processor::Bmsrv)
+    };
+    let writes_before = writes(&db);
     let a = agents.clone();
     let (ours_ok, ours_failed) = hammer(args.agents, args.seconds, move |i| {
         let agent = &a[i];
@@ -230,6 +237,7 @@ pub async fn run(args: Args) -> Result<()> {
         }
     })
     .await;
+    let txn_per_hb = (writes(&db) - writes_before) as f64 / ours_ok.max(1) as f64;
     server.close().await?;
     drop(agents);
 
@@ -286,6 +294,7 @@ pub async fn run(args: Args) -> Result<()> {
          | raw `INSERT … ON CONFLICT DO UPDATE` | {raw:.0} | {raw_failed} |\n\n\
          The agent: idle RSS measured after 5 s of heartbeating once a second; binary size after `strip`.\n\n\
          ratio p3_heartbeat_vs_upsert = {ratio:.2}\n\
+         heartbeat_txn_per_hb = {txn_per_hb:.3}\n\
          agent_rss_mb = {rss:.1}\n\
          agent_binary_mb = {binary:.1}\n",
         agents = args.agents,

@@ -101,10 +101,12 @@ impl Inner {
     async fn begin_now(&self, mode: Mode) -> Result<Tx, Error> {
         let inner = match (&self.pools, mode) {
             (Pools::Sqlite { writer, .. }, Mode::Write) => {
+                let asked = std::time::Instant::now();
                 let tx = writer
                     .begin_with("BEGIN IMMEDIATE")
                     .await
                     .map_err(|e| self.explain_sqlite(e, "the SQLite writer"))?;
+                self.metrics.writer_waited(asked.elapsed());
                 Conn::Sqlite(SqliteTx {
                     tx,
                     now: Utc::now().timestamp_micros(),

@@ -3,6 +3,7 @@
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::{Process, Processor};
@@ -85,6 +86,27 @@ pub struct BmdbMetrics {
     claim_searches: Family<ClaimSearchLabels, Counter>,
     heartbeat_batches: Family<ProcessorLabels, Counter>,
     heartbeats_batched: Family<ProcessorLabels, Counter>,
+    sessions_expired: Family<ProcessorLabels, Counter>,
+    writer_wait: WriterWait,
+}
+
+/// How long write transactions waited for SQLite's one writer: a histogram, and the longest
+/// wait seen (for benchmarks and status output).
+#[derive(Debug)]
+struct WriterWait {
+    seconds: Histogram,
+    longest_us: std::sync::atomic::AtomicU64,
+}
+
+impl Default for WriterWait {
+    fn default() -> Self {
+        // 1 ms … ~16 s: past the session interval is what matters.
+        let buckets = prometheus_client::metrics::histogram::exponential_buckets(0.001, 2.0, 15);
+        WriterWait {
+            seconds: Histogram::new(buckets),
+            longest_us: Default::default(),
+        }
+    }
 }
 
 impl BmdbMetrics {
@@ -129,6 +151,16 @@ impl BmdbMetrics {
             "bmdb_heartbeat_batches",
             "Transactions that wrote a batch of agent heartbeats (group commit)",
             self.heartbeat_batches.clone(),
+        );
+        registry.register(
+            "bmdb_sessions_expired",
+            "BMDB sessions of this process that expired before they were closed (keep-alives did not get through in time); their work was lost",
+            self.sessions_expired.clone(),
+        );
+        registry.register(
+            "bmdb_sqlite_writer_wait_seconds",
+            "How long write transactions waited for SQLite's single writer (0 on Postgres: not observed)",
+            self.writer_wait.seconds.clone(),
         );
         registry.register(
             "bmdb_heartbeats_batched",
@@ -229,6 +261,32 @@ impl BmdbMetrics {
         self.heartbeats_batched
             .get_or_create(&Self::p(processor))
             .inc_by(size as u64);
+    }
+
+    pub(crate) fn session_expired(&self, processor: Processor) {
+        self.sessions_expired
+            .get_or_create(&Self::p(processor))
+            .inc();
+    }
+
+    /// Sessions of `processor` that expired so far.
+    pub fn sessions_expired(&self, processor: Processor) -> u64 {
+        self.sessions_expired
+            .get_or_create(&Self::p(processor))
+            .get()
+    }
+
+    pub(crate) fn writer_waited(&self, waited: std::time::Duration) {
+        use std::sync::atomic::Ordering;
+        self.writer_wait.seconds.observe(waited.as_secs_f64());
+        let us = waited.as_micros().min(u128::from(u64::MAX)) as u64;
+        self.writer_wait.longest_us.fetch_max(us, Ordering::Relaxed);
+    }
+
+    /// The longest a write transaction has waited for SQLite's writer so far.
+    pub fn longest_writer_wait(&self) -> std::time::Duration {
+        use std::sync::atomic::Ordering;
+        std::time::Duration::from_micros(self.writer_wait.longest_us.load(Ordering::Relaxed))
     }
 
     /// Heartbeat batches written so far for `processor`, and the heartbeats in them.

@@ -76,14 +76,27 @@ pub(crate) struct SessionInner {
 }
 
 impl SessionInner {
+    /// Marks the session expired, counting it the first time.
     fn mark_expired(&self) {
+        Self::expire(&mut self.state.lock().unwrap(), &self.db, self.processor);
+    }
+
+    /// Marks a session its owner closed: it can no longer commit, and did not expire.
+    fn mark_closed(&self) {
         self.state.lock().unwrap().expired = true;
+    }
+
+    fn expire(st: &mut LocalState, db: &Bmdb, processor: Processor) {
+        if !st.expired {
+            st.expired = true;
+            db.metrics().session_expired(processor);
+        }
     }
 
     pub(crate) fn ensure_alive(&self) -> Result<(), Error> {
         let mut st = self.state.lock().unwrap();
         if !st.expired && Instant::now() >= st.deadline {
-            st.expired = true;
+            Self::expire(&mut st, &self.db, self.processor);
         }
         if st.expired {
             Err(Error::SessionExpired)
@@ -394,7 +407,7 @@ impl Session {
                 Box::pin(async move { sql::sessions::delete_session(&mut tx.inner, id).await })
             })
             .await;
-        self.inner.mark_expired();
+        self.inner.mark_closed();
         result
     }
 }

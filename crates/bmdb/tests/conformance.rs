@@ -262,6 +262,9 @@ async fn session_expiry_releases_work(db: Bmdb) {
         a.work(Process::ShepherdAgentStart, START).await,
         Err(Error::SessionExpired)
     ));
+    // Counted once, however often it is found expired.
+    let expired = || db.metrics().sessions_expired(Processor::ShepherdInitializer);
+    assert_eq!(expired(), 1);
 
     // Until garbage collection its lock still holds; after it, another session can claim.
     let b = session(&db, "successor").await;
@@ -307,6 +310,7 @@ async fn session_expiry_releases_work(db: Bmdb) {
     work.cancel().await.unwrap();
     assert_eq!(history(&db, ids[0]).await.len(), 4);
     b.close().await.unwrap();
+    assert_eq!(expired(), 1, "a session closed by its owner did not expire");
 }
 
 async fn closing_a_session_releases_its_work(db: Bmdb) {

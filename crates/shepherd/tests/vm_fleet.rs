@@ -264,16 +264,21 @@ async fn a_vm_fleet_is_taken_over_installed_recovered_and_pins_host_keys() {
             ]),
     );
     let deadline = Instant::now() + Duration::from_secs(120);
+    let since = Instant::now();
+    let mut beats = Vec::new();
     let report = loop {
         let shown = show(&t.url, m);
         if !shown["installation_report"].is_null() {
             break shown["installation_report"].clone();
         }
+        beats.push(format!("+{}s {}", since.elapsed().as_secs(), shown["heartbeat_at"]));
         if Instant::now() > deadline {
             panic!(
-                "no installation report: {shown}\nserial console: {}\nserver log: {}",
+                "no installation report: {shown}\nheartbeats seen during the install: {beats:?}\n\
+                 serial console: {}\nserver log: {}\nrun log: {}",
                 installing.serial_log(),
-                std::fs::read_to_string(dir.path().join("server.log")).unwrap_or_default()
+                std::fs::read_to_string(dir.path().join("server.log")).unwrap_or_default(),
+                log()
             );
         }
         tokio::time::sleep(Duration::from_secs(1)).await;

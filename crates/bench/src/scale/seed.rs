@@ -1,0 +1,61 @@
+//! A large fleet written straight into a BMDB, fast: machines provided by the simulated
+//! provider (`sim-NNNNN`, as `SimFleet` names them) in a spread of lifecycle states, in
+//! transactions of a thousand.
+
+use anyhow::Result;
+use chrono::{Duration as Delta, Utc};
+use shepherd_bmdb::{Bmdb, Process, Provided, Provider};
+use uuid::Uuid;
+
+/// Machines per seeding transaction.
+const CHUNK: usize = 1000;
+
+/// Writes `n` machines: a tenth only provided, six tenths heartbeating, a tenth stale (last
+/// heartbeat an hour ago), a tenth with an agent that never heartbeated, a tenth in backoff.
+/// Returns their ids in provider-id order.
+pub async fn fleet(db: &Bmdb, n: usize) -> Result<Vec<Uuid>> {
+    let mut ids = Vec::with_capacity(n);
+    for start in (0..n).step_by(CHUNK) {
+        let end = (start + CHUNK).min(n);
+        let chunk = db
+            .transact(move |tx| {
+                Box::pin(async move {
+                    let now = tx.now().await?;
+                    let mut ids = Vec::with_capacity(end - start);
+                    for i in start..end {
+                        let id = tx.create_machine().await?;
+                        let mut provided = Provided::new(Provider::Sim, format!("sim-{i:05}"));
+                        provided.ip_address =
+                            Some(format!("10.{}.{}.{}", i >> 16, (i >> 8) & 255, i & 255));
+                        provided.location = Some(format!("rack-{}", i % 100));
+                        tx.set_provided(id, &provided).await?;
+                        let key = [(i % 251) as u8 + 1; 32];
+                        match i % 10 {
+                            0 => {}
+                            1..=6 => {
+                                tx.set_agent_started(id, &key).await?;
+                                tx.set_heartbeat(id).await?;
+                            }
+                            7 => {
+                                tx.set_agent_started(id, &key).await?;
+                                tx.set_heartbeat_at(id, Utc::now() - Delta::hours(1))
+                                    .await?;
+                            }
+                            8 => tx.set_agent_started(id, &key).await?,
+                            _ => {
+                                let until = now + Delta::hours(1);
+                                let cause = "ssh: connection refused";
+                                tx.set_backoff(id, Process::ShepherdAgentStart, until, 60, cause)
+                                    .await?
+                            }
+                        }
+                        ids.push(id);
+                    }
+                    Ok(ids)
+                })
+            })
+            .await?;
+        ids.extend(chunk);
+    }
+    Ok(ids)
+}
