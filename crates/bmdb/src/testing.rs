@@ -438,17 +438,25 @@ pub async fn session(db: &Bmdb, processor: crate::Processor) -> crate::Session {
         .expect("start a test session")
 }
 
-/// Polls `f` until it returns `Ok` and returns that value, failing the test when `within`
-/// passes first with a message naming `what` and the last `Err` (the state it was stuck in).
-/// It polls every 1/200 of `within`, between 20 and 500 ms. Tests that wait for the system to
-/// get somewhere wait through this, so no wait is unbounded and every timeout says where
-/// things stood.
+/// Polls `f` every 50 ms until it returns `Ok` and returns that value, failing the test when
+/// `within` passes first with a message naming `what` and the last `Err` (the state it was
+/// stuck in). Tests that wait for the system to get somewhere wait through this, so no wait is
+/// unbounded and every timeout says where things stood.
 pub async fn eventually<T, D: std::fmt::Debug>(
     what: &str,
     within: Duration,
+    f: impl AsyncFnMut() -> Result<T, D>,
+) -> T {
+    eventually_every(what, within, Duration::from_millis(50), f).await
+}
+
+/// [`eventually`], polling every `every`: for polls that cost more (a process per poll).
+pub async fn eventually_every<T, D: std::fmt::Debug>(
+    what: &str,
+    within: Duration,
+    every: Duration,
     mut f: impl AsyncFnMut() -> Result<T, D>,
 ) -> T {
-    let every = (within / 200).clamp(Duration::from_millis(20), Duration::from_millis(500));
     let deadline = tokio::time::Instant::now() + within;
     loop {
         match f().await {

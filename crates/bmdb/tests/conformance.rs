@@ -263,7 +263,10 @@ async fn session_expiry_releases_work(db: Bmdb) {
         Err(Error::SessionExpired)
     ));
     // Counted once, however often it is found expired.
-    let expired = || db.metrics().sessions_expired(Processor::ShepherdInitializer);
+    let expired = || {
+        db.metrics()
+            .sessions_expired(Processor::ShepherdInitializer)
+    };
     assert_eq!(expired(), 1);
 
     // Until garbage collection its lock still holds; after it, another session can claim.

@@ -24,9 +24,17 @@ const DEFAULT_PAGE: usize = 100;
 const MAX_PAGE: usize = 1000;
 /// Machines scanned per request when a state filter matches few of them.
 const SCAN_BUDGET: usize = 20_000;
-#[derive(Clone)]
+/// How long the fleet counts on the machines page are reused. Counting is O(fleet), and a
+/// page must not be: however many requests come, the counts are computed at most this often.
+const COUNTS_TTL: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The fleet counts last computed, and when.
+type CachedCounts = Option<(std::time::Instant, Arc<FleetCounts>)>;
+
 struct Ui {
     db: Bmdb,
+    /// Requests that need counts while they are being computed wait for that computation.
+    counts: tokio::sync::Mutex<CachedCounts>,
     /// Seconds between automatic page refreshes; 0 turns them off.
     refresh: u64,
     /// How old a last heartbeat must be to count as stale (the recoverer's threshold).
@@ -52,10 +60,31 @@ pub fn router(
         .route("/sessions/{id}", get(session))
         .with_state(Arc::new(Ui {
             db,
+            counts: tokio::sync::Mutex::new(None),
             refresh: refresh.as_secs(),
             stale_after: thresholds.stale_after(),
             brake,
         }))
+}
+
+impl Ui {
+    /// The fleet counts, at most [`COUNTS_TTL`] old.
+    async fn fleet_counts(&self) -> Result<Arc<FleetCounts>, PageError> {
+        let mut cached = self.counts.lock().await;
+        if let Some((at, counts)) = cached.as_ref() {
+            if at.elapsed() < COUNTS_TTL {
+                return Ok(counts.clone());
+            }
+        }
+        let stale_after = self.stale_after;
+        let counts = self
+            .db
+            .read(move |tx| Box::pin(async move { tx.fleet_counts(stale_after).await }))
+            .await?;
+        let counts = Arc::new(counts);
+        *cached = Some((std::time::Instant::now(), counts.clone()));
+        Ok(counts)
+    }
 }
 
 /// A page that could not be shown, with what to tell the operator.
@@ -212,10 +241,7 @@ async fn machines(
         stale_after,
     )
     .await?;
-    let counts = ui
-        .db
-        .read(move |tx| Box::pin(async move { tx.fleet_counts(stale_after).await }))
-        .await?;
+    let counts = ui.fleet_counts().await?;
     let link = |after: Option<Uuid>| {
         let mut params = vec![];
         if let Some(p) = provider {

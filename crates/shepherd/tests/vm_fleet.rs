@@ -271,7 +271,11 @@ async fn a_vm_fleet_is_taken_over_installed_recovered_and_pins_host_keys() {
         if !shown["installation_report"].is_null() {
             break shown["installation_report"].clone();
         }
-        beats.push(format!("+{}s {}", since.elapsed().as_secs(), shown["heartbeat_at"]));
+        beats.push(format!(
+            "+{}s {}",
+            since.elapsed().as_secs(),
+            shown["heartbeat_at"]
+        ));
         if Instant::now() > deadline {
             panic!(
                 "no installation report: {shown}\nheartbeats seen during the install: {beats:?}\n\

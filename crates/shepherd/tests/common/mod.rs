@@ -151,10 +151,11 @@ pub fn signal(child: &Child, name: &str) {
     assert!(ok, "kill -{name} failed");
 }
 
-/// Polls `f` until it returns `Some`, for at most `secs`.
+/// Polls `f` every half second until it returns `Some`, for at most `secs`.
 pub async fn wait_for<T>(what: &str, secs: u64, mut f: impl AsyncFnMut() -> Option<T>) -> T {
-    let within = Duration::from_secs(secs);
-    shepherd_bmdb::testing::eventually(what, within, async || f().await.ok_or("not yet")).await
+    let (within, every) = (Duration::from_secs(secs), Duration::from_millis(500));
+    let poll = async || f().await.ok_or("not yet");
+    shepherd_bmdb::testing::eventually_every(what, within, every, poll).await
 }
 
 /// The value of one sample of a Prometheus text exposition, if present.
