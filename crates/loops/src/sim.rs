@@ -43,6 +43,9 @@ pub struct SimKnobs {
     pub reboot_time: Duration,
     /// How often running agents heartbeat.
     pub heartbeat_interval: Duration,
+    /// The machines exist at the provider already and are ours, as after a restart over a
+    /// BMDB that records them: nothing is left to create, every machine is listed as in use.
+    pub deployed: bool,
 }
 
 /// How often the simulated agents look for heartbeats that are due (at most).
@@ -61,6 +64,7 @@ impl Default for SimKnobs {
             takeover_time: Duration::from_millis(50),
             reboot_time: Duration::from_millis(100),
             heartbeat_interval: Duration::from_secs(1),
+            deployed: false,
         }
     }
 }
@@ -175,7 +179,7 @@ impl SimFleet {
             .map(|i| SimMachine {
                 id: format!("sim-{i:05}"),
                 addr: format!("10.{}.{}.{}:22", i >> 16, (i >> 8) & 255, i & 255),
-                used: false,
+                used: knobs.deployed,
                 host_key: fake_host_key(),
                 agent: None,
             })
@@ -551,5 +555,27 @@ mod tests {
             fleet.get_machine("nope").await,
             Err(ProviderError::NotFound(_))
         ));
+    }
+
+    #[tokio::test]
+    async fn a_deployed_fleet_is_all_ours_and_agrees_with_a_bmdb_that_records_it() {
+        let knobs = SimKnobs {
+            deployed: true,
+            ..Default::default()
+        };
+        let fleet = SimFleet::new(100, knobs).unwrap();
+        let list = fleet.list_machines().await.unwrap();
+        assert!(list
+            .iter()
+            .all(|m| m.availability == Availability::KnownUsed));
+        // After a restart over a BMDB that records every machine: nothing to create, no
+        // discrepancy.
+        let recorded = list.iter().filter_map(|m| m.id.clone()).collect();
+        let plan = crate::reconcile::reconcile(&list, &recorded, Default::default()).unwrap();
+        assert_eq!((plan.managed, plan.create.len()), (100, 0));
+        // A fresh fleet over the same BMDB disagrees with it, which is what the flag is for.
+        let fresh = SimFleet::new(100, SimKnobs::default()).unwrap();
+        let fresh = fresh.list_machines().await.unwrap();
+        assert!(crate::reconcile::reconcile(&fresh, &recorded, Default::default()).is_err());
     }
 }

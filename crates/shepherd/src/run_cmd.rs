@@ -154,6 +154,10 @@ pub struct SimArgs {
     /// Sim provider: how often each simulated agent heartbeats (real agents: 30 s).
     #[arg(long, env = "SHEPHERD_SIM_HEARTBEAT_INTERVAL", default_value = "30s", value_parser = duration)]
     pub sim_heartbeat_interval: Duration,
+    /// Sim provider: the machines exist already and the BMDB records them as provided (as
+    /// after a restart): nothing is left to provision.
+    #[arg(long, env = "SHEPHERD_SIM_DEPLOYED")]
+    pub sim_deployed: bool,
 }
 
 impl SimArgs {
@@ -164,6 +168,7 @@ impl SimArgs {
             silent_agent: self.sim_silent_agent_rate,
             takeover_time: self.sim_takeover_time,
             heartbeat_interval: self.sim_heartbeat_interval,
+            deployed: self.sim_deployed,
             ..SimKnobs::default()
         }
     }

@@ -80,7 +80,7 @@ pub struct Args {
     #[arg(long, default_values_t = [1_000, 100_000], num_args = 2)]
     web: Vec<usize>,
     /// Rounds of paging through every filter.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 20)]
     web_rounds: usize,
     /// Where to write the report.
     #[arg(long, default_value = "bench/results/scale.md")]
@@ -153,7 +153,7 @@ pub async fn run(args: Args) -> Result<()> {
         let bound = spec.workers as f64 / spec.takeover.as_secs_f64();
         report.row(
             &format!(
-                "`shepherd run --provider sim`, Postgres, {} machines, {} workers × {} ms: takeovers/s / bound; provisioned in, s; peak RSS, MB",
+                "`shepherd run --provider sim --sim-deployed`, Postgres, {} machines provided, {} workers × {} ms: takeovers/s / bound; first takeover after, s; peak RSS, MB",
                 spec.machines, spec.workers, args.run_takeover_ms
             ),
             format!(

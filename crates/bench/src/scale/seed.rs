@@ -10,10 +10,21 @@ use uuid::Uuid;
 /// Machines per seeding transaction.
 const CHUNK: usize = 1000;
 
+/// Writes `n` machines provided by the simulated provider and nothing more: a backlog for the
+/// initializer. Returns their ids in provider-id order.
+pub async fn provided(db: &Bmdb, n: usize) -> Result<Vec<Uuid>> {
+    write(db, n, false).await
+}
+
 /// Writes `n` machines: a tenth only provided, six tenths heartbeating, a tenth stale (last
 /// heartbeat an hour ago), a tenth with an agent that never heartbeated, a tenth in backoff.
 /// Returns their ids in provider-id order.
 pub async fn fleet(db: &Bmdb, n: usize) -> Result<Vec<Uuid>> {
+    write(db, n, true).await
+}
+
+/// Writes `n` provided machines, in the states of [`fleet`] if `states`, else no more.
+async fn write(db: &Bmdb, n: usize, states: bool) -> Result<Vec<Uuid>> {
     let mut ids = Vec::with_capacity(n);
     for start in (0..n).step_by(CHUNK) {
         let end = (start + CHUNK).min(n);
@@ -25,11 +36,20 @@ pub async fn fleet(db: &Bmdb, n: usize) -> Result<Vec<Uuid>> {
                     for i in start..end {
                         let id = tx.create_machine().await?;
                         let mut provided = Provided::new(Provider::Sim, format!("sim-{i:05}"));
-                        provided.ip_address =
-                            Some(format!("10.{}.{}.{}", i >> 16, (i >> 8) & 255, i & 255));
-                        provided.location = Some(format!("rack-{}", i % 100));
+                        let addr = format!("10.{}.{}.{}", i >> 16, (i >> 8) & 255, i & 255);
+                        if states {
+                            provided.ip_address = Some(addr);
+                            provided.location = Some(format!("rack-{}", i % 100));
+                        } else {
+                            // Exactly what `SimFleet` lists, so the updater has nothing to write.
+                            provided.ip_address = Some(format!("{addr}:22"));
+                        }
                         tx.set_provided(id, &provided).await?;
                         let key = [(i % 251) as u8 + 1; 32];
+                        if !states {
+                            ids.push(id);
+                            continue;
+                        }
                         match i % 10 {
                             0 => {}
                             1..=6 => {
