@@ -279,7 +279,7 @@ impl BmdbMetrics {
     pub(crate) fn writer_waited(&self, waited: std::time::Duration) {
         use std::sync::atomic::Ordering;
         self.writer_wait.seconds.observe(waited.as_secs_f64());
-        let us = waited.as_micros().min(u128::from(u64::MAX)) as u64;
+        let us = u64::try_from(waited.as_micros()).unwrap_or(u64::MAX);
         self.writer_wait.longest_us.fetch_max(us, Ordering::Relaxed);
     }
 

@@ -540,7 +540,7 @@ pub async fn agents_silent_for_hours(db: &Bmdb, machines: &[uuid::Uuid]) {
     db.transact(move |tx| {
         let machines = machines.clone();
         Box::pin(async move {
-            let long_ago = chrono::Utc::now() - chrono::Duration::hours(2);
+            let long_ago = tx.now().await? - chrono::Duration::hours(2);
             for (n, id) in machines.into_iter().enumerate() {
                 tx.set_agent_started_at(id, Some(long_ago), &[n as u8 + 1; 32])
                     .await?;

@@ -50,8 +50,8 @@ struct Counts {
 
 #[derive(Debug, Default)]
 struct State {
-    pending: usize,
-    established: usize,
+    /// Slots held by all peers together.
+    total: Counts,
     peers: HashMap<PeerKey, Counts>,
 }
 
@@ -79,18 +79,12 @@ enum Slot {
     Connection,
 }
 
-impl Slot {
-    fn of_state(self, s: &mut State) -> &mut usize {
-        match self {
-            Slot::Handshake => &mut s.pending,
-            Slot::Connection => &mut s.established,
-        }
-    }
-
-    fn of_peer(self, c: &mut Counts) -> &mut usize {
-        match self {
-            Slot::Handshake => &mut c.pending,
-            Slot::Connection => &mut c.established,
+impl Counts {
+    /// The count of `slot`s held.
+    fn of(&mut self, slot: Slot) -> &mut usize {
+        match slot {
+            Slot::Handshake => &mut self.pending,
+            Slot::Connection => &mut self.established,
         }
     }
 }
@@ -126,7 +120,7 @@ impl Admission {
     pub fn handshake(self: &Arc<Self>, ip: IpAddr) -> Result<HandshakeTicket, Rejection> {
         let peer = PeerKey::of(ip);
         let mut s = self.lock();
-        let rejection = if s.pending >= self.caps.pending_handshakes {
+        let rejection = if s.total.pending >= self.caps.pending_handshakes {
             Some(Rejection::PendingHandshakes)
         } else if s.peer(peer).pending >= self.caps.pending_handshakes_per_peer {
             Some(Rejection::PendingHandshakesPerPeer)
@@ -139,7 +133,7 @@ impl Admission {
             self.metrics.rejected(r);
             return Err(r);
         }
-        s.pending += 1;
+        s.total.pending += 1;
         s.peer(peer).pending += 1;
         drop(s);
         self.metrics.handshaking.inc();
@@ -153,8 +147,8 @@ impl Admission {
     /// Gives back a slot `peer` held.
     fn release(&self, peer: PeerKey, slot: Slot) {
         let mut s = self.lock();
-        *slot.of_state(&mut s) -= 1;
-        *slot.of_peer(s.peer(peer)) -= 1;
+        *s.total.of(slot) -= 1;
+        *s.peer(peer).of(slot) -= 1;
         s.tidy(peer);
         drop(s);
         match slot {
@@ -166,7 +160,7 @@ impl Admission {
     /// Slots held now: (handshakes, established connections, peers holding any).
     pub fn held(&self) -> (usize, usize, usize) {
         let s = self.lock();
-        (s.pending, s.established, s.peers.len())
+        (s.total.pending, s.total.established, s.peers.len())
     }
 }
 
@@ -183,7 +177,7 @@ impl HandshakeTicket {
     pub fn establish(mut self) -> Result<ConnectionTicket, Rejection> {
         let a = self.admission.clone();
         let mut s = a.lock();
-        let rejection = if s.established >= a.caps.connections {
+        let rejection = if s.total.established >= a.caps.connections {
             Some(Rejection::Connections)
         } else if s.peer(self.peer).established >= a.caps.connections_per_peer {
             Some(Rejection::ConnectionsPerPeer)
@@ -195,8 +189,8 @@ impl HandshakeTicket {
             a.metrics.rejected(r);
             return Err(r); // `self` drops here and returns the handshake slot
         }
-        s.pending -= 1;
-        s.established += 1;
+        s.total.pending -= 1;
+        s.total.established += 1;
         let c = s.peer(self.peer);
         c.pending -= 1;
         c.established += 1;

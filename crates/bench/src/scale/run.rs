@@ -41,7 +41,6 @@ pub async fn measure(shepherd: &Path, spec: &RunSpec) -> Result<RunResult> {
     let seeding = Instant::now();
     let db = Bmdb::open_with(&url, &OpenOptions::migrating(true)).await?;
     super::seed::provided(&db, spec.machines).await?;
-    db.close().await;
     eprintln!(
         "seeded {} provided machines in {:.0?}",
         spec.machines,
@@ -67,15 +66,16 @@ pub async fn measure(shepherd: &Path, spec: &RunSpec) -> Result<RunResult> {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()?;
-    let result = watch(&mut child, &url, spec).await;
+    let result = watch(&mut child, &db, spec).await;
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();
     let _ = child.wait();
+    db.close().await;
     result
 }
 
-async fn watch(child: &mut std::process::Child, url: &str, spec: &RunSpec) -> Result<RunResult> {
+async fn watch(child: &mut std::process::Child, db: &Bmdb, spec: &RunSpec) -> Result<RunResult> {
     let pid = child.id();
     let started = Instant::now();
     let mut peak_kib = 0u64;
@@ -85,17 +85,6 @@ async fn watch(child: &mut std::process::Child, url: &str, spec: &RunSpec) -> Re
         }
         peak_kib = peak_kib.max(super::vm_hwm_kib(pid).unwrap_or(0));
         Ok(())
-    };
-    let db = loop {
-        sample(child)?;
-        if let Ok(db) = Bmdb::open(url).await {
-            break db;
-        }
-        anyhow::ensure!(
-            started.elapsed() < Duration::from_secs(60),
-            "never migrated"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
     };
     let n = spec.machines as i64;
     // The window starts with the first takeover, once the process is up.
@@ -120,7 +109,6 @@ async fn watch(child: &mut std::process::Child, url: &str, spec: &RunSpec) -> Re
     let elapsed = window_started.elapsed().as_secs_f64();
     anyhow::ensure!(after < n, "the fleet ran out of machines inside the window");
     sample(child)?;
-    db.close().await;
     Ok(RunResult {
         provisioned_in,
         takeovers_per_second: (after - before) as f64 / elapsed,

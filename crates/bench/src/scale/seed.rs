@@ -3,7 +3,7 @@
 //! transactions of a thousand.
 
 use anyhow::Result;
-use chrono::{Duration as Delta, Utc};
+use chrono::Duration as Delta;
 use shepherd_bmdb::{Bmdb, Process, Provided, Provider};
 use uuid::Uuid;
 
@@ -58,8 +58,7 @@ async fn write(db: &Bmdb, n: usize, states: bool) -> Result<Vec<Uuid>> {
                             }
                             7 => {
                                 tx.set_agent_started(id, &key).await?;
-                                tx.set_heartbeat_at(id, Utc::now() - Delta::hours(1))
-                                    .await?;
+                                tx.set_heartbeat_at(id, now - Delta::hours(1)).await?;
                             }
                             8 => tx.set_agent_started(id, &key).await?,
                             _ => {
