@@ -35,7 +35,8 @@ impl RecoveryThresholds {
 /// A rule selecting machines in a state a process can act on.
 ///
 /// Every rule also requires, for the claiming process: no active work of any process in its
-/// [`Process::exclusion_set`] and no active backoff of that process.
+/// [`Process::exclusion_set`], no active backoff of that process, and the machine not in
+/// maintenance.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Retrieval {
     /// Provided by `provider`, agent not started, and no fulfilled-or-pending installation

@@ -28,10 +28,18 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
             sqlite: include_str!("../migrations/sqlite/0002_machine_recovery.sql"),
         },
     },
+    Migration {
+        version: 3,
+        name: "operator_actions",
+        script: Dialects {
+            postgres: include_str!("../migrations/postgres/0003_operator_actions.sql"),
+            sqlite: include_str!("../migrations/sqlite/0003_operator_actions.sql"),
+        },
+    },
 ];
 
 /// The schema version this binary needs and writes.
-pub const SCHEMA_VERSION: i64 = 2;
+pub const SCHEMA_VERSION: i64 = 3;
 
 #[cfg(test)]
 mod tests {

@@ -99,6 +99,38 @@ text_enum! {
 }
 
 text_enum! {
+    /// Something an operator did to a machine, recorded in `operator_actions`.
+    OperatorAction {
+        /// Took the machine out of the loops' hands.
+        MaintenanceOn,
+        /// Gave the machine back to the loops.
+        MaintenanceOff,
+        /// Ended the machine's backoffs now.
+        Retry,
+        /// Forgot the machine's pinned SSH host key.
+        ForgetHostKey,
+        /// Removed the machine from the BMDB, keeping its history and barring its provider id.
+        Decommission,
+        /// Let the provisioner bring a decommissioned provider id back.
+        Recommission,
+    }
+}
+
+impl OperatorAction {
+    /// The action as operators type it ("maintenance-on").
+    pub fn slug(self) -> &'static str {
+        match self {
+            OperatorAction::MaintenanceOn => "maintenance-on",
+            OperatorAction::MaintenanceOff => "maintenance-off",
+            OperatorAction::Retry => "retry",
+            OperatorAction::ForgetHostKey => "forget-host-key",
+            OperatorAction::Decommission => "decommission",
+            OperatorAction::Recommission => "recommission",
+        }
+    }
+}
+
+text_enum! {
     /// Which component a session belongs to; the `processor` label of BMDB metrics (SPEC §16).
     Processor {
         /// Shown as `shepherd-initializer`.
@@ -113,6 +145,10 @@ text_enum! {
         Bmsrv,
         /// Shown as `scruffy-stats`.
         ScruffyStats,
+        /// Shown as `shepherd-operator`: an operator's command (`shepherd machines …`).
+        ShepherdOperator,
+        /// Shown as `shepherd-retention`: history retention.
+        ShepherdRetention,
         /// Shown as `unknown`.
         Unknown,
     }
@@ -128,6 +164,8 @@ impl Processor {
             Processor::ShepherdUpdater => "shepherd-updater",
             Processor::Bmsrv => "bmsrv",
             Processor::ScruffyStats => "scruffy-stats",
+            Processor::ShepherdOperator => "shepherd-operator",
+            Processor::ShepherdRetention => "shepherd-retention",
             Processor::Unknown => "unknown",
         }
     }
@@ -352,4 +390,81 @@ mod tests {
             .is_err());
         assert!(Provided::new(Provider::Sim, "").validate().is_err());
     }
+}
+
+/// Who did an operator action and why; both are kept in the history.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Operator {
+    /// The operator's name (the login name, or what `--by` says).
+    pub by: String,
+    /// Why (`--reason`); may be empty where the command does not require one.
+    pub reason: String,
+}
+
+impl Operator {
+    /// Longest name or reason kept.
+    pub const MAX_LEN: usize = 1000;
+
+    /// An operator with a name and a reason, checked: the name must not be empty and neither
+    /// may exceed [`Operator::MAX_LEN`] bytes.
+    pub fn new(by: impl Into<String>, reason: impl Into<String>) -> Result<Operator, Error> {
+        let (by, reason) = (by.into(), reason.into());
+        if by.trim().is_empty() {
+            return Err(Error::InvalidValue("the operator's name is empty".into()));
+        }
+        if by.len() > Self::MAX_LEN || reason.len() > Self::MAX_LEN {
+            return Err(Error::InvalidValue(format!(
+                "the operator's name and reason may be at most {} bytes each",
+                Self::MAX_LEN
+            )));
+        }
+        Ok(Operator { by, reason })
+    }
+}
+
+/// The `machine_maintenance` tag: an operator took the machine out of the loops' hands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Maintenance {
+    /// When maintenance began.
+    pub since: DateTime<Utc>,
+    /// Who began it.
+    pub by: String,
+    /// Why.
+    pub reason: String,
+}
+
+/// One entry of the operators' history of a machine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ActionEntry {
+    /// Ordering key.
+    pub id: i64,
+    /// The machine acted on.
+    pub machine_id: Uuid,
+    /// What was done.
+    pub action: OperatorAction,
+    /// The process it concerned, where it concerned one (a retry of one process's backoff).
+    pub process: Option<Process>,
+    /// When (the database clock).
+    pub at: DateTime<Utc>,
+    /// Who.
+    pub by: String,
+    /// Why, and what the action found (e.g. the forgotten key).
+    pub reason: String,
+}
+
+/// A provider id an operator decommissioned; the provisioner leaves it alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decommissioned {
+    /// The machine's provider.
+    pub provider: Provider,
+    /// The provider's id of the machine.
+    pub provider_id: String,
+    /// The machine id it had (its history is kept under it).
+    pub machine_id: Uuid,
+    /// When it was decommissioned.
+    pub at: DateTime<Utc>,
+    /// Who decommissioned it.
+    pub by: String,
+    /// Why.
+    pub reason: String,
 }

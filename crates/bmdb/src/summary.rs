@@ -28,12 +28,16 @@ pub struct MachineSummary {
     pub request_generation: Option<i64>,
     /// Generation and result of its OS installation report.
     pub report: Option<(i64, InstallationResult)>,
+    /// Whether an operator put it in maintenance.
+    pub maintenance: bool,
 }
 
 /// A machine's place in its lifecycle, derived from its tags; the first that applies wins, in
 /// the order of the variants.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Lifecycle {
+    /// An operator took it out of the loops' hands (work already running may still finish).
+    Maintenance,
     /// Held by a loop right now.
     InWork,
     /// A loop failed on it and waits.
@@ -56,7 +60,8 @@ pub enum Lifecycle {
 
 impl Lifecycle {
     /// Every state, in precedence order.
-    pub const ALL: [Lifecycle; 9] = [
+    pub const ALL: [Lifecycle; 10] = [
+        Lifecycle::Maintenance,
         Lifecycle::InWork,
         Lifecycle::InBackoff,
         Lifecycle::Installed,
@@ -71,6 +76,7 @@ impl Lifecycle {
     /// The state's name for people ("agent starting").
     pub fn label(self) -> &'static str {
         match self {
+            Lifecycle::Maintenance => "maintenance",
             Lifecycle::InWork => "in work",
             Lifecycle::InBackoff => "in backoff",
             Lifecycle::Installed => "installed",
@@ -86,6 +92,7 @@ impl Lifecycle {
     /// The state's name in URLs, flags and metric labels ("agent-starting").
     pub fn slug(self) -> &'static str {
         match self {
+            Lifecycle::Maintenance => "maintenance",
             Lifecycle::InWork => "in-work",
             Lifecycle::InBackoff => "in-backoff",
             Lifecycle::Installed => "installed",
@@ -133,7 +140,9 @@ impl MachineSummary {
     /// The lifecycle state at `now` (the database's clock): a heartbeat older than
     /// `stale_after` (the recoverer's [`crate::RecoveryThresholds::stale_after`]) is stale.
     pub fn lifecycle(&self, now: DateTime<Utc>, stale_after: chrono::Duration) -> Lifecycle {
-        if !self.work.is_empty() {
+        if self.maintenance {
+            Lifecycle::Maintenance
+        } else if !self.work.is_empty() {
             Lifecycle::InWork
         } else if self.backoff_until.is_some_and(|u| u > now) {
             Lifecycle::InBackoff
@@ -178,6 +187,10 @@ pub struct FleetCounts {
     pub work: Vec<(Process, i64)>,
     /// Backoffs still in the future, per process.
     pub backoffs: Vec<(Process, i64)>,
+    /// Machines an operator put in maintenance.
+    pub maintenance: i64,
+    /// Provider ids an operator decommissioned (and did not recommission).
+    pub decommissioned: i64,
 }
 
 #[cfg(test)]
@@ -196,6 +209,7 @@ mod tests {
             backoff_until: None,
             request_generation: None,
             report: None,
+            maintenance: false,
         }
     }
 
@@ -229,6 +243,8 @@ mod tests {
         assert_eq!(m.lifecycle(now, STALE), Lifecycle::InBackoff);
         m.work = vec![Process::ShepherdRecovery];
         assert_eq!(m.lifecycle(now, STALE), Lifecycle::InWork);
+        m.maintenance = true;
+        assert_eq!(m.lifecycle(now, STALE), Lifecycle::Maintenance);
     }
 
     #[test]

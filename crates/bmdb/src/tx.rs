@@ -381,6 +381,19 @@ impl Tx {
         sql::endings::insert_work_raw(&mut self.inner, machine, session, process).await
     }
 
+    /// Test support: appends a work history entry with any time (to build old history).
+    #[cfg(feature = "testing")]
+    pub async fn insert_history_raw(
+        &mut self,
+        machine: Uuid,
+        process: Process,
+        event: WorkEvent,
+        at: DateTime<Utc>,
+        cause: Option<&str>,
+    ) -> Result<(), Error> {
+        sql::endings::insert_history_raw(&mut self.inner, machine, process, event, at, cause).await
+    }
+
     /// Test support: deletes a session row (its work cascades) behind its owner's back, as a
     /// partition plus another replica's garbage collection would.
     #[cfg(feature = "testing")]
@@ -418,5 +431,34 @@ impl Tx {
         process: Option<Process>,
     ) -> Result<u64, Error> {
         sql::endings::clear_backoffs(&mut self.inner, machine, process).await
+    }
+
+    /// The machine's maintenance, if an operator put it in maintenance.
+    pub async fn maintenance(&mut self, id: Uuid) -> Result<Option<Maintenance>, Error> {
+        sql::operator::maintenance(&mut self.inner, id).await
+    }
+
+    /// The operators' history of a machine, oldest first.
+    pub async fn machine_actions(&mut self, id: Uuid) -> Result<Vec<ActionEntry>, Error> {
+        sql::operator::machine_actions(&mut self.inner, id).await
+    }
+
+    /// The decommissioning record of a machine id, if it was decommissioned.
+    pub async fn decommissioned(&mut self, id: Uuid) -> Result<Option<Decommissioned>, Error> {
+        sql::operator::decommissioned(&mut self.inner, id).await
+    }
+
+    /// The provider ids of `provider` an operator decommissioned, in id order.
+    pub async fn decommissioned_ids(&mut self, provider: Provider) -> Result<Vec<String>, Error> {
+        sql::operator::decommissioned_ids(&mut self.inner, provider).await
+    }
+
+    /// Whether an operator decommissioned this provider id.
+    pub async fn is_decommissioned(
+        &mut self,
+        provider: Provider,
+        provider_id: &str,
+    ) -> Result<bool, Error> {
+        sql::operator::is_decommissioned(&mut self.inner, provider, provider_id).await
     }
 }

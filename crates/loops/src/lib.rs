@@ -18,6 +18,7 @@ pub mod provisioner;
 pub mod reconcile;
 pub mod recoverer;
 pub mod redfish;
+pub mod retention;
 pub mod runner;
 pub mod sim;
 pub mod static_provider;

@@ -195,6 +195,15 @@ pub async fn record_new_machine(
             move |tx| {
                 let provided = provided.clone();
                 Box::pin(async move {
+                    if tx
+                        .is_decommissioned(provided.provider, &provided.provider_id)
+                        .await?
+                    {
+                        return Err(shepherd_bmdb::Error::InvalidValue(format!(
+                            "provider id {:?} was decommissioned by an operator",
+                            provided.provider_id
+                        )));
+                    }
                     if let Some(existing) = tx
                         .machine_by_provider_id(provided.provider, &provided.provider_id)
                         .await?

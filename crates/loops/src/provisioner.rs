@@ -46,6 +46,8 @@ pub struct IterationReport {
     pub adopted: usize,
     /// Creations that failed (logged and skipped).
     pub failed: usize,
+    /// Listed machines an operator decommissioned, left alone.
+    pub decommissioned: usize,
 }
 
 /// The provisioner for one provider.
@@ -68,11 +70,22 @@ impl<P: Provider> Provisioner<P> {
     /// One reconciliation (SPEC §7 steps 1–5). A discrepancy between the provider and the
     /// BMDB is an error and nothing is created.
     pub async fn iterate(&self, session: &Session) -> anyhow::Result<IterationReport> {
-        let (listed, recorded) = listed_and_recorded(&*self.provider, session).await?;
+        let (mut listed, recorded) = listed_and_recorded(&*self.provider, session).await?;
         let in_bmdb: BTreeSet<String> = recorded.into_iter().map(|(_, p)| p.provider_id).collect();
+        // A decommissioned machine is neither ours nor a candidate: the operator took it out
+        // and only a recommission brings it back.
+        let kind = self.provider.kind();
+        let barred: BTreeSet<String> = session
+            .read(move |tx| Box::pin(async move { tx.decommissioned_ids(kind).await }))
+            .await?
+            .into_iter()
+            .collect();
+        let before = listed.len();
+        listed.retain(|m| m.valid_id().is_none_or(|id| !barred.contains(id)));
         let plan = reconcile(&listed, &in_bmdb, self.config.limits)?;
         let mut report = IterationReport {
             managed: plan.managed,
+            decommissioned: before - listed.len(),
             ..Default::default()
         };
         for machine in &plan.create {
@@ -120,6 +133,7 @@ impl<P: Provider> Pass for Provisioner<P> {
             created = r.created,
             adopted = r.adopted,
             failed = r.failed,
+            decommissioned = r.decommissioned,
             "reconciled"
         );
         Ok(())

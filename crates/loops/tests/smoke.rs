@@ -18,6 +18,7 @@ use shepherd_loops::recoverer::Recoverer;
 use shepherd_loops::runner::{self, RunnerConfig};
 use shepherd_loops::testing::test_agent_path;
 use shepherd_loops::transport::{AgentOutput, AgentRun, Transport};
+use shepherd_loops::updater::Updater;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -165,6 +166,93 @@ async fn provisioner_stops_at_max(db: Bmdb) {
     cancel.cancel();
     run.await.unwrap();
     assert_eq!(provided_ids(&db).await.len(), 10);
+}
+
+/// A decommissioned machine the provider still lists as ours is left alone — neither brought
+/// back nor a discrepancy — until an operator recommissions it; then it comes back as a new
+/// machine.
+async fn provisioner_leaves_decommissioned_machines_alone(db: Bmdb) {
+    let provider = Arc::new(Dummy::with_capacity(3));
+    let p = Provisioner::new(provider.clone(), unpaced(0, 10));
+    let s = testing::session(&db, Processor::ShepherdProvisioner).await;
+    assert_eq!(p.iterate(&s).await.unwrap().created, 3);
+    let machine = |provider_id: &'static str| {
+        let db = db.clone();
+        async move {
+            db.read(move |tx| {
+                Box::pin(
+                    async move { tx.machine_by_provider_id(Provider::None, provider_id).await },
+                )
+            })
+            .await
+            .unwrap()
+        }
+    };
+    let old = machine("dummy-001").await.unwrap();
+    let operator = testing::session(&db, Processor::ShepherdOperator).await;
+    let who = Operator::new("bob", "chassis returned to the vendor").unwrap();
+    assert!(matches!(
+        operator.decommission(old, &who).await.unwrap(),
+        ActionOutcome::Done(Some(_))
+    ));
+    for _ in 0..3 {
+        let r = p.iterate(&s).await.unwrap();
+        assert_eq!((r.managed, r.created, r.decommissioned), (2, 0, 1));
+    }
+    assert_eq!(provided_ids(&db).await, vec!["dummy-000", "dummy-002"]);
+    // A creation racing the decommission is refused by the BMDB itself.
+    let err = record_new_machine(
+        &s,
+        Provider::None,
+        &Dummy::machine("dummy-001", Availability::KnownUnused),
+    )
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("decommissioned"), "{err}");
+
+    // Recommissioned, the machine (listed as possibly ours, as after a provider-side wipe)
+    // is brought back under a new machine id.
+    assert!(matches!(
+        operator.recommission(old, &who).await.unwrap(),
+        ActionOutcome::Done(_)
+    ));
+    provider
+        .machines
+        .lock()
+        .unwrap()
+        .insert("dummy-001".into(), Availability::PossiblyUsed);
+    assert_eq!(p.iterate(&s).await.unwrap().created, 1);
+    let new = machine("dummy-001").await.unwrap();
+    assert_ne!(new, old);
+    assert_eq!(provided_ids(&db).await.len(), 3);
+}
+
+/// Maintenance keeps the loops that act on a machine away, not the updater: the machine's
+/// facts still follow the provider.
+async fn the_updater_refreshes_machines_in_maintenance(db: Bmdb) {
+    let provider = Arc::new(Dummy::with_capacity(2));
+    let p = Provisioner::new(provider.clone(), unpaced(0, 10));
+    let s = testing::session(&db, Processor::ShepherdProvisioner).await;
+    assert_eq!(p.iterate(&s).await.unwrap().created, 2);
+    let id = db
+        .read(|tx| {
+            Box::pin(async move { tx.machine_by_provider_id(Provider::None, "dummy-000").await })
+        })
+        .await
+        .unwrap()
+        .unwrap();
+    let operator = testing::session(&db, Processor::ShepherdOperator).await;
+    let who = Operator::new("bob", "RAM test").unwrap();
+    operator.maintenance_on(id, &who).await.unwrap();
+    provider.machines.lock().unwrap().remove("dummy-000");
+    let updater = Updater::new(provider.clone(), fast());
+    updater.iterate(&s).await.unwrap();
+    let tag = db
+        .read(move |tx| Box::pin(async move { tx.provided(id).await }))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(tag.status, Some(ProviderStatus::Missing));
 }
 
 async fn failed_creations_do_not_stop_the_others(db: Bmdb) {
@@ -548,6 +636,8 @@ async fn a_refused_commit_fails_the_work_with_its_cause(db: Bmdb) {
 shepherd_bmdb::conformance_tests!(
     a_refused_commit_fails_the_work_with_its_cause,
     provisioner_stops_at_max,
+    provisioner_leaves_decommissioned_machines_alone,
+    the_updater_refreshes_machines_in_maintenance,
     initializer_starts_the_agent_on_all_provided,
     failed_creations_do_not_stop_the_others,
     discrepancy_means_no_action,

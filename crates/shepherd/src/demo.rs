@@ -177,6 +177,7 @@ fn settings(args: &DemoArgs) -> FleetSettings {
         recoverer_metrics: Default::default(),
         updater_rate: fast(2000, 1),
         session_interval: Duration::from_secs(5),
+        history_retention: None,
     }
 }
 

@@ -3,13 +3,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use shepherd_bmdb::{Backoff, Bmdb, Processor, RecoveryThresholds, SessionConfig};
+use shepherd_bmdb::{
+    Backoff, Bmdb, HistoryRetention, Processor, RecoveryThresholds, SessionConfig,
+};
 use shepherd_loops::brake::{Brake, BrakeConfig, BrakeMetrics};
 use shepherd_loops::initializer::{Initializer, InitializerConfig};
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::provider::{Provider, Recoverer as RecovererProvider};
 use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
 use shepherd_loops::recoverer::{Recoverer, RecovererMetrics, RepeatPolicy};
+use shepherd_loops::retention::{HistoryPruner, RETENTION_RATE};
 use shepherd_loops::runner::{self, RunnerConfig};
 use shepherd_loops::transport::Transport;
 use shepherd_loops::updater::Updater;
@@ -51,6 +54,8 @@ pub struct FleetSettings {
     pub updater_rate: RateSpec,
     /// Session keep-alive interval.
     pub session_interval: Duration,
+    /// How long history is kept; `None` keeps it forever.
+    pub history_retention: Option<HistoryRetention>,
 }
 
 fn session(name: &str, processor: Processor, interval: Duration) -> SessionConfig {
@@ -131,7 +136,19 @@ where
             let _ = braking.await;
         }
     };
-    tokio::join!(provisioning, initializing, recovering, updating);
+    let pruning = async {
+        if let Some(retention) = settings.history_retention {
+            HistoryPruner::new(retention)
+                .run(
+                    RETENTION_RATE,
+                    db.clone(),
+                    session("shepherd-retention", Processor::ShepherdRetention, interval),
+                    cancel.clone(),
+                )
+                .await;
+        }
+    };
+    tokio::join!(provisioning, initializing, recovering, updating, pruning);
     Ok(())
 }
 

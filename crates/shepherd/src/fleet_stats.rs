@@ -46,6 +46,8 @@ pub struct FleetStats {
     stale: Gauge,
     pending_install: Gauge,
     installed: Gauge,
+    maintenance: Gauge,
+    decommissioned: Gauge,
     eligible: Family<ProcessLabel, Gauge>,
     work: Family<ProcessLabel, Gauge>,
     backoffs: Family<ProcessLabel, Gauge>,
@@ -92,6 +94,16 @@ impl FleetStats {
             "machines_installed",
             "OS installation requests fulfilled successfully",
             self.installed.clone(),
+        );
+        r.register(
+            "machines_maintenance",
+            "Machines an operator put in maintenance (no loop claims them)",
+            self.maintenance.clone(),
+        );
+        r.register(
+            "machines_decommissioned",
+            "Provider ids an operator decommissioned (the provisioner leaves them alone)",
+            self.decommissioned.clone(),
         );
         r.register(
             "machines_eligible",
@@ -192,6 +204,8 @@ impl FleetStats {
         self.stale.set(counts.stale);
         self.pending_install.set(counts.pending_install);
         self.installed.set(counts.installed);
+        self.maintenance.set(counts.maintenance);
+        self.decommissioned.set(counts.decommissioned);
         let by_process = |family: &Family<ProcessLabel, Gauge>, values: &[(Process, i64)]| {
             family.clear();
             for (p, n) in values {

@@ -5,8 +5,9 @@ use anyhow::Result;
 use chrono::{DateTime, Utc};
 use serde_json::{json, Value};
 use shepherd_bmdb::{
-    ActiveWork, AgentStarted, BackoffEntry, Bmdb, HistoryEntry, Lifecycle, MachineSummary,
-    OsInstallationReport, OsInstallationRequest, Provider, Recovery, SessionInfo, SshHostKey,
+    ActionEntry, ActiveWork, AgentStarted, BackoffEntry, Bmdb, Decommissioned, HistoryEntry,
+    Lifecycle, MachineSummary, Maintenance, OsInstallationReport, OsInstallationRequest, Provider,
+    Recovery, SessionInfo, SshHostKey,
 };
 use shepherd_proto::bmaas::{os_installation_request, AgentHardwareReport};
 use shepherd_proto::Message;
@@ -123,6 +124,10 @@ pub struct Detail {
     pub recovery: Option<Recovery>,
     /// The whole work history, oldest first.
     pub history: Vec<HistoryEntry>,
+    /// Maintenance, if an operator put the machine in maintenance.
+    pub maintenance: Option<Maintenance>,
+    /// What operators did to it, oldest first.
+    pub actions: Vec<ActionEntry>,
     /// When the states were derived (the database's clock).
     pub now: DateTime<Utc>,
     /// How old a last heartbeat must be to count as stale.
@@ -164,6 +169,8 @@ pub async fn detail(db: &Bmdb, id: Uuid, stale_after: chrono::Duration) -> Resul
                     backoffs: tx.machine_backoffs(id).await?,
                     recovery: tx.recovery(id).await?,
                     history: tx.machine_history(id).await?,
+                    maintenance: tx.maintenance(id).await?,
+                    actions: tx.machine_actions(id).await?,
                     now,
                     stale_after,
                 }))
@@ -252,11 +259,82 @@ pub fn detail_json(d: &Detail) -> Value {
         "rebooted_at": r.rebooted_at.to_rfc3339(),
         "in_a_row": r.in_a_row,
     })));
+    v["maintenance"] = json!(d.maintenance.as_ref().map(|m| json!({
+        "since": m.since.to_rfc3339(), "by": m.by, "reason": m.reason,
+    })));
     v["history"] = each(&d.history, |h| {
         json!({"at": h.at.to_rfc3339(), "process": h.process.to_string(),
                "event": h.event.to_string(), "cause": h.cause})
     });
+    v["operator_actions"] = each(&d.actions, action_json);
     v
+}
+
+/// One entry of the operators' history as JSON.
+pub fn action_json(a: &ActionEntry) -> Value {
+    json!({"at": a.at.to_rfc3339(), "action": a.action.slug(),
+           "process": a.process.map(|p| p.to_string()), "by": a.by, "reason": a.reason})
+}
+
+/// One line of a machine's history, the loops' and the operators' entries together.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HistoryLine {
+    /// When.
+    pub at: DateTime<Utc>,
+    /// Who: the process, or `operator NAME`.
+    pub who: String,
+    /// What happened: the event, or the operator's action.
+    pub what: String,
+    /// Why: the failure's cause, or the operator's reason.
+    pub why: String,
+}
+
+/// A machine's whole history, oldest first: work entries and operators' actions merged by
+/// time (a work entry first where both have the same time).
+pub fn history_lines(history: &[HistoryEntry], actions: &[ActionEntry]) -> Vec<HistoryLine> {
+    let mut lines: Vec<(DateTime<Utc>, u8, i64, HistoryLine)> = history
+        .iter()
+        .map(|h| {
+            let line = HistoryLine {
+                at: h.at,
+                who: h.process.to_string(),
+                what: h.event.to_string(),
+                why: h.cause.clone().unwrap_or_default(),
+            };
+            (h.at, 0, h.id, line)
+        })
+        .chain(actions.iter().map(|a| {
+            let what = match a.process {
+                Some(p) => format!("{} {p}", a.action.slug()),
+                None => a.action.slug().to_string(),
+            };
+            let line = HistoryLine {
+                at: a.at,
+                who: format!("operator {}", a.by),
+                what,
+                why: a.reason.clone(),
+            };
+            (a.at, 1, a.id, line)
+        }))
+        .collect();
+    lines.sort_by_key(|l| (l.0, l.1, l.2));
+    lines.into_iter().map(|(_, _, _, l)| l).collect()
+}
+
+/// A machine's whole history (see [`history_lines`]) and its decommissioning record, if the
+/// machine was decommissioned; read whether or not the machine still exists.
+pub async fn history(db: &Bmdb, id: Uuid) -> Result<(Vec<HistoryLine>, Option<Decommissioned>)> {
+    Ok(db
+        .read(move |tx| {
+            Box::pin(async move {
+                let lines = history_lines(
+                    &tx.machine_history(id).await?,
+                    &tx.machine_actions(id).await?,
+                );
+                Ok((lines, tx.decommissioned(id).await?))
+            })
+        })
+        .await?)
 }
 
 /// The parts of a hardware report operators look at.

@@ -4,7 +4,10 @@ use crate::flags::ThresholdArgs;
 use anyhow::{bail, Context, Result};
 use clap::Subcommand;
 use serde_json::Value;
-use shepherd_bmdb::{Bmdb, Lifecycle, OsInstallationRequest, Process};
+use shepherd_bmdb::{
+    ActionOutcome, Bmdb, Lifecycle, Operator, OsInstallationRequest, Process, Processor, Session,
+    SessionConfig, TxFuture,
+};
 use shepherd_proto::bmaas as proto;
 use shepherd_proto::Message;
 use uuid::Uuid;
@@ -64,6 +67,9 @@ pub enum MachinesCommand {
         /// Only this process's backoff (ShepherdAccess, ShepherdAgentStart, ShepherdRecovery).
         #[arg(long)]
         process: Option<Process>,
+        /// Who and why, for the history.
+        #[command(flatten)]
+        who: WhoArgs,
     },
     /// Forgets the machine's pinned SSH host key, after the operator checked that it changed
     /// legitimately (the machine was reinstalled): the next takeover pins the key it finds,
@@ -71,6 +77,38 @@ pub enum MachinesCommand {
     ForgetHostKey {
         /// Machine id.
         id: Uuid,
+        /// Who and why, for the history.
+        #[command(flatten)]
+        who: WhoArgs,
+    },
+    /// Takes a machine out of the loops' hands (`on`) or gives it back (`off`). In
+    /// maintenance no loop claims it (work already running finishes); the updater still
+    /// refreshes its facts and its agent still heartbeats.
+    Maintenance {
+        /// `on` or `off`.
+        switch: Switch,
+        /// Machine id.
+        id: Uuid,
+        /// Who and why, for the history (`on` needs a reason).
+        #[command(flatten)]
+        who: WhoArgs,
+    },
+    /// Removes a machine from the BMDB: its tags, locks and backoffs go, its history stays, and
+    /// the provisioner does not bring its provider id back until `recommission`.
+    Decommission {
+        /// Machine id.
+        id: Uuid,
+        /// Who and why, for the history (a reason is needed).
+        #[command(flatten)]
+        who: WhoArgs,
+    },
+    /// Undoes `decommission`: the provisioner may bring the provider id back, as a new machine.
+    Recommission {
+        /// The decommissioned machine's id.
+        id: Uuid,
+        /// Who and why, for the history.
+        #[command(flatten)]
+        who: WhoArgs,
     },
     /// Asks the machine's agent to install an OS image (the next heartbeat response carries
     /// the request; the generation is bumped so a new request is never mistaken for an old one).
@@ -89,12 +127,92 @@ pub enum MachinesCommand {
     },
 }
 
-/// Who runs this command, for the log: the login name from the environment.
-fn operator() -> String {
-    ["USER", "LOGNAME"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok().filter(|s| !s.is_empty()))
-        .unwrap_or_else(|| "unknown".into())
+/// `on` or `off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Switch {
+    /// Begin.
+    On,
+    /// End.
+    Off,
+}
+
+/// Who runs an operator action and why, kept in the machine's history.
+#[derive(Debug, Clone, clap::Args)]
+pub struct WhoArgs {
+    /// Who does this (default: the login name from `USER` or `LOGNAME`).
+    #[arg(long)]
+    by: Option<String>,
+    /// Why.
+    #[arg(long)]
+    reason: Option<String>,
+}
+
+impl WhoArgs {
+    /// The operator, checked; `reason_needed` refuses a missing or blank reason.
+    fn operator(&self, reason_needed: bool) -> Result<Operator> {
+        // Without --by or a login name in the environment (a cron job, a container), the
+        // user id still says who.
+        let by = self.by.clone().unwrap_or_else(|| {
+            ["USER", "LOGNAME"]
+                .iter()
+                .find_map(|v| std::env::var(v).ok().filter(|s| !s.is_empty()))
+                .unwrap_or_else(|| {
+                    use std::os::unix::fs::MetadataExt;
+                    std::fs::metadata("/proc/self")
+                        .map(|m| format!("uid {}", m.uid()))
+                        .unwrap_or_else(|_| "unknown".into())
+                })
+        });
+        let reason = self.reason.clone().unwrap_or_default();
+        if reason_needed && reason.trim().is_empty() {
+            bail!("--reason is needed: say why, for the machine's history");
+        }
+        Ok(Operator::new(by, reason)?)
+    }
+}
+
+/// Runs one operator action in a session of its own, closed afterwards.
+async fn as_operator<T>(
+    db: &Bmdb,
+    action: impl FnOnce(Session) -> TxFuture<'static, T>,
+) -> Result<T> {
+    let session = db
+        .start_session(SessionConfig::new(
+            "shepherd-cli",
+            Processor::ShepherdOperator,
+        ))
+        .await?;
+    let outcome = action(session.clone()).await;
+    session.close().await?;
+    Ok(outcome?)
+}
+
+/// What an action outcome means for the command: an unknown machine is an error (naming the
+/// decommissioning if that is why), nothing to do is a line, done is `done`'s line.
+async fn report<T>(
+    db: &Bmdb,
+    id: Uuid,
+    outcome: ActionOutcome<T>,
+    unchanged: &str,
+    done: impl FnOnce(T) -> String,
+) -> Result<()> {
+    match outcome {
+        ActionOutcome::NoSuchMachine => {
+            let (_, decommissioned) = inventory::history(db, id).await?;
+            match decommissioned {
+                Some(d) => bail!(
+                    "machine {id} was decommissioned at {} by {} ({}); `shepherd machines recommission {id}` undoes that",
+                    d.at.to_rfc3339(),
+                    d.by,
+                    d.reason
+                ),
+                None => bail!("machine {id} does not exist"),
+            }
+        }
+        ActionOutcome::Unchanged => println!("machine {id}: {unchanged}"),
+        ActionOutcome::Done(t) => println!("machine {id}: {}", done(t)),
+    }
+    Ok(())
 }
 
 fn text(v: &Value) -> String {
@@ -220,7 +338,10 @@ async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
         } => {
             let stale_after = thresholds.thresholds().stale_after();
             let Some(detail) = inventory::detail(db, id, stale_after).await? else {
-                bail!("machine {id} does not exist");
+                return report(db, id, ActionOutcome::<()>::NoSuchMachine, "", |_| {
+                    String::new()
+                })
+                .await;
             };
             let v = inventory::detail_json(&detail);
             if json {
@@ -232,70 +353,113 @@ async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
             }
         }
         MachinesCommand::History { id } => {
-            let history = db
-                .read(move |tx| Box::pin(async move { tx.machine_history(id).await }))
-                .await?;
-            for h in history {
+            let (lines, decommissioned) = inventory::history(db, id).await?;
+            if lines.is_empty() && decommissioned.is_none() {
+                let exists = db
+                    .read(move |tx| Box::pin(async move { tx.machine_exists(id).await }))
+                    .await?;
+                if !exists {
+                    bail!("machine {id} does not exist and has no history");
+                }
+            }
+            for l in lines {
                 println!(
-                    "{}  {:<20} {:<9} {}",
-                    h.at.to_rfc3339(),
-                    h.process.to_string(),
-                    h.event.to_string(),
-                    h.cause.unwrap_or_default()
+                    "{}  {:<20} {:<15} {}",
+                    l.at.to_rfc3339(),
+                    l.who,
+                    l.what,
+                    l.why
                 );
             }
         }
-        MachinesCommand::Retry { id, process } => {
-            let cleared = db
-                .transact(move |tx| {
-                    Box::pin(async move {
-                        if !tx.machine_exists(id).await? {
-                            return Ok(None);
-                        }
-                        Ok(Some(tx.clear_backoffs(id, process).await?))
-                    })
-                })
-                .await?;
-            match cleared {
-                None => bail!("machine {id} does not exist"),
-                Some(0) => println!("machine {id}: no backoff to clear"),
-                Some(n) => {
-                    tracing::info!(machine = %id, cleared = n, by = %operator(), "backoffs cleared by an operator");
-                    println!(
-                        "machine {id}: {n} backoff(s) cleared; the loops may take it again now"
-                    )
-                }
-            }
+        MachinesCommand::Retry { id, process, who } => {
+            let who = who.operator(false)?;
+            let outcome = as_operator(db, move |s| {
+                Box::pin(async move { s.retry(id, process, &who).await })
+            })
+            .await?;
+            report(db, id, outcome, "no backoff to clear", |n| {
+                format!("{n} backoff(s) cleared; the loops may take it again now")
+            })
+            .await?;
         }
-        MachinesCommand::ForgetHostKey { id } => {
-            let forgot = db
-                .transact(move |tx| {
-                    Box::pin(async move {
-                        let Some(key) = tx.ssh_host_key(id).await? else {
-                            return Ok(if tx.machine_exists(id).await? {
-                                Some(None)
-                            } else {
-                                None
-                            });
-                        };
-                        tx.delete_ssh_host_key(id).await?;
-                        tx.clear_backoffs(id, Some(Process::ShepherdAgentStart))
-                            .await?;
-                        Ok(Some(Some(key)))
-                    })
+        MachinesCommand::ForgetHostKey { id, who } => {
+            let who = who.operator(false)?;
+            let outcome = as_operator(db, move |s| {
+                Box::pin(async move { s.forget_host_key(id, &who).await })
+            })
+            .await?;
+            report(db, id, outcome, "no host key pinned", |key| {
+                format!(
+                    "forgot host key {}; the next takeover pins the key it finds",
+                    key.key
+                )
+            })
+            .await?;
+        }
+        MachinesCommand::Maintenance { switch, id, who } => match switch {
+            Switch::On => {
+                let who = who.operator(true)?;
+                let outcome = as_operator(db, move |s| {
+                    Box::pin(async move { s.maintenance_on(id, &who).await })
                 })
                 .await?;
-            match forgot {
-                None => bail!("machine {id} does not exist"),
-                Some(None) => println!("machine {id}: no host key pinned"),
-                Some(Some(key)) => {
-                    tracing::info!(machine = %id, key = %key.key, by = %operator(), "pinned host key forgotten by an operator");
-                    println!(
-                        "machine {id}: forgot host key {}; the next takeover pins the key it finds",
-                        key.key
-                    )
-                }
+                report(db, id, outcome, "already in maintenance", |running| {
+                    let mut line = "in maintenance; no loop will claim it".to_string();
+                    if !running.is_empty() {
+                        let names: Vec<String> = running.iter().map(|p| p.to_string()).collect();
+                        line += &format!(
+                            " (work already running finishes first: {})",
+                            names.join(", ")
+                        );
+                    }
+                    line
+                })
+                .await?;
             }
+            Switch::Off => {
+                let who = who.operator(false)?;
+                let outcome = as_operator(db, move |s| {
+                    Box::pin(async move { s.maintenance_off(id, &who).await })
+                })
+                .await?;
+                report(db, id, outcome, "was not in maintenance", |()| {
+                    "out of maintenance; the loops may take it again".to_string()
+                })
+                .await?;
+            }
+        },
+        MachinesCommand::Decommission { id, who } => {
+            let who = who.operator(true)?;
+            let outcome = as_operator(db, move |s| {
+                Box::pin(async move { s.decommission(id, &who).await })
+            })
+            .await?;
+            report(db, id, outcome, "", |provided| match provided {
+                Some(p) => format!(
+                    "decommissioned; the provisioner leaves {} machine {:?} alone until `shepherd machines recommission {id}`",
+                    p.provider, p.provider_id
+                ),
+                None => "decommissioned (it had no provider id)".to_string(),
+            })
+            .await?;
+        }
+        MachinesCommand::Recommission { id, who } => {
+            let who = who.operator(false)?;
+            let outcome = as_operator(db, move |s| {
+                Box::pin(async move { s.recommission(id, &who).await })
+            })
+            .await?;
+            if outcome == ActionOutcome::NoSuchMachine {
+                bail!("machine {id} is not decommissioned");
+            }
+            report(db, id, outcome, "", |d| {
+                format!(
+                    "recommissioned; the provisioner may bring {} machine {:?} back as a new machine",
+                    d.provider, d.provider_id
+                )
+            })
+            .await?;
         }
         MachinesCommand::Install {
             id,

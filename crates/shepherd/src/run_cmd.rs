@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
-use shepherd_bmdb::{Bmdb, OpenOptions, Provider as ProviderKind};
+use shepherd_bmdb::{Bmdb, HistoryRetention, OpenOptions, Provider as ProviderKind};
 use shepherd_equinix::{Client, EquinixConfig, EquinixProvider, RetryPolicy};
 use shepherd_loops::brake::{BrakeConfig, BrakeMetrics};
 use shepherd_loops::initializer::InitializerConfig;
@@ -112,6 +112,11 @@ pub struct RunArgs {
     /// BMDB session keep-alive interval.
     #[arg(long, env = "SHEPHERD_SESSION_INTERVAL", default_value = "5s", value_parser = duration)]
     pub session_interval: Duration,
+    /// How long work history is kept (e.g. 90d); Failed entries and operators' actions are
+    /// kept four times as long. Pruned every 10 minutes in batches of 1,000. Left out, history
+    /// is kept forever.
+    #[arg(long, env = "SHEPHERD_HISTORY_RETENTION", value_parser = duration)]
+    pub history_retention: Option<Duration>,
 }
 
 /// Where machines come from.
@@ -468,6 +473,10 @@ impl RunArgs {
             ("ssh-connect-timeout", self.ssh.ssh_connect_timeout),
             ("ssh-exec-timeout", self.ssh.ssh_exec_timeout),
             ("session-interval", self.session_interval),
+            (
+                "history-retention",
+                self.history_retention.unwrap_or(Duration::MAX),
+            ),
         ] {
             if d.is_zero() {
                 bail!("{name}: must be more than zero");
@@ -488,6 +497,7 @@ impl RunArgs {
             recoverer_metrics: RecovererMetrics::default(),
             updater_rate: self.updater_rate,
             session_interval: self.session_interval,
+            history_retention: self.history_retention.map(HistoryRetention::new),
         })
     }
 }

@@ -133,6 +133,7 @@ code,.mono{font-family:ui-monospace,monospace;font-size:.85rem}
 .s-in-work{background:#dbeafe}.s-in-backoff{background:#fee2e2}.s-installed{background:#dcfce7}
 .s-installing{background:#fef9c3}.s-heartbeating{background:#d1fae5}.s-stale{background:#fed7aa}
 .s-agent-starting{background:#e0e7ff}.s-provided{background:#f3f4f6}.s-unprovided{background:#e5e7eb}
+.s-maintenance{background:#fde68a} .warn{background:#fffbeb;border-left:4px solid #f59e0b;padding:.4rem .8rem}
 .counts span{margin-right:1.2rem} form{margin:1rem 0} select,button{font-size:.9rem;padding:.2rem}
 dl{display:grid;grid-template-columns:max-content auto;gap:.3rem 1rem} dt{color:#666}
 .error{color:#b91c1c} .muted{color:#777} .pager a{margin-right:1rem}
@@ -347,6 +348,8 @@ fn fleet_counts(c: &FleetCounts) -> Markup {
             span { "installed " strong data-count="installed" { (c.installed) } }
             span { "in work " strong data-count="work" { (work) } }
             span { "in backoff " strong data-count="backoffs" { (backoffs) } }
+            span { "in maintenance " strong data-count="maintenance" { (c.maintenance) } }
+            span { "decommissioned " strong data-count="decommissioned" { (c.decommissioned) } }
         }
     }
 }
@@ -373,6 +376,12 @@ fn machine_body(d: &Detail) -> Markup {
     let s = &d.summary;
     html! {
         p { "State: " span id="state" { (state_badge(d.state())) } }
+        @if let Some(m) = &d.maintenance {
+            p.warn id="maintenance" {
+                "In maintenance since " (time(m.since, now)) " by " strong { (m.by) } ": " (m.reason)
+                " — no loop claims it. " span.mono { "shepherd machines maintenance off " (s.machine_id) }
+            }
+        }
         h2 { "machine_provided" }
         @match &s.provided {
             None => p.muted id="provided" { "Not provided." },
@@ -444,6 +453,16 @@ fn machine_body(d: &Detail) -> Markup {
                     td { (h.event.to_string()) }
                     td.mono { @match h.session_id { Some(s) => a href={"/sessions/" (s)} { (s.simple().to_string()[..8]) }, None => span.muted { "–" } } }
                     td.mono { (opt(h.cause.as_deref())) }
+                } } } }
+        }
+        h2 { "Operators' actions" }
+        @if d.actions.is_empty() { p.muted id="actions" { "None." } } @else {
+            table id="actions" { thead { tr { th { "At" } th { "Action" } th { "By" } th { "Reason" } } }
+                tbody { @for a in &d.actions { tr data-action=(a.action.slug()) {
+                    td { span title=(a.at.to_rfc3339()) { (a.at.format("%Y-%m-%d %H:%M:%S%.3f")) } }
+                    td { (a.action.slug()) @if let Some(p) = a.process { " " (p.to_string()) } }
+                    td { (a.by) }
+                    td { (a.reason) }
                 } } } }
         }
     }

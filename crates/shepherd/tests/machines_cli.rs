@@ -455,3 +455,99 @@ async fn forget_host_key_drops_the_pin_and_ends_the_takeover_backoff() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("does not exist"));
     done(session, t).await;
 }
+
+/// Maintenance and decommission from the CLI: a reason is required, each action is shown in
+/// `machines show`, the history and the state filter, and a decommissioned machine's history
+/// outlives it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_actions_are_recorded_and_shown() {
+    let t = testing::sqlite().await;
+    let url = t.url.clone();
+    let (_, seeded, session) = seed(&t.db).await;
+    let m = seeded
+        .iter()
+        .find(|m| m.state == Lifecycle::Heartbeating)
+        .unwrap()
+        .id
+        .to_string();
+    let show = |url: &str| json(&shepherd(url, &["machines", "show", &m, "--json"]));
+
+    let out = shepherd(&url, &["machines", "maintenance", "on", &m]);
+    common::refused(&out, "--reason is needed");
+    let out = shepherd(
+        &url,
+        &[
+            "machines",
+            "maintenance",
+            "on",
+            &m,
+            "--reason",
+            "disk swap",
+            "--by",
+            "carol",
+        ],
+    );
+    ok(&out);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("in maintenance"));
+    let shown = show(&url);
+    assert_eq!(shown["state"], "maintenance", "{shown}");
+    assert_eq!(shown["maintenance"]["by"], "carol");
+    assert_eq!(shown["maintenance"]["reason"], "disk swap");
+    assert_eq!(shown["operator_actions"][0]["action"], "maintenance-on");
+    let listed = json(&shepherd(
+        &url,
+        &["machines", "list", "--state", "maintenance", "--json"],
+    ));
+    let ids: Vec<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["machine_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [m.as_str()]);
+    let out = shepherd(
+        &url,
+        &["machines", "maintenance", "off", &m, "--by", "carol"],
+    );
+    ok(&out);
+    assert_eq!(show(&url)["state"], "heartbeating");
+
+    let out = shepherd(&url, &["machines", "decommission", &m, "--by", "carol"]);
+    common::refused(&out, "--reason is needed");
+    let out = shepherd(
+        &url,
+        &[
+            "machines",
+            "decommission",
+            &m,
+            "--reason",
+            "returned to vendor",
+            "--by",
+            "dave",
+        ],
+    );
+    ok(&out);
+    let out = shepherd(&url, &["machines", "show", &m]);
+    common::refused(&out, "decommissioned");
+    let out = shepherd(&url, &["machines", "history", &m]);
+    ok(&out);
+    let history = String::from_utf8_lossy(&out.stdout);
+    for line in [
+        "operator carol       maintenance-on  disk swap",
+        "operator carol       maintenance-off",
+        "operator dave        decommission    returned to vendor",
+    ] {
+        assert!(history.contains(line), "{line:?} missing from:\n{history}");
+    }
+    let out = shepherd(&url, &["machines", "recommission", &m, "--by", "dave"]);
+    ok(&out);
+    let out = shepherd(&url, &["machines", "recommission", &m, "--by", "dave"]);
+    common::refused(&out, "is not decommissioned");
+    let out = shepherd(&url, &["machines", "history", &Uuid::new_v4().to_string()]);
+    common::refused(&out, "does not exist");
+    done(session, t).await;
+}
+
+fn ok(o: &Output) {
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}

@@ -248,6 +248,12 @@ async fn metrics_match_the_work_history() {
         0.0,
         "everything not started is in backoff"
     );
+    for gauge in [
+        "shepherd_fleet_machines_maintenance",
+        "shepherd_fleet_machines_decommissioned",
+    ] {
+        assert_eq!(get(&samples, gauge, &[]), 0.0, "{gauge}");
+    }
     let heartbeating = get(&samples, "shepherd_fleet_machines_heartbeating", &[]);
     assert!(heartbeating <= settled.agent_started as f64);
 

@@ -54,6 +54,21 @@ fn bad_settings_fail_at_start_up_naming_the_setting() {
             vec![("SHEPHERD_SSH_CONNECT_TIMEOUT", "0s")],
             "ssh-connect-timeout",
         ),
+        (
+            vec!["--agent-endpoint", "x:1", "--history-retention", "0s"],
+            vec![],
+            "history-retention: must be more than zero",
+        ),
+        (
+            vec![
+                "--agent-endpoint",
+                "x:1",
+                "--history-retention",
+                "ninety days",
+            ],
+            vec![],
+            "--history-retention",
+        ),
     ];
     for (args, env, want) in cases {
         let o = shepherd()

@@ -99,7 +99,8 @@ pub(crate) fn eligibility(
     let common = format!(
         "p.provider = '{provider}' {work}
          AND NOT EXISTS (SELECT 1 FROM work_backoff b WHERE b.machine_id = p.machine_id
-                         AND b.process = '{process}' AND b.until > {now}{fence})",
+                         AND b.process = '{process}' AND b.until > {now}{fence})
+         AND NOT EXISTS (SELECT 1 FROM machine_maintenance mm WHERE mm.machine_id = p.machine_id{fence})",
         provider = retrieval.provider().as_str(),
         process = process.as_str(),
     );

@@ -297,6 +297,32 @@ pub(crate) async fn insert_work_raw(
     })
 }
 
+/// Appends a history entry with any time, to build histories of any age.
+#[cfg(feature = "testing")]
+pub(crate) async fn insert_history_raw(
+    conn: &mut Conn,
+    machine: Uuid,
+    process: Process,
+    event: WorkEvent,
+    at: DateTime<Utc>,
+    cause: Option<&str>,
+) -> Result<()> {
+    on_engine!(conn, |c, _| {
+        sqlx::query(
+            "INSERT INTO work_history (machine_id, process, event, at, session_id, failed_cause)
+             VALUES ($1, $2, $3, $4, NULL, $5)",
+        )
+        .bind(machine)
+        .bind(process.as_str())
+        .bind(event.as_str())
+        .bind(DbTime(at))
+        .bind(cause)
+        .execute(c)
+        .await?;
+        Ok(())
+    })
+}
+
 /// A machine's history, oldest first.
 pub(crate) async fn machine_history(conn: &mut Conn, machine: Uuid) -> Result<Vec<HistoryEntry>> {
     let sql = "SELECT * FROM work_history WHERE machine_id = $1 ORDER BY id";

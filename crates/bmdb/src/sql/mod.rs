@@ -5,7 +5,9 @@
 //! - `tags.rs` — machines and the facts about them;
 //! - `claims.rs` — eligibility (SPEC §5) and claiming work (SPEC §4);
 //! - `endings.rs` — finishing, failing and canceling work, backoffs and the audit history;
-//! - `views.rs` — operators' read-only views and counts.
+//! - `views.rs` — operators' read-only views and counts;
+//! - `operator.rs` — operators' actions (maintenance, decommission) and their history;
+//! - `retention.rs` — pruning old history in bounded batches.
 //!
 //! A statement both engines accept is written once: [`on_engine!`] runs the same body on
 //! either connection, [`Columns`] decodes a row the same way on both and [`DbTime`] stores a
@@ -21,6 +23,8 @@
 
 pub(crate) mod claims;
 pub(crate) mod endings;
+pub(crate) mod operator;
+pub(crate) mod retention;
 pub(crate) mod schema;
 pub(crate) mod sessions;
 pub(crate) mod tags;
@@ -252,6 +256,18 @@ pub(crate) trait Columns {
         Error: From<T::Err>,
     {
         Ok(self.get::<String>(column)?.parse()?)
+    }
+
+    /// Like [`Columns::parsed`] for a column that may be NULL.
+    fn opt_parsed<T>(&self, column: &str) -> Result<Option<T>>
+    where
+        T: std::str::FromStr,
+        Error: From<T::Err>,
+    {
+        Ok(match self.get::<Option<String>>(column)? {
+            Some(s) => Some(s.parse()?),
+            None => None,
+        })
     }
 }
 

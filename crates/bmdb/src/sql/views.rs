@@ -110,7 +110,9 @@ fn summary_select(now: &str) -> String {
                 (SELECT max(b.until) FROM work_backoff b
                   WHERE b.machine_id = m.machine_id AND b.until > {now}) AS backoff_until,
                 q.generation AS request_generation, r.generation AS report_generation,
-                r.result AS report_result
+                r.result AS report_result,
+                EXISTS (SELECT 1 FROM machine_maintenance mm
+                         WHERE mm.machine_id = m.machine_id) AS maintenance
            FROM machines m
            LEFT JOIN machine_provided p ON p.machine_id = m.machine_id
            LEFT JOIN machine_agent_started a ON a.machine_id = m.machine_id
@@ -145,6 +147,7 @@ fn summary_from_row(r: &impl Columns) -> Result<MachineSummary> {
             (Some(g), Some(res)) => Some((g, res.parse()?)),
             _ => None,
         },
+        maintenance: r.get("maintenance")?,
     })
 }
 
@@ -210,6 +213,8 @@ macro_rules! installation_counts {
 const FLEET_COUNTS: Dialects = Dialects {
     postgres: concat!(
         "SELECT (SELECT count(*) FROM machines),
+                      (SELECT count(*) FROM machine_maintenance),
+                      (SELECT count(*) FROM decommissioned),
                       (SELECT count(*) FROM machine_agent_started),
                       (SELECT count(*) FROM machine_agent_heartbeat
                         WHERE heartbeat_at > now() - make_interval(secs => $1)),
@@ -220,6 +225,8 @@ const FLEET_COUNTS: Dialects = Dialects {
     ),
     sqlite: concat!(
         "SELECT (SELECT count(*) FROM machines),
+                    (SELECT count(*) FROM machine_maintenance),
+                    (SELECT count(*) FROM decommissioned),
                     (SELECT count(*) FROM machine_agent_started),
                     (SELECT count(*) FROM machine_agent_heartbeat WHERE heartbeat_at > $2 - $1),
                     (SELECT count(*) FROM machine_agent_heartbeat WHERE heartbeat_at <= $2 - $1),
@@ -233,12 +240,20 @@ pub(crate) async fn fleet_counts(
     conn: &mut Conn,
     stale_after: std::time::Duration,
 ) -> Result<FleetCounts> {
-    type Row = (i64, i64, i64, i64, i64, i64);
-    let (machines, agent_started, heartbeating, stale, pending_install, installed): Row =
-        on_engine!(conn, |c, e| {
-            let q = sqlx::query_as(e.sql(&FLEET_COUNTS)).bind(e.span(stale_after));
-            e.with_now(q).fetch_one(c).await?
-        });
+    type Row = (i64, i64, i64, i64, i64, i64, i64, i64);
+    let (
+        machines,
+        maintenance,
+        decommissioned,
+        agent_started,
+        heartbeating,
+        stale,
+        pending_install,
+        installed,
+    ): Row = on_engine!(conn, |c, e| {
+        let q = sqlx::query_as(e.sql(&FLEET_COUNTS)).bind(e.span(stale_after));
+        e.with_now(q).fetch_one(c).await?
+    });
     let provided: Vec<(String, i64)> = on_engine!(conn, |c, _| {
         sqlx::query_as(
             "SELECT provider, count(*) FROM machine_provided GROUP BY provider ORDER BY provider",
@@ -257,6 +272,8 @@ pub(crate) async fn fleet_counts(
         installed,
         work,
         backoffs,
+        maintenance,
+        decommissioned,
     })
 }
 

@@ -1,0 +1,42 @@
+-- Schema v3 (Postgres): operators' actions on machines. Additive only: tables and an index,
+-- nothing an older binary reads is changed.
+
+-- A machine an operator took out of the loops' hands (Ironic's maintenance mode): no loop
+-- claims it; the updater still refreshes its facts and its agent still heartbeats.
+CREATE TABLE machine_maintenance (
+    machine_id uuid PRIMARY KEY REFERENCES machines (machine_id) ON DELETE CASCADE,
+    since timestamptz NOT NULL,
+    actor text NOT NULL,
+    reason text NOT NULL
+);
+
+-- Provider ids an operator decommissioned: the provisioner does not bring them back until
+-- an operator recommissions them. The machine's own row is gone; its history stays.
+CREATE TABLE decommissioned (
+    provider text NOT NULL CHECK (provider IN ('Equinix', 'Lumen', 'None', 'Static', 'Redfish', 'Sim')),
+    provider_id text NOT NULL,
+    machine_id uuid NOT NULL,
+    at timestamptz NOT NULL,
+    actor text NOT NULL,
+    reason text NOT NULL,
+    PRIMARY KEY (provider, provider_id)
+);
+CREATE INDEX decommissioned_machine ON decommissioned (machine_id);
+
+-- What operators did to machines, with who and why: the operators' half of a machine's
+-- history (the loops' half is work_history).
+CREATE TABLE operator_actions (
+    id bigserial PRIMARY KEY,
+    machine_id uuid NOT NULL,
+    action text NOT NULL CHECK (action IN ('MaintenanceOn', 'MaintenanceOff', 'Retry', 'ForgetHostKey', 'Decommission', 'Recommission')),
+    process text,
+    at timestamptz NOT NULL,
+    actor text NOT NULL,
+    reason text NOT NULL,
+    session_id uuid
+);
+CREATE INDEX operator_actions_machine ON operator_actions (machine_id, id);
+CREATE INDEX operator_actions_at ON operator_actions (at);
+
+-- History retention deletes by age.
+CREATE INDEX work_history_at ON work_history (at);

@@ -1,0 +1,90 @@
+//! History retention: the work history and the operators' history are pruned by age in
+//! bounded batches, each its own short transaction, so pruning a large backlog never holds
+//! SQLite's writer or a Postgres lock for long. Failed entries — the causes an operator digs
+//! for — and operators' actions are kept longest.
+
+use std::time::Duration;
+
+use crate::sql::{self, retention::HistoryTable};
+use crate::{Error, Session};
+
+/// How long history is kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HistoryRetention {
+    /// Started, Finished and Canceled entries older than this go.
+    pub keep: Duration,
+    /// Failed entries and operators' actions older than this go (at least `keep`).
+    pub keep_failed: Duration,
+    /// Entries deleted per transaction.
+    pub batch: i64,
+    /// Most batches per pass, so one pass is bounded too; the next pass goes on.
+    pub max_batches: u32,
+}
+
+impl HistoryRetention {
+    /// How many times longer than the rest Failed entries and operators' actions are kept.
+    pub const FAILED_FACTOR: u32 = 4;
+
+    /// Keeps history for `keep`, Failed entries and operators' actions four times as long,
+    /// deleting at most 1,000 entries per transaction and 100 batches per pass.
+    pub fn new(keep: Duration) -> HistoryRetention {
+        HistoryRetention {
+            keep,
+            keep_failed: keep.saturating_mul(Self::FAILED_FACTOR),
+            batch: 1000,
+            max_batches: 100,
+        }
+    }
+}
+
+/// What one retention pass deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrunedHistory {
+    /// Work history entries.
+    pub work: u64,
+    /// Operators' history entries.
+    pub operator: u64,
+}
+
+impl Session {
+    /// One retention pass: deletes expired history, oldest first, a batch per transaction,
+    /// until a batch comes back short or the pass has run `max_batches`.
+    pub async fn prune_history(
+        &self,
+        retention: &HistoryRetention,
+    ) -> Result<PrunedHistory, Error> {
+        let keep = chrono::Duration::from_std(retention.keep)
+            .map_err(|_| Error::InvalidValue("history retention is too long".into()))?;
+        let keep_failed = chrono::Duration::from_std(retention.keep_failed.max(retention.keep))
+            .map_err(|_| Error::InvalidValue("history retention is too long".into()))?;
+        let mut pruned = PrunedHistory::default();
+        for table in [HistoryTable::Work, HistoryTable::Operator] {
+            for _ in 0..retention.max_batches {
+                let limit = retention.batch;
+                let deleted = self
+                    .transact(move |tx| {
+                        Box::pin(async move {
+                            let now = tx.now().await?;
+                            sql::retention::prune(
+                                &mut tx.inner,
+                                table,
+                                now - keep,
+                                now - keep_failed,
+                                limit,
+                            )
+                            .await
+                        })
+                    })
+                    .await?;
+                match table {
+                    HistoryTable::Work => pruned.work += deleted,
+                    HistoryTable::Operator => pruned.operator += deleted,
+                }
+                if deleted < limit as u64 {
+                    break;
+                }
+            }
+        }
+        Ok(pruned)
+    }
+}

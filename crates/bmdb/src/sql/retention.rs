@@ -1,0 +1,49 @@
+//! History retention: old entries are deleted in bounded batches, oldest first, so pruning
+//! never holds the writer (SQLite) or a large lock (Postgres) for long.
+
+use chrono::{DateTime, Utc};
+
+use super::{on_engine, Conn, DbTime, Result};
+
+/// The history tables retention prunes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HistoryTable {
+    /// The loops' history; Failed rows are kept until `failed_before`.
+    Work,
+    /// The operators' history; every row is kept until `failed_before`.
+    Operator,
+}
+
+/// Deletes at most `limit` of the oldest entries older than `before` (older than
+/// `failed_before` for what is kept longest); returns how many went.
+pub(crate) async fn prune(
+    conn: &mut Conn,
+    table: HistoryTable,
+    before: DateTime<Utc>,
+    failed_before: DateTime<Utc>,
+    limit: i64,
+) -> Result<u64> {
+    let sql = match table {
+        HistoryTable::Work => {
+            "DELETE FROM work_history WHERE id IN (
+                SELECT id FROM work_history
+                 WHERE at < $1 AND (event <> 'Failed' OR at < $2)
+                 ORDER BY at LIMIT $3)"
+        }
+        HistoryTable::Operator => {
+            "DELETE FROM operator_actions WHERE id IN (
+                SELECT id FROM operator_actions
+                 WHERE at < $1 AND at < $2
+                 ORDER BY at LIMIT $3)"
+        }
+    };
+    on_engine!(conn, |c, _| {
+        let done = sqlx::query(sql)
+            .bind(DbTime(before))
+            .bind(DbTime(failed_before))
+            .bind(limit)
+            .execute(c)
+            .await?;
+        Ok(done.rows_affected())
+    })
+}

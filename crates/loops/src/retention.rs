@@ -1,0 +1,55 @@
+//! History retention as a periodic loop: every pass deletes history past the retention, in
+//! bounded batches (see [`shepherd_bmdb::HistoryRetention`]), so the work history stays
+//! bounded at steady state however long the fleet runs.
+
+use async_trait::async_trait;
+use shepherd_bmdb::{Bmdb, HistoryRetention, Processor, Session, SessionConfig};
+use tokio_util::sync::CancellationToken;
+
+use crate::limiter::RateSpec;
+use crate::periodic::{self, Pass};
+
+/// How often retention passes: often enough that one pass's bounded batches keep up with a
+/// fleet's history, rarely enough to cost nothing.
+pub const RETENTION_RATE: RateSpec = RateSpec::new(std::time::Duration::from_secs(600), 1);
+
+/// Prunes history past its retention.
+pub struct HistoryPruner {
+    retention: HistoryRetention,
+}
+
+impl HistoryPruner {
+    /// A pruner keeping history as `retention` says.
+    pub fn new(retention: HistoryRetention) -> Self {
+        HistoryPruner { retention }
+    }
+
+    /// Prunes at `rate` until `cancel`.
+    pub async fn run(
+        &self,
+        rate: RateSpec,
+        db: Bmdb,
+        session_config: SessionConfig,
+        cancel: CancellationToken,
+    ) {
+        periodic::run(self, rate, db, session_config, cancel).await
+    }
+}
+
+#[async_trait]
+impl Pass for HistoryPruner {
+    const NAME: &'static str = "history retention";
+    const PROCESSOR: Processor = Processor::ShepherdRetention;
+
+    async fn pass(&self, session: &Session) -> anyhow::Result<()> {
+        let pruned = session.prune_history(&self.retention).await?;
+        if pruned.work + pruned.operator > 0 {
+            tracing::info!(
+                work_entries = pruned.work,
+                operator_entries = pruned.operator,
+                "pruned history past its retention"
+            );
+        }
+        Ok(())
+    }
+}
