@@ -63,12 +63,15 @@ fn memory(root: &Path, node: &mut Node, warnings: &mut Vec<String>) {
     let blocks = root.join("sys/devices/system/memory");
     let block_size =
         read(blocks.join("block_size_bytes")).and_then(|h| i64::from_str_radix(&h, 16).ok());
+    // Online blocks only, as upstream counts: an offlined block is not memory the OS has.
     let block_count = std::fs::read_dir(&blocks).ok().map(|d| {
         d.filter_map(|e| e.ok())
             .filter(|e| {
                 let n = e.file_name();
                 let n = n.to_string_lossy();
-                n.starts_with("memory") && n[6..].chars().all(|c| c.is_ascii_digit())
+                n.starts_with("memory")
+                    && n[6..].chars().all(|c| c.is_ascii_digit())
+                    && read(e.path().join("online")).as_deref() != Some("0")
             })
             .count() as i64
     });
@@ -162,20 +165,25 @@ fn block_devices(root: &Path, warnings: &mut Vec<String>) -> Vec<BlockDevice> {
             continue;
         }
         let p = entry.path();
+        let vendor = read(p.join("device/vendor")).unwrap_or_default();
         let protocol = if name.starts_with("nvme") {
             block_device::Protocol::Nvme
         } else if name.starts_with("mmcblk") {
             block_device::Protocol::Mmc
+        } else if name.starts_with("sd") && vendor == "ATA" {
+            // libata disks sit behind the SCSI layer and name their vendor "ATA".
+            block_device::Protocol::Ata
         } else if name.starts_with("sd") {
             block_device::Protocol::Scsi
         } else {
             block_device::Protocol::Unknown
         };
+        let wwid = read(p.join("wwid")).or_else(|| read(p.join("device/wwid")));
         devices.push(BlockDevice {
-            vendor: read(p.join("device/vendor")).unwrap_or_default(),
+            vendor,
             device_model: read(p.join("device/model")).unwrap_or_default(),
             serial_number: read(p.join("device/serial")).unwrap_or_default(),
-            wwn: read(p.join("wwid")).unwrap_or_default().into_bytes(),
+            wwn: wwid.as_deref().map(wwn_bytes).unwrap_or_default(),
             rotational: read_num(p.join("queue/rotational")) == Some(1),
             capacity_bytes: read_num(p.join("size")).unwrap_or(0) * 512,
             logical_block_size_bytes: read_num(p.join("queue/logical_block_size")).unwrap_or(0)
@@ -190,13 +198,35 @@ fn block_devices(root: &Path, warnings: &mut Vec<String>) -> Vec<BlockDevice> {
     devices
 }
 
+/// The identifier bytes of a sysfs `wwid`, as upstream stores a WWN: the hex digits of an
+/// NAA (`naa.5000c500a1b2c3d4`) or EUI (`eui.0025388b71b0e5f1`) designator. Other forms
+/// (`t10.` vendor text, `nvme.` composites) carry no binary identifier and give none.
+fn wwn_bytes(wwid: &str) -> Vec<u8> {
+    let Some(hex) = wwid
+        .strip_prefix("naa.")
+        .or_else(|| wwid.strip_prefix("eui."))
+    else {
+        return Vec::new();
+    };
+    if hex.len() % 2 != 0 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Vec::new();
+    }
+    (0..hex.len())
+        .step_by(2)
+        .filter_map(|i| u8::from_str_radix(&hex[i..i + 2], 16).ok())
+        .collect()
+}
+
 fn parse_mac(s: &str) -> Option<Vec<u8>> {
     s.split(':')
         .map(|h| u8::from_str_radix(h, 16).ok())
         .collect()
 }
 
+/// Network interfaces. Supported speeds come from the kernel (ethtool), so only for the live
+/// system; a fake tree has none.
 fn network_interfaces(root: &Path, warnings: &mut Vec<String>) -> Vec<NetworkInterface> {
+    let live = root == Path::new("/");
     let mut nics = Vec::new();
     for entry in sys_entries(root, "sys/class/net", warnings) {
         let p = entry.path();
@@ -213,7 +243,11 @@ fn network_interfaces(root: &Path, warnings: &mut Vec<String>) -> Vec<NetworkInt
                 .ok()
                 .and_then(|l| l.file_name().map(|n| n.to_string_lossy().to_string()))
                 .unwrap_or_default(),
-            supported_speed_bytes: Vec::new(),
+            supported_speed_bytes: if live {
+                crate::ethtool::supported_speeds(&entry.file_name().to_string_lossy())
+            } else {
+                Vec::new()
+            },
             link_up: read_num(p.join("carrier")) == Some(1),
             current_speed_bytes: speed_mbps * 1_000_000 / 8,
         });
@@ -250,6 +284,14 @@ mod tests {
                 "1",
             );
         }
+        // Two more blocks, offlined: not installed memory the OS has.
+        for i in 64..66 {
+            put(
+                r,
+                &format!("sys/devices/system/memory/memory{i}/online"),
+                "0",
+            );
+        }
         let cpu = |n, phys| {
             format!("processor\t: {n}\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 85\nmodel name\t: Xeon\nstepping\t: 7\nphysical id\t: {phys}\ncpu cores\t: 2\n\n")
         };
@@ -261,6 +303,19 @@ mod tests {
         put(r, "sys/block/nvme0n1/size", "2000");
         put(r, "sys/block/nvme0n1/queue/rotational", "0");
         put(r, "sys/block/nvme0n1/device/serial", "S123");
+        put(r, "sys/block/nvme0n1/wwid", "eui.0025388b71b0e5f1");
+        put(r, "sys/block/sda/size", "4000");
+        put(r, "sys/block/sda/device/vendor", "ATA     ");
+        put(r, "sys/block/sda/device/serial", "S200");
+        put(r, "sys/block/sda/device/wwid", "naa.5000c500a1b2c3d4");
+        put(r, "sys/block/sdb/size", "4000");
+        put(r, "sys/block/sdb/device/vendor", "SEAGATE");
+        put(r, "sys/block/sdb/device/serial", "S300");
+        put(
+            r,
+            "sys/block/sdb/device/wwid",
+            "t10.SEAGATE ST4000NM0025 Z1Z0",
+        );
         put(r, "sys/block/loop0/size", "1");
         put(r, "sys/class/net/eth0/address", "aa:bb:cc:00:11:22");
         put(r, "sys/class/net/eth0/carrier", "1");
@@ -286,11 +341,25 @@ mod tests {
                 stepping: 7
             }))
         ));
-        assert_eq!(node.block_device.len(), 1, "loop devices are skipped");
-        assert_eq!(node.block_device[0].capacity_bytes, 2000 * 512);
-        assert_eq!(
-            node.block_device[0].protocol,
-            block_device::Protocol::Nvme as i32
+        assert_eq!(node.block_device.len(), 3, "loop devices are skipped");
+        let disk = |serial: &str| {
+            node.block_device
+                .iter()
+                .find(|b| b.serial_number == serial)
+                .unwrap()
+        };
+        let nvme = disk("S123");
+        assert_eq!(nvme.capacity_bytes, 2000 * 512);
+        assert_eq!(nvme.protocol, block_device::Protocol::Nvme as i32);
+        assert_eq!(nvme.wwn, [0x00, 0x25, 0x38, 0x8b, 0x71, 0xb0, 0xe5, 0xf1]);
+        let ata = disk("S200");
+        assert_eq!(ata.protocol, block_device::Protocol::Ata as i32);
+        assert_eq!(ata.wwn, [0x50, 0x00, 0xc5, 0x00, 0xa1, 0xb2, 0xc3, 0xd4]);
+        let sas = disk("S300");
+        assert_eq!(sas.protocol, block_device::Protocol::Scsi as i32);
+        assert!(
+            sas.wwn.is_empty(),
+            "a t10 designator has no identifier bytes"
         );
         assert_eq!(node.network_interface.len(), 1, "lo is skipped");
         assert_eq!(

@@ -32,6 +32,8 @@ pub mod shepherd {
     }
 }
 
+pub mod raw;
+
 /// Messages the agent speaks: the takeover protocol and the hardware report.
 pub use cloud::agent::api as agent;
 /// The agent-facing BMaaS service and its messages.

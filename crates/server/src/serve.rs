@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
-use shepherd_proto::bmaas::agent_callback_server::AgentCallbackServer;
+use shepherd_proto::raw::agent_callback_server::AgentCallbackServer;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;

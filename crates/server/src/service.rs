@@ -8,10 +8,12 @@ use shepherd_bmdb::{
     AgentHeartbeat, AgentReport, Error as BmdbError, InstallationResult,
     OsInstallationReport as ReportTag,
 };
-use shepherd_proto::bmaas::agent_callback_server::AgentCallback;
 use shepherd_proto::bmaas::{
-    os_installation_report, HeartbeatRequest, HeartbeatResponse, OsInstallationRequest,
+    os_installation_report, AgentHardwareReport, HeartbeatResponse, OsInstallationReport,
+    OsInstallationRequest,
 };
+use shepherd_proto::raw::agent_callback_server::AgentCallback;
+use shepherd_proto::raw::HeartbeatRequest;
 use shepherd_proto::Message;
 use tonic::{Request, Response, Status};
 use uuid::Uuid;
@@ -57,10 +59,23 @@ impl AgentCallback for BmaasService {
             .machine_id
             .parse()
             .map_err(|_| Status::invalid_argument("machine_id is not a UUID"))?;
-        let hardware = req.hardware_report.as_ref().map(|r| r.encode_to_vec());
-        let installation = match &req.installation_report {
+        // Reports are decoded to validate them and stored as the bytes the agent sent, so
+        // fields this build does not know are kept.
+        let hardware = match req.hardware_report {
             None => None,
-            Some(r) => {
+            Some(raw) => {
+                AgentHardwareReport::decode(raw.as_slice()).map_err(|e| {
+                    Status::invalid_argument(format!("hardware_report does not decode: {e}"))
+                })?;
+                Some(raw)
+            }
+        };
+        let installation = match req.installation_report {
+            None => None,
+            Some(raw) => {
+                let r = OsInstallationReport::decode(raw.as_slice()).map_err(|e| {
+                    Status::invalid_argument(format!("installation_report does not decode: {e}"))
+                })?;
                 let result = match &r.result {
                     Some(os_installation_report::Result::Success(_)) => InstallationResult::Success,
                     Some(os_installation_report::Result::Error(_)) => InstallationResult::Error,
@@ -73,7 +88,7 @@ impl AgentCallback for BmaasService {
                 Some(ReportTag {
                     generation: r.generation,
                     result,
-                    report_raw: r.encode_to_vec(),
+                    report_raw: raw,
                 })
             }
         };

@@ -106,17 +106,27 @@ pub fn dev_certs(dir: &Path, names: &[String]) -> Result<DevCerts> {
                 certs.key_pem.display()
             );
         }
+        if certifies_ed25519(&certs.cert_pem) {
+            tracing::warn!(
+                dir = %dir.display(),
+                "the development server certificate is Ed25519, which gRPC C-core clients \
+                 (Python, C++, Ruby) cannot verify; remove the directory to make ECDSA P-256 \
+                 ones (machines taken over with the old CA must then be taken over again)"
+            );
+        }
         return Ok(certs);
     }
     std::fs::create_dir_all(dir).with_context(|| format!("dev-certs: {}", dir.display()))?;
-    let ca_key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ED25519)?;
+    // ECDSA P-256, not Ed25519: gRPC C-core clients (BoringSSL) offer no Ed25519 signature
+    // scheme and cannot verify an Ed25519 server. Agents keep their Ed25519 client keys.
+    let ca_key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
     let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new())?;
     ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
     ca_params
         .distinguished_name
         .push(rcgen::DnType::CommonName, "shepherd dev CA");
     let ca = ca_params.self_signed(&ca_key)?;
-    let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ED25519)?;
+    let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
     let mut params = rcgen::CertificateParams::new(names.to_vec())?;
     params
         .distinguished_name
@@ -139,6 +149,15 @@ pub fn dev_certs(dir: &Path, names: &[String]) -> Result<DevCerts> {
     write(&certs.cert_pem, &cert.pem(), 0o644)?;
     write(&certs.ca_pem, &ca.pem(), 0o644)?;
     Ok(certs)
+}
+
+/// Whether the first certificate in a PEM file certifies an Ed25519 key (development
+/// certificates made before they were ECDSA).
+fn certifies_ed25519(pem: &Path) -> bool {
+    std::fs::read(pem)
+        .ok()
+        .and_then(|bytes| rustls_pemfile::certs(&mut bytes.as_slice()).next()?.ok())
+        .is_some_and(|der| peer_ed25519_key(&der).is_some())
 }
 
 /// The ed25519 public key in a DER certificate, if that is what it certifies.

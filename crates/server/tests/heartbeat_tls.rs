@@ -76,8 +76,12 @@ struct NotAHeartbeat {
     field: u64,
 }
 
-/// Sends bytes that do not decode as a HeartbeatRequest to the Heartbeat method.
-async fn garbage_heartbeat(server: &Server, agent: &Agent) -> tonic::Status {
+/// Sends `message` to the Heartbeat method, whatever its type.
+async fn send_raw<M: prost::Message + Send + Sync + 'static>(
+    server: &Server,
+    agent: &Agent,
+    message: M,
+) -> Result<HeartbeatResponse, tonic::Status> {
     let tls = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(server.bmaas.ca_pem()))
         .domain_name("localhost")
@@ -94,10 +98,85 @@ async fn garbage_heartbeat(server: &Server, agent: &Agent) -> tonic::Status {
     let path = tonic::codegen::http::uri::PathAndQuery::from_static(
         "/cloud.bmaas.server.api.AgentCallback/Heartbeat",
     );
-    let codec = tonic_prost::ProstCodec::<NotAHeartbeat, HeartbeatResponse>::default();
-    grpc.unary(tonic::Request::new(NotAHeartbeat { field: 7 }), path, codec)
+    let codec = tonic_prost::ProstCodec::<M, HeartbeatResponse>::default();
+    grpc.unary(tonic::Request::new(message), path, codec)
+        .await
+        .map(|r| r.into_inner())
+}
+
+/// Sends bytes that do not decode as a HeartbeatRequest to the Heartbeat method.
+async fn garbage_heartbeat(server: &Server, agent: &Agent) -> tonic::Status {
+    send_raw(server, agent, NotAHeartbeat { field: 7 })
         .await
         .unwrap_err()
+}
+
+/// `message` encoded, with field 99 (a varint no build knows) appended.
+fn with_unknown_field(message: &impl Message) -> Vec<u8> {
+    let mut bytes = message.encode_to_vec();
+    bytes.extend([0x98, 0x06, 0x07]);
+    bytes
+}
+
+/// Reports are stored as the agent sent them, fields this build does not know included
+/// (prost drops those when it decodes); a report that does not decode is refused.
+async fn reports_are_stored_as_received(db: Bmdb) {
+    let server = start(&db).await;
+    let good = agent();
+    let m = testing::machine_with_agent(&db, &good.key).await;
+    let hardware = with_unknown_field(&AgentHardwareReport {
+        report: Some(Node {
+            manufacturer: "Acme".into(),
+            ..Default::default()
+        }),
+        warning: vec![],
+    });
+    testing::request_installation(&db, m, 3, vec![]).await;
+    let installation = with_unknown_field(&OsInstallationReport {
+        generation: 3,
+        result: Some(os_installation_report::Result::Success(
+            os_installation_report::Success::default(),
+        )),
+    });
+    send_raw(
+        &server,
+        &good,
+        shepherd_proto::raw::HeartbeatRequest {
+            machine_id: m.to_string(),
+            hardware_report: Some(hardware.clone()),
+            installation_report: Some(installation.clone()),
+        },
+    )
+    .await
+    .unwrap();
+    let stored = db
+        .read(move |tx| Box::pin(async move { tx.hardware_report(m).await }))
+        .await
+        .unwrap();
+    assert_eq!(stored, Some(hardware), "hardware report bytes as sent");
+    let report = testing::installation_report(&db, m).await.unwrap();
+    assert_eq!(
+        report.report_raw, installation,
+        "installation report bytes as sent"
+    );
+    assert_eq!(report.result, InstallationResult::Success);
+
+    let m2 = testing::machine_with_agent(&db, &good.key).await;
+    let e = send_raw(
+        &server,
+        &good,
+        shepherd_proto::raw::HeartbeatRequest {
+            machine_id: m2.to_string(),
+            hardware_report: Some(vec![0xff, 0xff]),
+            installation_report: None,
+        },
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    assert!(e.message().contains("hardware_report"), "{e}");
+    assert!(heartbeat_of(&db, m2).await.is_none(), "nothing written");
+    let _ = server.bmaas.close().await;
 }
 
 async fn heartbeat_of(db: &Bmdb, id: Uuid) -> Option<chrono::DateTime<chrono::Utc>> {
@@ -288,5 +367,118 @@ async fn installation_requests_until_reported(db: Bmdb) {
 
 shepherd_bmdb::conformance_tests!(
     agents_are_authorized_by_key,
-    installation_requests_until_reported
+    installation_requests_until_reported,
+    reports_are_stored_as_received,
 );
+
+/// A server-certificate verifier that offers only the signature schemes BoringSSL offers by
+/// default — what gRPC C-core clients (Python, C++, Ruby …) send in `signature_algorithms`,
+/// which has no Ed25519 — and otherwise checks like any client.
+#[derive(Debug)]
+struct CCoreSchemes(std::sync::Arc<rustls::client::WebPkiServerVerifier>);
+
+impl rustls::client::danger::ServerCertVerifier for CCoreSchemes {
+    fn verify_server_cert(
+        &self,
+        end_entity: &rustls::pki_types::CertificateDer<'_>,
+        intermediates: &[rustls::pki_types::CertificateDer<'_>],
+        server_name: &rustls::pki_types::ServerName<'_>,
+        ocsp: &[u8],
+        now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        self.0
+            .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        use rustls::SignatureScheme::*;
+        vec![
+            ECDSA_NISTP256_SHA256,
+            RSA_PSS_SHA256,
+            RSA_PKCS1_SHA256,
+            ECDSA_NISTP384_SHA384,
+            RSA_PSS_SHA384,
+            RSA_PKCS1_SHA384,
+            RSA_PSS_SHA512,
+            RSA_PKCS1_SHA512,
+        ]
+    }
+}
+
+/// `--dev-certs` must serve certificates gRPC C-core clients can verify: with an Ed25519
+/// server key their handshake ends in NoSignatureSchemesInCommon. The agent's own client
+/// certificate stays Ed25519.
+#[tokio::test]
+async fn clients_without_ed25519_complete_the_handshake_with_dev_certs() {
+    let t = testing::sqlite().await;
+    let server = start(&t.db).await;
+    let mut roots = rustls::RootCertStore::empty();
+    let ca = rustls_pemfile::certs(&mut server.bmaas.ca_pem().as_bytes())
+        .next()
+        .unwrap()
+        .unwrap();
+    roots.add(ca).unwrap();
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let webpki = rustls::client::WebPkiServerVerifier::builder_with_provider(
+        std::sync::Arc::new(roots),
+        provider.clone(),
+    )
+    .build()
+    .unwrap();
+    let a = agent();
+    let cert = rustls_pemfile::certs(&mut a.cert_pem.as_bytes())
+        .next()
+        .unwrap()
+        .unwrap();
+    let key = rustls_pemfile::private_key(&mut a.key_pem.as_bytes())
+        .unwrap()
+        .unwrap();
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .dangerous()
+        .with_custom_certificate_verifier(std::sync::Arc::new(CCoreSchemes(webpki)))
+        .with_client_auth_cert(vec![cert], key)
+        .unwrap();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", server.bmaas.port()))
+        .await
+        .unwrap();
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let tls = connector.connect(name, tcp).await;
+    assert!(tls.is_ok(), "handshake failed: {:?}", tls.err());
+    let ca_key = x509_parser::parse_x509_certificate(
+        &rustls_pemfile::certs(&mut server.bmaas.ca_pem().as_bytes())
+            .next()
+            .unwrap()
+            .unwrap(),
+    )
+    .unwrap()
+    .1
+    .public_key()
+    .algorithm
+    .algorithm
+    .to_id_string();
+    assert_eq!(ca_key, "1.2.840.10045.2.1", "the dev CA key is ECDSA");
+    let _ = server.bmaas.close().await;
+    t.cleanup().await;
+}

@@ -9,6 +9,7 @@ use shepherd_bmdb::{
     Lifecycle, MachineSummary, Maintenance, OsInstallationReport, OsInstallationRequest, Provider,
     Recovery, SessionInfo, SshHostKey,
 };
+use shepherd_proto::agent::{cpu, EfiSupport};
 use shepherd_proto::bmaas::{os_installation_request, AgentHardwareReport};
 use shepherd_proto::Message;
 use uuid::Uuid;
@@ -337,7 +338,8 @@ pub async fn history(db: &Bmdb, id: Uuid) -> Result<(Vec<HistoryLine>, Option<De
         .await?)
 }
 
-/// The parts of a hardware report operators look at.
+/// The whole decoded hardware report, every field of upstream's `Node`, plus the totals
+/// operators look at first (cores, threads).
 pub fn hardware_json(r: &AgentHardwareReport) -> Value {
     let Some(report) = &r.report else {
         return json!({ "warnings": r.warning });
@@ -346,22 +348,146 @@ pub fn hardware_json(r: &AgentHardwareReport) -> Value {
         "manufacturer": report.manufacturer,
         "product": report.product,
         "serial_number": report.serial_number,
+        "efi_support": report.efi_support().as_str_name(),
         "cpu_cores": report.cpu.iter().map(|c| c.cores).sum::<i32>(),
         "cpu_threads": report.cpu.iter().map(|c| c.hardware_threads).sum::<i32>(),
-        "cpus": report.cpu.iter().map(|c| c.model.clone()).collect::<Vec<_>>(),
+        "cpus": each(&report.cpu, |c| {
+            let x86 = match &c.architecture {
+                Some(cpu::Architecture::X8664(x)) => {
+                    json!({"family": x.family, "model": x.model, "stepping": x.stepping})
+                }
+                None => Value::Null,
+            };
+            json!({
+                "vendor": c.vendor,
+                "model": c.model,
+                "cores": c.cores,
+                "hardware_threads": c.hardware_threads,
+                "x86_64": x86,
+            })
+        }),
         "memory_bytes": report.memory_installed_bytes,
-        "nics": report.network_interface.iter().map(|n| json!({
+        "memory_usable_ratio": report.memory_usable_ratio,
+        "nics": each(&report.network_interface, |n| json!({
             "mac": mac(&n.mac),
-            "speed_bytes": n.current_speed_bytes,
+            "driver": n.driver,
             "link_up": n.link_up,
-        })).collect::<Vec<_>>(),
-        "block_devices": report.block_device.iter().map(|b| json!({
+            "speed_bytes": n.current_speed_bytes,
+            "supported_speed_bytes": n.supported_speed_bytes,
+        })),
+        "block_devices": each(&report.block_device, |b| json!({
+            "vendor": b.vendor,
             "model": b.device_model,
-            "capacity_bytes": b.capacity_bytes,
+            "serial_number": b.serial_number,
+            "wwn": hex(&b.wwn),
             "protocol": b.protocol().as_str_name(),
-        })).collect::<Vec<_>>(),
+            "rotational": b.rotational,
+            "capacity_bytes": b.capacity_bytes,
+            "logical_block_size_bytes": b.logical_block_size_bytes,
+            "physical_block_size_bytes": b.physical_block_size_bytes,
+            "critical_warning": b.critical_warning,
+            "media_errors": b.media_errors,
+            "available_spare_ratio": b.available_spare_ratio,
+            "usage_ratio": b.usage_ratio,
+        })),
         "warnings": r.warning,
     })
+}
+
+/// Bytes as GiB with one decimal ("64.0 GiB").
+pub fn gib(bytes: i64) -> String {
+    format!("{:.1} GiB", bytes as f64 / f64::from(1u32 << 30))
+}
+
+/// The whole decoded hardware report as labelled lines for people (`machines show`, the web
+/// UI): one line per CPU, disk and NIC.
+pub fn hardware_lines(r: &AgentHardwareReport) -> Vec<(&'static str, String)> {
+    let mut lines = Vec::new();
+    if let Some(n) = &r.report {
+        let efi = match n.efi_support() {
+            EfiSupport::Enabled => "EFI enabled",
+            EfiSupport::Supported => "EFI supported, not enabled",
+            EfiSupport::Unsupported => "no EFI",
+            EfiSupport::Unknown | EfiSupport::Invalid => "EFI unknown",
+        };
+        lines.push((
+            "system",
+            format!(
+                "{} {} (serial {}), {efi}",
+                n.manufacturer, n.product, n.serial_number
+            ),
+        ));
+        for c in &n.cpu {
+            let mut line = format!(
+                "{} ({}): {} cores, {} threads",
+                c.model, c.vendor, c.cores, c.hardware_threads
+            );
+            if let Some(cpu::Architecture::X8664(x)) = &c.architecture {
+                line += &format!(
+                    ", family {} model {} stepping {}",
+                    x.family, x.model, x.stepping
+                );
+            }
+            lines.push(("cpu", line));
+        }
+        lines.push((
+            "memory",
+            format!(
+                "{} installed, {:.1} % usable",
+                gib(n.memory_installed_bytes),
+                n.memory_usable_ratio * 100.0
+            ),
+        ));
+        for b in &n.block_device {
+            let mut line = format!(
+                "{} {} {} (serial {}, wwn {}), {}, {}",
+                b.vendor.trim(),
+                b.device_model.trim(),
+                gib(b.capacity_bytes),
+                b.serial_number,
+                if b.wwn.is_empty() {
+                    "-".to_string()
+                } else {
+                    hex(&b.wwn)
+                },
+                b.protocol().as_str_name(),
+                if b.rotational {
+                    "rotational"
+                } else {
+                    "solid state"
+                },
+            );
+            if b.critical_warning {
+                line += ", CRITICAL WARNING";
+            }
+            if let Some(e) = b.media_errors {
+                line += &format!(", {e} media errors");
+            }
+            lines.push(("disk", line));
+        }
+        for i in &n.network_interface {
+            let speeds: Vec<String> = i
+                .supported_speed_bytes
+                .iter()
+                .map(|s| format!("{} Mbit/s", s * 8 / 1_000_000))
+                .collect();
+            lines.push((
+                "nic",
+                format!(
+                    "{} driver {}, link {} at {} Mbit/s, supports [{}]",
+                    mac(&i.mac),
+                    if i.driver.is_empty() { "-" } else { &i.driver },
+                    if i.link_up { "up" } else { "down" },
+                    i.current_speed_bytes * 8 / 1_000_000,
+                    speeds.join(", ")
+                ),
+            ));
+        }
+    }
+    for w in &r.warning {
+        lines.push(("warning", w.clone()));
+    }
+    lines
 }
 
 /// A JSON array of `f` applied to each of `items`.

@@ -348,7 +348,16 @@ async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else if let Value::Object(map) = v {
                 for (k, val) in map {
-                    println!("{k:<22} {}", text(&val));
+                    match (&detail.hardware, k.as_str()) {
+                        // The whole report, a line per part, rather than one JSON line.
+                        (Some(Ok(report)), "hardware_report") => {
+                            println!("hardware_report");
+                            for (label, line) in inventory::hardware_lines(report) {
+                                println!("  {label:<20} {line}");
+                            }
+                        }
+                        _ => println!("{k:<22} {}", text(&val)),
+                    }
                 }
             }
         }

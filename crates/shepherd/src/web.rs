@@ -468,24 +468,13 @@ fn machine_body(d: &Detail) -> Markup {
     }
 }
 
-fn gib(bytes: i64) -> String {
-    format!("{:.1} GiB", bytes as f64 / f64::from(1u32 << 30))
-}
-
 fn hardware(r: &shepherd_proto::bmaas::AgentHardwareReport) -> Markup {
     html! {
-        @if let Some(n) = &r.report {
-            dl {
-                dt { "system" } dd { (n.manufacturer) " " (n.product) " " span.mono { (n.serial_number) } }
-                dt { "CPU" } dd data-field="cpu" {
-                    @for c in &n.cpu { div { (c.model) " — " (c.cores) " cores, " (c.hardware_threads) " threads" } }
-                }
-                dt { "memory" } dd data-field="memory" { (gib(n.memory_installed_bytes)) }
-                dt { "disks" } dd { @for b in &n.block_device { div { (b.device_model) " " (gib(b.capacity_bytes)) " " (b.protocol().as_str_name()) } } }
-                dt { "NICs" } dd { @for i in &n.network_interface { div.mono { (inventory::mac(&i.mac)) " " @if i.link_up { "up" } @else { "down" } } } }
+        dl {
+            @for (label, line) in inventory::hardware_lines(r) {
+                dt { (label) } dd data-field=(label) { (line) }
             }
         }
-        @for w in &r.warning { p.muted { "warning: " (w) } }
     }
 }
 

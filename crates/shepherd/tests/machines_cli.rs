@@ -551,3 +551,90 @@ async fn operator_actions_are_recorded_and_shown() {
 fn ok(o: &Output) {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
+
+/// `machines show` carries the whole decoded hardware report: CPU vendor, disks with vendor,
+/// serial and WWN, NIC drivers and speeds, EFI support, the usable-memory ratio.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn show_prints_the_whole_hardware_report() {
+    use shepherd_proto::agent::*;
+    let t = testing::sqlite().await;
+    let url = t.url.clone();
+    let report = shepherd_proto::bmaas::AgentHardwareReport {
+        report: Some(Node {
+            manufacturer: "Supermicro".into(),
+            product: "AS-1114S".into(),
+            serial_number: "S42".into(),
+            memory_installed_bytes: 256 << 30,
+            memory_usable_ratio: 0.975,
+            efi_support: EfiSupport::Enabled as i32,
+            cpu: vec![Cpu {
+                vendor: "AuthenticAMD".into(),
+                model: "AMD EPYC 7402P".into(),
+                cores: 24,
+                hardware_threads: 48,
+                architecture: Some(cpu::Architecture::X8664(cpu::X8664 {
+                    family: 23,
+                    model: 49,
+                    stepping: 0,
+                })),
+            }],
+            block_device: vec![BlockDevice {
+                vendor: "Samsung".into(),
+                device_model: "PM9A3".into(),
+                serial_number: "DISK7".into(),
+                wwn: vec![0x00, 0x25, 0x38, 0xb1],
+                capacity_bytes: 960 << 30,
+                protocol: block_device::Protocol::Nvme as i32,
+                ..Default::default()
+            }],
+            network_interface: vec![NetworkInterface {
+                mac: vec![2, 0, 0, 0, 0, 7],
+                driver: "mlx5_core".into(),
+                supported_speed_bytes: vec![3_125_000_000],
+                link_up: true,
+                current_speed_bytes: 3_125_000_000,
+            }],
+        }),
+        warning: vec!["no SMART data".into()],
+    }
+    .encode_to_vec();
+    let m =
+        t.db.transact(move |tx| {
+            let report = report.clone();
+            Box::pin(async move {
+                let id = tx.create_machine().await?;
+                tx.set_hardware_report(id, &report).await?;
+                Ok(id)
+            })
+        })
+        .await
+        .unwrap()
+        .to_string();
+    let shown = json(&shepherd(&url, &["machines", "show", &m, "--json"]));
+    let hw = &shown["hardware_report"];
+    assert_eq!(hw["efi_support"], "EFI_SUPPORT_ENABLED");
+    assert_eq!(hw["memory_usable_ratio"].as_f64().unwrap() as f32, 0.975);
+    assert_eq!(hw["cpus"][0]["vendor"], "AuthenticAMD");
+    assert_eq!(hw["cpus"][0]["x86_64"]["family"], 23);
+    let disk = &hw["block_devices"][0];
+    assert_eq!(
+        (&disk["vendor"], &disk["serial_number"], &disk["wwn"]),
+        (&"Samsung".into(), &"DISK7".into(), &"002538b1".into())
+    );
+    assert_eq!(hw["nics"][0]["driver"], "mlx5_core");
+    assert_eq!(hw["nics"][0]["supported_speed_bytes"][0], 3_125_000_000i64);
+    let out = shepherd(&url, &["machines", "show", &m]);
+    ok(&out);
+    let text = String::from_utf8_lossy(&out.stdout);
+    for want in [
+        "Supermicro AS-1114S (serial S42), EFI enabled",
+        "AMD EPYC 7402P (AuthenticAMD): 24 cores, 48 threads, family 23 model 49 stepping 0",
+        "256.0 GiB installed, 97.5 % usable",
+        "Samsung PM9A3 960.0 GiB (serial DISK7, wwn 002538b1), PROTOCOL_NVME, solid state",
+        "02:00:00:00:00:07 driver mlx5_core, link up at 25000 Mbit/s, supports [25000 Mbit/s]",
+        "no SMART data",
+    ] {
+        assert!(text.contains(want), "{want:?} missing from:\n{text}");
+    }
+    t.cleanup().await;
+}
