@@ -63,6 +63,17 @@ ensure_chromium() {
   /usr/bin/chromium --version 2>/dev/null | head -n 1 | sed 's/^/test-deps: /' || true
 }
 
+ensure_promtool() {
+  # The alert rules in deploy/ are checked with promtool, from Debian's prometheus package.
+  # RUNLEVEL=1 keeps the package scripts from starting a Prometheus server.
+  if ! command -v promtool >/dev/null 2>&1; then
+    echo "test-deps: installing prometheus (for promtool)"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive RUNLEVEL=1 apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  fi
+  promtool --version 2>&1 | head -n 1 | sed 's/^/test-deps: /' || true
+}
+
 ensure_sushy() {
   # The Redfish tests run the sushy-tools emulator (fake driver) from a virtualenv of our own.
   local venv="${SHEPHERD_SUSHY_VENV:-$HOME/.cache/shepherd/sushy-venv}"
@@ -111,6 +122,7 @@ fi
 ensure_postgres
 ensure_sshd
 ensure_chromium
+ensure_promtool
 ensure_sushy
 ensure_vm
 echo "test-deps: ready"
