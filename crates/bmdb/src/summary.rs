@@ -193,6 +193,25 @@ pub struct FleetCounts {
     pub decommissioned: i64,
 }
 
+impl FleetCounts {
+    /// The counts as named series, as the overview's chart and its snapshots name them.
+    pub fn series(&self) -> Vec<(&'static str, i64)> {
+        let sum = |v: &[(Process, i64)]| v.iter().map(|(_, n)| n).sum::<i64>();
+        vec![
+            ("machines", self.machines),
+            ("provided", self.provided.iter().map(|(_, n)| n).sum()),
+            ("agent started", self.agent_started),
+            ("heartbeating", self.heartbeating),
+            ("stale", self.stale),
+            ("installing", self.pending_install),
+            ("installed", self.installed),
+            ("in work", sum(&self.work)),
+            ("in backoff", sum(&self.backoffs)),
+            ("maintenance", self.maintenance),
+        ]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

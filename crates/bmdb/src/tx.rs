@@ -394,6 +394,17 @@ impl Tx {
         sql::endings::insert_history_raw(&mut self.inner, machine, process, event, at, cause).await
     }
 
+    /// Test support: writes a fleet-count snapshot point at any time (a chart's history).
+    #[cfg(feature = "testing")]
+    pub async fn insert_fleet_snapshot_raw(
+        &mut self,
+        at: DateTime<Utc>,
+        series: &str,
+        machines: i64,
+    ) -> Result<(), Error> {
+        sql::overview::insert_snapshot_raw(&mut self.inner, at, series, machines).await
+    }
+
     /// Test support: deletes a session row (its work cascades) behind its owner's back, as a
     /// partition plus another replica's garbage collection would.
     #[cfg(feature = "testing")]
@@ -460,5 +471,41 @@ impl Tx {
         provider_id: &str,
     ) -> Result<bool, Error> {
         sql::operator::is_decommissioned(&mut self.inner, provider, provider_id).await
+    }
+
+    /// Records the fleet counts as this minute's snapshot (unless another process already
+    /// did) and forgets snapshots older than eight days.
+    pub async fn record_fleet_snapshot(&mut self, counts: &FleetCounts) -> Result<(), Error> {
+        let keep_after = self.now().await? - chrono::Duration::days(8);
+        let series = counts.series();
+        sql::overview::record_snapshot(&mut self.inner, &series, keep_after).await
+    }
+
+    /// Fleet count snapshots of the last `span`, oldest first: (minute, series, machines).
+    pub async fn fleet_snapshots(
+        &mut self,
+        span: chrono::Duration,
+    ) -> Result<Vec<(DateTime<Utc>, String, i64)>, Error> {
+        let after = self.now().await? - span;
+        sql::overview::snapshots(&mut self.inner, after).await
+    }
+
+    /// Finished and Failed work per minute and process over the last `span`, oldest first.
+    pub async fn work_endings_per_minute(
+        &mut self,
+        span: chrono::Duration,
+    ) -> Result<Vec<(DateTime<Utc>, Process, WorkEvent, i64)>, Error> {
+        let after = self.now().await? - span;
+        sql::overview::endings_per_minute(&mut self.inner, after).await
+    }
+
+    /// The `limit` most frequent failure causes of the last `span`, with their counts.
+    pub async fn top_failure_causes(
+        &mut self,
+        span: chrono::Duration,
+        limit: i64,
+    ) -> Result<Vec<(String, i64)>, Error> {
+        let after = self.now().await? - span;
+        sql::overview::top_failure_causes(&mut self.inner, after, limit).await
     }
 }

@@ -264,7 +264,7 @@ pub async fn run(args: DemoArgs) -> Result<()> {
 
     // The operator's view: web UI and metrics, as `shepherd server` and `shepherd run` serve them.
     let provider_metrics = Arc::new(CallMetrics::default());
-    let mut registry = crate::metrics_http::registry_with_fleet_stats(
+    let (mut registry, stats) = crate::metrics_http::registry_with_fleet_stats(
         &db,
         settings.recovery,
         Duration::from_secs(1),
@@ -278,6 +278,7 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         Duration::from_secs(2),
         settings.recovery,
         Some(settings.recovery_brake_metrics.clone()),
+        stats.clone(),
     ));
     let http = match crate::metrics_http::serve(
         args.http_listen,

@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::AtomicI64;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Result;
@@ -58,7 +59,12 @@ pub struct FleetStats {
     hw_disk: Family<LocationLabel, Gauge>,
     refreshed: Gauge<f64, std::sync::atomic::AtomicU64>,
     refresh_failures: Gauge<i64, AtomicI64>,
+    /// The hardware totals of the last refresh, for the web UI's overview.
+    hardware: Arc<Mutex<Arc<HardwareByLocation>>>,
 }
+
+/// Hardware totals by location.
+pub type HardwareByLocation = BTreeMap<String, HardwareTotals>;
 
 impl FleetStats {
     /// Adds every gauge to `registry` under `shepherd_fleet_*`.
@@ -157,6 +163,11 @@ impl FleetStats {
         );
     }
 
+    /// The hardware totals by location of the last refresh (empty before the first).
+    pub fn hardware(&self) -> Arc<HardwareByLocation> {
+        self.hardware.lock().expect("hardware totals lock").clone()
+    }
+
     /// Re-reads every statistic from the database.
     pub async fn refresh(&self, db: &Bmdb, thresholds: RecoveryThresholds) -> Result<()> {
         let (counts, eligible) = db
@@ -189,6 +200,18 @@ impl FleetStats {
             })
             .await?;
         let hardware = hardware_totals(db).await?;
+        // This minute's point of the overview's chart (the first process to refresh in a
+        // minute writes it; a failure costs only the point).
+        let snapshot = counts.clone();
+        if let Err(e) = db
+            .transact(move |tx| {
+                let snapshot = snapshot.clone();
+                Box::pin(async move { tx.record_fleet_snapshot(&snapshot).await })
+            })
+            .await
+        {
+            tracing::warn!(error = %e, "could not record the fleet counts' snapshot");
+        }
 
         self.machines.set(counts.machines);
         self.provided.clear();
@@ -228,6 +251,7 @@ impl FleetStats {
         ] {
             f.clear();
         }
+        *self.hardware.lock().expect("hardware totals lock") = Arc::new(hardware.clone());
         for (location, t) in hardware {
             let l = LocationLabel { location };
             self.hw_machines.get_or_create(&l).set(t.machines);
@@ -288,8 +312,8 @@ pub struct HardwareTotals {
 
 /// Sums the hardware reports by location ("unknown" when the machine has none); undecodable
 /// reports are skipped with a warning.
-pub async fn hardware_totals(db: &Bmdb) -> Result<BTreeMap<String, HardwareTotals>> {
-    let mut totals: BTreeMap<String, HardwareTotals> = BTreeMap::new();
+pub async fn hardware_totals(db: &Bmdb) -> Result<HardwareByLocation> {
+    let mut totals = HardwareByLocation::new();
     let mut after: Option<Uuid> = None;
     loop {
         let a = after;

@@ -14,6 +14,7 @@ mod fleet_stats;
 mod inventory;
 mod machines_cmd;
 mod metrics_http;
+mod overview;
 mod run_cmd;
 mod server_cmd;
 mod web;

@@ -17,19 +17,24 @@ use tokio_util::sync::CancellationToken;
 use crate::fleet_stats::FleetStats;
 
 /// A registry holding the BMDB counters of `db` (SPEC §16) and the fleet statistics gauges,
-/// whose refresh loop is started on the runtime until `cancel`.
+/// whose refresh loop is started on the runtime until `cancel`; and those statistics, whose
+/// hardware totals the web UI's overview shows.
 pub fn registry_with_fleet_stats(
     db: &Bmdb,
     thresholds: RecoveryThresholds,
     stats_interval: Duration,
     cancel: CancellationToken,
-) -> Registry {
+) -> (Registry, FleetStats) {
     let mut registry = Registry::default();
     db.metrics().register(&mut registry);
     let stats = FleetStats::default();
     stats.register(&mut registry);
-    tokio::spawn(stats.run(db.clone(), thresholds, stats_interval, cancel));
-    registry
+    tokio::spawn(
+        stats
+            .clone()
+            .run(db.clone(), thresholds, stats_interval, cancel),
+    );
+    (registry, stats)
 }
 
 /// `/metrics` over `registry`.

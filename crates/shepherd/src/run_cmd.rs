@@ -589,7 +589,7 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
     };
     let db = Bmdb::open_with(database, &OpenOptions::migrating(args.migrate)).await?;
     let cancel = shutdown_on_signals();
-    let mut registry = crate::metrics_http::registry_with_fleet_stats(
+    let (mut registry, stats) = crate::metrics_http::registry_with_fleet_stats(
         &db,
         settings.recovery,
         args.stats_interval,
@@ -610,6 +610,7 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
         Duration::from_secs(5),
         settings.recovery,
         Some(settings.recovery_brake_metrics.clone()),
+        stats.clone(),
     ));
     let metrics =
         crate::metrics_http::serve(args.metrics_listen, "metrics-listen", app, cancel.clone())

@@ -158,7 +158,7 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
         args.sessions,
     ));
     let cancel = shutdown_on_signals();
-    let mut registry = crate::metrics_http::registry_with_fleet_stats(
+    let (mut registry, stats) = crate::metrics_http::registry_with_fleet_stats(
         &db,
         args.thresholds.thresholds(),
         args.stats_interval,
@@ -174,6 +174,7 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
             args.web_refresh,
             args.thresholds.thresholds(),
             None,
+            stats.clone(),
         )),
         cancel.clone(),
     )

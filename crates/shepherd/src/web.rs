@@ -1,5 +1,5 @@
-//! The debug web UI (SPEC §12): server-rendered HTML over the BMDB, no JavaScript. Machines
-//! list with filters and paging, machine detail, sessions. Pages refresh themselves so an
+//! The debug web UI (SPEC §12): server-rendered HTML over the BMDB, no JavaScript. The fleet
+//! at a glance (`overview.rs`), machines list with filters and paging, machine detail, sessions. Pages refresh themselves so an
 //! operator can watch machines move through states. Read-only.
 
 use std::sync::Arc;
@@ -16,7 +16,9 @@ use shepherd_bmdb::{Bmdb, FleetCounts, Lifecycle, Provider, RecoveryThresholds, 
 use shepherd_loops::brake::{BrakeMetrics, BrakeStatus};
 use uuid::Uuid;
 
+use crate::fleet_stats::FleetStats;
 use crate::inventory::{self, Detail};
+use crate::overview::Overview;
 
 /// Machines per page unless the URL asks otherwise.
 const DEFAULT_PAGE: usize = 100;
@@ -28,8 +30,13 @@ const SCAN_BUDGET: usize = 20_000;
 /// page must not be: however many requests come, the counts are computed at most this often.
 const COUNTS_TTL: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// How long the overview is reused: it reads a day of snapshots and an hour of history.
+const OVERVIEW_TTL: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The fleet counts last computed, and when.
 type CachedCounts = Option<(std::time::Instant, Arc<FleetCounts>)>;
+/// The overview last read, and when.
+type CachedOverview = Option<(std::time::Instant, Arc<Overview>)>;
 
 struct Ui {
     db: Bmdb,
@@ -41,19 +48,26 @@ struct Ui {
     stale_after: chrono::Duration,
     /// The recovery brake of the recoverer in this process, if one runs here.
     brake: Option<BrakeMetrics>,
+    /// The fleet statistics of this process (their hardware totals).
+    stats: FleetStats,
+    /// Like `counts`, for the overview.
+    overview: tokio::sync::Mutex<CachedOverview>,
 }
 
-/// The UI's routes (`/`, `/machines`, `/machines/{id}`, `/sessions`, `/sessions/{id}`); pages
-/// reload themselves every `refresh` (zero: never). With `brake`, the machines page says
-/// whether this process's recoverer is braked.
+/// The UI's routes (`/`, `/overview`, `/machines`, `/machines/{id}`, `/sessions`,
+/// `/sessions/{id}`); pages reload themselves every `refresh` (zero: never). With `brake`, the
+/// machines page says whether this process's recoverer is braked; `stats` are this process's
+/// fleet statistics, whose hardware totals the overview shows.
 pub fn router(
     db: Bmdb,
     refresh: std::time::Duration,
     thresholds: RecoveryThresholds,
     brake: Option<BrakeMetrics>,
+    stats: FleetStats,
 ) -> Router {
     Router::new()
         .route("/", get(|| async { Redirect::to("/machines") }))
+        .route("/overview", get(overview))
         .route("/machines", get(machines))
         .route("/machines/{id}", get(machine))
         .route("/sessions", get(sessions))
@@ -64,6 +78,8 @@ pub fn router(
             refresh: refresh.as_secs(),
             stale_after: thresholds.stale_after(),
             brake,
+            stats,
+            overview: tokio::sync::Mutex::new(None),
         }))
 }
 
@@ -85,6 +101,26 @@ impl Ui {
         *cached = Some((std::time::Instant::now(), counts.clone()));
         Ok(counts)
     }
+}
+
+async fn overview(State(ui): State<Arc<Ui>>) -> Result<Html<String>, PageError> {
+    let o = {
+        let mut cached = ui.overview.lock().await;
+        match cached.as_ref() {
+            Some((at, o)) if at.elapsed() < OVERVIEW_TTL => o.clone(),
+            _ => {
+                let counts = (*ui.fleet_counts().await?).clone();
+                let o = Arc::new(crate::overview::load(&ui.db, counts, ui.stats.hardware()).await?);
+                *cached = Some((std::time::Instant::now(), o.clone()));
+                o
+            }
+        }
+    };
+    Ok(page(
+        "Overview",
+        ui.refresh,
+        html! { (fleet_counts(&o.counts)) (crate::overview::body(&o)) },
+    ))
 }
 
 /// A page that could not be shown, with what to tell the operator.
@@ -137,6 +173,8 @@ code,.mono{font-family:ui-monospace,monospace;font-size:.85rem}
 .counts span{margin-right:1.2rem} form{margin:1rem 0} select,button{font-size:.9rem;padding:.2rem}
 dl{display:grid;grid-template-columns:max-content auto;gap:.3rem 1rem} dt{color:#666}
 .error{color:#b91c1c} .muted{color:#777} .pager a{margin-right:1rem}
+.legend span{margin-right:1rem;white-space:nowrap} .swatch{display:inline-block;width:.8rem;height:.8rem;margin-right:.3rem;vertical-align:middle}
+svg{max-width:100%;height:auto}
 ";
 
 fn page(title: &str, refresh: u64, body: Markup) -> Html<String> {
@@ -152,7 +190,7 @@ fn page(title: &str, refresh: u64, body: Markup) -> Html<String> {
                     style { (PreEscaped(STYLE)) }
                 }
                 body {
-                    nav { a href="/machines" { "Machines" } a href="/sessions" { "Sessions" } a href="/metrics" { "Metrics" } }
+                    nav { a href="/overview" { "Overview" } a href="/machines" { "Machines" } a href="/sessions" { "Sessions" } a href="/metrics" { "Metrics" } }
                     h1 { (title) }
                     (body)
                     @if refresh > 0 { p.muted { "Refreshes every " (refresh) " s." } }

@@ -465,3 +465,159 @@ async fn stale_follows_the_recoverers_threshold() {
     }
     t.cleanup().await;
 }
+
+/// Writes a chart's worth of history: an hour of minute snapshots in which the seeded fleet
+/// of ten machines was brought in, ending where it stands now, and in the last hour 12
+/// takeovers and 5 failures with three causes.
+async fn overview_history(db: &Bmdb, machine: Uuid) {
+    db.transact(move |tx| {
+        Box::pin(async move {
+            let now = tx.now().await?;
+            for m in 0..60i64 {
+                let at = now - chrono::Duration::minutes(60 - m);
+                let ramp = |to: i64, from_minute: i64| ((m - from_minute).max(0) * to / 20).min(to);
+                for (series, n) in [
+                    ("machines", ramp(10, 0)),
+                    ("provided", ramp(9, 2)),
+                    ("agent started", ramp(6, 8)),
+                    ("heartbeating", ramp(5, 12) - i64::from(m > 45)),
+                    ("stale", i64::from(m > 45)),
+                    ("installing", i64::from(m > 40)),
+                    ("installed", i64::from(m > 50)),
+                    ("in work", i64::from(m % 7 < 3)),
+                    (
+                        "in backoff",
+                        i64::from(m > 30) + i64::from((33..38).contains(&m)),
+                    ),
+                ] {
+                    tx.insert_fleet_snapshot_raw(at, series, n).await?;
+                }
+            }
+            let recent = |minutes: i64| now - chrono::Duration::minutes(minutes);
+            let p = Process::ShepherdAgentStart;
+            for i in 0..12 {
+                tx.insert_history_raw(machine, p, WorkEvent::Finished, recent(50 - 4 * i), None)
+                    .await?;
+            }
+            for (i, cause) in [
+                "ssh: connection refused",
+                "ssh: connection refused",
+                "ssh: connection refused",
+                "agent: takeover response does not decode",
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                tx.insert_history_raw(
+                    machine,
+                    p,
+                    WorkEvent::Failed,
+                    recent(40 - i as i64),
+                    Some(cause),
+                )
+                .await?;
+            }
+            let r = Process::ShepherdRecovery;
+            tx.insert_history_raw(
+                machine,
+                r,
+                WorkEvent::Failed,
+                recent(3),
+                Some("bmc: timed out"),
+            )
+            .await?;
+            Ok(())
+        })
+    })
+    .await
+    .unwrap();
+}
+
+/// The overview in Chromium: the state chart draws every series, the bars add up to the
+/// history's takeovers and failures, the causes are ranked, hardware is summed per location.
+/// Its screenshot is `docs/overview.png`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overview_shows_the_fleet_at_a_glance() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = testing::sqlite().await;
+    let (_seeded, holder) = testing::seed_every_state(&t.db).await;
+    let box9 = taken_over_machine(&t.db).await;
+    overview_history(&t.db, box9).await;
+    let (_server, base) = start_server_with(&t.url, dir.path(), &["--stats-interval", "1s"]);
+    let (_driver, c) = browser(&dir.path().join("profile")).await;
+
+    // The hardware totals come from the statistics' first refresh.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        c.goto(&format!("{base}/overview")).await.unwrap();
+        if c.find(Locator::Css("#hardware-totals tr[data-location]"))
+            .await
+            .is_ok()
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no hardware totals on the overview"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let series: Vec<String> = {
+        let mut out = vec![];
+        for line in c
+            .find_all(Locator::Css("#state-chart polyline"))
+            .await
+            .unwrap()
+        {
+            out.push(line.attr("data-series").await.unwrap().unwrap());
+        }
+        out.sort();
+        out
+    };
+    for want in [
+        "agent started",
+        "heartbeating",
+        "in backoff",
+        "in work",
+        "machines",
+        "provided",
+    ] {
+        assert!(
+            series.iter().any(|s| s == want),
+            "{want} missing from {series:?}"
+        );
+    }
+    let points = c
+        .find(Locator::Css(
+            "#state-chart polyline[data-series='agent started']",
+        ))
+        .await
+        .unwrap()
+        .attr("points")
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(points.split(' ').count() >= 60, "{points}");
+    // Twelve written into the history, and box-9's real takeover.
+    assert_eq!(text(&c, "[data-total=takeovers]").await, "13");
+    assert_eq!(text(&c, "[data-total=failures]").await, "5");
+    let causes = text(&c, "#causes tbody").await;
+    let lines: Vec<&str> = causes.lines().collect();
+    assert_eq!(lines[0], "3 ssh: connection refused", "{causes}");
+    assert_eq!(lines.len(), 3, "{causes}");
+    let rack2 = text(&c, "#hardware-totals tr[data-location='rack-2']").await;
+    assert!(rack2.starts_with("rack-2 1 16 32 64.0 GiB"), "{rack2}");
+    // The page is linked from every page's navigation.
+    c.goto(&format!("{base}/machines")).await.unwrap();
+    let link = c
+        .find(Locator::Css("nav a[href='/overview']"))
+        .await
+        .unwrap();
+    click_and_wait(&c, link).await;
+    c.set_window_size(1280, 1500).await.unwrap();
+    let shot = c.screenshot().await.unwrap();
+    std::fs::write(screenshot_dir().join("overview.png"), &shot).unwrap();
+    c.close().await.unwrap();
+    holder.close().await.unwrap();
+    t.cleanup().await;
+}

@@ -1,4 +1,4 @@
--- Schema v3 (Postgres): operators' actions on machines. Additive only: tables and an index,
+-- Schema v3 (Postgres): operators' actions on machines, and fleet counts over time. Additive only: tables and an index,
 -- nothing an older binary reads is changed.
 
 -- A machine an operator took out of the loops' hands (Ironic's maintenance mode): no loop
@@ -40,3 +40,13 @@ CREATE INDEX operator_actions_at ON operator_actions (at);
 
 -- History retention deletes by age.
 CREATE INDEX work_history_at ON work_history (at);
+
+-- The fleet counts over time, for the web UI's overview chart: one row per minute and series,
+-- written by whichever process refreshes the fleet statistics first in that minute, kept for
+-- eight days.
+CREATE TABLE fleet_counts_history (
+    at timestamptz NOT NULL,
+    series text NOT NULL,
+    machines bigint NOT NULL,
+    PRIMARY KEY (at, series)
+);

@@ -7,6 +7,7 @@
 //! - `endings.rs` — finishing, failing and canceling work, backoffs and the audit history;
 //! - `views.rs` — operators' read-only views and counts;
 //! - `operator.rs` — operators' actions (maintenance, decommission) and their history;
+//! - `overview.rs` — fleet counts over time, work endings per minute, top failure causes;
 //! - `retention.rs` — pruning old history in bounded batches.
 //!
 //! A statement both engines accept is written once: [`on_engine!`] runs the same body on
@@ -24,6 +25,7 @@
 pub(crate) mod claims;
 pub(crate) mod endings;
 pub(crate) mod operator;
+pub(crate) mod overview;
 pub(crate) mod retention;
 pub(crate) mod schema;
 pub(crate) mod sessions;

@@ -1,0 +1,286 @@
+//! The web UI's overview page: the fleet at a glance. Machines by state over the last day (a
+//! chart of the minute snapshots the fleet statistics write), takeovers and failures per
+//! minute over the last hour, the most frequent failure causes of the last day and hardware
+//! totals per location. Charts are SVG rendered here; the page needs no JavaScript.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use chrono::{DateTime, Duration, Utc};
+use maud::{html, Markup, PreEscaped};
+use shepherd_bmdb::{Bmdb, FleetCounts, Process, WorkEvent};
+
+use crate::fleet_stats::HardwareByLocation;
+use crate::inventory::gib;
+
+/// How far back the state chart reaches.
+const CHART_SPAN: Duration = Duration::hours(24);
+/// How far back the per-minute bars reach.
+const BARS_SPAN: Duration = Duration::minutes(60);
+/// Failure causes listed.
+const TOP_CAUSES: i64 = 10;
+
+/// Everything the overview shows, read at one moment.
+#[derive(Debug, Clone)]
+pub struct Overview {
+    /// The database's clock when it was read.
+    pub now: DateTime<Utc>,
+    /// The fleet counts now.
+    pub counts: FleetCounts,
+    /// Minute snapshots of the last day: (minute, series, machines).
+    pub snapshots: Vec<(DateTime<Utc>, String, i64)>,
+    /// Work endings per minute of the last hour.
+    pub endings: Vec<(DateTime<Utc>, Process, WorkEvent, i64)>,
+    /// The most frequent failure causes of the last day.
+    pub causes: Vec<(String, i64)>,
+    /// Hardware totals per location, from the fleet statistics' last refresh.
+    pub hardware: std::sync::Arc<HardwareByLocation>,
+}
+
+/// Reads the overview in one read transaction (the hardware totals come from the fleet
+/// statistics, which sum the reports on their own schedule).
+pub async fn load(
+    db: &Bmdb,
+    counts: FleetCounts,
+    hardware: std::sync::Arc<HardwareByLocation>,
+) -> anyhow::Result<Overview> {
+    let (now, snapshots, endings, causes) = db
+        .read(|tx| {
+            Box::pin(async move {
+                Ok((
+                    tx.now().await?,
+                    tx.fleet_snapshots(CHART_SPAN).await?,
+                    tx.work_endings_per_minute(BARS_SPAN).await?,
+                    tx.top_failure_causes(CHART_SPAN, TOP_CAUSES).await?,
+                ))
+            })
+        })
+        .await?;
+    Ok(Overview {
+        now,
+        counts,
+        snapshots,
+        endings,
+        causes,
+        hardware,
+    })
+}
+
+/// Colours of the chart's series, by name; the rest are grey.
+fn colour(series: &str) -> &'static str {
+    match series {
+        "machines" => "#111827",
+        "provided" => "#6b7280",
+        "agent started" => "#6366f1",
+        "heartbeating" => "#059669",
+        "stale" => "#ea580c",
+        "installing" => "#ca8a04",
+        "installed" => "#16a34a",
+        "in work" => "#2563eb",
+        "in backoff" => "#dc2626",
+        "maintenance" => "#d97706",
+        _ => "#9ca3af",
+    }
+}
+
+const WIDTH: f64 = 900.0;
+const HEIGHT: f64 = 240.0;
+const LEFT: f64 = 56.0;
+const BOTTOM: f64 = 24.0;
+const TOP: f64 = 8.0;
+
+/// A round top for a y axis holding `max`: twice the smallest 1, 2 or 5 × 10ⁿ at least half
+/// of it, so the axis's three gridlines carry whole numbers.
+fn axis_top(max: i64) -> f64 {
+    let half = (max.max(1) as f64) / 2.0;
+    let mut step = 1.0;
+    loop {
+        for m in [1.0, 2.0, 5.0] {
+            if m * step >= half {
+                return 2.0 * m * step;
+            }
+        }
+        step *= 10.0;
+    }
+}
+
+/// The y axis: three gridlines with their values, for `max` at the top.
+fn y_axis(svg: &mut String, max: f64) {
+    for i in 0..=2 {
+        let v = max * f64::from(i) / 2.0;
+        let y = TOP + (HEIGHT - TOP - BOTTOM) * (1.0 - f64::from(i) / 2.0);
+        let _ = write!(
+            svg,
+            r##"<line x1="{LEFT}" x2="{WIDTH}" y1="{y:.1}" y2="{y:.1}" stroke="#e5e7eb"/><text x="{x:.1}" y="{ty:.1}" font-size="11" text-anchor="end" fill="#6b7280">{v:.0}</text>"##,
+            x = LEFT - 6.0,
+            ty = y + 4.0,
+        );
+    }
+}
+
+/// Labels under the x axis: the time at each end.
+fn x_labels(svg: &mut String, from: DateTime<Utc>, to: DateTime<Utc>) {
+    let y = HEIGHT - 6.0;
+    let _ = write!(
+        svg,
+        r##"<text x="{LEFT}" y="{y}" font-size="11" fill="#6b7280">{}</text><text x="{WIDTH}" y="{y}" font-size="11" text-anchor="end" fill="#6b7280">{} UTC</text>"##,
+        from.format("%m-%d %H:%M"),
+        to.format("%m-%d %H:%M"),
+    );
+}
+
+/// Machines by state over time: one polyline per series, x from the first snapshot (at most a
+/// day back) to now.
+pub fn state_chart(o: &Overview) -> Markup {
+    if o.snapshots.is_empty() {
+        return html! { p.muted id="state-chart" { "No snapshots yet: the fleet statistics record one a minute." } };
+    }
+    let from = o.snapshots[0].0.max(o.now - CHART_SPAN);
+    let span = (o.now - from).num_seconds().max(60) as f64;
+    let max = axis_top(o.snapshots.iter().map(|s| s.2).max().unwrap_or(0));
+    let mut by_series: BTreeMap<&str, Vec<(DateTime<Utc>, i64)>> = BTreeMap::new();
+    for (at, series, n) in &o.snapshots {
+        by_series.entry(series).or_default().push((*at, *n));
+    }
+    let x = |t: DateTime<Utc>| LEFT + (WIDTH - LEFT) * ((t - from).num_seconds() as f64 / span);
+    let y = |n: i64| TOP + (HEIGHT - TOP - BOTTOM) * (1.0 - n as f64 / max);
+    let mut svg = String::new();
+    y_axis(&mut svg, max);
+    for (series, points) in &by_series {
+        let line: Vec<String> = points
+            .iter()
+            .map(|(t, n)| format!("{:.1},{:.1}", x(*t), y(*n)))
+            .collect();
+        let _ = write!(
+            svg,
+            r#"<polyline data-series="{series}" fill="none" stroke="{}" stroke-width="2" points="{}"/>"#,
+            colour(series),
+            line.join(" ")
+        );
+    }
+    x_labels(&mut svg, from, o.now);
+    let current: BTreeMap<&str, i64> = o.counts.series().into_iter().collect();
+    html! {
+        svg id="state-chart" xmlns="http://www.w3.org/2000/svg" width=(WIDTH) height=(HEIGHT)
+            viewBox={"0 0 " (WIDTH) " " (HEIGHT)} role="img" aria-label="Machines by state over time" {
+            (PreEscaped(svg))
+        }
+        p.legend {
+            @for series in by_series.keys() {
+                span data-legend=(series) {
+                    span.swatch style={"background:" (colour(series))} {}
+                    (series) " " strong { (current.get(series).copied().unwrap_or(0)) }
+                }
+            }
+        }
+    }
+}
+
+/// Takeovers (agent starts finished) and failures (any process) per minute of the last hour,
+/// as pairs of bars.
+pub fn minute_bars(o: &Overview) -> Markup {
+    let from = o.now - BARS_SPAN;
+    let minutes = BARS_SPAN.num_minutes() as usize;
+    let mut takeovers = vec![0i64; minutes + 1];
+    let mut failures = vec![0i64; minutes + 1];
+    for (at, process, event, n) in &o.endings {
+        let i = ((*at - from).num_minutes().max(0) as usize).min(minutes);
+        match (process, event) {
+            (Process::ShepherdAgentStart, WorkEvent::Finished) => takeovers[i] += n,
+            (_, WorkEvent::Failed) => failures[i] += n,
+            _ => {}
+        }
+    }
+    let max = axis_top(
+        takeovers
+            .iter()
+            .chain(&failures)
+            .copied()
+            .max()
+            .unwrap_or(0),
+    );
+    let slot = (WIDTH - LEFT) / (minutes + 1) as f64;
+    let bar = (slot / 2.0 - 1.0).max(1.0);
+    let base = HEIGHT - BOTTOM;
+    let h = |n: i64| (HEIGHT - TOP - BOTTOM) * n as f64 / max;
+    let mut svg = String::new();
+    y_axis(&mut svg, max);
+    for i in 0..=minutes {
+        let x0 = LEFT + slot * i as f64;
+        for (k, (values, fill, kind)) in [
+            (&takeovers, "#16a34a", "takeovers"),
+            (&failures, "#dc2626", "failures"),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let n = values[i];
+            if n > 0 {
+                let _ = write!(
+                    svg,
+                    r#"<rect data-kind="{kind}" data-n="{n}" x="{:.1}" y="{:.1}" width="{bar:.1}" height="{:.1}" fill="{fill}"><title>{n} {kind}</title></rect>"#,
+                    x0 + k as f64 * (bar + 1.0),
+                    base - h(n),
+                    h(n),
+                );
+            }
+        }
+    }
+    x_labels(&mut svg, from, o.now);
+    let total = |v: &[i64]| v.iter().sum::<i64>();
+    html! {
+        svg id="minute-bars" xmlns="http://www.w3.org/2000/svg" width=(WIDTH) height=(HEIGHT)
+            viewBox={"0 0 " (WIDTH) " " (HEIGHT)} role="img" aria-label="Takeovers and failures per minute" {
+            (PreEscaped(svg))
+        }
+        p.legend {
+            span { span.swatch style="background:#16a34a" {} "takeovers " strong data-total="takeovers" { (total(&takeovers)) } }
+            span { span.swatch style="background:#dc2626" {} "failures " strong data-total="failures" { (total(&failures)) } }
+            span.muted { "in the last hour" }
+        }
+    }
+}
+
+/// The whole page body.
+pub fn body(o: &Overview) -> Markup {
+    html! {
+        h2 { "Machines by state, last 24 hours" }
+        (state_chart(o))
+        h2 { "Takeovers and failures per minute" }
+        (minute_bars(o))
+        h2 { "Top failure causes, last 24 hours" }
+        @if o.causes.is_empty() { p.muted id="causes" { "No failures." } } @else {
+            table id="causes" { thead { tr { th { "Failures" } th { "Cause" } } }
+                tbody { @for (cause, n) in &o.causes { tr { td { (n) } td.mono { (cause) } } } } }
+        }
+        h2 { "Hardware by location" }
+        @if o.hardware.is_empty() { p.muted id="hardware-totals" { "No hardware reports yet." } } @else {
+            table id="hardware-totals" {
+                thead { tr { th { "Location" } th { "Machines" } th { "Cores" } th { "Threads" } th { "Memory" } th { "Disk" } } }
+                tbody { @for (location, t) in o.hardware.iter() { tr data-location=(location) {
+                    td { (location) } td { (t.machines) } td { (t.cores) } td { (t.threads) }
+                    td { (gib(t.memory_bytes)) } td { (gib(t.disk_bytes)) }
+                } } }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn axis_tops_are_round_and_hold_the_maximum() {
+        for (max, top) in [
+            (0, 2.0),
+            (1, 2.0),
+            (3, 4.0),
+            (13, 20.0),
+            (400, 400.0),
+            (401, 1000.0),
+        ] {
+            assert_eq!(axis_top(max), top, "{max}");
+        }
+    }
+}
