@@ -235,6 +235,30 @@ async fn decommission_while_loops_run(db: Bmdb) {
         .collect();
     doomed.push(held.machine_id());
     let doomed = &doomed[..];
+    // Retry and forget-host-key on machines the workers are claiming meanwhile.
+    for id in machines.iter().filter(|m| !doomed.contains(m)).take(10) {
+        let id = *id;
+        db.transact(move |tx| {
+            Box::pin(async move {
+                let until = tx.now().await? + chrono::Duration::hours(1);
+                tx.set_backoff(id, Process::ShepherdRecovery, until, 60, "bmc down")
+                    .await?;
+                tx.pin_ssh_host_key(id, "ssh-ed25519 AAAAkey").await?;
+                Ok(())
+            })
+        })
+        .await
+        .unwrap();
+        let who = alice("fixed");
+        assert_eq!(
+            operator.retry(id, None, &who).await.unwrap(),
+            ActionOutcome::Done(1)
+        );
+        assert!(matches!(
+            operator.forget_host_key(id, &who).await.unwrap(),
+            ActionOutcome::Done(_)
+        ));
+    }
     for id in doomed {
         let outcome = operator
             .decommission(*id, &alice("failed PSU"))
