@@ -14,7 +14,7 @@ use sqlx::{ConnectOptions, Connection};
 
 use crate::claim_hints::ClaimHints;
 use crate::metrics::BmdbMetrics;
-use crate::migrations::{MIGRATIONS, SCHEMA_VERSION};
+use crate::migrations::{SchemaWindow, MIGRATIONS, SCHEMA_VERSION};
 use crate::sql::{self, Conn, SqliteTx};
 use crate::tx::Tx;
 use crate::url::DatabaseUrl;
@@ -286,50 +286,66 @@ impl Bmdb {
 
     /// The schema version stored in the database (0 if never migrated).
     pub async fn schema_version(&self) -> Result<i64, Error> {
-        let mut tx = self.begin(Mode::Read).await?;
-        let v = sql::schema::schema_version(&mut tx.inner).await?;
-        tx.rollback().await?;
-        Ok(v)
+        Ok(self.schema_window().await?.version)
     }
 
-    /// Fails unless the database has exactly the schema this binary knows.
+    /// The database's schema version and the oldest binary schema that may run on it.
+    pub async fn schema_window(&self) -> Result<SchemaWindow, Error> {
+        let mut tx = self.begin(Mode::Read).await?;
+        let w = sql::schema::schema_window(&mut tx.inner).await?;
+        tx.rollback().await?;
+        Ok(w)
+    }
+
+    /// Fails unless this binary may run on the database: its schema is this binary's, or a
+    /// newer one whose migrations all declared binaries of this schema compatible.
     pub async fn check_schema(&self) -> Result<(), Error> {
-        let found = self.schema_version().await?;
-        if found > SCHEMA_VERSION {
-            return Err(Error::SchemaTooNew {
-                found,
-                known: SCHEMA_VERSION,
-            });
-        }
-        if found < SCHEMA_VERSION {
-            return Err(Error::SchemaOutdated {
-                found,
-                known: SCHEMA_VERSION,
-            });
-        }
-        Ok(())
+        admitted(self.schema_window().await?)
     }
 
     /// Applies pending migrations in one transaction; concurrent migrators wait for each
-    /// other. Returns the versions before and after. Refuses (writing nothing) a schema newer
-    /// than this binary knows.
+    /// other. Returns the versions before and after. On a newer schema that still admits this
+    /// binary there is nothing to do; one that does not is refused, writing nothing.
     pub async fn migrate(&self) -> Result<(i64, i64), Error> {
         let mut tx = self.begin(Mode::Write).await?;
         sql::schema::lock_for_migration(&mut tx.inner).await?;
-        let found = sql::schema::schema_version(&mut tx.inner).await?;
-        if found > SCHEMA_VERSION {
+        let found = sql::schema::schema_window(&mut tx.inner).await?;
+        if found.version >= SCHEMA_VERSION {
             tx.rollback().await?;
-            return Err(Error::SchemaTooNew {
-                found,
-                known: SCHEMA_VERSION,
-            });
+            admitted(found)?;
+            return Ok((found.version, found.version));
         }
-        for m in MIGRATIONS.iter().filter(|m| m.version > found) {
-            sql::schema::apply_migration(&mut tx.inner, m.version, m.name, &m.script).await?;
+        for m in MIGRATIONS.iter().filter(|m| m.version > found.version) {
+            let script = m.script.for_engine(&tx.inner);
+            sql::schema::apply_migration(
+                &mut tx.inner,
+                m.version,
+                m.name,
+                m.oldest_compatible,
+                script,
+            )
+            .await?;
             tracing::info!(version = m.version, name = m.name, "applied BMDB migration");
         }
         tx.commit().await?;
-        Ok((found, SCHEMA_VERSION.max(found)))
+        Ok((found.version, SCHEMA_VERSION))
+    }
+
+    /// Test support: applies a migration this binary does not know, as a newer binary would
+    /// (`oldest_compatible` says which binaries it still admits).
+    #[cfg(feature = "testing")]
+    pub async fn apply_foreign_migration(
+        &self,
+        version: i64,
+        name: &str,
+        oldest_compatible: i64,
+        script: &str,
+    ) -> Result<(), Error> {
+        let mut tx = self.begin(Mode::Write).await?;
+        sql::schema::lock_for_migration(&mut tx.inner).await?;
+        sql::schema::apply_migration(&mut tx.inner, version, name, oldest_compatible, script)
+            .await?;
+        tx.commit().await
     }
 
     /// Begins a transaction. BEGIN runs in a task of its own, so a caller dropped half-way
@@ -375,4 +391,22 @@ impl Bmdb {
             Pools::Postgres(p) => p.close().await,
         }
     }
+}
+
+/// Whether a binary of this build may run on a database with schema window `w`.
+fn admitted(w: SchemaWindow) -> Result<(), Error> {
+    if w.version < SCHEMA_VERSION {
+        return Err(Error::SchemaOutdated {
+            found: w.version,
+            known: SCHEMA_VERSION,
+        });
+    }
+    if !w.admits(SCHEMA_VERSION) {
+        return Err(Error::SchemaTooNew {
+            found: w.version,
+            oldest_compatible: w.oldest_compatible,
+            known: SCHEMA_VERSION,
+        });
+    }
+    Ok(())
 }

@@ -25,12 +25,14 @@ pub enum Error {
     /// The SQLite database file does not exist and we were not asked to create it.
     #[error("database file {0} does not exist; create it with `shepherd bmdb migrate`")]
     MissingDatabaseFile(String),
-    /// The schema was written by a newer binary.
-    #[error("database schema version {found} is newer than this binary knows ({known}); upgrade shepherd before using this database")]
+    /// The schema was migrated by a newer binary past what binaries of this schema may run on.
+    #[error("database schema version {found} admits binaries of schema {oldest_compatible} or later, and this binary is schema {known}: upgrade shepherd on this host to a release of schema {oldest_compatible} or later (see deploy/README.md, Upgrades)")]
     SchemaTooNew {
         /// Version found in the database.
         found: i64,
-        /// Newest version this binary knows.
+        /// The oldest binary schema the database admits.
+        oldest_compatible: i64,
+        /// The schema of this binary.
         known: i64,
     },
     /// The schema is older than this binary needs.

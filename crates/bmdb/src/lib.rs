@@ -32,7 +32,7 @@ pub use eligibility::{RecoveryThresholds, Retrieval};
 pub use error::Error;
 pub use heartbeats::{BATCH_WAIT, MAX_BATCH};
 pub use metrics::{BmdbMetrics, ClaimSearch};
-pub use migrations::SCHEMA_VERSION;
+pub use migrations::{SchemaWindow, SCHEMA_VERSION};
 pub use model::*;
 pub use operator::ActionOutcome;
 pub use retention::{HistoryRetention, PrunedHistory};

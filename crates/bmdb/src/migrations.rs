@@ -6,6 +6,11 @@ use crate::sql::Dialects;
 pub(crate) struct Migration {
     pub(crate) version: i64,
     pub(crate) name: &'static str,
+    /// The oldest binary schema that may keep running on a database at this version: the
+    /// previous migration's value for an additive ("expand") step that older binaries do not
+    /// notice, this migration's own version for a "contract" step they would misread or whose
+    /// rules they would break.
+    pub(crate) oldest_compatible: i64,
     /// The script for each engine.
     pub(crate) script: Dialects,
 }
@@ -15,6 +20,7 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
     Migration {
         version: 1,
         name: "init",
+        oldest_compatible: 1,
         script: Dialects {
             postgres: include_str!("../migrations/postgres/0001_init.sql"),
             sqlite: include_str!("../migrations/sqlite/0001_init.sql"),
@@ -23,6 +29,7 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
     Migration {
         version: 2,
         name: "machine_recovery",
+        oldest_compatible: 2,
         script: Dialects {
             postgres: include_str!("../migrations/postgres/0002_machine_recovery.sql"),
             sqlite: include_str!("../migrations/sqlite/0002_machine_recovery.sql"),
@@ -31,6 +38,9 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
     Migration {
         version: 3,
         name: "operator_actions",
+        // Contract: a binary of schema 2 would claim machines in maintenance and bring
+        // decommissioned ones back.
+        oldest_compatible: 3,
         script: Dialects {
             postgres: include_str!("../migrations/postgres/0003_operator_actions.sql"),
             sqlite: include_str!("../migrations/sqlite/0003_operator_actions.sql"),
@@ -40,6 +50,24 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
 
 /// The schema version this binary needs and writes.
 pub const SCHEMA_VERSION: i64 = 3;
+
+/// Which binaries may run on a database: its schema version, and the oldest binary schema
+/// that its newest migration declared compatible (SPEC: rolling upgrades).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchemaWindow {
+    /// The database's schema version (0: never migrated).
+    pub version: i64,
+    /// The oldest binary schema that may run on it.
+    pub oldest_compatible: i64,
+}
+
+impl SchemaWindow {
+    /// Whether a binary of schema `binary` may run on this database: it is not newer than the
+    /// database (then the database needs migrating first) nor older than the window.
+    pub fn admits(&self, binary: i64) -> bool {
+        (self.oldest_compatible..=self.version).contains(&binary)
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -51,5 +79,31 @@ mod tests {
             assert_eq!(m.version, i as i64 + 1, "{}", m.name);
         }
         assert_eq!(MIGRATIONS.last().unwrap().version, SCHEMA_VERSION);
+    }
+
+    #[test]
+    fn compatibility_windows_never_reach_forward_or_back_in_time() {
+        for pair in MIGRATIONS.windows(2) {
+            assert!(
+                pair[1].oldest_compatible >= pair[0].oldest_compatible,
+                "{}",
+                pair[1].name
+            );
+        }
+        for m in MIGRATIONS {
+            assert!(m.oldest_compatible <= m.version, "{}", m.name);
+        }
+    }
+
+    #[test]
+    fn a_window_admits_binaries_from_its_oldest_to_its_version() {
+        let w = SchemaWindow {
+            version: 5,
+            oldest_compatible: 4,
+        };
+        assert_eq!(
+            (3..=6).map(|b| w.admits(b)).collect::<Vec<_>>(),
+            [false, true, true, false]
+        );
     }
 }

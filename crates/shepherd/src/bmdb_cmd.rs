@@ -2,7 +2,7 @@
 
 use anyhow::Result;
 use clap::Subcommand;
-use shepherd_bmdb::{Bmdb, OpenOptions, StatusCounts, SCHEMA_VERSION};
+use shepherd_bmdb::{Bmdb, OpenOptions, SchemaWindow, StatusCounts, SCHEMA_VERSION};
 
 /// Subcommands of `shepherd bmdb`.
 #[derive(Debug, Subcommand)]
@@ -29,6 +29,7 @@ pub async fn run(url: &str, command: BmdbCommand) -> Result<()> {
             )
             .await?;
             let (from, to) = db.migrate().await?;
+            let w = db.schema_window().await?;
             if from == to {
                 println!("{}: schema is up to date (version {to})", db.target());
             } else {
@@ -37,12 +38,19 @@ pub async fn run(url: &str, command: BmdbCommand) -> Result<()> {
                     db.target()
                 );
             }
+            println!(
+                "{}: binaries of schema {} to {} may run on it",
+                db.target(),
+                w.oldest_compatible,
+                w.version
+            );
             db.close().await;
         }
         BmdbCommand::Status => {
             let db = Bmdb::open(url).await?;
             let counts = db.status_counts().await?;
-            print!("{}", render_status(db.target(), &counts));
+            let window = db.schema_window().await?;
+            print!("{}", render_status(db.target(), window, &counts));
             db.close().await;
         }
         BmdbCommand::Check => {
@@ -67,7 +75,7 @@ pub async fn run(url: &str, command: BmdbCommand) -> Result<()> {
     Ok(())
 }
 
-fn render_status(target: &str, c: &StatusCounts) -> String {
+fn render_status(target: &str, w: SchemaWindow, c: &StatusCounts) -> String {
     let per_process = |v: &[(shepherd_bmdb::Process, i64)]| {
         if v.is_empty() {
             "none".to_string()
@@ -80,7 +88,8 @@ fn render_status(target: &str, c: &StatusCounts) -> String {
     };
     format!(
         "database:        {target}\n\
-         schema version:  {SCHEMA_VERSION}\n\
+         schema version:  {}\n\
+         binaries:        schema {} to {} may run on it (this one: {SCHEMA_VERSION})\n\
          machines:        {}\n\
          provided:        {}\n\
          agent started:   {}\n\
@@ -89,6 +98,9 @@ fn render_status(target: &str, c: &StatusCounts) -> String {
          active work:     {}\n\
          active backoffs: {}\n\
          history entries: {}\n",
+        w.version,
+        w.oldest_compatible,
+        w.version,
         c.machines,
         c.provided,
         c.agent_started,

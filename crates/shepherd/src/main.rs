@@ -16,6 +16,7 @@ mod machines_cmd;
 mod metrics_http;
 mod overview;
 mod run_cmd;
+mod schema_watch;
 mod server_cmd;
 mod web;
 

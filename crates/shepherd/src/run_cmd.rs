@@ -112,6 +112,10 @@ pub struct RunArgs {
     /// BMDB session keep-alive interval.
     #[arg(long, env = "SHEPHERD_SESSION_INTERVAL", default_value = "5s", value_parser = duration)]
     pub session_interval: Duration,
+    /// How often the BMDB's schema is checked while running: a migration that no longer admits
+    /// this binary stops it cleanly (see deploy/README.md, Upgrades).
+    #[arg(long, env = "SHEPHERD_SCHEMA_CHECK_INTERVAL", default_value = "30s", value_parser = duration)]
+    pub schema_check_interval: Duration,
     /// How long work history is kept (e.g. 90d); Failed entries and operators' actions are
     /// kept four times as long. Pruned every 10 minutes in batches of 1,000. Left out, history
     /// is kept forever.
@@ -473,6 +477,7 @@ impl RunArgs {
             ("ssh-connect-timeout", self.ssh.ssh_connect_timeout),
             ("ssh-exec-timeout", self.ssh.ssh_exec_timeout),
             ("session-interval", self.session_interval),
+            ("schema-check-interval", self.schema_check_interval),
             (
                 "history-retention",
                 self.history_retention.unwrap_or(Duration::MAX),
@@ -589,6 +594,11 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
     };
     let db = Bmdb::open_with(database, &OpenOptions::migrating(args.migrate)).await?;
     let cancel = shutdown_on_signals();
+    let schema = tokio::spawn(crate::schema_watch::watch(
+        db.clone(),
+        args.schema_check_interval,
+        cancel.clone(),
+    ));
     let (mut registry, stats) = crate::metrics_http::registry_with_fleet_stats(
         &db,
         settings.recovery,
@@ -663,6 +673,10 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
         }
     };
     db.close().await;
+    // A schema that moved past this binary is why the loops stopped: say so and fail.
+    if let Ok(Err(e)) = schema.await {
+        return Err(e.into());
+    }
     result
 }
 

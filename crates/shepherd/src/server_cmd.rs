@@ -58,6 +58,10 @@ pub struct ServerArgs {
     /// How often the fleet statistics gauges are recomputed from the BMDB.
     #[arg(long, env = "SHEPHERD_STATS_INTERVAL", default_value = "30s", value_parser = crate::flags::duration)]
     pub stats_interval: std::time::Duration,
+    /// How often the BMDB's schema is checked while serving: a migration that no longer admits
+    /// this binary stops it cleanly (see deploy/README.md, Upgrades).
+    #[arg(long, env = "SHEPHERD_SCHEMA_CHECK_INTERVAL", default_value = "30s", value_parser = crate::flags::duration)]
+    pub schema_check_interval: std::time::Duration,
     /// BMDB sessions shared by all requests.
     #[arg(long, env = "SHEPHERD_SERVER_SESSIONS", default_value_t = 4)]
     pub sessions: usize,
@@ -158,6 +162,11 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
         args.sessions,
     ));
     let cancel = shutdown_on_signals();
+    let schema = tokio::spawn(crate::schema_watch::watch(
+        db.clone(),
+        args.schema_check_interval,
+        cancel.clone(),
+    ));
     let (mut registry, stats) = crate::metrics_http::registry_with_fleet_stats(
         &db,
         args.thresholds.thresholds(),
@@ -193,5 +202,8 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     .await;
     pool.close().await;
     db.close().await;
+    if let Ok(Err(e)) = schema.await {
+        return Err(e.into());
+    }
     result
 }

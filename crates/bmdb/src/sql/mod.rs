@@ -72,6 +72,16 @@ pub(crate) struct Dialects {
     pub(crate) sqlite: &'static str,
 }
 
+impl Dialects {
+    /// The text for `conn`'s engine.
+    pub(crate) fn for_engine(&self, conn: &Conn) -> &'static str {
+        match conn {
+            Conn::Postgres(_) => self.postgres,
+            Conn::Sqlite(_) => self.sqlite,
+        }
+    }
+}
+
 /// Runs `$body` on whichever engine `$conn` is, with `$c` its connection and `$e` an engine
 /// handle ([`OnSqlite`] or [`OnPostgres`]) that picks a [`Dialects`] text and binds the
 /// time. The body is compiled once per engine, so it is written once and checked twice.
