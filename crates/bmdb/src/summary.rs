@@ -179,10 +179,13 @@ pub struct FleetCounts {
     pub heartbeating: i64,
     /// Machines that heartbeated, but not within the stale threshold asked for.
     pub stale: i64,
-    /// Installation requests without a successful report of their generation.
+    /// Installation requests without a report of their generation (upstream's "pending").
     pub pending_install: i64,
-    /// Installation requests with a successful report of their generation.
+    /// Installation requests with a report of their generation, whatever its result
+    /// (upstream's "installed").
     pub installed: i64,
+    /// Of `installed`, the requests whose report of their generation is an error.
+    pub install_failed: i64,
     /// Active work rows per process.
     pub work: Vec<(Process, i64)>,
     /// Backoffs still in the future, per process.

@@ -292,12 +292,13 @@ impl Tx {
         sql::views::fleet_counts(&mut self.inner, stale_after).await
     }
 
-    /// Up to `limit` raw hardware reports after machine `after`, with the machine's location.
+    /// Up to `limit` raw hardware reports of provided machines after machine `after`, with
+    /// the machine's provider and location.
     pub async fn hardware_reports(
         &mut self,
         after: Option<Uuid>,
         limit: i64,
-    ) -> Result<Vec<(Uuid, Option<String>, Vec<u8>)>, Error> {
+    ) -> Result<Vec<(Uuid, Provider, Option<String>, Vec<u8>)>, Error> {
         sql::views::hardware_reports(&mut self.inner, after, limit).await
     }
 

@@ -1043,6 +1043,46 @@ async fn summaries_and_fleet_counts(db: Bmdb) {
     assert_eq!((c.pending_install, c.installed), (1, 1));
     assert_eq!(c.work, vec![(Process::ShepherdAgentStart, 1)]);
     assert_eq!(c.backoffs, vec![(Process::ShepherdAgentStart, 1)]);
+
+    // As upstream counts: an Error report of the current generation is installed (no longer
+    // pending), and counted among the failed ones too.
+    db.transact(|tx| {
+        Box::pin(async move {
+            let id = tx.create_machine().await?;
+            tx.set_os_installation_request(
+                id,
+                &OsInstallationRequest {
+                    generation: 2,
+                    request_raw: vec![],
+                },
+            )
+            .await?;
+            tx.set_os_installation_report(
+                id,
+                &OsInstallationReport {
+                    generation: 2,
+                    result: InstallationResult::Error,
+                    report_raw: vec![],
+                },
+            )
+            .await
+        })
+    })
+    .await
+    .unwrap();
+    let c = db
+        .read(|tx| {
+            Box::pin(async move {
+                tx.fleet_counts(RecoveryThresholds::default().stale_after())
+                    .await
+            })
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        (c.pending_install, c.installed, c.install_failed),
+        (1, 2, 1)
+    );
     session.close().await.unwrap();
 }
 

@@ -13,7 +13,7 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use shepherd_bmdb::{Bmdb, Process, RecoveryThresholds, Retrieval};
+use shepherd_bmdb::{Bmdb, Process, Provider, RecoveryThresholds, Retrieval};
 use shepherd_proto::bmaas::AgentHardwareReport;
 use shepherd_proto::Message;
 use tokio_util::sync::CancellationToken;
@@ -30,7 +30,8 @@ struct ProcessLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct LocationLabel {
+struct PlaceLabel {
+    provider: String,
     location: String,
 }
 
@@ -47,28 +48,59 @@ pub struct FleetStats {
     stale: Gauge,
     pending_install: Gauge,
     installed: Gauge,
+    install_failed: Gauge,
     maintenance: Gauge,
     decommissioned: Gauge,
     eligible: Family<ProcessLabel, Gauge>,
     work: Family<ProcessLabel, Gauge>,
     backoffs: Family<ProcessLabel, Gauge>,
-    hw_machines: Family<LocationLabel, Gauge>,
-    hw_cores: Family<LocationLabel, Gauge>,
-    hw_threads: Family<LocationLabel, Gauge>,
-    hw_memory: Family<LocationLabel, Gauge>,
-    hw_disk: Family<LocationLabel, Gauge>,
+    hw_machines: Family<PlaceLabel, Gauge>,
+    hw_cores: Family<PlaceLabel, Gauge>,
+    hw_threads: Family<PlaceLabel, Gauge>,
+    hw_memory: Family<PlaceLabel, Gauge>,
+    hw_disk: Family<PlaceLabel, Gauge>,
     refreshed: Gauge<f64, std::sync::atomic::AtomicU64>,
     refresh_failures: Gauge<i64, AtomicI64>,
     /// The hardware totals of the last refresh, for the web UI's overview.
     hardware: Arc<Mutex<Arc<HardwareByLocation>>>,
 }
 
-/// Hardware totals by location.
-pub type HardwareByLocation = BTreeMap<String, HardwareTotals>;
+/// Hardware totals by provider and location.
+pub type HardwareByLocation = BTreeMap<(Provider, String), HardwareTotals>;
+
+/// The processes the per-process gauges always carry (at 0 when idle): the loops' own.
+const LOOP_PROCESSES: [Process; 3] = [
+    Process::ShepherdAccess,
+    Process::ShepherdAgentStart,
+    Process::ShepherdRecovery,
+];
+
+/// The processes a fleet can be eligible for.
+const CLAIMING_PROCESSES: [Process; 2] = [Process::ShepherdAgentStart, Process::ShepherdRecovery];
+
+/// Sets `family` to `values`, every one of `keys` present (0 when `values` lacks it), so a
+/// series never vanishes when its count drops to zero.
+fn set_all<K: Copy + PartialEq + std::fmt::Display, L>(
+    family: &Family<L, Gauge>,
+    keys: &[K],
+    values: &[(K, i64)],
+    label: impl Fn(String) -> L,
+) where
+    L: Clone + std::hash::Hash + Eq + EncodeLabelSet + std::fmt::Debug + Send + Sync + 'static,
+{
+    for k in keys {
+        let n = values.iter().find(|(v, _)| v == k).map_or(0, |(_, n)| *n);
+        family.get_or_create(&label(k.to_string())).set(n);
+    }
+}
 
 impl FleetStats {
-    /// Adds every gauge to `registry` under `shepherd_fleet_*`.
+    /// Adds every gauge to `registry` under `shepherd_fleet_*`. Every series with a fixed
+    /// label set (providers, processes) exists from the start, at 0, as upstream's did, so
+    /// alerts can compare with 0 and notice a missing series; hardware series appear per
+    /// location as reports arrive.
     pub fn register(&self, registry: &mut Registry) {
+        self.set_fixed_series(&[], &[], &[], &[]);
         let r = registry.sub_registry_with_prefix("shepherd_fleet");
         r.register("machines", "Machines in the BMDB", self.machines.clone());
         r.register(
@@ -93,13 +125,18 @@ impl FleetStats {
         );
         r.register(
             "machines_pending_install",
-            "OS installation requests without a successful report of their generation",
+            "OS installation requests without a report of their generation",
             self.pending_install.clone(),
         );
         r.register(
             "machines_installed",
-            "OS installation requests fulfilled successfully",
+            "OS installation requests with a report of their generation, whatever its result",
             self.installed.clone(),
+        );
+        r.register(
+            "machines_install_failed",
+            "Of machines_installed, the requests whose report of their generation is an error",
+            self.install_failed.clone(),
         );
         r.register(
             "machines_maintenance",
@@ -128,27 +165,27 @@ impl FleetStats {
         );
         r.register(
             "hardware_machines",
-            "Machines with a hardware report, by location",
+            "Provided machines with a hardware report, by provider and location",
             self.hw_machines.clone(),
         );
         r.register(
             "hardware_cpu_cores",
-            "CPU cores reported, by location",
+            "CPU cores reported, by provider and location",
             self.hw_cores.clone(),
         );
         r.register(
             "hardware_cpu_threads",
-            "Hardware threads reported, by location",
+            "Hardware threads reported, by provider and location",
             self.hw_threads.clone(),
         );
         r.register(
             "hardware_memory_bytes",
-            "Memory installed, by location",
+            "Memory installed, by provider and location",
             self.hw_memory.clone(),
         );
         r.register(
             "hardware_disk_bytes",
-            "Block device capacity, by location",
+            "Block device capacity, by provider and location",
             self.hw_disk.clone(),
         );
         r.register(
@@ -161,6 +198,22 @@ impl FleetStats {
             "Refreshes that failed in a row (the gauges keep their last values meanwhile)",
             self.refresh_failures.clone(),
         );
+    }
+
+    /// Sets the gauges whose label sets are fixed: every provider and process present.
+    fn set_fixed_series(
+        &self,
+        provided: &[(Provider, i64)],
+        eligible: &[(Process, i64)],
+        work: &[(Process, i64)],
+        backoffs: &[(Process, i64)],
+    ) {
+        let provider = |provider| ProviderLabel { provider };
+        let process = |process| ProcessLabel { process };
+        set_all(&self.provided, Provider::ALL, provided, provider);
+        set_all(&self.eligible, &CLAIMING_PROCESSES, eligible, process);
+        set_all(&self.work, &LOOP_PROCESSES, work, process);
+        set_all(&self.backoffs, &LOOP_PROCESSES, backoffs, process);
     }
 
     /// The hardware totals by location of the last refresh (empty before the first).
@@ -214,34 +267,20 @@ impl FleetStats {
         }
 
         self.machines.set(counts.machines);
-        self.provided.clear();
-        for (p, n) in &counts.provided {
-            self.provided
-                .get_or_create(&ProviderLabel {
-                    provider: p.to_string(),
-                })
-                .set(*n);
-        }
         self.agent_started.set(counts.agent_started);
         self.heartbeating.set(counts.heartbeating);
         self.stale.set(counts.stale);
         self.pending_install.set(counts.pending_install);
         self.installed.set(counts.installed);
+        self.install_failed.set(counts.install_failed);
         self.maintenance.set(counts.maintenance);
         self.decommissioned.set(counts.decommissioned);
-        let by_process = |family: &Family<ProcessLabel, Gauge>, values: &[(Process, i64)]| {
-            family.clear();
-            for (p, n) in values {
-                family
-                    .get_or_create(&ProcessLabel {
-                        process: p.to_string(),
-                    })
-                    .set(*n);
-            }
-        };
-        by_process(&self.eligible, &eligible.into_iter().collect::<Vec<_>>());
-        by_process(&self.work, &counts.work);
-        by_process(&self.backoffs, &counts.backoffs);
+        self.set_fixed_series(
+            &counts.provided,
+            &eligible.into_iter().collect::<Vec<_>>(),
+            &counts.work,
+            &counts.backoffs,
+        );
         for f in [
             &self.hw_machines,
             &self.hw_cores,
@@ -252,8 +291,11 @@ impl FleetStats {
             f.clear();
         }
         *self.hardware.lock().expect("hardware totals lock") = Arc::new(hardware.clone());
-        for (location, t) in hardware {
-            let l = LocationLabel { location };
+        for ((provider, location), t) in hardware {
+            let l = PlaceLabel {
+                provider: provider.to_string(),
+                location,
+            };
             self.hw_machines.get_or_create(&l).set(t.machines);
             self.hw_cores.get_or_create(&l).set(t.cores);
             self.hw_threads.get_or_create(&l).set(t.threads);
@@ -310,8 +352,9 @@ pub struct HardwareTotals {
     pub disk_bytes: i64,
 }
 
-/// Sums the hardware reports by location ("unknown" when the machine has none); undecodable
-/// reports are skipped with a warning.
+/// Sums the hardware reports of provided machines by provider and location ("unknown" when
+/// the machine has none), as upstream's statistics did; undecodable reports are skipped with
+/// a warning.
 pub async fn hardware_totals(db: &Bmdb) -> Result<HardwareByLocation> {
     let mut totals = HardwareByLocation::new();
     let mut after: Option<Uuid> = None;
@@ -321,7 +364,7 @@ pub async fn hardware_totals(db: &Bmdb) -> Result<HardwareByLocation> {
             .read(move |tx| Box::pin(async move { tx.hardware_reports(a, REPORT_PAGE).await }))
             .await?;
         let full = page.len() as i64 == REPORT_PAGE;
-        for (id, location, raw) in page {
+        for (id, provider, location, raw) in page {
             after = Some(id);
             let report = match AgentHardwareReport::decode(raw.as_slice()) {
                 Ok(r) => r,
@@ -332,7 +375,7 @@ pub async fn hardware_totals(db: &Bmdb) -> Result<HardwareByLocation> {
             };
             let Some(node) = report.report else { continue };
             let t = totals
-                .entry(location.unwrap_or_else(|| "unknown".into()))
+                .entry((provider, location.unwrap_or_else(|| "unknown".into())))
                 .or_default();
             t.machines += 1;
             t.cores += node.cpu.iter().map(|c| i64::from(c.cores)).sum::<i64>();
@@ -351,5 +394,86 @@ pub async fn hardware_totals(db: &Bmdb) -> Result<HardwareByLocation> {
         if !full {
             return Ok(totals);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn exposition(registry: &Registry) -> String {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+        text
+    }
+
+    const FIXED: [&str; 5] = [
+        r#"shepherd_fleet_machines_provided{provider="Static"} 0"#,
+        r#"shepherd_fleet_machines_eligible{process="ShepherdRecovery"} 0"#,
+        r#"shepherd_fleet_active_work{process="ShepherdAgentStart"} 0"#,
+        r#"shepherd_fleet_active_backoffs{process="ShepherdRecovery"} 0"#,
+        r#"shepherd_fleet_active_backoffs{process="ShepherdAgentStart"} 0"#,
+    ];
+
+    /// Series with a fixed label set read 0 before any data and after their count drops to
+    /// 0, instead of vanishing; hardware series exist only for locations with reports.
+    #[tokio::test]
+    async fn fixed_series_are_present_at_zero() {
+        let stats = FleetStats::default();
+        let mut registry = Registry::default();
+        stats.register(&mut registry);
+        let before = exposition(&registry);
+        for line in FIXED {
+            assert!(
+                before.contains(line),
+                "{line} missing before any refresh:\n{before}"
+            );
+        }
+
+        let t = shepherd_bmdb::testing::sqlite().await;
+        let id = shepherd_bmdb::testing::machine_with_agent(&t.db, &[7; 32]).await;
+        t.db.transact(move |tx| {
+            Box::pin(async move {
+                let until = tx.now().await? + chrono::Duration::hours(1);
+                tx.set_provided(id, &shepherd_bmdb::Provided::new(Provider::Static, "s1"))
+                    .await?;
+                tx.set_backoff(id, Process::ShepherdAgentStart, until, 60, "refused")
+                    .await
+            })
+        })
+        .await
+        .unwrap();
+        stats
+            .refresh(&t.db, RecoveryThresholds::default())
+            .await
+            .unwrap();
+        let busy = exposition(&registry);
+        assert!(
+            busy.contains(r#"shepherd_fleet_active_backoffs{process="ShepherdAgentStart"} 1"#),
+            "{busy}"
+        );
+        assert!(busy.contains(r#"shepherd_fleet_machines_provided{provider="Static"} 1"#));
+        assert!(
+            !busy.contains("shepherd_fleet_hardware_machines{"),
+            "{busy}"
+        );
+
+        t.db.transact(move |tx| {
+            Box::pin(async move { tx.clear_backoffs(id, None).await.map(|_| ()) })
+        })
+        .await
+        .unwrap();
+        stats
+            .refresh(&t.db, RecoveryThresholds::default())
+            .await
+            .unwrap();
+        let after = exposition(&registry);
+        for line in FIXED.iter().filter(|l| !l.contains("Static")) {
+            assert!(
+                after.contains(line),
+                "{line} missing after the count dropped:\n{after}"
+            );
+        }
+        t.cleanup().await;
     }
 }

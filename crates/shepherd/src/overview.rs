@@ -33,7 +33,7 @@ pub struct Overview {
     pub endings: Vec<(DateTime<Utc>, Process, WorkEvent, i64)>,
     /// The most frequent failure causes of the last day.
     pub causes: Vec<(String, i64)>,
-    /// Hardware totals per location, from the fleet statistics' last refresh.
+    /// Hardware totals per provider and location, from the fleet statistics' last refresh.
     pub hardware: std::sync::Arc<HardwareByLocation>,
 }
 
@@ -253,12 +253,12 @@ pub fn body(o: &Overview) -> Markup {
             table id="causes" { thead { tr { th { "Failures" } th { "Cause" } } }
                 tbody { @for (cause, n) in &o.causes { tr { td { (n) } td.mono { (cause) } } } } }
         }
-        h2 { "Hardware by location" }
+        h2 { "Hardware by provider and location" }
         @if o.hardware.is_empty() { p.muted id="hardware-totals" { "No hardware reports yet." } } @else {
             table id="hardware-totals" {
-                thead { tr { th { "Location" } th { "Machines" } th { "Cores" } th { "Threads" } th { "Memory" } th { "Disk" } } }
-                tbody { @for (location, t) in o.hardware.iter() { tr data-location=(location) {
-                    td { (location) } td { (t.machines) } td { (t.cores) } td { (t.threads) }
+                thead { tr { th { "Provider" } th { "Location" } th { "Machines" } th { "Cores" } th { "Threads" } th { "Memory" } th { "Disk" } } }
+                tbody { @for ((provider, location), t) in o.hardware.iter() { tr data-provider=(provider.as_str()) data-location=(location) {
+                    td { (provider.as_str()) } td { (location) } td { (t.machines) } td { (t.cores) } td { (t.threads) }
                     td { (gib(t.memory_bytes)) } td { (gib(t.disk_bytes)) }
                 } } }
             }

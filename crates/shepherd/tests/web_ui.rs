@@ -606,7 +606,10 @@ async fn overview_shows_the_fleet_at_a_glance() {
     assert_eq!(lines[0], "3 ssh: connection refused", "{causes}");
     assert_eq!(lines.len(), 3, "{causes}");
     let rack2 = text(&c, "#hardware-totals tr[data-location='rack-2']").await;
-    assert!(rack2.starts_with("rack-2 1 16 32 64.0 GiB"), "{rack2}");
+    assert!(
+        rack2.starts_with("Static rack-2 1 16 32 64.0 GiB"),
+        "{rack2}"
+    );
     // The page is linked from every page's navigation.
     c.goto(&format!("{base}/machines")).await.unwrap();
     let link = c

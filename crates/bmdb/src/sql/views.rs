@@ -195,18 +195,21 @@ pub(crate) async fn machine_summary(conn: &mut Conn, id: Uuid) -> Result<Option<
     })
 }
 
-/// The two installation counts of [`FLEET_COUNTS`]: requests waiting for a successful report
-/// of their generation, and requests fulfilled.
+/// The three installation counts of [`FLEET_COUNTS`], as upstream's statistics count them:
+/// requests without a report of their generation (pending), requests with one whatever its
+/// result (installed), and of those the ones that report an error (failed).
 macro_rules! installation_counts {
     () => {
         "(SELECT count(*) FROM machine_os_installation_request q
            WHERE NOT EXISTS (SELECT 1 FROM machine_os_installation_report r
-              WHERE r.machine_id = q.machine_id AND r.generation = q.generation
-                AND r.result = 'Success')),
+              WHERE r.machine_id = q.machine_id AND r.generation = q.generation)),
+         (SELECT count(*) FROM machine_os_installation_request q
+           WHERE EXISTS (SELECT 1 FROM machine_os_installation_report r
+              WHERE r.machine_id = q.machine_id AND r.generation = q.generation)),
          (SELECT count(*) FROM machine_os_installation_request q
            WHERE EXISTS (SELECT 1 FROM machine_os_installation_report r
               WHERE r.machine_id = q.machine_id AND r.generation = q.generation
-                AND r.result = 'Success'))"
+                AND r.result = 'Error'))"
     };
 }
 
@@ -240,7 +243,7 @@ pub(crate) async fn fleet_counts(
     conn: &mut Conn,
     stale_after: std::time::Duration,
 ) -> Result<FleetCounts> {
-    type Row = (i64, i64, i64, i64, i64, i64, i64, i64);
+    type Row = (i64, i64, i64, i64, i64, i64, i64, i64, i64);
     let (
         machines,
         maintenance,
@@ -250,6 +253,7 @@ pub(crate) async fn fleet_counts(
         stale,
         pending_install,
         installed,
+        install_failed,
     ): Row = on_engine!(conn, |c, e| {
         let q = sqlx::query_as(e.sql(&FLEET_COUNTS)).bind(e.span(stale_after));
         e.with_now(q).fetch_one(c).await?
@@ -270,6 +274,7 @@ pub(crate) async fn fleet_counts(
         stale,
         pending_install,
         installed,
+        install_failed,
         work,
         backoffs,
         maintenance,
@@ -277,23 +282,29 @@ pub(crate) async fn fleet_counts(
     })
 }
 
-/// Up to `limit` raw hardware reports after machine `after`, with the machine's location.
+/// Up to `limit` raw hardware reports of provided machines after machine `after`, with the
+/// machine's provider and location (as upstream's statistics, machines without a
+/// `machine_provided` tag are not counted).
 pub(crate) async fn hardware_reports(
     conn: &mut Conn,
     after: Option<Uuid>,
     limit: i64,
-) -> Result<Vec<(Uuid, Option<String>, Vec<u8>)>> {
-    on_engine!(conn, |c, _| {
-        Ok(sqlx::query_as(
-            "SELECT h.machine_id, p.location, h.report_raw FROM machine_hardware_report h
-               LEFT JOIN machine_provided p ON p.machine_id = h.machine_id
+) -> Result<Vec<(Uuid, Provider, Option<String>, Vec<u8>)>> {
+    let rows: Vec<(Uuid, String, Option<String>, Vec<u8>)> = on_engine!(conn, |c, _| {
+        sqlx::query_as(
+            "SELECT h.machine_id, p.provider, p.location, h.report_raw
+               FROM machine_hardware_report h
+               JOIN machine_provided p ON p.machine_id = h.machine_id
               WHERE $1 IS NULL OR h.machine_id > $1 ORDER BY h.machine_id LIMIT $2",
         )
         .bind(after)
         .bind(limit)
         .fetch_all(c)
-        .await?)
-    })
+        .await?
+    });
+    rows.into_iter()
+        .map(|(id, provider, location, raw)| Ok((id, provider.parse()?, location, raw)))
+        .collect()
 }
 
 /// What the engine's own checks find wrong. Postgres, without scanning tables: constraints
