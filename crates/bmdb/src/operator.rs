@@ -25,6 +25,27 @@ fn decommission_cause(who: &Operator) -> String {
     format!("machine decommissioned by {}", who.by)
 }
 
+/// Runs `$body` in one session transaction of `$session` as operator `$who`, after checking
+/// that `$machine` exists (else the outcome is [`ActionOutcome::NoSuchMachine`]); inside,
+/// `$tx` is the transaction, `$w` the operator and `$sid` the session id.
+macro_rules! on_existing_machine {
+    ($session:ident, $machine:ident, $who:ident, |$tx:ident, $w:ident, $sid:ident| $body:block) => {{
+        let ($sid, who) = ($session.id(), $who.clone());
+        $session
+            .transact(move |$tx| {
+                let who = who.clone();
+                Box::pin(async move {
+                    let $w = &who;
+                    if !$tx.machine_exists($machine).await? {
+                        return Ok(ActionOutcome::NoSuchMachine);
+                    }
+                    $body
+                })
+            })
+            .await
+    }};
+}
+
 impl Session {
     /// Takes the machine out of the loops' hands: no loop claims it from the moment this
     /// returns, while the updater keeps its facts fresh and its agent keeps heartbeating.
@@ -34,33 +55,24 @@ impl Session {
         machine: Uuid,
         who: &Operator,
     ) -> Result<ActionOutcome<Vec<Process>>, Error> {
-        let (session, who) = (self.id(), who.clone());
-        self.transact(move |tx| {
-            let who = who.clone();
-            Box::pin(async move {
-                let who = &who;
-                if !tx.machine_exists(machine).await? {
-                    return Ok(ActionOutcome::NoSuchMachine);
-                }
-                if !sql::operator::set_maintenance(&mut tx.inner, machine, who).await? {
-                    return Ok(ActionOutcome::Unchanged);
-                }
-                record(
-                    tx,
-                    machine,
-                    OperatorAction::MaintenanceOn,
-                    None,
-                    who,
-                    session,
-                )
-                .await?;
-                let running = tx.machine_work(machine).await?;
-                Ok(ActionOutcome::Done(
-                    running.into_iter().map(|w| w.process).collect(),
-                ))
-            })
+        on_existing_machine!(self, machine, who, |tx, who, session| {
+            if !sql::operator::set_maintenance(&mut tx.inner, machine, who).await? {
+                return Ok(ActionOutcome::Unchanged);
+            }
+            record(
+                tx,
+                machine,
+                OperatorAction::MaintenanceOn,
+                None,
+                who,
+                session,
+            )
+            .await?;
+            let running = tx.machine_work(machine).await?;
+            Ok(ActionOutcome::Done(
+                running.into_iter().map(|w| w.process).collect(),
+            ))
         })
-        .await
     }
 
     /// Gives the machine back to the loops.
@@ -69,30 +81,21 @@ impl Session {
         machine: Uuid,
         who: &Operator,
     ) -> Result<ActionOutcome<()>, Error> {
-        let (session, who) = (self.id(), who.clone());
-        self.transact(move |tx| {
-            let who = who.clone();
-            Box::pin(async move {
-                let who = &who;
-                if !tx.machine_exists(machine).await? {
-                    return Ok(ActionOutcome::NoSuchMachine);
-                }
-                if !sql::operator::clear_maintenance(&mut tx.inner, machine).await? {
-                    return Ok(ActionOutcome::Unchanged);
-                }
-                record(
-                    tx,
-                    machine,
-                    OperatorAction::MaintenanceOff,
-                    None,
-                    who,
-                    session,
-                )
-                .await?;
-                Ok(ActionOutcome::Done(()))
-            })
+        on_existing_machine!(self, machine, who, |tx, who, session| {
+            if !sql::operator::clear_maintenance(&mut tx.inner, machine).await? {
+                return Ok(ActionOutcome::Unchanged);
+            }
+            record(
+                tx,
+                machine,
+                OperatorAction::MaintenanceOff,
+                None,
+                who,
+                session,
+            )
+            .await?;
+            Ok(ActionOutcome::Done(()))
         })
-        .await
     }
 
     /// Ends the machine's backoffs now (of `process`, or of all); returns how many ended.
@@ -102,23 +105,14 @@ impl Session {
         process: Option<Process>,
         who: &Operator,
     ) -> Result<ActionOutcome<u64>, Error> {
-        let (session, who) = (self.id(), who.clone());
-        self.transact(move |tx| {
-            let who = who.clone();
-            Box::pin(async move {
-                let who = &who;
-                if !tx.machine_exists(machine).await? {
-                    return Ok(ActionOutcome::NoSuchMachine);
-                }
-                let cleared = tx.clear_backoffs(machine, process).await?;
-                if cleared == 0 {
-                    return Ok(ActionOutcome::Unchanged);
-                }
-                record(tx, machine, OperatorAction::Retry, process, who, session).await?;
-                Ok(ActionOutcome::Done(cleared))
-            })
+        on_existing_machine!(self, machine, who, |tx, who, session| {
+            let cleared = tx.clear_backoffs(machine, process).await?;
+            if cleared == 0 {
+                return Ok(ActionOutcome::Unchanged);
+            }
+            record(tx, machine, OperatorAction::Retry, process, who, session).await?;
+            Ok(ActionOutcome::Done(cleared))
         })
-        .await
     }
 
     /// Forgets the machine's pinned SSH host key (the next takeover pins the key it finds) and
@@ -128,39 +122,30 @@ impl Session {
         machine: Uuid,
         who: &Operator,
     ) -> Result<ActionOutcome<SshHostKey>, Error> {
-        let (session, who) = (self.id(), who.clone());
-        self.transact(move |tx| {
-            let who = who.clone();
-            Box::pin(async move {
-                let who = &who;
-                if !tx.machine_exists(machine).await? {
-                    return Ok(ActionOutcome::NoSuchMachine);
-                }
-                let Some(key) = tx.ssh_host_key(machine).await? else {
-                    return Ok(ActionOutcome::Unchanged);
-                };
-                tx.delete_ssh_host_key(machine).await?;
-                tx.clear_backoffs(machine, Some(Process::ShepherdAgentStart))
-                    .await?;
-                let noted = Operator {
-                    by: who.by.clone(),
-                    reason: format!("{} (forgot {})", who.reason, key.key)
-                        .trim_start()
-                        .to_string(),
-                };
-                record(
-                    tx,
-                    machine,
-                    OperatorAction::ForgetHostKey,
-                    None,
-                    &noted,
-                    session,
-                )
+        on_existing_machine!(self, machine, who, |tx, who, session| {
+            let Some(key) = tx.ssh_host_key(machine).await? else {
+                return Ok(ActionOutcome::Unchanged);
+            };
+            tx.delete_ssh_host_key(machine).await?;
+            tx.clear_backoffs(machine, Some(Process::ShepherdAgentStart))
                 .await?;
-                Ok(ActionOutcome::Done(key))
-            })
+            let noted = Operator {
+                by: who.by.clone(),
+                reason: format!("{} (forgot {})", who.reason, key.key)
+                    .trim_start()
+                    .to_string(),
+            };
+            record(
+                tx,
+                machine,
+                OperatorAction::ForgetHostKey,
+                None,
+                &noted,
+                session,
+            )
+            .await?;
+            Ok(ActionOutcome::Done(key))
         })
-        .await
     }
 
     /// Removes the machine from the BMDB: its tags, locks (each ended as Canceled) and
@@ -171,30 +156,21 @@ impl Session {
         machine: Uuid,
         who: &Operator,
     ) -> Result<ActionOutcome<Option<Provided>>, Error> {
-        let (session, who) = (self.id(), who.clone());
-        self.transact(move |tx| {
-            let who = who.clone();
-            Box::pin(async move {
-                let who = &who;
-                if !tx.machine_exists(machine).await? {
-                    return Ok(ActionOutcome::NoSuchMachine);
-                }
-                let provided = tx.provided(machine).await?;
-                record(
-                    tx,
-                    machine,
-                    OperatorAction::Decommission,
-                    None,
-                    who,
-                    session,
-                )
+        on_existing_machine!(self, machine, who, |tx, who, session| {
+            let provided = tx.provided(machine).await?;
+            record(
+                tx,
+                machine,
+                OperatorAction::Decommission,
+                None,
+                who,
+                session,
+            )
+            .await?;
+            sql::operator::decommission(&mut tx.inner, machine, who, &decommission_cause(who))
                 .await?;
-                sql::operator::decommission(&mut tx.inner, machine, who, &decommission_cause(who))
-                    .await?;
-                Ok(ActionOutcome::Done(provided))
-            })
+            Ok(ActionOutcome::Done(provided))
         })
-        .await
     }
 
     /// Lifts a decommissioning's bar: the provisioner may bring the provider id back, as a

@@ -50,6 +50,18 @@ fn claimed(c: Claim) -> Work {
     }
 }
 
+/// The fleet counts at the default thresholds.
+async fn fleet_counts(db: &Bmdb) -> FleetCounts {
+    db.read(|tx| {
+        Box::pin(async move {
+            tx.fleet_counts(RecoveryThresholds::default().stale_after())
+                .await
+        })
+    })
+    .await
+    .unwrap()
+}
+
 async fn history(db: &Bmdb, id: Uuid) -> Vec<HistoryEntry> {
     db.read(|tx| Box::pin(async move { tx.machine_history(id).await }))
         .await
@@ -1027,15 +1039,7 @@ async fn summaries_and_fleet_counts(db: Bmdb) {
     want.sort();
     assert_eq!(paged, want);
 
-    let c = db
-        .read(|tx| {
-            Box::pin(async move {
-                tx.fleet_counts(RecoveryThresholds::default().stale_after())
-                    .await
-            })
-        })
-        .await
-        .unwrap();
+    let c = fleet_counts(&db).await;
     assert_eq!(c.machines, 9);
     assert_eq!(c.provided, vec![(Provider::Sim, 1), (Provider::Static, 7)]);
     assert_eq!(c.agent_started, 5);
@@ -1070,15 +1074,7 @@ async fn summaries_and_fleet_counts(db: Bmdb) {
     })
     .await
     .unwrap();
-    let c = db
-        .read(|tx| {
-            Box::pin(async move {
-                tx.fleet_counts(RecoveryThresholds::default().stale_after())
-                    .await
-            })
-        })
-        .await
-        .unwrap();
+    let c = fleet_counts(&db).await;
     assert_eq!(
         (c.pending_install, c.installed, c.install_failed),
         (1, 2, 1)
