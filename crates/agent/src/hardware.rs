@@ -376,6 +376,129 @@ mod tests {
         );
     }
 
+    /// One `/proc/cpuinfo` entry as Linux prints it on x86_64.
+    #[allow(clippy::too_many_arguments)]
+    fn cpuinfo_entry(
+        processor: usize,
+        vendor: &str,
+        (family, model, stepping): (u32, u32, u32),
+        name: &str,
+        physical: usize,
+        siblings: usize,
+        core: usize,
+        cores: usize,
+    ) -> String {
+        format!(
+            "processor\t: {processor}\nvendor_id\t: {vendor}\ncpu family\t: {family}\n\
+             model\t\t: {model}\nmodel name\t: {name}\nstepping\t: {stepping}\n\
+             microcode\t: 0x1000065\ncpu MHz\t\t: 2800.000\ncache size\t: 512 KB\n\
+             physical id\t: {physical}\nsiblings\t: {siblings}\ncore id\t\t: {core}\n\
+             cpu cores\t: {cores}\napicid\t\t: {processor}\ninitial apicid\t: {processor}\n\
+             fpu\t\t: yes\nfpu_exception\t: yes\ncpuid level\t: 13\nwp\t\t: yes\n\
+             flags\t\t: fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov\n\
+             bugs\t\t: sysret_ss_attrs spectre_v1 spectre_v2\nbogomips\t: 5600.00\n\
+             TLB size\t: 3072 4K pages\nclflush size\t: 64\ncache_alignment\t: 64\n\
+             address sizes\t: 43 bits physical, 48 bits virtual\npower management: ts ttp\n\n"
+        )
+    }
+
+    fn cpus_of(cpuinfo: &str) -> Vec<Cpu> {
+        let dir = tempfile::tempdir().unwrap();
+        put(dir.path(), "proc/cpuinfo", cpuinfo);
+        let mut warnings = vec![];
+        let cpus = cpus(dir.path(), &mut warnings);
+        assert!(warnings.is_empty(), "{warnings:?}");
+        cpus
+    }
+
+    fn x86(family: i32, model: i32, stepping: i32) -> Option<cpu::Architecture> {
+        Some(cpu::Architecture::X8664(cpu::X8664 {
+            family,
+            model,
+            stepping,
+        }))
+    }
+
+    /// Realistic `/proc/cpuinfo` files: a 1-vCPU QEMU guest, a two-socket AMD EPYC 7402
+    /// (24 cores, 48 threads per socket) and a hybrid Intel i9-12900K (8 performance cores with
+    /// two threads and 8 efficiency cores with one: 16 cores, 24 threads).
+    #[test]
+    fn cpuinfo_of_real_machines() {
+        let qemu = cpuinfo_entry(
+            0,
+            "GenuineIntel",
+            (6, 6, 3),
+            "QEMU Virtual CPU version 2.5+",
+            0,
+            1,
+            0,
+            1,
+        );
+        assert_eq!(
+            cpus_of(&qemu),
+            [Cpu {
+                vendor: "GenuineIntel".into(),
+                model: "QEMU Virtual CPU version 2.5+".into(),
+                cores: 1,
+                hardware_threads: 1,
+                architecture: x86(6, 6, 3),
+            }]
+        );
+
+        // Linux numbers the first thread of every core, socket by socket, then the second.
+        let epyc: String = (0..96)
+            .map(|p| {
+                let socket = (p / 24) % 2;
+                let core = p % 24;
+                cpuinfo_entry(
+                    p,
+                    "AuthenticAMD",
+                    (23, 49, 0),
+                    "AMD EPYC 7402 24-Core Processor",
+                    socket,
+                    48,
+                    core,
+                    24,
+                )
+            })
+            .collect();
+        let socket = Cpu {
+            vendor: "AuthenticAMD".into(),
+            model: "AMD EPYC 7402 24-Core Processor".into(),
+            cores: 24,
+            hardware_threads: 48,
+            architecture: x86(23, 49, 0),
+        };
+        assert_eq!(cpus_of(&epyc), [socket.clone(), socket]);
+
+        let i9: String = (0..24)
+            .map(|p| {
+                // Threads 0-15: the P-cores' two threads each; 16-23: the E-cores.
+                let core = if p < 16 { p / 2 * 4 } else { 32 + p - 16 };
+                cpuinfo_entry(
+                    p,
+                    "GenuineIntel",
+                    (6, 151, 2),
+                    "12th Gen Intel(R) Core(TM) i9-12900K",
+                    0,
+                    24,
+                    core,
+                    16,
+                )
+            })
+            .collect();
+        assert_eq!(
+            cpus_of(&i9),
+            [Cpu {
+                vendor: "GenuineIntel".into(),
+                model: "12th Gen Intel(R) Core(TM) i9-12900K".into(),
+                cores: 16,
+                hardware_threads: 24,
+                architecture: x86(6, 151, 2),
+            }]
+        );
+    }
+
     #[test]
     fn an_empty_system_gives_warnings_not_errors() {
         let dir = tempfile::tempdir().unwrap();

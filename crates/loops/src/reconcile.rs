@@ -169,6 +169,23 @@ mod tests {
         assert_eq!(ids(&plan), vec!["a", "c"]);
     }
 
+    /// Upstream's `resolvePossiblyUsed`: a possibly-used machine whose id is not a valid
+    /// provider id (empty, or longer than the BMDB stores) cannot be ours, so it is unused.
+    #[test]
+    fn possibly_used_with_an_invalid_id_is_unused() {
+        for bad in [
+            String::new(),
+            "x".repeat(shepherd_bmdb::MAX_PROVIDER_ID_LEN + 1),
+        ] {
+            let mut r = m("x", PossiblyUsed);
+            r.id = Some(bad.clone());
+            let plan = reconcile(&[r], &bmdb(&[]), Limits::default()).unwrap_or_else(|e| {
+                panic!("{bad:?}: {e}");
+            });
+            assert_eq!((plan.managed, plan.create.len()), (0, 1), "{bad:?}");
+        }
+    }
+
     #[test]
     fn unused_capacity_without_id_is_a_candidate() {
         let mut r = m("x", KnownUnused);

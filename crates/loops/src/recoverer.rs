@@ -354,6 +354,28 @@ impl<P: RecovererProvider + 'static> MachineTask for Recoverer<P> {
 mod tests {
     use super::*;
 
+    /// Upstream's recoverer backoff: one minute, growing by 1.2 per failed reboot, capped at
+    /// an hour; a recoverer built without settings uses it.
+    #[test]
+    fn the_default_backoff_is_upstreams() {
+        let b = failed_reboot_backoff();
+        let mut seq = vec![];
+        let mut prev = None;
+        for _ in 0..24 {
+            let next = b.next_interval_seconds(prev);
+            seq.push(next);
+            prev = Some(next);
+        }
+        assert_eq!(&seq[..5], [60, 72, 87, 105, 126]);
+        assert!(seq.windows(2).all(|w| w[1] >= w[0]));
+        assert_eq!(*seq.last().unwrap(), 3600, "{seq:?}");
+        let r = Recoverer::new(
+            Arc::new(crate::sim::SimFleet::new(1, Default::default()).unwrap()),
+            RecoveryThresholds::default(),
+        );
+        assert_eq!(r.backoff, b);
+    }
+
     #[test]
     fn only_an_outage_before_the_reboot_releases_the_machine_without_backoff() {
         let r = Recoverer::new(

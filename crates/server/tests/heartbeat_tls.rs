@@ -365,10 +365,27 @@ async fn installation_requests_until_reported(db: Bmdb) {
     server.bmaas.close().await.unwrap();
 }
 
+/// A stored installation request that does not decode is logged and left out of the answer;
+/// the heartbeat itself succeeds and is recorded.
+async fn an_undecodable_stored_request_does_not_fail_the_heartbeat(db: Bmdb) {
+    let server = start(&db).await;
+    let a = agent();
+    let m = testing::machine_with_agent(&db, &a.key).await;
+    testing::request_installation(&db, m, 4, vec![0xff, 0xff, 0xff]).await;
+    let mut c = client(&server, Some(&a)).await.unwrap();
+    assert_eq!(pending(&mut c, m).await, None);
+    assert!(
+        heartbeat_of(&db, m).await.is_some(),
+        "the heartbeat was recorded"
+    );
+    let _ = server.bmaas.close().await;
+}
+
 shepherd_bmdb::conformance_tests!(
     agents_are_authorized_by_key,
     installation_requests_until_reported,
     reports_are_stored_as_received,
+    an_undecodable_stored_request_does_not_fail_the_heartbeat,
 );
 
 /// A server-certificate verifier that offers only the signature schemes BoringSSL offers by
@@ -481,4 +498,25 @@ async fn clients_without_ed25519_complete_the_handshake_with_dev_certs() {
     assert_eq!(ca_key, "1.2.840.10045.2.1", "the dev CA key is ECDSA");
     let _ = server.bmaas.close().await;
     t.cleanup().await;
+}
+
+/// A database error during a heartbeat is answered Unavailable (retry later), not Internal and
+/// not a refusal of the agent: here the heartbeat table is gone under the server.
+#[tokio::test]
+async fn a_database_error_during_a_heartbeat_is_unavailable() {
+    let t = testing::sqlite().await;
+    let server = start(&t.db).await;
+    let a = agent();
+    let m = testing::machine_with_agent(&t.db, &a.key).await;
+    let mut c = client(&server, Some(&a)).await.unwrap();
+    c.heartbeat(beat(&m.to_string())).await.unwrap();
+    let raw = sqlx::SqlitePool::connect(&t.url).await.unwrap();
+    sqlx::query("DROP TABLE machine_agent_heartbeat")
+        .execute(&raw)
+        .await
+        .unwrap();
+    raw.close().await;
+    let e = c.heartbeat(beat(&m.to_string())).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e}");
+    let _ = server.bmaas.close().await;
 }

@@ -415,6 +415,206 @@ mod tests {
         r#"shepherd_fleet_active_backoffs{process="ShepherdAgentStart"} 0"#,
     ];
 
+    /// The value of the series `name{labels}` in an exposition, if present.
+    fn value(text: &str, series: &str) -> Option<f64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    /// A hand-built fleet with one machine in each of upstream's statistics scenarios (as
+    /// upstream's bmdb_stats test builds it); every gauge counts what upstream's did.
+    #[tokio::test]
+    async fn gauges_count_a_fleet_of_every_state() {
+        use chrono::Duration as D;
+        let t = shepherd_bmdb::testing::sqlite().await;
+        t.db.transact(|tx| {
+            Box::pin(async move {
+                let now = tx.now().await?;
+                // (started ago, heartbeat ago, request generation, report generation)
+                type Scenario = (Option<i64>, Option<i64>, Option<i64>, Option<i64>);
+                let fleet: [Scenario; 9] = [
+                    (None, None, None, None),               // provided, needs its agent started
+                    (Some(40), None, None, None),           // never heartbeated: recovery
+                    (Some(40), None, None, None),           // never heartbeated: recovery
+                    (Some(40), None, None, None),           // never heartbeated: recovery
+                    (Some(30), Some(1), None, None),        // healthy
+                    (Some(30), Some(1), Some(10), None),    // healthy, install pending
+                    (Some(30), Some(1), Some(10), Some(9)), // healthy, install pending
+                    (Some(40), None, Some(10), None),       // pending install and recovery
+                    (Some(30), Some(20), Some(10), Some(10)), // installed, silent
+                ];
+                for (n, (started, beat, request, report)) in fleet.into_iter().enumerate() {
+                    let id = tx.create_machine().await?;
+                    tx.set_provided(
+                        id,
+                        &shepherd_bmdb::Provided::new(Provider::Equinix, n.to_string()),
+                    )
+                    .await?;
+                    if let Some(m) = started {
+                        tx.set_agent_started_at(id, Some(now - D::minutes(m)), &[n as u8 + 1; 32])
+                            .await?;
+                    }
+                    if let Some(m) = beat {
+                        tx.set_heartbeat_at(id, now - D::minutes(m)).await?;
+                    }
+                    if let Some(generation) = request {
+                        tx.set_os_installation_request(
+                            id,
+                            &shepherd_bmdb::OsInstallationRequest {
+                                generation,
+                                request_raw: vec![],
+                            },
+                        )
+                        .await?;
+                    }
+                    if let Some(generation) = report {
+                        tx.set_os_installation_report(
+                            id,
+                            &shepherd_bmdb::OsInstallationReport {
+                                generation,
+                                result: shepherd_bmdb::InstallationResult::Success,
+                                report_raw: vec![],
+                            },
+                        )
+                        .await?;
+                    }
+                }
+                Ok(())
+            })
+        })
+        .await
+        .unwrap();
+        let stats = FleetStats::default();
+        let mut registry = Registry::default();
+        stats.register(&mut registry);
+        stats
+            .refresh(&t.db, RecoveryThresholds::default())
+            .await
+            .unwrap();
+        let text = exposition(&registry);
+        for (series, want) in [
+            ("shepherd_fleet_machines", 9.0),
+            (
+                r#"shepherd_fleet_machines_provided{provider="Equinix"}"#,
+                9.0,
+            ),
+            ("shepherd_fleet_machines_heartbeating", 3.0),
+            ("shepherd_fleet_machines_stale", 1.0),
+            ("shepherd_fleet_machines_pending_install", 3.0),
+            ("shepherd_fleet_machines_installed", 1.0),
+            (
+                r#"shepherd_fleet_machines_eligible{process="ShepherdAgentStart"}"#,
+                1.0,
+            ),
+            (
+                r#"shepherd_fleet_machines_eligible{process="ShepherdRecovery"}"#,
+                4.0,
+            ),
+            (
+                r#"shepherd_fleet_active_work{process="ShepherdAgentStart"}"#,
+                0.0,
+            ),
+            (
+                r#"shepherd_fleet_active_backoffs{process="ShepherdRecovery"}"#,
+                0.0,
+            ),
+        ] {
+            assert_eq!(value(&text, series), Some(want), "{series}:\n{text}");
+        }
+        t.cleanup().await;
+    }
+
+    /// Hardware totals against a hand-built fleet (upstream's hw_stats test): threads and
+    /// memory summed per provider and location; a machine without a provided tag is not
+    /// counted; with no reports there are no hardware series at all.
+    #[tokio::test]
+    async fn hardware_totals_per_provider_and_location() {
+        use shepherd_proto::agent::{Cpu, Node};
+        let t = shepherd_bmdb::testing::sqlite().await;
+        let stats = FleetStats::default();
+        let mut registry = Registry::default();
+        stats.register(&mut registry);
+        stats
+            .refresh(&t.db, RecoveryThresholds::default())
+            .await
+            .unwrap();
+        assert!(!exposition(&registry).contains("shepherd_fleet_hardware_machines{"));
+
+        let report = |threads: i32, gib: i64| {
+            AgentHardwareReport {
+                report: Some(Node {
+                    memory_installed_bytes: gib << 30,
+                    memory_usable_ratio: 1.0,
+                    cpu: vec![Cpu {
+                        cores: threads,
+                        hardware_threads: threads,
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                }),
+                warning: vec![],
+            }
+            .encode_to_vec()
+        };
+        let fleet = [
+            (Some("dark-bramble"), true),
+            (Some("dark-bramble"), true),
+            (Some("dark-bramble"), true),
+            (Some("brittle-hollow"), true),
+            (Some("timber-hearth"), true),
+            (Some("timber-hearth"), true),
+            (None, false),
+        ];
+        t.db.transact(move |tx| {
+            let r = report(32, 256);
+            Box::pin(async move {
+                for (n, (location, provided)) in fleet.into_iter().enumerate() {
+                    let id = tx.create_machine().await?;
+                    if provided {
+                        let mut p = shepherd_bmdb::Provided::new(Provider::Equinix, n.to_string());
+                        p.location = location.map(str::to_string);
+                        tx.set_provided(id, &p).await?;
+                    }
+                    tx.set_hardware_report(id, &r).await?;
+                }
+                Ok(())
+            })
+        })
+        .await
+        .unwrap();
+        stats
+            .refresh(&t.db, RecoveryThresholds::default())
+            .await
+            .unwrap();
+        let text = exposition(&registry);
+        for (location, threads, gib) in [
+            ("dark-bramble", 96.0, 768.0),
+            ("brittle-hollow", 32.0, 256.0),
+            ("timber-hearth", 64.0, 512.0),
+        ] {
+            let place = format!(r#"{{location="{location}",provider="Equinix"}}"#);
+            let alt = format!(r#"{{provider="Equinix",location="{location}"}}"#);
+            let get = |name: &str| {
+                value(&text, &format!("{name}{place}")).or(value(&text, &format!("{name}{alt}")))
+            };
+            assert_eq!(
+                get("shepherd_fleet_hardware_cpu_threads"),
+                Some(threads),
+                "{text}"
+            );
+            assert_eq!(
+                get("shepherd_fleet_hardware_memory_bytes"),
+                Some(gib * f64::from(1u32 << 30)),
+                "{text}"
+            );
+        }
+        assert!(
+            !text.contains("unknown"),
+            "an unprovided machine was counted:\n{text}"
+        );
+        t.cleanup().await;
+    }
+
     /// Series with a fixed label set read 0 before any data and after their count drops to
     /// 0, instead of vanishing; hardware series exist only for locations with reports.
     #[tokio::test]
