@@ -537,6 +537,95 @@ async fn the_recoverer_reboots_silent_devices_through_the_api() {
     t.cleanup().await;
 }
 
+/// The initializer over the Equinix provider (upstream's Equinix TestInitializerSmokes): it
+/// takes over every device the provider gives an address, and a device still provisioning,
+/// without one, fails with "the provider has no address for this machine" and is asked again
+/// soon (a short backoff), not at the initializer's long one.
+#[tokio::test]
+async fn the_initializer_takes_devices_over_and_waits_for_addresses() {
+    use shepherd_bmdb::{Process, WorkEvent};
+    use shepherd_loops::initializer::{Initializer, InitializerConfig};
+    use shepherd_loops::runner::{self, RunnerConfig};
+    use shepherd_loops::testing::LocalTestAgent;
+    let Rig { fake, t, s, p, .. } = rig(3).await;
+    provisioner(p.clone(), 2, 10).iterate(&s).await.unwrap();
+    fake.set_stuck_provisioning(true);
+    provisioner(p.clone(), 0, 10).iterate(&s).await.unwrap();
+    s.close().await.unwrap();
+    let stuck = fake
+        .devices()
+        .into_iter()
+        .find(|d| d.ip_addresses.is_empty())
+        .expect("one device without an address")
+        .id;
+    let init = Initializer::new(
+        p,
+        Arc::new(LocalTestAgent),
+        InitializerConfig::new(vec![0x7f], "bmaas.example:443"),
+    )
+    .unwrap();
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let run = tokio::spawn(runner::run(
+        t.db.clone(),
+        Arc::new(init),
+        RunnerConfig {
+            parallelism: 2,
+            db_rate: RateSpec::new(Duration::from_millis(10), 10),
+            session: SessionConfig::new("shepherd-initializer", Processor::ShepherdInitializer),
+        },
+        cancel.clone(),
+    ));
+    let ids = recorded_ids(&t.db).await;
+    assert_eq!(ids.len(), 3);
+    let outcomes = testing::eventually("every device tried", Duration::from_secs(30), async || {
+        let mut outcomes = vec![];
+        for id in &ids {
+            let id = *id;
+            let (provided, history, agent, backoffs) =
+                t.db.read(move |tx| {
+                    Box::pin(async move {
+                        Ok((
+                            tx.provided(id).await?.unwrap(),
+                            tx.machine_history(id).await?,
+                            tx.agent_started(id).await?,
+                            tx.machine_backoffs(id).await?,
+                        ))
+                    })
+                })
+                .await
+                .unwrap();
+            let Some(end) = history.iter().rev().find(|e| e.event != WorkEvent::Started) else {
+                return Err(format!("{} not tried yet", provided.provider_id));
+            };
+            outcomes.push((provided.provider_id, end.clone(), agent, backoffs));
+        }
+        Ok(outcomes)
+    })
+    .await;
+    cancel.cancel();
+    run.await.unwrap();
+    for (device, end, agent, backoffs) in outcomes {
+        if device == stuck {
+            assert_eq!(end.event, WorkEvent::Failed, "{end:?}");
+            assert_eq!(
+                end.cause.as_deref(),
+                Some("the provider has no address for this machine")
+            );
+            assert!(agent.is_none());
+            let b = &backoffs[0];
+            assert_eq!(b.process, Process::ShepherdAgentStart);
+            assert!(
+                b.last_interval_seconds <= 300,
+                "asked again within 5 min: {b:?}"
+            );
+        } else {
+            assert_eq!(end.event, WorkEvent::Finished, "{device}: {end:?}");
+            assert!(agent.is_some(), "{device} taken over");
+        }
+    }
+    t.cleanup().await;
+}
+
 /// A transport failure names its cause ("connection refused"), not only reqwest's "error
 /// sending request".
 #[tokio::test]

@@ -44,3 +44,33 @@ fn workspace_binary(package: &str) -> PathBuf {
         path
     }
 }
+
+/// A transport that runs the stand-in agent (`shepherd-test-agent`) as a local process with the
+/// takeover message on its stdin, as SSH would on a machine: for tests of the initializer
+/// that need no sshd.
+pub struct LocalTestAgent;
+
+#[async_trait::async_trait]
+impl crate::transport::Transport for LocalTestAgent {
+    async fn run_agent(
+        &self,
+        run: crate::transport::AgentRun<'_>,
+    ) -> anyhow::Result<crate::transport::AgentOutput> {
+        use tokio::io::AsyncWriteExt;
+        let mut child = tokio::process::Command::new(test_agent_path())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()?;
+        let mut stdin = child.stdin.take().expect("piped stdin");
+        stdin.write_all(run.stdin).await?;
+        drop(stdin);
+        let out = child.wait_with_output().await?;
+        Ok(crate::transport::AgentOutput {
+            host_key: String::new(),
+            exit_status: out.status.code().map(|c| c as u32),
+            stdout: out.stdout,
+            stderr: out.stderr,
+        })
+    }
+}

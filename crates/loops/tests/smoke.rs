@@ -16,7 +16,7 @@ use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
 use shepherd_loops::reconcile::Limits;
 use shepherd_loops::recoverer::Recoverer;
 use shepherd_loops::runner::{self, RunnerConfig};
-use shepherd_loops::testing::test_agent_path;
+use shepherd_loops::testing::LocalTestAgent;
 use shepherd_loops::transport::{AgentOutput, AgentRun, Transport};
 use shepherd_loops::updater::Updater;
 use tokio_util::sync::CancellationToken;
@@ -468,32 +468,6 @@ fn start_initializer(
     (cancel, run)
 }
 
-/// Runs the agent as a local process instead of over SSH (the SSH path has its own tests
-/// against a real sshd); the agent itself is the real test agent.
-struct LocalTransport;
-
-#[async_trait]
-impl Transport for LocalTransport {
-    async fn run_agent(&self, run: AgentRun<'_>) -> anyhow::Result<AgentOutput> {
-        use tokio::io::AsyncWriteExt;
-        let mut child = tokio::process::Command::new(test_agent_path())
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()?;
-        let mut stdin = child.stdin.take().unwrap();
-        stdin.write_all(run.stdin).await?;
-        drop(stdin);
-        let out = child.wait_with_output().await?;
-        Ok(AgentOutput {
-            host_key: String::new(),
-            exit_status: out.status.code().map(|c| c as u32),
-            stdout: out.stdout,
-            stderr: out.stderr,
-        })
-    }
-}
-
 async fn initializer_starts_the_agent_on_all_provided(db: Bmdb) {
     let provider = Arc::new(Dummy::with_capacity(100));
     let p = Provisioner::new(provider.clone(), unpaced(10, 4));
@@ -503,7 +477,7 @@ async fn initializer_starts_the_agent_on_all_provided(db: Bmdb) {
     }
     s.close().await.unwrap();
 
-    let (cancel, run) = start_initializer(&db, provider.clone(), LocalTransport, 3);
+    let (cancel, run) = start_initializer(&db, provider.clone(), LocalTestAgent, 3);
     let machines =
         testing::eventually("every agent started", Duration::from_secs(30), async || {
             let started = db
@@ -566,7 +540,7 @@ impl Transport for PinnedMeanwhile {
                 })
             })
             .await?;
-        let out = LocalTransport.run_agent(run).await?;
+        let out = LocalTestAgent.run_agent(run).await?;
         Ok(AgentOutput {
             host_key: "ssh-ed25519 AAAApresented".into(),
             ..out

@@ -638,3 +638,67 @@ async fn show_prints_the_whole_hardware_report() {
     }
     t.cleanup().await;
 }
+
+/// Operator views list expired backoffs too, marked as such, and only an active one puts the
+/// machine in backoff (upstream's machine dump: active by default, expired on request).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_and_active_backoffs_are_told_apart() {
+    let t = testing::sqlite().await;
+    let url = t.url.clone();
+    let m =
+        t.db.transact(|tx| {
+            Box::pin(async move {
+                let id = tx.create_machine().await?;
+                tx.set_provided(id, &Provided::new(Provider::Static, "bo-1"))
+                    .await?;
+                let now = tx.now().await?;
+                tx.set_backoff(
+                    id,
+                    Process::ShepherdAgentStart,
+                    now - chrono::TimeDelta::seconds(5),
+                    60,
+                    "expired cause",
+                )
+                .await?;
+                Ok(id)
+            })
+        })
+        .await
+        .unwrap()
+        .to_string();
+    let shown = json(&shepherd(&url, &["machines", "show", &m, "--json"]));
+    assert_eq!(shown["backoffs"][0]["active"], false, "{shown}");
+    assert_eq!(shown["backoffs"][0]["cause"], "expired cause");
+    assert_eq!(shown["state"], "provided");
+    let id: Uuid = m.parse().unwrap();
+    t.db.transact(move |tx| {
+        Box::pin(async move {
+            let until = tx.now().await? + chrono::TimeDelta::hours(1);
+            tx.set_backoff(id, Process::ShepherdRecovery, until, 60, "active cause")
+                .await
+        })
+    })
+    .await
+    .unwrap();
+    let shown = json(&shepherd(&url, &["machines", "show", &m, "--json"]));
+    let flags: Vec<(String, bool)> = shown["backoffs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| {
+            (
+                b["process"].as_str().unwrap().to_string(),
+                b["active"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        flags,
+        [
+            ("ShepherdAgentStart".to_string(), false),
+            ("ShepherdRecovery".to_string(), true)
+        ]
+    );
+    assert_eq!(shown["state"], "in backoff");
+    t.cleanup().await;
+}

@@ -1,0 +1,174 @@
+//! The machine-loop runner's endings, on both backends: work in progress when the loop is
+//! canceled ends as Canceled (no verdict, no backoff), not Failed; and a session that expires in
+//! the middle of the loop (another replica collected it) is replaced, the loop going on.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use shepherd_bmdb::testing::{all_history, eventually, when};
+use shepherd_bmdb::*;
+use shepherd_loops::limiter::RateSpec;
+use shepherd_loops::runner::{self, Commit, MachineTask, OnError, RunnerConfig};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+/// A task that marks each machine done (a `machine_agent_started` tag); it blocks forever on
+/// machines of `hang`, and on its first machine deletes its own session's row, as another
+/// replica's garbage collection would after a partition.
+struct Task {
+    hang: bool,
+    collect_own_session_once: Mutex<bool>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct TaskError(#[from] Error);
+
+#[async_trait]
+impl MachineTask for Task {
+    type Error = TaskError;
+
+    fn process(&self) -> Process {
+        Process::ShepherdAgentStart
+    }
+
+    fn processor(&self) -> Processor {
+        Processor::ShepherdInitializer
+    }
+
+    fn retrieval(&self) -> Retrieval {
+        Retrieval::AgentStart {
+            provider: Provider::Sim,
+        }
+    }
+
+    async fn process_machine(&self, session: &Session, machine: Uuid) -> Result<Commit, TaskError> {
+        if self.hang {
+            std::future::pending::<()>().await;
+        }
+        let collect = std::mem::take(&mut *self.collect_own_session_once.lock().unwrap());
+        if collect {
+            let id = session.id();
+            session
+                .db()
+                .transact(move |tx| Box::pin(async move { tx.delete_session_raw(id).await }))
+                .await?;
+        }
+        Ok(Box::new(move |tx: &mut Tx| {
+            Box::pin(async move { tx.set_agent_started(machine, &[1; 32]).await })
+        }))
+    }
+
+    fn error_policy(&self, _: &TaskError) -> OnError {
+        OnError::Backoff(Backoff::exponential(
+            Duration::from_secs(600),
+            Duration::from_secs(600),
+            1.0,
+        ))
+    }
+}
+
+async fn provision(db: &Bmdb, n: usize) {
+    db.transact(move |tx| {
+        Box::pin(async move {
+            for i in 0..n {
+                let id = tx.create_machine().await?;
+                tx.set_provided(id, &Provided::new(Provider::Sim, format!("m{i}")))
+                    .await?;
+            }
+            Ok(())
+        })
+    })
+    .await
+    .unwrap();
+}
+
+fn config() -> RunnerConfig {
+    RunnerConfig {
+        parallelism: 2,
+        db_rate: RateSpec::new(Duration::from_millis(1), 50),
+        session: SessionConfig::new("runner-test", Processor::ShepherdInitializer)
+            .with_interval(Duration::from_secs(1)),
+    }
+}
+
+async fn cancellation_mid_processing_is_canceled_not_failed(db: Bmdb) {
+    provision(&db, 4).await;
+    let task = Arc::new(Task {
+        hang: true,
+        collect_own_session_once: Mutex::new(false),
+    });
+    let cancel = CancellationToken::new();
+    let run = tokio::spawn(runner::run(db.clone(), task, config(), cancel.clone()));
+    eventually(
+        "both workers holding a machine",
+        Duration::from_secs(20),
+        async || {
+            let status = db.status_counts().await.unwrap();
+            let held: i64 = status.work.iter().map(|(_, n)| n).sum();
+            when(held == 2, held)
+        },
+    )
+    .await;
+    cancel.cancel();
+    run.await.unwrap();
+    let history = all_history(&db).await;
+    let events: Vec<WorkEvent> = history.iter().map(|e| e.event).collect();
+    assert_eq!(
+        events.iter().filter(|e| **e == WorkEvent::Canceled).count(),
+        2,
+        "{events:?}"
+    );
+    assert!(!events.contains(&WorkEvent::Failed), "{events:?}");
+    let status = db.status_counts().await.unwrap();
+    assert!(
+        status.work.is_empty() && status.backoffs.is_empty(),
+        "{status:?}"
+    );
+    assert_eq!(status.sessions_live, 0, "sessions closed");
+}
+
+async fn an_expired_session_is_replaced_and_the_loop_goes_on(db: Bmdb) {
+    provision(&db, 20).await;
+    let task = Arc::new(Task {
+        hang: false,
+        collect_own_session_once: Mutex::new(true),
+    });
+    let cancel = CancellationToken::new();
+    let run = tokio::spawn(runner::run(db.clone(), task, config(), cancel.clone()));
+    eventually(
+        "every machine taken over",
+        Duration::from_secs(30),
+        async || {
+            let started = db.status_counts().await.unwrap().agent_started;
+            when(started == 20, started)
+        },
+    )
+    .await;
+    cancel.cancel();
+    run.await.unwrap();
+    let sessions: BTreeSet<Uuid> = all_history(&db)
+        .await
+        .iter()
+        .filter_map(|e| e.session_id)
+        .collect();
+    assert!(
+        sessions.len() >= 3,
+        "the collected session was replaced: {} sessions did work",
+        sessions.len()
+    );
+    assert_eq!(
+        db.metrics()
+            .sessions_expired(Processor::ShepherdInitializer),
+        1,
+        "one session expired"
+    );
+}
+
+shepherd_bmdb::conformance_tests!(
+    cancellation_mid_processing_is_canceled_not_failed,
+    an_expired_session_is_replaced_and_the_loop_goes_on,
+);
