@@ -300,7 +300,7 @@ impl Bmdb {
     /// Fails unless this binary may run on the database: its schema is this binary's, or a
     /// newer one whose migrations all declared binaries of this schema compatible.
     pub async fn check_schema(&self) -> Result<(), Error> {
-        admitted(self.schema_window().await?)
+        self.schema_window().await?.check_this_binary()
     }
 
     /// Applies pending migrations in one transaction; concurrent migrators wait for each
@@ -312,7 +312,7 @@ impl Bmdb {
         let found = sql::schema::schema_window(&mut tx.inner).await?;
         if found.version >= SCHEMA_VERSION {
             tx.rollback().await?;
-            admitted(found)?;
+            found.check_this_binary()?;
             return Ok((found.version, found.version));
         }
         for m in MIGRATIONS.iter().filter(|m| m.version > found.version) {
@@ -391,22 +391,4 @@ impl Bmdb {
             Pools::Postgres(p) => p.close().await,
         }
     }
-}
-
-/// Whether a binary of this build may run on a database with schema window `w`.
-fn admitted(w: SchemaWindow) -> Result<(), Error> {
-    if w.version < SCHEMA_VERSION {
-        return Err(Error::SchemaOutdated {
-            found: w.version,
-            known: SCHEMA_VERSION,
-        });
-    }
-    if !w.admits(SCHEMA_VERSION) {
-        return Err(Error::SchemaTooNew {
-            found: w.version,
-            oldest_compatible: w.oldest_compatible,
-            known: SCHEMA_VERSION,
-        });
-    }
-    Ok(())
 }

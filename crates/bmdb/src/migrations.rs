@@ -67,6 +67,26 @@ impl SchemaWindow {
     pub fn admits(&self, binary: i64) -> bool {
         (self.oldest_compatible..=self.version).contains(&binary)
     }
+
+    /// Whether this build may run on the database: its schema is older than this binary (it
+    /// needs migrating) or newer than the window admits (this binary needs upgrading) is an
+    /// error saying which and what to do.
+    pub fn check_this_binary(&self) -> Result<(), crate::Error> {
+        if self.version < SCHEMA_VERSION {
+            return Err(crate::Error::SchemaOutdated {
+                found: self.version,
+                known: SCHEMA_VERSION,
+            });
+        }
+        if !self.admits(SCHEMA_VERSION) {
+            return Err(crate::Error::SchemaTooNew {
+                found: self.version,
+                oldest_compatible: self.oldest_compatible,
+                known: SCHEMA_VERSION,
+            });
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

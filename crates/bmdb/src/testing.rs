@@ -552,6 +552,25 @@ pub async fn agents_silent_for_hours(db: &Bmdb, machines: &[uuid::Uuid]) {
     .expect("record silent agents")
 }
 
+/// Creates `n` machines provided by `provider` in one transaction, each with its machine id
+/// (simple form) as provider id; returns their ids.
+pub async fn provision(db: &Bmdb, n: usize, provider: crate::Provider) -> Vec<uuid::Uuid> {
+    db.transact(move |tx| {
+        Box::pin(async move {
+            let mut ids = Vec::with_capacity(n);
+            for _ in 0..n {
+                let id = tx.create_machine().await?;
+                tx.set_provided(id, &crate::Provided::new(provider, id.simple().to_string()))
+                    .await?;
+                ids.push(id);
+            }
+            Ok(ids)
+        })
+    })
+    .await
+    .expect("provision machines")
+}
+
 /// What the BMDB records as provided by `provider`: (machine, provided tag), by provider id.
 pub async fn provided_by(
     db: &Bmdb,

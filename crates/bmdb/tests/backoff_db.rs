@@ -38,17 +38,7 @@ async fn fail_once(db: &Bmdb, s: &Session, id: uuid::Uuid, last: Option<i64>, b:
 }
 
 async fn backoff_grows_from_a_smaller_previous_and_keeps_its_cap(db: Bmdb) {
-    let id = db
-        .transact(|tx| {
-            Box::pin(async move {
-                let id = tx.create_machine().await?;
-                tx.set_provided(id, &Provided::new(Provider::Sim, "b1"))
-                    .await?;
-                Ok(id)
-            })
-        })
-        .await
-        .unwrap();
+    let id = testing::provision(&db, 1, Provider::Sim).await[0];
     let s = testing::session(&db, Processor::ShepherdInitializer).await;
     let b = Backoff::exponential(Duration::from_secs(60), Duration::from_secs(120), 2.0);
     let mut last = Some(2);

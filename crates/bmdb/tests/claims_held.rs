@@ -2,29 +2,12 @@
 //! machine at once, a third claim of a held process finds nothing, and a released lock can be
 //! claimed again. On Postgres, candidates all locked by another transaction make a Conflict.
 
-use shepherd_bmdb::testing::{all_history, session};
+use shepherd_bmdb::testing::{self, all_history, session};
 use shepherd_bmdb::*;
 
 const ANY: Retrieval = Retrieval::AgentStart {
     provider: Provider::Sim,
 };
-
-async fn provision(db: &Bmdb, n: usize) -> Vec<uuid::Uuid> {
-    db.transact(move |tx| {
-        Box::pin(async move {
-            let mut ids = vec![];
-            for i in 0..n {
-                let id = tx.create_machine().await?;
-                tx.set_provided(id, &Provided::new(Provider::Sim, format!("c{i}")))
-                    .await?;
-                ids.push(id);
-            }
-            Ok(ids)
-        })
-    })
-    .await
-    .unwrap()
-}
 
 fn held(c: Claim) -> Work {
     match c {
@@ -34,7 +17,7 @@ fn held(c: Claim) -> Work {
 }
 
 async fn two_processes_hold_one_machine(db: Bmdb) {
-    let m = provision(&db, 1).await[0];
+    let m = testing::provision(&db, 1, Provider::Sim).await[0];
     let (s1, s2) = (
         session(&db, Processor::ShepherdInitializer).await,
         session(&db, Processor::ShepherdRecoverer).await,
@@ -91,7 +74,7 @@ async fn candidates_locked_elsewhere_are_a_conflict_on_postgres() {
     let Some(t) = testing::postgres().await else {
         return;
     };
-    provision(&t.db, 300).await;
+    testing::provision(&t.db, 300, Provider::Sim).await;
     let pool = sqlx::PgPool::connect(&t.url).await.unwrap();
     let mut other = pool.begin().await.unwrap();
     sqlx::query("SELECT machine_id FROM machines FOR UPDATE")

@@ -25,24 +25,6 @@ async fn session(db: &Bmdb, name: &str) -> Session {
         .expect("start session")
 }
 
-/// Creates `n` machines provided by `provider` in one transaction.
-async fn provision(db: &Bmdb, n: usize, provider: Provider) -> Vec<Uuid> {
-    db.transact(|tx| {
-        Box::pin(async move {
-            let mut ids = Vec::with_capacity(n);
-            for _ in 0..n {
-                let id = tx.create_machine().await?;
-                tx.set_provided(id, &Provided::new(provider, id.simple().to_string()))
-                    .await?;
-                ids.push(id);
-            }
-            Ok(ids)
-        })
-    })
-    .await
-    .expect("provision")
-}
-
 fn claimed(c: Claim) -> Work {
     match c {
         Claim::Work(w) => w,
@@ -119,7 +101,7 @@ async fn migrations_are_idempotent(db: Bmdb) {
 }
 
 async fn tags_round_trip(db: Bmdb) {
-    let id = provision(&db, 1, Provider::Static).await[0];
+    let id = testing::provision(&db, 1, Provider::Static).await[0];
     let t0 = Utc::now() - chrono::Duration::minutes(3);
     db.transact(move |tx| {
         Box::pin(async move {
@@ -211,7 +193,7 @@ async fn tags_round_trip(db: Bmdb) {
         .unwrap_err();
     assert!(err.to_string().contains("provider id"), "{err}");
     // Unique (provider, provider_id): a second machine cannot claim the same provider id.
-    let other = provision(&db, 1, Provider::Sim).await[0];
+    let other = testing::provision(&db, 1, Provider::Sim).await[0];
     let dup = db
         .transact(move |tx| {
             Box::pin(async move {
@@ -243,7 +225,7 @@ async fn tags_round_trip(db: Bmdb) {
 }
 
 async fn session_expiry_releases_work(db: Bmdb) {
-    let ids = provision(&db, 1, Provider::Sim).await;
+    let ids = testing::provision(&db, 1, Provider::Sim).await;
     let a = db
         .start_session(
             SessionConfig::new("doomed", Processor::ShepherdInitializer)
@@ -329,7 +311,7 @@ async fn session_expiry_releases_work(db: Bmdb) {
 }
 
 async fn closing_a_session_releases_its_work(db: Bmdb) {
-    let ids = provision(&db, 2, Provider::Sim).await;
+    let ids = testing::provision(&db, 2, Provider::Sim).await;
     let a = session(&db, "a").await;
     let w1 = claimed(a.work(Process::ShepherdAgentStart, START).await.unwrap());
     let w2 = claimed(a.work(Process::ShepherdAgentStart, START).await.unwrap());
@@ -352,7 +334,7 @@ async fn closing_a_session_releases_its_work(db: Bmdb) {
 }
 
 async fn work_endings(db: Bmdb) {
-    let ids = provision(&db, 1, Provider::Sim).await;
+    let ids = testing::provision(&db, 1, Provider::Sim).await;
     let id = ids[0];
     let s = session(&db, "endings").await;
 
@@ -436,7 +418,7 @@ async fn work_endings(db: Bmdb) {
 }
 
 async fn backoff_is_persisted_and_grows(db: Bmdb) {
-    let id = provision(&db, 1, Provider::Sim).await[0];
+    let id = testing::provision(&db, 1, Provider::Sim).await[0];
     let s = session(&db, "backoff").await;
     let b = Backoff::exponential(Duration::from_secs(1), Duration::from_secs(60), 2.0);
     let backoff_row = |db: Bmdb| async move {
@@ -510,7 +492,7 @@ async fn backoff_is_persisted_and_grows(db: Bmdb) {
 /// no two work intervals on one machine overlap, as the audit history shows.
 async fn claims_are_exclusive_under_parallelism(db: Bmdb) {
     const MACHINES: usize = 1000;
-    provision(&db, MACHINES, Provider::Sim).await;
+    testing::provision(&db, MACHINES, Provider::Sim).await;
     let conflicts = Arc::new(AtomicU64::new(0));
     let claims = Arc::new(AtomicU64::new(0));
     let mut workers = vec![];
@@ -594,7 +576,7 @@ async fn claims_are_exclusive_under_parallelism(db: Bmdb) {
 /// A fleet where almost every machine is ineligible (agents started): claims still find the
 /// few eligible ones wherever they are, then report nothing to do.
 async fn sparse_eligible_machines_are_found(db: Bmdb) {
-    let ids = provision(&db, 1500, Provider::Sim).await;
+    let ids = testing::provision(&db, 1500, Provider::Sim).await;
     let keep: BTreeSet<Uuid> = [ids[3], ids[700], ids[1499]].into_iter().collect();
     start_all_but(&db, &ids, &keep).await;
     let s = session(&db, "sparse").await;
@@ -1236,7 +1218,7 @@ shepherd_bmdb::conformance_tests!(
 async fn two_processes_share_one_sqlite_file() {
     let t = shepherd_bmdb::testing::sqlite().await;
     let other = Bmdb::open(&t.url).await.expect("second handle");
-    provision(&t.db, 300, Provider::Sim).await;
+    testing::provision(&t.db, 300, Provider::Sim).await;
     let mut workers = vec![];
     for db in [t.db.clone(), other.clone()] {
         for w in 0..4 {
@@ -1290,7 +1272,7 @@ async fn postgres_claims_reuse_leftover_candidates() {
         return;
     };
     let db = t.db.clone();
-    let ids = provision(&db, 3000, Provider::Sim).await;
+    let ids = testing::provision(&db, 3000, Provider::Sim).await;
     // 40 eligible machines spread over 3,000: the 64-id window search mostly misses.
     let eligible: BTreeSet<Uuid> = ids.iter().copied().step_by(75).collect();
     assert_eq!(eligible.len(), 40);

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use shepherd_bmdb::testing::{all_history, session};
+use shepherd_bmdb::testing::{self, all_history, session};
 use shepherd_bmdb::*;
 use tokio::task::JoinHandle;
 use uuid::Uuid;
@@ -17,23 +17,6 @@ const START: Retrieval = Retrieval::AgentStart {
 
 fn alice(reason: &str) -> Operator {
     Operator::new("alice", reason).unwrap()
-}
-
-async fn provision(db: &Bmdb, n: usize) -> Vec<Uuid> {
-    db.transact(move |tx| {
-        Box::pin(async move {
-            let mut ids = Vec::with_capacity(n);
-            for _ in 0..n {
-                let id = tx.create_machine().await?;
-                tx.set_provided(id, &Provided::new(Provider::Sim, id.simple().to_string()))
-                    .await?;
-                ids.push(id);
-            }
-            Ok(ids)
-        })
-    })
-    .await
-    .unwrap()
 }
 
 /// Workers that claim agent starts over and over, hold each for `hold`, and finish without
@@ -77,7 +60,7 @@ async fn actions(db: &Bmdb, id: Uuid) -> Vec<ActionEntry> {
 /// From the moment `maintenance_on` returns, no loop starts work on the machine, however many
 /// workers are claiming; `maintenance_off` gives it back. Asserted from the audit history.
 async fn maintenance_keeps_loops_away(db: Bmdb) {
-    let machines = provision(&db, 40).await;
+    let machines = testing::provision(&db, 40, Provider::Sim).await;
     let stop = Arc::new(AtomicBool::new(false));
     let workers = busy_workers(&db, 8, Duration::from_millis(1), stop.clone());
     let operator = session(&db, Processor::ShepherdOperator).await;
@@ -193,7 +176,7 @@ async fn maintenance_keeps_loops_away(db: Bmdb) {
 /// history, the machine and its tags go, the provider id is barred until recommissioned, and
 /// the history stays.
 async fn decommission_while_loops_run(db: Bmdb) {
-    let machines = provision(&db, 30).await;
+    let machines = testing::provision(&db, 30, Provider::Sim).await;
     // Every machine has some history from before (a takeover long ago) to keep.
     let ids = machines.clone();
     db.transact(move |tx| {
@@ -367,7 +350,7 @@ async fn decommission_while_loops_run(db: Bmdb) {
 /// Retry and forget-host-key change the machine and say so in the operators' history; an
 /// action with nothing to do writes nothing.
 async fn retry_and_forget_host_key_are_recorded(db: Bmdb) {
-    let id = provision(&db, 1).await[0];
+    let id = testing::provision(&db, 1, Provider::Sim).await[0];
     let operator = session(&db, Processor::ShepherdOperator).await;
     db.transact(move |tx| {
         Box::pin(async move {
@@ -439,7 +422,7 @@ async fn retry_and_forget_host_key_are_recorded(db: Bmdb) {
 /// Retention deletes old history in bounded batches, keeps Failed entries four times as long,
 /// and leaves recent history alone.
 async fn retention_prunes_in_batches_and_keeps_failures_longest(db: Bmdb) {
-    let id = provision(&db, 1).await[0];
+    let id = testing::provision(&db, 1, Provider::Sim).await[0];
     db.transact(move |tx| {
         Box::pin(async move {
             let now = tx.now().await?;

@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use shepherd_bmdb::testing::{all_history, eventually, when};
+use shepherd_bmdb::testing::{self, all_history, eventually, when};
 use shepherd_bmdb::*;
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::runner::{self, Commit, MachineTask, OnError, RunnerConfig};
@@ -71,19 +71,33 @@ impl MachineTask for Task {
     }
 }
 
-async fn provision(db: &Bmdb, n: usize) {
-    db.transact(move |tx| {
-        Box::pin(async move {
-            for i in 0..n {
-                let id = tx.create_machine().await?;
-                tx.set_provided(id, &Provided::new(Provider::Sim, format!("m{i}")))
-                    .await?;
-            }
-            Ok(())
-        })
-    })
-    .await
-    .unwrap();
+impl Task {
+    fn new(hang: bool, collect_own_session_once: bool) -> Task {
+        Task {
+            hang,
+            collect_own_session_once: Mutex::new(collect_own_session_once),
+        }
+    }
+}
+
+/// Runs the loop with `task` until `done` holds (within 30 s), then cancels it and waits for
+/// it to end.
+async fn run_until<T, D: std::fmt::Debug>(
+    db: &Bmdb,
+    task: Task,
+    what: &str,
+    done: impl AsyncFnMut() -> Result<T, D>,
+) {
+    let cancel = CancellationToken::new();
+    let run = tokio::spawn(runner::run(
+        db.clone(),
+        Arc::new(task),
+        config(),
+        cancel.clone(),
+    ));
+    eventually(what, Duration::from_secs(30), done).await;
+    cancel.cancel();
+    run.await.unwrap();
 }
 
 fn config() -> RunnerConfig {
@@ -96,16 +110,11 @@ fn config() -> RunnerConfig {
 }
 
 async fn cancellation_mid_processing_is_canceled_not_failed(db: Bmdb) {
-    provision(&db, 4).await;
-    let task = Arc::new(Task {
-        hang: true,
-        collect_own_session_once: Mutex::new(false),
-    });
-    let cancel = CancellationToken::new();
-    let run = tokio::spawn(runner::run(db.clone(), task, config(), cancel.clone()));
-    eventually(
+    testing::provision(&db, 4, Provider::Sim).await;
+    run_until(
+        &db,
+        Task::new(true, false),
         "both workers holding a machine",
-        Duration::from_secs(20),
         async || {
             let status = db.status_counts().await.unwrap();
             let held: i64 = status.work.iter().map(|(_, n)| n).sum();
@@ -113,8 +122,6 @@ async fn cancellation_mid_processing_is_canceled_not_failed(db: Bmdb) {
         },
     )
     .await;
-    cancel.cancel();
-    run.await.unwrap();
     let history = all_history(&db).await;
     let events: Vec<WorkEvent> = history.iter().map(|e| e.event).collect();
     assert_eq!(
@@ -132,24 +139,17 @@ async fn cancellation_mid_processing_is_canceled_not_failed(db: Bmdb) {
 }
 
 async fn an_expired_session_is_replaced_and_the_loop_goes_on(db: Bmdb) {
-    provision(&db, 20).await;
-    let task = Arc::new(Task {
-        hang: false,
-        collect_own_session_once: Mutex::new(true),
-    });
-    let cancel = CancellationToken::new();
-    let run = tokio::spawn(runner::run(db.clone(), task, config(), cancel.clone()));
-    eventually(
+    testing::provision(&db, 20, Provider::Sim).await;
+    run_until(
+        &db,
+        Task::new(false, true),
         "every machine taken over",
-        Duration::from_secs(30),
         async || {
             let started = db.status_counts().await.unwrap().agent_started;
             when(started == 20, started)
         },
     )
     .await;
-    cancel.cancel();
-    run.await.unwrap();
     let sessions: BTreeSet<Uuid> = all_history(&db)
         .await
         .iter()

@@ -63,6 +63,8 @@ pub struct FleetStats {
     refresh_failures: Gauge<i64, AtomicI64>,
     /// The hardware totals of the last refresh, for the web UI's overview.
     hardware: Arc<Mutex<Arc<HardwareByLocation>>>,
+    /// The minute (Unix time ÷ 60) of this process's last snapshot write.
+    snapshot_minute: Arc<Mutex<Option<i64>>>,
 }
 
 /// Hardware totals by provider and location.
@@ -254,16 +256,26 @@ impl FleetStats {
             .await?;
         let hardware = hardware_totals(db).await?;
         // This minute's point of the overview's chart (the first process to refresh in a
-        // minute writes it; a failure costs only the point).
-        let snapshot = counts.clone();
-        if let Err(e) = db
-            .transact(move |tx| {
-                let snapshot = snapshot.clone();
-                Box::pin(async move { tx.record_fleet_snapshot(&snapshot).await })
-            })
-            .await
-        {
-            tracing::warn!(error = %e, "could not record the fleet counts' snapshot");
+        // minute writes it; a failure costs only the point). Refreshes more often than once a
+        // minute write only in a minute this process has not written in yet.
+        let minute = unix_seconds() as i64 / 60;
+        let fresh_minute = {
+            let mut last = self.snapshot_minute.lock().expect("snapshot minute lock");
+            let fresh = *last != Some(minute);
+            *last = Some(minute);
+            fresh
+        };
+        if fresh_minute {
+            let snapshot = counts.clone();
+            if let Err(e) = db
+                .transact(move |tx| {
+                    let snapshot = snapshot.clone();
+                    Box::pin(async move { tx.record_fleet_snapshot(&snapshot).await })
+                })
+                .await
+            {
+                tracing::warn!(error = %e, "could not record the fleet counts' snapshot");
+            }
         }
 
         self.machines.set(counts.machines);
@@ -302,11 +314,7 @@ impl FleetStats {
             self.hw_memory.get_or_create(&l).set(t.memory_bytes);
             self.hw_disk.get_or_create(&l).set(t.disk_bytes);
         }
-        self.refreshed.set(
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0.0, |d| d.as_secs_f64()),
-        );
+        self.refreshed.set(unix_seconds());
         Ok(())
     }
 
@@ -335,6 +343,13 @@ impl FleetStats {
             }
         }
     }
+}
+
+/// Seconds since the Unix epoch on this host's clock.
+fn unix_seconds() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// Hardware sums of one location.
@@ -400,6 +415,21 @@ pub async fn hardware_totals(db: &Bmdb) -> Result<HardwareByLocation> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Fresh statistics and the registry they are registered in.
+    fn registered() -> (FleetStats, Registry) {
+        let stats = FleetStats::default();
+        let mut registry = Registry::default();
+        stats.register(&mut registry);
+        (stats, registry)
+    }
+
+    async fn refresh(stats: &FleetStats, db: &Bmdb) {
+        stats
+            .refresh(db, RecoveryThresholds::default())
+            .await
+            .unwrap();
+    }
 
     fn exposition(registry: &Registry) -> String {
         let mut text = String::new();
@@ -484,13 +514,8 @@ mod tests {
         })
         .await
         .unwrap();
-        let stats = FleetStats::default();
-        let mut registry = Registry::default();
-        stats.register(&mut registry);
-        stats
-            .refresh(&t.db, RecoveryThresholds::default())
-            .await
-            .unwrap();
+        let (stats, registry) = registered();
+        refresh(&stats, &t.db).await;
         let text = exposition(&registry);
         for (series, want) in [
             ("shepherd_fleet_machines", 9.0),
@@ -531,13 +556,8 @@ mod tests {
     async fn hardware_totals_per_provider_and_location() {
         use shepherd_proto::agent::{Cpu, Node};
         let t = shepherd_bmdb::testing::sqlite().await;
-        let stats = FleetStats::default();
-        let mut registry = Registry::default();
-        stats.register(&mut registry);
-        stats
-            .refresh(&t.db, RecoveryThresholds::default())
-            .await
-            .unwrap();
+        let (stats, registry) = registered();
+        refresh(&stats, &t.db).await;
         assert!(!exposition(&registry).contains("shepherd_fleet_hardware_machines{"));
 
         let report = |threads: i32, gib: i64| {
@@ -582,10 +602,7 @@ mod tests {
         })
         .await
         .unwrap();
-        stats
-            .refresh(&t.db, RecoveryThresholds::default())
-            .await
-            .unwrap();
+        refresh(&stats, &t.db).await;
         let text = exposition(&registry);
         for (location, threads, gib) in [
             ("dark-bramble", 96.0, 768.0),
@@ -619,9 +636,7 @@ mod tests {
     /// 0, instead of vanishing; hardware series exist only for locations with reports.
     #[tokio::test]
     async fn fixed_series_are_present_at_zero() {
-        let stats = FleetStats::default();
-        let mut registry = Registry::default();
-        stats.register(&mut registry);
+        let (stats, registry) = registered();
         let before = exposition(&registry);
         for line in FIXED {
             assert!(
@@ -643,10 +658,7 @@ mod tests {
         })
         .await
         .unwrap();
-        stats
-            .refresh(&t.db, RecoveryThresholds::default())
-            .await
-            .unwrap();
+        refresh(&stats, &t.db).await;
         let busy = exposition(&registry);
         assert!(
             busy.contains(r#"shepherd_fleet_active_backoffs{process="ShepherdAgentStart"} 1"#),
@@ -663,10 +675,7 @@ mod tests {
         })
         .await
         .unwrap();
-        stats
-            .refresh(&t.db, RecoveryThresholds::default())
-            .await
-            .unwrap();
+        refresh(&stats, &t.db).await;
         let after = exposition(&registry);
         for line in FIXED.iter().filter(|l| !l.contains("Static")) {
             assert!(

@@ -197,22 +197,29 @@ async fn report<T>(
     done: impl FnOnce(T) -> String,
 ) -> Result<()> {
     match outcome {
-        ActionOutcome::NoSuchMachine => {
-            let (_, decommissioned) = inventory::history(db, id).await?;
-            match decommissioned {
-                Some(d) => bail!(
-                    "machine {id} was decommissioned at {} by {} ({}); `shepherd machines recommission {id}` undoes that",
-                    d.at.to_rfc3339(),
-                    d.by,
-                    d.reason
-                ),
-                None => bail!("machine {id} does not exist"),
-            }
-        }
+        ActionOutcome::NoSuchMachine => return Err(no_such_machine(db, id).await),
         ActionOutcome::Unchanged => println!("machine {id}: {unchanged}"),
         ActionOutcome::Done(t) => println!("machine {id}: {}", done(t)),
     }
     Ok(())
+}
+
+/// Why machine `id` cannot be found: it was decommissioned (saying how to undo it), or it
+/// never existed.
+async fn no_such_machine(db: &Bmdb, id: Uuid) -> anyhow::Error {
+    let decommissioned = db
+        .read(move |tx| Box::pin(async move { tx.decommissioned(id).await }))
+        .await;
+    match decommissioned {
+        Ok(Some(d)) => anyhow::anyhow!(
+            "machine {id} was decommissioned at {} by {} ({}); `shepherd machines recommission {id}` undoes that",
+            d.at.to_rfc3339(),
+            d.by,
+            d.reason
+        ),
+        Ok(None) => anyhow::anyhow!("machine {id} does not exist"),
+        Err(e) => e.into(),
+    }
 }
 
 fn text(v: &Value) -> String {
@@ -338,10 +345,7 @@ async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
         } => {
             let stale_after = thresholds.thresholds().stale_after();
             let Some(detail) = inventory::detail(db, id, stale_after).await? else {
-                return report(db, id, ActionOutcome::<()>::NoSuchMachine, "", |_| {
-                    String::new()
-                })
-                .await;
+                return Err(no_such_machine(db, id).await);
             };
             let v = inventory::detail_json(&detail);
             if json {

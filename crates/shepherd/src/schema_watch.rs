@@ -15,8 +15,8 @@ pub async fn watch(db: Bmdb, every: Duration, cancel: CancellationToken) -> Resu
     let mut told = None;
     loop {
         match db.schema_window().await {
-            Ok(w) if w.admits(SCHEMA_VERSION) => {
-                if w.version > SCHEMA_VERSION && told != Some(w) {
+            Ok(w) => match w.check_this_binary() {
+                Ok(()) if w.version > SCHEMA_VERSION && told != Some(w) => {
                     tracing::info!(
                         schema = w.version,
                         oldest_compatible = w.oldest_compatible,
@@ -25,16 +25,13 @@ pub async fn watch(db: Bmdb, every: Duration, cancel: CancellationToken) -> Resu
                     );
                     told = Some(w);
                 }
-            }
-            Ok(_) => {
-                let e = db
-                    .check_schema()
-                    .await
-                    .expect_err("a window that does not admit us fails the check");
-                tracing::error!(error = %e, "stopping: the BMDB schema no longer admits this binary");
-                cancel.cancel();
-                return Err(e);
-            }
+                Ok(()) => {}
+                Err(e) => {
+                    tracing::error!(error = %e, "stopping: the BMDB schema no longer admits this binary");
+                    cancel.cancel();
+                    return Err(e);
+                }
+            },
             Err(e) => {
                 tracing::warn!(error = %e, "could not read the BMDB schema; trying again later")
             }
