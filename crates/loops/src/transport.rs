@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use futures::FutureExt;
-use shepherd_ssh::{parse_public_key, SshClient};
+use shepherd_ssh::{parse_public_key, shell_quote, SshClient};
 
 use crate::metrics::{CallMetrics, CallResult};
 
@@ -138,11 +138,6 @@ impl Transport for SshTransport {
             stderr: out.stderr,
         })
     }
-}
-
-/// Quotes a path for the remote shell (sshd runs commands through the user's shell).
-fn shell_quote(s: &str) -> String {
-    format!("'{}'", s.replace('\'', r"'\''"))
 }
 
 #[cfg(test)]

@@ -260,6 +260,14 @@ fn with_port(addr: &str, default_port: u16) -> String {
     }
 }
 
+/// How long the remote `mv` that puts an upload into place may take.
+const RENAME_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Quotes `s` as one word for the remote shell (sshd runs commands through the user's shell).
+pub fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
 impl SshSession {
     /// The host key the machine presented, OpenSSH format without comment.
     pub fn host_key(&self) -> String {
@@ -303,7 +311,20 @@ impl SshSession {
             sftp.set_metadata(tmp.clone(), attrs)
                 .await
                 .map_err(|e| err(format!("setting mode {mode:o}: {e}")))?;
-            // Plain SFTP rename refuses an existing target.
+            // Plain SFTP rename refuses an existing target, and removing it first leaves a
+            // moment without one (an agent started then is not found). rename(2) through the
+            // shell replaces it atomically; without a shell, remove and rename.
+            let replaced = self
+                .exec(
+                    &format!("mv -f {} {}", shell_quote(&tmp), shell_quote(path)),
+                    b"",
+                    RENAME_TIMEOUT,
+                )
+                .await
+                .is_ok_and(|out| out.exit_status == Some(0));
+            if replaced {
+                return Ok(());
+            }
             let _ = sftp.remove_file(path.to_string()).await;
             sftp.rename(tmp.clone(), path.to_string())
                 .await

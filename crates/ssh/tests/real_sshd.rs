@@ -225,3 +225,47 @@ async fn handshake_bursts_beyond_the_cap_all_succeed() {
         assert_eq!(t.await.unwrap().unwrap(), format!("{i}\n").into_bytes());
     }
 }
+
+/// Replacing an uploaded file never leaves a moment without one: an agent started while
+/// another upload of it runs (two takeovers of machines on one host, or a re-takeover while
+/// the old agent runs) always finds a complete executable.
+#[tokio::test]
+async fn an_upload_replaces_the_file_without_a_moment_without_it() {
+    let (key, sshd) = trusting_sshd();
+    let session = client(&key).connect(&sshd.addr(), None).await.unwrap();
+    let target = sshd.dir().join("agent");
+    let path = target.to_str().unwrap().to_string();
+    session
+        .upload(&path, b"#!/bin/sh\necho v0\n", 0o755)
+        .await
+        .unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let (stop, target) = (stop.clone(), target.clone());
+        std::thread::spawn(move || {
+            let mut missing = 0u32;
+            let started = Instant::now();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed)
+                && started.elapsed() < Duration::from_secs(60)
+            {
+                if std::fs::metadata(&target).is_err() {
+                    missing += 1;
+                }
+            }
+            missing
+        })
+    };
+    for i in 0..40 {
+        session
+            .upload(&path, format!("#!/bin/sh\necho v{i}\n").as_bytes(), 0o755)
+            .await
+            .unwrap();
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        watcher.join().unwrap(),
+        0,
+        "the target was missing while uploads replaced it"
+    );
+    assert_eq!(std::fs::read(&target).unwrap(), b"#!/bin/sh\necho v39\n");
+}
