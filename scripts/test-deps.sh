@@ -4,7 +4,8 @@
 # local connections and a database named `test`; OpenSSH's sshd binary (the tests start their
 # own daemons on loopback ports; no system sshd is started or configured); Chromium and
 # chromedriver for the web UI tests; the sushy-tools Redfish emulator in a virtualenv under
-# ~/.cache/shepherd (SHEPHERD_SUSHY_VENV); QEMU and the tools that build the VM tests' guest
+# ~/.cache/shepherd (SHEPHERD_SUSHY_VENV); OpenStack Ironic in a virtualenv under ~/.cache/shepherd
+# (SHEPHERD_IRONIC_VENV); QEMU and the tools that build the VM tests' guest
 # image, and the image itself (scripts/vm-image.sh, cached under ~/.cache/shepherd/vm).
 set -euo pipefail
 
@@ -91,6 +92,27 @@ ensure_sushy() {
   echo "test-deps: sushy-tools $("$venv/bin/pip" show sushy-tools 2>/dev/null | sed -n 's/^Version: //p')"
 }
 
+ensure_ironic() {
+  # The Ironic provider's tests run a real, standalone OpenStack Ironic (API and conductor in
+  # one process, SQLite, no message queue) from a virtualenv of our own: PyPI's release is
+  # pinned and current, and installs no system services, while Debian's ironic-api and
+  # ironic-conductor (21.4, 2022) come with service units and database configuration prompts.
+  # bcrypt hashes the http_basic users' passwords.
+  local venv="${SHEPHERD_IRONIC_VENV:-$HOME/.cache/shepherd/ironic-venv}"
+  if ! "$venv/bin/ironic-dbsync" --version >/dev/null 2>&1 || [ ! -x "$venv/bin/ironic" ]; then
+    echo "test-deps: installing OpenStack Ironic into $venv"
+    rm -rf "$venv"
+    mkdir -p "$(dirname "$venv")"
+    if ! python3 -m venv "$venv" >/dev/null 2>&1; then
+      as_root apt-get update -qq
+      as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+      python3 -m venv "$venv"
+    fi
+    "$venv/bin/pip" install -q 'ironic==39.0.0' bcrypt
+  fi
+  echo "test-deps: ironic $("$venv/bin/pip" show ironic 2>/dev/null | sed -n 's/^Version: //p')"
+}
+
 ensure_vm() {
   # QEMU (TCG: this machine's nested KVM cannot run these guests) and the image tools, in one
   # apt command: qemu-system-x86 alone conflicts with a backported qemu-utils, so the
@@ -124,5 +146,6 @@ ensure_sshd
 ensure_chromium
 ensure_promtool
 ensure_sushy
+ensure_ironic
 ensure_vm
 echo "test-deps: ready"

@@ -46,10 +46,22 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
             sqlite: include_str!("../migrations/sqlite/0003_operator_actions.sql"),
         },
     },
+    Migration {
+        version: 4,
+        name: "ironic",
+        // Expand: more values admitted for a provider and its status. A binary of schema 3
+        // runs on as before; it cannot read machines of the Ironic provider, which only a
+        // binary of schema 4 creates.
+        oldest_compatible: 3,
+        script: Dialects {
+            postgres: include_str!("../migrations/postgres/0004_ironic.sql"),
+            sqlite: include_str!("../migrations/sqlite/0004_ironic.sql"),
+        },
+    },
 ];
 
 /// The schema version this binary needs and writes.
-pub const SCHEMA_VERSION: i64 = 3;
+pub const SCHEMA_VERSION: i64 = 4;
 
 /// Which binaries may run on a database: its schema version, and the oldest binary schema
 /// that its newest migration declared compatible (SPEC: rolling upgrades).
@@ -62,6 +74,13 @@ pub struct SchemaWindow {
 }
 
 impl SchemaWindow {
+    /// The window a database migrated by this binary has: this schema, and the oldest binary
+    /// schema its newest migration admits.
+    pub const THIS_BINARY: SchemaWindow = SchemaWindow {
+        version: SCHEMA_VERSION,
+        oldest_compatible: MIGRATIONS[MIGRATIONS.len() - 1].oldest_compatible,
+    };
+
     /// Whether a binary of schema `binary` may run on this database: it is not newer than the
     /// database (then the database needs migrating first) nor older than the window.
     pub fn admits(&self, binary: i64) -> bool {

@@ -80,12 +80,12 @@ impl Process {
 
 text_enum! {
     /// Where a machine came from.
-    Provider { Equinix, Lumen, None, Static, Redfish, Sim }
+    Provider { Equinix, Lumen, None, Static, Redfish, Sim, Ironic }
 }
 
 text_enum! {
     /// A provider's last known view of a machine's state.
-    ProviderStatus { Missing, Provisioning, ProvisioningFailedPermanent, Running, Stopped, Unknown }
+    ProviderStatus { Missing, Provisioning, ProvisioningFailedPermanent, Running, Stopped, Unknown, Maintenance }
 }
 
 text_enum! {
@@ -467,4 +467,7 @@ pub struct Decommissioned {
     pub by: String,
     /// Why.
     pub reason: String,
+    /// Whether the provider is to tear the machine down (Ironic: undeploy and clean the node)
+    /// rather than only release it.
+    pub undeploy: bool,
 }

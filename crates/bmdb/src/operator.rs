@@ -150,11 +150,14 @@ impl Session {
 
     /// Removes the machine from the BMDB: its tags, locks (each ended as Canceled) and
     /// backoffs go, its history stays, and its provider id is barred so the provisioner does
-    /// not bring it back until [`Session::recommission`]. Returns the provided tag it had.
+    /// not bring it back until [`Session::recommission`]. The provisioner hands the machine
+    /// back to its provider (where the provider has a notion of that: Ironic releases the
+    /// node), tearing it down first when `undeploy`. Returns the provided tag it had.
     pub async fn decommission(
         &self,
         machine: Uuid,
         who: &Operator,
+        undeploy: bool,
     ) -> Result<ActionOutcome<Option<Provided>>, Error> {
         on_existing_machine!(self, machine, who, |tx, who, session| {
             let provided = tx.provided(machine).await?;
@@ -167,8 +170,14 @@ impl Session {
                 session,
             )
             .await?;
-            sql::operator::decommission(&mut tx.inner, machine, who, &decommission_cause(who))
-                .await?;
+            sql::operator::decommission(
+                &mut tx.inner,
+                machine,
+                who,
+                undeploy,
+                &decommission_cause(who),
+            )
+            .await?;
             Ok(ActionOutcome::Done(provided))
         })
     }

@@ -460,8 +460,12 @@ impl Tx {
         sql::operator::decommissioned(&mut self.inner, id).await
     }
 
-    /// The provider ids of `provider` an operator decommissioned, in id order.
-    pub async fn decommissioned_ids(&mut self, provider: Provider) -> Result<Vec<String>, Error> {
+    /// The provider ids of `provider` an operator decommissioned, in id order, each with
+    /// whether the provider is to tear the machine down.
+    pub async fn decommissioned_ids(
+        &mut self,
+        provider: Provider,
+    ) -> Result<Vec<(String, bool)>, Error> {
         sql::operator::decommissioned_ids(&mut self.inner, provider).await
     }
 

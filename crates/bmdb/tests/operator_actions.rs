@@ -244,7 +244,7 @@ async fn decommission_while_loops_run(db: Bmdb) {
     }
     for id in doomed {
         let outcome = operator
-            .decommission(*id, &alice("failed PSU"))
+            .decommission(*id, &alice("failed PSU"), false)
             .await
             .unwrap();
         match outcome {
@@ -309,7 +309,10 @@ async fn decommission_while_loops_run(db: Bmdb) {
         );
         // Decommissioning it again finds no machine.
         assert_eq!(
-            operator.decommission(*id, &alice("again")).await.unwrap(),
+            operator
+                .decommission(*id, &alice("again"), false)
+                .await
+                .unwrap(),
             ActionOutcome::NoSuchMachine
         );
     }

@@ -5,11 +5,7 @@
 use shepherd_bmdb::*;
 
 async fn newer_schemas_admit_or_refuse_this_binary(db: Bmdb) {
-    let own = SchemaWindow {
-        version: SCHEMA_VERSION,
-        oldest_compatible: SCHEMA_VERSION,
-    };
-    assert_eq!(db.schema_window().await.unwrap(), own);
+    assert_eq!(db.schema_window().await.unwrap(), SchemaWindow::THIS_BINARY);
     db.check_schema().await.unwrap();
 
     // A newer binary adds a table and declares this schema compatible.

@@ -11,6 +11,7 @@ use reqwest::{Method, StatusCode};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use shepherd_loops::metrics::{CallMetrics, CallResult};
+pub use shepherd_loops::retry::RetryPolicy;
 
 use crate::model::*;
 
@@ -18,42 +19,6 @@ use crate::model::*;
 pub const MAX_BODY_BYTES: usize = 32 << 20;
 /// Page size of list calls.
 const PER_PAGE: u32 = 500;
-
-/// How failed calls are retried.
-#[derive(Debug, Clone, Copy)]
-pub struct RetryPolicy {
-    /// Attempts in all (the first included).
-    pub attempts: u32,
-    /// Delay before the first retry; doubles per retry, with jitter.
-    pub base_delay: Duration,
-    /// Largest delay between attempts, also the cap on `Retry-After`.
-    pub max_delay: Duration,
-    /// Timeout of one attempt.
-    pub timeout: Duration,
-}
-
-impl Default for RetryPolicy {
-    fn default() -> Self {
-        RetryPolicy {
-            attempts: 5,
-            base_delay: Duration::from_millis(500),
-            max_delay: Duration::from_secs(30),
-            timeout: Duration::from_secs(30),
-        }
-    }
-}
-
-impl RetryPolicy {
-    /// The delay before retry number `retry` (0-based): exponential, capped, jittered to
-    /// 50–100 % so that many clients do not retry in step.
-    pub fn delay(&self, retry: u32) -> Duration {
-        let exp = self
-            .base_delay
-            .saturating_mul(1u32.checked_shl(retry.min(30)).unwrap_or(u32::MAX));
-        exp.min(self.max_delay)
-            .mul_f64(0.5 + rand::random::<f64>() / 2.0)
-    }
-}
 
 /// Why a call failed.
 #[derive(Debug, thiserror::Error)]
@@ -227,14 +192,11 @@ impl Client {
             self.metrics.observe(call, result, started.elapsed());
             match r {
                 Err(e) if e.retryable() && n + 1 < attempts => {
-                    let mut delay = self.retry.delay(n);
-                    if let ApiError::Status {
-                        retry_after: Some(after),
-                        ..
-                    } = &e
-                    {
-                        delay = delay.max((*after).min(self.retry.max_delay));
-                    }
+                    let retry_after = match &e {
+                        ApiError::Status { retry_after, .. } => *retry_after,
+                        _ => None,
+                    };
+                    let delay = self.retry.delay_after(n, retry_after);
                     tracing::warn!(call, attempt = n + 1, error = %e, ?delay, "Equinix API call failed; retrying");
                     tokio::time::sleep(delay).await;
                     n += 1;
@@ -353,23 +315,6 @@ fn json<T: Serialize>(v: &T) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn retry_delays_grow_are_capped_and_jittered() {
-        let p = RetryPolicy {
-            attempts: 5,
-            base_delay: Duration::from_millis(100),
-            max_delay: Duration::from_secs(1),
-            timeout: Duration::from_secs(1),
-        };
-        for _ in 0..100 {
-            let d0 = p.delay(0);
-            assert!(d0 >= Duration::from_millis(50) && d0 <= Duration::from_millis(100));
-            let d3 = p.delay(3);
-            assert!(d3 >= Duration::from_millis(400) && d3 <= Duration::from_millis(800));
-            assert!(p.delay(40) <= Duration::from_secs(1));
-        }
-    }
 
     #[test]
     fn the_token_is_not_printed() {

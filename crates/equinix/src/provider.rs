@@ -136,6 +136,9 @@ impl EquinixProvider {
     fn machine(d: &Device, availability: Availability) -> ProviderMachine {
         let mut m = ProviderMachine::new(d.id.clone(), d.address(), availability);
         m.failed = d.state == "failed";
+        m.cause = m
+            .failed
+            .then(|| format!("Equinix device {} is in state failed", d.id));
         m.location = d.location();
         m.status = Some(status_of(&d.state));
         m.reservation = d
@@ -275,6 +278,7 @@ impl Provider for EquinixProvider {
                 addr: None,
                 availability: Availability::KnownUnused,
                 failed: false,
+                cause: None,
                 location: r.facility.as_ref().map(|f| f.code.clone()),
                 status: None,
                 reservation: Some(r.id.clone()),

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use async_trait::async_trait;
-use shepherd_bmdb::{Backoff, Process, Processor, Retrieval, Session, AGENT_KEY_LEN};
+use shepherd_bmdb::{
+    Backoff, Process, Processor, ProviderStatus, Retrieval, Session, AGENT_KEY_LEN,
+};
 use shepherd_proto::agent::{takeover_response, TakeoverInit, TakeoverResponse};
 use shepherd_proto::Message;
 use shepherd_ssh::SshError;
@@ -100,6 +102,14 @@ pub enum TakeoverFailure {
     /// The provider knows the machine but has no address for it yet (still provisioning).
     #[error("the provider has no address for this machine")]
     NoAddress,
+    /// The provider is still provisioning the machine (an Ironic deploy in progress): it is
+    /// asked again soon, nobody waits for it.
+    #[error("the provider is still provisioning this machine")]
+    NotReady,
+    /// The provider says the machine failed (an Ironic deploy that failed or timed out), with
+    /// its cause; an operator must look.
+    #[error("the provider says the machine failed: {0}")]
+    FailedAtProvider(String),
     /// The machine presented another host key than the pinned one: reinstalled, or someone in
     /// the middle. An operator decides (`shepherd machines forget-host-key`).
     #[error("{0:#}")]
@@ -133,17 +143,19 @@ const NO_ADDRESS_BACKOFF: (Duration, Duration) =
     (Duration::from_secs(30), Duration::from_secs(5 * 60));
 
 /// How a failed takeover ends, given the configured `backoff`. A BMDB outage is not the
-/// machine's fault: the work is released as it is. A machine without an address is asked again
-/// soon; one presenting another host key waits the longest backoff (an operator must look);
-/// anything else backs off as configured.
+/// machine's fault: the work is released as it is. A machine without an address, or still
+/// provisioning, is asked again soon; one presenting another host key, or failed at its
+/// provider, waits the longest backoff (an operator must look); anything else backs off as
+/// configured.
 pub fn takeover_policy(backoff: Backoff, error: &TakeoverFailure) -> OnError {
     match error {
         TakeoverFailure::Bmdb(e) if e.is_transient() => OnError::Cancel,
         TakeoverFailure::Bmdb(shepherd_bmdb::Error::InvalidValue(_))
-        | TakeoverFailure::HostKeyMismatch(_) => {
+        | TakeoverFailure::HostKeyMismatch(_)
+        | TakeoverFailure::FailedAtProvider(_) => {
             OnError::Backoff(Backoff::constant(backoff.maximum).with_jitter(backoff.jitter))
         }
-        TakeoverFailure::NoAddress => OnError::Backoff(
+        TakeoverFailure::NoAddress | TakeoverFailure::NotReady => OnError::Backoff(
             Backoff::exponential(NO_ADDRESS_BACKOFF.0, NO_ADDRESS_BACKOFF.1, 2.0)
                 .with_jitter(backoff.jitter),
         ),
@@ -248,10 +260,20 @@ impl<P: Provider + 'static> MachineTask for Initializer<P> {
         let provided = provided.ok_or(TakeoverFailure::NotProvided)?;
         tracing::Span::current().record("provider_id", provided.provider_id.as_str());
         let at_provider = look_up(&*self.provider, &provided.provider_id).await?;
+        if at_provider.failed {
+            return Err(TakeoverFailure::FailedAtProvider(
+                at_provider
+                    .cause
+                    .unwrap_or_else(|| "the provider gave no cause".into()),
+            ));
+        }
         let addr = at_provider
             .addr
             .filter(|a| !a.is_empty())
             .ok_or(TakeoverFailure::NoAddress)?;
+        if at_provider.status == Some(ProviderStatus::Provisioning) {
+            return Err(TakeoverFailure::NotReady);
+        }
 
         let init = TakeoverInit {
             machine_id: machine.to_string(),

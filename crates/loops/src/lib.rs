@@ -19,6 +19,7 @@ pub mod reconcile;
 pub mod recoverer;
 pub mod redfish;
 pub mod retention;
+pub mod retry;
 pub mod runner;
 pub mod sim;
 pub mod static_provider;

@@ -13,7 +13,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use shepherd_bmdb::{Provider as ProviderKind, Session};
 
-use crate::provider::{Provider, ProviderError, ProviderMachine, Recorded, Recoverer};
+use crate::provider::{HandBack, Provider, ProviderError, ProviderMachine, Recorded, Recoverer};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CallLabels {
@@ -169,6 +169,20 @@ impl<P: Provider + ?Sized> Provider for InstrumentedProvider<P> {
                 "create",
                 provider_result,
                 self.inner.create_machine(session, unused),
+            )
+            .await
+    }
+
+    async fn hand_back(
+        &self,
+        machine: &ProviderMachine,
+        undeploy: bool,
+    ) -> Result<HandBack, ProviderError> {
+        self.metrics
+            .time(
+                "hand_back",
+                provider_result,
+                self.inner.hand_back(machine, undeploy),
             )
             .await
     }

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use shepherd_bmdb::{Provided, Provider as ProviderKind, ProviderStatus, Session};
+use shepherd_bmdb::{Process, Provided, Provider as ProviderKind, ProviderStatus, Session};
 use uuid::Uuid;
 
 /// Whether a machine the provider lists is ours.
@@ -28,6 +28,9 @@ pub struct ProviderMachine {
     pub availability: Availability,
     /// The provider says the machine is broken; reconciliation ignores it.
     pub failed: bool,
+    /// Why the provider says it is broken, in the provider's words (Ironic's `last_error`),
+    /// when it says.
+    pub cause: Option<String>,
     /// Where it is, if the provider says.
     pub location: Option<String>,
     /// The provider's view of its state.
@@ -44,6 +47,7 @@ impl ProviderMachine {
             addr,
             availability,
             failed: false,
+            cause: None,
             location: None,
             status: None,
             reservation: None,
@@ -67,6 +71,13 @@ pub enum ProviderError {
     /// The provider cannot do this.
     #[error("not supported by this provider: {0}")]
     NotSupported(&'static str),
+    /// Another client of the provider took the machine first (Ironic answers a second
+    /// reservation with 409): nothing of ours changed, and the machine is no candidate now.
+    #[error("taken by another client first: {0}")]
+    Taken(String),
+    /// The provider's API failed or refused; the typed error is the source.
+    #[error(transparent)]
+    Api(Box<dyn std::error::Error + Send + Sync>),
     /// Anything else (API errors, timeouts, bad data).
     #[error(transparent)]
     Other(#[from] anyhow::Error),
@@ -115,6 +126,30 @@ pub trait Provider: Send + Sync {
         session: &Session,
         unused: &ProviderMachine,
     ) -> Result<Recorded, ProviderError>;
+
+    /// Hands a machine an operator decommissioned back to the provider, tearing it down first
+    /// when `undeploy`. The provisioner calls it, on every pass, for each listed machine of
+    /// ours whose provider id is decommissioned; it must be idempotent, and a machine handed
+    /// back must stop being listed as ours. Providers without such a notion keep the machine
+    /// as it is (the default).
+    async fn hand_back(
+        &self,
+        _machine: &ProviderMachine,
+        _undeploy: bool,
+    ) -> Result<HandBack, ProviderError> {
+        Ok(HandBack::Kept)
+    }
+}
+
+/// What [`Provider::hand_back`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HandBack {
+    /// Nothing: the provider keeps the machine as it is.
+    Kept,
+    /// The machine was released (and torn down, if asked).
+    Released,
+    /// A step was requested; the next pass finishes it (Ironic: a node still tearing down).
+    InProgress,
 }
 
 /// A provider that can also power-cycle machines (used by the Recoverer).
@@ -177,6 +212,19 @@ pub async fn record_new_machine(
     kind: ProviderKind,
     machine: &ProviderMachine,
 ) -> anyhow::Result<Recorded> {
+    record_deploying_machine(session, kind, machine, Duration::ZERO).await
+}
+
+/// [`record_new_machine`] for a machine its provider is still deploying: in the same
+/// transaction, the initializer is told to wait `deploy_wait` before its first takeover attempt
+/// (a backoff that is no failure, as the recoverer's reboot wait), so that nobody waits for the
+/// deploy and the takeover does not fail while it runs. An adopted machine keeps its backoffs.
+pub async fn record_deploying_machine(
+    session: &Session,
+    kind: ProviderKind,
+    machine: &ProviderMachine,
+    deploy_wait: Duration,
+) -> anyhow::Result<Recorded> {
     let id = machine
         .valid_id()
         .ok_or_else(|| anyhow::anyhow!("provider returned a machine without a valid id"))?
@@ -215,6 +263,17 @@ pub async fn record_new_machine(
                     }
                     let id = tx.create_machine().await?;
                     tx.set_provided(id, &provided).await?;
+                    if let Ok(wait) = chrono::TimeDelta::from_std(deploy_wait) {
+                        if !wait.is_zero() {
+                            let cause = format!(
+                                "the provider is deploying this machine; first takeover attempt after {}",
+                                humantime::format_duration(deploy_wait)
+                            );
+                            let at = tx.now().await? + wait;
+                            tx.set_backoff(id, Process::ShepherdAgentStart, at, 0, &cause)
+                                .await?;
+                        }
+                    }
                     Ok(Recorded {
                         machine: id,
                         adopted: false,

@@ -1,7 +1,7 @@
 //! The Provisioner (SPEC §7): reconciles the provider's view with the BMDB and brings unused
 //! capacity in, within limits and rate limits.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::limiter::{Limiter, RateSpec};
 use crate::periodic::{self, Pass};
-use crate::provider::{listed_and_recorded, Provider};
+use crate::provider::{listed_and_recorded, Availability, HandBack, Provider, ProviderError};
 use crate::reconcile::{reconcile, Limits};
 
 /// Provisioner settings (SPEC §17 defaults).
@@ -46,8 +46,12 @@ pub struct IterationReport {
     pub adopted: usize,
     /// Creations that failed (logged and skipped).
     pub failed: usize,
-    /// Listed machines an operator decommissioned, left alone.
+    /// Unused machines another client of the provider took first (skipped).
+    pub taken: usize,
+    /// Listed machines an operator decommissioned, not managed.
     pub decommissioned: usize,
+    /// Decommissioned machines handed back to the provider in this pass.
+    pub handed_back: usize,
 }
 
 /// The provisioner for one provider.
@@ -70,24 +74,60 @@ impl<P: Provider> Provisioner<P> {
     /// One reconciliation (SPEC §7 steps 1–5). A discrepancy between the provider and the
     /// BMDB is an error and nothing is created.
     pub async fn iterate(&self, session: &Session) -> anyhow::Result<IterationReport> {
-        let (mut listed, recorded) = listed_and_recorded(&*self.provider, session).await?;
+        let (listed, recorded) = listed_and_recorded(&*self.provider, session).await?;
         let in_bmdb: BTreeSet<String> = recorded.into_iter().map(|(_, p)| p.provider_id).collect();
         // A decommissioned machine is neither ours nor a candidate: the operator took it out
         // and only a recommission brings it back.
         let kind = self.provider.kind();
-        let barred: BTreeSet<String> = session
+        let barred: BTreeMap<String, bool> = session
             .read(move |tx| Box::pin(async move { tx.decommissioned_ids(kind).await }))
             .await?
             .into_iter()
             .collect();
-        let before = listed.len();
-        listed.retain(|m| m.valid_id().is_none_or(|id| !barred.contains(id)));
+        // Unused capacity whose reservation names a barred id is barred too: an Ironic node
+        // handed back is listed as unused under its own id.
+        let (decommissioned, listed): (Vec<_>, Vec<_>) = listed.into_iter().partition(|m| {
+            m.valid_id()
+                .or(m.reservation.as_deref())
+                .is_some_and(|id| barred.contains_key(id))
+        });
         let plan = reconcile(&listed, &in_bmdb, self.config.limits)?;
         let mut report = IterationReport {
             managed: plan.managed,
-            decommissioned: before - listed.len(),
+            decommissioned: decommissioned.len(),
             ..Default::default()
         };
+        for machine in decommissioned
+            .iter()
+            .filter(|m| m.availability != Availability::KnownUnused)
+        {
+            let Some(id) = machine.valid_id() else {
+                continue;
+            };
+            let undeploy = barred.get(id).copied().unwrap_or(false);
+            match self.provider.hand_back(machine, undeploy).await {
+                Ok(HandBack::Kept) => {}
+                Ok(HandBack::Released) => {
+                    tracing::info!(
+                        provider_id = id,
+                        undeploy,
+                        "handed a decommissioned machine back to the provider"
+                    );
+                    report.handed_back += 1;
+                }
+                Ok(HandBack::InProgress) => {
+                    tracing::debug!(
+                        provider_id = id,
+                        undeploy,
+                        "a decommissioned machine is still being handed back"
+                    );
+                }
+                Err(e) => {
+                    tracing::warn!(provider_id = id, undeploy, error = %e, "handing a decommissioned machine back failed; trying again next pass");
+                    report.failed += 1;
+                }
+            }
+        }
         for machine in &plan.create {
             self.creation.wait().await;
             match self.provider.create_machine(session, machine).await {
@@ -98,6 +138,10 @@ impl<P: Provider> Provisioner<P> {
                 Ok(r) => {
                     tracing::info!(machine = %r.machine, provider_id = ?machine.id, "brought a new machine in");
                     report.created += 1;
+                }
+                Err(ProviderError::Taken(what)) => {
+                    tracing::debug!(%what, "another client took an unused machine first; skipping it");
+                    report.taken += 1;
                 }
                 Err(e) => {
                     tracing::warn!(provider_id = ?machine.id, addr = ?machine.addr, error = %e, "creating a machine failed; skipping it");
@@ -133,7 +177,9 @@ impl<P: Provider> Pass for Provisioner<P> {
             created = r.created,
             adopted = r.adopted,
             failed = r.failed,
+            taken = r.taken,
             decommissioned = r.decommissioned,
+            handed_back = r.handed_back,
             "reconciled"
         );
         Ok(())

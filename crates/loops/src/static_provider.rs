@@ -416,6 +416,7 @@ impl StaticProvider {
             addr: Some(e.addr.clone()),
             availability: Availability::PossiblyUsed,
             failed: false,
+            cause: None,
             location: e.location.clone(),
             status: Some(ProviderStatus::Running),
             reservation: None,

@@ -192,7 +192,7 @@ async fn provisioner_leaves_decommissioned_machines_alone(db: Bmdb) {
     let operator = testing::session(&db, Processor::ShepherdOperator).await;
     let who = Operator::new("bob", "chassis returned to the vendor").unwrap();
     assert!(matches!(
-        operator.decommission(old, &who).await.unwrap(),
+        operator.decommission(old, &who, false).await.unwrap(),
         ActionOutcome::Done(Some(_))
     ));
     for _ in 0..3 {

@@ -94,10 +94,16 @@ pub enum MachinesCommand {
         who: WhoArgs,
     },
     /// Removes a machine from the BMDB: its tags, locks and backoffs go, its history stays, and
-    /// the provisioner does not bring its provider id back until `recommission`.
+    /// the provisioner does not bring its provider id back until `recommission`. The
+    /// provisioner hands it back to its provider where the provider knows how (Ironic: the
+    /// node's reservation is released).
     Decommission {
         /// Machine id.
         id: Uuid,
+        /// Also tear the machine down at its provider (Ironic: undeploy the node, so Ironic
+        /// cleans it), not only release it. Its disks are lost.
+        #[arg(long)]
+        undeploy: bool,
         /// Who and why, for the history (a reason is needed).
         #[command(flatten)]
         who: WhoArgs,
@@ -442,15 +448,20 @@ async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
                 .await?;
             }
         },
-        MachinesCommand::Decommission { id, who } => {
+        MachinesCommand::Decommission { id, undeploy, who } => {
             let who = who.operator(true)?;
             let outcome = as_operator(db, move |s| {
-                Box::pin(async move { s.decommission(id, &who).await })
+                Box::pin(async move { s.decommission(id, &who, undeploy).await })
             })
             .await?;
             report(db, id, outcome, "", |provided| match provided {
                 Some(p) => format!(
-                    "decommissioned; the provisioner leaves {} machine {:?} alone until `shepherd machines recommission {id}`",
+                    "decommissioned; the provisioner {} and leaves {} machine {:?} alone until `shepherd machines recommission {id}`",
+                    if undeploy {
+                        "tears it down at its provider"
+                    } else {
+                        "releases it at its provider"
+                    },
                     p.provider, p.provider_id
                 ),
                 None => "decommissioned (it had no provider id)".to_string(),

@@ -10,6 +10,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use shepherd_bmdb::{Bmdb, HistoryRetention, OpenOptions, Provider as ProviderKind};
 use shepherd_equinix::{Client, EquinixConfig, EquinixProvider, RetryPolicy};
+use shepherd_ironic::{Auth as IronicAuth, IronicConfig, IronicProvider};
 use shepherd_loops::brake::{BrakeConfig, BrakeMetrics};
 use shepherd_loops::initializer::InitializerConfig;
 use shepherd_loops::limiter::RateSpec;
@@ -31,8 +32,10 @@ use crate::fleet::{run_loops, shutdown_on_signals, FleetSettings, LoopSettings};
 pub enum ProviderChoice {
     /// A JSON inventory (`--static-inventory`).
     Static,
-    /// Equinix Metal hardware reservations (`--equinix-*`).
+    /// Equinix Metal hardware reservations (`--equinix-*`; the service closed on 2026-06-30).
     Equinix,
+    /// OpenStack Ironic's available nodes (`--ironic-*`).
+    Ironic,
     /// An in-process simulated fleet (`--sim-machines`).
     Sim,
 }
@@ -91,6 +94,9 @@ pub struct RunArgs {
     /// The Equinix Metal provider.
     #[command(flatten)]
     pub equinix: EquinixArgs,
+    /// The OpenStack Ironic provider.
+    #[command(flatten)]
+    pub ironic: IronicArgs,
     /// BMCs of a static inventory.
     #[command(flatten)]
     pub bmc: BmcArgs,
@@ -459,6 +465,130 @@ impl EquinixArgs {
     }
 }
 
+/// The OpenStack Ironic provider.
+#[derive(Debug, Clone, Args)]
+pub struct IronicArgs {
+    /// Ironic: API address (`http(s)://host:6385`); required with `--provider ironic`.
+    #[arg(long, env = "SHEPHERD_IRONIC_URL")]
+    pub ironic_url: Option<String>,
+    /// Ironic: user for HTTP basic authentication (`auth_strategy = http_basic`); none for
+    /// `noauth`.
+    #[arg(long, env = "SHEPHERD_IRONIC_USER")]
+    pub ironic_user: Option<String>,
+    /// Ironic: password for HTTP basic authentication (prefer the environment variable or the
+    /// config file; never logged).
+    #[arg(long, env = "SHEPHERD_IRONIC_PASSWORD", hide_env_values = true)]
+    pub ironic_password: Option<String>,
+    /// Ironic: this deployment's id, written into `extra.shepherd_deployment` of every node it
+    /// takes. Replicas of one deployment share it; nodes of another id are not ours.
+    #[arg(long, env = "SHEPHERD_IRONIC_DEPLOYMENT", default_value = "shepherd")]
+    pub ironic_deployment: String,
+    /// Ironic: take only nodes of this resource class.
+    #[arg(long, env = "SHEPHERD_IRONIC_RESOURCE_CLASS")]
+    pub ironic_resource_class: Option<String>,
+    /// Ironic: take only nodes of this conductor group.
+    #[arg(long, env = "SHEPHERD_IRONIC_CONDUCTOR_GROUP")]
+    pub ironic_conductor_group: Option<String>,
+    /// Ironic: take only nodes of this owner.
+    #[arg(long, env = "SHEPHERD_IRONIC_OWNER")]
+    pub ironic_owner: Option<String>,
+    /// Ironic: take only nodes whose `extra` holds this `KEY=VALUE`.
+    #[arg(long, env = "SHEPHERD_IRONIC_EXTRA", value_parser = key_value)]
+    pub ironic_extra: Option<(String, String)>,
+    /// Ironic: URL of the image to deploy (`instance_info.image_source`); left out, the
+    /// deploy interface's defaults apply.
+    #[arg(long, env = "SHEPHERD_IRONIC_IMAGE")]
+    pub ironic_image: Option<String>,
+    /// Ironic: the image's checksum (`instance_info.image_checksum`), required with
+    /// `--ironic-image`.
+    #[arg(long, env = "SHEPHERD_IRONIC_IMAGE_CHECKSUM")]
+    pub ironic_image_checksum: Option<String>,
+    /// Ironic: the node field holding the SSH address (`host` or `host:port`), as a dotted
+    /// path into `extra`, `properties`, or a top-level field.
+    #[arg(
+        long,
+        env = "SHEPHERD_IRONIC_ADDRESS_FIELD",
+        default_value = "extra.ssh_address"
+    )]
+    pub ironic_address_field: String,
+    /// Ironic: when the field holds no address, look one up in the node's inspection
+    /// inventory (one call per node, then remembered).
+    #[arg(long, env = "SHEPHERD_IRONIC_ADDRESS_FROM_INVENTORY", default_value_t = true, action = clap::ArgAction::Set)]
+    pub ironic_address_from_inventory: bool,
+    /// Ironic: how long after requesting a deploy the first takeover is attempted (no worker
+    /// waits; a deploy still running then is asked again with a growing backoff).
+    #[arg(long, env = "SHEPHERD_IRONIC_DEPLOY_WAIT", default_value = "5m", value_parser = duration)]
+    pub ironic_deploy_wait: Duration,
+    /// Ironic: how long a deploy may take before the node counts as failed.
+    #[arg(long, env = "SHEPHERD_IRONIC_DEPLOY_TIMEOUT", default_value = "1h", value_parser = duration)]
+    pub ironic_deploy_timeout: Duration,
+    /// Ironic: how long the recoverer waits after asking Ironic for a reboot.
+    #[arg(long, env = "SHEPHERD_IRONIC_REBOOT_WAIT", default_value = "60s", value_parser = duration)]
+    pub ironic_reboot_wait: Duration,
+}
+
+/// `KEY=VALUE`, both non-empty.
+fn key_value(s: &str) -> std::result::Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() && !v.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => Err(format!("{s:?} is not KEY=VALUE")),
+    }
+}
+
+impl IronicArgs {
+    /// The Ironic client and provider settings; the SSH public key goes into config drives.
+    fn client(
+        &self,
+        public_key: Option<String>,
+        metrics: Arc<CallMetrics>,
+    ) -> Result<(shepherd_ironic::Client, IronicConfig)> {
+        let url = self
+            .ironic_url
+            .as_deref()
+            .context("ironic-url: is required with --provider ironic")?;
+        let auth = match (&self.ironic_user, &self.ironic_password) {
+            (None, None) => IronicAuth::None,
+            (Some(user), Some(password)) => IronicAuth::Basic {
+                user: user.clone(),
+                password: password.clone(),
+            },
+            (Some(_), None) => bail!("ironic-password: is required with --ironic-user"),
+            (None, Some(_)) => bail!("ironic-user: is required with --ironic-password"),
+        };
+        let client = shepherd_ironic::Client::new(
+            url,
+            auth,
+            shepherd_ironic::RetryPolicy::default(),
+            metrics,
+        )?;
+        let key = public_key.context(
+            "ssh-key: --provider ironic needs a key (its public half goes into each node's config drive)",
+        )?;
+        let mut config = IronicConfig::new(&self.ironic_deployment, &key);
+        config.selector = shepherd_ironic::Selector {
+            resource_class: self.ironic_resource_class.clone(),
+            conductor_group: self.ironic_conductor_group.clone(),
+            owner: self.ironic_owner.clone(),
+            extra: self.ironic_extra.clone(),
+        };
+        config.image = match (&self.ironic_image, &self.ironic_image_checksum) {
+            (Some(url), checksum) => Some(shepherd_ironic::Image {
+                url: url.clone(),
+                checksum: checksum.clone().unwrap_or_default(),
+            }),
+            (None, Some(_)) => bail!("ironic-image: is required with --ironic-image-checksum"),
+            (None, None) => None,
+        };
+        config.address_field = Some(self.ironic_address_field.clone()).filter(|f| !f.is_empty());
+        config.address_from_inventory = self.ironic_address_from_inventory;
+        config.deploy_wait = self.ironic_deploy_wait;
+        config.deploy_timeout = self.ironic_deploy_timeout;
+        config.reboot_wait = self.ironic_reboot_wait;
+        config.validate()?;
+        Ok((client, config))
+    }
+}
+
 /// BMCs of a static inventory.
 #[derive(Debug, Clone, Args)]
 pub struct BmcArgs {
@@ -527,6 +657,7 @@ pub(crate) fn pem_to_der(pem: &str) -> Result<Vec<u8>> {
 enum Chosen {
     Static(Arc<StaticProvider>, Arc<SshTransport>),
     Equinix(Arc<EquinixProvider>, Arc<SshTransport>),
+    Ironic(Arc<IronicProvider>, Arc<SshTransport>),
     Sim(Arc<SimFleet>),
 }
 
@@ -550,6 +681,7 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
     let provider_metrics = Arc::new(CallMetrics::default());
     let ssh_metrics = Arc::new(CallMetrics::default());
     let equinix_metrics = Arc::new(CallMetrics::default());
+    let ironic_metrics = Arc::new(CallMetrics::default());
     // Everything that can be checked without the database is checked before connecting.
     let chosen = match args.source.provider {
         ProviderChoice::Static => {
@@ -587,6 +719,20 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
                 Arc::new(SshTransport::new(Arc::new(ssh)).with_metrics(ssh_metrics.clone()));
             Chosen::Equinix(provider, transport)
         }
+        ProviderChoice::Ironic => {
+            let (ssh, public_key) = args.ssh.client()?;
+            let (client, config) = args.ironic.client(public_key, ironic_metrics.clone())?;
+            // An unreachable Ironic, one older than the pinned microversion, or refused
+            // credentials stop start-up here, with what was wrong.
+            let provider = Arc::new(
+                IronicProvider::connect(client, config)
+                    .await
+                    .context("OpenStack Ironic")?,
+            );
+            let transport =
+                Arc::new(SshTransport::new(Arc::new(ssh)).with_metrics(ssh_metrics.clone()));
+            Chosen::Ironic(provider, transport)
+        }
         ProviderChoice::Sim => Chosen::Sim(Arc::new(SimFleet::new(
             args.sim.sim_machines,
             args.sim.knobs(),
@@ -608,6 +754,7 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
     provider_metrics.register(&mut registry, "shepherd_provider", "Provider API");
     ssh_metrics.register(&mut registry, "shepherd_ssh", "SSH");
     equinix_metrics.register(&mut registry, "shepherd_equinix_api", "Equinix Metal API");
+    ironic_metrics.register(&mut registry, "shepherd_ironic_api", "OpenStack Ironic API");
     settings.recovery_brake_metrics.register(&mut registry);
     settings.recoverer_metrics.register(&mut registry);
     if let Chosen::Static(provider, _) = &chosen {
@@ -631,43 +778,21 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
     crate::fleet::announce(&format!(
         "shepherd run: web UI at http://{metrics}/machines"
     ));
+    let loops = Loops {
+        db: db.clone(),
+        metrics: provider_metrics,
+        settings,
+        cancel: cancel.clone(),
+    };
     let result = match chosen {
         // Machines of a static inventory are power-cycled through the BMCs their entries
         // name; the recoverer claims nothing while the last good inventory names none.
-        Chosen::Static(provider, transport) => {
-            run_instrumented(
-                db.clone(),
-                provider,
-                provider_metrics,
-                transport,
-                settings,
-                cancel,
-            )
-            .await
-        }
-        Chosen::Equinix(provider, transport) => {
-            run_instrumented(
-                db.clone(),
-                provider,
-                provider_metrics,
-                transport,
-                settings,
-                cancel,
-            )
-            .await
-        }
+        Chosen::Static(provider, transport) => loops.run(provider, transport).await,
+        Chosen::Equinix(provider, transport) => loops.run(provider, transport).await,
+        Chosen::Ironic(provider, transport) => loops.run(provider, transport).await,
         Chosen::Sim(fleet) => {
             let agents = tokio::spawn(fleet.clone().run_agents(db.clone(), cancel.clone()));
-            let transport = fleet.clone();
-            let r = run_instrumented(
-                db.clone(),
-                fleet,
-                provider_metrics,
-                transport,
-                settings,
-                cancel,
-            )
-            .await;
+            let r = loops.run(fleet.clone(), fleet).await;
             let _ = agents.await;
             r
         }
@@ -682,24 +807,33 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
 
 /// Runs the loops over `provider`, which also reboots machines, with its calls counted in
 /// `metrics`.
-async fn run_instrumented<P: Recoverer + 'static>(
+/// What every provider's loops run with.
+struct Loops {
     db: Bmdb,
-    provider: Arc<P>,
     metrics: Arc<CallMetrics>,
-    transport: Arc<dyn Transport>,
     settings: FleetSettings,
     cancel: tokio_util::sync::CancellationToken,
-) -> Result<()> {
-    let provider = Arc::new(InstrumentedProvider::new(provider, metrics));
-    run_loops(
-        db,
-        provider.clone(),
-        transport,
-        Some(provider),
-        settings,
-        cancel,
-    )
-    .await
+}
+
+impl Loops {
+    /// Runs the loops over `provider`, its calls counted in the provider metrics, taking
+    /// machines over through `transport`, until cancelled.
+    async fn run<P: Recoverer + 'static>(
+        self,
+        provider: Arc<P>,
+        transport: Arc<dyn Transport>,
+    ) -> Result<()> {
+        let provider = Arc::new(InstrumentedProvider::new(provider, self.metrics));
+        run_loops(
+            self.db,
+            provider.clone(),
+            transport,
+            Some(provider),
+            self.settings,
+            self.cancel,
+        )
+        .await
+    }
 }
 
 #[cfg(test)]

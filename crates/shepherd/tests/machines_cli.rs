@@ -524,9 +524,19 @@ async fn operator_actions_are_recorded_and_shown() {
             "returned to vendor",
             "--by",
             "dave",
+            "--undeploy",
         ],
     );
     ok(&out);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains("tears it down at its provider"), "{said}");
+    let id: Uuid = m.parse().unwrap();
+    let record = session
+        .read(move |tx| Box::pin(async move { tx.decommissioned(id).await }))
+        .await
+        .unwrap()
+        .expect("a decommissioning record");
+    assert!(record.undeploy, "{record:?}");
     let out = shepherd(&url, &["machines", "show", &m]);
     common::refused(&out, "decommissioned");
     let out = shepherd(&url, &["machines", "history", &m]);

@@ -23,11 +23,13 @@ const RECORD_ACTION: Dialects = Dialects {
 };
 
 const DECOMMISSION: Dialects = Dialects {
-    postgres: "INSERT INTO decommissioned (provider, provider_id, machine_id, at, actor, reason)
-               SELECT provider, provider_id, machine_id, now(), $2, $3
+    postgres: "INSERT INTO decommissioned
+                      (provider, provider_id, machine_id, at, actor, reason, undeploy)
+               SELECT provider, provider_id, machine_id, now(), $2, $3, $4
                  FROM machine_provided WHERE machine_id = $1",
-    sqlite: "INSERT INTO decommissioned (provider, provider_id, machine_id, at, actor, reason)
-             SELECT provider, provider_id, machine_id, $4, $2, $3
+    sqlite: "INSERT INTO decommissioned
+                    (provider, provider_id, machine_id, at, actor, reason, undeploy)
+             SELECT provider, provider_id, machine_id, $5, $2, $3, $4
                FROM machine_provided WHERE machine_id = $1",
 };
 
@@ -127,12 +129,14 @@ pub(crate) async fn machine_actions(conn: &mut Conn, id: Uuid) -> Result<Vec<Act
 }
 
 /// Removes the machine: claims are fenced off first, its provider id is barred (if it has
-/// one), every lock it holds ends as Canceled with `cause`, and the machine row goes with every tag, lock and backoff (they
-/// cascade). History is not tied to the row and stays.
+/// one, with whether the provider is to tear it down), every lock it holds ends as Canceled
+/// with `cause`, and the machine row goes with every tag, lock and backoff (they cascade).
+/// History is not tied to the row and stays.
 pub(crate) async fn decommission(
     conn: &mut Conn,
     id: Uuid,
     who: &Operator,
+    undeploy: bool,
     cause: &str,
 ) -> Result<()> {
     fence_claims(conn, id).await?;
@@ -140,7 +144,8 @@ pub(crate) async fn decommission(
         let q = sqlx::query(e.sql(&DECOMMISSION))
             .bind(id)
             .bind(&who.by)
-            .bind(&who.reason);
+            .bind(&who.reason)
+            .bind(undeploy);
         e.with_now(q).execute(&mut *c).await?;
         let q = sqlx::query(e.sql(&CANCEL_MACHINE_WORK))
             .bind(id)
@@ -160,8 +165,8 @@ pub(crate) async fn decommission(
 
 /// The decommissioning record of a machine id, if it was decommissioned.
 pub(crate) async fn decommissioned(conn: &mut Conn, id: Uuid) -> Result<Option<Decommissioned>> {
-    let sql = "SELECT provider, provider_id, machine_id, at, actor, reason FROM decommissioned
-                WHERE machine_id = $1 ORDER BY at DESC";
+    let sql = "SELECT provider, provider_id, machine_id, at, actor, reason, undeploy
+                 FROM decommissioned WHERE machine_id = $1 ORDER BY at DESC";
     row_by_key(conn, sql, id).await
 }
 
@@ -176,11 +181,16 @@ pub(crate) async fn recommission(conn: &mut Conn, id: Uuid) -> Result<bool> {
     })
 }
 
-/// The provider ids of `provider` that are decommissioned, in id order.
-pub(crate) async fn decommissioned_ids(conn: &mut Conn, provider: Provider) -> Result<Vec<String>> {
+/// The provider ids of `provider` that are decommissioned, in id order, each with whether
+/// the provider is to tear the machine down.
+pub(crate) async fn decommissioned_ids(
+    conn: &mut Conn,
+    provider: Provider,
+) -> Result<Vec<(String, bool)>> {
     on_engine!(conn, |c, _| {
-        Ok(sqlx::query_scalar(
-            "SELECT provider_id FROM decommissioned WHERE provider = $1 ORDER BY provider_id",
+        Ok(sqlx::query_as(
+            "SELECT provider_id, undeploy FROM decommissioned WHERE provider = $1
+              ORDER BY provider_id",
         )
         .bind(provider.as_str())
         .fetch_all(c)
@@ -214,6 +224,6 @@ from_columns! {
     }
     Decommissioned {
         provider: parsed, provider_id: get, machine_id: get, at: time, by: get("actor"),
-        reason: get,
+        reason: get, undeploy: get,
     }
 }

@@ -1,0 +1,832 @@
+//! The OpenStack Ironic provider (SPEC §19): Ironic's node state machine mapped onto
+//! Shepherd's provider traits.
+//!
+//! - **Unused**: `available` nodes, not in maintenance, with no `instance_uuid`, matching the
+//!   operator's [`Selector`].
+//! - **Create**: reserve the node with one JSON patch that sets a fresh `instance_uuid` and our
+//!   deployment id in `extra` (Ironic refuses a second client's `instance_uuid` with 409, so
+//!   two replicas never both take a node), then request `active` with a config drive carrying
+//!   Shepherd's SSH key, then record the machine. Ironic deploys in the background; no worker
+//!   waits for it.
+//! - **Ours**: nodes whose `instance_uuid` is set and whose `extra` names this deployment. One
+//!   the BMDB does not know (the insert failed, or the replica died before it) is an orphan:
+//!   listed as possibly used, adopted by [`Provider::create_machine`]. Its deploy is requested
+//!   only if it is still `available`: Ironic accepts `active` from `available` alone, so a node
+//!   is never deployed twice.
+//! - **Failed**: `deploy failed`, `error`, or a deploy that has not finished within the
+//!   configured timeout; the updater marks the machine failed, with Ironic's `last_error`.
+//! - **Recovery**: `rebooting` through Ironic's power API; a node in maintenance is never
+//!   power-cycled.
+//! - **Decommissioned** by an operator: released (our `instance_uuid` and marks removed; the
+//!   node stays as it is), or with `--undeploy` released and torn down (`deleted`, so Ironic
+//!   cleans it and makes it `available` again, for other clients: the decommission bars it
+//!   from this deployment).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use rand::seq::SliceRandom;
+use shepherd_bmdb::{Provider as ProviderKind, ProviderStatus, Session};
+use shepherd_loops::penalty::PenaltyBox;
+use shepherd_loops::provider::{
+    record_deploying_machine, Availability, HandBack, Provider, ProviderError, ProviderMachine,
+    Recorded, Recoverer,
+};
+
+use crate::client::{ApiError, Client, Conflict};
+use crate::model::{Node, PatchOp};
+
+/// The `extra` key that names the deployment that reserved a node.
+pub const DEPLOYMENT_KEY: &str = "shepherd_deployment";
+
+/// Which available nodes Shepherd may take. Every criterion set must match; none set takes
+/// every available node.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Selector {
+    /// The node's `resource_class`.
+    pub resource_class: Option<String>,
+    /// The node's `conductor_group`.
+    pub conductor_group: Option<String>,
+    /// The node's `owner`.
+    pub owner: Option<String>,
+    /// A key of the node's `extra` and the text it must hold.
+    pub extra: Option<(String, String)>,
+}
+
+impl Selector {
+    /// The criteria Ironic filters on itself, as query parameters.
+    fn query(&self) -> Vec<(&'static str, &str)> {
+        let mut q = Vec::new();
+        if let Some(v) = &self.resource_class {
+            q.push(("resource_class", v.as_str()));
+        }
+        if let Some(v) = &self.conductor_group {
+            q.push(("conductor_group", v.as_str()));
+        }
+        if let Some(v) = &self.owner {
+            q.push(("owner", v.as_str()));
+        }
+        q
+    }
+
+    /// Whether `node` matches every criterion.
+    pub fn matches(&self, node: &Node) -> bool {
+        let same = |want: &Option<String>, have: &Option<String>| {
+            want.as_ref().is_none_or(|w| have.as_deref() == Some(w))
+        };
+        same(&self.resource_class, &node.resource_class)
+            && same(&self.conductor_group, &node.conductor_group)
+            && same(&self.owner, &node.owner)
+            && self.extra.as_ref().is_none_or(|(k, v)| {
+                node.field(&format!("extra.{k}")).as_deref() == Some(v.as_str())
+            })
+    }
+}
+
+/// What a deploy writes onto the disk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Image {
+    /// `instance_info.image_source`: the image's URL.
+    pub url: String,
+    /// `instance_info.image_checksum`: its checksum (or the URL of a checksum file).
+    pub checksum: String,
+}
+
+/// Provider settings.
+#[derive(Debug, Clone)]
+pub struct IronicConfig {
+    /// This deployment's id, written into `extra.shepherd_deployment` of the nodes it takes:
+    /// replicas of one deployment share it; another deployment's nodes are not ours.
+    pub deployment: String,
+    /// Which available nodes to take.
+    pub selector: Selector,
+    /// The image to deploy; `None` leaves it to the deploy interface's defaults.
+    pub image: Option<Image>,
+    /// Shepherd's SSH public key (OpenSSH line), put into each node's config drive.
+    pub ssh_public_key: String,
+    /// The node field holding the address to reach it over SSH (`host` or `host:port`).
+    pub address_field: Option<String>,
+    /// Whether to look an address up in the node's inspection inventory when the field
+    /// holds none.
+    pub address_from_inventory: bool,
+    /// How long the initializer waits after a deploy was requested before its first takeover
+    /// attempt (a deploy still running then is asked again with a growing backoff).
+    pub deploy_wait: Duration,
+    /// How long a deploy may take before the node counts as failed.
+    pub deploy_timeout: Duration,
+    /// How long a rebooted node is given before the initializer takes it over again.
+    pub reboot_wait: Duration,
+    /// How long a node whose reservation or deploy was refused is skipped.
+    pub refused_penalty: Duration,
+}
+
+impl IronicConfig {
+    /// Defaults for everything but the deployment id and the key.
+    pub fn new(deployment: &str, ssh_public_key: &str) -> Self {
+        IronicConfig {
+            deployment: deployment.into(),
+            selector: Selector::default(),
+            image: None,
+            ssh_public_key: ssh_public_key.trim().into(),
+            address_field: Some("extra.ssh_address".into()),
+            address_from_inventory: true,
+            deploy_wait: Duration::from_secs(300),
+            deploy_timeout: Duration::from_secs(3600),
+            reboot_wait: Duration::from_secs(60),
+            refused_penalty: Duration::from_secs(600),
+        }
+    }
+
+    /// Checks the settings; the message names the setting.
+    pub fn validate(&self) -> Result<(), crate::client::ConfigError> {
+        let bad = |setting, problem: &str| {
+            Err(crate::client::ConfigError {
+                setting,
+                problem: problem.into(),
+            })
+        };
+        let d = &self.deployment;
+        if d.is_empty()
+            || d.len() > 64
+            || !d
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        {
+            return bad(
+                "ironic-deployment",
+                "must be 1 to 64 letters, digits, '-', '_' or '.' (it marks the nodes this deployment took)",
+            );
+        }
+        if !self.ssh_public_key.starts_with("ssh-") {
+            return bad(
+                "ssh-key",
+                "the SSH public key is not an OpenSSH public key line",
+            );
+        }
+        if let Some(image) = &self.image {
+            if url::Url::parse(&image.url).is_err() {
+                return bad("ironic-image", "must be a URL with a scheme");
+            }
+            if image.checksum.is_empty() {
+                return bad("ironic-image-checksum", "is required with --ironic-image");
+            }
+        }
+        if self.address_field.is_none() && !self.address_from_inventory {
+            return bad(
+                "ironic-address-field",
+                "no address source: name a node field or allow the inspection inventory",
+            );
+        }
+        if self.deploy_timeout.is_zero() {
+            return bad("ironic-deploy-timeout", "must be more than zero");
+        }
+        Ok(())
+    }
+}
+
+/// Why the provider could not do something, as the typed source of a [`ProviderError`].
+#[derive(Debug, thiserror::Error)]
+pub enum IronicError {
+    /// A call to Ironic failed.
+    #[error("Ironic {call} of node {node}: {error}")]
+    Api {
+        /// What was asked.
+        call: &'static str,
+        /// The node.
+        node: String,
+        /// Why it failed.
+        error: ApiError,
+    },
+    /// The node is in maintenance at Ironic: it is not power-cycled.
+    #[error("node {node} is in maintenance at Ironic ({reason}); not power-cycling it")]
+    InMaintenance {
+        /// The node.
+        node: String,
+        /// Ironic's maintenance reason.
+        reason: String,
+    },
+    /// A node the provider was asked to adopt is not ours (any more).
+    #[error("node {0} is not reserved by this deployment")]
+    NotOurs(String),
+}
+
+impl From<IronicError> for ProviderError {
+    fn from(e: IronicError) -> Self {
+        match e {
+            IronicError::Api {
+                error: ApiError::NotFound { .. },
+                node,
+                ..
+            } => ProviderError::NotFound(node),
+            e => ProviderError::Api(Box::new(e)),
+        }
+    }
+}
+
+fn api<'a>(call: &'static str, node: &'a str) -> impl FnOnce(ApiError) -> IronicError + 'a {
+    move |error| IronicError::Api {
+        call,
+        node: node.to_string(),
+        error,
+    }
+}
+
+/// Ironic's provision state as the BMDB's provider status, for a node of ours.
+pub fn status_of(node: &Node, deploy_timed_out: bool) -> ProviderStatus {
+    if node.maintenance {
+        return ProviderStatus::Maintenance;
+    }
+    match node.state() {
+        "active" => ProviderStatus::Running,
+        "deploy failed" | "error" | "adopt failed" => ProviderStatus::ProvisioningFailedPermanent,
+        "deploying" | "wait call-back" | "available" | "adopting" if deploy_timed_out => {
+            ProviderStatus::ProvisioningFailedPermanent
+        }
+        "deploying" | "wait call-back" | "available" | "adopting" => ProviderStatus::Provisioning,
+        "deleting" | "cleaning" | "clean wait" | "clean failed" | "manageable" | "enroll" => {
+            ProviderStatus::Stopped
+        }
+        _ => ProviderStatus::Unknown,
+    }
+}
+
+/// The provider. Not called concurrently (SPEC §6), but safe if it is.
+pub struct IronicProvider {
+    client: Client,
+    config: IronicConfig,
+    /// Addresses found in inspection inventories, by node: an inventory does not change while
+    /// a node is deployed, and reading it is one call per node.
+    inventory_addresses: Mutex<HashMap<String, String>>,
+    /// Nodes whose reservation or deploy Ironic refused, skipped for a while.
+    refused: PenaltyBox<String>,
+}
+
+impl IronicProvider {
+    /// Checks the settings and the API (its microversions and the credentials), so that a
+    /// wrong URL, an old Ironic or a wrong password fail at start-up.
+    pub async fn connect(client: Client, config: IronicConfig) -> Result<Self, ConnectError> {
+        config.validate()?;
+        let version = client.negotiate().await?;
+        tracing::info!(url = client.root(), %version, pinned = %crate::client::PINNED_VERSION, deployment = config.deployment, "Ironic API reached");
+        let refused = PenaltyBox::new(config.refused_penalty);
+        Ok(IronicProvider {
+            client,
+            config,
+            inventory_addresses: Mutex::new(HashMap::new()),
+            refused,
+        })
+    }
+
+    /// The client (for tests and the benchmark, which count its calls).
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// Whether this deployment reserved `node`.
+    pub fn ours(&self, node: &Node) -> bool {
+        node.instance_uuid.is_some()
+            && node.extra.get(DEPLOYMENT_KEY).and_then(|v| v.as_str())
+                == Some(self.config.deployment.as_str())
+    }
+
+    fn unused(&self, node: &Node) -> bool {
+        node.state() == "available"
+            && !node.maintenance
+            && node.instance_uuid.is_none()
+            && self.config.selector.matches(node)
+            && !self.refused.is_penalized(&node.uuid)
+    }
+
+    fn deploy_timed_out(&self, node: &Node) -> bool {
+        let deploying = matches!(node.state(), "deploying" | "wait call-back")
+            || (node.state() == "available" && node.target_provision_state.is_some());
+        let since = node
+            .provision_updated_at
+            .map(|t| chrono::Utc::now().signed_duration_since(t))
+            .and_then(|d| d.to_std().ok());
+        deploying && since.is_some_and(|d| d > self.config.deploy_timeout)
+    }
+
+    /// The address in the configured field, else one already found in the node's inventory.
+    fn known_address(&self, node: &Node) -> Option<String> {
+        self.config
+            .address_field
+            .as_deref()
+            .and_then(|f| node.field(f))
+            .or_else(|| {
+                self.inventory_addresses
+                    .lock()
+                    .unwrap()
+                    .get(&node.uuid)
+                    .cloned()
+            })
+    }
+
+    /// The address, reading the inspection inventory once when no field gives one (and the
+    /// operator allowed it). A node without either has no address: the initializer waits.
+    async fn address(&self, node: &Node) -> Option<String> {
+        if let Some(a) = self.known_address(node) {
+            return Some(a);
+        }
+        if !self.config.address_from_inventory {
+            return None;
+        }
+        match self.client.inventory(&node.uuid).await {
+            Ok(inventory) => {
+                let addr = inventory_address(&inventory)?;
+                self.inventory_addresses
+                    .lock()
+                    .unwrap()
+                    .insert(node.uuid.clone(), addr.clone());
+                Some(addr)
+            }
+            Err(ApiError::NotFound { .. }) => None,
+            Err(e) => {
+                tracing::debug!(node = node.uuid, error = %e, "reading the inspection inventory failed");
+                None
+            }
+        }
+    }
+
+    fn machine(
+        &self,
+        node: &Node,
+        availability: Availability,
+        addr: Option<String>,
+    ) -> ProviderMachine {
+        let timed_out = self.deploy_timed_out(node);
+        let status = status_of(node, timed_out);
+        let mut m = ProviderMachine::new(node.uuid.clone(), addr, availability);
+        m.failed = status == ProviderStatus::ProvisioningFailedPermanent;
+        m.status = Some(status);
+        m.location = node.conductor_group.clone().filter(|g| !g.is_empty());
+        if m.failed {
+            let cause = node.last_error.as_deref().unwrap_or(if timed_out {
+                "the deploy did not finish within ironic-deploy-timeout"
+            } else {
+                "Ironic gave no last_error"
+            });
+            m.cause = Some(format!(
+                "Ironic node {} is in state {:?}: {cause}",
+                node.uuid,
+                node.state()
+            ));
+        }
+        m
+    }
+
+    /// Reserves `node` for this deployment: one patch that sets a fresh `instance_uuid`, our
+    /// deployment id and the image. When the answer is lost, the node is read to learn whether
+    /// the patch took.
+    async fn reserve(&self, uuid: &str) -> Result<Node, ProviderError> {
+        let instance = uuid::Uuid::new_v4().to_string();
+        let mut ops = vec![
+            PatchOp::add("/instance_uuid", instance.clone()),
+            PatchOp::add(
+                format!("/extra/{DEPLOYMENT_KEY}"),
+                self.config.deployment.clone(),
+            ),
+        ];
+        if let Some(image) = &self.config.image {
+            ops.push(PatchOp::add(
+                "/instance_info/image_source",
+                image.url.clone(),
+            ));
+            ops.push(PatchOp::add(
+                "/instance_info/image_checksum",
+                image.checksum.clone(),
+            ));
+        }
+        match self.client.patch_node("reserve_node", uuid, &ops).await {
+            Ok(node) => Ok(node),
+            // Reserved by another client, or already deploying for one: no longer available.
+            Err(ApiError::Conflict {
+                kind: Conflict::NodeAssociated | Conflict::InTransition,
+                message,
+            }) => Err(ProviderError::Taken(message)),
+            Err(e) if !e.not_applied() && e.transient() => {
+                // The patch may have been applied: ours if the node carries our instance.
+                let node = self
+                    .client
+                    .get_node(uuid)
+                    .await
+                    .map_err(api("reserve_node", uuid))?;
+                if node.instance_uuid.as_deref() == Some(instance.as_str()) {
+                    tracing::warn!(node = uuid, error = %e, "reserving answered with an error but the reservation took");
+                    Ok(node)
+                } else if node.instance_uuid.is_some() {
+                    Err(ProviderError::Taken(format!(
+                        "node {uuid} was reserved by another client"
+                    )))
+                } else {
+                    Err(IronicError::Api {
+                        call: "reserve_node",
+                        node: uuid.into(),
+                        error: e,
+                    }
+                    .into())
+                }
+            }
+            Err(e) => {
+                if matches!(e, ApiError::Refused { .. }) {
+                    self.refused.penalize(uuid.to_string());
+                }
+                Err(IronicError::Api {
+                    call: "reserve_node",
+                    node: uuid.into(),
+                    error: e,
+                }
+                .into())
+            }
+        }
+    }
+
+    /// Gives the node back: removes our `instance_uuid` and deployment id (and the image).
+    async fn release(&self, uuid: &str) -> Result<(), ApiError> {
+        let mut ops = vec![
+            PatchOp::remove("/instance_uuid"),
+            PatchOp::remove(format!("/extra/{DEPLOYMENT_KEY}")),
+        ];
+        if self.config.image.is_some() {
+            ops.push(PatchOp::remove("/instance_info/image_source"));
+            ops.push(PatchOp::remove("/instance_info/image_checksum"));
+        }
+        self.client.patch_node("release_node", uuid, &ops).await?;
+        Ok(())
+    }
+
+    /// Hands a decommissioned node back: released, then torn down when `undeploy`. A node in
+    /// a transition (still deploying) is left for the next pass. Ironic clears
+    /// `instance_uuid` when it tears a node down but not our mark in `extra`, so the node is
+    /// released first; a tear-down request that then fails for good is logged by the
+    /// provisioner and left to the operator (the node is no longer ours to retry).
+    async fn hand_back_node(&self, uuid: &str, undeploy: bool) -> Result<HandBack, IronicError> {
+        let node = match self.client.get_node(uuid).await {
+            Err(ApiError::NotFound { .. }) => return Ok(HandBack::Released),
+            other => other.map_err(api("get_node", uuid))?,
+        };
+        if !self.ours(&node) {
+            return Ok(HandBack::Released);
+        }
+        if node.target_provision_state.is_some() {
+            return Ok(HandBack::InProgress);
+        }
+        self.release(uuid)
+            .await
+            .map_err(api("release_node", uuid))?;
+        let deployed = !matches!(node.state(), "available" | "manageable" | "enroll");
+        if undeploy && deployed {
+            self.client
+                .set_provision_state(
+                    "undeploy_node",
+                    uuid,
+                    serde_json::json!({"target": "deleted"}),
+                )
+                .await
+                .map_err(api("undeploy_node", uuid))?;
+        }
+        Ok(HandBack::Released)
+    }
+
+    /// Requests the deploy of a reserved `available` node with a config drive carrying our
+    /// key. Ironic accepts `active` only from `available`, so when the request is refused the
+    /// node is read: one of ours already deploying (another replica adopting the same orphan,
+    /// or an answer that was lost) is success, never a second deploy.
+    async fn deploy(&self, node: &Node) -> Result<(), ProviderError> {
+        let uuid = node.uuid.as_str();
+        let hostname = node.name.clone().unwrap_or_else(|| uuid.to_string());
+        let body = serde_json::json!({
+            "target": "active",
+            "configdrive": {
+                "meta_data": {
+                    "uuid": uuid,
+                    "name": hostname,
+                    "hostname": hostname,
+                    "public_keys": { "shepherd": self.config.ssh_public_key },
+                }
+            }
+        });
+        let error = match self
+            .client
+            .set_provision_state("deploy_node", uuid, body)
+            .await
+        {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
+        };
+        let now = self
+            .client
+            .get_node(uuid)
+            .await
+            .map_err(api("deploy_node", uuid))?;
+        if self.ours(&now) && now.state() != "available" {
+            tracing::info!(node = uuid, state = now.state(), error = %error, "the deploy request was answered with an error, but the node is past available");
+            return Ok(());
+        }
+        if matches!(error, ApiError::Refused { .. }) {
+            // Ironic will not deploy it as it is (a driver that does not validate, say): give
+            // it back rather than hold a node that is not deploying.
+            self.refused.penalize(uuid.to_string());
+            if let Err(e) = self.release(uuid).await {
+                tracing::warn!(node = uuid, error = %e, "releasing a node whose deploy was refused failed; it stays reserved and will be tried again as ours");
+            }
+        }
+        Err(IronicError::Api {
+            call: "deploy_node",
+            node: uuid.into(),
+            error,
+        }
+        .into())
+    }
+}
+
+/// The first IPv4 address (else IPv6) of the inventory's interfaces, skipping loopback.
+fn inventory_address(inventory: &serde_json::Value) -> Option<String> {
+    let interfaces = inventory
+        .pointer("/inventory/interfaces")
+        .and_then(|i| i.as_array())?;
+    let pick = |key: &str| {
+        interfaces.iter().find_map(|i| {
+            let a = i.get(key)?.as_str()?;
+            let ip: std::net::IpAddr = a.split('/').next()?.parse().ok()?;
+            (!ip.is_loopback() && !ip.is_unspecified()).then(|| ip.to_string())
+        })
+    };
+    pick("ipv4_address").or_else(|| pick("ipv6_address"))
+}
+
+/// Why the provider could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// A setting is wrong.
+    #[error(transparent)]
+    Config(#[from] crate::client::ConfigError),
+    /// The API could not be used.
+    #[error("Ironic API: {0}")]
+    Api(#[from] ApiError),
+}
+
+#[async_trait]
+impl Provider for IronicProvider {
+    fn kind(&self) -> ProviderKind {
+        ProviderKind::Ironic
+    }
+
+    /// Ours first (the BMDB decides which are orphans), then the unused nodes in a random
+    /// order, so that replicas taking nodes at the same time mostly pick different ones.
+    async fn list_machines(&self) -> Result<Vec<ProviderMachine>, ProviderError> {
+        let nodes = self
+            .client
+            .list_nodes(&self.config.selector.query())
+            .await
+            .map_err(api("list_nodes", "*"))?;
+        let mut out = Vec::new();
+        let mut unused = Vec::new();
+        for node in &nodes {
+            if self.ours(node) {
+                let addr = self.known_address(node);
+                out.push(self.machine(node, Availability::PossiblyUsed, addr));
+            } else if self.unused(node) {
+                unused.push(ProviderMachine {
+                    id: None,
+                    addr: None,
+                    availability: Availability::KnownUnused,
+                    failed: false,
+                    cause: None,
+                    location: node.conductor_group.clone().filter(|g| !g.is_empty()),
+                    status: None,
+                    reservation: Some(node.uuid.clone()),
+                });
+            }
+        }
+        unused.shuffle(&mut rand::rng());
+        out.extend(unused);
+        Ok(out)
+    }
+
+    async fn get_machine(&self, id: &str) -> Result<ProviderMachine, ProviderError> {
+        let node = self
+            .client
+            .get_node(id)
+            .await
+            .map_err(api("get_node", id))?;
+        if !self.ours(&node) {
+            return Err(ProviderError::NotFound(id.to_string()));
+        }
+        let addr = self.address(&node).await;
+        Ok(self.machine(&node, Availability::KnownUsed, addr))
+    }
+
+    async fn hand_back(
+        &self,
+        machine: &ProviderMachine,
+        undeploy: bool,
+    ) -> Result<HandBack, ProviderError> {
+        let id = machine.valid_id().ok_or(ProviderError::NotSupported(
+            "handing back a machine without an id",
+        ))?;
+        Ok(self.hand_back_node(id, undeploy).await?)
+    }
+
+    async fn create_machine(
+        &self,
+        session: &Session,
+        unused: &ProviderMachine,
+    ) -> Result<Recorded, ProviderError> {
+        let node = match unused.valid_id() {
+            // An orphan: reserved by this deployment, unknown to the BMDB.
+            Some(id) => {
+                let node = self
+                    .client
+                    .get_node(id)
+                    .await
+                    .map_err(api("get_node", id))?;
+                if !self.ours(&node) {
+                    return Err(IronicError::NotOurs(id.to_string()).into());
+                }
+                tracing::warn!(
+                    node = id,
+                    state = node.state(),
+                    "adopting a node this deployment reserved that the BMDB does not know"
+                );
+                if node.state() == "available" && !node.maintenance {
+                    self.deploy(&node).await?;
+                }
+                node
+            }
+            None => {
+                let uuid = unused.reservation.as_deref().ok_or_else(|| {
+                    ProviderError::NotSupported("an unused Ironic machine without a node id")
+                })?;
+                let node = self.reserve(uuid).await?;
+                self.deploy(&node).await?;
+                node
+            }
+        };
+        let addr = self.address(&node).await;
+        let machine = self.machine(&node, Availability::KnownUsed, addr);
+        // If this insert fails the node is an orphan until the next pass adopts it.
+        let wait = match machine.status {
+            Some(ProviderStatus::Provisioning) => self.config.deploy_wait,
+            _ => Duration::ZERO,
+        };
+        record_deploying_machine(session, ProviderKind::Ironic, &machine, wait)
+            .await
+            .map_err(|e| {
+                ProviderError::Other(e.context(format!(
+                    "recording Ironic node {} in the BMDB (it will be adopted next pass)",
+                    node.uuid
+                )))
+            })
+    }
+}
+
+#[async_trait]
+impl Recoverer for IronicProvider {
+    async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
+        let id = machine.valid_id().ok_or(ProviderError::NotSupported(
+            "rebooting a machine without an id",
+        ))?;
+        if machine.status == Some(ProviderStatus::Maintenance) {
+            let node = self
+                .client
+                .get_node(id)
+                .await
+                .map_err(api("get_node", id))?;
+            if node.maintenance {
+                return Err(IronicError::InMaintenance {
+                    node: id.to_string(),
+                    reason: node
+                        .maintenance_reason
+                        .unwrap_or_else(|| "no reason given".into()),
+                }
+                .into());
+            }
+        }
+        self.client
+            .set_power_state(id, "rebooting")
+            .await
+            .map_err(api("reboot_node", id))?;
+        Ok(())
+    }
+
+    fn reboot_wait(&self) -> Duration {
+        self.config.reboot_wait
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(v: serde_json::Value) -> Node {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn states_map_to_statuses() {
+        let n = |state: &str, maintenance: bool| {
+            node(
+                serde_json::json!({"uuid": "u", "provision_state": state, "maintenance": maintenance}),
+            )
+        };
+        assert_eq!(
+            status_of(&n("active", false), false),
+            ProviderStatus::Running
+        );
+        assert_eq!(
+            status_of(&n("active", true), false),
+            ProviderStatus::Maintenance
+        );
+        assert_eq!(
+            status_of(&n("deploying", false), false),
+            ProviderStatus::Provisioning
+        );
+        assert_eq!(
+            status_of(&n("wait call-back", false), true),
+            ProviderStatus::ProvisioningFailedPermanent
+        );
+        assert_eq!(
+            status_of(&n("deploy failed", false), false),
+            ProviderStatus::ProvisioningFailedPermanent
+        );
+        assert_eq!(
+            status_of(&n("cleaning", false), false),
+            ProviderStatus::Stopped
+        );
+        assert_eq!(
+            status_of(&n("rescue", false), false),
+            ProviderStatus::Unknown
+        );
+    }
+
+    #[test]
+    fn selectors_match_every_criterion_set() {
+        let n = node(
+            serde_json::json!({"uuid": "u", "resource_class": "gpu", "owner": "p1", "extra": {"pool": "shepherd"}}),
+        );
+        assert!(Selector::default().matches(&n));
+        let mut s = Selector {
+            resource_class: Some("gpu".into()),
+            extra: Some(("pool".into(), "shepherd".into())),
+            ..Default::default()
+        };
+        assert!(s.matches(&n));
+        s.owner = Some("p2".into());
+        assert!(!s.matches(&n));
+        s.owner = None;
+        s.extra = Some(("pool".into(), "other".into()));
+        assert!(!s.matches(&n));
+        assert_eq!(
+            Selector {
+                owner: Some("p1".into()),
+                ..Default::default()
+            }
+            .query(),
+            vec![("owner", "p1")]
+        );
+    }
+
+    #[test]
+    fn inventory_addresses_skip_loopback_and_prefer_ipv4() {
+        let inv = serde_json::json!({"inventory": {"interfaces": [
+            {"name": "lo", "ipv4_address": "127.0.0.1"},
+            {"name": "eth0", "ipv6_address": "2001:db8::5", "ipv4_address": null},
+            {"name": "eth1", "ipv4_address": "192.0.2.7"}
+        ]}});
+        assert_eq!(inventory_address(&inv).as_deref(), Some("192.0.2.7"));
+        let v6 =
+            serde_json::json!({"inventory": {"interfaces": [{"ipv6_address": "2001:db8::5"}]}});
+        assert_eq!(inventory_address(&v6).as_deref(), Some("2001:db8::5"));
+        assert_eq!(inventory_address(&serde_json::json!({})), None);
+    }
+
+    #[test]
+    fn settings_are_checked() {
+        let good = IronicConfig::new("site-a", "ssh-ed25519 AAAA k");
+        assert!(good.validate().is_ok());
+        let mut c = good.clone();
+        c.deployment = "has space".into();
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .starts_with("ironic-deployment:"));
+        let mut c = good.clone();
+        c.image = Some(Image {
+            url: "no-scheme.qcow2".into(),
+            checksum: "abc".into(),
+        });
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .starts_with("ironic-image:"));
+        let mut c = good;
+        c.address_field = None;
+        c.address_from_inventory = false;
+        assert!(c.validate().is_err());
+    }
+}

@@ -1,0 +1,288 @@
+//! The Ironic provider when Ironic misbehaves, against a real Ironic (behind a fault-injecting
+//! proxy where Ironic itself cannot be made to fail): 503s and slow answers, NodeLocked on
+//! power requests, the API down at start-up and mid-run, a deploy that fails, a deploy Ironic
+//! refuses, and a BMDB insert that fails after the reservation.
+
+use std::sync::atomic::Ordering::SeqCst;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use shepherd_bmdb::{testing, Bmdb, Processor, Provider as Kind, ProviderStatus, Session};
+use shepherd_ironic::testing::{FaultProxy, IronicServer, TestAuth};
+use shepherd_ironic::{
+    ApiError, Auth, Client, ConnectError, IronicConfig, IronicProvider, RetryPolicy,
+};
+use shepherd_loops::limiter::RateSpec;
+use shepherd_loops::metrics::CallMetrics;
+use shepherd_loops::provider::{Provider, Recoverer};
+use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
+use shepherd_loops::reconcile::Limits;
+use shepherd_loops::updater::Updater;
+
+const KEY: &str = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBr2dFCaBHNnDyb0BdXhYrT4Hp4KHLrUeL2vE3GFmBCX shepherd@test";
+
+fn retries(timeout: Duration) -> RetryPolicy {
+    RetryPolicy {
+        attempts: 4,
+        base_delay: Duration::from_millis(50),
+        max_delay: Duration::from_millis(200),
+        timeout,
+    }
+}
+
+fn config() -> IronicConfig {
+    let mut c = IronicConfig::new("site-a", KEY);
+    c.address_from_inventory = false;
+    c
+}
+
+async fn provider_at(url: &str, timeout: Duration) -> Result<Arc<IronicProvider>, ConnectError> {
+    let client = Client::new(
+        url,
+        Auth::None,
+        retries(timeout),
+        Arc::new(CallMetrics::default()),
+    )
+    .unwrap();
+    IronicProvider::connect(client, config())
+        .await
+        .map(Arc::new)
+}
+
+fn provisioner(p: Arc<IronicProvider>) -> Provisioner<IronicProvider> {
+    Provisioner::new(
+        p,
+        ProvisionerConfig {
+            limits: Limits::new(0, 50),
+            reconcile_rate: RateSpec::new(Duration::from_millis(1), 1),
+            creation_rate: RateSpec::new(Duration::from_millis(1), 1000),
+        },
+    )
+}
+
+async fn session(db: &Bmdb) -> Session {
+    testing::session(db, Processor::ShepherdProvisioner).await
+}
+
+async fn recorded(db: &Bmdb) -> Vec<(String, Option<ProviderStatus>)> {
+    testing::provided_by(db, Kind::Ironic)
+        .await
+        .into_iter()
+        .map(|(_, p)| (p.provider_id, p.status))
+        .collect()
+}
+
+#[tokio::test]
+async fn unavailable_and_slow_answers_are_retried_within_bounds_and_nothing_is_created_meanwhile() {
+    let ironic = IronicServer::start(TestAuth::None).await;
+    let nodes = ironic.fake_nodes(3, |_| json!({})).await;
+    let proxy = FaultProxy::start(&ironic).await;
+    // Attempts time out after 2 s: longer than Ironic answers here even while other tests
+    // start their Ironic, shorter than the slow answers below.
+    let p = provider_at(&proxy.url(), Duration::from_secs(2))
+        .await
+        .unwrap();
+    let t = testing::sqlite().await;
+    let s = session(&t.db).await;
+
+    // Two 503s: the listing is retried and the pass goes through.
+    proxy.faults.unavailable.store(2, SeqCst);
+    let r = provisioner(p.clone()).iterate(&s).await.unwrap();
+    assert_eq!(r.created, 3, "{r:?}");
+    assert_eq!(
+        proxy.faults.unavailable.load(SeqCst),
+        0,
+        "both 503s were seen"
+    );
+
+    // Answers slower than the attempt timeout, every time: the pass fails after its bounded
+    // attempts, and nothing changes at Ironic or in the BMDB.
+    let more = ironic.fake_nodes(1, |_| json!({})).await;
+    proxy.faults.delay_ms.store(3000, SeqCst);
+    let started = Instant::now();
+    let err = provisioner(p.clone()).iterate(&s).await.unwrap_err();
+    assert!(format!("{err:#}").contains("transport"), "{err:#}");
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "bounded: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(recorded(&t.db).await.len(), 3);
+    assert!(ironic.node(&more[0]).await["instance_uuid"].is_null());
+    // Back to normal: the next pass brings the new node in.
+    proxy.faults.delay_ms.store(0, SeqCst);
+    let r = provisioner(p.clone()).iterate(&s).await.unwrap();
+    assert_eq!((r.created, r.managed), (1, 3), "{r:?}");
+    for id in nodes.iter().chain(&more) {
+        ironic.wait_for_state(id, "active").await;
+        assert_eq!(ironic.deploys_started(id).await, 1);
+    }
+
+    // NodeLocked on the power request: retried with backoff, then the reboot goes through.
+    proxy.faults.node_locked.store(2, SeqCst);
+    let m = p.get_machine(&nodes[0]).await.unwrap();
+    p.reboot(&m).await.unwrap();
+    assert_eq!(
+        proxy.seen("/states/power"),
+        3,
+        "two NodeLocked answers, then the reboot"
+    );
+    // More NodeLocked answers than attempts: the reboot fails, with Ironic's words.
+    proxy.faults.node_locked.store(10, SeqCst);
+    let err = p.reboot(&m).await.unwrap_err();
+    assert!(err.to_string().contains("is locked by host"), "{err}");
+    s.close().await.unwrap();
+    t.cleanup().await;
+}
+
+#[tokio::test]
+async fn the_api_down_at_start_up_fails_clearly_and_down_mid_run_changes_nothing() {
+    // Nobody listens: start-up fails after its bounded attempts, saying so.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let started = Instant::now();
+    let err = match provider_at(&format!("http://{closed}"), Duration::from_secs(2)).await {
+        Err(e) => e,
+        Ok(_) => panic!("connected to nothing"),
+    };
+    assert!(
+        matches!(err, ConnectError::Api(ApiError::Connect(_))),
+        "{err}"
+    );
+    assert!(err.to_string().contains("cannot connect"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+
+    let mut ironic = IronicServer::start(TestAuth::None).await;
+    let nodes = ironic.fake_nodes(2, |_| json!({})).await;
+    let p = provider_at(&ironic.url(), Duration::from_secs(5))
+        .await
+        .unwrap();
+    let t = testing::sqlite().await;
+    let s = session(&t.db).await;
+    ironic.stop();
+    let err = provisioner(p.clone()).iterate(&s).await.unwrap_err();
+    assert!(format!("{err:#}").contains("cannot connect"), "{err:#}");
+    assert!(recorded(&t.db).await.is_empty());
+    // The updater does not mark anything Missing for an API that is down.
+    Updater::new(p.clone(), RateSpec::new(Duration::from_millis(1), 1))
+        .iterate(&s)
+        .await
+        .unwrap_err();
+    ironic.restart().await;
+    let r = provisioner(p.clone()).iterate(&s).await.unwrap();
+    assert_eq!(r.created, 2, "{r:?}");
+    for id in &nodes {
+        ironic.wait_for_state(id, "active").await;
+        assert_eq!(ironic.deploys_started(id).await, 1);
+    }
+    s.close().await.unwrap();
+    t.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_failed_deploy_is_a_failed_machine_with_ironics_last_error_and_a_refused_one_is_released()
+{
+    let ironic = IronicServer::start(TestAuth::None).await;
+    // A node whose deploy Ironic starts and then fails: a ramdisk deploy over PXE whose
+    // kernel cannot be fetched.
+    let failing = ironic
+        .enroll(json!({
+            "driver": "fake-hardware", "deploy_interface": "ramdisk", "boot_interface": "pxe",
+            "driver_info": {"deploy_kernel": "http://127.0.0.1:1/k", "deploy_ramdisk": "http://127.0.0.1:1/r"},
+            "instance_info": {"kernel": "http://127.0.0.1:1/k", "ramdisk": "http://127.0.0.1:1/r"},
+        }))
+        .await;
+    let (status, body) = ironic
+        .send_json(
+            reqwest::Method::POST,
+            "/v1/ports",
+            json!({"node_uuid": failing, "address": "52:54:00:12:34:56"}),
+        )
+        .await;
+    assert_eq!(status, 201, "{body}");
+    // A node whose deploy Ironic refuses outright (its boot interface cannot boot a ramdisk).
+    let refused = ironic
+        .enroll(json!({"driver": "fake-hardware", "deploy_interface": "ramdisk", "boot_interface": "fake"}))
+        .await;
+    let both = [failing.clone(), refused.clone()];
+    ironic.provision_all(&both, "manage", "manageable").await;
+    ironic.provision_all(&both, "provide", "available").await;
+
+    let p = provider_at(&ironic.url(), Duration::from_secs(10))
+        .await
+        .unwrap();
+    let t = testing::sqlite().await;
+    let s = session(&t.db).await;
+    let r = provisioner(p.clone()).iterate(&s).await.unwrap();
+    assert_eq!((r.created, r.failed), (1, 1), "{r:?}");
+    ironic.wait_for_state(&failing, "deploy failed").await;
+
+    // The failed deploy: the machine is failed at the provider, with Ironic's last_error.
+    let m = p.get_machine(&failing).await.unwrap();
+    assert!(m.failed);
+    let cause = m.cause.unwrap();
+    assert!(
+        cause.contains("deploy failed") && cause.contains("127.0.0.1:1/k"),
+        "{cause}"
+    );
+    Updater::new(p.clone(), RateSpec::new(Duration::from_millis(1), 1))
+        .iterate(&s)
+        .await
+        .unwrap();
+    assert_eq!(
+        recorded(&t.db).await,
+        vec![(
+            failing.clone(),
+            Some(ProviderStatus::ProvisioningFailedPermanent)
+        )]
+    );
+    // The refused one was given back and is skipped for a while: no second attempt.
+    let node = ironic.node(&refused).await;
+    assert!(node["instance_uuid"].is_null(), "released: {node}");
+    assert!(node["extra"].get("shepherd_deployment").is_none(), "{node}");
+    let r = provisioner(p.clone()).iterate(&s).await.unwrap();
+    assert_eq!(
+        (r.created, r.failed),
+        (0, 0),
+        "the refused node is skipped: {r:?}"
+    );
+    s.close().await.unwrap();
+    t.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_node_reserved_and_deployed_whose_insert_failed_is_adopted_not_deployed_again() {
+    let ironic = IronicServer::start(TestAuth::None).await;
+    let nodes = ironic.fake_nodes(2, |_| json!({})).await;
+    let p = provider_at(&ironic.url(), Duration::from_secs(10))
+        .await
+        .unwrap();
+    let t = testing::sqlite().await;
+
+    // The session is gone when the provisioner records the machines: every insert fails
+    // after Ironic reserved and deployed the node.
+    let s = session(&t.db).await;
+    let listed = p.list_machines().await.unwrap();
+    s.close().await.unwrap();
+    for m in &listed {
+        let err = p.create_machine(&s, m).await.unwrap_err();
+        assert!(err.to_string().contains("adopted next pass"), "{err}");
+    }
+    assert!(recorded(&t.db).await.is_empty());
+    for id in &nodes {
+        ironic.wait_for_state(id, "active").await;
+    }
+    // The next pass, with a live session, adopts both: recorded, and deployed only once.
+    let s = session(&t.db).await;
+    let r = provisioner(p.clone()).iterate(&s).await.unwrap();
+    assert_eq!((r.created, r.failed), (2, 0), "{r:?}");
+    assert_eq!(recorded(&t.db).await.len(), 2);
+    for id in &nodes {
+        assert_eq!(ironic.deploys_started(id).await, 1, "{id}");
+    }
+    s.close().await.unwrap();
+    t.cleanup().await;
+}

@@ -1,0 +1,435 @@
+//! The Ironic provider against a real, standalone Ironic on loopback (fake-hardware nodes):
+//! reservation, deploy with a config drive, orphans adopted without a second deploy, nodes of
+//! other clients left alone, maintenance, reboot, refused credentials.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+use shepherd_bmdb::{testing, Bmdb, Processor, Provider as Kind, ProviderStatus, Session};
+use shepherd_ironic::testing::{IronicServer, TestAuth};
+use shepherd_ironic::{
+    ApiError, Auth, Client, ConnectError, IronicConfig, IronicProvider, RetryPolicy,
+};
+use shepherd_loops::limiter::RateSpec;
+use shepherd_loops::metrics::CallMetrics;
+use shepherd_loops::provider::{Provider, ProviderError, ProviderMachine, Recoverer};
+use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
+use shepherd_loops::reconcile::Limits;
+use shepherd_loops::updater::Updater;
+
+const KEY: &str = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBr2dFCaBHNnDyb0BdXhYrT4Hp4KHLrUeL2vE3GFmBCX shepherd@test";
+
+fn quick_retries() -> RetryPolicy {
+    RetryPolicy {
+        attempts: 3,
+        base_delay: Duration::from_millis(50),
+        max_delay: Duration::from_millis(200),
+        timeout: Duration::from_secs(20),
+    }
+}
+
+fn config(deployment: &str) -> IronicConfig {
+    let mut c = IronicConfig::new(deployment, KEY);
+    c.selector.resource_class = Some("shepherd-test".into());
+    c.address_from_inventory = false;
+    c
+}
+
+async fn provider(ironic: &IronicServer, config: IronicConfig) -> Arc<IronicProvider> {
+    let client = Client::new(
+        &ironic.url(),
+        ironic.auth(),
+        quick_retries(),
+        Arc::new(CallMetrics::default()),
+    )
+    .unwrap();
+    Arc::new(IronicProvider::connect(client, config).await.unwrap())
+}
+
+fn provisioner(p: Arc<IronicProvider>, chunk: usize) -> Provisioner<IronicProvider> {
+    Provisioner::new(
+        p,
+        ProvisionerConfig {
+            limits: Limits::new(0, chunk),
+            reconcile_rate: RateSpec::new(Duration::from_millis(1), 1),
+            creation_rate: RateSpec::new(Duration::from_millis(1), 1000),
+        },
+    )
+}
+
+async fn session(db: &Bmdb) -> Session {
+    testing::session(db, Processor::ShepherdProvisioner).await
+}
+
+/// The BMDB's Ironic machines: provider id → status.
+async fn recorded(db: &Bmdb) -> std::collections::BTreeMap<String, Option<ProviderStatus>> {
+    testing::provided_by(db, Kind::Ironic)
+        .await
+        .into_iter()
+        .map(|(_, p)| (p.provider_id, p.status))
+        .collect()
+}
+
+#[tokio::test]
+async fn available_nodes_are_reserved_deployed_once_with_our_key_and_recorded() {
+    let ironic = IronicServer::start(TestAuth::None).await;
+    let nodes = ironic
+        .fake_nodes(
+            5,
+            |i| json!({"ssh_address": format!("127.0.0.1:{}", 2200 + i)}),
+        )
+        .await;
+    // A node of another resource class is not ours to take.
+    let other = ironic
+        .enroll(json!({"driver": "fake-hardware", "resource_class": "someone-else"}))
+        .await;
+    ironic
+        .provision_all(std::slice::from_ref(&other), "manage", "manageable")
+        .await;
+    ironic
+        .provision_all(std::slice::from_ref(&other), "provide", "available")
+        .await;
+
+    let t = testing::sqlite().await;
+    let s = session(&t.db).await;
+    let p = provider(&ironic, config("site-a")).await;
+    let report = provisioner(p.clone(), 3).iterate(&s).await.unwrap();
+    assert_eq!((report.created, report.failed), (3, 0), "{report:?}");
+    let report = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    assert_eq!((report.created, report.managed), (2, 3), "{report:?}");
+
+    let seen = recorded(&t.db).await;
+    assert_eq!(seen.keys().cloned().collect::<Vec<_>>(), {
+        let mut n = nodes.clone();
+        n.sort();
+        n
+    });
+    for id in &nodes {
+        ironic.wait_for_state(id, "active").await;
+        let node = ironic.node(id).await;
+        assert_eq!(node["extra"]["shepherd_deployment"], "site-a");
+        assert!(node["instance_uuid"].is_string());
+        assert_eq!(
+            ironic.deploys_started(id).await,
+            1,
+            "node {id} deployed once"
+        );
+        let stored = ironic.stored_instance_info(id);
+        assert_eq!(
+            stored["configdrive"]["meta_data"]["public_keys"]["shepherd"], KEY,
+            "the config drive Ironic stored for {id} carries Shepherd's key: {stored}"
+        );
+    }
+    let other_node = ironic.node(&other).await;
+    assert_eq!(other_node["provision_state"], "available");
+    assert!(other_node["instance_uuid"].is_null());
+
+    // Addresses come from the named field; the updater sees them deployed and running.
+    let machine = p.get_machine(&nodes[2]).await.unwrap();
+    assert_eq!(machine.addr.as_deref(), Some("127.0.0.1:2202"));
+    Updater::new(p.clone(), RateSpec::new(Duration::from_millis(1), 1))
+        .iterate(&s)
+        .await
+        .unwrap();
+    assert!(recorded(&t.db)
+        .await
+        .values()
+        .all(|s| *s == Some(ProviderStatus::Running)));
+    s.close().await.unwrap();
+    t.cleanup().await;
+}
+
+#[tokio::test]
+async fn orphans_are_adopted_without_a_second_deploy_and_other_clients_nodes_are_left_alone() {
+    let ironic = IronicServer::start(TestAuth::None).await;
+    let nodes = ironic.fake_nodes(4, |_| json!({})).await;
+    let t = testing::sqlite().await;
+    let s = session(&t.db).await;
+    let p = provider(&ironic, config("site-a")).await;
+
+    // nodes[0]: reserved and deployed by this deployment, but its BMDB insert never happened.
+    // nodes[1]: reserved by this deployment, the replica died before asking for the deploy.
+    // nodes[2]: reserved by another client (no deployment of ours).
+    // nodes[3]: another deployment of Shepherd.
+    let reserve = |id: &String, deployment: Option<&str>| {
+        let mut ops = vec![json!({"op": "add", "path": "/instance_uuid", "value": uuid_v4()})];
+        if let Some(d) = deployment {
+            ops.push(json!({"op": "add", "path": "/extra/shepherd_deployment", "value": d}));
+        }
+        (format!("/v1/nodes/{id}"), serde_json::Value::Array(ops))
+    };
+    for (id, deployment) in [
+        (&nodes[0], Some("site-a")),
+        (&nodes[1], Some("site-a")),
+        (&nodes[2], None),
+        (&nodes[3], Some("site-b")),
+    ] {
+        let (path, ops) = reserve(id, deployment);
+        let (status, body) = ironic.send_json(reqwest::Method::PATCH, &path, ops).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    let (status, body) = ironic
+        .send_json(
+            reqwest::Method::PUT,
+            &format!("/v1/nodes/{}/states/provision", nodes[0]),
+            json!({"target": "active"}),
+        )
+        .await;
+    assert_eq!(status, 202, "{body}");
+    ironic.wait_for_state(&nodes[0], "active").await;
+
+    let report = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    assert_eq!(
+        (report.created, report.failed),
+        (2, 0),
+        "both orphans adopted: {report:?}"
+    );
+    let seen = recorded(&t.db).await;
+    let mut want = vec![nodes[0].clone(), nodes[1].clone()];
+    want.sort();
+    assert_eq!(seen.keys().cloned().collect::<Vec<_>>(), want);
+    ironic.wait_for_state(&nodes[1], "active").await;
+    assert_eq!(
+        ironic.deploys_started(&nodes[0]).await,
+        1,
+        "the deployed orphan is not deployed again"
+    );
+    assert_eq!(
+        ironic.deploys_started(&nodes[1]).await,
+        1,
+        "the reserved orphan is deployed once"
+    );
+    for other in &nodes[2..] {
+        let node = ironic.node(other).await;
+        assert_eq!(node["provision_state"], "available", "{other} left alone");
+        assert_eq!(ironic.deploys_started(other).await, 0);
+    }
+    // Passes after that change nothing.
+    let report = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    assert_eq!(
+        (report.created, report.adopted, report.managed),
+        (0, 0, 2),
+        "{report:?}"
+    );
+
+    // A second Shepherd replica of the same deployment racing for the same node: Ironic's
+    // compare-and-set on instance_uuid lets one win.
+    s.close().await.unwrap();
+    t.cleanup().await;
+}
+
+fn uuid_v4() -> String {
+    uuid::Uuid::new_v4().to_string()
+}
+
+#[tokio::test]
+async fn two_replicas_racing_for_the_same_nodes_deploy_each_node_once() {
+    let ironic = IronicServer::start(TestAuth::None).await;
+    let nodes = ironic.fake_nodes(12, |_| json!({})).await;
+    let t = testing::sqlite().await;
+    let (a, b) = (
+        provider(&ironic, config("site-a")).await,
+        provider(&ironic, config("site-a")).await,
+    );
+    let (sa, sb) = (session(&t.db).await, session(&t.db).await);
+    // Each replica lists the nodes before the other takes any, then both create every one.
+    let (la, lb) = (
+        a.list_machines().await.unwrap(),
+        b.list_machines().await.unwrap(),
+    );
+    let creations = |p: Arc<IronicProvider>, s: Session, listed: Vec<ProviderMachine>| async move {
+        let mut results = Vec::new();
+        for m in &listed {
+            results.push(p.create_machine(&s, m).await);
+        }
+        (results, s)
+    };
+    let ((ra, sa), (rb, sb)) = tokio::join!(creations(a, sa, la), creations(b, sb, lb));
+    let taken = ra
+        .iter()
+        .chain(&rb)
+        .filter(|r| matches!(r, Err(ProviderError::Taken(_))))
+        .count();
+    let created = ra.iter().chain(&rb).filter(|r| r.is_ok()).count();
+    let other: Vec<_> = ra
+        .iter()
+        .chain(&rb)
+        .filter_map(|r| match r {
+            Err(ProviderError::Taken(_)) | Ok(_) => None,
+            Err(e) => Some(e.to_string()),
+        })
+        .collect();
+    assert!(other.is_empty(), "no other failures: {other:?}");
+    assert_eq!(
+        (created, taken),
+        (12, 12),
+        "each node created by one replica, refused to the other"
+    );
+    assert_eq!(recorded(&t.db).await.len(), 12);
+    for id in &nodes {
+        ironic.wait_for_state(id, "active").await;
+        assert_eq!(ironic.deploys_started(id).await, 1, "node {id}");
+    }
+    sa.close().await.unwrap();
+    sb.close().await.unwrap();
+    t.cleanup().await;
+}
+
+#[tokio::test]
+async fn maintenance_is_marked_and_never_power_cycled_and_reboots_go_through_ironic() {
+    let ironic = IronicServer::start(TestAuth::None).await;
+    let nodes = ironic.fake_nodes(2, |_| json!({})).await;
+    let t = testing::sqlite().await;
+    let s = session(&t.db).await;
+    let p = provider(&ironic, config("site-a")).await;
+    provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    for id in &nodes {
+        ironic.wait_for_state(id, "active").await;
+    }
+    ironic
+        .set_maintenance(&nodes[0], true, "fan replaced")
+        .await;
+    Updater::new(p.clone(), RateSpec::new(Duration::from_millis(1), 1))
+        .iterate(&s)
+        .await
+        .unwrap();
+    let seen = recorded(&t.db).await;
+    assert_eq!(seen[&nodes[0]], Some(ProviderStatus::Maintenance));
+    assert_eq!(seen[&nodes[1]], Some(ProviderStatus::Running));
+
+    let in_maintenance = p.get_machine(&nodes[0]).await.unwrap();
+    let err = p.reboot(&in_maintenance).await.unwrap_err();
+    assert!(
+        err.to_string().contains("maintenance") && err.to_string().contains("fan replaced"),
+        "{err}"
+    );
+    let before = ironic.node(&nodes[0]).await;
+
+    let healthy = p.get_machine(&nodes[1]).await.unwrap();
+    p.reboot(&healthy).await.unwrap();
+    assert_eq!(
+        ironic.node(&nodes[0]).await["power_state"],
+        before["power_state"]
+    );
+    // Gone from Ironic: not found, and the updater marks it Missing.
+    let (status, _) = ironic
+        .send_json(
+            reqwest::Method::DELETE,
+            &format!("/v1/nodes/{}/maintenance", nodes[0]),
+            json!({}),
+        )
+        .await;
+    assert_eq!(status, 202);
+    s.close().await.unwrap();
+    t.cleanup().await;
+}
+
+#[tokio::test]
+async fn credentials_are_checked_at_start_up_and_the_password_is_never_shown() {
+    let ironic = IronicServer::start(TestAuth::Basic {
+        user: "shepherd".into(),
+        password: "correct horse".into(),
+    })
+    .await;
+    ironic.fake_nodes(1, |_| json!({})).await;
+    let metrics = Arc::new(CallMetrics::default());
+    let wrong = Client::new(
+        &ironic.url(),
+        Auth::Basic {
+            user: "shepherd".into(),
+            password: "battery staple".into(),
+        },
+        quick_retries(),
+        metrics.clone(),
+    )
+    .unwrap();
+    let started = std::time::Instant::now();
+    let err = match IronicProvider::connect(wrong, config("site-a")).await {
+        Err(e) => e,
+        Ok(_) => panic!("a wrong password was accepted"),
+    };
+    assert!(
+        matches!(err, ConnectError::Api(ApiError::Unauthorized { .. })),
+        "{err}"
+    );
+    assert!(err.to_string().contains("refused the credentials"), "{err}");
+    assert!(!err.to_string().contains("battery"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(5), "not retried");
+    let none = Client::new(&ironic.url(), Auth::None, quick_retries(), metrics).unwrap();
+    assert!(IronicProvider::connect(none, config("site-a"))
+        .await
+        .is_err());
+
+    let p = provider(&ironic, config("site-a")).await;
+    let listed = p.list_machines().await.unwrap();
+    assert_eq!(listed.len(), 1);
+}
+
+#[tokio::test]
+async fn decommissioned_nodes_are_released_and_torn_down_only_when_asked() {
+    let ironic = IronicServer::start(TestAuth::None).await;
+    let nodes = ironic.fake_nodes(2, |_| json!({})).await;
+    let t = testing::sqlite().await;
+    let s = session(&t.db).await;
+    let p = provider(&ironic, config("site-a")).await;
+    let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    assert_eq!(r.created, 2, "{r:?}");
+    for id in &nodes {
+        ironic.wait_for_state(id, "active").await;
+    }
+    let machines: std::collections::BTreeMap<String, uuid::Uuid> =
+        testing::provided_by(&t.db, Kind::Ironic)
+            .await
+            .into_iter()
+            .map(|(m, p)| (p.provider_id, m))
+            .collect();
+    let operator = testing::session(&t.db, Processor::ShepherdOperator).await;
+    let who = shepherd_bmdb::Operator::new("alice", "rack moved").unwrap();
+    operator
+        .decommission(machines[&nodes[0]], &who, false)
+        .await
+        .unwrap();
+    operator
+        .decommission(machines[&nodes[1]], &who, true)
+        .await
+        .unwrap();
+
+    // Passes hand both back: the first only released (still deployed), the second torn
+    // down by Ironic and released; neither is taken again.
+    let mut handed_back = 0;
+    testing::eventually(
+        "both nodes handed back",
+        Duration::from_secs(60),
+        async || {
+            let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+            assert_eq!(r.created, 0, "a decommissioned node was taken again: {r:?}");
+            handed_back += r.handed_back;
+            let (kept, torn) = (ironic.node(&nodes[0]).await, ironic.node(&nodes[1]).await);
+            let released = |n: &serde_json::Value| {
+                n["instance_uuid"].is_null() && n["extra"].get("shepherd_deployment").is_none()
+            };
+            if released(&kept) && released(&torn) && torn["provision_state"] == "available" {
+                Ok(())
+            } else {
+                let brief = |n: &serde_json::Value| {
+                    format!(
+                        "{} instance {} extra {} last_error {}",
+                        n["provision_state"], n["instance_uuid"], n["extra"], n["last_error"]
+                    )
+                };
+                Err((brief(&kept), brief(&torn)))
+            }
+        },
+    )
+    .await;
+    assert_eq!(handed_back, 2);
+    assert_eq!(ironic.node(&nodes[0]).await["provision_state"], "active");
+    assert_eq!(ironic.deploys_started(&nodes[1]).await, 1);
+    let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    assert_eq!((r.created, r.decommissioned), (0, 1), "{r:?}");
+    assert!(recorded(&t.db).await.is_empty());
+    operator.close().await.unwrap();
+    s.close().await.unwrap();
+    t.cleanup().await;
+}

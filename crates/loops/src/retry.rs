@@ -1,0 +1,79 @@
+//! How provider REST clients retry a failed call: a bounded number of attempts, each with its
+//! own timeout, separated by capped exponential delays with jitter (so that many replicas do
+//! not retry in step). The Equinix and Ironic clients share this one convention.
+
+use std::time::Duration;
+
+/// How failed calls are retried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Attempts in all (the first included).
+    pub attempts: u32,
+    /// Delay before the first retry; doubles per retry, with jitter.
+    pub base_delay: Duration,
+    /// Largest delay between attempts, also the cap on a server's `Retry-After`.
+    pub max_delay: Duration,
+    /// Timeout of one attempt.
+    pub timeout: Duration,
+}
+
+impl Default for RetryPolicy {
+    /// Five attempts, 0.5 s doubling to at most 30 s between them, 30 s each.
+    fn default() -> Self {
+        RetryPolicy {
+            attempts: 5,
+            base_delay: Duration::from_millis(500),
+            max_delay: Duration::from_secs(30),
+            timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The delay before retry number `retry` (0-based): `base_delay × 2^retry`, capped at
+    /// `max_delay`, then jittered to 50–100 % of that.
+    pub fn delay(&self, retry: u32) -> Duration {
+        let exp = self
+            .base_delay
+            .saturating_mul(1u32.checked_shl(retry.min(30)).unwrap_or(u32::MAX));
+        exp.min(self.max_delay)
+            .mul_f64(0.5 + rand::random::<f64>() / 2.0)
+    }
+
+    /// The delay before retry number `retry`, at least the server's `Retry-After` (itself
+    /// capped at `max_delay`).
+    pub fn delay_after(&self, retry: u32, retry_after: Option<Duration>) -> Duration {
+        let delay = self.delay(retry);
+        match retry_after {
+            Some(after) => delay.max(after.min(self.max_delay)),
+            None => delay,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delays_double_stay_capped_and_keep_at_least_half() {
+        let p = RetryPolicy {
+            attempts: 10,
+            base_delay: Duration::from_millis(100),
+            max_delay: Duration::from_secs(1),
+            timeout: Duration::from_secs(1),
+        };
+        for _ in 0..100 {
+            let d0 = p.delay(0);
+            assert!(d0 >= Duration::from_millis(50) && d0 <= Duration::from_millis(100));
+            let d3 = p.delay(3);
+            assert!(d3 >= Duration::from_millis(400) && d3 <= Duration::from_millis(800));
+            let d40 = p.delay(40);
+            assert!(d40 >= Duration::from_millis(500) && d40 <= Duration::from_secs(1));
+        }
+        let long = p.delay_after(0, Some(Duration::from_secs(60)));
+        assert_eq!(long, Duration::from_secs(1), "Retry-After is capped");
+        let short = p.delay_after(3, Some(Duration::from_millis(1)));
+        assert!(short >= Duration::from_millis(400));
+    }
+}

@@ -1,0 +1,370 @@
+//! `shepherd run --provider ironic` as processes against a real, standalone OpenStack Ironic
+//! on loopback: two replicas share a fleet of fake-hardware nodes, each node is deployed
+//! exactly once (Ironic's node history and Shepherd's audit history agree) and taken over over
+//! SSH by the stand-in agent (several nodes share one sshd, so they cannot each run a real
+//! agent: every node's agent would be uploaded to the same path of this one host); a real agent
+//! on an Ironic node heartbeats through `shepherd server`, and when it goes silent its node is
+//! rebooted through Ironic and taken over again.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::{Command, Stdio};
+
+use common::sushy;
+use common::{announced, shepherd, wait_for, ChildGuard};
+use serde_json::json;
+use shepherd_bmdb::{testing, Bmdb, OpenOptions, Process, Provider, WorkEvent};
+use shepherd_ironic::testing::{ImageServer, IronicServer, RedfishNode, TestAuth};
+use shepherd_ssh::testing::Sshd;
+
+const PASSWORD: &str = "s3cret-ironic-pass";
+
+/// The Redfish id of the emulated system behind the Redfish node.
+const SYSTEM: &str = "7b4c1d4e-3f52-4b7e-9a51-2a0d5e6f7a01";
+
+/// `shepherd run --provider ironic` against `ironic` with HTTP basic credentials (the password
+/// from the environment), taking nodes of resource class `shepherd-test` as deployment `e2e`.
+fn ironic_run(
+    db: &str,
+    ironic: &IronicServer,
+    key: &std::path::Path,
+    agent: &std::path::Path,
+    target: &str,
+) -> Command {
+    let mut cmd = shepherd();
+    cmd.args(["run", "--provider", "ironic", "--migrate", "--database", db])
+        .args(["--ironic-url", &ironic.url()])
+        .args(["--ironic-user", "shepherd"])
+        .env("SHEPHERD_IRONIC_PASSWORD", PASSWORD)
+        .args(["--ironic-deployment", "e2e"])
+        .args(["--ironic-resource-class", "shepherd-test"])
+        .args(["--ironic-address-from-inventory", "false"])
+        .args(["--ironic-reboot-wait", "1s"])
+        .args(["--ironic-deploy-wait", "3s"])
+        .arg(format!("--ssh-key={}", key.display()))
+        .args([
+            "--ssh-user",
+            &std::env::var("USER").unwrap_or_else(|_| "root".into()),
+        ])
+        .args(["--ssh-connect-timeout", "10s"])
+        .arg(format!("--agent-executable={}", agent.display()))
+        .arg(format!("--agent-target-path={target}"))
+        .args(["--provisioner-max-machines", "0"])
+        .args(["--provisioner-chunk-size", "50"])
+        .args(["--provisioner-reconcile-rate", "2s,1"])
+        .args(["--provisioner-creation-rate", "1ms,50"])
+        .args(["--initializer-parallelism", "8"])
+        .args(["--initializer-db-rate", "20ms,16"])
+        .args(["--session-interval", "2s"])
+        .stdout(Stdio::null());
+    cmd
+}
+
+/// Machine → process → events, in history order.
+async fn history_by_machine(db: &Bmdb) -> BTreeMap<(uuid::Uuid, Process), Vec<WorkEvent>> {
+    let mut by = BTreeMap::<_, Vec<WorkEvent>>::new();
+    for e in testing::all_history(db).await {
+        by.entry((e.machine_id, e.process))
+            .or_default()
+            .push(e.event);
+    }
+    by
+}
+
+/// Ironic machines of the BMDB whose agent has started: provider id → machine.
+async fn started(db: &Bmdb) -> BTreeMap<String, uuid::Uuid> {
+    let provided = testing::provided_by(db, Provider::Ironic).await;
+    db.read(move |tx| {
+        let provided = provided.clone();
+        Box::pin(async move {
+            let mut out = BTreeMap::new();
+            for (id, p) in provided {
+                if tx.agent_started(id).await?.is_some() {
+                    out.insert(p.provider_id, id);
+                }
+            }
+            Ok(out)
+        })
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_take_every_node_over_and_deploy_each_exactly_once() {
+    const NODES: usize = 200;
+    const SSHDS: usize = 4;
+    let Some(db_url) = testing::fresh_postgres_database().await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let key_path = dir.path().join("id_ed25519");
+    let key = shepherd_ssh::load_or_generate_key(&key_path).unwrap();
+    let public = key.public_key().to_openssh().unwrap();
+    // Several nodes share one sshd: the stand-in agent keeps no state on the machine.
+    let sshds: Vec<Sshd> = (0..SSHDS)
+        .map(|_| Sshd::start(&[key.public_key()]))
+        .collect();
+    let ironic = IronicServer::start(TestAuth::Basic {
+        user: "shepherd".into(),
+        password: PASSWORD.into(),
+    })
+    .await;
+    let nodes = ironic
+        .fake_nodes(NODES, |i| json!({"ssh_address": sshds[i % SSHDS].addr()}))
+        .await;
+
+    let agent = shepherd_loops::testing::test_agent_path();
+    let target = dir.path().join("agent").display().to_string();
+    let logs: Vec<_> = (0..2)
+        .map(|i| dir.path().join(format!("run-{i}.log")))
+        .collect();
+    // The schema first, so that the test reads the database while the replicas start.
+    Bmdb::open_with(&db_url, &OpenOptions::migrating(true))
+        .await
+        .unwrap()
+        .close()
+        .await;
+    let mut replicas: Vec<ChildGuard> = logs
+        .iter()
+        .map(|log| {
+            ChildGuard(Some(
+                ironic_run(&db_url, &ironic, &key_path, &agent, &target)
+                    // The stand-in agent answers the takeover and never heartbeats.
+                    .args(["--agent-endpoint", "bmaas.test:443"])
+                    .stderr(std::fs::File::create(log).unwrap())
+                    .spawn()
+                    .unwrap(),
+            ))
+        })
+        .collect();
+
+    let db = Bmdb::open_with(&db_url, &OpenOptions::migrating(true))
+        .await
+        .unwrap();
+    // Uploading the (debug build of the) stand-in agent to four sshds on two cores paces this
+    // at about a takeover a second.
+    let taken = wait_for("every node taken over", 480, async || {
+        for (r, log) in replicas.iter_mut().zip(&logs) {
+            if let Ok(Some(status)) = r.child().try_wait() {
+                panic!(
+                    "a replica exited ({status}): {}",
+                    std::fs::read_to_string(log).unwrap_or_default()
+                );
+            }
+        }
+        let s = started(&db).await;
+        (s.len() == NODES).then_some(s)
+    })
+    .await;
+
+    // Every node of Ironic's is a machine of Shepherd's, exactly once.
+    assert_eq!(
+        taken.keys().cloned().collect::<BTreeSet<_>>(),
+        nodes.iter().cloned().collect::<BTreeSet<_>>()
+    );
+    assert_eq!(
+        testing::provided_by(&db, Provider::Ironic).await.len(),
+        NODES
+    );
+    // Ironic deployed each node exactly once, for this deployment, with our key.
+    let stored = ironic.stored_instance_infos();
+    for id in &nodes {
+        ironic.wait_for_state(id, "active").await;
+        assert_eq!(
+            ironic.deploys_started(id).await,
+            1,
+            "node {id} deployed once"
+        );
+        let node = ironic.node(id).await;
+        assert_eq!(node["extra"]["shepherd_deployment"], "e2e");
+        let drive = stored[id]["configdrive"].clone();
+        assert_eq!(
+            drive["meta_data"]["public_keys"]["shepherd"],
+            public.as_str(),
+            "{id}"
+        );
+    }
+    // Shepherd's audit history: each takeover ran to one Finished, never two workers at once.
+    for ((machine, process), events) in history_by_machine(&db).await {
+        if process != Process::ShepherdAgentStart {
+            continue;
+        }
+        for pair in events.chunks(2) {
+            assert_eq!(pair[0], WorkEvent::Started, "{machine}: {events:?}");
+            assert!(
+                pair.len() == 2 && pair[1] != WorkEvent::Started,
+                "{machine}: {events:?}"
+            );
+        }
+        let finished = events.iter().filter(|e| **e == WorkEvent::Finished).count();
+        assert_eq!(finished, 1, "{machine}: {events:?}");
+    }
+
+    // The initializer waited for the deploys (`--ironic-deploy-wait`) instead of failing on
+    // them; a takeover that still came too early failed only because the deploy ran on.
+    for e in testing::all_history(&db).await {
+        if e.event == WorkEvent::Failed {
+            let cause = e.cause.unwrap_or_default();
+            assert!(cause.contains("still provisioning"), "{cause}");
+        }
+    }
+
+    for r in replicas.drain(..) {
+        let out = r.terminate();
+        assert!(out.status.success(), "a replica failed to stop cleanly");
+    }
+    for log in &logs {
+        let text = std::fs::read_to_string(log).unwrap();
+        assert!(
+            !text.contains(PASSWORD),
+            "the Ironic password is in a log: {}",
+            log.display()
+        );
+        assert!(!text.contains("\"level\":\"ERROR\""), "{text}");
+    }
+    db.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_agent_on_a_redfish_node_is_rebooted_through_ironic_and_taken_over_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let db_url = format!("sqlite:{}", dir.path().join("bmdb.sqlite").display());
+    let mut server = ChildGuard(Some(
+        common::server(&db_url, dir.path())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    ));
+    let addr = announced(server.child(), "shepherd server: listening on ");
+    let port = addr.rsplit_once(':').unwrap().1.to_string();
+
+    let key_path = dir.path().join("id_ed25519");
+    let key = shepherd_ssh::load_or_generate_key(&key_path).unwrap();
+    // The real agent, told by the sshd to heartbeat every 300 ms.
+    let sshd = Sshd::start_with(
+        &[key.public_key()],
+        "SetEnv SHEPHERD_AGENT_HEARTBEAT_INTERVAL=300ms\n",
+    );
+    let ironic = IronicServer::start(TestAuth::Basic {
+        user: "shepherd".into(),
+        password: PASSWORD.into(),
+    })
+    .await;
+    // A node of Ironic's `redfish` type whose BMC is sushy-tools, brought to `active` with
+    // Ironic's `adopt` (a running machine handed to Ironic without a deploy: the `redfish`
+    // type has no fake deploy interface, and a real one would need a network boot), and
+    // marked as this deployment's, as an operator hands Shepherd a machine already running.
+    let emu = sushy::start_emulator(
+        dir.path(),
+        sushy::CertForm::CaSigned,
+        &[sushy::FakeSystem {
+            uuid: SYSTEM,
+            name: "bmc-node-0",
+        }],
+        None,
+    );
+    let images = ImageServer::start().await;
+    let node = ironic
+        .adopt_redfish_node(RedfishNode {
+            address: &emu.url,
+            system_id: &format!("/redfish/v1/Systems/{SYSTEM}"),
+            password: std::fs::read_to_string(&emu.password_file).unwrap().trim(),
+            ca: &emu.ca,
+            mac: "00:5c:52:31:3a:9c",
+            images: &images.url,
+            extra: json!({"ssh_address": sshd.addr(), "shepherd_deployment": "e2e"}),
+        })
+        .await;
+    let nodes = [node];
+    let resets = || {
+        std::fs::read_to_string(dir.path().join("emulator.log"))
+            .unwrap_or_default()
+            .matches("ComputerSystem.Reset")
+            .count()
+    };
+    assert_eq!(resets(), 0);
+    let target = sshd.dir().join("agent").display().to_string();
+    let run = ironic_run(
+        &db_url,
+        &ironic,
+        &key_path,
+        &shepherd_loops::testing::agent_path(),
+        &target,
+    )
+    .arg(format!("--agent-endpoint=localhost:{port}"))
+    .arg(format!(
+        "--agent-ca={}",
+        dir.path().join("certs/ca.pem").display()
+    ))
+    .args(["--recovery-no-heartbeat-after", "3s"])
+    .args(["--recovery-heartbeat-older-than", "2s"])
+    .args(["--recoverer-db-rate", "100ms,4"])
+    .stderr(std::fs::File::create(dir.path().join("run.log")).unwrap())
+    .spawn()
+    .unwrap();
+    let run = ChildGuard(Some(run));
+
+    let db = Bmdb::open(&db_url).await.unwrap();
+    let machine = wait_for("the agent heartbeating", 90, async || {
+        let s = started(&db).await;
+        let id = *s.get(&nodes[0])?;
+        let hb = db
+            .read(move |tx| Box::pin(async move { tx.heartbeat(id).await }))
+            .await
+            .unwrap();
+        hb.map(|_| id)
+    })
+    .await;
+    let first_key = db
+        .read(move |tx| Box::pin(async move { tx.agent_started(machine).await }))
+        .await
+        .unwrap()
+        .unwrap()
+        .public_key;
+
+    // The agent dies: the recoverer reboots the node through Ironic, and the initializer
+    // takes it over again with a new agent (a new key) that heartbeats.
+    // Anchored: `shepherd run` names the same path in its arguments.
+    let _ = Command::new("pkill")
+        .args(["-f", &format!("^{target}")])
+        .status();
+    wait_for("a new agent heartbeating", 120, async || {
+        let (started, hb) = db
+            .read(move |tx| {
+                Box::pin(async move {
+                    Ok((
+                        tx.agent_started(machine).await?,
+                        tx.heartbeat(machine).await?,
+                    ))
+                })
+            })
+            .await
+            .unwrap();
+        let s = started?;
+        (s.public_key != first_key && hb.is_some()).then_some(())
+    })
+    .await;
+    let recoveries = history_by_machine(&db)
+        .await
+        .remove(&(machine, Process::ShepherdRecovery))
+        .unwrap_or_default();
+    assert!(recoveries.contains(&WorkEvent::Finished), "{recoveries:?}");
+    assert!(
+        resets() >= 1,
+        "Ironic reset the system through its Redfish BMC: {}",
+        ironic.log_tail()
+    );
+
+    let out = run.terminate();
+    let log = std::fs::read_to_string(dir.path().join("run.log")).unwrap();
+    assert!(out.status.success(), "{log}");
+    assert!(!log.contains(PASSWORD), "the Ironic password is in the log");
+    server.terminate();
+    let _ = Command::new("pkill")
+        .args(["-f", &format!("^{target}")])
+        .status();
+    db.close().await;
+}
