@@ -41,6 +41,10 @@ use crate::model::{Node, PatchOp};
 /// The `extra` key that names the deployment that reserved a node.
 pub const DEPLOYMENT_KEY: &str = "shepherd_deployment";
 
+/// The `extra` key holding when a replica reserved the node (RFC 3339, the replica's clock),
+/// so that another replica can tell a creation in progress from an orphan.
+pub const RESERVED_AT_KEY: &str = "shepherd_reserved_at";
+
 /// Which available nodes Shepherd may take. Every criterion set must match; none set takes
 /// every available node.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -120,6 +124,10 @@ pub struct IronicConfig {
     pub reboot_wait: Duration,
     /// How long a node whose reservation or deploy was refused is skipped.
     pub refused_penalty: Duration,
+    /// How long a node of ours that the BMDB does not know must have been left unchanged
+    /// before it is adopted as an orphan: until then another replica of this deployment may
+    /// be creating it (reserved, not yet recorded).
+    pub orphan_grace: Duration,
 }
 
 impl IronicConfig {
@@ -136,6 +144,7 @@ impl IronicConfig {
             deploy_timeout: Duration::from_secs(3600),
             reboot_wait: Duration::from_secs(60),
             refused_penalty: Duration::from_secs(600),
+            orphan_grace: Duration::from_secs(60),
         }
     }
 
@@ -388,6 +397,10 @@ impl IronicProvider {
                 format!("/extra/{DEPLOYMENT_KEY}"),
                 self.config.deployment.clone(),
             ),
+            PatchOp::add(
+                format!("/extra/{RESERVED_AT_KEY}"),
+                chrono::Utc::now().to_rfc3339(),
+            ),
         ];
         if let Some(image) = &self.config.image {
             ops.push(PatchOp::add(
@@ -443,12 +456,17 @@ impl IronicProvider {
         }
     }
 
-    /// Gives the node back: removes our `instance_uuid` and deployment id (and the image).
-    async fn release(&self, uuid: &str) -> Result<(), ApiError> {
+    /// Gives `node` back: removes our `instance_uuid` and marks (and the image).
+    async fn release(&self, node: &Node) -> Result<(), ApiError> {
+        let uuid = node.uuid.as_str();
+        let node_has_reserved_at = node.extra.contains_key(RESERVED_AT_KEY);
         let mut ops = vec![
             PatchOp::remove("/instance_uuid"),
             PatchOp::remove(format!("/extra/{DEPLOYMENT_KEY}")),
         ];
+        if node_has_reserved_at {
+            ops.push(PatchOp::remove(format!("/extra/{RESERVED_AT_KEY}")));
+        }
         if self.config.image.is_some() {
             ops.push(PatchOp::remove("/instance_info/image_source"));
             ops.push(PatchOp::remove("/instance_info/image_checksum"));
@@ -473,7 +491,7 @@ impl IronicProvider {
         if node.target_provision_state.is_some() {
             return Ok(HandBack::InProgress);
         }
-        self.release(uuid)
+        self.release(&node)
             .await
             .map_err(api("release_node", uuid))?;
         let deployed = !matches!(node.state(), "available" | "manageable" | "enroll");
@@ -529,7 +547,7 @@ impl IronicProvider {
             // Ironic will not deploy it as it is (a driver that does not validate, say): give
             // it back rather than hold a node that is not deploying.
             self.refused.penalize(uuid.to_string());
-            if let Err(e) = self.release(uuid).await {
+            if let Err(e) = self.release(node).await {
                 tracing::warn!(node = uuid, error = %e, "releasing a node whose deploy was refused failed; it stays reserved and will be tried again as ours");
             }
         }
@@ -540,6 +558,16 @@ impl IronicProvider {
         }
         .into())
     }
+}
+
+/// Whether a replica reserved `node` less than `within` ago. A node without the mark (reserved
+/// by hand, or by an older Shepherd) counts as reserved long ago; a mark in the future (clocks
+/// apart) counts as recent.
+fn reserved_within(node: &Node, within: Duration) -> bool {
+    node.field(&format!("extra.{RESERVED_AT_KEY}"))
+        .and_then(|t| chrono::DateTime::parse_from_rfc3339(&t).ok())
+        .map(|t| chrono::Utc::now().signed_duration_since(t))
+        .is_some_and(|age| age.to_std().map_or(true, |age| age < within))
 }
 
 /// The first IPv4 address (else IPv6) of the inventory's interfaces, skipping loopback.
@@ -645,6 +673,11 @@ impl Provider for IronicProvider {
                     .map_err(api("get_node", id))?;
                 if !self.ours(&node) {
                     return Err(IronicError::NotOurs(id.to_string()).into());
+                }
+                if reserved_within(&node, self.config.orphan_grace) {
+                    return Err(ProviderError::Taken(format!(
+                        "node {id} was reserved by this deployment moments ago; another replica is still creating it"
+                    )));
                 }
                 tracing::warn!(
                     node = id,

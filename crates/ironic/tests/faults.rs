@@ -34,6 +34,7 @@ fn retries(timeout: Duration) -> RetryPolicy {
 fn config() -> IronicConfig {
     let mut c = IronicConfig::new("site-a", KEY);
     c.address_from_inventory = false;
+    c.orphan_grace = Duration::ZERO;
     c
 }
 

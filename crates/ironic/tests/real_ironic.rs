@@ -33,6 +33,7 @@ fn config(deployment: &str) -> IronicConfig {
     let mut c = IronicConfig::new(deployment, KEY);
     c.selector.resource_class = Some("shepherd-test".into());
     c.address_from_inventory = false;
+    c.orphan_grace = Duration::ZERO;
     c
 }
 
@@ -155,7 +156,9 @@ async fn orphans_are_adopted_without_a_second_deploy_and_other_clients_nodes_are
     let reserve = |id: &String, deployment: Option<&str>| {
         let mut ops = vec![json!({"op": "add", "path": "/instance_uuid", "value": uuid_v4()})];
         if let Some(d) = deployment {
+            // As a replica of that deployment reserves: its id and when.
             ops.push(json!({"op": "add", "path": "/extra/shepherd_deployment", "value": d}));
+            ops.push(json!({"op": "add", "path": "/extra/shepherd_reserved_at", "value": chrono::Utc::now().to_rfc3339()}));
         }
         (format!("/v1/nodes/{id}"), serde_json::Value::Array(ops))
     };
@@ -179,6 +182,18 @@ async fn orphans_are_adopted_without_a_second_deploy_and_other_clients_nodes_are
     assert_eq!(status, 202, "{body}");
     ironic.wait_for_state(&nodes[0], "active").await;
 
+    // Within the grace period they may be another replica's creations in progress: skipped.
+    let mut patient = config("site-a");
+    patient.orphan_grace = Duration::from_secs(600);
+    let report = provisioner(provider(&ironic, patient).await, 10)
+        .iterate(&s)
+        .await
+        .unwrap();
+    assert_eq!(
+        (report.created, report.taken, report.failed),
+        (0, 2, 0),
+        "orphans changed moments ago are left to their creator: {report:?}"
+    );
     let report = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
     assert_eq!(
         (report.created, report.failed),
@@ -406,9 +421,8 @@ async fn decommissioned_nodes_are_released_and_torn_down_only_when_asked() {
             assert_eq!(r.created, 0, "a decommissioned node was taken again: {r:?}");
             handed_back += r.handed_back;
             let (kept, torn) = (ironic.node(&nodes[0]).await, ironic.node(&nodes[1]).await);
-            let released = |n: &serde_json::Value| {
-                n["instance_uuid"].is_null() && n["extra"].get("shepherd_deployment").is_none()
-            };
+            let released =
+                |n: &serde_json::Value| n["instance_uuid"].is_null() && n["extra"] == json!({});
             if released(&kept) && released(&torn) && torn["provision_state"] == "available" {
                 Ok(())
             } else {

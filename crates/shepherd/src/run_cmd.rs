@@ -519,6 +519,11 @@ pub struct IronicArgs {
     /// waits; a deploy still running then is asked again with a growing backoff).
     #[arg(long, env = "SHEPHERD_IRONIC_DEPLOY_WAIT", default_value = "5m", value_parser = duration)]
     pub ironic_deploy_wait: Duration,
+    /// Ironic: how long a node this deployment reserved, unknown to the BMDB, must have been
+    /// unchanged before it is adopted as an orphan (until then another replica may still be
+    /// creating it).
+    #[arg(long, env = "SHEPHERD_IRONIC_ORPHAN_GRACE", default_value = "1m", value_parser = duration)]
+    pub ironic_orphan_grace: Duration,
     /// Ironic: how long a deploy may take before the node counts as failed.
     #[arg(long, env = "SHEPHERD_IRONIC_DEPLOY_TIMEOUT", default_value = "1h", value_parser = duration)]
     pub ironic_deploy_timeout: Duration,
@@ -582,6 +587,7 @@ impl IronicArgs {
         config.address_field = Some(self.ironic_address_field.clone()).filter(|f| !f.is_empty());
         config.address_from_inventory = self.ironic_address_from_inventory;
         config.deploy_wait = self.ironic_deploy_wait;
+        config.orphan_grace = self.ironic_orphan_grace;
         config.deploy_timeout = self.ironic_deploy_timeout;
         config.reboot_wait = self.ironic_reboot_wait;
         config.validate()?;
