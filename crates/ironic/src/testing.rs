@@ -549,6 +549,33 @@ impl Drop for IronicServer {
     }
 }
 
+/// A provisioner over `provider` that creates up to `chunk` machines a pass, unpaced.
+pub fn provisioner(
+    provider: std::sync::Arc<crate::IronicProvider>,
+    chunk: usize,
+) -> shepherd_loops::provisioner::Provisioner<crate::IronicProvider> {
+    use shepherd_loops::limiter::RateSpec;
+    shepherd_loops::provisioner::Provisioner::new(
+        provider,
+        shepherd_loops::provisioner::ProvisionerConfig {
+            limits: shepherd_loops::reconcile::Limits::new(0, chunk),
+            reconcile_rate: RateSpec::new(Duration::from_millis(1), 1),
+            creation_rate: RateSpec::new(Duration::from_millis(1), 1000),
+        },
+    )
+}
+
+/// The BMDB's Ironic machines: provider id → the provider status recorded.
+pub async fn recorded(
+    db: &shepherd_bmdb::Bmdb,
+) -> std::collections::BTreeMap<String, Option<shepherd_bmdb::ProviderStatus>> {
+    shepherd_bmdb::testing::provided_by(db, shepherd_bmdb::Provider::Ironic)
+        .await
+        .into_iter()
+        .map(|(_, p)| (p.provider_id, p.status))
+        .collect()
+}
+
 /// Faults a [`FaultProxy`] injects into the requests it forwards.
 #[derive(Debug, Default)]
 pub struct Faults {

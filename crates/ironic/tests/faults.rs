@@ -8,16 +8,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use shepherd_bmdb::{testing, Bmdb, Processor, Provider as Kind, ProviderStatus, Session};
-use shepherd_ironic::testing::{FaultProxy, IronicServer, TestAuth};
+use shepherd_bmdb::{testing, Bmdb, Processor, ProviderStatus, Session};
+use shepherd_ironic::testing::{provisioner, recorded, FaultProxy, IronicServer, TestAuth};
 use shepherd_ironic::{
     ApiError, Auth, Client, ConnectError, IronicConfig, IronicProvider, RetryPolicy,
 };
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::metrics::CallMetrics;
 use shepherd_loops::provider::{Provider, Recoverer};
-use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
-use shepherd_loops::reconcile::Limits;
 use shepherd_loops::updater::Updater;
 
 const KEY: &str = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBr2dFCaBHNnDyb0BdXhYrT4Hp4KHLrUeL2vE3GFmBCX shepherd@test";
@@ -51,27 +49,8 @@ async fn provider_at(url: &str, timeout: Duration) -> Result<Arc<IronicProvider>
         .map(Arc::new)
 }
 
-fn provisioner(p: Arc<IronicProvider>) -> Provisioner<IronicProvider> {
-    Provisioner::new(
-        p,
-        ProvisionerConfig {
-            limits: Limits::new(0, 50),
-            reconcile_rate: RateSpec::new(Duration::from_millis(1), 1),
-            creation_rate: RateSpec::new(Duration::from_millis(1), 1000),
-        },
-    )
-}
-
 async fn session(db: &Bmdb) -> Session {
     testing::session(db, Processor::ShepherdProvisioner).await
-}
-
-async fn recorded(db: &Bmdb) -> Vec<(String, Option<ProviderStatus>)> {
-    testing::provided_by(db, Kind::Ironic)
-        .await
-        .into_iter()
-        .map(|(_, p)| (p.provider_id, p.status))
-        .collect()
 }
 
 #[tokio::test]
@@ -89,7 +68,7 @@ async fn unavailable_and_slow_answers_are_retried_within_bounds_and_nothing_is_c
 
     // Two 503s: the listing is retried and the pass goes through.
     proxy.faults.unavailable.store(2, SeqCst);
-    let r = provisioner(p.clone()).iterate(&s).await.unwrap();
+    let r = provisioner(p.clone(), 50).iterate(&s).await.unwrap();
     assert_eq!(r.created, 3, "{r:?}");
     assert_eq!(
         proxy.faults.unavailable.load(SeqCst),
@@ -102,7 +81,7 @@ async fn unavailable_and_slow_answers_are_retried_within_bounds_and_nothing_is_c
     let more = ironic.fake_nodes(1, |_| json!({})).await;
     proxy.faults.delay_ms.store(3000, SeqCst);
     let started = Instant::now();
-    let err = provisioner(p.clone()).iterate(&s).await.unwrap_err();
+    let err = provisioner(p.clone(), 50).iterate(&s).await.unwrap_err();
     assert!(format!("{err:#}").contains("transport"), "{err:#}");
     assert!(
         started.elapsed() < Duration::from_secs(20),
@@ -113,7 +92,7 @@ async fn unavailable_and_slow_answers_are_retried_within_bounds_and_nothing_is_c
     assert!(ironic.node(&more[0]).await["instance_uuid"].is_null());
     // Back to normal: the next pass brings the new node in.
     proxy.faults.delay_ms.store(0, SeqCst);
-    let r = provisioner(p.clone()).iterate(&s).await.unwrap();
+    let r = provisioner(p.clone(), 50).iterate(&s).await.unwrap();
     assert_eq!((r.created, r.managed), (1, 3), "{r:?}");
     for id in nodes.iter().chain(&more) {
         ironic.wait_for_state(id, "active").await;
@@ -164,7 +143,7 @@ async fn the_api_down_at_start_up_fails_clearly_and_down_mid_run_changes_nothing
     let t = testing::sqlite().await;
     let s = session(&t.db).await;
     ironic.stop();
-    let err = provisioner(p.clone()).iterate(&s).await.unwrap_err();
+    let err = provisioner(p.clone(), 50).iterate(&s).await.unwrap_err();
     assert!(format!("{err:#}").contains("cannot connect"), "{err:#}");
     assert!(recorded(&t.db).await.is_empty());
     // The updater does not mark anything Missing for an API that is down.
@@ -173,7 +152,7 @@ async fn the_api_down_at_start_up_fails_clearly_and_down_mid_run_changes_nothing
         .await
         .unwrap_err();
     ironic.restart().await;
-    let r = provisioner(p.clone()).iterate(&s).await.unwrap();
+    let r = provisioner(p.clone(), 50).iterate(&s).await.unwrap();
     assert_eq!(r.created, 2, "{r:?}");
     for id in &nodes {
         ironic.wait_for_state(id, "active").await;
@@ -217,7 +196,7 @@ async fn a_failed_deploy_is_a_failed_machine_with_ironics_last_error_and_a_refus
         .unwrap();
     let t = testing::sqlite().await;
     let s = session(&t.db).await;
-    let r = provisioner(p.clone()).iterate(&s).await.unwrap();
+    let r = provisioner(p.clone(), 50).iterate(&s).await.unwrap();
     assert_eq!((r.created, r.failed), (1, 1), "{r:?}");
     ironic.wait_for_state(&failing, "deploy failed").await;
 
@@ -234,7 +213,7 @@ async fn a_failed_deploy_is_a_failed_machine_with_ironics_last_error_and_a_refus
         .await
         .unwrap();
     assert_eq!(
-        recorded(&t.db).await,
+        recorded(&t.db).await.into_iter().collect::<Vec<_>>(),
         vec![(
             failing.clone(),
             Some(ProviderStatus::ProvisioningFailedPermanent)
@@ -244,7 +223,7 @@ async fn a_failed_deploy_is_a_failed_machine_with_ironics_last_error_and_a_refus
     let node = ironic.node(&refused).await;
     assert!(node["instance_uuid"].is_null(), "released: {node}");
     assert!(node["extra"].get("shepherd_deployment").is_none(), "{node}");
-    let r = provisioner(p.clone()).iterate(&s).await.unwrap();
+    let r = provisioner(p.clone(), 50).iterate(&s).await.unwrap();
     assert_eq!(
         (r.created, r.failed),
         (0, 0),
@@ -278,7 +257,7 @@ async fn a_node_reserved_and_deployed_whose_insert_failed_is_adopted_not_deploye
     }
     // The next pass, with a live session, adopts both: recorded, and deployed only once.
     let s = session(&t.db).await;
-    let r = provisioner(p.clone()).iterate(&s).await.unwrap();
+    let r = provisioner(p.clone(), 50).iterate(&s).await.unwrap();
     assert_eq!((r.created, r.failed), (2, 0), "{r:?}");
     assert_eq!(recorded(&t.db).await.len(), 2);
     for id in &nodes {

@@ -7,15 +7,13 @@ use std::time::Duration;
 
 use serde_json::json;
 use shepherd_bmdb::{testing, Bmdb, Processor, Provider as Kind, ProviderStatus, Session};
-use shepherd_ironic::testing::{IronicServer, TestAuth};
+use shepherd_ironic::testing::{provisioner, recorded, IronicServer, TestAuth};
 use shepherd_ironic::{
     ApiError, Auth, Client, ConnectError, IronicConfig, IronicProvider, RetryPolicy,
 };
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::metrics::CallMetrics;
 use shepherd_loops::provider::{Provider, ProviderError, ProviderMachine, Recoverer};
-use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
-use shepherd_loops::reconcile::Limits;
 use shepherd_loops::updater::Updater;
 
 const KEY: &str = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBr2dFCaBHNnDyb0BdXhYrT4Hp4KHLrUeL2vE3GFmBCX shepherd@test";
@@ -48,28 +46,8 @@ async fn provider(ironic: &IronicServer, config: IronicConfig) -> Arc<IronicProv
     Arc::new(IronicProvider::connect(client, config).await.unwrap())
 }
 
-fn provisioner(p: Arc<IronicProvider>, chunk: usize) -> Provisioner<IronicProvider> {
-    Provisioner::new(
-        p,
-        ProvisionerConfig {
-            limits: Limits::new(0, chunk),
-            reconcile_rate: RateSpec::new(Duration::from_millis(1), 1),
-            creation_rate: RateSpec::new(Duration::from_millis(1), 1000),
-        },
-    )
-}
-
 async fn session(db: &Bmdb) -> Session {
     testing::session(db, Processor::ShepherdProvisioner).await
-}
-
-/// The BMDB's Ironic machines: provider id → status.
-async fn recorded(db: &Bmdb) -> std::collections::BTreeMap<String, Option<ProviderStatus>> {
-    testing::provided_by(db, Kind::Ironic)
-        .await
-        .into_iter()
-        .map(|(_, p)| (p.provider_id, p.status))
-        .collect()
 }
 
 #[tokio::test]
