@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use reqwest::{Method, StatusCode};
 use serde::de::DeserializeOwned;
 use shepherd_loops::causes::reqwest_causes;
+use shepherd_loops::http_body::{read_bounded, BoundedAnswer, ReadError};
 use shepherd_loops::metrics::{CallMetrics, CallResult};
 pub use shepherd_loops::retry::RetryPolicy;
 
@@ -445,33 +446,23 @@ impl Client {
         if let Some(b) = body {
             req = req.json(b);
         }
-        let mut resp = req.send().await.map_err(|e| {
+        let resp = req.send().await.map_err(|e| {
             if e.is_connect() {
                 ApiError::Connect(reqwest_causes(e))
             } else {
                 ApiError::Transport(reqwest_causes(e))
             }
         })?;
-        let status = resp.status();
-        let retry_after = resp
-            .headers()
-            .get("retry-after")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .map(Duration::from_secs);
-        let mut bytes = Vec::new();
-        while let Some(chunk) = resp
-            .chunk()
+        let BoundedAnswer {
+            status,
+            retry_after,
+            body: bytes,
+        } = read_bounded(resp, MAX_BODY_BYTES)
             .await
-            .map_err(|e| ApiError::Transport(format!("reading the body: {}", reqwest_causes(e))))?
-        {
-            if bytes.len() + chunk.len() > MAX_BODY_BYTES {
-                return Err(ApiError::Decode(format!(
-                    "body larger than {MAX_BODY_BYTES} bytes"
-                )));
-            }
-            bytes.extend_from_slice(&chunk);
-        }
+            .map_err(|e| match e {
+                ReadError::Transport(_) => ApiError::Transport(e.to_string()),
+                ReadError::TooLarge(_) => ApiError::Decode(e.to_string()),
+            })?;
         if !status.is_success() {
             return Err(status_error(status, &bytes, retry_after));
         }
