@@ -5,13 +5,14 @@
 
 use shepherd_loops::causes::reqwest_causes;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use reqwest::{Method, StatusCode};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use shepherd_loops::http_body::{read_bounded, BoundedAnswer, ReadError};
-use shepherd_loops::metrics::{CallMetrics, CallResult};
+use shepherd_loops::metrics::CallMetrics;
+use shepherd_loops::retry::AttemptError;
 pub use shepherd_loops::retry::RetryPolicy;
 
 use crate::model::*;
@@ -43,6 +44,19 @@ pub enum ApiError {
     /// The body was not the JSON expected (or was cut short).
     #[error("undecodable response: {0}")]
     Decode(String),
+}
+
+impl AttemptError for ApiError {
+    fn retry_after(&self) -> Option<Duration> {
+        match self {
+            ApiError::Status { retry_after, .. } => *retry_after,
+            _ => None,
+        }
+    }
+
+    fn is_not_found(&self) -> bool {
+        matches!(self, ApiError::NotFound)
+    }
 }
 
 impl ApiError {
@@ -170,31 +184,15 @@ impl Client {
         body: Option<serde_json::Value>,
         retry: bool,
     ) -> Result<T, ApiError> {
-        let attempts = if retry { self.retry.attempts.max(1) } else { 1 };
-        let mut n = 0;
-        loop {
-            let started = Instant::now();
-            let r = self.attempt(method.clone(), path, body.as_ref()).await;
-            let result = match &r {
-                Ok(_) => CallResult::Ok,
-                Err(ApiError::NotFound) => CallResult::NotFound,
-                Err(_) => CallResult::Error,
-            };
-            self.metrics.observe(call, result, started.elapsed());
-            match r {
-                Err(e) if e.retryable() && n + 1 < attempts => {
-                    let retry_after = match &e {
-                        ApiError::Status { retry_after, .. } => *retry_after,
-                        _ => None,
-                    };
-                    let delay = self.retry.delay_after(n, retry_after);
-                    tracing::warn!(call, attempt = n + 1, error = %e, ?delay, "Equinix API call failed; retrying");
-                    tokio::time::sleep(delay).await;
-                    n += 1;
-                }
-                other => return other,
-            }
-        }
+        self.retry
+            .run(
+                &self.metrics,
+                "Equinix",
+                call,
+                |e: &ApiError| retry && e.retryable(),
+                || self.attempt(method.clone(), path, body.as_ref()),
+            )
+            .await
     }
 
     async fn paged<T: DeserializeOwned, I>(

@@ -8,13 +8,14 @@
 //! Anything else is returned, and the provider reads the node to learn what happened.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use reqwest::{Method, StatusCode};
 use serde::de::DeserializeOwned;
 use shepherd_loops::causes::reqwest_causes;
 use shepherd_loops::http_body::{read_bounded, BoundedAnswer, ReadError};
-use shepherd_loops::metrics::{CallMetrics, CallResult};
+use shepherd_loops::metrics::CallMetrics;
+use shepherd_loops::retry::AttemptError;
 pub use shepherd_loops::retry::RetryPolicy;
 
 use crate::model::{ApiVersion, ErrorBody, Node, NodeList, PatchOp, NODE_FIELDS};
@@ -141,6 +142,19 @@ pub enum ApiError {
         /// The server's newest microversion.
         max: ApiVersion,
     },
+}
+
+impl AttemptError for ApiError {
+    fn retry_after(&self) -> Option<Duration> {
+        match self {
+            ApiError::Unavailable { retry_after, .. } => *retry_after,
+            _ => None,
+        }
+    }
+
+    fn is_not_found(&self) -> bool {
+        matches!(self, ApiError::NotFound { .. })
+    }
 }
 
 impl ApiError {
@@ -400,31 +414,15 @@ impl Client {
         body: Option<serde_json::Value>,
         retry: Retry,
     ) -> Result<T, ApiError> {
-        let attempts = self.retry.attempts.max(1);
-        let mut n = 0;
-        loop {
-            let started = Instant::now();
-            let r = self.attempt(method.clone(), path, body.as_ref()).await;
-            let result = match &r {
-                Ok(_) => CallResult::Ok,
-                Err(ApiError::NotFound { .. }) => CallResult::NotFound,
-                Err(_) => CallResult::Error,
-            };
-            self.metrics.observe(call, result, started.elapsed());
-            match r {
-                Err(e) if retry.admits(&e) && n + 1 < attempts => {
-                    let retry_after = match &e {
-                        ApiError::Unavailable { retry_after, .. } => *retry_after,
-                        _ => None,
-                    };
-                    let delay = self.retry.delay_after(n, retry_after);
-                    tracing::debug!(call, attempt = n + 1, error = %e, ?delay, "Ironic API call failed; retrying");
-                    tokio::time::sleep(delay).await;
-                    n += 1;
-                }
-                other => return other,
-            }
-        }
+        self.retry
+            .run(
+                &self.metrics,
+                "Ironic",
+                call,
+                |e: &ApiError| retry.admits(e),
+                || self.attempt(method.clone(), path, body.as_ref()),
+            )
+            .await
     }
 
     /// One attempt.

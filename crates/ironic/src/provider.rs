@@ -765,34 +765,24 @@ mod tests {
                 serde_json::json!({"uuid": "u", "provision_state": state, "maintenance": maintenance}),
             )
         };
-        assert_eq!(
-            status_of(&n("active", false), false),
-            ProviderStatus::Running
-        );
-        assert_eq!(
-            status_of(&n("active", true), false),
-            ProviderStatus::Maintenance
-        );
-        assert_eq!(
-            status_of(&n("deploying", false), false),
-            ProviderStatus::Provisioning
-        );
-        assert_eq!(
-            status_of(&n("wait call-back", false), true),
-            ProviderStatus::ProvisioningFailedPermanent
-        );
-        assert_eq!(
-            status_of(&n("deploy failed", false), false),
-            ProviderStatus::ProvisioningFailedPermanent
-        );
-        assert_eq!(
-            status_of(&n("cleaning", false), false),
-            ProviderStatus::Stopped
-        );
-        assert_eq!(
-            status_of(&n("rescue", false), false),
-            ProviderStatus::Unknown
-        );
+        use ProviderStatus::*;
+        // (provision state, in maintenance, deploy timed out) → status.
+        let cases = [
+            ("active", false, false, Running),
+            ("active", true, false, Maintenance),
+            ("deploying", false, false, Provisioning),
+            ("wait call-back", false, true, ProvisioningFailedPermanent),
+            ("deploy failed", false, false, ProvisioningFailedPermanent),
+            ("cleaning", false, false, Stopped),
+            ("rescue", false, false, Unknown),
+        ];
+        for (state, maintenance, timed_out, want) in cases {
+            assert_eq!(
+                status_of(&n(state, maintenance), timed_out),
+                want,
+                "{state} maintenance={maintenance} timed_out={timed_out}"
+            );
+        }
     }
 
     #[test]

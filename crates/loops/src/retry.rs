@@ -2,7 +2,22 @@
 //! own timeout, separated by capped exponential delays with jitter (so that many replicas do
 //! not retry in step). The Equinix and Ironic clients share this one convention.
 
+use std::future::Future;
 use std::time::Duration;
+
+use crate::metrics::{CallMetrics, CallResult};
+
+/// What the retry loop of [`RetryPolicy::run`] reads from a failed attempt.
+pub trait AttemptError: std::fmt::Display {
+    /// The server's `Retry-After`, if it sent one.
+    fn retry_after(&self) -> Option<Duration> {
+        None
+    }
+    /// Whether the call failed because what it asked for does not exist (counted apart).
+    fn is_not_found(&self) -> bool {
+        false
+    }
+}
 
 /// How failed calls are retried.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,6 +53,38 @@ impl RetryPolicy {
             .saturating_mul(1u32.checked_shl(retry.min(30)).unwrap_or(u32::MAX));
         exp.min(self.max_delay)
             .mul_f64(0.5 + rand::random::<f64>() / 2.0)
+    }
+
+    /// Runs `attempt` until it succeeds, fails with an error `retry_if` refuses, or the
+    /// attempts are used up, sleeping [`RetryPolicy::delay_after`] between attempts. Every
+    /// attempt is recorded in `metrics` under `call`; every retry is logged with `api` (the
+    /// API's name) and the error.
+    pub async fn run<T, E: AttemptError, Fut: Future<Output = Result<T, E>>>(
+        &self,
+        metrics: &CallMetrics,
+        api: &'static str,
+        call: &'static str,
+        retry_if: impl Fn(&E) -> bool,
+        mut attempt: impl FnMut() -> Fut,
+    ) -> Result<T, E> {
+        let attempts = self.attempts.max(1);
+        let mut n = 0;
+        loop {
+            let classify = |r: &Result<T, E>| match r {
+                Ok(_) => CallResult::Ok,
+                Err(e) if e.is_not_found() => CallResult::NotFound,
+                Err(_) => CallResult::Error,
+            };
+            match metrics.time(call, classify, attempt()).await {
+                Err(e) if retry_if(&e) && n + 1 < attempts => {
+                    let delay = self.delay_after(n, e.retry_after());
+                    tracing::warn!(api, call, attempt = n + 1, error = %e, ?delay, "API call failed; retrying");
+                    tokio::time::sleep(delay).await;
+                    n += 1;
+                }
+                other => return other,
+            }
+        }
     }
 
     /// The delay before retry number `retry`, at least the server's `Retry-After` (itself
