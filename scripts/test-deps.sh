@@ -75,19 +75,27 @@ ensure_promtool() {
   promtool --version 2>&1 | head -n 1 | sed 's/^/test-deps: /' || true
 }
 
+new_venv() {
+  # A fresh virtualenv at $1 with the pip packages that follow (python3-venv installed first
+  # where Debian's python3 lacks it).
+  local venv="$1"
+  shift
+  rm -rf "$venv"
+  mkdir -p "$(dirname "$venv")"
+  if ! python3 -m venv "$venv" >/dev/null 2>&1; then
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+    python3 -m venv "$venv"
+  fi
+  "$venv/bin/pip" install -q "$@"
+}
+
 ensure_sushy() {
   # The Redfish tests run the sushy-tools emulator (fake driver) from a virtualenv of our own.
   local venv="${SHEPHERD_SUSHY_VENV:-$HOME/.cache/shepherd/sushy-venv}"
   if ! "$venv/bin/sushy-emulator" --help >/dev/null 2>&1; then
     echo "test-deps: installing sushy-tools into $venv"
-    rm -rf "$venv"
-    mkdir -p "$(dirname "$venv")"
-    if ! python3 -m venv "$venv" >/dev/null 2>&1; then
-      as_root apt-get update -qq
-      as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
-      python3 -m venv "$venv"
-    fi
-    "$venv/bin/pip" install -q 'sushy-tools==2.2.0' bcrypt
+    new_venv "$venv" 'sushy-tools==2.2.0' bcrypt
   fi
   echo "test-deps: sushy-tools $("$venv/bin/pip" show sushy-tools 2>/dev/null | sed -n 's/^Version: //p')"
 }
@@ -101,14 +109,7 @@ ensure_ironic() {
   local venv="${SHEPHERD_IRONIC_VENV:-$HOME/.cache/shepherd/ironic-venv}"
   if ! "$venv/bin/ironic-dbsync" --version >/dev/null 2>&1 || [ ! -x "$venv/bin/ironic" ]; then
     echo "test-deps: installing OpenStack Ironic into $venv"
-    rm -rf "$venv"
-    mkdir -p "$(dirname "$venv")"
-    if ! python3 -m venv "$venv" >/dev/null 2>&1; then
-      as_root apt-get update -qq
-      as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
-      python3 -m venv "$venv"
-    fi
-    "$venv/bin/pip" install -q 'ironic==39.0.0' bcrypt
+    new_venv "$venv" 'ironic==39.0.0' bcrypt
   fi
   echo "test-deps: ironic $("$venv/bin/pip" show ironic 2>/dev/null | sed -n 's/^Version: //p')"
 }
