@@ -452,7 +452,9 @@ fn config_print_shows_merged_settings_with_sources_and_no_secrets() {
     let config = dir.path().join("shepherd.toml");
     std::fs::write(
         &config,
-        "ssh-user = \"deploy\"\ninitializer-parallelism = 4\nssh-password = \"hunter2\"\nsession-interval = \"9s\"\n",
+        "ssh-user = \"deploy\"\ninitializer-parallelism = 4\nssh-password = \"hunter2\"\nsession-interval = \"9s\"\n\
+         ironic-url = \"http://ironic.example:6385\"\nironic-user = \"shepherd\"\nironic-password = \"ir0nic-pw\"\n\
+         ironic-extra = \"pool=shepherd\"\n",
     )
     .unwrap();
     let out = shepherd()
@@ -465,11 +467,17 @@ fn config_print_shows_merged_settings_with_sources_and_no_secrets() {
         )
         .env("SHEPHERD_SSH_USER", "ops")
         .env("SHEPHERD_EQUINIX_API_TOKEN", "eqx-t0ken")
+        .env("SHEPHERD_IRONIC_DEPLOYMENT", "site-b")
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     let text = String::from_utf8(out.stdout).unwrap();
     for line in [
+        "ironic-url = \"http://ironic.example:6385\"  # config file",
+        "ironic-password = \"<redacted>\"  # config file",
+        "ironic-deployment = \"site-b\"  # environment SHEPHERD_IRONIC_DEPLOYMENT",
+        "ironic-extra = \"pool=shepherd\"  # config file",
+        "ironic-deploy-wait = \"5m\"  # default",
         "initializer-parallelism = 4  # config file",
         "ssh-user = \"ops\"  # environment SHEPHERD_SSH_USER",
         "session-interval = \"7s\"  # flag",
@@ -482,7 +490,7 @@ fn config_print_shows_merged_settings_with_sources_and_no_secrets() {
         assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
     }
     assert!(
-        !text.contains("hunter2") && !text.contains("s3cret"),
+        !text.contains("hunter2") && !text.contains("s3cret") && !text.contains("ir0nic-pw"),
         "{text}"
     );
     // The output is TOML a config file can start from.
@@ -671,4 +679,59 @@ async fn equinix_run_provisions_from_reservations() {
     assert!(status.success(), "{logs}");
     assert!(logs.contains("Equinix"), "debug logs were captured");
     assert!(!logs.contains("tok-123456"), "the token was logged");
+}
+
+/// A broken Ironic setting, and an Ironic that cannot be reached, stop `run --provider
+/// ironic` at start-up with one line naming the setting, before the database is touched.
+#[test]
+fn ironic_settings_are_checked_at_start_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite:{}", dir.path().join("bmdb.sqlite").display());
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let url = format!("http://{closed}");
+    let run = |extra: &[&str]| {
+        shepherd()
+            .args([
+                "run",
+                "--provider",
+                "ironic",
+                "--migrate",
+                "--database",
+                &db,
+            ])
+            .arg(format!("--ssh-key={}", dir.path().join("id").display()))
+            .args(["--agent-endpoint", "bmaas.test:443"])
+            .arg(format!(
+                "--agent-executable={}",
+                shepherd_loops::testing::test_agent_path().display()
+            ))
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    for (extra, want) in [
+        (vec![], "ironic-url: is required"),
+        (
+            vec!["--ironic-url", &url, "--ironic-user", "shepherd"],
+            "ironic-password: is required",
+        ),
+        (
+            vec!["--ironic-url", &url, "--ironic-image", "http://img/x.qcow2"],
+            "ironic-image-checksum: is required",
+        ),
+        (
+            vec!["--ironic-url", &url, "--ironic-deployment", "has space"],
+            "ironic-deployment: must be",
+        ),
+        (vec!["--ironic-url", &url], "cannot connect"),
+    ] {
+        refused(&run(&extra), want);
+    }
+    assert!(
+        !dir.path().join("bmdb.sqlite").exists(),
+        "the database was opened before the settings were checked"
+    );
 }
