@@ -198,18 +198,25 @@ async fn a_stopped_server_does_not_get_the_fleet_power_cycled(db: Bmdb) {
     // The server comes back: heartbeats resume and the brake releases by itself.
     let server = CancellationToken::new();
     let agents = tokio::spawn(fleet.clone().run_agents(db.clone(), server.clone()));
-    tokio::time::sleep(Duration::from_millis(300)).await;
     let b = Brake::new(
         brake(0.5),
         Provider::Sim,
         thresholds(),
         BrakeMetrics::default(),
     );
-    let reading = b.evaluate(&db).await.unwrap();
-    assert!(
-        !b.engaged(),
-        "heartbeats resumed but the brake holds: {reading:?}"
-    );
+    testing::eventually(
+        "the brake to release once heartbeats resume",
+        Duration::from_secs(30),
+        async || {
+            let reading = b.evaluate(&db).await.unwrap();
+            if b.engaged() {
+                Err(format!("{reading:?}"))
+            } else {
+                Ok(())
+            }
+        },
+    )
+    .await;
     server.cancel();
     agents.await.unwrap();
 }
@@ -424,16 +431,22 @@ async fn repeated_reboots_back_off_and_stop_at_the_cap(db: Bmdb) {
     .await;
     let all = recoveries(&db).await;
     let find = |id: Uuid| all.iter().find(|(m, _, _)| *m == id).unwrap();
+    // The healed machine's agent is silent again after its reboot (the fleet is silent), so
+    // it may be rebooted a second time before the other machine's turn ends this phase: its
+    // count is 1, or 2 — not 4, which would mean the count went on from before the heartbeat.
     let (_, r, b) = find(healed);
-    assert_eq!(
-        r.unwrap().in_a_row,
-        1,
-        "a heartbeat between reboots starts the count again"
-    );
+    let in_a_row = r.unwrap().in_a_row;
     assert!(
-        !b.iter().any(|b| b.process == Process::ShepherdRecovery),
-        "the first reboot in a row sets no recovery backoff: {b:?}"
+        (1..=2).contains(&in_a_row),
+        "a heartbeat between reboots starts the count again: {in_a_row} in a row"
     );
+    if in_a_row == 1 {
+        assert!(
+            !b.iter().any(|b| b.process == Process::ShepherdRecovery),
+            "the first reboot in a row sets no recovery backoff: {b:?}"
+        );
+    }
+    assert!(!left_alone(b), "the healed machine was left alone: {b:?}");
     let (_, r, b) = find(silent);
     assert_eq!(r.unwrap().in_a_row, 4);
     assert!(left_alone(b), "{b:?}");
