@@ -293,6 +293,11 @@ impl IronicProvider {
         &self.client
     }
 
+    /// Node `id` as the provider reads it; a node Ironic does not know is `NotFound`.
+    async fn read_node(&self, id: &str) -> Result<Node, IronicError> {
+        self.client.get_node(id).await.map_err(api("get_node", id))
+    }
+
     /// Whether this deployment reserved `node`.
     pub fn ours(&self, node: &Node) -> bool {
         node.instance_uuid.is_some()
@@ -635,11 +640,7 @@ impl Provider for IronicProvider {
     }
 
     async fn get_machine(&self, id: &str) -> Result<ProviderMachine, ProviderError> {
-        let node = self
-            .client
-            .get_node(id)
-            .await
-            .map_err(api("get_node", id))?;
+        let node = self.read_node(id).await?;
         if !self.ours(&node) {
             return Err(ProviderError::NotFound(id.to_string()));
         }
@@ -666,11 +667,7 @@ impl Provider for IronicProvider {
         let node = match unused.valid_id() {
             // An orphan: reserved by this deployment, unknown to the BMDB.
             Some(id) => {
-                let node = self
-                    .client
-                    .get_node(id)
-                    .await
-                    .map_err(api("get_node", id))?;
+                let node = self.read_node(id).await?;
                 if !self.ours(&node) {
                     return Err(IronicError::NotOurs(id.to_string()).into());
                 }
@@ -723,11 +720,7 @@ impl Recoverer for IronicProvider {
             "rebooting a machine without an id",
         ))?;
         if machine.status == Some(ProviderStatus::Maintenance) {
-            let node = self
-                .client
-                .get_node(id)
-                .await
-                .map_err(api("get_node", id))?;
+            let node = self.read_node(id).await?;
             if node.maintenance {
                 return Err(IronicError::InMaintenance {
                     node: id.to_string(),
