@@ -3,6 +3,7 @@
 
 mod bmdb;
 mod heartbeat;
+mod ironic;
 mod scale;
 mod ssh;
 mod stats;
@@ -24,6 +25,8 @@ enum Bench {
     Heartbeat(heartbeat::Args),
     /// Takeovers over a real sshd: Shepherd's SSH transport against OpenSSH scp + ssh.
     Ssh(ssh::Args),
+    /// 1,000 Ironic fake-hardware nodes to heartbeating, vs deploying them directly.
+    Ironic(ironic::Args),
     /// Fleet scale: static inventory lookups, the demo with 1,000 and 10,000 machines.
     Scale(scale::Args),
 }
@@ -35,5 +38,6 @@ async fn main() -> anyhow::Result<()> {
         Bench::Ssh(args) => ssh::run(args).await,
         Bench::Heartbeat(args) => heartbeat::run(args).await,
         Bench::Scale(args) => scale::run(args).await,
+        Bench::Ironic(args) => ironic::run(args).await,
     }
 }

@@ -8,6 +8,7 @@ pub mod bmc_tls;
 pub mod bounded;
 pub mod brake;
 pub mod causes;
+pub mod fleet;
 pub mod http_body;
 pub mod initializer;
 pub mod limiter;

@@ -178,7 +178,7 @@ impl SimFleet {
         let machines: Vec<SimMachine> = (0..n)
             .map(|i| SimMachine {
                 id: format!("sim-{i:05}"),
-                addr: format!("10.{}.{}.{}:22", i >> 16, (i >> 8) & 255, i & 255),
+                addr: Self::address_of(i),
                 used: knobs.deployed,
                 host_key: fake_host_key(),
                 agent: None,
@@ -204,6 +204,13 @@ impl SimFleet {
             knobs,
             real_agents: None,
         })
+    }
+
+    /// The SSH address of the `i`th simulated machine: `10.a.b.c:22`. A provider other than
+    /// the simulator (a benchmark's Ironic nodes) names these addresses to reach the
+    /// simulated machines through this fleet's transport.
+    pub fn address_of(i: usize) -> String {
+        format!("10.{}.{}.{}:22", i >> 16, (i >> 8) & 255, i & 255)
     }
 
     /// The same fleet, but each started agent runs the real agent's heartbeat code in-process

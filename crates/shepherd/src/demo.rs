@@ -21,7 +21,8 @@ use shepherd_loops::sim::{RealAgents, SimCounters, SimFleet, SimKnobs};
 use shepherd_server::{LoopbackServer, ServerLimits};
 
 use crate::flags::duration;
-use crate::fleet::{run_loops, shutdown_on_signals, FleetSettings, LoopSettings};
+use crate::fleet::shutdown_on_signals;
+use shepherd_loops::fleet::{run_loops, FleetSettings, LoopSettings};
 
 /// Settings of the demo.
 #[derive(Debug, Clone, Args)]

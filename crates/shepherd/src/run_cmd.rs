@@ -25,7 +25,8 @@ use shepherd_loops::transport::{SshTransport, Transport};
 use shepherd_ssh::{load_or_generate_key, public_key_openssh, Auth, SshClient, SshConfig};
 
 use crate::flags::{duration, ThresholdArgs};
-use crate::fleet::{run_loops, shutdown_on_signals, FleetSettings, LoopSettings};
+use crate::fleet::shutdown_on_signals;
+use shepherd_loops::fleet::{run_loops, FleetSettings, LoopSettings};
 
 /// Where machines come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
