@@ -58,10 +58,21 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
             sqlite: include_str!("../migrations/sqlite/0004_ironic.sql"),
         },
     },
+    Migration {
+        version: 5,
+        name: "provider_facts",
+        // Expand: a nullable column. A binary of schema 3 or 4 neither reads nor writes it
+        // (its upsert leaves it as it was).
+        oldest_compatible: 3,
+        script: Dialects {
+            postgres: include_str!("../migrations/postgres/0005_provider_facts.sql"),
+            sqlite: include_str!("../migrations/sqlite/0005_provider_facts.sql"),
+        },
+    },
 ];
 
 /// The schema version this binary needs and writes.
-pub const SCHEMA_VERSION: i64 = 4;
+pub const SCHEMA_VERSION: i64 = 5;
 
 /// Which binaries may run on a database: its schema version, and the oldest binary schema
 /// that its newest migration declared compatible (SPEC: rolling upgrades).

@@ -189,6 +189,77 @@ pub struct Provided {
     pub location: Option<String>,
     /// The provider's last known status of the machine.
     pub status: Option<ProviderStatus>,
+    /// What the provider says about the machine's hardware, refreshed by the updater.
+    pub facts: ProviderFacts,
+}
+
+/// Most facts a [`ProviderFacts`] holds.
+pub const MAX_FACTS: usize = 32;
+/// Longest fact name kept.
+const MAX_FACT_NAME: usize = 64;
+/// Longest fact value kept; a longer one is cut at a character boundary.
+const MAX_FACT_VALUE: usize = 256;
+
+/// Facts a provider states about a machine's hardware, by name (Ironic: the resource class,
+/// the hardware type, the scalar `properties` such as `cpus` and `memory_mb`). Shown to
+/// operators next to the agent's own hardware report, which they may contradict. Bounded as it
+/// is built, so that a provider with a lot to say cannot grow a row without limit: at most
+/// [`MAX_FACTS`], names of at most 64 bytes, values cut to 256.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ProviderFacts(std::collections::BTreeMap<String, String>);
+
+impl ProviderFacts {
+    /// Records `name = value`; returns false (and keeps nothing) when the name is empty or too
+    /// long, or when [`MAX_FACTS`] other facts are held already.
+    pub fn insert(&mut self, name: &str, value: &str) -> bool {
+        if name.is_empty()
+            || name.len() > MAX_FACT_NAME
+            || (self.0.len() >= MAX_FACTS && !self.0.contains_key(name))
+        {
+            return false;
+        }
+        let mut end = value.len().min(MAX_FACT_VALUE);
+        while !value.is_char_boundary(end) {
+            end -= 1;
+        }
+        self.0.insert(name.to_string(), value[..end].to_string());
+        true
+    }
+
+    /// The value of `name`.
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.0.get(name).map(String::as_str)
+    }
+
+    /// Whether the provider stated nothing.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The facts, by name.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.0.iter().map(|(k, v)| (k.as_str(), v.as_str()))
+    }
+
+    /// The column's value: a JSON object of strings, `NULL` for none.
+    pub(crate) fn to_column(&self) -> Option<String> {
+        (!self.is_empty()).then(|| serde_json::to_string(&self.0).expect("strings serialize"))
+    }
+
+    /// Reads the column back through [`ProviderFacts::insert`], so that a row written by hand
+    /// is bounded as well.
+    pub(crate) fn from_column(column: Option<&str>) -> Result<ProviderFacts, Error> {
+        let Some(text) = column else {
+            return Ok(ProviderFacts::default());
+        };
+        let map: std::collections::BTreeMap<String, String> = serde_json::from_str(text)
+            .map_err(|e| Error::InvalidValue(format!("machine_provided.facts: {e}")))?;
+        let mut facts = ProviderFacts::default();
+        for (k, v) in &map {
+            facts.insert(k, v);
+        }
+        Ok(facts)
+    }
 }
 
 impl Provided {
@@ -201,6 +272,7 @@ impl Provided {
             ip_address: None,
             location: None,
             status: None,
+            facts: ProviderFacts::default(),
         }
     }
 
@@ -359,6 +431,41 @@ pub struct SessionInfo {
 mod tests {
     use super::*;
     use std::str::FromStr;
+
+    #[test]
+    fn provider_facts_are_bounded_as_they_are_built_and_read() {
+        let mut facts = ProviderFacts::default();
+        assert!(!facts.insert("", "x"), "an empty name");
+        assert!(!facts.insert(&"n".repeat(65), "x"), "a name too long");
+        // Cut at a character boundary: 'é' is two bytes and would straddle byte 256.
+        assert!(facts.insert("long", &format!("a{}", "é".repeat(200))));
+        let long = facts.get("long").unwrap();
+        assert!(long.len() <= 256 && long.len() >= 255, "{}", long.len());
+        for i in 1..MAX_FACTS {
+            assert!(facts.insert(&format!("f{i}"), "v"));
+        }
+        assert!(!facts.insert("one-more", "v"), "no more than MAX_FACTS");
+        assert!(
+            facts.insert("f1", "replaced"),
+            "an existing name is replaced"
+        );
+        assert_eq!(facts.iter().count(), MAX_FACTS);
+
+        let column = facts.to_column().unwrap();
+        assert_eq!(ProviderFacts::from_column(Some(&column)).unwrap(), facts);
+        assert_eq!(ProviderFacts::default().to_column(), None);
+        assert!(ProviderFacts::from_column(None).unwrap().is_empty());
+        // A row written by hand is bounded as it is read, and garbage is a clear error.
+        let oversized: std::collections::BTreeMap<String, String> = (0..100)
+            .map(|i| (format!("k{i}"), "v".repeat(1000)))
+            .collect();
+        let read =
+            ProviderFacts::from_column(Some(&serde_json::to_string(&oversized).unwrap())).unwrap();
+        assert_eq!(read.iter().count(), MAX_FACTS);
+        assert!(read.iter().all(|(_, v)| v.len() == 256));
+        let err = ProviderFacts::from_column(Some("[1,2]")).unwrap_err();
+        assert!(err.to_string().contains("machine_provided.facts"), "{err}");
+    }
 
     #[test]
     fn enums_round_trip_and_reject_unknown_values() {

@@ -297,6 +297,7 @@ pub async fn seed_every_state(db: &Bmdb) -> (Vec<SeededMachine>, crate::Session)
                             ip_address: Some(format!("10.0.0.{n}")),
                             location: Some("rack-1".into()),
                             status: Some(ProviderStatus::Running),
+                            facts: ProviderFacts::default(),
                         },
                     )
                     .await?;

@@ -110,6 +110,9 @@ async fn tags_round_trip(db: Bmdb) {
             p.location = Some("rack-1".into());
             p.status = Some(ProviderStatus::Running);
             p.reservation_id = Some("res-1".into());
+            p.facts.insert("cpus", "64");
+            p.facts
+                .insert("resource_class", "baremetal \"large\" ünïcode");
             tx.set_provided(id, &p).await?;
             tx.set_agent_started_at(id, Some(t0), &key(7)).await?;
             tx.set_heartbeat(id).await?;
@@ -147,6 +150,11 @@ async fn tags_round_trip(db: Bmdb) {
             let p = tx.provided(id).await?.unwrap();
             assert_eq!(p.ip_address.as_deref(), Some("192.0.2.1"));
             assert_eq!(p.status, Some(ProviderStatus::Running));
+            assert_eq!(p.facts.get("cpus"), Some("64"));
+            assert_eq!(
+                p.facts.get("resource_class"),
+                Some("baremetal \"large\" ünïcode")
+            );
             assert_eq!(
                 tx.machine_by_provider_id(Provider::Static, &p.provider_id)
                     .await?,

@@ -282,6 +282,7 @@ impl Provider for EquinixProvider {
                 location: r.facility.as_ref().map(|f| f.code.clone()),
                 status: None,
                 reservation: Some(r.id.clone()),
+                facts: Default::default(),
             };
             m.location = m.location.filter(|l| !l.is_empty());
             out.push(m);
@@ -333,14 +334,7 @@ impl Provider for EquinixProvider {
             m
         };
         // If this insert fails the device is an orphan until the next iteration adopts it.
-        record_new_machine(session, ProviderKind::Equinix, &device)
-            .await
-            .map_err(|e| {
-                ProviderError::Other(e.context(format!(
-                    "recording device {} in the BMDB (it will be adopted next iteration)",
-                    device.id.as_deref().unwrap_or("?")
-                )))
-            })
+        Ok(record_new_machine(session, ProviderKind::Equinix, &device).await?)
     }
 }
 

@@ -2,9 +2,10 @@
 //! patches, microversions and error bodies.
 
 use serde::{Deserialize, Serialize};
+use shepherd_bmdb::ProviderFacts;
 
 /// The node fields every read asks for (`?fields=`), so that listings stay small.
-pub const NODE_FIELDS: &str = "uuid,name,provision_state,provision_updated_at,target_provision_state,maintenance,maintenance_reason,instance_uuid,extra,resource_class,conductor_group,owner,last_error,power_state,properties";
+pub const NODE_FIELDS: &str = "uuid,name,provision_state,provision_updated_at,target_provision_state,maintenance,maintenance_reason,instance_uuid,extra,resource_class,conductor_group,owner,last_error,power_state,properties,driver";
 
 /// An API microversion, `major.minor`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -91,9 +92,41 @@ pub struct Node {
     /// Hardware facts (`cpus`, `memory_mb`, `local_gb`, `cpu_arch`, …).
     #[serde(default)]
     pub properties: serde_json::Map<String, serde_json::Value>,
+    /// The hardware type (`redfish`, `ipmi`, `fake-hardware`, …).
+    #[serde(default)]
+    pub driver: Option<String>,
 }
 
 impl Node {
+    /// What the node says about its hardware, for the BMDB: the resource class, hardware
+    /// type and conductor group, then every scalar of `properties` (`cpus`, `memory_mb`,
+    /// `local_gb`, `cpu_arch`, …) under its own name, as far as the bounds of
+    /// [`ProviderFacts`] allow. Nested properties (`root_device` hints) are left out.
+    pub fn facts(&self) -> ProviderFacts {
+        let mut facts = ProviderFacts::default();
+        for (name, value) in [
+            ("resource_class", &self.resource_class),
+            ("driver", &self.driver),
+            ("conductor_group", &self.conductor_group),
+        ] {
+            if let Some(v) = value.as_deref().filter(|v| !v.is_empty()) {
+                facts.insert(name, v);
+            }
+        }
+        for (name, value) in &self.properties {
+            let text = match value {
+                serde_json::Value::String(s) if !s.is_empty() => s.clone(),
+                serde_json::Value::Number(n) => n.to_string(),
+                serde_json::Value::Bool(b) => b.to_string(),
+                _ => continue,
+            };
+            if facts.get(name).is_none() {
+                facts.insert(name, &text);
+            }
+        }
+        facts
+    }
+
     /// The provision state, `""` when Ironic sent none.
     pub fn state(&self) -> &str {
         self.provision_state.as_deref().unwrap_or("")

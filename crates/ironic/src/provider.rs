@@ -376,6 +376,7 @@ impl IronicProvider {
         m.failed = status == ProviderStatus::ProvisioningFailedPermanent;
         m.status = Some(status);
         m.location = node.conductor_group.clone().filter(|g| !g.is_empty());
+        m.facts = node.facts();
         if m.failed {
             let cause = node.last_error.as_deref().unwrap_or(if timed_out {
                 "the deploy did not finish within ironic-deploy-timeout"
@@ -631,6 +632,7 @@ impl Provider for IronicProvider {
                     location: node.conductor_group.clone().filter(|g| !g.is_empty()),
                     status: None,
                     reservation: Some(node.uuid.clone()),
+                    facts: node.facts(),
                 });
             }
         }
@@ -702,14 +704,7 @@ impl Provider for IronicProvider {
             Some(ProviderStatus::Provisioning) => self.config.deploy_wait,
             _ => Duration::ZERO,
         };
-        record_deploying_machine(session, ProviderKind::Ironic, &machine, wait)
-            .await
-            .map_err(|e| {
-                ProviderError::Other(e.context(format!(
-                    "recording Ironic node {} in the BMDB (it will be adopted next pass)",
-                    node.uuid
-                )))
-            })
+        Ok(record_deploying_machine(session, ProviderKind::Ironic, &machine, wait).await?)
     }
 }
 

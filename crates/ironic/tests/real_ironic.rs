@@ -104,7 +104,39 @@ async fn available_nodes_are_reserved_deployed_once_with_our_key_and_recorded() 
     assert_eq!(other_node["provision_state"], "available");
     assert!(other_node["instance_uuid"].is_null());
 
-    // Addresses come from the named field; the updater sees them deployed and running.
+    // The node's hardware facts are recorded with it.
+    let facts_of = |id: String| {
+        let db = t.db.clone();
+        async move {
+            testing::provided_by(&db, shepherd_bmdb::Provider::Ironic)
+                .await
+                .into_iter()
+                .find(|(_, p)| p.provider_id == id)
+                .map(|(_, p)| p.facts)
+                .unwrap()
+        }
+    };
+    let facts = facts_of(nodes[2].clone()).await;
+    assert_eq!(
+        facts.get("resource_class"),
+        Some("shepherd-test"),
+        "{facts:?}"
+    );
+    assert_eq!(facts.get("driver"), Some("fake-hardware"), "{facts:?}");
+    assert_eq!(facts.get("cpus"), Some("4"), "{facts:?}");
+    assert_eq!(facts.get("memory_mb"), Some("8192"), "{facts:?}");
+    // An administrator changes the node's properties (a DIMM added) at Ironic.
+    let (status, body) = ironic
+        .send_json(
+            reqwest::Method::PATCH,
+            &format!("/v1/nodes/{}", nodes[2]),
+            json!([{"op": "replace", "path": "/properties/memory_mb", "value": 16384}]),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+
+    // Addresses come from the named field; the updater sees them deployed and running, and
+    // refreshes the hardware facts.
     let machine = p.get_machine(&nodes[2]).await.unwrap();
     assert_eq!(machine.addr.as_deref(), Some("127.0.0.1:2202"));
     Updater::new(p.clone(), RateSpec::new(Duration::from_millis(1), 1))
@@ -115,6 +147,9 @@ async fn available_nodes_are_reserved_deployed_once_with_our_key_and_recorded() 
         .await
         .values()
         .all(|s| *s == Some(ProviderStatus::Running)));
+    let facts = facts_of(nodes[2].clone()).await;
+    assert_eq!(facts.get("memory_mb"), Some("16384"), "{facts:?}");
+    assert_eq!(facts.get("cpus"), Some("4"), "{facts:?}");
     s.close().await.unwrap();
     t.cleanup().await;
 }

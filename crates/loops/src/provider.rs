@@ -3,7 +3,9 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use shepherd_bmdb::{Process, Provided, Provider as ProviderKind, ProviderStatus, Session};
+use shepherd_bmdb::{
+    Process, Provided, Provider as ProviderKind, ProviderFacts, ProviderStatus, Session,
+};
 use uuid::Uuid;
 
 /// Whether a machine the provider lists is ours.
@@ -37,6 +39,8 @@ pub struct ProviderMachine {
     pub status: Option<ProviderStatus>,
     /// The reservation it was (or is to be) created from, for providers that have them.
     pub reservation: Option<String>,
+    /// What the provider says about its hardware.
+    pub facts: ProviderFacts,
 }
 
 impl ProviderMachine {
@@ -51,6 +55,7 @@ impl ProviderMachine {
             location: None,
             status: None,
             reservation: None,
+            facts: ProviderFacts::default(),
         }
     }
 
@@ -78,9 +83,44 @@ pub enum ProviderError {
     /// The provider's API failed or refused; the typed error is the source.
     #[error(transparent)]
     Api(Box<dyn std::error::Error + Send + Sync>),
+    /// The machine exists at the provider, but the BMDB did not record it.
+    #[error(transparent)]
+    Record(#[from] RecordError),
     /// Anything else (API errors, timeouts, bad data).
     #[error(transparent)]
     Other(#[from] anyhow::Error),
+}
+
+impl ProviderError {
+    /// Whether the failure is the BMDB's (unreachable, failing over, this process's session
+    /// lost) rather than the provider's or one machine's: the provisioner then stops its pass,
+    /// since every further machine it created would be one more the BMDB cannot record.
+    pub fn is_bmdb_failure(&self) -> bool {
+        matches!(self, ProviderError::Record(RecordError::Bmdb { error, .. }) if error.is_transient())
+    }
+}
+
+/// Why a machine its provider created was not recorded in the BMDB. Until a later pass
+/// adopts it (every provider lists the machines that are its own), the machine is an orphan.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    /// The provider gave the machine no id the BMDB can hold.
+    #[error("the provider returned a machine without a valid id")]
+    NoValidId,
+    /// An operator decommissioned this provider id; it is not brought back.
+    #[error("provider id {0:?} was decommissioned by an operator")]
+    Decommissioned(String),
+    /// Another writer recorded the id first, and its machine is gone again.
+    #[error("provider id {0:?} conflicted with a machine that is gone again")]
+    Vanished(String),
+    /// The BMDB failed.
+    #[error("recording provider id {provider_id:?} in the BMDB failed (a later pass adopts it): {error}")]
+    Bmdb {
+        /// The machine's provider id.
+        provider_id: String,
+        /// What the BMDB said.
+        error: shepherd_bmdb::Error,
+    },
 }
 
 /// A machine could not be looked up at its provider.
@@ -211,8 +251,14 @@ pub async fn record_new_machine(
     session: &Session,
     kind: ProviderKind,
     machine: &ProviderMachine,
-) -> anyhow::Result<Recorded> {
+) -> Result<Recorded, RecordError> {
     record_deploying_machine(session, kind, machine, Duration::ZERO).await
+}
+
+/// What the recording transaction found.
+enum Insert {
+    Recorded(Recorded),
+    Decommissioned,
 }
 
 /// [`record_new_machine`] for a machine its provider is still deploying: in the same
@@ -224,11 +270,15 @@ pub async fn record_deploying_machine(
     kind: ProviderKind,
     machine: &ProviderMachine,
     deploy_wait: Duration,
-) -> anyhow::Result<Recorded> {
+) -> Result<Recorded, RecordError> {
     let id = machine
         .valid_id()
-        .ok_or_else(|| anyhow::anyhow!("provider returned a machine without a valid id"))?
+        .ok_or(RecordError::NoValidId)?
         .to_string();
+    let bmdb = |error| RecordError::Bmdb {
+        provider_id: machine.id.clone().unwrap_or_default(),
+        error,
+    };
     let provided = Provided {
         provider: kind,
         provider_id: id,
@@ -236,6 +286,7 @@ pub async fn record_deploying_machine(
         ip_address: machine.addr.clone(),
         location: machine.location.clone(),
         status: machine.status,
+        facts: machine.facts.clone(),
     };
     let inserted = session
         .transact({
@@ -247,19 +298,16 @@ pub async fn record_deploying_machine(
                         .is_decommissioned(provided.provider, &provided.provider_id)
                         .await?
                     {
-                        return Err(shepherd_bmdb::Error::InvalidValue(format!(
-                            "provider id {:?} was decommissioned by an operator",
-                            provided.provider_id
-                        )));
+                        return Ok(Insert::Decommissioned);
                     }
                     if let Some(existing) = tx
                         .machine_by_provider_id(provided.provider, &provided.provider_id)
                         .await?
                     {
-                        return Ok(Recorded {
+                        return Ok(Insert::Recorded(Recorded {
                             machine: existing,
                             adopted: true,
-                        });
+                        }));
                     }
                     let id = tx.create_machine().await?;
                     tx.set_provided(id, &provided).await?;
@@ -274,15 +322,17 @@ pub async fn record_deploying_machine(
                                 .await?;
                         }
                     }
-                    Ok(Recorded {
+                    Ok(Insert::Recorded(Recorded {
                         machine: id,
                         adopted: false,
-                    })
+                    }))
                 })
             }
         })
         .await;
     match inserted {
+        Ok(Insert::Recorded(r)) => Ok(r),
+        Ok(Insert::Decommissioned) => Err(RecordError::Decommissioned(provided.provider_id)),
         Err(e) if e.is_unique_violation() => {
             let (kind, provider_id) = (provided.provider, provided.provider_id.clone());
             let existing = session
@@ -290,18 +340,14 @@ pub async fn record_deploying_machine(
                     let provider_id = provider_id.clone();
                     Box::pin(async move { tx.machine_by_provider_id(kind, &provider_id).await })
                 })
-                .await?;
-            let machine = existing.ok_or_else(|| {
-                anyhow::anyhow!(
-                    "provider id {:?} conflicted with a machine that is gone again: {e}",
-                    provided.provider_id
-                )
-            })?;
+                .await
+                .map_err(bmdb)?;
+            let machine = existing.ok_or(RecordError::Vanished(provided.provider_id))?;
             Ok(Recorded {
                 machine,
                 adopted: true,
             })
         }
-        other => Ok(other?),
+        Err(e) => Err(bmdb(e)),
     }
 }

@@ -14,6 +14,20 @@ use crate::periodic::{self, Pass};
 use crate::provider::{listed_and_recorded, Availability, HandBack, Provider, ProviderError};
 use crate::reconcile::{reconcile, Limits};
 
+/// Why a provisioner pass stopped early.
+#[derive(Debug, thiserror::Error)]
+pub enum ProvisionerError {
+    /// The BMDB could not record a machine the provider had just created: the pass stops
+    /// rather than create machines nothing can record.
+    #[error("stopped the pass after {created} machine(s): the BMDB cannot record what the provider creates: {error}")]
+    BmdbFailed {
+        /// Machines created and recorded before the failure.
+        created: usize,
+        /// The failure.
+        error: ProviderError,
+    },
+}
+
 /// Provisioner settings (SPEC §17 defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ProvisionerConfig {
@@ -142,6 +156,16 @@ impl<P: Provider> Provisioner<P> {
                 Err(ProviderError::Taken(what)) => {
                     tracing::debug!(%what, "another client took an unused machine first; skipping it");
                     report.taken += 1;
+                }
+                Err(e) if e.is_bmdb_failure() => {
+                    // Every further creation would be one more machine the BMDB cannot
+                    // record: stop here. The one just created is adopted by a later pass.
+                    report.failed += 1;
+                    return Err(ProvisionerError::BmdbFailed {
+                        created: report.created,
+                        error: e,
+                    }
+                    .into());
                 }
                 Err(e) => {
                     tracing::warn!(provider_id = ?machine.id, addr = ?machine.addr, error = %e, "creating a machine failed; skipping it");

@@ -420,6 +420,7 @@ impl StaticProvider {
             location: e.location.clone(),
             status: Some(ProviderStatus::Running),
             reservation: None,
+            facts: Default::default(),
         }
     }
 }

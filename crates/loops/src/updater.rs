@@ -51,6 +51,9 @@ pub fn refreshed(current: &Provided, listed: Option<&ProviderMachine>) -> Provid
             if m.reservation.is_some() {
                 next.reservation_id = m.reservation.clone();
             }
+            if !m.facts.is_empty() {
+                next.facts = m.facts.clone();
+            }
         }
     }
     next
@@ -201,5 +204,25 @@ mod tests {
             t.status = Some(ProviderStatus::Running);
             t
         });
+    }
+
+    #[test]
+    fn hardware_facts_follow_the_provider_when_it_states_them() {
+        let mut stated = tag();
+        stated.facts.insert("cpus", "4");
+        let mut m = ProviderMachine::new("d1", Some("1.1.1.1".into()), Availability::KnownUsed);
+        assert_eq!(
+            refreshed(&stated, Some(&m)).facts,
+            stated.facts,
+            "kept when the listing states none"
+        );
+        m.facts.insert("cpus", "8");
+        m.facts.insert("memory_mb", "16384");
+        assert_eq!(refreshed(&stated, Some(&m)).facts, m.facts);
+        assert_eq!(
+            refreshed(&stated, None).facts,
+            stated.facts,
+            "kept when gone"
+        );
     }
 }

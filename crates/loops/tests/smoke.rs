@@ -12,7 +12,7 @@ use shepherd_loops::provider::{
     record_new_machine, Availability, Provider as ProviderTrait, ProviderError, ProviderMachine,
     Recorded, Recoverer as RecovererTrait,
 };
-use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
+use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig, ProvisionerError};
 use shepherd_loops::reconcile::Limits;
 use shepherd_loops::recoverer::Recoverer;
 use shepherd_loops::runner::{self, RunnerConfig};
@@ -30,6 +30,9 @@ struct Dummy {
     fail_create: BTreeSet<String>,
     fail_reboot: BTreeSet<String>,
     reboots: Mutex<Vec<String>>,
+    /// Creating this id expires the creating session after the machine exists at the
+    /// provider and before the BMDB records it, as a database failover does.
+    expire_session_on: Option<String>,
 }
 
 impl Dummy {
@@ -91,6 +94,9 @@ impl ProviderTrait for Dummy {
             .lock()
             .unwrap()
             .insert(id.clone(), Availability::KnownUsed);
+        if self.expire_session_on.as_ref() == Some(&id) {
+            session.close().await.unwrap();
+        }
         Ok(record_new_machine(
             session,
             self.kind(),
@@ -171,6 +177,40 @@ async fn provisioner_stops_at_max(db: Bmdb) {
 /// A decommissioned machine the provider still lists as ours is left alone — neither brought
 /// back nor a discrepancy — until an operator recommissions it; then it comes back as a new
 /// machine.
+/// A pass stops at the first creation the BMDB cannot record (here the session expired, as
+/// in a database failover), while a creation the provider refused for one machine is skipped.
+async fn provisioner_stops_at_the_first_failure_of_the_bmdb(db: Bmdb) {
+    let mut dummy = Dummy::with_capacity(10);
+    dummy.fail_create.insert("dummy-000".into());
+    dummy.expire_session_on = Some("dummy-002".into());
+    let provider = Arc::new(dummy);
+    let p = Provisioner::new(provider.clone(), unpaced(0, 10));
+    let s = testing::session(&db, Processor::ShepherdProvisioner).await;
+    let err = p.iterate(&s).await.unwrap_err();
+    match err.downcast_ref::<ProvisionerError>() {
+        Some(ProvisionerError::BmdbFailed { created: 1, error }) => {
+            assert!(error.is_bmdb_failure());
+            assert!(error.to_string().contains("dummy-002"), "{error}");
+            assert!(error.to_string().contains("session expired"), "{error}");
+        }
+        other => panic!("{other:?}: {err:#}"),
+    }
+    let used: Vec<String> = provider
+        .machines
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, a)| **a == Availability::KnownUsed)
+        .map(|(id, _)| id.clone())
+        .collect();
+    assert_eq!(
+        used,
+        ["dummy-001", "dummy-002"],
+        "nothing created after the BMDB failed"
+    );
+    assert_eq!(provided_ids(&db).await, ["dummy-001"]);
+}
+
 async fn provisioner_leaves_decommissioned_machines_alone(db: Bmdb) {
     let provider = Arc::new(Dummy::with_capacity(3));
     let p = Provisioner::new(provider.clone(), unpaced(0, 10));
@@ -610,6 +650,7 @@ async fn a_refused_commit_fails_the_work_with_its_cause(db: Bmdb) {
 shepherd_bmdb::conformance_tests!(
     a_refused_commit_fails_the_work_with_its_cause,
     provisioner_stops_at_max,
+    provisioner_stops_at_the_first_failure_of_the_bmdb,
     provisioner_leaves_decommissioned_machines_alone,
     the_updater_refreshes_machines_in_maintenance,
     initializer_starts_the_agent_on_all_provided,

@@ -229,6 +229,11 @@ pub fn describe_request(r: &OsInstallationRequest) -> String {
 /// The JSON form of everything about a machine (`machines show --json`).
 pub fn detail_json(d: &Detail) -> Value {
     let mut v = summary_json(&d.summary, d.state());
+    v["provider_facts"] = json!(d.summary.provided.as_ref().map(|p| p
+        .facts
+        .iter()
+        .map(|(k, v)| (k.to_string(), Value::from(v)))
+        .collect::<serde_json::Map<_, _>>()));
     v["agent_started_at"] = json!(d.agent.as_ref().map(|a| a.started_at.to_rfc3339()));
     v["agent_key"] = json!(d.agent.as_ref().map(|a| hex(&a.public_key)));
     v["ssh_host_key"] = json!(d.host_key.as_ref().map(|k| k.key.clone()));

@@ -430,6 +430,12 @@ fn machine_body(d: &Detail) -> Markup {
                 dt { "address" } dd.mono data-field="address" { (opt(p.ip_address.as_deref())) }
                 dt { "location" } dd data-field="location" { (opt(p.location.as_deref())) }
                 dt { "status" } dd { (opt(p.status.map(|s| s.as_str()))) }
+                dt { "provider facts" } dd data-field="provider_facts" {
+                    @if p.facts.is_empty() { span.muted { "none" } }
+                    @for (name, value) in p.facts.iter() {
+                        span.mono { (name) " = " (value) } br;
+                    }
+                }
             },
         }
         h2 { "agent_started / heartbeat" }

@@ -94,12 +94,13 @@ pub(crate) async fn set_provided(conn: &mut Conn, id: Uuid, p: &Provided) -> Res
     on_engine!(conn, |c, _| {
         sqlx::query(
             "INSERT INTO machine_provided
-                    (machine_id, provider, provider_id, reservation_id, ip_address, location, status)
-             VALUES ($1, $2, $3, $4, $5, $6, $7)
+                    (machine_id, provider, provider_id, reservation_id, ip_address, location, status,
+                     facts)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
              ON CONFLICT (machine_id) DO UPDATE SET provider = excluded.provider,
                 provider_id = excluded.provider_id, reservation_id = excluded.reservation_id,
                 ip_address = excluded.ip_address, location = excluded.location,
-                status = excluded.status",
+                status = excluded.status, facts = excluded.facts",
         )
         .bind(id)
         .bind(p.provider.as_str())
@@ -108,6 +109,7 @@ pub(crate) async fn set_provided(conn: &mut Conn, id: Uuid, p: &Provided) -> Res
         .bind(&p.ip_address)
         .bind(&p.location)
         .bind(p.status.map(|s| s.as_str()))
+        .bind(p.facts.to_column())
         .execute(c)
         .await?;
         Ok(())
@@ -118,6 +120,7 @@ pub(crate) async fn set_provided(conn: &mut Conn, id: Uuid, p: &Provided) -> Res
 impl FromColumns for (Uuid, Provided) {
     fn from_columns(r: &impl Columns) -> Result<Self> {
         let status: Option<String> = r.get("status")?;
+        let facts: Option<String> = r.get("facts")?;
         Ok((
             r.get("machine_id")?,
             Provided {
@@ -127,6 +130,7 @@ impl FromColumns for (Uuid, Provided) {
                 ip_address: r.get("ip_address")?,
                 location: r.get("location")?,
                 status: status.map(|s| s.parse()).transpose()?,
+                facts: ProviderFacts::from_column(facts.as_deref())?,
             },
         ))
     }

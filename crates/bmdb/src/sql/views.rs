@@ -104,7 +104,7 @@ pub(crate) async fn status_counts(conn: &mut Conn) -> Result<StatusCounts> {
 fn summary_select(now: &str) -> String {
     format!(
         "SELECT m.machine_id, p.provider, p.provider_id, p.reservation_id, p.ip_address,
-                p.location, p.status, a.started_at, h.heartbeat_at,
+                p.location, p.status, p.facts, a.started_at, h.heartbeat_at,
                 (SELECT string_agg(w.process, ',' ORDER BY w.process) FROM work w
                   WHERE w.machine_id = m.machine_id) AS work,
                 (SELECT max(b.until) FROM work_backoff b
