@@ -158,6 +158,9 @@ pub struct SimFleet {
     state: Mutex<State>,
     knobs: SimKnobs,
     real_agents: Option<RealAgents>,
+    /// The BMDB through which replicas share one view of the fleet (see
+    /// [`SimFleet::share_through`]).
+    shared: std::sync::OnceLock<Bmdb>,
 }
 
 fn fake_host_key() -> String {
@@ -203,6 +206,7 @@ impl SimFleet {
             }),
             knobs,
             real_agents: None,
+            shared: std::sync::OnceLock::new(),
         })
     }
 
@@ -245,12 +249,23 @@ impl SimFleet {
         }
     }
 
+    /// Replicas of `shepherd run --provider sim` are separate processes, each with a fleet of
+    /// its own, while the replicas of a real provider share that provider. From now on, this
+    /// fleet counts a machine the BMDB records for the simulator as in use, so that every
+    /// replica sees the machines the others brought in, as one provider.
+    pub fn share_through(&self, db: Bmdb) {
+        let _ = self.shared.set(db);
+    }
+
+    /// A machine in use is listed as ours but possibly unknown to the BMDB, as a real provider
+    /// lists its own devices: one created while the BMDB could not record it (the insert
+    /// failed, a database failover) is an orphan that the next pass adopts.
     fn view(m: &SimMachine) -> ProviderMachine {
         ProviderMachine::new(
             m.id.clone(),
             Some(m.addr.clone()),
             if m.used {
-                Availability::KnownUsed
+                Availability::PossiblyUsed
             } else {
                 Availability::KnownUnused
             },
@@ -340,6 +355,18 @@ impl Provider for SimFleet {
     }
 
     async fn list_machines(&self) -> Result<Vec<ProviderMachine>, ProviderError> {
+        if let Some(db) = self.shared.get() {
+            let recorded = db
+                .read(|tx| Box::pin(async move { tx.provided_by(ProviderKind::Sim).await }))
+                .await
+                .context("the simulated provider reading the machines other replicas brought in")?;
+            let mut s = self.state.lock().unwrap();
+            for (_, p) in recorded {
+                if let Some(&i) = s.by_id.get(&p.provider_id) {
+                    s.machines[i].used = true;
+                }
+            }
+        }
         Ok(self
             .state
             .lock()
@@ -574,13 +601,14 @@ mod tests {
         let list = fleet.list_machines().await.unwrap();
         assert!(list
             .iter()
-            .all(|m| m.availability == Availability::KnownUsed));
+            .all(|m| m.availability == Availability::PossiblyUsed));
         // After a restart over a BMDB that records every machine: nothing to create, no
         // discrepancy.
         let recorded = list.iter().filter_map(|m| m.id.clone()).collect();
         let plan = crate::reconcile::reconcile(&list, &recorded, Default::default()).unwrap();
         assert_eq!((plan.managed, plan.create.len()), (100, 0));
-        // A fresh fleet over the same BMDB disagrees with it, which is what the flag is for.
+        // A fresh fleet over the same BMDB, not sharing it, disagrees with it: that is what
+        // the flag and `share_through` are for.
         let fresh = SimFleet::new(100, SimKnobs::default()).unwrap();
         let fresh = fresh.list_machines().await.unwrap();
         assert!(crate::reconcile::reconcile(&fresh, &recorded, Default::default()).is_err());

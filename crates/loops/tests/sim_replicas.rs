@@ -9,6 +9,7 @@ use std::time::Duration;
 use shepherd_bmdb::*;
 use shepherd_loops::initializer::{Initializer, InitializerConfig};
 use shepherd_loops::limiter::RateSpec;
+use shepherd_loops::provider::Provider as _;
 use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
 use shepherd_loops::reconcile::Limits;
 use shepherd_loops::runner::{run, RunnerConfig};
@@ -124,10 +125,69 @@ async fn two_replicas_take_each_machine_over_once(db: Bmdb, url: String) {
     second.close().await;
 }
 
+fn unpaced() -> ProvisionerConfig {
+    ProvisionerConfig {
+        limits: Limits::new(0, MACHINES),
+        reconcile_rate: RateSpec::new(Duration::from_millis(1), 1),
+        creation_rate: RateSpec::new(Duration::from_millis(1), 1000),
+    }
+}
+
+/// Replicas of `shepherd run --provider sim` are processes with a simulator each: the second
+/// sees the machines the first brought in as in use, not as a disagreement with the BMDB.
+async fn separate_simulators_share_one_fleet_through_the_bmdb(db: Bmdb, url: String) {
+    let second = Bmdb::open(&url).await.unwrap();
+    let (a, b) = (
+        Arc::new(SimFleet::new(MACHINES, SimKnobs::default()).unwrap()),
+        Arc::new(SimFleet::new(MACHINES, SimKnobs::default()).unwrap()),
+    );
+    a.share_through(db.clone());
+    b.share_through(second.clone());
+    let sa = testing::session(&db, Processor::ShepherdProvisioner).await;
+    let sb = testing::session(&second, Processor::ShepherdProvisioner).await;
+    let first = Provisioner::new(a, unpaced()).iterate(&sa).await.unwrap();
+    assert_eq!(first.created, MACHINES);
+    let later = Provisioner::new(b, unpaced())
+        .iterate(&sb)
+        .await
+        .expect("the second replica sees the first one's machines");
+    assert_eq!((later.managed, later.created), (MACHINES, 0), "{later:?}");
+    sa.close().await.unwrap();
+    sb.close().await.unwrap();
+    second.close().await;
+}
+
+/// A machine the simulator created while the BMDB could not record it is an orphan, adopted
+/// by the next pass, as a real provider's.
+async fn an_orphan_of_the_simulator_is_adopted(db: Bmdb) {
+    let fleet = Arc::new(SimFleet::new(3, SimKnobs::default()).unwrap());
+    let lost = testing::session(&db, Processor::ShepherdProvisioner).await;
+    lost.close().await.unwrap();
+    let unused = fleet.list_machines().await.unwrap().remove(1);
+    let err = fleet.create_machine(&lost, &unused).await.unwrap_err();
+    assert!(err.is_bmdb_failure(), "{err}");
+
+    let s = testing::session(&db, Processor::ShepherdProvisioner).await;
+    let report = Provisioner::new(fleet.clone(), unpaced())
+        .iterate(&s)
+        .await
+        .expect("no disagreement over the orphan");
+    assert_eq!((report.created, report.managed), (3, 0), "{report:?}");
+    let recorded = testing::provided_by(&db, Provider::Sim).await;
+    assert_eq!(recorded.len(), 3);
+    s.close().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sqlite() {
     let t = shepherd_bmdb::testing::sqlite().await;
     two_replicas_take_each_machine_over_once(t.db.clone(), t.url.clone()).await;
+    t.cleanup().await;
+    let t = shepherd_bmdb::testing::sqlite().await;
+    separate_simulators_share_one_fleet_through_the_bmdb(t.db.clone(), t.url.clone()).await;
+    t.cleanup().await;
+    let t = shepherd_bmdb::testing::sqlite().await;
+    an_orphan_of_the_simulator_is_adopted(t.db.clone()).await;
     t.cleanup().await;
 }
 
@@ -137,5 +197,15 @@ async fn postgres() {
         return;
     };
     two_replicas_take_each_machine_over_once(t.db.clone(), t.url.clone()).await;
+    t.cleanup().await;
+    let Some(t) = shepherd_bmdb::testing::postgres().await else {
+        return;
+    };
+    separate_simulators_share_one_fleet_through_the_bmdb(t.db.clone(), t.url.clone()).await;
+    t.cleanup().await;
+    let Some(t) = shepherd_bmdb::testing::postgres().await else {
+        return;
+    };
+    an_orphan_of_the_simulator_is_adopted(t.db.clone()).await;
     t.cleanup().await;
 }

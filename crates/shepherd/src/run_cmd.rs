@@ -798,6 +798,7 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
         Chosen::Equinix(provider, transport) => loops.run(provider, transport).await,
         Chosen::Ironic(provider, transport) => loops.run(provider, transport).await,
         Chosen::Sim(fleet) => {
+            fleet.share_through(db.clone());
             let agents = tokio::spawn(fleet.clone().run_agents(db.clone(), cancel.clone()));
             let r = loops.run(fleet.clone(), fleet).await;
             let _ = agents.await;
