@@ -13,6 +13,7 @@ use sqlx::sqlite::{
 use sqlx::{ConnectOptions, Connection};
 
 use crate::claim_hints::ClaimHints;
+use crate::failover::FailoverMark;
 use crate::metrics::BmdbMetrics;
 use crate::migrations::{SchemaWindow, MIGRATIONS, SCHEMA_VERSION};
 use crate::sql::{self, Conn, SqliteTx};
@@ -85,6 +86,8 @@ pub(crate) struct Inner {
     pub(crate) metrics: BmdbMetrics,
     /// Leftover claim candidates, shared by every session of this handle.
     pub(crate) claim_hints: ClaimHints,
+    /// When a failover error was last seen; Postgres connections opened before are dropped.
+    pub(crate) failover: Arc<FailoverMark>,
     target: String,
     /// The last diagnosis of an unreachable database, and when it was made.
     diagnosis: tokio::sync::Mutex<Option<(std::time::Instant, String)>>,
@@ -212,6 +215,7 @@ impl Bmdb {
             target: target.clone(),
             error,
         };
+        let failover = Arc::new(FailoverMark::default());
         let pools = match parsed {
             DatabaseUrl::Sqlite(path) => {
                 if !opts.create && !path.exists() {
@@ -246,9 +250,15 @@ impl Bmdb {
                     .map_err(|_| connect_err(sqlx::Error::PoolTimedOut))?
                     .map_err(connect_err)?;
                 probe.close().await.map_err(connect_err)?;
+                let mark = failover.clone();
                 let pool = PgPoolOptions::new()
                     .max_connections(opts.max_connections)
                     .acquire_timeout(opts.connect_timeout)
+                    // A connection opened before a failover error may lead to a standby.
+                    .before_acquire(move |_, meta| {
+                        let fresh = !mark.predates(meta.age);
+                        Box::pin(async move { Ok(fresh) })
+                    })
                     .connect_with(*pg)
                     .await
                     .map_err(connect_err)?;
@@ -260,6 +270,7 @@ impl Bmdb {
                 pools,
                 metrics: BmdbMetrics::default(),
                 claim_hints: ClaimHints::default(),
+                failover,
                 target,
                 diagnosis: tokio::sync::Mutex::new(None),
             }),

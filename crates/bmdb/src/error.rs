@@ -113,6 +113,7 @@ impl Error {
             Error::BatchFailed { transient, .. } => *transient,
             Error::Database(e) => {
                 is_retryable_sqlx(e)
+                    || crate::failover::is_failover_sqlx(e)
                     || matches!(
                         e,
                         sqlx::Error::Io(_)
@@ -121,6 +122,16 @@ impl Error {
                             | sqlx::Error::WorkerCrashed
                     )
             }
+            _ => false,
+        }
+    }
+
+    /// Whether the database is failing over (a standby refused a write, the server shut down
+    /// or is starting up, the connection broke): its unavailability, which
+    /// [`Error::is_transient`] includes.
+    pub fn is_failover(&self) -> bool {
+        match self {
+            Error::Database(e) => crate::failover::is_failover_sqlx(e),
             _ => false,
         }
     }

@@ -9,6 +9,7 @@ mod claim_hints;
 mod db;
 mod eligibility;
 mod error;
+mod failover;
 mod heartbeats;
 mod metrics;
 mod migrations;

@@ -358,11 +358,16 @@ impl Session {
                 .await;
         };
         let (machines, keys): (Vec<Uuid>, Vec<Vec<u8>>) = beats.into_iter().unzip();
-        let rows = retrying(db.metrics(), inner.processor, || async {
-            inner.ensure_alive()?;
-            let mut conn = db.acquire_pg(pool).await?;
-            sql::sessions::agent_heartbeats_pg(&mut conn, inner.id, &machines, &keys).await
-        })
+        let rows = retrying(
+            db.metrics(),
+            &db.inner.failover,
+            inner.processor,
+            || async {
+                inner.ensure_alive()?;
+                let mut conn = db.acquire_pg(pool).await?;
+                sql::sessions::agent_heartbeats_pg(&mut conn, inner.id, &machines, &keys).await
+            },
+        )
         .await?;
         rows.into_iter()
             .map(

@@ -581,3 +581,22 @@ pub async fn provided_by(
         .await
         .expect("read the provided machines")
 }
+
+/// Makes the next pooled Postgres connection's session read-only, as a connection that reached
+/// a node which became a standby in a failover: every write on it fails with SQLSTATE 25006
+/// while reads still work. Panics on SQLite.
+pub async fn make_a_pooled_connection_read_only(db: &Bmdb) {
+    db.transact(|tx| {
+        Box::pin(async move {
+            let crate::sql::Conn::Postgres(c) = &mut tx.inner else {
+                panic!("only a Postgres connection can become a standby's");
+            };
+            sqlx::query("SET SESSION default_transaction_read_only = on")
+                .execute(&mut **c)
+                .await?;
+            Ok(())
+        })
+    })
+    .await
+    .unwrap();
+}

@@ -9,6 +9,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use crate::db::{Mode, TxFuture};
+use crate::failover::FailoverMark;
 use crate::metrics::{BmdbMetrics, TransactionEnd};
 use crate::tx::Tx;
 use crate::{Bmdb, Error, Processor};
@@ -23,6 +24,7 @@ const MAX_DELAY: Duration = Duration::from_millis(500);
 /// statement), so that a retry starts from scratch.
 pub(crate) async fn retrying<T, F, Fut>(
     metrics: &BmdbMetrics,
+    failover: &FailoverMark,
     processor: Processor,
     mut attempt: F,
 ) -> Result<T, Error>
@@ -38,6 +40,10 @@ where
                 return Ok(v);
             }
             Err(e) => {
+                if e.is_failover() {
+                    // The connection may lead to a standby: no one is handed it again.
+                    failover.seen();
+                }
                 failures += 1;
                 if !e.is_retryable() || failures >= MAX_ATTEMPTS {
                     metrics.transaction(processor, TransactionEnd::Failed);
@@ -112,19 +118,27 @@ impl Bmdb {
         // Each attempt's future needs `body` for a while; attempts never overlap, so the lock
         // is never contended: it only hands the one `FnMut` to the attempt under way.
         let body = &std::sync::Mutex::new(body);
-        retrying(self.metrics(), processor, || async move {
-            if let Some(g) = guard {
-                g.before()?;
-            }
-            let mut tx = self.begin(mode).await?;
-            if let Some(g) = guard {
-                g.inside(&mut tx).await?;
-            }
-            let pending = (body.lock().expect("a transaction body panicked"))(&mut tx);
-            let v = pending.await?;
-            tx.commit().await?;
-            Ok(v)
-        })
+        retrying(
+            self.metrics(),
+            &self.inner.failover,
+            processor,
+            || async move {
+                let attempt = async {
+                    if let Some(g) = guard {
+                        g.before()?;
+                    }
+                    let mut tx = self.begin(mode).await?;
+                    if let Some(g) = guard {
+                        g.inside(&mut tx).await?;
+                    }
+                    let pending = (body.lock().expect("a transaction body panicked"))(&mut tx);
+                    let v = pending.await?;
+                    tx.commit().await?;
+                    Ok(v)
+                };
+                attempt.await
+            },
+        )
         .await
     }
 }
@@ -144,11 +158,16 @@ mod tests {
     async fn gives_up_at_once_on_errors_that_are_not_contention() {
         let metrics = BmdbMetrics::default();
         let mut attempts = 0;
-        let r: Result<(), _> = retrying(&metrics, Processor::Unknown, || {
-            attempts += 1;
-            // A protocol error is not a serialization or lock error: not retried.
-            async { Err(Error::Database(sqlx::Error::Protocol("unexpected".into()))) }
-        })
+        let r: Result<(), _> = retrying(
+            &metrics,
+            &FailoverMark::default(),
+            Processor::Unknown,
+            || {
+                attempts += 1;
+                // A protocol error is not a serialization or lock error: not retried.
+                async { Err(Error::Database(sqlx::Error::Protocol("unexpected".into()))) }
+            },
+        )
         .await;
         assert!(r.is_err());
         assert_eq!(attempts, 1);

@@ -43,9 +43,12 @@ impl Session {
         retrieval: Retrieval,
         strategy: ClaimStrategy,
     ) -> Result<Claim, Error> {
-        retrying(self.db().metrics(), self.processor(), || {
-            self.attempt_claim(process, &retrieval, strategy)
-        })
+        retrying(
+            self.db().metrics(),
+            &self.db().inner.failover,
+            self.processor(),
+            || self.attempt_claim(process, &retrieval, strategy),
+        )
         .await
     }
 
@@ -196,19 +199,24 @@ impl Work {
         let db = self.session.db();
         // Attempts never overlap; the lock only hands `commit` to the attempt under way.
         let commit = &std::sync::Mutex::new(commit);
-        let outcome = retrying(db.metrics(), self.session.processor(), || async move {
-            let mut tx = db.begin(Mode::Write).await?;
-            let outcome =
-                sql::endings::finish_work(&mut tx.inner, session, machine, process).await?;
-            if outcome == EndOutcome::Done {
-                let pending = (commit.lock().expect("a commit function panicked"))(&mut tx);
-                pending.await?;
-                tx.commit().await?;
-            } else {
-                tx.rollback().await?;
-            }
-            Ok(outcome)
-        })
+        let outcome = retrying(
+            db.metrics(),
+            &db.inner.failover,
+            self.session.processor(),
+            || async move {
+                let mut tx = db.begin(Mode::Write).await?;
+                let outcome =
+                    sql::endings::finish_work(&mut tx.inner, session, machine, process).await?;
+                if outcome == EndOutcome::Done {
+                    let pending = (commit.lock().expect("a commit function panicked"))(&mut tx);
+                    pending.await?;
+                    tx.commit().await?;
+                } else {
+                    tx.rollback().await?;
+                }
+                Ok(outcome)
+            },
+        )
         .await?;
         self.ended(outcome, State::Finished, WorkResult::Finished)
     }
