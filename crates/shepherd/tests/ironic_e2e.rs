@@ -11,54 +11,20 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::{Command, Stdio};
 
+use common::ironic::{ironic_run, PASSWORD};
 use common::sushy;
-use common::{announced, shepherd, wait_for, ChildGuard};
+use common::{announced, wait_for, ChildGuard};
 use serde_json::json;
 use shepherd_bmdb::{testing, Bmdb, OpenOptions, Process, Provider, WorkEvent};
 use shepherd_ironic::testing::{ImageServer, IronicServer, RedfishNode, TestAuth};
 use shepherd_ssh::testing::Sshd;
 
-const PASSWORD: &str = "s3cret-ironic-pass";
-
 /// The Redfish id of the emulated system behind the Redfish node.
 const SYSTEM: &str = "7b4c1d4e-3f52-4b7e-9a51-2a0d5e6f7a01";
 
-/// `shepherd run --provider ironic` against `ironic` with HTTP basic credentials (the password
-/// from the environment), taking nodes of resource class `shepherd-test` as deployment `e2e`.
-fn ironic_run(
-    db: &str,
-    ironic: &IronicServer,
-    key: &std::path::Path,
-    agent: &std::path::Path,
-    target: &str,
-) -> Command {
-    let mut cmd = shepherd();
-    cmd.args(["run", "--provider", "ironic", "--migrate", "--database", db])
-        .args(["--ironic-url", &ironic.url()])
-        .args(["--ironic-user", "shepherd"])
-        .env("SHEPHERD_IRONIC_PASSWORD", PASSWORD)
-        .args(["--ironic-deployment", "e2e"])
-        .args(["--ironic-resource-class", "shepherd-test"])
-        .args(["--ironic-address-from-inventory", "false"])
-        .args(["--ironic-reboot-wait", "1s"])
-        .args(["--ironic-deploy-wait", "3s"])
-        .arg(format!("--ssh-key={}", key.display()))
-        .args([
-            "--ssh-user",
-            &std::env::var("USER").unwrap_or_else(|_| "root".into()),
-        ])
-        .args(["--ssh-connect-timeout", "10s"])
-        .arg(format!("--agent-executable={}", agent.display()))
-        .arg(format!("--agent-target-path={target}"))
-        .args(["--provisioner-max-machines", "0"])
-        .args(["--provisioner-chunk-size", "50"])
-        .args(["--provisioner-reconcile-rate", "2s,1"])
-        .args(["--provisioner-creation-rate", "1ms,50"])
-        .args(["--initializer-parallelism", "8"])
-        .args(["--initializer-db-rate", "20ms,16"])
-        .args(["--session-interval", "2s"])
-        .stdout(Stdio::null());
-    cmd
+/// The user the tests' sshds let in: whoever runs the tests.
+fn this_user() -> String {
+    std::env::var("USER").unwrap_or_else(|_| "root".into())
 }
 
 /// Machine → process → events, in history order.
@@ -131,6 +97,7 @@ async fn two_replicas_take_every_node_over_and_deploy_each_exactly_once() {
         .map(|log| {
             ChildGuard(Some(
                 ironic_run(&db_url, &ironic, &key_path, &agent, &target)
+                    .args(["--ssh-user", &this_user()])
                     // The stand-in agent answers the takeover and never heartbeats.
                     .args(["--agent-endpoint", "bmaas.test:443"])
                     .stderr(std::fs::File::create(log).unwrap())
@@ -294,6 +261,8 @@ async fn a_silent_agent_on_a_redfish_node_is_rebooted_through_ironic_and_taken_o
         &shepherd_loops::testing::agent_path(),
         &target,
     )
+    .args(["--ssh-user", &this_user()])
+    .args(["--ironic-reboot-wait", "1s"])
     .arg(format!("--agent-endpoint=localhost:{port}"))
     .arg(format!(
         "--agent-ca={}",

@@ -321,7 +321,10 @@ struct Follower {
     resets: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
 }
 
-/// One power notification: a pending restart of a system resets the VM of its name.
+/// One power notification. A pending restart of a system resets the VM of its name; a
+/// pending power-off pauses it (its CPUs stop, as if the power were cut), and the power-on
+/// that follows resets it and lets it run: the off-then-on cycle Ironic's `redfish` power
+/// interface uses for a reboot.
 async fn follow(
     axum::extract::State(f): axum::extract::State<Follower>,
     axum::Json(system): axum::Json<serde_json::Value>,
@@ -329,12 +332,29 @@ async fn follow(
     let name = system["name"].as_str().unwrap_or_default().to_string();
     let pending = system["pending_power"]["power_state"]
         .as_str()
-        .unwrap_or_default();
-    if pending.contains("Restart") {
-        if let Some(path) = f.qmp_by_name.get(&name).cloned() {
-            tokio::task::spawn_blocking(move || qmp(&path, "system_reset"))
-                .await
-                .unwrap();
+        .unwrap_or_default()
+        .to_string();
+    let Some(path) = f.qmp_by_name.get(&name).cloned() else {
+        return axum::http::StatusCode::NO_CONTENT;
+    };
+    let commands: &[&str] = if pending.contains("Restart") {
+        &["system_reset"]
+    } else if pending == "Off" {
+        &["stop"]
+    } else if pending == "On" {
+        &["system_reset", "cont"]
+    } else {
+        &[]
+    };
+    if !commands.is_empty() {
+        tokio::task::spawn_blocking(move || {
+            for command in commands {
+                qmp(&path, command);
+            }
+        })
+        .await
+        .unwrap();
+        if commands.contains(&"system_reset") {
             f.resets.lock().unwrap().push(name);
         }
     }
