@@ -5,7 +5,9 @@
 //! recoverer while more than a set share of the provider's machines are silent, and releases
 //! it by itself when the share falls. Silent means no heartbeat within *half* the recovery
 //! threshold (machines just rebooted count until their agent is back), so when a whole fleet
-//! goes quiet the brake engages well before any machine falls due.
+//! goes quiet the brake engages well before any machine falls due. Only machines whose agent
+//! was started are counted: machines still being brought in (a bring-up, an expansion) have
+//! no agent to be silent.
 //!
 //! It is evaluated from two count queries, never per claim: on an interval, and as soon as the
 //! recoverer has used up the few reboots each count allows (`min_silent`). So however fast
@@ -86,7 +88,7 @@ pub struct BrakeStatus {
     pub due: i64,
     /// Machines without a recent heartbeat at the last count.
     pub silent: i64,
-    /// Their share of the provider's machines.
+    /// Their share of the provider's machines whose agent was started.
     pub share: f64,
     /// The share above which the brake engages.
     pub allowed_share: f64,
@@ -112,7 +114,7 @@ impl BrakeMetrics {
         );
         registry.register(
             "shepherd_recovery_silent_share",
-            "Share of the provider's machines without a recent heartbeat at the brake's last count",
+            "Share of the provider's machines with a started agent that have no recent heartbeat, at the brake's last count",
             self.share.clone(),
         );
     }
@@ -135,10 +137,10 @@ impl BrakeMetrics {
 pub struct BrakeReading {
     /// Machines due for recovery.
     pub due: i64,
-    /// Machines without a heartbeat within half the recovery threshold (never heartbeated,
-    /// just rebooted, or gone quiet).
+    /// Machines without a heartbeat within half the recovery threshold (an agent started that
+    /// never heartbeated, just rebooted, or gone quiet).
     pub silent: i64,
-    /// Machines of the provider.
+    /// Machines of the provider whose agent was started (or that were rebooted since).
     pub machines: i64,
 }
 

@@ -483,7 +483,66 @@ async fn a_reboot_wait_holds_no_worker(db: Bmdb) {
     }
 }
 
+/// Machines being brought in (provided, no agent started yet) are no evidence of a failing
+/// server or network: a bring-up of many machines next to a few running ones does not engage
+/// the brake, while the running ones going silent, or rebooted and not back yet, do.
+async fn machines_still_being_brought_in_do_not_engage_the_brake(db: Bmdb) {
+    let b = Brake::new(
+        brake(0.5),
+        Provider::Sim,
+        thresholds(),
+        BrakeMetrics::default(),
+    );
+    let new = testing::provision(&db, 40, Provider::Sim).await;
+    let running = testing::provision(&db, 10, Provider::Sim).await;
+    let ids = running.clone();
+    db.transact(move |tx| {
+        let ids = ids.clone();
+        Box::pin(async move {
+            for (n, id) in ids.into_iter().enumerate() {
+                tx.set_agent_started(id, &[n as u8 + 1; 32]).await?;
+                tx.set_heartbeat(id).await?;
+            }
+            Ok(())
+        })
+    })
+    .await
+    .unwrap();
+    let reading = b.evaluate(&db).await.unwrap();
+    assert_eq!((reading.silent, reading.machines), (0, 10), "{reading:?}");
+    assert!(
+        !b.engaged(),
+        "40 machines being brought in engaged the brake"
+    );
+
+    // Six of the ten running machines: three gone quiet, three rebooted whose agents are not
+    // back. More than half of the machines with agents are silent: the brake holds.
+    let (quiet, rebooted) = (running[..3].to_vec(), running[3..6].to_vec());
+    db.transact(move |tx| {
+        let (quiet, rebooted) = (quiet.clone(), rebooted.clone());
+        Box::pin(async move {
+            let long_ago = tx.now().await? - chrono::Duration::hours(2);
+            for id in quiet {
+                tx.set_heartbeat_at(id, long_ago).await?;
+            }
+            for id in rebooted {
+                tx.delete_agent_started(id).await?;
+                tx.delete_heartbeat(id).await?;
+                tx.set_recovery(id, 1).await?;
+            }
+            Ok(())
+        })
+    })
+    .await
+    .unwrap();
+    let reading = b.evaluate(&db).await.unwrap();
+    assert_eq!((reading.silent, reading.machines), (6, 10), "{reading:?}");
+    assert!(b.engaged(), "{reading:?}");
+    assert_eq!(new.len(), 40);
+}
+
 shepherd_bmdb::conformance_tests!(
+    machines_still_being_brought_in_do_not_engage_the_brake,
     agents_that_never_heartbeat_are_not_all_rebooted,
     a_stopped_server_does_not_get_the_fleet_power_cycled,
     a_server_stopping_under_a_running_recoverer_costs_a_few_reboots_at_most,

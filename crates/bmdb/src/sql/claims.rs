@@ -230,15 +230,25 @@ const COUNT_HEARTBEATING: Dialects = Dialects {
                       FILTER (WHERE h.heartbeat_at > now() - make_interval(secs => $2))
                  FROM machine_provided p
                  LEFT JOIN machine_agent_heartbeat h ON h.machine_id = p.machine_id
-                WHERE p.provider = $1",
+                WHERE p.provider = $1
+                  AND (EXISTS (SELECT 1 FROM machine_agent_started a
+                                WHERE a.machine_id = p.machine_id)
+                       OR EXISTS (SELECT 1 FROM machine_recovery r
+                                   WHERE r.machine_id = p.machine_id))",
     sqlite: "SELECT count(*), count(h.machine_id) FILTER (WHERE h.heartbeat_at > $3 - $2)
                FROM machine_provided p
                LEFT JOIN machine_agent_heartbeat h ON h.machine_id = p.machine_id
-              WHERE p.provider = $1",
+              WHERE p.provider = $1
+                AND (EXISTS (SELECT 1 FROM machine_agent_started a
+                              WHERE a.machine_id = p.machine_id)
+                     OR EXISTS (SELECT 1 FROM machine_recovery r
+                                 WHERE r.machine_id = p.machine_id))",
 };
 
-/// A provider's machines, and how many of them heartbeated within `fresh_within` (the
-/// recoverer's brake).
+/// A provider's machines whose agent was started (or that a recovery rebooted and whose agent
+/// is not back yet), and how many of them heartbeated within `fresh_within`: the recoverer's
+/// brake. Machines still being brought in have no agent to be silent, and are no evidence of a
+/// failing server or network.
 pub(crate) async fn count_heartbeating(
     conn: &mut Conn,
     provider: Provider,
