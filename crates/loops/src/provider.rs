@@ -228,18 +228,24 @@ pub struct Recorded {
     pub adopted: bool,
 }
 
-/// Both views of one provider, read at the same time: what it lists now, and what the BMDB
-/// records as provided by it. The provisioner and the updater each start from these.
+/// Both views of one provider: what the BMDB records as provided by it, then what it lists
+/// now. The provisioner and the updater each start from these.
+///
+/// The BMDB is read first, and the provider listed after: every machine recorded by then was
+/// created at the provider before, so the listing shows it, while a machine another replica
+/// creates in between is only listed (ours, unknown to the BMDB: adopted). Read at the same
+/// time, a machine another replica recorded between the listing and the read looked missing
+/// at the provider, and the pass refused to act on the disagreement.
 pub async fn listed_and_recorded<P: Provider + ?Sized>(
     provider: &P,
     session: &Session,
 ) -> anyhow::Result<(Vec<ProviderMachine>, Vec<(Uuid, Provided)>)> {
     let kind = provider.kind();
-    let (listed, recorded) = tokio::join!(
-        provider.list_machines(),
-        session.read(move |tx| Box::pin(async move { tx.provided_by(kind).await }))
-    );
-    Ok((listed?, recorded?))
+    let recorded = session
+        .read(move |tx| Box::pin(async move { tx.provided_by(kind).await }))
+        .await?;
+    let listed = provider.list_machines().await?;
+    Ok((listed, recorded))
 }
 
 /// Writes the `machines` row and `machine_provided` tag for a machine a provider just created,
