@@ -75,6 +75,23 @@ ensure_promtool() {
   promtool --version 2>&1 | head -n 1 | sed 's/^/test-deps: /' || true
 }
 
+ensure_patroni() {
+  # The failover tests run a Patroni cluster of their own (three Postgres nodes, one etcd,
+  # HAProxy in front), all on loopback ports they pick. Debian's packages; RUNLEVEL=1 keeps the
+  # package scripts from starting an etcd or an HAProxy of their own, and the ones that start
+  # anyway are stopped: the tests start every daemon themselves.
+  if ! command -v patroni >/dev/null 2>&1 || ! command -v etcd >/dev/null 2>&1 \
+    || ! command -v haproxy >/dev/null 2>&1; then
+    echo "test-deps: installing patroni, etcd-server and haproxy"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive RUNLEVEL=1 apt-get install -y -qq \
+      patroni etcd-server haproxy >/dev/null
+    as_root pkill -x etcd 2>/dev/null || true
+    as_root pkill -x haproxy 2>/dev/null || true
+  fi
+  echo "test-deps: patroni $(patroni --version 2>&1 | awk '{print $2}'), $(etcd --version 2>&1 | head -n 1), $(haproxy -v 2>&1 | head -n 1 | awk '{print $1, $2, $3}')"
+}
+
 new_venv() {
   # A fresh virtualenv at $1 with the pip packages that follow (python3-venv installed first
   # where Debian's python3 lacks it).
@@ -146,6 +163,7 @@ ensure_postgres
 ensure_sshd
 ensure_chromium
 ensure_promtool
+ensure_patroni
 ensure_sushy
 ensure_ironic
 ensure_vm

@@ -167,6 +167,7 @@ pub fn sample(text: &str, name_and_labels: &str) -> Option<f64> {
 
 pub mod history;
 pub mod ironic;
+pub mod patroni;
 pub mod private_postgres;
 pub mod sushy;
 pub mod vm;

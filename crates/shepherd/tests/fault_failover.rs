@@ -1,0 +1,265 @@
+//! A database failover on a real Patroni cluster (`common::patroni`: three PostgreSQL nodes,
+//! etcd, HAProxy routing to the primary): two `shepherd run --provider sim` replicas and a
+//! `shepherd server` share the cluster through HAProxy while the primary fails.
+//!
+//! Three ways the primary goes away: its postmaster killed (SIGKILL), the whole node killed
+//! (Patroni too, so the leader key must expire), and a planned `patronictl switchover`. What
+//! must hold in each (issue 29): no two sessions ever hold the same work; no work ends Failed
+//! (the simulated fleet injects no failure, and a failover is the database's unavailability:
+//! work is released, not failed); every machine is provided and taken over once by the end;
+//! each replica commits again within 5 s of HAProxy reaching the new primary; no replica sees
+//! the provider and the BMDB disagree; and everything exits cleanly.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use common::patroni::PatroniCluster;
+use common::{history, shepherd, ChildGuard};
+use shepherd_bmdb::{Bmdb, HistoryEntry, Process, WorkEvent};
+use uuid::Uuid;
+
+const MACHINES: usize = 600;
+
+/// A sim replica on `url`: 16 initializer workers, 1 s takeovers, sessions every 2 s.
+fn replica(url: &str, server: &str, dir: &std::path::Path, name: &str) -> Child {
+    shepherd()
+        .args(["run", "--provider", "sim", "--database", url])
+        .args(["--agent-endpoint", server])
+        .args(["--sim-machines", &MACHINES.to_string()])
+        .args(["--sim-takeover-time", "1s"])
+        .args(["--sim-heartbeat-interval", "5s"])
+        .args(["--provisioner-max-machines", "0"])
+        .args(["--provisioner-chunk-size", "50"])
+        .args(["--provisioner-reconcile-rate", "1s,1"])
+        .args(["--provisioner-creation-rate", "10ms,10"])
+        .args(["--initializer-parallelism", "16"])
+        .args(["--initializer-db-rate", "10ms,16"])
+        .args(["--session-interval", "2s"])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap())
+        .spawn()
+        .unwrap()
+}
+
+/// Sessions of the process with this pid.
+async fn sessions_of(db: &Bmdb, pid: u32) -> HashSet<Uuid> {
+    let pid = format!("pid={pid} ");
+    db.read(|tx| Box::pin(async move { tx.sessions().await }))
+        .await
+        .map(|sessions| {
+            sessions
+                .into_iter()
+                .filter(|s| s.runtime_info.contains(&pid))
+                .map(|s| s.session_id)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Whether a history cause names the database rather than the machine.
+fn database_cause(cause: &str) -> bool {
+    let cause = cause.to_lowercase();
+    [
+        "read-only",
+        "database",
+        "postmaster",
+        "connection",
+        "session expired",
+        "shutdown",
+        "starting up",
+    ]
+    .iter()
+    .any(|w| cause.contains(w))
+}
+
+/// How the primary goes away.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Fault {
+    /// SIGKILL of its postmaster; its Patroni lives and hands the leader key over.
+    PostmasterKilled,
+    /// SIGKILL of Patroni and the postmaster: the leader key must expire.
+    NodeKilled,
+    /// `patronictl switchover`: planned.
+    Switchover,
+}
+
+/// One cluster at a time: each runs three PostgreSQL nodes, and the replicas load them.
+static ONE_CLUSTER_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_primary_postmaster_killed_under_load_costs_no_work_and_no_machine() {
+    failover_under_load(Fault::PostmasterKilled).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_whole_primary_node_killed_costs_no_work_and_no_machine() {
+    failover_under_load(Fault::NodeKilled).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_planned_switchover_costs_no_work_and_no_machine() {
+    failover_under_load(Fault::Switchover).await;
+}
+
+async fn failover_under_load(fault: Fault) {
+    let _one = ONE_CLUSTER_AT_A_TIME.lock().await;
+    let mut cluster = tokio::task::block_in_place(PatroniCluster::start);
+    let url = cluster.url();
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = ChildGuard(Some(
+        common::server(&url, dir.path())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(dir.path().join("server.log")).unwrap())
+            .spawn()
+            .unwrap(),
+    ));
+    let endpoint = common::announced(server.child(), "shepherd server: listening on ");
+    let db = Bmdb::open(&url).await.unwrap();
+    let mut a = ChildGuard(Some(replica(&url, &endpoint, dir.path(), "a")));
+    let mut b = ChildGuard(Some(replica(&url, &endpoint, dir.path(), "b")));
+    let pids = [("a", a.child().id()), ("b", b.child().id())];
+    let log = |name: &str| std::fs::read_to_string(dir.path().join(format!("{name}.log")));
+    let mut sessions: HashMap<&str, HashSet<Uuid>> = HashMap::new();
+    let note_sessions = async |sessions: &mut HashMap<&str, HashSet<Uuid>>| {
+        for (name, pid) in pids {
+            sessions
+                .entry(name)
+                .or_default()
+                .extend(sessions_of(&db, pid).await);
+        }
+    };
+
+    // Under load: both replicas taking machines over.
+    let at_work = "both replicas at work";
+    shepherd_bmdb::testing::eventually(at_work, Duration::from_secs(120), async || {
+        note_sessions(&mut sessions).await;
+        let c = db.status_counts().await;
+        let busy = c
+            .as_ref()
+            .is_ok_and(|c| c.agent_started >= (MACHINES / 6) as i64);
+        if busy && sessions.values().all(|s| !s.is_empty()) {
+            return Ok(());
+        }
+        for (name, child) in [("a", &mut a), ("b", &mut b)] {
+            if let Ok(Some(status)) = child.child().try_wait() {
+                panic!(
+                    "replica {name} exited ({status}): {}",
+                    log(name).unwrap_or_default()
+                );
+            }
+        }
+        let tail = |name| {
+            let text = log(name).unwrap_or_default();
+            let last: Vec<&str> = text.lines().rev().take(5).collect();
+            last.join("\n")
+        };
+        Err(format!(
+            "{c:?} sessions {sessions:?}\na: {}\nb: {}",
+            tail("a"),
+            tail("b")
+        ))
+    })
+    .await;
+
+    // The primary goes away; Patroni promotes the synchronous standby and HAProxy follows
+    // its REST check.
+    let old = tokio::task::block_in_place(|| match fault {
+        Fault::PostmasterKilled => cluster.kill_primary_postmaster(),
+        Fault::NodeKilled => cluster.kill_primary_node(),
+        Fault::Switchover => cluster.switchover(),
+    });
+    let killed = Instant::now();
+    let routed =
+        tokio::task::block_in_place(|| cluster.wait_for_new_primary(old, Duration::from_secs(90)));
+    let routed_at = chrono::Utc::now() - (Instant::now() - routed);
+    eprintln!(
+        "{fault:?}: HAProxy reached the new primary {:?} after the fault",
+        routed - killed
+    );
+
+    // Each replica commits again soon after: a history entry written by one of its sessions
+    // after HAProxy reached the new primary.
+    let mut resumed: HashMap<&str, Duration> = HashMap::new();
+    common::wait_for("both replicas to commit again", 60, async || {
+        note_sessions(&mut sessions).await;
+        let recent: Vec<HistoryEntry> = history::all(&db)
+            .await
+            .into_iter()
+            .filter(|h| h.at >= routed_at)
+            .collect();
+        for (name, ids) in &sessions {
+            if resumed.contains_key(name) {
+                continue;
+            }
+            if let Some(first) = recent
+                .iter()
+                .filter(|h| h.session_id.is_some_and(|s| ids.contains(&s)))
+                .map(|h| h.at)
+                .min()
+            {
+                resumed.insert(name, (first - routed_at).to_std().unwrap_or_default());
+            }
+        }
+        (resumed.len() == pids.len()).then_some(())
+    })
+    .await;
+    for (name, after) in &resumed {
+        eprintln!("replica {name} committed again {after:?} after the route");
+        assert!(
+            *after <= Duration::from_secs(5),
+            "replica {name} took {after:?} to commit again"
+        );
+    }
+
+    // Everything is brought in and taken over by the end.
+    common::wait_for("every machine taken over", 240, async || {
+        let c = db.status_counts().await.ok()?;
+        (c.provided == MACHINES as i64 && c.agent_started == MACHINES as i64).then_some(())
+    })
+    .await;
+    for (name, child) in [("a", a), ("b", b)] {
+        let out = child.terminate();
+        assert!(
+            out.status.success(),
+            "replica {name}: {}\n{}",
+            out.status,
+            log(name).unwrap_or_default()
+        );
+    }
+    let out = server.terminate();
+    assert!(out.status.success(), "server: {}", out.status);
+
+    let all = history::all(&db).await;
+    let finished = history::exclusive_finishes(&all, Process::ShepherdAgentStart);
+    assert_eq!(finished.len(), MACHINES, "machines never taken over");
+    assert!(
+        finished.values().all(|&n| n == 1),
+        "a machine was taken over twice"
+    );
+    // The simulated fleet injects no failure: any work that failed, failed for the database.
+    let failed: Vec<&HistoryEntry> = all
+        .iter()
+        .filter(|h| h.event == WorkEvent::Failed)
+        .collect();
+    let by_database = failed
+        .iter()
+        .filter(|h| h.cause.as_deref().is_some_and(database_cause))
+        .count();
+    assert!(
+        failed.is_empty(),
+        "{fault:?}: {} work ended Failed ({by_database} naming the database), e.g. {:?}",
+        failed.len(),
+        &failed[..failed.len().min(3)]
+    );
+    for name in ["a", "b"] {
+        let text = log(name).unwrap_or_default();
+        assert!(
+            !text.contains("disagree"),
+            "replica {name} saw the provider and the BMDB disagree"
+        );
+    }
+    db.close().await;
+}
