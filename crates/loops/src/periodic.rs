@@ -49,13 +49,57 @@ pub(crate) async fn run<P: Pass>(
         };
         tokio::select! {
             _ = cancel.cancelled() => { session = Some(s); break }
-            r = p.pass(&s) => if let Err(e) = r {
-                tracing::error!(error = %format!("{e:#}"), "{} pass failed", P::NAME);
+            r = p.pass(&s) => match r {
+                Ok(()) => {}
+                Err(e) if bmdb_unavailable(&e) => tracing::warn!(
+                    error = %format!("{e:#}"),
+                    "{} pass stopped: the BMDB is unavailable; trying again next pass",
+                    P::NAME
+                ),
+                Err(e) => tracing::error!(error = %format!("{e:#}"), "{} pass failed", P::NAME),
             },
         }
         session = Some(s);
     }
     if let Some(s) = session {
         let _ = s.close().await;
+    }
+}
+
+/// Whether a pass failed because the BMDB is unavailable (down, failing over, this process's
+/// session lost): an outage the pass waits out, logged as a warning, not an error of its own.
+fn bmdb_unavailable(e: &anyhow::Error) -> bool {
+    e.chain().any(|cause| {
+        cause
+            .downcast_ref::<shepherd_bmdb::Error>()
+            .is_some_and(|e| e.is_transient())
+            || cause
+                .downcast_ref::<crate::provisioner::ProvisionerError>()
+                .is_some_and(|e| {
+                    matches!(e, crate::provisioner::ProvisionerError::BmdbFailed { .. })
+                })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unavailable_bmdb_is_told_apart_from_a_failed_pass() {
+        let expired = anyhow::Error::from(shepherd_bmdb::Error::SessionExpired);
+        assert!(bmdb_unavailable(
+            &expired.context("listing recorded machines")
+        ));
+        let stopped = anyhow::Error::from(crate::provisioner::ProvisionerError::BmdbFailed {
+            created: 3,
+            error: crate::provider::ProviderError::NotSupported("x"),
+        });
+        assert!(bmdb_unavailable(&stopped));
+        let bad = anyhow::Error::from(shepherd_bmdb::Error::InvalidValue("x".into()));
+        assert!(!bmdb_unavailable(&bad));
+        assert!(!bmdb_unavailable(&anyhow::anyhow!(
+            "provider and BMDB disagree"
+        )));
     }
 }
