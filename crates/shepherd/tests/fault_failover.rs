@@ -14,11 +14,12 @@ mod common;
 
 use std::collections::{HashMap, HashSet};
 use std::process::{Child, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::patroni::PatroniCluster;
 use common::{history, shepherd, ChildGuard};
-use shepherd_bmdb::{Bmdb, HistoryEntry, Process, WorkEvent};
+use shepherd_bmdb::{testing, Bmdb, HistoryEntry, Process, WorkEvent};
 use uuid::Uuid;
 
 /// Machines of the tests' fleet (the figures run uses 3,000).
@@ -404,4 +405,141 @@ async fn failover_with(fault: Fault, machines: usize) -> Figures {
         creations_while_unrecordable,
         all_machines_done: finished.len() == machines,
     }
+}
+
+/// The Equinix provider against its fake API, two replicas' provisioners through HAProxy, and
+/// the whole primary node killed mid-provisioning (an outage longer than the session interval,
+/// so the provisioners' sessions expire and recording fails at once rather than waiting): each replica creates at most one device
+/// the BMDB cannot record (its pass stops there), and every such orphan is adopted afterwards:
+/// one device per reservation, each recorded once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failover_mid_provisioning_costs_at_most_one_unrecorded_device_per_replica() {
+    use shepherd_equinix::fake::FakeEquinix;
+    use shepherd_equinix::{Client, EquinixConfig, EquinixProvider, RetryPolicy};
+    use shepherd_loops::limiter::RateSpec;
+    use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig, ProvisionerError};
+    use shepherd_loops::reconcile::Limits;
+
+    const RESERVATIONS: usize = 300;
+    let _one = ONE_CLUSTER_AT_A_TIME.lock().await;
+    let mut cluster = tokio::task::block_in_place(PatroniCluster::start);
+    let url = cluster.url();
+    Bmdb::open_with(&url, &shepherd_bmdb::OpenOptions::migrating(true))
+        .await
+        .unwrap()
+        .close()
+        .await;
+    let fake = FakeEquinix::start("token", "proj", RESERVATIONS).await;
+    let key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIA0000000000000000000000000000000000000000000 shepherd";
+    let replica = |name: &'static str| {
+        let (url, api) = (url.clone(), fake.url());
+        async move {
+            let client = Client::new(
+                &api,
+                "token",
+                "proj",
+                RetryPolicy::default(),
+                Default::default(),
+            )
+            .unwrap();
+            let mut config = EquinixConfig::new("shepherd-", key);
+            config.reservation_cache = Duration::ZERO;
+            let provider = Arc::new(EquinixProvider::connect(client, config).await.unwrap());
+            let provisioner = Provisioner::new(
+                provider,
+                ProvisionerConfig {
+                    limits: Limits::new(0, 20),
+                    reconcile_rate: RateSpec::new(Duration::from_millis(200), 1),
+                    creation_rate: RateSpec::new(Duration::from_millis(100), 1),
+                },
+            );
+            let db = Bmdb::open(&url).await.unwrap();
+            let config = shepherd_bmdb::SessionConfig::new(
+                name,
+                shepherd_bmdb::Processor::ShepherdProvisioner,
+            )
+            .with_interval(Duration::from_secs(2));
+            let (mut unrecorded, started) = (0usize, Instant::now());
+            let mut session = None;
+            while started.elapsed() < Duration::from_secs(120) {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let s = match session.take() {
+                    Some(s) => s,
+                    None => match db.start_session(config.clone()).await {
+                        Ok(s) => s,
+                        Err(_) => continue,
+                    },
+                };
+                match provisioner.iterate(&s).await {
+                    Ok(r) if r.managed == RESERVATIONS => break,
+                    Ok(_) => session = Some(s),
+                    Err(e) => {
+                        if matches!(
+                            e.downcast_ref::<ProvisionerError>(),
+                            Some(ProvisionerError::BmdbFailed { .. })
+                        ) {
+                            unrecorded += 1;
+                        }
+                        // The session may be gone with the old primary: start another.
+                        let _ = s.close().await;
+                    }
+                }
+            }
+            db.close().await;
+            unrecorded
+        }
+    };
+    let db = Bmdb::open(&url).await.unwrap();
+    let fail_over = async {
+        common::wait_for("provisioning under way", 60, async || {
+            let c = db.status_counts().await.ok()?;
+            (c.provided >= (RESERVATIONS / 5) as i64).then_some(())
+        })
+        .await;
+        let before = fake.requests().len();
+        // Waited for without blocking: the provisioners run in this same task.
+        let old = cluster.kill_primary_node();
+        let killed = Instant::now();
+        while cluster.routed_primary().is_none_or(|p| p == old) {
+            assert!(
+                killed.elapsed() < Duration::from_secs(60),
+                "no new primary:\n{}",
+                cluster.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // Devices created from the kill until a primary is writable again: none of them could
+        // be recorded when it was created.
+        let created = fake.requests()[before..]
+            .iter()
+            .filter(|r| r.as_str() == "POST /projects/devices")
+            .count();
+        eprintln!(
+            "{created} devices created while the BMDB was down; {} requests in all then",
+            fake.requests().len() - before
+        );
+        created
+    };
+    let (a, b, while_down) = tokio::join!(replica("equinix-a"), replica("equinix-b"), fail_over);
+    assert!(
+        while_down <= 2,
+        "{while_down} devices created while the BMDB could not record them (two replicas)"
+    );
+    assert!(
+        a <= 1 && b <= 1,
+        "devices created while the BMDB could not record them: {a} and {b}"
+    );
+    let devices = fake.devices();
+    let recorded = testing::provided_by(&db, shepherd_bmdb::Provider::Equinix).await;
+    assert_eq!(devices.len(), RESERVATIONS, "one device per reservation");
+    let ids: HashSet<String> = recorded
+        .iter()
+        .map(|(_, p)| p.provider_id.clone())
+        .collect();
+    assert_eq!(ids.len(), recorded.len(), "a device recorded twice");
+    assert!(
+        devices.iter().all(|d| ids.contains(&d.id)),
+        "an orphan device was never adopted"
+    );
+    db.close().await;
 }
