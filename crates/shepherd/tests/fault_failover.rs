@@ -40,10 +40,22 @@ fn replica(url: &str, server: &str, dir: &std::path::Path, name: &str, machines:
         .args(["--initializer-parallelism", "16"])
         .args(["--initializer-db-rate", "10ms,16"])
         .args(["--session-interval", "2s"])
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap())
         .spawn()
         .unwrap()
+}
+
+/// Takeovers a replica was told were committed (finished), from its `/metrics`.
+async fn finished_takeovers(metrics: &str) -> u64 {
+    let text = reqwest::get(metrics).await.unwrap().text().await.unwrap();
+    text.lines()
+        .filter(|l| l.starts_with("bmdb_work_finished_total{"))
+        .filter(|l| {
+            l.contains(r#"process="ShepherdAgentStart""#) && l.contains(r#"result="finished""#)
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
 }
 
 /// Sessions of the process with this pid.
@@ -235,6 +247,10 @@ async fn failover_with(fault: Fault, machines: usize) -> Figures {
     let mut a = ChildGuard(Some(replica(&url, &endpoint, dir.path(), "a", machines)));
     let mut b = ChildGuard(Some(replica(&url, &endpoint, dir.path(), "b", machines)));
     let pids = [("a", a.child().id()), ("b", b.child().id())];
+    let metrics = [
+        common::announced(a.child(), "shepherd run: metrics at "),
+        common::announced(b.child(), "shepherd run: metrics at "),
+    ];
     let log = |name: &str| std::fs::read_to_string(dir.path().join(format!("{name}.log")));
     let mut sessions: HashMap<&str, HashSet<Uuid>> = HashMap::new();
     let note_sessions = async |sessions: &mut HashMap<&str, HashSet<Uuid>>| {
@@ -334,6 +350,11 @@ async fn failover_with(fault: Fault, machines: usize) -> Figures {
         (c.provided == machines as i64 && c.agent_started == machines as i64).then_some(())
     })
     .await;
+    // Every takeover a replica was told was committed is in the history.
+    let mut acknowledged_endings = 0;
+    for m in &metrics {
+        acknowledged_endings += finished_takeovers(m).await;
+    }
     for (name, child) in [("a", a), ("b", b)] {
         let out = child.terminate();
         assert!(
@@ -349,6 +370,11 @@ async fn failover_with(fault: Fault, machines: usize) -> Figures {
     let all = history::all(&db).await;
     let finished = history::exclusive_finishes(&all, Process::ShepherdAgentStart);
     assert_eq!(finished.len(), machines, "machines never taken over");
+    assert_eq!(
+        finished.values().sum::<usize>() as u64,
+        acknowledged_endings,
+        "{fault:?}: takeovers the replicas were told were committed, against the history"
+    );
     assert!(
         finished.values().all(|&n| n == 1),
         "a machine was taken over twice"
