@@ -58,19 +58,9 @@ async fn finished_takeovers(metrics: &str) -> u64 {
         .sum::<f64>() as u64
 }
 
-/// Sessions of the process with this pid.
+/// Sessions of the process with this pid; none while the database cannot be read.
 async fn sessions_of(db: &Bmdb, pid: u32) -> HashSet<Uuid> {
-    let pid = format!("pid={pid} ");
-    db.read(|tx| Box::pin(async move { tx.sessions().await }))
-        .await
-        .map(|sessions| {
-            sessions
-                .into_iter()
-                .filter(|s| s.runtime_info.contains(&pid))
-                .map(|s| s.session_id)
-                .collect()
-        })
-        .unwrap_or_default()
+    history::sessions_of(db, pid).await.unwrap_or_default()
 }
 
 /// Whether a history cause names the database rather than the machine.

@@ -23,14 +23,7 @@ async fn counts(db: &Bmdb) -> StatusCounts {
 
 /// Sessions of the process with this pid.
 async fn sessions_of(db: &Bmdb, pid: u32) -> HashSet<Uuid> {
-    let pid = format!("pid={pid} ");
-    db.read(|tx| Box::pin(async move { tx.sessions().await }))
-        .await
-        .unwrap()
-        .into_iter()
-        .filter(|s| s.runtime_info.contains(&pid))
-        .map(|s| s.session_id)
-        .collect()
+    history::sessions_of(db, pid).await.unwrap()
 }
 
 /// Machines locked by any of `sessions`.

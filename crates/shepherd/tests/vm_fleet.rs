@@ -12,10 +12,10 @@ use std::time::{Duration, Instant};
 
 use common::sushy::{start_emulator, CertForm, FakeSystem};
 use common::vm::{
-    image_server, power_follower, GuestImage, Vm, VmSpec, IMAGES_IN_GUEST, SERVER_IN_GUEST,
-    TARGET_DISK_BYTES,
+    image_server, power_follower, server_for_guests, GuestImage, Vm, VmSpec, IMAGES_IN_GUEST,
+    SERVER_IN_GUEST, TARGET_DISK_BYTES,
 };
-use common::{announced, free_port, shepherd, wait_for, ChildGuard};
+use common::{free_port, shepherd, wait_for, ChildGuard};
 use serde_json::Value;
 use shepherd_bmdb::{testing, Bmdb, Provider};
 use uuid::Uuid;
@@ -91,22 +91,7 @@ async fn a_vm_fleet_is_taken_over_installed_recovered_and_pins_host_keys() {
         .collect();
 
     let certs = dir.path().join("certs");
-    let mut server = ChildGuard(Some(
-        shepherd()
-            .args(["server", "--database", &t.url, "--migrate"])
-            .args(["--listen", &format!("127.0.0.1:{server_port}")])
-            .arg("--dev-certs")
-            .arg(&certs)
-            .args([
-                "--dev-cert-names",
-                SERVER_IN_GUEST.split(':').next().unwrap(),
-            ])
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(dir.path().join("server.log")).unwrap())
-            .spawn()
-            .unwrap(),
-    ));
-    announced(server.child(), "shepherd server: listening on ");
+    let _server = server_for_guests(&t.url, server_port, dir.path());
 
     // Start `run` only once every VM answers SSH: a failed first attempt would wait out the
     // initializer's backoff.

@@ -11,13 +11,12 @@
 mod common;
 
 use std::collections::HashMap;
-use std::process::Stdio;
 use std::time::Duration;
 
 use common::ironic::{ironic_run, PASSWORD};
 use common::sushy::{start_emulator, CertForm, FakeSystem};
-use common::vm::{power_follower, GuestImage, Vm, VmSpec, SERVER_IN_GUEST};
-use common::{announced, free_port, shepherd, wait_for, ChildGuard};
+use common::vm::{power_follower, server_for_guests, GuestImage, Vm, VmSpec, SERVER_IN_GUEST};
+use common::{free_port, shepherd, wait_for, ChildGuard};
 use serde_json::{json, Value};
 use shepherd_bmdb::{testing, Bmdb, Provider};
 use shepherd_ironic::testing::{ImageServer, IronicServer, RedfishNode, TestAuth};
@@ -58,22 +57,7 @@ async fn a_vm_behind_ironic_is_rebooted_through_ironic_when_its_agent_dies_and_t
     );
 
     let certs = dir.path().join("certs");
-    let mut server = ChildGuard(Some(
-        shepherd()
-            .args(["server", "--database", &t.url, "--migrate"])
-            .args(["--listen", &format!("127.0.0.1:{server_port}")])
-            .arg("--dev-certs")
-            .arg(&certs)
-            .args([
-                "--dev-cert-names",
-                SERVER_IN_GUEST.split(':').next().unwrap(),
-            ])
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(dir.path().join("server.log")).unwrap())
-            .spawn()
-            .unwrap(),
-    ));
-    announced(server.child(), "shepherd server: listening on ");
+    let server = server_for_guests(&t.url, server_port, dir.path());
 
     // The VM's BMC, and the VM handed to Ironic as a running machine (`adopt`: the `redfish`
     // type has no fake deploy, and a real deploy would need a network boot) that belongs to

@@ -1,9 +1,26 @@
-//! Assertions over the BMDB work history shared by the fault tests.
+//! Assertions over the BMDB work history, and the sessions behind it, shared by the fault
+//! tests.
 
 use std::collections::HashMap;
 
 use shepherd_bmdb::{Bmdb, HistoryEntry, Process, WorkEvent};
 use uuid::Uuid;
+
+/// Sessions of the process with this pid (sessions carry it in their runtime info).
+pub async fn sessions_of(
+    db: &Bmdb,
+    pid: u32,
+) -> Result<std::collections::HashSet<Uuid>, shepherd_bmdb::Error> {
+    let pid = format!("pid={pid} ");
+    let sessions = db
+        .read(|tx| Box::pin(async move { tx.sessions().await }))
+        .await?;
+    Ok(sessions
+        .into_iter()
+        .filter(|s| s.runtime_info.contains(&pid))
+        .map(|s| s.session_id)
+        .collect())
+}
 
 /// Every history entry.
 pub async fn all(db: &Bmdb) -> Vec<HistoryEntry> {

@@ -11,11 +11,12 @@
 //! rather than restarted in place.
 
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use super::free_port;
+use super::private_postgres::{bin_dir, is_root};
 
 /// How long the cluster may take to elect a primary with a synchronous standby.
 const START_TIMEOUT: Duration = Duration::from_secs(120);
@@ -35,14 +36,6 @@ pub struct PatroniCluster {
     haproxy: Option<Child>,
     nodes: Vec<Node>,
     router_port: u16,
-}
-
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-        .unwrap_or(false)
 }
 
 /// `program`, as the `postgres` user when we are root, in a process group of its own, its
@@ -77,17 +70,6 @@ fn kill_group(child: &mut Child) {
         .status();
     let _ = child.kill();
     let _ = child.wait();
-}
-
-fn bin_dir() -> PathBuf {
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
-        .expect("PostgreSQL is installed (scripts/test-deps.sh)")
-        .filter_map(|e| Some(e.ok()?.path().join("bin")))
-        .filter(|p| p.join("postgres").exists())
-        .collect();
-    dirs.sort();
-    dirs.pop()
-        .expect("no postgres under /usr/lib/postgresql/*/bin")
 }
 
 /// Whether Patroni's REST API on `port` says its node is the primary (`GET /primary` is 200

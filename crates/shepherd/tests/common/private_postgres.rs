@@ -13,7 +13,8 @@ pub struct PrivatePostgres {
     port: u16,
 }
 
-fn bin_dir() -> PathBuf {
+/// The newest installed PostgreSQL's programs.
+pub fn bin_dir() -> PathBuf {
     let mut dirs: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
         .expect("PostgreSQL is installed (scripts/test-deps.sh)")
         .filter_map(|e| Some(e.ok()?.path().join("bin")))
@@ -25,7 +26,7 @@ fn bin_dir() -> PathBuf {
 }
 
 /// Whether the tests run as root (CI), asked once.
-fn is_root() -> bool {
+pub fn is_root() -> bool {
     static ROOT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ROOT.get_or_init(|| {
         Command::new("id")

@@ -405,3 +405,26 @@ pub async fn image_server(
     tokio::spawn(async move { axum::serve(listener, app).await });
     (port, downloads)
 }
+
+/// `shepherd server` on BMDB `url`, listening on loopback `port` (what the guests reach as
+/// [`SERVER_IN_GUEST`]) with development certificates in `dir/certs` valid for that name, its
+/// log in `dir/server.log`; returns once it listens.
+pub fn server_for_guests(url: &str, port: u16, dir: &Path) -> super::ChildGuard {
+    let mut server = super::ChildGuard(Some(
+        super::shepherd()
+            .args(["server", "--database", url, "--migrate"])
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .arg("--dev-certs")
+            .arg(dir.join("certs"))
+            .args([
+                "--dev-cert-names",
+                SERVER_IN_GUEST.split(':').next().unwrap(),
+            ])
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(dir.join("server.log")).unwrap())
+            .spawn()
+            .unwrap(),
+    ));
+    super::announced(server.child(), "shepherd server: listening on ");
+    server
+}
