@@ -9,6 +9,7 @@ use shepherd_proto::bmaas::{
     OsInstallationReport,
 };
 use shepherd_proto::shepherd::agent::AgentState;
+use shepherd_retry::{Delays, Streak};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 use crate::{hardware, identity, install, state, RunArgs};
@@ -16,13 +17,10 @@ use crate::{hardware, identity, install, state, RunArgs};
 /// Default cap on the delay between failed heartbeats.
 pub const DEFAULT_RETRY_MAX: Duration = Duration::from_secs(60);
 
-/// Delay before retry `attempt` (1-based): exponential from 1 s, capped at `max`, 50–100 %
-/// jitter so a fleet that lost its server does not come back in lockstep.
-pub fn retry_delay(attempt: u32, max: Duration) -> Duration {
-    let cap = Duration::from_secs(1)
-        .saturating_mul(1 << attempt.saturating_sub(1).min(16))
-        .min(max);
-    cap.mul_f64(0.5 + rand::random::<f64>() / 2.0)
+/// Waits between failed heartbeats: from 1 s, doubling, at most `max`, jittered so that a
+/// fleet that lost its server does not come back in lockstep.
+pub fn retry_delays(max: Duration) -> Delays {
+    Delays::new(Duration::from_secs(1), max)
 }
 
 fn channel(
@@ -125,7 +123,7 @@ pub async fn run_agent(
     // machine look silent (and get it power-cycled mid-write by the recoverer).
     let mut installing: Option<(i64, tokio::sync::oneshot::Receiver<Result<(), String>>)> = None;
     let mut reboot_after_ack = false;
-    let mut failures = 0u32;
+    let mut failures = Streak::new(retry_delays(config.retry_max));
     loop {
         let request = HeartbeatRequest {
             machine_id: config.machine_id.clone(),
@@ -134,7 +132,7 @@ pub async fn run_agent(
         };
         let wait = match client.heartbeat(request).await {
             Ok(response) => {
-                failures = 0;
+                failures.succeeded();
                 hardware_report = None;
                 installation_report = None;
                 if reboot_after_ack {
@@ -168,8 +166,7 @@ pub async fn run_agent(
                 config.heartbeat_interval
             }
             Err(status) => {
-                failures += 1;
-                let delay = retry_delay(failures, config.retry_max);
+                let delay = failures.failed();
                 eprintln!(
                     "shepherd-agent: heartbeat failed ({}: {}); retrying in {delay:?}",
                     status.code(),
@@ -220,27 +217,5 @@ fn finish_installation(
                 os_installation_report::Result::Error(os_installation_report::Error { error })
             }
         }),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn retry_delays_grow_are_capped_and_jittered() {
-        for attempt in 1..100 {
-            let d = retry_delay(attempt, DEFAULT_RETRY_MAX);
-            assert!(
-                d >= Duration::from_millis(500) && d <= Duration::from_secs(60),
-                "{attempt}: {d:?}"
-            );
-        }
-        assert!(retry_delay(1, DEFAULT_RETRY_MAX) <= Duration::from_secs(1));
-        assert!(retry_delay(20, DEFAULT_RETRY_MAX) >= Duration::from_secs(30));
-        assert!(retry_delay(20, Duration::from_secs(4)) <= Duration::from_secs(4));
-        let samples: std::collections::BTreeSet<_> =
-            (0..20).map(|_| retry_delay(5, DEFAULT_RETRY_MAX)).collect();
-        assert!(samples.len() > 1, "no jitter");
     }
 }

@@ -8,6 +8,8 @@
 use std::future::Future;
 use std::time::Duration;
 
+use shepherd_retry::{Delays, Streak};
+
 use crate::db::{Mode, TxFuture};
 use crate::failover::FailoverMark;
 use crate::metrics::{BmdbMetrics, TransactionEnd};
@@ -16,8 +18,8 @@ use crate::{Bmdb, Error, Processor};
 
 /// Attempts per transaction before giving up.
 pub(crate) const MAX_ATTEMPTS: u32 = 10;
-const BASE_DELAY: Duration = Duration::from_millis(2);
-const MAX_DELAY: Duration = Duration::from_millis(500);
+/// Waits between attempts: from 2 ms, doubling, at most half a second.
+const DELAYS: Delays = Delays::new(Duration::from_millis(2), Duration::from_millis(500));
 
 /// Runs `attempt` until it succeeds, fails with an error that is not worth retrying, or has
 /// failed [`MAX_ATTEMPTS`] times. Each attempt must be a whole transaction (or one autocommitted
@@ -32,7 +34,7 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, Error>>,
 {
-    let mut failures = 0;
+    let mut failures = Streak::new(DELAYS);
     loop {
         match attempt().await {
             Ok(v) => {
@@ -44,24 +46,16 @@ where
                     // The connection may lead to a standby: no one is handed it again.
                     failover.seen();
                 }
-                failures += 1;
-                if !e.is_retryable() || failures >= MAX_ATTEMPTS {
+                let delay = failures.failed();
+                if !e.is_retryable() || failures.failures() >= MAX_ATTEMPTS {
                     metrics.transaction(processor, TransactionEnd::Failed);
                     return Err(e);
                 }
                 metrics.transaction(processor, TransactionEnd::Retried);
-                tokio::time::sleep(delay(failures)).await;
+                tokio::time::sleep(delay).await;
             }
         }
     }
-}
-
-/// Full-jitter exponential delay: uniform in [0, min(MAX, BASE × 2^attempt)].
-pub(crate) fn delay(attempt: u32) -> Duration {
-    let cap = BASE_DELAY
-        .saturating_mul(1u32 << attempt.min(16))
-        .min(MAX_DELAY);
-    cap.mul_f64(rand::random::<f64>())
 }
 
 /// A precondition of every attempt of a transaction (the session layer's: "this session is
@@ -146,13 +140,6 @@ impl Bmdb {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn delays_are_bounded() {
-        for attempt in 0..40 {
-            assert!(delay(attempt) <= MAX_DELAY);
-        }
-    }
 
     #[tokio::test(start_paused = true)]
     async fn gives_up_at_once_on_errors_that_are_not_contention() {

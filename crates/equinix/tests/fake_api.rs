@@ -31,8 +31,10 @@ fn client(fake: &FakeEquinix, token: &str, metrics: Arc<CallMetrics>) -> Client 
         PROJECT,
         RetryPolicy {
             attempts: 6,
-            base_delay: Duration::from_millis(20),
-            max_delay: Duration::from_millis(1500),
+            delays: shepherd_loops::retry::Delays::new(
+                Duration::from_millis(20),
+                Duration::from_millis(1500),
+            ),
             timeout: Duration::from_millis(500),
         },
         metrics,
@@ -642,8 +644,10 @@ async fn an_unreachable_api_says_why() {
         "project",
         RetryPolicy {
             attempts: 1,
-            base_delay: Duration::from_millis(1),
-            max_delay: Duration::from_millis(1),
+            delays: shepherd_loops::retry::Delays::new(
+                Duration::from_millis(1),
+                Duration::from_millis(1),
+            ),
             timeout: Duration::from_secs(5),
         },
         Arc::new(CallMetrics::default()),

@@ -23,8 +23,10 @@ const KEY: &str = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBr2dFCaBHNnDyb0BdXhYrT4H
 fn retries(timeout: Duration) -> RetryPolicy {
     RetryPolicy {
         attempts: 4,
-        base_delay: Duration::from_millis(50),
-        max_delay: Duration::from_millis(200),
+        delays: shepherd_loops::retry::Delays::new(
+            Duration::from_millis(50),
+            Duration::from_millis(200),
+        ),
         timeout,
     }
 }

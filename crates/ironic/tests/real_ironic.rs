@@ -21,8 +21,10 @@ const KEY: &str = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBr2dFCaBHNnDyb0BdXhYrT4H
 fn quick_retries() -> RetryPolicy {
     RetryPolicy {
         attempts: 3,
-        base_delay: Duration::from_millis(50),
-        max_delay: Duration::from_millis(200),
+        delays: shepherd_loops::retry::Delays::new(
+            Duration::from_millis(50),
+            Duration::from_millis(200),
+        ),
         timeout: Duration::from_secs(20),
     }
 }

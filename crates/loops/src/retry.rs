@@ -5,6 +5,8 @@
 use std::future::Future;
 use std::time::Duration;
 
+pub use shepherd_retry::Delays;
+
 use crate::metrics::{CallMetrics, CallResult};
 
 /// What the retry loop of [`RetryPolicy::run`] reads from a failed attempt.
@@ -24,10 +26,8 @@ pub trait AttemptError: std::fmt::Display {
 pub struct RetryPolicy {
     /// Attempts in all (the first included).
     pub attempts: u32,
-    /// Delay before the first retry; doubles per retry, with jitter.
-    pub base_delay: Duration,
-    /// Largest delay between attempts, also the cap on a server's `Retry-After`.
-    pub max_delay: Duration,
+    /// Waits between attempts; `delays.max` also caps a server's `Retry-After`.
+    pub delays: Delays,
     /// Timeout of one attempt.
     pub timeout: Duration,
 }
@@ -37,24 +37,13 @@ impl Default for RetryPolicy {
     fn default() -> Self {
         RetryPolicy {
             attempts: 5,
-            base_delay: Duration::from_millis(500),
-            max_delay: Duration::from_secs(30),
+            delays: Delays::new(Duration::from_millis(500), Duration::from_secs(30)),
             timeout: Duration::from_secs(30),
         }
     }
 }
 
 impl RetryPolicy {
-    /// The delay before retry number `retry` (0-based): `base_delay × 2^retry`, capped at
-    /// `max_delay`, then jittered to 50–100 % of that.
-    pub fn delay(&self, retry: u32) -> Duration {
-        let exp = self
-            .base_delay
-            .saturating_mul(1u32.checked_shl(retry.min(30)).unwrap_or(u32::MAX));
-        exp.min(self.max_delay)
-            .mul_f64(0.5 + rand::random::<f64>() / 2.0)
-    }
-
     /// Runs `attempt` until it succeeds, fails with an error `retry_if` refuses, or the
     /// attempts are used up, sleeping [`RetryPolicy::delay_after`] between attempts. Every
     /// attempt is recorded in `metrics` under `call`; every retry is logged with `api` (the
@@ -87,12 +76,12 @@ impl RetryPolicy {
         }
     }
 
-    /// The delay before retry number `retry`, at least the server's `Retry-After` (itself
-    /// capped at `max_delay`).
+    /// The delay before retry number `retry` (0-based, see [`Delays`]), at least the server's
+    /// `Retry-After` (itself capped at `delays.max`).
     pub fn delay_after(&self, retry: u32, retry_after: Option<Duration>) -> Duration {
-        let delay = self.delay(retry);
+        let delay = self.delays.delay(retry);
         match retry_after {
-            Some(after) => delay.max(after.min(self.max_delay)),
+            Some(after) => delay.max(after.min(self.delays.max)),
             None => delay,
         }
     }
@@ -103,21 +92,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn delays_double_stay_capped_and_keep_at_least_half() {
+    fn retry_after_is_honoured_up_to_the_largest_delay() {
         let p = RetryPolicy {
             attempts: 10,
-            base_delay: Duration::from_millis(100),
-            max_delay: Duration::from_secs(1),
+            delays: Delays::new(Duration::from_millis(100), Duration::from_secs(1)),
             timeout: Duration::from_secs(1),
         };
-        for _ in 0..100 {
-            let d0 = p.delay(0);
-            assert!(d0 >= Duration::from_millis(50) && d0 <= Duration::from_millis(100));
-            let d3 = p.delay(3);
-            assert!(d3 >= Duration::from_millis(400) && d3 <= Duration::from_millis(800));
-            let d40 = p.delay(40);
-            assert!(d40 >= Duration::from_millis(500) && d40 <= Duration::from_secs(1));
-        }
         let long = p.delay_after(0, Some(Duration::from_secs(60)));
         assert_eq!(long, Duration::from_secs(1), "Retry-After is capped");
         let short = p.delay_after(3, Some(Duration::from_millis(1)));

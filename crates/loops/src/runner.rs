@@ -11,6 +11,7 @@ use shepherd_bmdb::{
     Backoff, Bmdb, Claim, Error as BmdbError, Process, Processor, Retrieval, Session,
     SessionConfig, Tx, TxFuture, Work,
 };
+use shepherd_retry::{Delays, Streak};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use uuid::Uuid;
@@ -122,13 +123,9 @@ async fn end_failed<T: MachineTask>(work: &mut Work, task: &T, failure: &T::Erro
     }
 }
 
-/// Bounded, jittered delay after a loop error or a failed session start.
-fn error_delay(attempt: u32) -> Duration {
-    let cap = Duration::from_millis(100)
-        .saturating_mul(1 << attempt.min(7))
-        .min(Duration::from_secs(10));
-    cap.mul_f64(0.5 + rand::random::<f64>() / 2.0)
-}
+/// Waits of a worker after consecutive errors (a claim failed, no session could be started):
+/// from 100 ms, doubling, at most 10 s.
+const ERROR_DELAYS: Delays = Delays::new(Duration::from_millis(100), Duration::from_secs(10));
 
 async fn worker<T: MachineTask>(
     n: usize,
@@ -139,7 +136,7 @@ async fn worker<T: MachineTask>(
     cancel: CancellationToken,
 ) {
     let mut session: Option<Session> = None;
-    let mut errors = 0u32;
+    let mut errors = Streak::new(ERROR_DELAYS);
     loop {
         tokio::select! {
             biased; // a cancelled loop must not claim more work
@@ -152,15 +149,14 @@ async fn worker<T: MachineTask>(
         let s = match live_session(&db, &session_config, session.take()).await {
             Ok(s) => s,
             Err(e) => {
-                errors += 1;
                 tracing::warn!(worker = n, error = %e, "cannot start a session");
-                tokio::select! { _ = cancel.cancelled() => break, _ = tokio::time::sleep(error_delay(errors)) => {} }
+                tokio::select! { _ = cancel.cancelled() => break, _ = tokio::time::sleep(errors.failed()) => {} }
                 continue;
             }
         };
         match s.work(task.process(), task.retrieval()).await {
             Ok(Claim::Work(mut work)) => {
-                errors = 0;
+                errors.succeeded();
                 let machine = work.machine_id();
                 // The task records the provider id once it has read the machine's tags. At the
                 // highest level so that the context is there whatever level the logs are
@@ -205,38 +201,19 @@ async fn worker<T: MachineTask>(
                 .instrument(span)
                 .await;
             }
-            Ok(Claim::NothingToDo) | Ok(Claim::Conflict) => errors = 0,
+            Ok(Claim::NothingToDo) | Ok(Claim::Conflict) => errors.succeeded(),
             Err(BmdbError::SessionExpired) => {
                 tracing::warn!(worker = n, "session expired; starting a new one");
                 continue;
             }
             Err(e) => {
-                errors += 1;
                 tracing::warn!(worker = n, error = %e, "claiming work failed");
-                tokio::select! { _ = cancel.cancelled() => { session = Some(s); break }, _ = tokio::time::sleep(error_delay(errors)) => {} }
+                tokio::select! { _ = cancel.cancelled() => { session = Some(s); break }, _ = tokio::time::sleep(errors.failed()) => {} }
             }
         }
         session = Some(s);
     }
     if let Some(s) = session {
         let _ = s.close().await;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn error_delays_are_bounded_and_jittered() {
-        for attempt in 0..50 {
-            let d = error_delay(attempt);
-            assert!(
-                d <= Duration::from_secs(10) && d >= Duration::from_millis(50),
-                "{d:?}"
-            );
-        }
-        let samples: std::collections::BTreeSet<_> = (0..20).map(|_| error_delay(3)).collect();
-        assert!(samples.len() > 1, "no jitter");
     }
 }

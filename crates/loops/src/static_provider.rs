@@ -17,6 +17,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use serde::Deserialize;
 use shepherd_bmdb::{Provider as ProviderKind, ProviderStatus, Session, MAX_PROVIDER_ID_LEN};
+use shepherd_retry::{Delays, Streak};
 
 use crate::provider::{
     record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Recorded, Recoverer,
@@ -171,6 +172,9 @@ const LOOKUP_MAX_AGE: Duration = Duration::from_secs(5);
 /// Attempts to read an http(s) inventory at start-up before giving up.
 const START_ATTEMPTS: u32 = 5;
 
+/// Waits between the first reads of an `http(s)://` inventory: from 250 ms, at most 4 s.
+const START_DELAYS: Delays = Delays::new(Duration::from_millis(250), Duration::from_secs(4));
+
 /// Checks what each entry's BMC names on this host (password, CA file): see
 /// [`BmcEntry::check_local`]. Separate from parsing, which needs nothing but the text.
 pub fn check_local(entries: &[InventoryEntry]) -> anyhow::Result<()> {
@@ -246,22 +250,18 @@ impl StaticProvider {
         } else {
             START_ATTEMPTS
         };
-        let mut attempt = 0;
+        let mut failures = Streak::new(START_DELAYS);
         loop {
-            attempt += 1;
             match self.refresh(Duration::ZERO).await {
                 Ok(inv) => return Ok(inv),
-                Err(e) if attempt >= attempts => {
+                Err(e) if failures.failures() + 1 >= attempts => {
                     return Err(if attempts > 1 {
-                        e.context(format!("after {attempt} attempts"))
+                        e.context(format!("after {attempts} attempts"))
                     } else {
                         e
                     });
                 }
-                Err(_) => {
-                    let cap = Duration::from_millis(250 << attempt.min(4));
-                    tokio::time::sleep(cap.mul_f64(0.5 + rand::random::<f64>() / 2.0)).await;
-                }
+                Err(_) => tokio::time::sleep(failures.failed()).await,
             }
         }
     }
