@@ -7,12 +7,16 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use rustls::crypto::{CryptoProvider, WebPkiSupportedAlgorithms};
+use rustls::client::danger::HandshakeSignatureValid;
+use rustls::crypto::{
+    verify_tls12_signature, verify_tls13_signature, CryptoProvider, WebPkiSupportedAlgorithms,
+};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
-use rustls::{DistinguishedName, ServerConfig};
+use rustls::{DigitallySignedStruct, DistinguishedName, ServerConfig, SignatureScheme};
 
-/// Accepts any client certificate, but verifies the handshake signature made with its key.
+/// Accepts any client certificate, but verifies the handshake signature made with its key
+/// (rustls' own checks, with the crypto provider's algorithms).
 #[derive(Debug)]
 struct AnyClientCert {
     algorithms: WebPkiSupportedAlgorithms,
@@ -32,7 +36,27 @@ impl ClientCertVerifier for AnyClientCert {
         Ok(ClientCertVerified::assertion())
     }
 
-    shepherd_tls::handshake_signature_checks!(algorithms);
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls12_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls13_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.algorithms.supported_schemes()
+    }
 
     fn client_auth_mandatory(&self) -> bool {
         true
