@@ -5,6 +5,7 @@
 pub mod admission;
 pub mod loopback;
 pub mod metrics;
+pub mod peer;
 pub mod pool;
 pub mod serve;
 pub mod service;
@@ -13,7 +14,8 @@ pub mod tls;
 
 pub use loopback::LoopbackServer;
 pub use metrics::{CloseReason, ConnectionMetrics, Rejection};
+pub use peer::{Authorized, Peer};
 pub use pool::SessionPool;
-pub use serve::{serve, serve_with_metrics, Peer, ServerLimits};
+pub use serve::{serve, serve_with_metrics, ServerLimits};
 pub use service::{BmaasService, MAX_MESSAGE_BYTES};
 pub use tls::{dev_certs, load_server_config, peer_ed25519_key, DevCerts};

@@ -25,6 +25,7 @@ use tower::Service;
 
 use crate::admission::{Admission, AdmissionCaps, ConnectionTicket};
 use crate::metrics::{CloseReason, ConnectionMetrics, Rejection};
+use crate::peer::{Authorized, Peer};
 use crate::service::{BmaasService, MAX_MESSAGE_BYTES};
 use crate::status::upstream_status_codes;
 use crate::tls::peer_ed25519_key;
@@ -132,23 +133,6 @@ impl ServerLimits {
     }
 }
 
-/// Who is on the other end of a request's connection, put into every request's extensions.
-#[derive(Debug, Clone)]
-pub struct Peer {
-    /// The ed25519 key the client certificate certifies, if it certifies one.
-    pub key: Option<[u8; 32]>,
-    /// The remote address.
-    pub addr: SocketAddr,
-    activity: Arc<Activity>,
-}
-
-impl Peer {
-    /// Records that a request on this connection was authorized as an agent.
-    pub fn authorized(&self) {
-        self.activity.authorized.store(true, Ordering::Relaxed);
-    }
-}
-
 /// Request activity on one connection, which decides when it is idle.
 #[derive(Debug)]
 struct Activity {
@@ -156,6 +140,7 @@ struct Activity {
     /// Milliseconds since `start` of the last request's start or end.
     last_ms: AtomicU64,
     in_flight: AtomicUsize,
+    /// Whether a request on this connection was authorized as an agent's.
     authorized: AtomicBool,
 }
 
@@ -172,6 +157,11 @@ impl Activity {
     fn touch(&self) {
         let ms = self.start.elapsed().as_millis() as u64;
         self.last_ms.fetch_max(ms, Ordering::Relaxed);
+    }
+
+    /// Records that the service authorized a request on this connection.
+    fn authorized(&self) {
+        self.authorized.store(true, Ordering::Relaxed);
     }
 
     fn begin(self: &Arc<Self>) -> InFlight {
@@ -329,21 +319,19 @@ async fn serve_connection(
         .and_then(|certs| certs.first())
         .and_then(|c| peer_ed25519_key(c));
     let activity = Arc::new(Activity::new());
-    let peer = Peer {
-        key,
-        addr,
-        activity: activity.clone(),
-    };
+    let peer = Peer { key, addr };
+    let requests = activity.clone();
     let svc = tower::service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
         req.extensions_mut().insert(peer.clone());
-        let in_flight = peer.activity.begin();
+        let in_flight = requests.begin();
         let response = routes.clone().call(req);
         async move {
-            let response = response.await;
+            let response = response.await.unwrap_or_else(|e| match e {});
+            if response.extensions().get::<Authorized>().is_some() {
+                in_flight.0.authorized();
+            }
             drop(in_flight);
-            Ok::<_, Infallible>(upstream_status_codes(
-                response.unwrap_or_else(|e| match e {}),
-            ))
+            Ok::<_, Infallible>(upstream_status_codes(response))
         }
     });
     let mut http = hyper::server::conn::http2::Builder::new(TokioExecutor::new());

@@ -18,8 +18,8 @@ use shepherd_proto::Message;
 use tonic::{Request, Response, Status};
 use uuid::Uuid;
 
+use crate::peer::{Authorized, Peer};
 use crate::pool::SessionPool;
-use crate::serve::Peer;
 
 /// Largest request accepted (a hardware report of a big machine is tens of KiB).
 pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
@@ -50,10 +50,13 @@ impl AgentCallback for BmaasService {
         &self,
         request: Request<HeartbeatRequest>,
     ) -> Result<Response<HeartbeatResponse>, Status> {
-        let peer = request.extensions().get::<Peer>().cloned();
-        let key = peer.as_ref().and_then(|p| p.key).ok_or_else(|| {
-            Status::unauthenticated("client certificate must certify an ed25519 key")
-        })?;
+        let key = request
+            .extensions()
+            .get::<Peer>()
+            .and_then(|p| p.key)
+            .ok_or_else(|| {
+                Status::unauthenticated("client certificate must certify an ed25519 key")
+            })?;
         let req = request.into_inner();
         let machine: Uuid = req
             .machine_id
@@ -105,9 +108,6 @@ impl AgentCallback for BmaasService {
             AgentHeartbeat::Unauthorized => return Err(Status::unauthenticated(UNAUTHENTICATED)),
             AgentHeartbeat::Recorded { pending_request } => pending_request,
         };
-        if let Some(peer) = &peer {
-            peer.authorized();
-        }
         let installation_request = pending.and_then(|raw| match OsInstallationRequest::decode(raw.as_slice()) {
             Ok(r) => Some(r),
             Err(e) => {
@@ -115,8 +115,10 @@ impl AgentCallback for BmaasService {
                 None
             }
         });
-        Ok(Response::new(HeartbeatResponse {
+        let mut response = Response::new(HeartbeatResponse {
             installation_request,
-        }))
+        });
+        response.extensions_mut().insert(Authorized);
+        Ok(response)
     }
 }
