@@ -5,4 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/test-deps.sh
 export SHEPHERD_REQUIRE_POSTGRES="${SHEPHERD_REQUIRE_POSTGRES:-1}"
+# Tests start the workspace's binaries (the agents, `shepherd`) from the target directory;
+# they are built here, never from inside a test.
+cargo build --workspace --bins
 cargo test --workspace --all-targets "$@"

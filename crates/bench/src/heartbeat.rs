@@ -75,7 +75,7 @@ where
 async fn agent_rss_mib(db: &Bmdb, server: &LoopbackServer) -> Result<f64> {
     let dir = tempfile::tempdir()?;
     let exe = dir.path().join("agent");
-    std::fs::copy(shepherd_loops::testing::agent_path(), &exe)?;
+    std::fs::copy(crate::binaries::release_binary("shepherd-agent")?, &exe)?;
     let machine = db
         .transact(|tx| Box::pin(async move { tx.create_machine().await }))
         .await?;
@@ -133,7 +133,7 @@ async fn agent_rss_mib(db: &Bmdb, server: &LoopbackServer) -> Result<f64> {
 fn agent_binary_mb() -> Result<f64> {
     let dir = tempfile::tempdir()?;
     let copy = dir.path().join("agent");
-    std::fs::copy(shepherd_loops::testing::agent_path(), &copy)?;
+    std::fs::copy(crate::binaries::release_binary("shepherd-agent")?, &copy)?;
     let status = Command::new("strip")
         .arg(&copy)
         .status()

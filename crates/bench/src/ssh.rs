@@ -17,7 +17,6 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use futures::stream::{self, StreamExt};
 use shepherd_loops::initializer::verify_response;
-use shepherd_loops::testing::test_agent_path;
 use shepherd_loops::transport::{AgentRun, SshTransport, Transport};
 use shepherd_proto::agent::TakeoverInit;
 use shepherd_proto::Message;
@@ -182,7 +181,7 @@ pub async fn run(args: Args) -> Result<()> {
     )?;
     std::fs::set_permissions(&key_path, std::fs::Permissions::from_mode(0o600))?;
 
-    let mut agent = std::fs::read(test_agent_path())?;
+    let mut agent = std::fs::read(crate::binaries::release_binary("shepherd-test-agent")?)?;
     let binary_len = agent.len();
     agent.resize(agent.len().max(args.agent_bytes), 0); // an ELF runs with trailing padding
     let agent_path = work.path().join("agent");

@@ -3,46 +3,39 @@
 pub mod bmc;
 
 use std::path::PathBuf;
-use std::process::Command;
-use std::sync::OnceLock;
 
-/// Path of a freshly built `shepherd-test-agent` binary in this workspace's target directory
-/// (built on first call, so a test run of a single crate still finds it).
+/// Path of the `shepherd-test-agent` binary built beside the running test.
 pub fn test_agent_path() -> PathBuf {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| workspace_binary("shepherd-test-agent"))
-        .clone()
+    built_binary("shepherd-test-agent")
 }
 
-/// Path of a freshly built `shepherd-agent` binary (the real agent).
+/// Path of the `shepherd-agent` binary (the real agent) built beside the running test.
 pub fn agent_path() -> PathBuf {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| workspace_binary("shepherd-agent"))
-        .clone()
+    built_binary("shepherd-agent")
 }
 
-/// Builds the binary of workspace package `package` (same name) in the current profile.
-fn workspace_binary(package: &str) -> PathBuf {
-    {
-        let exe = std::env::current_exe().expect("current exe");
-        // target/<profile>/deps/<test> or target/<profile>/<bin>
-        let mut profile_dir = exe.parent().expect("exe dir").to_path_buf();
-        if profile_dir.ends_with("deps") {
-            profile_dir.pop();
-        }
-        let release = profile_dir.ends_with("release");
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut build = Command::new(cargo);
-        build.args(["build", "--quiet", "-p", package]);
-        if release {
-            build.arg("--release");
-        }
-        let status = build.status().expect("running cargo build");
-        assert!(status.success(), "building {package} failed");
-        let path = profile_dir.join(package);
-        assert!(path.exists(), "{} missing after build", path.display());
-        path
+/// The binary `name` in the target directory of the running executable's profile. Tests do
+/// not build binaries themselves: `scripts/test.sh` builds every binary of the workspace
+/// before any test runs, and a test run without them says so.
+fn built_binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("the running test's path");
+    // target/<profile>/deps/<test>, or target/<profile>/<binary>
+    let mut profile_dir = exe.parent().expect("a directory").to_path_buf();
+    if profile_dir.ends_with("deps") {
+        profile_dir.pop();
     }
+    let path = profile_dir.join(name);
+    let release = if profile_dir.ends_with("release") {
+        " --release"
+    } else {
+        ""
+    };
+    assert!(
+        path.exists(),
+        "{} is missing: build the workspace's binaries first with `cargo build --workspace --bins{release}` (scripts/test.sh does)",
+        path.display()
+    );
+    path
 }
 
 /// A transport that runs the stand-in agent (`shepherd-test-agent`) as a local process with the

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::patroni::PatroniCluster;
-use common::{history, shepherd, ChildGuard};
+use common::{history, sim_replica, ChildGuard, Pace};
 use shepherd_bmdb::{testing, Bmdb, HistoryEntry, Process, WorkEvent};
 use uuid::Uuid;
 
@@ -27,19 +27,17 @@ const MACHINES: usize = 600;
 
 /// A sim replica on `url`: 16 initializer workers, 1 s takeovers, sessions every 2 s.
 fn replica(url: &str, server: &str, dir: &std::path::Path, name: &str, machines: usize) -> Child {
-    shepherd()
-        .args(["run", "--provider", "sim", "--database", url])
-        .args(["--agent-endpoint", server])
-        .args(["--sim-machines", &machines.to_string()])
-        .args(["--sim-takeover-time", "1s"])
+    let pace = Pace {
+        workers: 16,
+        claim_rate: "10ms,16",
+        reconcile_rate: "1s,1",
+        creation_rate: "10ms,10",
+        chunk_size: 50,
+        endpoint: server,
+        ..Pace::default()
+    };
+    sim_replica(url, machines, "1s", pace)
         .args(["--sim-heartbeat-interval", "5s"])
-        .args(["--provisioner-max-machines", "0"])
-        .args(["--provisioner-chunk-size", "50"])
-        .args(["--provisioner-reconcile-rate", "1s,1"])
-        .args(["--provisioner-creation-rate", "10ms,10"])
-        .args(["--initializer-parallelism", "16"])
-        .args(["--initializer-db-rate", "10ms,16"])
-        .args(["--session-interval", "2s"])
         .stdout(Stdio::piped())
         .stderr(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap())
         .spawn()

@@ -11,7 +11,7 @@ use std::collections::HashSet;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{history, shepherd, signal, sim_run, ChildGuard};
+use common::{history, shepherd, signal, sim_run, ChildGuard, Pace};
 use shepherd_bmdb::{testing, Bmdb, Process, StatusCounts, WorkEvent};
 use uuid::Uuid;
 
@@ -97,20 +97,16 @@ impl SshFleet {
                 "--ssh-user",
                 &std::env::var("USER").unwrap_or_else(|_| "root".into()),
             ])
-            .args(["--agent-endpoint", "bmaas.test:443"])
-            .args([
-                "--provisioner-max-machines",
-                "0",
-                "--provisioner-chunk-size",
-                "100",
-            ])
-            .args(["--provisioner-reconcile-rate", "200ms,1"])
-            .args(["--provisioner-creation-rate", "1ms,100"])
             // One worker per replica: every "machine" here shares this host's filesystem, so
             // two workers of one replica would upload to one path at once.
-            .args(["--initializer-parallelism", "1"])
-            .args(["--initializer-db-rate", "1ms,8"])
-            .args(["--ssh-connect-timeout", "10s", "--session-interval", "2s"])
+            .args(
+                Pace {
+                    workers: 1,
+                    ..Pace::default()
+                }
+                .args(),
+            )
+            .args(["--ssh-connect-timeout", "10s"])
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(self.dir.path().join(format!("{name}.log"))).unwrap())
             .spawn()

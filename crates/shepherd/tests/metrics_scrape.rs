@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{announced, shepherd, signal};
+use common::{announced, signal, sim_replica, Pace};
 use shepherd_bmdb::{testing, Bmdb, Process, StatusCounts, WorkEvent};
 
 const MACHINES: usize = 1000;
@@ -85,17 +85,14 @@ async fn history_counts(db: &Bmdb) -> HashMap<(Process, WorkEvent), f64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_match_the_work_history() {
     let t = testing::sqlite().await;
-    let mut child = shepherd()
-        .args(["run", "--provider", "sim", "--database", &t.url])
-        .args(["--sim-machines", &MACHINES.to_string()])
+    let pace = Pace {
+        workers: 8,
+        claim_rate: "1ms,16",
+        reconcile_rate: "100ms,1",
+        ..Pace::default()
+    };
+    let mut child = sim_replica(&t.url, MACHINES, "1ms", pace)
         .args(["--sim-connect-failure-rate", "0.05"])
-        .args(["--sim-takeover-time", "1ms"])
-        .args(["--agent-endpoint", "bmaas.test:443"])
-        .args(["--provisioner-max-machines", "0"])
-        .args(["--provisioner-reconcile-rate", "100ms,1"])
-        .args(["--provisioner-creation-rate", "1ms,100"])
-        .args(["--initializer-parallelism", "8"])
-        .args(["--initializer-db-rate", "1ms,16"])
         .args(["--metrics-listen", "127.0.0.1:0"])
         .args(["--stats-interval", "200ms"])
         .stdout(Stdio::piped())

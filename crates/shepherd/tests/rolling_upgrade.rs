@@ -8,7 +8,7 @@ mod common;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::{shepherd, succeeds, ChildGuard};
+use common::{shepherd, sim_replica, succeeds, ChildGuard, Pace};
 use shepherd_bmdb::testing::{all_history, eventually};
 use shepherd_bmdb::{Bmdb, OpenOptions, WorkEvent, SCHEMA_VERSION};
 
@@ -25,19 +25,20 @@ async fn old_binary_across_an_expand_then_a_contract_migration(url: &str) {
     succeeds(shepherd().args(["bmdb", "migrate", "--database", url]));
     let log = tempfile::NamedTempFile::new().unwrap();
     let mut run = ChildGuard(Some(
-        shepherd()
-            .args(["run", "--provider", "sim", "--database", url])
-            .args(["--sim-machines", "2000", "--sim-takeover-time", "50ms"])
-            .args(["--initializer-parallelism", "2"])
-            .args(["--provisioner-max-machines", "0"])
-            .args(["--provisioner-reconcile-rate", "100ms,1"])
-            .args(["--provisioner-creation-rate", "1ms,100"])
-            .args(["--agent-endpoint", "bmaas.test:443"])
-            .args(["--schema-check-interval", "200ms"])
-            .stdout(Stdio::null())
-            .stderr(log.reopen().unwrap())
-            .spawn()
-            .unwrap(),
+        sim_replica(
+            url,
+            2000,
+            "50ms",
+            Pace {
+                reconcile_rate: "100ms,1",
+                ..Pace::default()
+            },
+        )
+        .args(["--schema-check-interval", "200ms"])
+        .stdout(Stdio::null())
+        .stderr(log.reopen().unwrap())
+        .spawn()
+        .unwrap(),
     ));
     // The handle of "another process": it migrates without checking the schema first.
     let db = Bmdb::connect(url, &OpenOptions::default()).await.unwrap();

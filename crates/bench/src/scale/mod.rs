@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use shepherd_bmdb::Provider as ProviderKind;
 use shepherd_loops::provider::Provider;
 use shepherd_loops::static_provider::{parse_inventory, StaticProvider};
@@ -135,7 +135,7 @@ pub async fn run(args: Args) -> Result<()> {
         .iter()
         .any(|&p| args.runs(p));
     let shepherd = if needs_binary {
-        Some(build_shepherd()?)
+        Some(crate::binaries::release_binary("shepherd")?)
     } else {
         None
     };
@@ -321,22 +321,6 @@ async fn static_lookup(n: usize) -> Result<(f64, f64)> {
     }
     let baseline = started.elapsed().as_secs_f64() * 1e3 / rounds as f64;
     Ok((ours, baseline))
-}
-
-/// Builds the release `shepherd` binary and returns its path.
-fn build_shepherd() -> Result<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let status = Command::new(env!("CARGO"))
-        .args(["build", "--release", "-p", "shepherd", "--bin", "shepherd"])
-        .current_dir(&root)
-        .status()?;
-    if !status.success() {
-        bail!("cargo build of shepherd failed");
-    }
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("target"));
-    Ok(target.join("release/shepherd"))
 }
 
 /// Runs `shepherd demo --machines N` to convergence, polling its peak RSS.

@@ -223,21 +223,75 @@ impl TestAgent {
     }
 }
 
-/// `shepherd run` over a simulated fleet of `machines`, each takeover taking `takeover`, with
-/// a 2 s session interval and its log in `log`.
-pub fn sim_run(url: &str, machines: usize, takeover: &str, log: &std::path::Path) -> Command {
+/// How fast `shepherd run`'s loops go in a test: much faster than in production, so that a
+/// fleet converges in seconds. Every test that starts `shepherd run` takes its pacing flags
+/// from here, changing only the fields it is about.
+#[derive(Debug, Clone, Copy)]
+pub struct Pace<'a> {
+    /// `--initializer-parallelism`.
+    pub workers: usize,
+    /// `--initializer-db-rate`.
+    pub claim_rate: &'a str,
+    /// `--provisioner-reconcile-rate`.
+    pub reconcile_rate: &'a str,
+    /// `--provisioner-creation-rate`.
+    pub creation_rate: &'a str,
+    /// `--provisioner-chunk-size`.
+    pub chunk_size: usize,
+    /// `--session-interval`.
+    pub session_interval: &'a str,
+    /// `--agent-endpoint`.
+    pub endpoint: &'a str,
+}
+
+impl Default for Pace<'_> {
+    fn default() -> Self {
+        Pace {
+            workers: 2,
+            claim_rate: "1ms,8",
+            reconcile_rate: "200ms,1",
+            creation_rate: "1ms,100",
+            chunk_size: 100,
+            session_interval: "2s",
+            endpoint: "bmaas.test:443",
+        }
+    }
+}
+
+impl Pace<'_> {
+    /// The flags, with no limit on how many machines the provisioner brings in.
+    pub fn args(&self) -> Vec<String> {
+        [
+            ("--initializer-parallelism", self.workers.to_string()),
+            ("--initializer-db-rate", self.claim_rate.into()),
+            ("--provisioner-reconcile-rate", self.reconcile_rate.into()),
+            ("--provisioner-creation-rate", self.creation_rate.into()),
+            ("--provisioner-chunk-size", self.chunk_size.to_string()),
+            ("--provisioner-max-machines", "0".into()),
+            ("--session-interval", self.session_interval.into()),
+            ("--agent-endpoint", self.endpoint.into()),
+        ]
+        .into_iter()
+        .flat_map(|(flag, value)| [flag.to_string(), value])
+        .collect()
+    }
+}
+
+/// `shepherd run --provider sim` on `url` over `machines` simulated machines whose takeovers
+/// take `takeover` each, paced by `pace`; the caller adds its own flags and output.
+pub fn sim_replica(url: &str, machines: usize, takeover: &str, pace: Pace) -> Command {
     let mut cmd = shepherd();
-    cmd.args(["run", "--provider", "sim", "--migrate", "--database", url])
+    cmd.args(["run", "--provider", "sim", "--database", url])
         .args(["--sim-machines", &machines.to_string()])
         .args(["--sim-takeover-time", takeover])
-        .args(["--agent-endpoint", "bmaas.test:443"])
-        .args(["--provisioner-max-machines", "0"])
-        .args(["--provisioner-reconcile-rate", "200ms,1"])
-        .args(["--provisioner-creation-rate", "1ms,100"])
-        .args(["--provisioner-chunk-size", "100"])
-        .args(["--initializer-parallelism", "2"])
-        .args(["--initializer-db-rate", "1ms,8"])
-        .args(["--session-interval", "2s"])
+        .args(pace.args());
+    cmd
+}
+
+/// [`sim_replica`] at the default pace, migrating the BMDB first, with its log in `log`.
+pub fn sim_run(url: &str, machines: usize, takeover: &str, log: &std::path::Path) -> Command {
+    let mut cmd = sim_replica(url, machines, takeover, Pace::default());
+    cmd.arg("--migrate")
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(log).unwrap());
     cmd
