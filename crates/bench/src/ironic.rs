@@ -28,8 +28,8 @@ use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::metrics::CallMetrics;
 use shepherd_loops::provisioner::ProvisionerConfig;
 use shepherd_loops::reconcile::Limits;
-use shepherd_loops::sim::{RealAgents, SimFleet, SimKnobs};
 use shepherd_server::{LoopbackServer, ServerLimits};
+use shepherd_sim::{RealAgents, SimFleet, SimKnobs};
 use tokio_util::sync::CancellationToken;
 
 /// Settings of the Ironic benchmark.
@@ -277,6 +277,7 @@ fn settings(workers: usize, n: usize) -> FleetSettings {
         updater_rate: rate(5 * 60 * 1000, 1),
         session_interval: Duration::from_secs(5),
         history_retention: None,
+        tasks: Default::default(),
     }
 }
 

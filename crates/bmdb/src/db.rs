@@ -369,7 +369,7 @@ impl Bmdb {
         let inner = self.inner.clone();
         tokio::spawn(async move { inner.begin_now(mode).await })
             .await
-            .unwrap_or_else(|e| Err(Error::InvalidValue(format!("BEGIN task failed: {e}"))))
+            .unwrap_or_else(|e| Err(Error::BeginFailed(e.to_string())))
     }
 
     /// A pooled Postgres connection, or why none could be had.

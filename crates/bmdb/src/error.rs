@@ -57,9 +57,48 @@ pub enum Error {
     /// Finish or Fail was called on work that was already finished, failed or canceled.
     #[error("work was already {0}")]
     WorkAlreadyDone(&'static str),
-    /// A value read from or about to be written to the database is invalid.
-    #[error("invalid value: {0}")]
-    InvalidValue(String),
+    /// A name that should be one of a closed set is not (a process, a provider, a state …):
+    /// in a row, a row written by a newer binary; from a caller, a typo.
+    #[error("unknown {kind} {name:?}")]
+    UnknownName {
+        /// What the name should name (`Process`, `state` …).
+        kind: &'static str,
+        /// The name found.
+        name: String,
+    },
+    /// A value read from the database cannot be understood (a time out of range, facts that do
+    /// not decode); the row is left as it is.
+    #[error("unreadable {what}: {problem}")]
+    UnreadableValue {
+        /// Which value.
+        what: &'static str,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// A value a caller passed is invalid; nothing was written.
+    #[error("invalid {what}: {problem}")]
+    InvalidArgument {
+        /// Which value.
+        what: &'static str,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// Pinning a machine's SSH host key found another key pinned (by another takeover,
+    /// meanwhile); nothing was written.
+    #[error("host key mismatch: {presented} presented, {pinned} pinned meanwhile")]
+    HostKeyPinned {
+        /// The key pinned for the machine.
+        pinned: String,
+        /// The key the caller saw.
+        presented: String,
+    },
+    /// The machine a transaction wrote about is gone (deleted meanwhile, e.g. decommissioned).
+    #[error("machine {0} is gone")]
+    MachineGone(uuid::Uuid),
+    /// The task that runs a transaction's BEGIN ended without an outcome (it panicked, or the
+    /// runtime is shutting down).
+    #[error("starting a transaction failed: {0}")]
+    BeginFailed(String),
     /// No connection to the database could be had; `cause` says why (connection refused, a
     /// timeout, authentication, or every connection busy).
     #[error("database {target} is unavailable: {cause}")]
@@ -72,14 +111,10 @@ pub enum Error {
     /// A database error that was not retried or kept failing after retries.
     #[error("database error: {0}")]
     Database(sqlx::Error),
-    /// A batch this call was written in failed (see `heartbeats.rs`); every member gets this.
-    #[error("heartbeat batch failed: {cause}")]
-    BatchFailed {
-        /// The batch's error.
-        cause: String,
-        /// Whether the batch's error was transient.
-        transient: bool,
-    },
+    /// The batch this call was written in failed (see `group_commit.rs`); every member of the
+    /// batch gets the batch's error.
+    #[error("the batch this was written in failed: {0}")]
+    BatchFailed(std::sync::Arc<Error>),
 }
 
 impl From<sqlx::Error> for Error {
@@ -110,7 +145,7 @@ impl Error {
             | Error::Unavailable { .. }
             | Error::SessionExpired
             | Error::WorkLost { .. } => true,
-            Error::BatchFailed { transient, .. } => *transient,
+            Error::BatchFailed(e) => e.is_transient(),
             Error::Database(e) => {
                 is_retryable_sqlx(e)
                     || crate::failover::is_failover_sqlx(e)
@@ -132,23 +167,12 @@ impl Error {
     pub fn is_failover(&self) -> bool {
         match self {
             Error::Database(e) => crate::failover::is_failover_sqlx(e),
+            Error::BatchFailed(e) => e.is_failover(),
             _ => false,
         }
     }
 
     /// Whether a unique constraint refused the write (another writer got there first).
-    /// What each member of a failed batch is told: the same kind of error where it can be
-    /// told again (an expired session), else the batch's message and whether it was transient.
-    pub(crate) fn for_each_of_a_batch(&self) -> Error {
-        match self {
-            Error::SessionExpired => Error::SessionExpired,
-            e => Error::BatchFailed {
-                cause: e.to_string(),
-                transient: e.is_transient(),
-            },
-        }
-    }
-
     pub fn is_unique_violation(&self) -> bool {
         match self {
             Error::Database(e) => e

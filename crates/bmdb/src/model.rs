@@ -36,9 +36,10 @@ macro_rules! text_enum {
             fn from_str(s: &str) -> Result<Self, Error> {
                 match s {
                     $(stringify!($variant) => Ok($name::$variant),)+
-                    other => Err(Error::InvalidValue(format!(
-                        concat!("unknown ", stringify!($name), " {:?}"), other
-                    ))),
+                    other => Err(Error::UnknownName {
+                        kind: stringify!($name),
+                        name: other.to_string(),
+                    }),
                 }
             }
         }
@@ -252,8 +253,11 @@ impl ProviderFacts {
         let Some(text) = column else {
             return Ok(ProviderFacts::default());
         };
-        let map: std::collections::BTreeMap<String, String> = serde_json::from_str(text)
-            .map_err(|e| Error::InvalidValue(format!("machine_provided.facts: {e}")))?;
+        let map: std::collections::BTreeMap<String, String> =
+            serde_json::from_str(text).map_err(|e| Error::UnreadableValue {
+                what: "machine_provided.facts",
+                problem: e.to_string(),
+            })?;
         let mut facts = ProviderFacts::default();
         for (k, v) in &map {
             facts.insert(k, v);
@@ -278,10 +282,13 @@ impl Provided {
 
     pub(crate) fn validate(&self) -> Result<(), Error> {
         if self.provider_id.is_empty() || self.provider_id.len() > MAX_PROVIDER_ID_LEN {
-            return Err(Error::InvalidValue(format!(
-                "provider id must be 1..={MAX_PROVIDER_ID_LEN} bytes, got {}",
-                self.provider_id.len()
-            )));
+            return Err(Error::InvalidArgument {
+                what: "provider id",
+                problem: format!(
+                    "must be 1..={MAX_PROVIDER_ID_LEN} bytes, got {}",
+                    self.provider_id.len()
+                ),
+            });
         }
         Ok(())
     }
@@ -517,13 +524,19 @@ impl Operator {
     pub fn new(by: impl Into<String>, reason: impl Into<String>) -> Result<Operator, Error> {
         let (by, reason) = (by.into(), reason.into());
         if by.trim().is_empty() {
-            return Err(Error::InvalidValue("the operator's name is empty".into()));
+            return Err(Error::InvalidArgument {
+                what: "operator",
+                problem: "the name is empty".into(),
+            });
         }
         if by.len() > Self::MAX_LEN || reason.len() > Self::MAX_LEN {
-            return Err(Error::InvalidValue(format!(
-                "the operator's name and reason may be at most {} bytes each",
-                Self::MAX_LEN
-            )));
+            return Err(Error::InvalidArgument {
+                what: "operator",
+                problem: format!(
+                    "the name and the reason may be at most {} bytes each",
+                    Self::MAX_LEN
+                ),
+            });
         }
         Ok(Operator { by, reason })
     }

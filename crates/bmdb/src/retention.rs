@@ -46,6 +46,23 @@ pub struct PrunedHistory {
     pub operator: u64,
 }
 
+impl std::fmt::Display for PrunedHistory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "pruned {} work and {} operator history entries",
+            self.work, self.operator
+        )
+    }
+}
+
+fn retention_too_long() -> Error {
+    Error::InvalidArgument {
+        what: "history retention",
+        problem: "is too long".into(),
+    }
+}
+
 impl Session {
     /// One retention pass: deletes expired history, oldest first, a batch per transaction,
     /// until a batch comes back short or the pass has run `max_batches`.
@@ -53,10 +70,9 @@ impl Session {
         &self,
         retention: &HistoryRetention,
     ) -> Result<PrunedHistory, Error> {
-        let keep = chrono::Duration::from_std(retention.keep)
-            .map_err(|_| Error::InvalidValue("history retention is too long".into()))?;
+        let keep = chrono::Duration::from_std(retention.keep).map_err(|_| retention_too_long())?;
         let keep_failed = chrono::Duration::from_std(retention.keep_failed.max(retention.keep))
-            .map_err(|_| Error::InvalidValue("history retention is too long".into()))?;
+            .map_err(|_| retention_too_long())?;
         let mut pruned = PrunedHistory::default();
         for table in [HistoryTable::Work, HistoryTable::Operator] {
             for _ in 0..retention.max_batches {

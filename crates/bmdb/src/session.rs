@@ -1,7 +1,7 @@
 //! Sessions (SPEC §3): a component's lease on the BMDB, kept alive in the background. Work
 //! and transactions run through a session can never commit after the session died.
 
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use tokio::task::JoinHandle;
@@ -9,7 +9,7 @@ use tokio::time::Instant;
 use uuid::Uuid;
 
 use crate::db::{Mode, Pools, TxFuture};
-use crate::heartbeats::Batcher;
+use crate::group_commit::GroupCommit;
 use crate::metrics::WorkResult;
 use crate::sql;
 use crate::transaction::{retrying, Guard};
@@ -21,6 +21,15 @@ pub const DEFAULT_SESSION_INTERVAL: Duration = Duration::from_secs(5);
 
 /// Run garbage collection of expired sessions every this many successful pokes.
 const GC_EVERY_POKES: u32 = 10;
+
+/// Most bare agent heartbeats of one session written in one transaction.
+pub const MAX_BATCH: usize = 256;
+
+/// Longest a bare agent heartbeat waits for others to join its batch.
+pub const BATCH_WAIT: Duration = Duration::from_millis(2);
+
+/// A bare agent heartbeat as its batch holds it: the machine and the key it presented.
+type Beat = (Uuid, Vec<u8>);
 
 /// What a new session says about itself.
 #[derive(Debug, Clone)]
@@ -71,8 +80,8 @@ pub(crate) struct SessionInner {
     interval: Duration,
     state: Mutex<LocalState>,
     keepalive: Mutex<Option<JoinHandle<()>>>,
-    /// The group-commit writer of this session's bare agent heartbeats, started by the first.
-    heartbeats: OnceLock<Batcher>,
+    /// This session's bare agent heartbeats, gathered into batches (`group_commit.rs`).
+    heartbeats: GroupCommit<Beat, AgentHeartbeat>,
 }
 
 impl SessionInner {
@@ -196,7 +205,7 @@ impl Bmdb {
                 deadline: started + interval,
             }),
             keepalive: Mutex::new(None),
-            heartbeats: OnceLock::new(),
+            heartbeats: GroupCommit::new(MAX_BATCH, BATCH_WAIT),
         });
         let task = tokio::spawn(keepalive(Arc::downgrade(&inner), interval));
         *inner.keepalive.lock().unwrap() = Some(task);
@@ -298,7 +307,7 @@ impl Session {
     /// The one entry point for what an agent sends (SPEC §12): if `key` is the agent key of
     /// `machine`, records its heartbeat and `report`, and returns the pending installation
     /// request; otherwise writes nothing. The BMaaS server's hot path: a bare heartbeat joins
-    /// this session's group commit (`heartbeats.rs`: many heartbeats, one transaction; on
+    /// this session's group commit (`group_commit.rs`: many heartbeats, one transaction; on
     /// Postgres one statement, the same rule in SQL) and is answered once its batch committed;
     /// a heartbeat with a report is one session transaction through
     /// [`Tx::record_agent_heartbeat`]. The session is checked inside either.
@@ -310,19 +319,18 @@ impl Session {
     ) -> Result<AgentHeartbeat, Error> {
         self.inner.ensure_alive()?;
         if report.is_empty() {
-            let batcher = self.inner.heartbeats.get_or_init(|| {
-                let session = Arc::downgrade(&self.inner);
-                Batcher::start(Box::new(move |beats| {
-                    let session = session.clone();
-                    Box::pin(async move {
-                        match session.upgrade() {
-                            Some(inner) => Session { inner }.write_heartbeats(beats).await,
-                            None => Err(Error::SessionExpired),
-                        }
-                    })
-                }))
-            });
-            return batcher.beat(machine, key).await;
+            let (answer, leader) = self.inner.heartbeats.join((machine, key.to_vec()));
+            if let Some(leader) = leader {
+                // Written by a task of its own, so that a caller that goes away (a client that
+                // hung up) neither cancels the other members' write nor leaves them waiting.
+                let session = self.clone();
+                tokio::spawn(async move {
+                    let batch = session.inner.heartbeats.gather(leader).await;
+                    let written = session.write_heartbeats(batch.items()).await;
+                    batch.answer(written);
+                });
+            }
+            return answer.await.unwrap_or(Err(Error::SessionExpired));
         }
         let (key, report) = (key.to_vec(), report.clone());
         self.transact(move |tx| {
@@ -332,17 +340,18 @@ impl Session {
         .await
     }
 
-    /// Writes one group-commit batch of bare heartbeats (`heartbeats.rs`) in one transaction:
-    /// on Postgres one statement over arrays, on SQLite the agent-report rule for each inside
-    /// one session transaction. One outcome per heartbeat, in order.
+    /// Writes one batch of bare heartbeats in one transaction: on Postgres one statement over
+    /// arrays, on SQLite the agent-report rule for each inside one session transaction. One
+    /// outcome per heartbeat, in order.
     async fn write_heartbeats(
         &self,
-        beats: Vec<(Uuid, Vec<u8>)>,
-    ) -> Result<Vec<AgentHeartbeat>, Error> {
+        beats: &[Beat],
+    ) -> Result<Vec<Result<AgentHeartbeat, Error>>, Error> {
         let inner = &self.inner;
         let db = &inner.db;
         db.metrics().heartbeat_batch(inner.processor, beats.len());
         let Pools::Postgres(pool) = &db.inner.pools else {
+            let beats = beats.to_vec();
             return self
                 .transact(move |tx| {
                     let beats = beats.clone();
@@ -350,14 +359,15 @@ impl Session {
                         let bare = AgentReport::default();
                         let mut outcomes = Vec::with_capacity(beats.len());
                         for (machine, key) in &beats {
-                            outcomes.push(tx.record_agent_heartbeat(*machine, key, &bare).await?);
+                            let outcome = tx.record_agent_heartbeat(*machine, key, &bare).await?;
+                            outcomes.push(Ok(outcome));
                         }
                         Ok(outcomes)
                     })
                 })
                 .await;
         };
-        let (machines, keys): (Vec<Uuid>, Vec<Vec<u8>>) = beats.into_iter().unzip();
+        let (machines, keys): (Vec<Uuid>, Vec<Vec<u8>>) = beats.iter().cloned().unzip();
         let rows = retrying(
             db.metrics(),
             &db.inner.failover,
@@ -369,7 +379,8 @@ impl Session {
             },
         )
         .await?;
-        rows.into_iter()
+        Ok(rows
+            .into_iter()
             .map(
                 |(alive, authorized, pending_request)| match (alive, authorized) {
                     (false, _) => {
@@ -380,7 +391,7 @@ impl Session {
                     (true, true) => Ok(AgentHeartbeat::Recorded { pending_request }),
                 },
             )
-            .collect()
+            .collect())
     }
 
     pub(crate) fn record_work_end(&self, process: Process, result: WorkResult) {

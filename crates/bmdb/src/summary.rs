@@ -120,11 +120,12 @@ impl FromStr for Lifecycle {
         Lifecycle::ALL
             .into_iter()
             .find(|l| l.slug() == s || l.label() == s)
-            .ok_or_else(|| {
-                Error::InvalidValue(format!(
-                    "unknown state {s:?} (one of: {})",
+            .ok_or_else(|| Error::InvalidArgument {
+                what: "state",
+                problem: format!(
+                    "{s:?} is none of: {}",
                     Lifecycle::ALL.map(|l| l.slug()).join(", ")
-                ))
+                ),
             })
     }
 }

@@ -412,9 +412,10 @@ pub async fn explain_claims(
     provider: crate::Provider,
 ) -> Result<Vec<(String, Vec<String>)>, crate::Error> {
     let crate::db::Pools::Postgres(pool) = &db.inner.pools else {
-        return Err(crate::Error::InvalidValue(
-            "query plans are Postgres only".into(),
-        ));
+        return Err(crate::Error::InvalidArgument {
+            what: "database",
+            problem: "query plans are Postgres only".into(),
+        });
     };
     let mut conn = pool.acquire().await?;
     let mut plans = Vec::new();

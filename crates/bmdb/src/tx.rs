@@ -102,10 +102,10 @@ impl Tx {
         public_key: &[u8],
     ) -> Result<(), Error> {
         if public_key.len() != AGENT_KEY_LEN {
-            return Err(Error::InvalidValue(format!(
-                "agent public key must be {AGENT_KEY_LEN} bytes, got {}",
-                public_key.len()
-            )));
+            return Err(Error::InvalidArgument {
+                what: "agent public key",
+                problem: format!("must be {AGENT_KEY_LEN} bytes, got {}", public_key.len()),
+            });
         }
         sql::tags::set_agent_started(&mut self.inner, id, at, public_key).await
     }
@@ -231,8 +231,8 @@ impl Tx {
         })
     }
 
-    /// Pins `key` as the machine's SSH host key unless one is pinned already; returns the
-    /// pinned key, which the caller compares with what it saw.
+    /// Pins `key` as the machine's SSH host key unless one is pinned already. Fails with
+    /// [`Error::HostKeyPinned`], writing nothing, when another key is pinned.
     pub async fn pin_ssh_host_key(&mut self, id: Uuid, key: &str) -> Result<SshHostKey, Error> {
         sql::tags::pin_ssh_host_key(&mut self.inner, id, key).await
     }

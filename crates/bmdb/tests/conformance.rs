@@ -136,9 +136,16 @@ async fn tags_round_trip(db: Bmdb) {
             .await?;
             let pinned = tx.pin_ssh_host_key(id, "ssh-ed25519 AAAA first").await?;
             assert_eq!(pinned.key, "ssh-ed25519 AAAA first");
-            // A second pin keeps the first key: the caller compares and fails on mismatch.
-            let again = tx.pin_ssh_host_key(id, "ssh-ed25519 BBBB second").await?;
-            assert_eq!(again.key, "ssh-ed25519 AAAA first");
+            // Pinning the same key again is no change; another key is refused, naming both.
+            let same = tx.pin_ssh_host_key(id, "ssh-ed25519 AAAA first").await?;
+            assert_eq!(same.key, "ssh-ed25519 AAAA first");
+            let other = tx.pin_ssh_host_key(id, "ssh-ed25519 BBBB second").await;
+            assert!(
+                matches!(&other, Err(Error::HostKeyPinned { pinned, presented })
+                    if pinned == "ssh-ed25519 AAAA first" && presented == "ssh-ed25519 BBBB second"),
+                "{other:?}"
+            );
+            assert_eq!(tx.ssh_host_key(id).await?.unwrap().key, "ssh-ed25519 AAAA first");
             Ok(())
         })
     })
@@ -379,7 +386,7 @@ async fn work_endings(db: Bmdb) {
     let bad = w
         .finish(move |tx| Box::pin(async move { tx.set_agent_started(id, &[0; 3]).await }))
         .await;
-    assert!(matches!(bad, Err(Error::InvalidValue(_))), "{bad:?}");
+    assert!(matches!(bad, Err(Error::InvalidArgument { .. })), "{bad:?}");
     let still_held = db
         .read(move |tx| Box::pin(async move { tx.machine_work(id).await }))
         .await

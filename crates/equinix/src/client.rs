@@ -14,6 +14,7 @@ use shepherd_loops::http_body::{read_bounded, BoundedAnswer, ReadError};
 use shepherd_loops::metrics::CallMetrics;
 use shepherd_loops::retry::AttemptError;
 pub use shepherd_loops::retry::RetryPolicy;
+use shepherd_loops::settings::InvalidSetting;
 
 use crate::model::*;
 
@@ -26,10 +27,10 @@ const PER_PAGE: u32 = 500;
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
     /// 404.
-    #[error("not found")]
+    #[error("Equinix API: not found")]
     NotFound,
     /// Any other unsuccessful status.
-    #[error("HTTP {status}: {body}")]
+    #[error("Equinix API: HTTP {status}: {body}")]
     Status {
         /// The status.
         status: StatusCode,
@@ -39,10 +40,10 @@ pub enum ApiError {
         retry_after: Option<Duration>,
     },
     /// Connecting, sending or receiving failed, or the attempt timed out.
-    #[error("transport: {0}")]
+    #[error("Equinix API: transport: {0}")]
     Transport(String),
     /// The body was not the JSON expected (or was cut short).
-    #[error("undecodable response: {0}")]
+    #[error("Equinix API: undecodable response: {0}")]
     Decode(String),
 }
 
@@ -101,21 +102,24 @@ impl Client {
         project: &str,
         retry: RetryPolicy,
         metrics: Arc<CallMetrics>,
-    ) -> anyhow::Result<Client> {
-        let parsed = url::Url::parse(base).map_err(|e| anyhow::anyhow!("API URL {base:?}: {e}"))?;
+    ) -> Result<Client, InvalidSetting> {
+        let url = || format!("API URL {base:?}");
+        let parsed =
+            url::Url::parse(base).map_err(|e| InvalidSetting::new(url(), e.to_string()))?;
         if !matches!(parsed.scheme(), "http" | "https") {
-            anyhow::bail!("API URL {base:?}: must be http(s)");
+            return Err(InvalidSetting::new(url(), "must be http(s)"));
         }
         if token.is_empty() {
-            anyhow::bail!("API token is empty");
+            return Err(InvalidSetting::new("API token", "is empty"));
         }
         if project.is_empty() {
-            anyhow::bail!("project id is empty");
+            return Err(InvalidSetting::new("project id", "is empty"));
         }
         let http = reqwest::Client::builder()
             .timeout(retry.timeout)
             .user_agent(concat!("shepherd/", env!("CARGO_PKG_VERSION")))
-            .build()?;
+            .build()
+            .map_err(|e| InvalidSetting::new(url(), format!("no HTTP client: {e}")))?;
         Ok(Client {
             http,
             base: base.trim_end_matches('/').to_string(),

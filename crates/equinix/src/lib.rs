@@ -11,4 +11,4 @@ pub mod provider;
 pub mod fake;
 
 pub use client::{ApiError, Client, RetryPolicy};
-pub use provider::{EquinixConfig, EquinixProvider};
+pub use provider::{ConnectError, CreationFailed, EquinixConfig, EquinixProvider};

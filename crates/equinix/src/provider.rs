@@ -16,6 +16,7 @@ use shepherd_loops::penalty::PenaltyBox;
 use shepherd_loops::provider::{
     record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Recorded, Recoverer,
 };
+use shepherd_loops::settings::InvalidSetting;
 
 use crate::client::{ApiError, Client};
 use crate::model::*;
@@ -56,20 +57,27 @@ impl EquinixConfig {
         }
     }
 
-    fn validate(&self) -> anyhow::Result<()> {
+    fn validate(&self) -> Result<(), InvalidSetting> {
         if self.device_prefix.is_empty() {
-            anyhow::bail!(
-                "equinix-device-prefix: must not be empty (it decides which devices are ours)"
-            );
+            return Err(InvalidSetting::new(
+                "equinix-device-prefix",
+                "must not be empty (it decides which devices are ours)",
+            ));
         }
         if self.os.is_empty() {
-            anyhow::bail!("equinix-os: must not be empty");
+            return Err(InvalidSetting::new("equinix-os", "must not be empty"));
         }
         if self.ssh_key_label.is_empty() {
-            anyhow::bail!("equinix-ssh-key-label: must not be empty");
+            return Err(InvalidSetting::new(
+                "equinix-ssh-key-label",
+                "must not be empty",
+            ));
         }
         if !self.ssh_public_key.starts_with("ssh-") {
-            anyhow::bail!("the SSH public key is not an OpenSSH public key line");
+            return Err(InvalidSetting::new(
+                "the SSH public key",
+                "is not an OpenSSH public key line",
+            ));
         }
         Ok(())
     }
@@ -85,10 +93,35 @@ pub struct EquinixProvider {
 }
 
 fn api(e: ApiError) -> ProviderError {
-    match e {
-        ApiError::NotFound => ProviderError::Other(anyhow::anyhow!("Equinix API: not found")),
-        e => ProviderError::Other(anyhow::anyhow!("Equinix API: {e}")),
-    }
+    ProviderError::Api(Box::new(e))
+}
+
+/// Why the provider could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// A setting is wrong.
+    #[error(transparent)]
+    Setting(#[from] InvalidSetting),
+    /// Our project SSH key could not be found, updated or created.
+    #[error("{step} the project SSH key: {error}")]
+    SshKey {
+        /// What was being done (`listing`, `updating`, `creating`).
+        step: &'static str,
+        /// What the API said.
+        error: ApiError,
+    },
+}
+
+/// A device could not be created from a reservation, which is skipped for a while.
+#[derive(Debug, thiserror::Error)]
+#[error("creating a device from reservation {reservation}: {error} (reservation skipped for {skipped_for:?})")]
+pub struct CreationFailed {
+    /// The reservation.
+    pub reservation: String,
+    /// What the API said.
+    pub error: ApiError,
+    /// How long the reservation is skipped.
+    pub skipped_for: Duration,
 }
 
 /// Maps an Equinix device state to the BMDB's provider status.
@@ -105,7 +138,7 @@ pub fn status_of(state: &str) -> ProviderStatus {
 impl EquinixProvider {
     /// Checks the settings and ensures our project SSH key (created, or updated if its key
     /// changed).
-    pub async fn connect(client: Client, config: EquinixConfig) -> anyhow::Result<Self> {
+    pub async fn connect(client: Client, config: EquinixConfig) -> Result<Self, ConnectError> {
         config.validate()?;
         let ssh_key_id =
             ensure_ssh_key(&client, &config.ssh_key_label, &config.ssh_public_key).await?;
@@ -199,26 +232,28 @@ impl EquinixProvider {
                     }
                 }
                 self.penalty.penalize(reservation.id.clone());
-                Err(ProviderError::Other(anyhow::anyhow!(
-                    "creating a device from reservation {}: {e} (reservation skipped for {:?})",
-                    reservation.id,
-                    self.config.reservation_penalty
-                )))
+                Err(ProviderError::Api(Box::new(CreationFailed {
+                    reservation: reservation.id.clone(),
+                    error: e,
+                    skipped_for: self.config.reservation_penalty,
+                })))
             }
         }
     }
 }
 
 /// Finds our project SSH key by label and makes its key ours; returns its id.
-pub async fn ensure_ssh_key(client: &Client, label: &str, key: &str) -> anyhow::Result<String> {
+pub async fn ensure_ssh_key(
+    client: &Client,
+    label: &str,
+    key: &str,
+) -> Result<String, ConnectError> {
     let input = SshKeyInput {
         label: label.into(),
         key: key.into(),
     };
-    let keys = client
-        .list_ssh_keys()
-        .await
-        .map_err(|e| anyhow::anyhow!("listing project SSH keys: {e}"))?;
+    let failed = |step| move |error| ConnectError::SshKey { step, error };
+    let keys = client.list_ssh_keys().await.map_err(failed("listing"))?;
     match keys.into_iter().find(|k| k.label == label) {
         Some(k) if k.key.trim() == key => Ok(k.id),
         Some(k) => {
@@ -226,7 +261,7 @@ pub async fn ensure_ssh_key(client: &Client, label: &str, key: &str) -> anyhow::
             Ok(client
                 .update_ssh_key(&k.id, &input)
                 .await
-                .map_err(|e| anyhow::anyhow!("updating project SSH key {}: {e}", k.id))?
+                .map_err(failed("updating"))?
                 .id)
         }
         None => {
@@ -240,7 +275,10 @@ pub async fn ensure_ssh_key(client: &Client, label: &str, key: &str) -> anyhow::
                     .ok()
                     .and_then(|keys| keys.into_iter().find(|k| k.label == label))
                     .map(|k| k.id)
-                    .ok_or_else(|| anyhow::anyhow!("creating the project SSH key: {e}")),
+                    .ok_or(ConnectError::SshKey {
+                        step: "creating",
+                        error: e,
+                    }),
             }
         }
     }
@@ -311,9 +349,12 @@ impl Provider for EquinixProvider {
             );
             unused.clone()
         } else {
-            let reservation_id = unused.reservation.as_deref().ok_or_else(|| {
-                ProviderError::Other(anyhow::anyhow!("unused machine without a reservation"))
-            })?;
+            let reservation_id = unused
+                .reservation
+                .as_deref()
+                .ok_or(ProviderError::Incomplete(
+                    "a reservation of the unused machine",
+                ))?;
             let reservation = self
                 .reservations()
                 .await
@@ -343,7 +384,7 @@ impl Recoverer for EquinixProvider {
     async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
         let id = machine
             .valid_id()
-            .ok_or_else(|| ProviderError::Other(anyhow::anyhow!("machine without an id")))?;
+            .ok_or(ProviderError::Incomplete("an id of the machine"))?;
         self.client.reboot(id).await.map_err(|e| match e {
             ApiError::NotFound => ProviderError::NotFound(id.to_string()),
             e => api(e),

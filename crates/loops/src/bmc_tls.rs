@@ -16,7 +16,6 @@ use std::fmt;
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
-use anyhow::{bail, Context};
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::WebPkiServerVerifier;
 use rustls::crypto::{
@@ -24,6 +23,28 @@ use rustls::crypto::{
 };
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
+
+/// Why a BMC's TLS trust could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum TrustError {
+    /// The `CA` file could not be read.
+    #[error("BMC CA {path}: {error}")]
+    ReadCa {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        error: std::io::Error,
+    },
+    /// The `CA` file holds no PEM certificate.
+    #[error("BMC CA {0}: holds no PEM certificate")]
+    EmptyCa(std::path::PathBuf),
+    /// The system trust store holds no usable certificate.
+    #[error("no system trust roots ({0}): install ca-certificates, set SSL_CERT_FILE, or give the BMC a CA")]
+    NoSystemRoots(String),
+    /// rustls refused the configuration.
+    #[error("BMC TLS configuration: {0}")]
+    Config(String),
+}
 
 /// What a BMC client trusts.
 #[derive(Debug, Clone)]
@@ -38,24 +59,28 @@ pub enum BmcTrust {
 
 impl BmcTrust {
     /// Reads a `CA` file: at least one PEM certificate, or an error naming the file.
-    pub fn from_ca_file(path: &Path) -> anyhow::Result<BmcTrust> {
-        let pem = std::fs::read(path).with_context(|| format!("BMC CA {}", path.display()))?;
+    pub fn from_ca_file(path: &Path) -> Result<BmcTrust, TrustError> {
+        let unreadable = |error| TrustError::ReadCa {
+            path: path.to_path_buf(),
+            error,
+        };
+        let pem = std::fs::read(path).map_err(unreadable)?;
         let certs = rustls_pemfile::certs(&mut pem.as_slice())
             .collect::<Result<Vec<_>, _>>()
-            .with_context(|| format!("BMC CA {}", path.display()))?;
+            .map_err(unreadable)?;
         if certs.is_empty() {
-            bail!("BMC CA {}: holds no PEM certificate", path.display());
+            return Err(TrustError::EmptyCa(path.to_path_buf()));
         }
         Ok(BmcTrust::Pinned(certs))
     }
 
     /// A rustls client configuration that trusts what `self` says.
-    pub fn client_config(&self) -> anyhow::Result<ClientConfig> {
+    pub fn client_config(&self) -> Result<ClientConfig, TrustError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let verifier = Verifier::new(self, provider.clone())?;
         Ok(ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
-            .context("TLS protocol versions")?
+            .map_err(|e| TrustError::Config(e.to_string()))?
             .dangerous()
             .with_custom_certificate_verifier(Arc::new(verifier))
             .with_no_client_auth())
@@ -63,7 +88,7 @@ impl BmcTrust {
 }
 
 /// The system's trust anchors, loaded once per process.
-fn system_roots() -> anyhow::Result<Arc<RootCertStore>> {
+fn system_roots() -> Result<Arc<RootCertStore>, TrustError> {
     static ROOTS: OnceLock<Result<Arc<RootCertStore>, String>> = OnceLock::new();
     ROOTS
         .get_or_init(|| {
@@ -75,14 +100,12 @@ fn system_roots() -> anyhow::Result<Arc<RootCertStore>> {
                     .errors
                     .first()
                     .map_or("none found".to_string(), |e| e.to_string());
-                return Err(format!(
-                    "no system trust roots ({why}): install ca-certificates, set SSL_CERT_FILE, or give the BMC a CA"
-                ));
+                return Err(why);
             }
             Ok(Arc::new(roots))
         })
         .clone()
-        .map_err(anyhow::Error::msg)
+        .map_err(TrustError::NoSystemRoots)
 }
 
 /// The verifier behind [`BmcTrust`].
@@ -107,12 +130,12 @@ impl fmt::Debug for Verifier {
 }
 
 impl Verifier {
-    fn new(trust: &BmcTrust, provider: Arc<CryptoProvider>) -> anyhow::Result<Verifier> {
+    fn new(trust: &BmcTrust, provider: Arc<CryptoProvider>) -> Result<Verifier, TrustError> {
         let algorithms = provider.signature_verification_algorithms;
         let chained = |roots: Arc<RootCertStore>| {
             WebPkiServerVerifier::builder_with_provider(roots, provider.clone())
                 .build()
-                .context("BMC certificate verifier")
+                .map_err(|e| TrustError::Config(e.to_string()))
         };
         Ok(match trust {
             BmcTrust::System => Verifier {

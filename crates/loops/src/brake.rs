@@ -24,6 +24,8 @@ use shepherd_bmdb::{Bmdb, Process, Provider, RecoveryThresholds, Retrieval};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use crate::settings::InvalidSetting;
+
 /// When the brake engages.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BrakeConfig {
@@ -48,18 +50,27 @@ impl Default for BrakeConfig {
 
 impl BrakeConfig {
     /// Checks the settings; the message names the setting.
-    pub fn validate(&self) -> anyhow::Result<()> {
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
         if !(self.max_silent_share > 0.0 && self.max_silent_share <= 1.0) {
-            anyhow::bail!(
-                "recovery-brake-share: must be more than 0 and at most 1, not {}",
-                self.max_silent_share
-            );
+            return Err(InvalidSetting::new(
+                "recovery-brake-share",
+                format!(
+                    "must be more than 0 and at most 1, not {}",
+                    self.max_silent_share
+                ),
+            ));
         }
         if self.min_silent < 0 {
-            anyhow::bail!("recovery-brake-min-silent: must not be negative");
+            return Err(InvalidSetting::new(
+                "recovery-brake-min-silent",
+                "must not be negative",
+            ));
         }
         if self.interval.is_zero() {
-            anyhow::bail!("recovery-brake-interval: must be more than zero");
+            return Err(InvalidSetting::new(
+                "recovery-brake-interval",
+                "must be more than zero",
+            ));
         }
         Ok(())
     }

@@ -12,6 +12,8 @@ use crate::provisioner::{Provisioner, ProvisionerConfig};
 use crate::recoverer::{Recoverer, RecovererMetrics, RepeatPolicy};
 use crate::retention::{HistoryPruner, RETENTION_RATE};
 use crate::runner::{self, RunnerConfig};
+use crate::settings::InvalidSetting;
+use crate::tasks::Tasks;
 use crate::transport::Transport;
 use crate::updater::Updater;
 use shepherd_bmdb::{
@@ -57,6 +59,8 @@ pub struct FleetSettings {
     pub session_interval: Duration,
     /// How long history is kept; `None` keeps it forever.
     pub history_retention: Option<HistoryRetention>,
+    /// Where the periodic loops report their passes (shared with the web UI and `/metrics`).
+    pub tasks: Tasks,
 }
 
 fn session(name: &str, processor: Processor, interval: Duration) -> SessionConfig {
@@ -72,7 +76,7 @@ pub async fn run_loops<P, R>(
     recoverer: Option<Arc<R>>,
     settings: FleetSettings,
     cancel: CancellationToken,
-) -> anyhow::Result<()>
+) -> Result<(), InvalidSetting>
 where
     P: Provider + 'static,
     R: RecovererProvider + 'static,
@@ -83,6 +87,7 @@ where
     let updating = updater.run(
         db.clone(),
         session("shepherd-updater", Processor::ShepherdUpdater, interval),
+        settings.tasks.task("updater"),
         cancel.clone(),
     );
     let provisioner = Provisioner::new(provider, settings.provisioner);
@@ -93,6 +98,7 @@ where
             Processor::ShepherdProvisioner,
             interval,
         ),
+        settings.tasks.task("provisioner"),
         cancel.clone(),
     );
     let initializing = runner::run(
@@ -144,6 +150,7 @@ where
                     RETENTION_RATE,
                     db.clone(),
                     session("shepherd-retention", Processor::ShepherdRetention, interval),
+                    settings.tasks.task("retention"),
                     cancel.clone(),
                 )
                 .await;

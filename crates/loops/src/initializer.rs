@@ -4,19 +4,18 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{bail, Context};
 use async_trait::async_trait;
 use shepherd_bmdb::{
     Backoff, Process, Processor, ProviderStatus, Retrieval, Session, AGENT_KEY_LEN,
 };
 use shepherd_proto::agent::{takeover_response, TakeoverInit, TakeoverResponse};
 use shepherd_proto::Message;
-use shepherd_ssh::SshError;
 use uuid::Uuid;
 
 use crate::provider::{look_up, LookupFailed, Provider};
 use crate::runner::{Commit, MachineTask, OnError};
-use crate::transport::{AgentRun, Transport};
+use crate::settings::InvalidSetting;
+use crate::transport::{AgentRun, Transport, TransportError};
 
 /// Most stderr shown in logs per takeover.
 const MAX_LOGGED_STDERR: usize = 2048;
@@ -67,32 +66,82 @@ impl InitializerConfig {
     }
 
     /// The start-up checks of SPEC §8; the message names the bad setting.
-    pub fn validate(&self) -> anyhow::Result<()> {
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
         if self.agent.is_empty() {
-            bail!("agent executable: is empty");
+            return Err(InvalidSetting::new("agent executable", "is empty"));
         }
         if !self.target_path.starts_with('/') {
-            bail!(
-                "agent target path: {:?} is not an absolute path",
-                self.target_path
-            );
+            return Err(InvalidSetting::new(
+                "agent target path",
+                format!("{:?} is not an absolute path", self.target_path),
+            ));
         }
         if self.bmaas_endpoint.trim().is_empty() {
-            bail!("BMaaS endpoint: is required");
+            return Err(InvalidSetting::new("BMaaS endpoint", "is required"));
         }
         if self.exec_timeout.is_zero() {
-            bail!("SSH exec timeout: must be more than zero");
+            return Err(InvalidSetting::new(
+                "SSH exec timeout",
+                "must be more than zero",
+            ));
         }
         Ok(())
+    }
+}
+
+/// What was wrong with the agent's answer to a `TakeoverInit`.
+#[derive(Debug, thiserror::Error)]
+pub enum ResponseError {
+    /// The answer does not decode.
+    #[error("agent response is not a TakeoverResponse: {0}")]
+    Undecodable(#[from] shepherd_proto::DecodeError),
+    /// The answer says nothing.
+    #[error("agent response carries neither success nor error")]
+    Empty,
+    /// The agent reported an error.
+    #[error("agent reported an error: {0}")]
+    Reported(String),
+    /// The agent echoed another `TakeoverInit` than it was sent.
+    #[error("agent echoed a different TakeoverInit than it was sent")]
+    WrongEcho,
+    /// The agent's key is no ed25519 public key.
+    #[error("agent key is {0} bytes, want a {AGENT_KEY_LEN}-byte ed25519 public key")]
+    KeyLength(usize),
+}
+
+/// The agent ran but did not take the machine over.
+#[derive(Debug, thiserror::Error)]
+pub struct AgentFailure {
+    /// How it exited, if it exited normally.
+    pub exit_status: Option<u32>,
+    /// What was wrong with its answer.
+    pub response: ResponseError,
+}
+
+impl std::fmt::Display for AgentFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.exit_status {
+            Some(0) | None => write!(f, "{}", self.response),
+            Some(status) => write!(f, "agent exited with status {status}: {}", self.response),
+        }
     }
 }
 
 /// Why a takeover failed; [`Initializer`]'s error policy decides per kind.
 #[derive(Debug, thiserror::Error)]
 pub enum TakeoverFailure {
-    /// The BMDB failed, or the finishing commit refused (a host key pinned meanwhile).
+    /// The BMDB failed.
     #[error(transparent)]
-    Bmdb(#[from] shepherd_bmdb::Error),
+    Bmdb(shepherd_bmdb::Error),
+    /// The finishing commit found another host key pinned for the machine meanwhile (another
+    /// takeover pinned it): someone may be in the middle.
+    #[error("host key mismatch: {presented} presented, {pinned} pinned meanwhile")]
+    HostKeyPinnedMeanwhile {
+        /// The key pinned now.
+        pinned: String,
+        /// The key this takeover saw.
+        presented: String,
+    },
     /// The machine has no `machine_provided` tag.
     #[error("machine has no provided tag")]
     NotProvided,
@@ -112,27 +161,43 @@ pub enum TakeoverFailure {
     FailedAtProvider(String),
     /// The machine presented another host key than the pinned one: reinstalled, or someone in
     /// the middle. An operator decides (`shepherd machines forget-host-key`).
-    #[error("{0:#}")]
-    HostKeyMismatch(anyhow::Error),
+    #[error(transparent)]
+    HostKeyMismatch(TransportError),
     /// No SSH session could be had (refused, unreachable, timed out): often a machine still
     /// booting.
-    #[error("{0:#}")]
-    Unreachable(anyhow::Error),
-    /// The upload, the agent or its answer failed.
-    #[error("{0:#}")]
-    Agent(anyhow::Error),
+    #[error(transparent)]
+    Unreachable(TransportError),
+    /// Uploading or running the agent failed.
+    #[error(transparent)]
+    Transport(TransportError),
+    /// The agent ran, but its answer was no takeover.
+    #[error(transparent)]
+    Agent(#[from] AgentFailure),
 }
 
-impl TakeoverFailure {
-    /// Sorts a transport failure by what the SSH client says went wrong.
-    fn from_transport(e: anyhow::Error) -> Self {
-        let ssh = e.chain().find_map(|c| c.downcast_ref::<SshError>());
-        match ssh {
-            Some(SshError::HostKeyMismatch { .. }) => TakeoverFailure::HostKeyMismatch(e),
-            Some(SshError::Connect { .. } | SshError::ConnectTimeout { .. }) => {
-                TakeoverFailure::Unreachable(e)
+impl From<shepherd_bmdb::Error> for TakeoverFailure {
+    /// The BMDB's refusal to pin another host key is the machine's, not the BMDB's.
+    fn from(e: shepherd_bmdb::Error) -> Self {
+        match e {
+            shepherd_bmdb::Error::HostKeyPinned { pinned, presented } => {
+                TakeoverFailure::HostKeyPinnedMeanwhile { pinned, presented }
             }
-            _ => TakeoverFailure::Agent(e),
+            e => TakeoverFailure::Bmdb(e),
+        }
+    }
+}
+
+impl From<TransportError> for TakeoverFailure {
+    /// Sorts the transport's failure by what the initializer does next.
+    fn from(e: TransportError) -> Self {
+        match e {
+            TransportError::HostKeyMismatch(_) => TakeoverFailure::HostKeyMismatch(e),
+            TransportError::Unreachable(_)
+            | TransportError::TimedOut {
+                step: crate::transport::Step::Connect,
+                ..
+            } => TakeoverFailure::Unreachable(e),
+            e => TakeoverFailure::Transport(e),
         }
     }
 }
@@ -144,14 +209,15 @@ const NO_ADDRESS_BACKOFF: (Duration, Duration) =
 
 /// How a failed takeover ends, given the configured `backoff`. A BMDB outage is not the
 /// machine's fault: the work is released as it is. A machine without an address, or still
-/// provisioning, is asked again soon; one presenting another host key, or failed at its
-/// provider, waits the longest backoff (an operator must look); anything else backs off as
-/// configured.
+/// provisioning, is asked again soon; one presenting another host key than the pinned one
+/// (at connect, or pinned meanwhile by another takeover), or failed at its provider, waits
+/// the longest backoff (an operator must look); anything else, a BMDB error about the data
+/// included, backs off as configured.
 pub fn takeover_policy(backoff: Backoff, error: &TakeoverFailure) -> OnError {
     match error {
         TakeoverFailure::Bmdb(e) if e.is_transient() => OnError::Cancel,
-        TakeoverFailure::Bmdb(shepherd_bmdb::Error::InvalidValue(_))
-        | TakeoverFailure::HostKeyMismatch(_)
+        TakeoverFailure::HostKeyMismatch(_)
+        | TakeoverFailure::HostKeyPinnedMeanwhile { .. }
         | TakeoverFailure::FailedAtProvider(_) => {
             OnError::Backoff(Backoff::constant(backoff.maximum).with_jitter(backoff.jitter))
         }
@@ -176,7 +242,7 @@ impl<P: Provider> Initializer<P> {
         provider: Arc<P>,
         transport: Arc<dyn Transport>,
         config: InitializerConfig,
-    ) -> anyhow::Result<Self> {
+    ) -> Result<Self, InvalidSetting> {
         config.validate()?;
         Ok(Initializer {
             provider,
@@ -187,23 +253,17 @@ impl<P: Provider> Initializer<P> {
 }
 
 /// Checks the agent's answer: a success that echoes `sent` and carries an ed25519 public key.
-pub fn verify_response(sent: &TakeoverInit, stdout: &[u8]) -> anyhow::Result<Vec<u8>> {
-    let response =
-        TakeoverResponse::decode(stdout).context("agent response is not a TakeoverResponse")?;
+pub fn verify_response(sent: &TakeoverInit, stdout: &[u8]) -> Result<Vec<u8>, ResponseError> {
+    let response = TakeoverResponse::decode(stdout)?;
     match response.result {
-        None => bail!("agent response carries neither success nor error"),
-        Some(takeover_response::Result::Error(e)) => {
-            bail!("agent reported an error: {}", e.message)
-        }
+        None => Err(ResponseError::Empty),
+        Some(takeover_response::Result::Error(e)) => Err(ResponseError::Reported(e.message)),
         Some(takeover_response::Result::Success(ok)) => {
             if ok.init_message.as_ref() != Some(sent) {
-                bail!("agent echoed a different TakeoverInit than it was sent");
+                return Err(ResponseError::WrongEcho);
             }
             if ok.key.len() != AGENT_KEY_LEN {
-                bail!(
-                    "agent key is {} bytes, want a {AGENT_KEY_LEN}-byte ed25519 public key",
-                    ok.key.len()
-                );
+                return Err(ResponseError::KeyLength(ok.key.len()));
             }
             for w in &ok.warning {
                 tracing::warn!(warning = %w, "agent warning");
@@ -291,18 +351,15 @@ impl<P: Provider + 'static> MachineTask for Initializer<P> {
                 stdin: &stdin,
                 timeout: self.config.exec_timeout,
             })
-            .await
-            .map_err(TakeoverFailure::from_transport)?;
+            .await?;
         let stderr = trimmed_stderr(&output.stderr);
         if !stderr.is_empty() {
             tracing::info!(%addr, stderr = %stderr, "agent stderr");
         }
-        let key = verify_response(&init, &output.stdout)
-            .map_err(|e| match output.exit_status {
-                Some(0) | None => e,
-                Some(status) => e.context(format!("agent exited with status {status}")),
-            })
-            .map_err(TakeoverFailure::Agent)?;
+        let key = verify_response(&init, &output.stdout).map_err(|response| AgentFailure {
+            exit_status: output.exit_status,
+            response,
+        })?;
         tracing::info!(%addr, "agent started");
 
         let host_key = output.host_key;
@@ -310,13 +367,8 @@ impl<P: Provider + 'static> MachineTask for Initializer<P> {
             let (key, host_key) = (key.clone(), host_key.clone());
             Box::pin(async move {
                 if !host_key.is_empty() {
-                    let pinned = tx.pin_ssh_host_key(machine, &host_key).await?;
-                    if pinned.key != host_key {
-                        return Err(shepherd_bmdb::Error::InvalidValue(format!(
-                            "host key mismatch: {host_key} presented, {} pinned meanwhile",
-                            pinned.key
-                        )));
-                    }
+                    // Refused (Error::HostKeyPinned) when another takeover pinned another key.
+                    tx.pin_ssh_host_key(machine, &host_key).await?;
                 }
                 tx.set_agent_started(machine, &key).await
             })
@@ -327,7 +379,9 @@ impl<P: Provider + 'static> MachineTask for Initializer<P> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::transport::Step;
     use shepherd_proto::agent::{TakeoverError, TakeoverSuccess};
+    use shepherd_ssh::SshError;
 
     fn init() -> TakeoverInit {
         TakeoverInit {
@@ -362,33 +416,66 @@ mod tests {
             OnError::Cancel
         );
         let longest = OnError::Backoff(Backoff::constant(configured.maximum));
-        let mismatch =
-            TakeoverFailure::from_transport(anyhow::Error::from(SshError::HostKeyMismatch {
+        let mismatch = TakeoverFailure::from(TransportError::at(
+            Step::Connect,
+            SshError::HostKeyMismatch {
                 pinned: "a".into(),
                 presented: "b".into(),
-            }));
+            },
+        ));
         assert!(matches!(mismatch, TakeoverFailure::HostKeyMismatch(_)));
         assert_eq!(policy(mismatch), longest);
-        let pinned_meanwhile = shepherd_bmdb::Error::InvalidValue("host key mismatch".into());
-        assert_eq!(policy(pinned_meanwhile.into()), longest);
+        let pinned_meanwhile = TakeoverFailure::from(shepherd_bmdb::Error::HostKeyPinned {
+            pinned: "a".into(),
+            presented: "b".into(),
+        });
+        assert!(
+            matches!(
+                pinned_meanwhile,
+                TakeoverFailure::HostKeyPinnedMeanwhile { .. }
+            ),
+            "{pinned_meanwhile}"
+        );
+        assert_eq!(policy(pinned_meanwhile), longest);
+        // A BMDB error about the data is no reason to wait the longest.
+        let unknown = shepherd_bmdb::Error::UnknownName {
+            kind: "Process",
+            name: "ShepherdFuture".into(),
+        };
+        assert_eq!(policy(unknown.into()), OnError::Backoff(configured));
         let OnError::Backoff(soon) = policy(TakeoverFailure::NoAddress) else {
             panic!("no address must back off");
         };
         assert!(soon.maximum <= configured.initial, "{soon:?}");
-        let refused = TakeoverFailure::from_transport(
-            anyhow::Error::from(SshError::Connect {
+        let refused = TakeoverFailure::from(TransportError::at(
+            Step::Connect,
+            SshError::Connect {
                 addr: "192.0.2.1:22".into(),
                 error: std::io::ErrorKind::ConnectionRefused.into(),
-            })
-            .context("connecting"),
-        );
+            },
+        ));
         assert!(
             matches!(refused, TakeoverFailure::Unreachable(_)),
             "{refused}"
         );
         assert_eq!(policy(refused), OnError::Backoff(configured));
-        let garbled =
-            TakeoverFailure::Agent(anyhow::anyhow!("agent response is not a TakeoverResponse"));
+        let upload = TakeoverFailure::from(TransportError::at(
+            Step::Upload,
+            SshError::Sftp {
+                path: "/root/agent".into(),
+                message: "no space".into(),
+            },
+        ));
+        assert!(matches!(upload, TakeoverFailure::Transport(_)), "{upload}");
+        assert_eq!(policy(upload), OnError::Backoff(configured));
+        let garbled = TakeoverFailure::from(AgentFailure {
+            exit_status: Some(1),
+            response: ResponseError::Empty,
+        });
+        assert_eq!(
+            garbled.to_string(),
+            "agent exited with status 1: agent response carries neither success nor error"
+        );
         assert_eq!(policy(garbled), OnError::Backoff(configured));
     }
 

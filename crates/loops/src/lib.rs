@@ -1,8 +1,8 @@
 //! Shepherd's control loops over the BMDB (SPEC §6–§10): the provider traits and the static,
-//! Redfish-backed and simulated providers; the provisioner and the updater (one pass at a
-//! time); the per-machine runner with the initializer and the recoverer on it, and the
-//! recovery brake; and what they share: the rate limiter, the penalty box, call metrics and
-//! bounded log lists.
+//! Redfish-backed provider; the provisioner and the updater (one pass at a time); the
+//! per-machine runner with the initializer and the recoverer on it, and the recovery brake;
+//! and what they share: the rate limiter, the penalty box, call metrics, the background tasks'
+//! status and bounded log lists. The simulated fleet is the `shepherd-sim` crate.
 
 pub mod bmc_tls;
 pub mod bounded;
@@ -23,8 +23,9 @@ pub mod redfish;
 pub mod retention;
 pub mod retry;
 pub mod runner;
-pub mod sim;
+pub mod settings;
 pub mod static_provider;
+pub mod tasks;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod transport;

@@ -228,7 +228,7 @@ mod tests {
             .await;
         let _ = m
             .time("get", provider_result, async {
-                Err::<u8, _>(ProviderError::Other(anyhow::anyhow!("500")))
+                Err::<u8, _>(ProviderError::Incomplete("an answer"))
             })
             .await;
         assert_eq!(m.count("get", CallResult::Ok), 1);

@@ -1,5 +1,6 @@
 //! Loops that make one pass at a time at a configured rate over a session they keep (the
-//! provisioner, the updater), as opposed to the per-machine runner.
+//! provisioner, the updater, history retention), as opposed to the per-machine runner. Every
+//! pass is reported to the loop's [`TaskHandle`]: its start, its end and how it ended.
 
 use async_trait::async_trait;
 use shepherd_bmdb::{Bmdb, Processor, Session, SessionConfig};
@@ -7,25 +8,32 @@ use tokio_util::sync::CancellationToken;
 
 use crate::limiter::{Limiter, RateSpec};
 use crate::runner::live_session;
+use crate::tasks::{Outcome, TaskHandle};
 
 /// One pass of a periodic loop.
 #[async_trait]
 pub(crate) trait Pass: Send + Sync {
-    /// What the loop is called in logs.
-    const NAME: &'static str;
     /// The processor label of the loop's sessions.
     const PROCESSOR: Processor;
-    /// One pass; an error is logged and the next pass tries again.
-    async fn pass(&self, session: &Session) -> anyhow::Result<()>;
+    /// What a pass did, shown as the task's summary.
+    type Report: std::fmt::Display + Send;
+    /// Why a pass failed.
+    type Error: std::error::Error + Send + Sync;
+    /// One pass; an error is reported and the next pass tries again.
+    async fn pass(&self, session: &Session) -> Result<Self::Report, Self::Error>;
+    /// Whether `error` means the BMDB is unavailable (down, failing over, this process's
+    /// session lost): an outage the loop waits out, not a failure of its own.
+    fn bmdb_unavailable(error: &Self::Error) -> bool;
 }
 
 /// Makes passes at `rate` until `cancel`, keeping a session (re-created when it expires) and
-/// closing it at the end.
+/// closing it at the end; each pass is reported to `task`.
 pub(crate) async fn run<P: Pass>(
     p: &P,
     rate: RateSpec,
     db: Bmdb,
     session_config: SessionConfig,
+    task: TaskHandle,
     cancel: CancellationToken,
 ) {
     let limiter = Limiter::new(rate);
@@ -33,6 +41,7 @@ pub(crate) async fn run<P: Pass>(
         processor: P::PROCESSOR,
         ..session_config
     };
+    let name = task.name();
     let mut session: Option<Session> = None;
     loop {
         tokio::select! {
@@ -40,66 +49,39 @@ pub(crate) async fn run<P: Pass>(
             _ = cancel.cancelled() => break,
             _ = limiter.wait() => {}
         }
+        task.started();
         let s = match live_session(&db, &session_config, session.take()).await {
             Ok(s) => s,
             Err(e) => {
-                tracing::warn!(error = %e, "{} cannot start a session", P::NAME);
+                tracing::warn!(error = %e, "{name} cannot start a session");
+                task.ended(Outcome::Waited, format!("no session: {e}"));
                 continue;
             }
         };
         tokio::select! {
-            _ = cancel.cancelled() => { session = Some(s); break }
+            _ = cancel.cancelled() => {
+                task.ended(Outcome::Waited, "canceled: the process is stopping");
+                session = Some(s);
+                break;
+            }
             r = p.pass(&s) => match r {
-                Ok(()) => {}
-                Err(e) if bmdb_unavailable(&e) => tracing::warn!(
-                    error = %format!("{e:#}"),
-                    "{} pass stopped: the BMDB is unavailable; trying again next pass",
-                    P::NAME
-                ),
-                Err(e) => tracing::error!(error = %format!("{e:#}"), "{} pass failed", P::NAME),
+                Ok(report) => task.ended(Outcome::Succeeded, report.to_string()),
+                Err(e) if P::bmdb_unavailable(&e) => {
+                    tracing::warn!(
+                        error = %e,
+                        "{name} pass stopped: the BMDB is unavailable; trying again next pass"
+                    );
+                    task.ended(Outcome::Waited, e.to_string());
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "{name} pass failed");
+                    task.ended(Outcome::Failed, e.to_string());
+                }
             },
         }
         session = Some(s);
     }
     if let Some(s) = session {
         let _ = s.close().await;
-    }
-}
-
-/// Whether a pass failed because the BMDB is unavailable (down, failing over, this process's
-/// session lost): an outage the pass waits out, logged as a warning, not an error of its own.
-fn bmdb_unavailable(e: &anyhow::Error) -> bool {
-    e.chain().any(|cause| {
-        cause
-            .downcast_ref::<shepherd_bmdb::Error>()
-            .is_some_and(|e| e.is_transient())
-            || cause
-                .downcast_ref::<crate::provisioner::ProvisionerError>()
-                .is_some_and(|e| {
-                    matches!(e, crate::provisioner::ProvisionerError::BmdbFailed { .. })
-                })
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn an_unavailable_bmdb_is_told_apart_from_a_failed_pass() {
-        let expired = anyhow::Error::from(shepherd_bmdb::Error::SessionExpired);
-        assert!(bmdb_unavailable(
-            &expired.context("listing recorded machines")
-        ));
-        let stopped = anyhow::Error::from(crate::provisioner::ProvisionerError::BmdbFailed {
-            created: 3,
-            error: crate::provider::ProviderError::NotSupported("x"),
-        });
-        assert!(bmdb_unavailable(&stopped));
-        let bad = anyhow::Error::from(shepherd_bmdb::Error::InvalidValue("x".into()));
-        assert!(!bmdb_unavailable(&bad));
-        assert!(!bmdb_unavailable(&anyhow::anyhow!(
-            "provider and BMDB disagree"
-        )));
     }
 }

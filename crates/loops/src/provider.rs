@@ -8,6 +8,9 @@ use shepherd_bmdb::{
 };
 use uuid::Uuid;
 
+use crate::redfish::BmcError;
+use crate::static_provider::InventoryError;
+
 /// Whether a machine the provider lists is ours.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Availability {
@@ -80,15 +83,27 @@ pub enum ProviderError {
     /// reservation with 409): nothing of ours changed, and the machine is no candidate now.
     #[error("taken by another client first: {0}")]
     Taken(String),
-    /// The provider's API failed or refused; the typed error is the source.
+    /// The provider's API failed or refused; the provider's own typed error.
     #[error(transparent)]
     Api(Box<dyn std::error::Error + Send + Sync>),
+    /// The provider's answer lacks what Shepherd needs of it (an id, a reservation).
+    #[error("the provider's answer lacks {0}")]
+    Incomplete(&'static str),
+    /// The static inventory could not be read.
+    #[error(transparent)]
+    Inventory(#[from] InventoryError),
+    /// The machine's BMC could not be used or did not power-cycle it.
+    #[error(transparent)]
+    Bmc(Box<BmcError>),
     /// The machine exists at the provider, but the BMDB did not record it.
     #[error(transparent)]
     Record(#[from] RecordError),
-    /// Anything else (API errors, timeouts, bad data).
-    #[error(transparent)]
-    Other(#[from] anyhow::Error),
+}
+
+impl From<BmcError> for ProviderError {
+    fn from(e: BmcError) -> Self {
+        ProviderError::Bmc(Box::new(e))
+    }
 }
 
 impl ProviderError {
@@ -228,6 +243,24 @@ pub struct Recorded {
     pub adopted: bool,
 }
 
+/// Why the two views of a provider could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum ListError {
+    /// The BMDB could not be read.
+    #[error("reading the machines the BMDB records: {0}")]
+    Bmdb(#[from] shepherd_bmdb::Error),
+    /// The provider could not list its machines.
+    #[error("listing the provider's machines: {0}")]
+    Provider(#[from] ProviderError),
+}
+
+impl ListError {
+    /// Whether the BMDB, not the provider, failed, and only for now.
+    pub fn is_bmdb_unavailable(&self) -> bool {
+        matches!(self, ListError::Bmdb(e) if e.is_transient())
+    }
+}
+
 /// Both views of one provider: what the BMDB records as provided by it, then what it lists
 /// now. The provisioner and the updater each start from these.
 ///
@@ -239,7 +272,7 @@ pub struct Recorded {
 pub async fn listed_and_recorded<P: Provider + ?Sized>(
     provider: &P,
     session: &Session,
-) -> anyhow::Result<(Vec<ProviderMachine>, Vec<(Uuid, Provided)>)> {
+) -> Result<(Vec<ProviderMachine>, Vec<(Uuid, Provided)>), ListError> {
     let kind = provider.kind();
     let recorded = session
         .read(move |tx| Box::pin(async move { tx.provided_by(kind).await }))

@@ -11,12 +11,24 @@ use tokio_util::sync::CancellationToken;
 
 use crate::limiter::{Limiter, RateSpec};
 use crate::periodic::{self, Pass};
-use crate::provider::{listed_and_recorded, Availability, HandBack, Provider, ProviderError};
-use crate::reconcile::{reconcile, Limits};
+use crate::provider::{
+    listed_and_recorded, Availability, HandBack, ListError, Provider, ProviderError,
+};
+use crate::reconcile::{reconcile, Limits, ReconcileError};
+use crate::tasks::TaskHandle;
 
-/// Why a provisioner pass stopped early.
+/// Why a provisioner pass failed or stopped early.
 #[derive(Debug, thiserror::Error)]
 pub enum ProvisionerError {
+    /// The provider or the BMDB could not be read.
+    #[error(transparent)]
+    List(#[from] ListError),
+    /// The decommissioned machines could not be read.
+    #[error("reading the decommissioned machines: {0}")]
+    Bmdb(#[from] shepherd_bmdb::Error),
+    /// The provider and the BMDB disagree: nothing is created until they agree.
+    #[error(transparent)]
+    Reconcile(#[from] ReconcileError),
     /// The BMDB could not record a machine the provider had just created: the pass stops
     /// rather than create machines nothing can record.
     #[error("stopped the pass after {created} machine(s): the BMDB cannot record what the provider creates: {error}")]
@@ -37,6 +49,18 @@ pub struct ProvisionerConfig {
     pub reconcile_rate: RateSpec,
     /// How fast to create machines at the provider (`5s,1`).
     pub creation_rate: RateSpec,
+}
+
+impl ProvisionerError {
+    /// Whether the pass stopped because the BMDB is unavailable, which the loop waits out.
+    pub fn is_bmdb_unavailable(&self) -> bool {
+        match self {
+            ProvisionerError::List(e) => e.is_bmdb_unavailable(),
+            ProvisionerError::Bmdb(e) => e.is_transient(),
+            ProvisionerError::BmdbFailed { .. } => true,
+            ProvisionerError::Reconcile(_) => false,
+        }
+    }
 }
 
 impl Default for ProvisionerConfig {
@@ -87,7 +111,7 @@ impl<P: Provider> Provisioner<P> {
 
     /// One reconciliation (SPEC §7 steps 1–5). A discrepancy between the provider and the
     /// BMDB is an error and nothing is created.
-    pub async fn iterate(&self, session: &Session) -> anyhow::Result<IterationReport> {
+    pub async fn iterate(&self, session: &Session) -> Result<IterationReport, ProvisionerError> {
         let (listed, recorded) = listed_and_recorded(&*self.provider, session).await?;
         let in_bmdb: BTreeSet<String> = recorded.into_iter().map(|(_, p)| p.provider_id).collect();
         // A decommissioned machine is neither ours nor a candidate: the operator took it out
@@ -164,8 +188,7 @@ impl<P: Provider> Provisioner<P> {
                     return Err(ProvisionerError::BmdbFailed {
                         created: report.created,
                         error: e,
-                    }
-                    .into());
+                    });
                 }
                 Err(e) => {
                     tracing::warn!(provider_id = ?machine.id, addr = ?machine.addr, error = %e, "creating a machine failed; skipping it");
@@ -178,17 +201,41 @@ impl<P: Provider> Provisioner<P> {
 
     /// Reconciles at the configured rate until `cancel`, keeping a session (re-created when it
     /// expires). Errors of an iteration are logged; the next iteration tries again.
-    pub async fn run(&self, db: Bmdb, session_config: SessionConfig, cancel: CancellationToken) {
-        periodic::run(self, self.config.reconcile_rate, db, session_config, cancel).await
+    pub async fn run(
+        &self,
+        db: Bmdb,
+        session_config: SessionConfig,
+        task: TaskHandle,
+        cancel: CancellationToken,
+    ) {
+        let rate = self.config.reconcile_rate;
+        periodic::run(self, rate, db, session_config, task, cancel).await
+    }
+}
+
+impl std::fmt::Display for IterationReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} managed; {} created, {} adopted, {} failed, {} taken by others; {} decommissioned, {} handed back",
+            self.managed,
+            self.created,
+            self.adopted,
+            self.failed,
+            self.taken,
+            self.decommissioned,
+            self.handed_back
+        )
     }
 }
 
 #[async_trait]
 impl<P: Provider> Pass for Provisioner<P> {
-    const NAME: &'static str = "provisioner";
     const PROCESSOR: Processor = Processor::ShepherdProvisioner;
+    type Report = IterationReport;
+    type Error = ProvisionerError;
 
-    async fn pass(&self, session: &Session) -> anyhow::Result<()> {
+    async fn pass(&self, session: &Session) -> Result<IterationReport, ProvisionerError> {
         let r = self.iterate(session).await?;
         if r.adopted > 0 {
             tracing::info!(
@@ -196,16 +243,36 @@ impl<P: Provider> Pass for Provisioner<P> {
                 "adopted machines another replica had just recorded"
             );
         }
-        tracing::debug!(
-            managed = r.managed,
-            created = r.created,
-            adopted = r.adopted,
-            failed = r.failed,
-            taken = r.taken,
-            decommissioned = r.decommissioned,
-            handed_back = r.handed_back,
-            "reconciled"
-        );
-        Ok(())
+        tracing::debug!(report = %r, "reconciled");
+        Ok(r)
+    }
+
+    fn bmdb_unavailable(error: &ProvisionerError) -> bool {
+        error.is_bmdb_unavailable()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unavailable_bmdb_is_told_apart_from_a_failed_pass() {
+        let expired = ProvisionerError::List(ListError::Bmdb(shepherd_bmdb::Error::SessionExpired));
+        assert!(expired.is_bmdb_unavailable());
+        let stopped = ProvisionerError::BmdbFailed {
+            created: 3,
+            error: ProviderError::NotSupported("x"),
+        };
+        assert!(stopped.is_bmdb_unavailable());
+        let unknown = shepherd_bmdb::Error::UnknownName {
+            kind: "Provider",
+            name: "x".into(),
+        };
+        assert!(!ProvisionerError::Bmdb(unknown).is_bmdb_unavailable());
+        let disagree = ProvisionerError::Reconcile(ReconcileError::Discrepancy(vec![]));
+        assert!(!disagree.is_bmdb_unavailable());
+        let provider = ProvisionerError::List(ListError::Provider(ProviderError::Incomplete("x")));
+        assert!(!provider.is_bmdb_unavailable());
     }
 }

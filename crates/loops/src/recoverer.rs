@@ -21,6 +21,7 @@ use uuid::Uuid;
 use crate::brake::Brake;
 use crate::provider::{look_up, LookupFailed, ProviderError, Recoverer as RecovererProvider};
 use crate::runner::{Commit, MachineTask, OnError};
+use crate::settings::InvalidSetting;
 
 /// Why a recovery failed; [`Recoverer`]'s error policy decides per kind.
 #[derive(Debug, thiserror::Error)]
@@ -114,9 +115,12 @@ impl RepeatPolicy {
     }
 
     /// Checks the settings; the message names the setting.
-    pub fn validate(&self) -> anyhow::Result<()> {
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
         if self.backoff.initial.is_zero() {
-            anyhow::bail!("recovery-repeat-backoff: must be more than zero");
+            return Err(InvalidSetting::new(
+                "recovery-repeat-backoff",
+                "must be more than zero",
+            ));
         }
         Ok(())
     }
@@ -354,6 +358,15 @@ impl<P: RecovererProvider + 'static> MachineTask for Recoverer<P> {
 mod tests {
     use super::*;
 
+    /// A static provider over an inventory nobody reads.
+    fn inventory() -> Arc<crate::static_provider::StaticProvider> {
+        let url = "file:///nonexistent/inventory.json";
+        Arc::new(
+            crate::static_provider::StaticProvider::new(url, shepherd_bmdb::Provider::Static)
+                .unwrap(),
+        )
+    }
+
     /// Upstream's recoverer backoff: one minute, growing by 1.2 per failed reboot, capped at
     /// an hour; a recoverer built without settings uses it.
     #[test]
@@ -369,19 +382,13 @@ mod tests {
         assert_eq!(&seq[..5], [60, 72, 87, 105, 126]);
         assert!(seq.windows(2).all(|w| w[1] >= w[0]));
         assert_eq!(*seq.last().unwrap(), 3600, "{seq:?}");
-        let r = Recoverer::new(
-            Arc::new(crate::sim::SimFleet::new(1, Default::default()).unwrap()),
-            RecoveryThresholds::default(),
-        );
+        let r = Recoverer::new(inventory(), RecoveryThresholds::default());
         assert_eq!(r.backoff, b);
     }
 
     #[test]
     fn only_an_outage_before_the_reboot_releases_the_machine_without_backoff() {
-        let r = Recoverer::new(
-            Arc::new(crate::sim::SimFleet::new(1, Default::default()).unwrap()),
-            RecoveryThresholds::default(),
-        );
+        let r = Recoverer::new(inventory(), RecoveryThresholds::default());
         let outage = || shepherd_bmdb::Error::Unavailable {
             target: "db".into(),
             cause: "connection refused".into(),

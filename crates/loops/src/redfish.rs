@@ -7,10 +7,10 @@ use crate::causes::reqwest_causes;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{bail, Context};
 use serde::Deserialize;
 
-use crate::bmc_tls::BmcTrust;
+use crate::bmc_tls::{BmcTrust, TrustError};
+use crate::settings::InvalidSetting;
 
 /// Reset types in order of preference.
 const RESTARTS: [&str; 3] = ["ForceRestart", "PowerCycle", "GracefulRestart"];
@@ -18,6 +18,102 @@ const RESTARTS: [&str; 3] = ["ForceRestart", "PowerCycle", "GracefulRestart"];
 const POWER_POLL: Duration = Duration::from_millis(500);
 /// Largest BMC answer read.
 const MAX_BODY_BYTES: usize = 4 << 20;
+
+/// Why a BMC could not be used or did not power-cycle its system. Texts name the BMC by its
+/// URL (never its credentials).
+#[derive(Debug, thiserror::Error)]
+pub enum BmcError {
+    /// The inventory entry is wrong, or names a password that is not there.
+    #[error(transparent)]
+    Entry(#[from] InvalidSetting),
+    /// The TLS trust the entry names could not be set up.
+    #[error(transparent)]
+    Trust(#[from] TrustError),
+    /// The HTTP client could not be built.
+    #[error("BMC {base}: {cause}")]
+    Client {
+        /// The BMC.
+        base: String,
+        /// Why.
+        cause: String,
+    },
+    /// The BMC could not be reached, or its answer was cut off.
+    #[error("BMC {base}: {cause}")]
+    Unreachable {
+        /// The BMC.
+        base: String,
+        /// Every cause, one line.
+        cause: String,
+    },
+    /// The BMC answered with more than this client reads.
+    #[error("BMC {0}: answer larger than {MAX_BODY_BYTES} bytes")]
+    TooLarge(String),
+    /// The BMC refused the credentials.
+    #[error("BMC {base}: {status}: the credentials for user {user:?} were refused")]
+    CredentialsRefused {
+        /// The BMC.
+        base: String,
+        /// 401 or 403.
+        status: reqwest::StatusCode,
+        /// The user name.
+        user: String,
+    },
+    /// The BMC answered a request with an error status.
+    #[error("BMC {base}: {path}: {status}: {body}")]
+    Status {
+        /// The BMC.
+        base: String,
+        /// The request's path.
+        path: String,
+        /// The status.
+        status: reqwest::StatusCode,
+        /// The answer, one bounded line.
+        body: String,
+    },
+    /// The BMC's answer is not the Redfish JSON expected.
+    #[error("BMC {base}: {path}: not the Redfish JSON expected: {error}")]
+    Undecodable {
+        /// The BMC.
+        base: String,
+        /// The request's path.
+        path: String,
+        /// What did not decode.
+        error: serde_json::Error,
+    },
+    /// The BMC does not say which system to power-cycle: it lists none, or several and the
+    /// inventory names none.
+    #[error("BMC {base}: lists {systems} systems, not exactly one; name it with \"System\" in the inventory")]
+    WhichSystem {
+        /// The BMC.
+        base: String,
+        /// How many it lists.
+        systems: usize,
+    },
+    /// The system offers no reset that power-cycles it.
+    #[error("BMC {base}: {path} allows no reset that power-cycles (none of {RESTARTS:?}, nor ForceOff with On; only {allowed:?})")]
+    NoPowerCycle {
+        /// The BMC.
+        base: String,
+        /// The system.
+        path: String,
+        /// What it allows (empty: it offers no `ComputerSystem.Reset` at all).
+        allowed: Vec<String>,
+    },
+    /// The system did not reach the power state asked for in time.
+    #[error("BMC {base}: {path} still reports power {state:?} {after:?} after asking for {want}")]
+    PowerUnchanged {
+        /// The BMC.
+        base: String,
+        /// The system.
+        path: String,
+        /// What it reports.
+        state: String,
+        /// What was asked for.
+        want: &'static str,
+        /// How long it was given.
+        after: Duration,
+    },
+}
 
 /// Where a machine's BMC is and how to log in, as written in a static inventory entry.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -49,37 +145,48 @@ pub struct BmcEntry {
 
 impl BmcEntry {
     /// Checks the entry without contacting the BMC.
-    pub fn validate(&self) -> anyhow::Result<()> {
-        let mut url = url::Url::parse(&self.url)
-            .map_err(|e| anyhow::anyhow!("BMC URL {:?}: {e}", redact_userinfo(&self.url)))?;
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
+        let mut url = url::Url::parse(&self.url).map_err(|e| {
+            InvalidSetting::new(
+                format!("BMC URL {:?}", redact_userinfo(&self.url)),
+                e.to_string(),
+            )
+        })?;
         if !url.username().is_empty() || url.password().is_some() {
             // Never echo the credentials back: they would land in logs and the BMDB.
             let _ = url.set_username("");
             let _ = url.set_password(None);
-            bail!(
-                "BMC URL {url}: must not carry credentials (user:password@); give Username and PasswordFile or PasswordEnv"
-            );
+            return Err(InvalidSetting::new(
+                format!("BMC URL {url}"),
+                "must not carry credentials (user:password@); give Username and PasswordFile or PasswordEnv",
+            ));
         }
         if !matches!(url.scheme(), "http" | "https") {
-            bail!("BMC URL {:?}: must be http(s)", self.url);
+            return Err(InvalidSetting::new(
+                format!("BMC URL {:?}", self.url),
+                "must be http(s)",
+            ));
         }
         if let Some(system) = &self.system {
             if !system.starts_with('/') {
-                bail!("BMC System {system:?}: must be a path starting with / (e.g. /redfish/v1/Systems/1)");
+                return Err(InvalidSetting::new(
+                    format!("BMC System {system:?}"),
+                    "must be a path starting with / (e.g. /redfish/v1/Systems/1)",
+                ));
             }
         }
         if self.insecure && self.ca.is_some() {
-            bail!(
-                "BMC {}: give CA or Insecure, not both",
-                redact_userinfo(&self.url)
-            );
+            return Err(InvalidSetting::new(
+                format!("BMC {}", redact_userinfo(&self.url)),
+                "give CA or Insecure, not both",
+            ));
         }
         match (&self.password_file, &self.password_env) {
             (Some(_), None) | (None, Some(_)) => Ok(()),
-            _ => bail!(
-                "BMC {}: give exactly one of PasswordFile and PasswordEnv",
-                self.url
-            ),
+            _ => Err(InvalidSetting::new(
+                format!("BMC {}", self.url),
+                "give exactly one of PasswordFile and PasswordEnv",
+            )),
         }
     }
 
@@ -87,20 +194,27 @@ impl BmcEntry {
     /// not empty, and the CA file holds at least one PEM certificate. Run whenever an
     /// inventory is loaded, so a broken entry stops `run` at start-up instead of failing its
     /// machine's first recovery.
-    pub fn check_local(&self) -> anyhow::Result<()> {
+    pub fn check_local(&self) -> Result<(), BmcError> {
         if self.password()?.is_empty() {
-            match (&self.password_file, &self.password_env) {
-                (Some(path), _) => bail!("BMC PasswordFile {}: is empty", path.display()),
-                (_, Some(var)) => bail!("BMC PasswordEnv {var}: is empty"),
-                _ => bail!("BMC {}: no password source", self.url),
+            return Err(match (&self.password_file, &self.password_env) {
+                (Some(path), _) => {
+                    InvalidSetting::new(format!("BMC PasswordFile {}", path.display()), "is empty")
+                }
+                (_, Some(var)) => InvalidSetting::new(format!("BMC PasswordEnv {var}"), "is empty"),
+                _ => self.no_password_source(),
             }
+            .into());
         }
         self.trust()?;
         Ok(())
     }
 
+    fn no_password_source(&self) -> InvalidSetting {
+        InvalidSetting::new(format!("BMC {}", self.url), "no password source")
+    }
+
     /// What the BMC's TLS certificate is checked against.
-    fn trust(&self) -> anyhow::Result<BmcTrust> {
+    fn trust(&self) -> Result<BmcTrust, TrustError> {
         match (&self.ca, self.insecure) {
             (_, true) => Ok(BmcTrust::Anything),
             (Some(ca), false) => BmcTrust::from_ca_file(ca),
@@ -108,17 +222,22 @@ impl BmcEntry {
         }
     }
 
-    fn password(&self) -> anyhow::Result<String> {
+    fn password(&self) -> Result<String, InvalidSetting> {
         if let Some(path) = &self.password_file {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("BMC password file {}", path.display()))?;
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                InvalidSetting::new(
+                    format!("BMC password file {}", path.display()),
+                    e.to_string(),
+                )
+            })?;
             return Ok(text.lines().next().unwrap_or_default().to_string());
         }
         if let Some(var) = &self.password_env {
-            return std::env::var(var)
-                .with_context(|| format!("BMC password variable {var} is not set"));
+            return std::env::var(var).map_err(|_| {
+                InvalidSetting::new(format!("BMC password variable {var}"), "is not set")
+            });
         }
-        bail!("BMC {}: no password source", self.url)
+        Err(self.no_password_source())
     }
 }
 
@@ -221,21 +340,33 @@ pub fn plan_reset(allowed: &[String]) -> Option<ResetPlan> {
 
 impl Bmc {
     /// Prepares a client for `entry` (reads the password and CA, contacts nothing).
-    pub fn new(entry: &BmcEntry, timeout: Duration) -> anyhow::Result<Bmc> {
+    pub fn new(entry: &BmcEntry, timeout: Duration) -> Result<Bmc, BmcError> {
         entry.validate()?;
+        let base = entry.url.trim_end_matches('/').to_string();
         let mut builder = reqwest::Client::builder()
             .timeout(timeout)
             .connect_timeout(timeout);
         if entry.url.starts_with("https:") {
             builder = builder.use_preconfigured_tls(entry.trust()?.client_config()?);
         }
+        let http = builder.build().map_err(|e| BmcError::Client {
+            base: base.clone(),
+            cause: reqwest_causes(e),
+        })?;
         Ok(Bmc {
-            http: builder.build()?,
+            http,
             timeout,
-            base: entry.url.trim_end_matches('/').to_string(),
+            base,
             password: entry.password()?,
             entry: entry.clone(),
         })
+    }
+
+    fn unreachable(&self, e: reqwest::Error) -> BmcError {
+        BmcError::Unreachable {
+            base: self.base.clone(),
+            cause: reqwest_causes(e),
+        }
     }
 
     async fn request(
@@ -243,7 +374,7 @@ impl Bmc {
         method: reqwest::Method,
         path: &str,
         body: Option<serde_json::Value>,
-    ) -> anyhow::Result<Vec<u8>> {
+    ) -> Result<Vec<u8>, BmcError> {
         let url = format!("{}{path}", self.base);
         let mut req = self
             .http
@@ -255,63 +386,59 @@ impl Bmc {
                 .header("Content-Type", "application/json")
                 .body(b.to_string());
         }
-        let mut resp = req
-            .send()
-            .await
-            .map_err(|e| anyhow::anyhow!("BMC {}: {}", self.base, reqwest_causes(e)))?;
+        let mut resp = req.send().await.map_err(|e| self.unreachable(e))?;
         let status = resp.status();
         let mut bytes = Vec::new();
-        while let Some(chunk) = resp
-            .chunk()
-            .await
-            .map_err(|e| anyhow::anyhow!("BMC {}: {}", self.base, reqwest_causes(e)))?
-        {
+        while let Some(chunk) = resp.chunk().await.map_err(|e| self.unreachable(e))? {
             if bytes.len() + chunk.len() > MAX_BODY_BYTES {
-                bail!(
-                    "BMC {}: answer larger than {MAX_BODY_BYTES} bytes",
-                    self.base
-                );
+                return Err(BmcError::TooLarge(self.base.clone()));
             }
             bytes.extend_from_slice(&chunk);
         }
         if status == reqwest::StatusCode::UNAUTHORIZED || status == reqwest::StatusCode::FORBIDDEN {
-            bail!(
-                "BMC {}: {status}: the credentials for user {:?} were refused",
-                self.base,
-                self.entry.username
-            );
+            return Err(BmcError::CredentialsRefused {
+                base: self.base.clone(),
+                status,
+                user: self.entry.username.clone(),
+            });
         }
         if !status.is_success() {
-            bail!("BMC {}: {path}: {status}: {}", self.base, one_line(&bytes));
+            return Err(BmcError::Status {
+                base: self.base.clone(),
+                path: path.to_string(),
+                status,
+                body: one_line(&bytes),
+            });
         }
         Ok(bytes)
     }
 
-    async fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {
+    async fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T, BmcError> {
         let bytes = self.request(reqwest::Method::GET, path, None).await?;
-        serde_json::from_slice(&bytes)
-            .with_context(|| format!("BMC {}: {path}: not the Redfish JSON expected", self.base))
+        serde_json::from_slice(&bytes).map_err(|error| BmcError::Undecodable {
+            base: self.base.clone(),
+            path: path.to_string(),
+            error,
+        })
     }
 
     /// The system's path: the configured one, or the only one the BMC lists.
-    pub async fn system_path(&self) -> anyhow::Result<String> {
+    pub async fn system_path(&self) -> Result<String, BmcError> {
         if let Some(s) = &self.entry.system {
             return Ok(s.clone());
         }
         let systems: Collection = self.get("/redfish/v1/Systems").await?;
         match systems.members.as_slice() {
             [one] => Ok(one.id.clone()),
-            [] => bail!("BMC {}: lists no systems", self.base),
-            many => bail!(
-                "BMC {}: lists {} systems; name one with \"System\" in the inventory",
-                self.base,
-                many.len()
-            ),
+            many => Err(BmcError::WhichSystem {
+                base: self.base.clone(),
+                systems: many.len(),
+            }),
         }
     }
 
     /// The system's power state (`On`, `Off`, …).
-    pub async fn power_state(&self) -> anyhow::Result<Option<String>> {
+    pub async fn power_state(&self) -> Result<Option<String>, BmcError> {
         let path = self.system_path().await?;
         Ok(self.get::<System>(&path).await?.power_state)
     }
@@ -319,19 +446,16 @@ impl Bmc {
     /// Power-cycles the system: a reset type that restarts it, else ForceOff and On with the
     /// power state confirmed after each, else an error naming what the system allows. Returns
     /// what was done.
-    pub async fn reset(&self) -> anyhow::Result<&'static str> {
+    pub async fn reset(&self) -> Result<&'static str, BmcError> {
         let path = self.system_path().await?;
         let system: System = self.get(&path).await?;
-        let action = system
-            .actions
-            .reset
-            .with_context(|| format!("BMC {}: {path} offers no ComputerSystem.Reset", self.base))?;
-        let plan = plan_reset(&action.allowed).with_context(|| {
-            format!(
-                "BMC {}: {path} allows no reset that power-cycles (none of {RESTARTS:?}, nor ForceOff with On; only {:?})",
-                self.base, action.allowed
-            )
-        })?;
+        let no_power_cycle = |allowed: &[String]| BmcError::NoPowerCycle {
+            base: self.base.clone(),
+            path: path.clone(),
+            allowed: allowed.to_vec(),
+        };
+        let action = system.actions.reset.ok_or_else(|| no_power_cycle(&[]))?;
+        let plan = plan_reset(&action.allowed).ok_or_else(|| no_power_cycle(&action.allowed))?;
         let post = |reset: &'static str| {
             self.request(
                 reqwest::Method::POST,
@@ -355,7 +479,7 @@ impl Bmc {
     }
 
     /// Polls the system's power state until it is `want`, for at most the request timeout.
-    async fn wait_for_power(&self, path: &str, want: &str) -> anyhow::Result<()> {
+    async fn wait_for_power(&self, path: &str, want: &'static str) -> Result<(), BmcError> {
         let deadline = tokio::time::Instant::now() + self.timeout;
         loop {
             let state = self.get::<System>(path).await?.power_state;
@@ -363,12 +487,13 @@ impl Bmc {
                 return Ok(());
             }
             if tokio::time::Instant::now() >= deadline {
-                bail!(
-                    "BMC {}: {path} still reports power {:?} {:?} after asking for {want}",
-                    self.base,
-                    state.as_deref().unwrap_or("unknown"),
-                    self.timeout
-                );
+                return Err(BmcError::PowerUnchanged {
+                    base: self.base.clone(),
+                    path: path.to_string(),
+                    state: state.unwrap_or_else(|| "unknown".into()),
+                    want,
+                    after: self.timeout,
+                });
             }
             tokio::time::sleep(POWER_POLL).await;
         }
@@ -486,7 +611,10 @@ mod tests {
         let check = |e: BmcEntry| {
             format!(
                 "{:#}",
-                e.validate().and_then(|_| e.check_local()).unwrap_err()
+                e.validate()
+                    .map_err(BmcError::from)
+                    .and_then(|_| e.check_local())
+                    .unwrap_err()
             )
         };
 

@@ -3,11 +3,12 @@
 //! bounded at steady state however long the fleet runs.
 
 use async_trait::async_trait;
-use shepherd_bmdb::{Bmdb, HistoryRetention, Processor, Session, SessionConfig};
+use shepherd_bmdb::{Bmdb, HistoryRetention, Processor, PrunedHistory, Session, SessionConfig};
 use tokio_util::sync::CancellationToken;
 
 use crate::limiter::RateSpec;
 use crate::periodic::{self, Pass};
+use crate::tasks::TaskHandle;
 
 /// How often retention passes: often enough that one pass's bounded batches keep up with a
 /// fleet's history, rarely enough to cost nothing.
@@ -30,18 +31,20 @@ impl HistoryPruner {
         rate: RateSpec,
         db: Bmdb,
         session_config: SessionConfig,
+        task: TaskHandle,
         cancel: CancellationToken,
     ) {
-        periodic::run(self, rate, db, session_config, cancel).await
+        periodic::run(self, rate, db, session_config, task, cancel).await
     }
 }
 
 #[async_trait]
 impl Pass for HistoryPruner {
-    const NAME: &'static str = "history retention";
     const PROCESSOR: Processor = Processor::ShepherdRetention;
+    type Report = PrunedHistory;
+    type Error = shepherd_bmdb::Error;
 
-    async fn pass(&self, session: &Session) -> anyhow::Result<()> {
+    async fn pass(&self, session: &Session) -> Result<PrunedHistory, shepherd_bmdb::Error> {
         let pruned = session.prune_history(&self.retention).await?;
         if pruned.work + pruned.operator > 0 {
             tracing::info!(
@@ -50,6 +53,10 @@ impl Pass for HistoryPruner {
                 "pruned history past its retention"
             );
         }
-        Ok(())
+        Ok(pruned)
+    }
+
+    fn bmdb_unavailable(error: &shepherd_bmdb::Error) -> bool {
+        error.is_transient()
     }
 }

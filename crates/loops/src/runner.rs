@@ -101,7 +101,7 @@ pub async fn run<T: MachineTask>(
 }
 
 /// The held session if it is still alive, else a new one (the old one expired).
-pub(crate) async fn live_session(
+pub async fn live_session(
     db: &Bmdb,
     config: &SessionConfig,
     held: Option<Session>,

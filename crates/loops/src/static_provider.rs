@@ -8,7 +8,6 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
 use async_trait::async_trait;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -19,13 +18,97 @@ use serde::Deserialize;
 use shepherd_bmdb::{Provider as ProviderKind, ProviderStatus, Session, MAX_PROVIDER_ID_LEN};
 use shepherd_retry::{Delays, Streak};
 
+use crate::causes::reqwest_causes;
 use crate::provider::{
     record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Recorded, Recoverer,
 };
-use crate::redfish::{Bmc, BmcEntry};
+use crate::redfish::{Bmc, BmcEntry, BmcError};
+use crate::settings::InvalidSetting;
 
 /// Largest inventory accepted.
 pub const MAX_INVENTORY_BYTES: usize = 16 << 20;
+
+/// What is wrong with an inventory's text.
+#[derive(Debug, thiserror::Error)]
+pub enum InventoryProblem {
+    /// It is larger than [`MAX_INVENTORY_BYTES`].
+    #[error("{0} bytes, more than the {MAX_INVENTORY_BYTES} allowed")]
+    TooLarge(u64),
+    /// It is no JSON list of entries.
+    #[error("not a valid JSON list of {{\"ID\", \"Addr\", \"Location\"}}: {0}")]
+    NotAList(serde_json::Error),
+    /// An entry's ID is empty or too long.
+    #[error("entry {0}: ID must be 1..={MAX_PROVIDER_ID_LEN} bytes")]
+    BadId(usize),
+    /// An entry's address is empty.
+    #[error("entry {index} ({id}): Addr is empty")]
+    NoAddr {
+        /// Its place in the list.
+        index: usize,
+        /// Its ID.
+        id: String,
+    },
+    /// Two entries share an ID.
+    #[error("entry {index}: duplicate ID {id:?}")]
+    DuplicateId {
+        /// Its place in the list.
+        index: usize,
+        /// The ID.
+        id: String,
+    },
+    /// An entry's BMC is wrong, or names a password or a CA that is not there.
+    #[error("entry {index} ({id}): {error}")]
+    Bmc {
+        /// Its place in the list.
+        index: usize,
+        /// Its ID.
+        id: String,
+        /// What is wrong.
+        error: Box<BmcError>,
+    },
+}
+
+/// Why the static inventory could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum InventoryError {
+    /// The inventory's URL is unusable.
+    #[error(transparent)]
+    Url(#[from] InvalidSetting),
+    /// The inventory file could not be read.
+    #[error("inventory {url}: reading {path}: {error}")]
+    File {
+        /// The inventory's URL.
+        url: String,
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        error: std::io::Error,
+    },
+    /// The inventory could not be fetched over HTTP.
+    #[error("inventory {url}: {cause}")]
+    Http {
+        /// The inventory's URL.
+        url: String,
+        /// Every cause, one line.
+        cause: String,
+    },
+    /// The inventory's text is wrong.
+    #[error("inventory {url}: {problem}")]
+    Invalid {
+        /// The inventory's URL.
+        url: String,
+        /// What is wrong.
+        problem: InventoryProblem,
+    },
+    /// Every attempt of the first read failed; the last one's error.
+    #[error("{last} (after {attempts} attempts)")]
+    GaveUp {
+        /// Attempts made.
+        attempts: u32,
+        /// The last attempt's error.
+        last: Box<InventoryError>,
+    },
+}
 
 /// One inventory entry, exactly as written in the file.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -47,29 +130,30 @@ pub struct InventoryEntry {
 
 /// Parses and validates an inventory: every entry needs a non-empty id of at most 128 bytes,
 /// unique, and a non-empty address.
-pub fn parse_inventory(bytes: &[u8]) -> anyhow::Result<Vec<InventoryEntry>> {
+pub fn parse_inventory(bytes: &[u8]) -> Result<Vec<InventoryEntry>, InventoryProblem> {
     if bytes.len() > MAX_INVENTORY_BYTES {
-        bail!(
-            "inventory is {} bytes, more than the {MAX_INVENTORY_BYTES} allowed",
-            bytes.len()
-        );
+        return Err(InventoryProblem::TooLarge(bytes.len() as u64));
     }
-    let entries: Vec<InventoryEntry> = serde_json::from_slice(bytes)
-        .context("inventory is not a valid JSON list of {\"ID\", \"Addr\", \"Location\"}")?;
+    let entries: Vec<InventoryEntry> =
+        serde_json::from_slice(bytes).map_err(InventoryProblem::NotAList)?;
     let mut seen = BTreeSet::new();
-    for (i, e) in entries.iter().enumerate() {
+    for (index, e) in entries.iter().enumerate() {
+        let id = || e.id.clone();
         if e.id.is_empty() || e.id.len() > MAX_PROVIDER_ID_LEN {
-            bail!("inventory entry {i}: ID must be 1..={MAX_PROVIDER_ID_LEN} bytes");
+            return Err(InventoryProblem::BadId(index));
         }
         if e.addr.trim().is_empty() {
-            bail!("inventory entry {i} ({}): Addr is empty", e.id);
+            return Err(InventoryProblem::NoAddr { index, id: id() });
         }
         if !seen.insert(e.id.as_str()) {
-            bail!("inventory entry {i}: duplicate ID {:?}", e.id);
+            return Err(InventoryProblem::DuplicateId { index, id: id() });
         }
         if let Some(b) = &e.bmc {
-            b.validate()
-                .with_context(|| format!("inventory entry {i} ({})", e.id))?;
+            b.validate().map_err(|e| InventoryProblem::Bmc {
+                index,
+                id: id(),
+                error: Box::new(e.into()),
+            })?;
         }
     }
     Ok(entries)
@@ -177,11 +261,14 @@ const START_DELAYS: Delays = Delays::new(Duration::from_millis(250), Duration::f
 
 /// Checks what each entry's BMC names on this host (password, CA file): see
 /// [`BmcEntry::check_local`]. Separate from parsing, which needs nothing but the text.
-pub fn check_local(entries: &[InventoryEntry]) -> anyhow::Result<()> {
-    for (i, e) in entries.iter().enumerate() {
+pub fn check_local(entries: &[InventoryEntry]) -> Result<(), InventoryProblem> {
+    for (index, e) in entries.iter().enumerate() {
         if let Some(b) = &e.bmc {
-            b.check_local()
-                .with_context(|| format!("inventory entry {i} ({})", e.id))?;
+            b.check_local().map_err(|error| InventoryProblem::Bmc {
+                index,
+                id: e.id.clone(),
+                error: Box::new(error),
+            })?;
         }
     }
     Ok(())
@@ -203,20 +290,24 @@ pub struct StaticProvider {
 impl StaticProvider {
     /// A provider reading `url` (`file://` or `http(s)://`) and recording machines as `kind`.
     /// Nothing is read yet: see [`StaticProvider::load_at_start`].
-    pub fn new(url: &str, kind: ProviderKind) -> anyhow::Result<Self> {
-        let url = url::Url::parse(url).with_context(|| format!("inventory URL {url:?}"))?;
+    pub fn new(url: &str, kind: ProviderKind) -> Result<Self, InventoryError> {
+        let bad_url =
+            |problem: String| InvalidSetting::new(format!("inventory URL {url:?}"), problem);
+        let url = url::Url::parse(url).map_err(|e| bad_url(e.to_string()))?;
         if !matches!(url.scheme(), "file" | "http" | "https") {
-            bail!(
-                "inventory URL must be file://, http:// or https://, not {}://",
+            return Err(bad_url(format!(
+                "must be file://, http:// or https://, not {}://",
                 url.scheme()
-            );
+            ))
+            .into());
         }
         if url.scheme() == "file" && url.to_file_path().is_err() {
-            bail!("inventory URL {url} is not a local file path");
+            return Err(bad_url("is not a local file path".into()).into());
         }
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(30))
-            .build()?;
+            .build()
+            .map_err(|e| bad_url(format!("no HTTP client: {}", reqwest_causes(e))))?;
         Ok(StaticProvider {
             url,
             kind,
@@ -244,7 +335,7 @@ impl StaticProvider {
     /// Reads the inventory for the first time; a start-up check. A `file://` inventory gets
     /// one attempt; an `http(s)://` one a few, with jittered backoff (the server may be
     /// restarting too). The error is one line naming the URL and what is wrong.
-    pub async fn load_at_start(&self) -> anyhow::Result<Arc<Inventory>> {
+    pub async fn load_at_start(&self) -> Result<Arc<Inventory>, InventoryError> {
         let attempts = if self.url.scheme() == "file" {
             1
         } else {
@@ -256,7 +347,10 @@ impl StaticProvider {
                 Ok(inv) => return Ok(inv),
                 Err(e) if failures.failures() + 1 >= attempts => {
                     return Err(if attempts > 1 {
-                        e.context(format!("after {attempts} attempts"))
+                        InventoryError::GaveUp {
+                            attempts,
+                            last: Box::new(e),
+                        }
                     } else {
                         e
                     });
@@ -275,7 +369,7 @@ impl StaticProvider {
     /// The inventory, read again if it was last checked longer than `max_age` ago and changed
     /// since. When the read fails, the last good inventory (if any) is returned and the error
     /// is logged once per distinct error.
-    pub async fn refresh(&self, max_age: Duration) -> anyhow::Result<Arc<Inventory>> {
+    pub async fn refresh(&self, max_age: Duration) -> Result<Arc<Inventory>, InventoryError> {
         let mut cache = self.cache.lock().await;
         if let (Some((inv, _)), Some(checked)) = (&cache.good, cache.checked) {
             if checked.elapsed() < max_age {
@@ -283,18 +377,20 @@ impl StaticProvider {
             }
         }
         let stamp = cache.good.as_ref().map(|(_, s)| s.clone());
-        let result = self
-            .fetch_if_changed(stamp.as_ref())
-            .await
-            .and_then(|fetched| match fetched {
-                None => Ok(None),
-                Some((bytes, stamp)) => {
-                    let entries = parse_inventory(&bytes)?;
-                    check_local(&entries)?;
-                    Ok(Some((entries, stamp)))
-                }
-            })
-            .with_context(|| format!("inventory {}", self.url));
+        let result =
+            self.fetch_if_changed(stamp.as_ref())
+                .await
+                .and_then(|fetched| match fetched {
+                    None => Ok(None),
+                    Some((bytes, stamp)) => {
+                        let checked = parse_inventory(&bytes)
+                            .and_then(|entries| check_local(&entries).map(|()| entries));
+                        match checked {
+                            Ok(entries) => Ok(Some((entries, stamp))),
+                            Err(problem) => Err(self.invalid(problem)),
+                        }
+                    }
+                });
         cache.checked = Some(Instant::now());
         match result {
             Ok(fresh) => {
@@ -324,7 +420,7 @@ impl StaticProvider {
             }
             Err(e) => {
                 self.metrics.read("error");
-                let text = format!("{e:#}");
+                let text = e.to_string();
                 if cache.error.as_deref() != Some(text.as_str()) {
                     // With nothing to fall back on the caller gets the error (at start-up).
                     if let Some((inv, _)) = &cache.good {
@@ -351,32 +447,29 @@ impl StaticProvider {
     async fn fetch_if_changed(
         &self,
         known: Option<&Stamp>,
-    ) -> anyhow::Result<Option<(Vec<u8>, Stamp)>> {
-        if self.url.scheme() == "file" {
+    ) -> Result<Option<(Vec<u8>, Stamp)>, InventoryError> {
+        if let Ok(path) = self.url.to_file_path() {
             use std::os::unix::fs::MetadataExt;
-            let path = self
-                .url
-                .to_file_path()
-                .map_err(|_| anyhow::anyhow!("bad file URL {}", self.url))?;
-            let meta = tokio::fs::metadata(&path)
-                .await
-                .with_context(|| format!("reading {}", path.display()))?;
+            let unreadable = |error| InventoryError::File {
+                url: self.url.to_string(),
+                path: path.clone(),
+                error,
+            };
+            let meta = tokio::fs::metadata(&path).await.map_err(unreadable)?;
             let stamp = Stamp::File(meta.len(), meta.modified().ok(), meta.ino());
             if known == Some(&stamp) {
                 return Ok(None);
             }
             if meta.len() > MAX_INVENTORY_BYTES as u64 {
-                bail!(
-                    "{} is {} bytes, more than the {MAX_INVENTORY_BYTES} allowed",
-                    path.display(),
-                    meta.len()
-                );
+                return Err(self.invalid(InventoryProblem::TooLarge(meta.len())));
             }
-            let bytes = tokio::fs::read(&path)
-                .await
-                .with_context(|| format!("reading {}", path.display()))?;
+            let bytes = tokio::fs::read(&path).await.map_err(unreadable)?;
             return Ok(Some((bytes, stamp)));
         }
+        let http = |e: reqwest::Error| InventoryError::Http {
+            url: self.url.to_string(),
+            cause: reqwest_causes(e),
+        };
         let mut request = self.http.get(self.url.clone());
         match known {
             Some(Stamp::Http(name, value)) if name == reqwest::header::ETAG => {
@@ -387,11 +480,11 @@ impl StaticProvider {
             }
             _ => {}
         }
-        let mut resp = request.send().await?;
+        let mut resp = request.send().await.map_err(http)?;
         if resp.status() == reqwest::StatusCode::NOT_MODIFIED && known.is_some() {
             return Ok(None);
         }
-        resp = resp.error_for_status()?;
+        resp = resp.error_for_status().map_err(http)?;
         let headers = resp.headers();
         let stamp = [reqwest::header::ETAG, reqwest::header::LAST_MODIFIED]
             .into_iter()
@@ -401,13 +494,21 @@ impl StaticProvider {
             })
             .unwrap_or(Stamp::None);
         let mut body = Vec::new();
-        while let Some(chunk) = resp.chunk().await? {
+        while let Some(chunk) = resp.chunk().await.map_err(http)? {
             if body.len() + chunk.len() > MAX_INVENTORY_BYTES {
-                bail!("larger than the {MAX_INVENTORY_BYTES} bytes allowed");
+                let size = (body.len() + chunk.len()) as u64;
+                return Err(self.invalid(InventoryProblem::TooLarge(size)));
             }
             body.extend_from_slice(&chunk);
         }
         Ok(Some((body, stamp)))
+    }
+
+    fn invalid(&self, problem: InventoryProblem) -> InventoryError {
+        InventoryError::Invalid {
+            url: self.url.to_string(),
+            problem,
+        }
     }
 
     fn to_machine(e: &InventoryEntry) -> ProviderMachine {
@@ -464,7 +565,7 @@ impl Recoverer for StaticProvider {
     async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
         let id = machine
             .valid_id()
-            .ok_or_else(|| ProviderError::Other(anyhow::anyhow!("machine without an id")))?;
+            .ok_or(ProviderError::Incomplete("an id of the machine"))?;
         let inv = self.refresh(LOOKUP_MAX_AGE).await?;
         let entry = inv
             .get(id)
@@ -512,7 +613,7 @@ mod tests {
             (br#"{"ID": "m1", "Addr": "a"}"#, "valid JSON list"),
             (b"not json", "valid JSON list"),
         ] {
-            let e = format!("{:#}", parse_inventory(bad).unwrap_err());
+            let e = parse_inventory(bad).unwrap_err().to_string();
             assert!(e.contains(why), "{}: {e}", String::from_utf8_lossy(bad));
         }
         let long = format!(r#"[{{"ID": "{}", "Addr": "a"}}]"#, "x".repeat(129));

@@ -48,17 +48,21 @@ impl crate::transport::Transport for LocalTestAgent {
     async fn run_agent(
         &self,
         run: crate::transport::AgentRun<'_>,
-    ) -> anyhow::Result<crate::transport::AgentOutput> {
+    ) -> Result<crate::transport::AgentOutput, crate::transport::TransportError> {
         use tokio::io::AsyncWriteExt;
+        let failed = |e: std::io::Error| {
+            crate::transport::TransportError::Local(format!("the stand-in agent: {e}"))
+        };
         let mut child = tokio::process::Command::new(test_agent_path())
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
-            .spawn()?;
+            .spawn()
+            .map_err(failed)?;
         let mut stdin = child.stdin.take().expect("piped stdin");
-        stdin.write_all(run.stdin).await?;
+        stdin.write_all(run.stdin).await.map_err(failed)?;
         drop(stdin);
-        let out = child.wait_with_output().await?;
+        let out = child.wait_with_output().await.map_err(failed)?;
         Ok(crate::transport::AgentOutput {
             host_key: String::new(),
             exit_status: out.status.code().map(|c| c as u32),

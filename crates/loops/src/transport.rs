@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use futures::FutureExt;
-use shepherd_ssh::{parse_public_key, shell_quote, SshClient};
+use shepherd_ssh::{parse_public_key, shell_quote, SshClient, SshError};
 
 use crate::metrics::{CallMetrics, CallResult};
 
@@ -41,11 +41,76 @@ pub struct AgentOutput {
     pub stderr: Vec<u8>,
 }
 
+/// A step of an agent start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// Getting an SSH session.
+    Connect,
+    /// Uploading the agent.
+    Upload,
+    /// Running it.
+    Run,
+}
+
+impl std::fmt::Display for Step {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Step::Connect => "connecting",
+            Step::Upload => "uploading the agent",
+            Step::Run => "running the agent",
+        })
+    }
+}
+
+/// Why an agent could not be started; the text becomes the work's failure cause.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    /// No session could be had: the connection was refused, the machine is unreachable, or
+    /// no SSH session came up in time. Often a machine still booting.
+    #[error("connecting: {0}")]
+    Unreachable(SshError),
+    /// The machine presented another host key than the one pinned for it.
+    #[error("connecting: {0}")]
+    HostKeyMismatch(SshError),
+    /// A step ran past the bound of the whole start.
+    #[error("{step}: exec timeout of {after:?} reached")]
+    TimedOut {
+        /// The step under way.
+        step: Step,
+        /// The bound.
+        after: Duration,
+    },
+    /// A step failed otherwise (authentication, the SSH protocol, SFTP, the command).
+    #[error("{step}: {error}")]
+    Failed {
+        /// The step that failed.
+        step: Step,
+        /// Why.
+        error: SshError,
+    },
+    /// An in-process transport (the simulator, a test's) could not run its agent.
+    #[error("running the agent: {0}")]
+    Local(String),
+}
+
+impl TransportError {
+    /// Sorts what the SSH client said at `step`.
+    pub fn at(step: Step, error: SshError) -> Self {
+        match (step, error) {
+            (_, e @ SshError::HostKeyMismatch { .. }) => TransportError::HostKeyMismatch(e),
+            (Step::Connect, e @ (SshError::Connect { .. } | SshError::ConnectTimeout { .. })) => {
+                TransportError::Unreachable(e)
+            }
+            (step, error) => TransportError::Failed { step, error },
+        }
+    }
+}
+
 /// A way to start agents on machines.
 #[async_trait]
 pub trait Transport: Send + Sync {
-    /// Uploads and runs the agent; an error's text becomes the work failure cause.
-    async fn run_agent(&self, run: AgentRun<'_>) -> anyhow::Result<AgentOutput>;
+    /// Uploads and runs the agent.
+    async fn run_agent(&self, run: AgentRun<'_>) -> Result<AgentOutput, TransportError>;
 }
 
 /// The real thing: SSH with SFTP upload.
@@ -78,55 +143,58 @@ fn ok_or_error<T, E>(r: &Result<T, E>) -> CallResult {
     }
 }
 
+/// `step`'s outcome within what is `left` of the start's bound of `after`.
+async fn bounded<T>(
+    step: Step,
+    left: Duration,
+    after: Duration,
+    work: impl std::future::Future<Output = Result<T, SshError>>,
+) -> Result<T, TransportError> {
+    tokio::time::timeout(left, work)
+        .map(|r| match r {
+            Err(_) => Err(TransportError::TimedOut { step, after }),
+            Ok(r) => r.map_err(|e| TransportError::at(step, e)),
+        })
+        .await
+}
+
 #[async_trait]
 impl Transport for SshTransport {
-    async fn run_agent(&self, run: AgentRun<'_>) -> anyhow::Result<AgentOutput> {
+    async fn run_agent(&self, run: AgentRun<'_>) -> Result<AgentOutput, TransportError> {
         let deadline = Instant::now() + run.timeout;
         let left = || deadline.saturating_duration_since(Instant::now());
-        let pinned = run.pinned_host_key.map(parse_public_key).transpose()?;
+        let pinned = run
+            .pinned_host_key
+            .map(parse_public_key)
+            .transpose()
+            .map_err(|e| TransportError::at(Step::Connect, e))?;
+        let connect = self.client.connect(run.addr, pinned.as_ref());
         let session = self
             .metrics
             .time(
                 "connect",
                 ok_or_error,
-                tokio::time::timeout(left(), self.client.connect(run.addr, pinned.as_ref())).map(
-                    |r| {
-                        r.map_err(|_| {
-                            anyhow::anyhow!("connecting: exec timeout of {:?} reached", run.timeout)
-                        })
-                        .and_then(|r| r.map_err(anyhow::Error::from))
-                    },
-                ),
+                bounded(Step::Connect, left(), run.timeout, connect),
             )
             .await?;
         let host_key = session.host_key();
         let result = async {
+            let upload = session.upload(run.target_path, run.agent, 0o755);
             self.metrics
                 .time(
                     "upload",
                     ok_or_error,
-                    tokio::time::timeout(left(), session.upload(run.target_path, run.agent, 0o755))
-                        .map(|r| {
-                            r.map_err(|_| {
-                                anyhow::anyhow!(
-                                    "uploading the agent: exec timeout of {:?} reached",
-                                    run.timeout
-                                )
-                            })
-                            .and_then(|r| r.map_err(anyhow::Error::from))
-                        }),
+                    bounded(Step::Upload, left(), run.timeout, upload),
                 )
                 .await?;
-            let out = self
-                .metrics
+            self.metrics
                 .time(
                     "exec",
                     ok_or_error,
                     session.exec(&shell_quote(run.target_path), run.stdin, left()),
                 )
                 .await
-                .map_err(|e| anyhow::anyhow!("running the agent: {e}"))?;
-            Ok::<_, anyhow::Error>(out)
+                .map_err(|e| TransportError::at(Step::Run, e))
         }
         .await;
         session.close().await;

@@ -14,13 +14,45 @@ use uuid::Uuid;
 
 use crate::limiter::RateSpec;
 use crate::periodic::{self, Pass};
-use crate::provider::{listed_and_recorded, Provider, ProviderMachine};
+use crate::provider::{listed_and_recorded, ListError, Provider, ProviderMachine};
+use crate::tasks::TaskHandle;
 
 /// Tags written per transaction.
 const BATCH: usize = 500;
 
 /// Provider ids a log line names at most; the rest are counted.
 const LOGGED_EXAMPLES: usize = 5;
+
+/// Why an update pass failed.
+#[derive(Debug, thiserror::Error)]
+pub enum UpdaterError {
+    /// The provider or the BMDB could not be read.
+    #[error(transparent)]
+    List(#[from] ListError),
+    /// Writing the refreshed tags failed.
+    #[error("writing the refreshed facts: {0}")]
+    Bmdb(#[from] shepherd_bmdb::Error),
+    /// Most of the provider's machines vanished from its listing at once: more likely partial
+    /// data than a mass deletion, so nothing is marked Missing.
+    #[error("the provider no longer lists {vanishing} of {total} machines; refusing to mark them Missing (partial provider data?)")]
+    MostVanished {
+        /// Machines the listing lost.
+        vanishing: usize,
+        /// Machines the BMDB records for the provider.
+        total: usize,
+    },
+}
+
+impl UpdaterError {
+    /// Whether the BMDB is unavailable, which the loop waits out.
+    pub fn is_bmdb_unavailable(&self) -> bool {
+        match self {
+            UpdaterError::List(e) => e.is_bmdb_unavailable(),
+            UpdaterError::Bmdb(e) => e.is_transient(),
+            UpdaterError::MostVanished { .. } => false,
+        }
+    }
+}
 
 /// What one update pass did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -72,7 +104,7 @@ impl<P: Provider + ?Sized> Updater<P> {
     }
 
     /// One pass.
-    pub async fn iterate(&self, session: &Session) -> anyhow::Result<UpdateReport> {
+    pub async fn iterate(&self, session: &Session) -> Result<UpdateReport, UpdaterError> {
         let (listed, recorded) = listed_and_recorded(&*self.provider, session).await?;
         let by_id: HashMap<&str, &ProviderMachine> = listed
             .iter()
@@ -95,10 +127,7 @@ impl<P: Provider + ?Sized> Updater<P> {
         let vanishing = changes.iter().filter(|(_, _, m)| *m).count();
         let total = report.unchanged + changes.len();
         if vanishing > 1 && vanishing * 2 > total {
-            anyhow::bail!(
-                "the provider no longer lists {vanishing} of {total} machines; refusing to mark them \
-                 Missing (partial provider data?)"
-            );
+            return Err(UpdaterError::MostVanished { vanishing, total });
         }
         let mut missing_examples = Vec::new();
         for batch in changes.chunks(BATCH) {
@@ -138,25 +167,41 @@ impl<P: Provider + ?Sized> Updater<P> {
 
     /// Passes at the configured rate until `cancel`, with its own session (processor
     /// `shepherd-updater`). A failed pass is logged; the next one tries again.
-    pub async fn run(&self, db: Bmdb, session_config: SessionConfig, cancel: CancellationToken) {
-        periodic::run(self, self.rate, db, session_config, cancel).await
+    pub async fn run(
+        &self,
+        db: Bmdb,
+        session_config: SessionConfig,
+        task: TaskHandle,
+        cancel: CancellationToken,
+    ) {
+        periodic::run(self, self.rate, db, session_config, task, cancel).await
+    }
+}
+
+impl std::fmt::Display for UpdateReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} updated, {} newly missing, {} unchanged",
+            self.updated, self.missing, self.unchanged
+        )
     }
 }
 
 #[async_trait]
 impl<P: Provider + ?Sized> Pass for Updater<P> {
-    const NAME: &'static str = "updater";
     const PROCESSOR: Processor = Processor::ShepherdUpdater;
+    type Report = UpdateReport;
+    type Error = UpdaterError;
 
-    async fn pass(&self, session: &Session) -> anyhow::Result<()> {
+    async fn pass(&self, session: &Session) -> Result<UpdateReport, UpdaterError> {
         let r = self.iterate(session).await?;
-        tracing::debug!(
-            updated = r.updated,
-            missing = r.missing,
-            unchanged = r.unchanged,
-            "provider facts updated"
-        );
-        Ok(())
+        tracing::debug!(report = %r, "provider facts updated");
+        Ok(r)
+    }
+
+    fn bmdb_unavailable(error: &UpdaterError) -> bool {
+        error.is_bmdb_unavailable()
     }
 }
 

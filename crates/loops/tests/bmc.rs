@@ -14,7 +14,7 @@ fn file(dir: &Path, name: &str, text: &str) -> PathBuf {
 }
 
 async fn reset(e: &BmcEntry) -> anyhow::Result<&'static str> {
-    Bmc::new(e, Duration::from_secs(10))?.reset().await
+    Ok(Bmc::new(e, Duration::from_secs(10))?.reset().await?)
 }
 
 #[tokio::test]

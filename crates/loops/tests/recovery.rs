@@ -18,7 +18,8 @@ use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
 use shepherd_loops::reconcile::Limits;
 use shepherd_loops::recoverer::{Recoverer, RepeatPolicy};
 use shepherd_loops::runner::{run, RunnerConfig};
-use shepherd_loops::sim::{SimFleet, SimKnobs};
+use shepherd_loops::tasks::Tasks;
+use shepherd_sim::{SimFleet, SimKnobs};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -66,6 +67,7 @@ async fn take_over(db: &Bmdb, fleet: &Arc<SimFleet>) {
                 provisioner.run(
                     db.clone(),
                     SessionConfig::new("provisioner", Processor::ShepherdProvisioner),
+                    Tasks::default().task("provisioner"),
                     cancel.clone()
                 ),
                 initializing(db, &fleet, cancel),

@@ -16,8 +16,9 @@ use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig, ProvisionerErr
 use shepherd_loops::reconcile::Limits;
 use shepherd_loops::recoverer::Recoverer;
 use shepherd_loops::runner::{self, RunnerConfig};
+use shepherd_loops::tasks::Tasks;
 use shepherd_loops::testing::LocalTestAgent;
-use shepherd_loops::transport::{AgentOutput, AgentRun, Transport};
+use shepherd_loops::transport::{AgentOutput, AgentRun, Transport, TransportError};
 use shepherd_loops::updater::Updater;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -86,9 +87,7 @@ impl ProviderTrait for Dummy {
     ) -> Result<Recorded, ProviderError> {
         let id = unused.id.clone().unwrap();
         if self.fail_create.contains(&id) {
-            return Err(ProviderError::Other(anyhow::anyhow!(
-                "injected creation failure"
-            )));
+            return Err(ProviderError::Api("injected creation failure".into()));
         }
         self.machines
             .lock()
@@ -111,7 +110,7 @@ impl RecovererTrait for Dummy {
     async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
         let id = machine.id.clone().unwrap();
         if self.fail_reboot.contains(&id) {
-            return Err(ProviderError::Other(anyhow::anyhow!("BMC did not answer")));
+            return Err(ProviderError::Api("BMC did not answer".into()));
         }
         self.reboots.lock().unwrap().push(id);
         Ok(())
@@ -155,14 +154,17 @@ async fn provisioner_stops_at_max(db: Bmdb) {
     assert_eq!(created, vec![4, 4, 2, 0, 0]);
     assert_eq!(provided_ids(&db).await.len(), 10);
 
-    // The long-running loop form reaches the same state and stops on cancellation.
+    // The long-running loop form reaches the same state, reports its passes as a task, and
+    // stops on cancellation.
     let cancel = CancellationToken::new();
+    let tasks = Tasks::default();
     let run = tokio::spawn({
-        let (db, cancel) = (db.clone(), cancel.clone());
+        let (db, cancel, task) = (db.clone(), cancel.clone(), tasks.task("provisioner"));
         async move {
             p.run(
                 db,
                 SessionConfig::new("provisioner", Processor::ShepherdProvisioner),
+                task,
                 cancel,
             )
             .await
@@ -172,6 +174,13 @@ async fn provisioner_stops_at_max(db: Bmdb) {
     cancel.cancel();
     run.await.unwrap();
     assert_eq!(provided_ids(&db).await.len(), 10);
+    let status = tasks.statuses().pop().unwrap();
+    assert!(status.passes >= 1, "{status:?}");
+    assert!(status.last_success.is_some(), "{status:?}");
+    assert!(
+        status.last_summary.contains("10 managed") || status.last_summary.contains("canceled"),
+        "{status:?}"
+    );
 }
 
 /// A decommissioned machine the provider still lists as ours is left alone — neither brought
@@ -187,8 +196,8 @@ async fn provisioner_stops_at_the_first_failure_of_the_bmdb(db: Bmdb) {
     let p = Provisioner::new(provider.clone(), unpaced(0, 10));
     let s = testing::session(&db, Processor::ShepherdProvisioner).await;
     let err = p.iterate(&s).await.unwrap_err();
-    match err.downcast_ref::<ProvisionerError>() {
-        Some(ProvisionerError::BmdbFailed { created: 1, error }) => {
+    match &err {
+        ProvisionerError::BmdbFailed { created: 1, error } => {
             assert!(error.is_bmdb_failure());
             assert!(error.to_string().contains("dummy-002"), "{error}");
             assert!(error.to_string().contains("session expired"), "{error}");
@@ -567,10 +576,10 @@ struct PinnedMeanwhile {
 
 #[async_trait]
 impl Transport for PinnedMeanwhile {
-    async fn run_agent(&self, run: AgentRun<'_>) -> anyhow::Result<AgentOutput> {
+    async fn run_agent(&self, run: AgentRun<'_>) -> Result<AgentOutput, TransportError> {
         use shepherd_proto::Message;
-        let init = shepherd_proto::agent::TakeoverInit::decode(run.stdin)?;
-        let machine: Uuid = init.machine_id.parse()?;
+        let init = shepherd_proto::agent::TakeoverInit::decode(run.stdin).unwrap();
+        let machine: Uuid = init.machine_id.parse().unwrap();
         self.db
             .transact(move |tx| {
                 Box::pin(async move {
@@ -579,7 +588,8 @@ impl Transport for PinnedMeanwhile {
                         .map(|_| ())
                 })
             })
-            .await?;
+            .await
+            .unwrap();
         let out = LocalTestAgent.run_agent(run).await?;
         Ok(AgentOutput {
             host_key: "ssh-ed25519 AAAApresented".into(),

@@ -39,4 +39,4 @@ pub use cloud::agent::api as agent;
 /// The agent-facing BMaaS service and its messages.
 pub use cloud::bmaas::server::api as bmaas;
 
-pub use prost::Message;
+pub use prost::{DecodeError, Message};

@@ -12,10 +12,10 @@ pub mod service;
 pub mod status;
 pub mod tls;
 
-pub use loopback::LoopbackServer;
+pub use loopback::{LoopbackError, LoopbackServer};
 pub use metrics::{CloseReason, ConnectionMetrics, Rejection};
 pub use peer::{Authorized, Peer};
 pub use pool::SessionPool;
-pub use serve::{serve, serve_with_metrics, ServerLimits};
+pub use serve::{serve, serve_with_metrics, InvalidLimit, ServerLimits};
 pub use service::{BmaasService, MAX_MESSAGE_BYTES};
-pub use tls::{dev_certs, load_server_config, peer_ed25519_key, DevCerts};
+pub use tls::{dev_certs, load_server_config, peer_ed25519_key, DevCerts, TlsError};

@@ -5,13 +5,38 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
 use shepherd_bmdb::{Bmdb, Processor, SessionConfig};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::serve::InvalidLimit;
+use crate::tls::TlsError;
 use crate::{dev_certs, load_server_config, serve, BmaasService, ServerLimits, SessionPool};
+
+/// Why a loopback server could not start, serve or stop.
+#[derive(Debug, thiserror::Error)]
+pub enum LoopbackError {
+    /// The development certificates could not be made or loaded.
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    /// The loopback port could not be had.
+    #[error("127.0.0.1:{port}: {error}")]
+    Bind {
+        /// The port (0: any).
+        port: u16,
+        /// Why.
+        error: std::io::Error,
+    },
+    /// The limits make no sense.
+    #[error(transparent)]
+    Limits(#[from] InvalidLimit),
+    /// The serving task panicked.
+    #[error("the server task panicked: {0}")]
+    Panicked(#[from] tokio::task::JoinError),
+}
+
+type Result<T> = std::result::Result<T, LoopbackError>;
 
 /// A running (or stopped, between [`LoopbackServer::stop`] and [`LoopbackServer::restart`])
 /// BMaaS server on `127.0.0.1`, trusted by agents through its development CA.
@@ -22,7 +47,10 @@ pub struct LoopbackServer {
     tls: Arc<rustls::ServerConfig>,
     pool: Arc<SessionPool>,
     limits: ServerLimits,
-    running: Option<(CancellationToken, JoinHandle<Result<()>>)>,
+    running: Option<(
+        CancellationToken,
+        JoinHandle<std::result::Result<(), InvalidLimit>>,
+    )>,
 }
 
 impl LoopbackServer {
@@ -36,20 +64,30 @@ impl LoopbackServer {
     ) -> Result<LoopbackServer> {
         let certs = dev_certs(certs_dir, &["localhost".into()])?;
         let tls = Arc::new(load_server_config(&certs.cert_pem, &certs.key_pem)?);
-        let ca_pem = std::fs::read_to_string(&certs.ca_pem)
-            .with_context(|| format!("{}", certs.ca_pem.display()))?;
+        let unreadable = |error| TlsError::File {
+            setting: "dev-certs",
+            path: certs.ca_pem.clone(),
+            error,
+        };
+        let ca_pem = std::fs::read_to_string(&certs.ca_pem).map_err(unreadable)?;
         let ca_der = rustls_pemfile::certs(&mut ca_pem.as_bytes())
             .next()
-            .context("the development CA file holds no certificate")??
+            .ok_or_else(|| TlsError::Empty {
+                setting: "dev-certs",
+                path: certs.ca_pem.clone(),
+                what: "certificate",
+            })?
+            .map_err(unreadable)?
             .to_vec();
         let pool = Arc::new(SessionPool::new(
             db.clone(),
             SessionConfig::new("bmsrv", Processor::Bmsrv),
             sessions,
         ));
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let bind = |error| LoopbackError::Bind { port: 0, error };
+        let listener = TcpListener::bind("127.0.0.1:0").await.map_err(bind)?;
         let mut server = LoopbackServer {
-            port: listener.local_addr()?.port(),
+            port: listener.local_addr().map_err(bind)?.port(),
             ca_pem,
             ca_der,
             tls,
@@ -104,7 +142,7 @@ impl LoopbackServer {
             return Ok(());
         };
         cancel.cancel();
-        task.await.context("the server task panicked")?
+        Ok(task.await??)
     }
 
     /// Serves again on the same port (agents reconnect to the address they were given).
@@ -112,7 +150,10 @@ impl LoopbackServer {
         self.stop().await?;
         let listener = TcpListener::bind(("127.0.0.1", self.port))
             .await
-            .with_context(|| format!("127.0.0.1:{} is taken", self.port))?;
+            .map_err(|error| LoopbackError::Bind {
+                port: self.port,
+                error,
+            })?;
         self.serve(listener);
         Ok(())
     }

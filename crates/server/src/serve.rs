@@ -30,6 +30,16 @@ use crate::service::{BmaasService, MAX_MESSAGE_BYTES};
 use crate::status::upstream_status_codes;
 use crate::tls::peer_ed25519_key;
 
+/// A connection limit that makes no sense; shown as `SETTING: PROBLEM`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("{setting}: {problem}")]
+pub struct InvalidLimit {
+    /// The limit's flag, without dashes.
+    pub setting: &'static str,
+    /// What is wrong with it.
+    pub problem: &'static str,
+}
+
 /// Connection limits. The defaults suit one server of a large fleet; see the README.
 #[derive(Debug, Clone, Copy)]
 pub struct ServerLimits {
@@ -91,7 +101,7 @@ impl ServerLimits {
     }
 
     /// Checks the limits make sense; the message names the setting.
-    pub fn validate(&self) -> anyhow::Result<()> {
+    pub fn validate(&self) -> Result<(), InvalidLimit> {
         for (name, d) in [
             ("handshake-timeout", self.handshake_timeout),
             ("idle-timeout", self.idle_timeout),
@@ -100,7 +110,10 @@ impl ServerLimits {
             ("keepalive-timeout", self.keepalive_timeout),
         ] {
             if d.is_zero() {
-                anyhow::bail!("{name}: must be more than zero");
+                return Err(InvalidLimit {
+                    setting: name,
+                    problem: "must be more than zero",
+                });
             }
         }
         for (name, n) in [
@@ -117,7 +130,10 @@ impl ServerLimits {
             ),
         ] {
             if n == 0 {
-                anyhow::bail!("{name}: must be at least 1");
+                return Err(InvalidLimit {
+                    setting: name,
+                    problem: "must be at least 1",
+                });
             }
         }
         Ok(())
@@ -217,7 +233,7 @@ pub async fn serve(
     service: BmaasService,
     limits: ServerLimits,
     shutdown: CancellationToken,
-) -> anyhow::Result<()> {
+) -> Result<(), InvalidLimit> {
     serve_with_metrics(
         listener,
         tls,
@@ -239,7 +255,7 @@ pub async fn serve_with_metrics(
     limits: ServerLimits,
     metrics: ConnectionMetrics,
     shutdown: CancellationToken,
-) -> anyhow::Result<()> {
+) -> Result<(), InvalidLimit> {
     limits.validate()?;
     let acceptor = TlsAcceptor::from(tls);
     let admission = Admission::new(limits.caps(), metrics);

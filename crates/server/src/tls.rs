@@ -6,7 +6,6 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{bail, Context, Result};
 use rustls::client::danger::HandshakeSignatureValid;
 use rustls::crypto::{
     verify_tls12_signature, verify_tls13_signature, CryptoProvider, WebPkiSupportedAlgorithms,
@@ -14,6 +13,40 @@ use rustls::crypto::{
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::{DigitallySignedStruct, DistinguishedName, ServerConfig, SignatureScheme};
+
+/// Why the server's TLS could not be set up. Texts name the setting and the file.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// A file could not be read or written.
+    #[error("{setting}: {path}: {error}")]
+    File {
+        /// The setting that names it (`tls-cert`, `tls-key`, `dev-certs`).
+        setting: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        error: std::io::Error,
+    },
+    /// A file holds nothing of what it should.
+    #[error("{setting}: {path} holds no {what}")]
+    Empty {
+        /// The setting that names it.
+        setting: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// What it should hold.
+        what: &'static str,
+    },
+    /// A private key file others may read.
+    #[error("dev-certs: {0} is readable by group or others; chmod 600 it")]
+    KeyReadable(PathBuf),
+    /// rustls refused the certificate and key (they do not match, or are unsupported).
+    #[error("server certificate and key: {0}")]
+    Rustls(#[from] rustls::Error),
+    /// Development certificates could not be made.
+    #[error("dev-certs: {0}")]
+    Generate(#[from] rcgen::Error),
+}
 
 /// Accepts any client certificate, but verifies the handshake signature made with its key
 /// (rustls' own checks, with the crypto provider's algorithms).
@@ -70,7 +103,7 @@ fn provider() -> Arc<CryptoProvider> {
 fn server_config(
     chain: Vec<CertificateDer<'static>>,
     key: PrivateKeyDer<'static>,
-) -> Result<ServerConfig> {
+) -> Result<ServerConfig, TlsError> {
     let provider = provider();
     let verifier = Arc::new(AnyClientCert {
         algorithms: provider.signature_verification_algorithms,
@@ -78,27 +111,37 @@ fn server_config(
     let mut config = ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()?
         .with_client_cert_verifier(verifier)
-        .with_single_cert(chain, key)
-        .context("server certificate and key do not match")?;
+        .with_single_cert(chain, key)?;
     config.alpn_protocols = vec![b"h2".to_vec()];
     Ok(config)
 }
 
 /// A server config from a PEM certificate chain and a PEM private key.
-pub fn load_server_config(cert: &Path, key: &Path) -> Result<ServerConfig> {
-    let chain = rustls_pemfile::certs(&mut std::io::BufReader::new(
-        std::fs::File::open(cert).with_context(|| format!("tls-cert: {}", cert.display()))?,
-    ))
-    .collect::<Result<Vec<_>, _>>()
-    .with_context(|| format!("tls-cert: {}", cert.display()))?;
+pub fn load_server_config(cert: &Path, key: &Path) -> Result<ServerConfig, TlsError> {
+    let file = |setting, path: &Path| {
+        let path = path.to_path_buf();
+        move |error| TlsError::File {
+            setting,
+            path,
+            error,
+        }
+    };
+    let empty = |setting, path: &Path, what| TlsError::Empty {
+        setting,
+        path: path.to_path_buf(),
+        what,
+    };
+    let certs = std::fs::read(cert).map_err(file("tls-cert", cert))?;
+    let chain = rustls_pemfile::certs(&mut certs.as_slice())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(file("tls-cert", cert))?;
     if chain.is_empty() {
-        bail!("tls-cert: {} holds no certificate", cert.display());
+        return Err(empty("tls-cert", cert, "certificate"));
     }
-    let key = rustls_pemfile::private_key(&mut std::io::BufReader::new(
-        std::fs::File::open(key).with_context(|| format!("tls-key: {}", key.display()))?,
-    ))
-    .with_context(|| format!("tls-key: {}", key.display()))?
-    .with_context(|| format!("tls-key: {} holds no private key", key.display()))?;
+    let keys = std::fs::read(key).map_err(file("tls-key", key))?;
+    let key = rustls_pemfile::private_key(&mut keys.as_slice())
+        .map_err(file("tls-key", key))?
+        .ok_or_else(|| empty("tls-key", key, "private key"))?;
     server_config(chain, key)
 }
 
@@ -115,7 +158,15 @@ pub struct DevCerts {
 }
 
 /// Creates (or reuses) development certificates in `dir` for the DNS names / IPs in `names`.
-pub fn dev_certs(dir: &Path, names: &[String]) -> Result<DevCerts> {
+pub fn dev_certs(dir: &Path, names: &[String]) -> Result<DevCerts, TlsError> {
+    let file = |path: &Path| {
+        let path = path.to_path_buf();
+        move |error| TlsError::File {
+            setting: "dev-certs",
+            path,
+            error,
+        }
+    };
     use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let certs = DevCerts {
         ca_pem: dir.join("ca.pem"),
@@ -123,12 +174,12 @@ pub fn dev_certs(dir: &Path, names: &[String]) -> Result<DevCerts> {
         key_pem: dir.join("server.key"),
     };
     if certs.ca_pem.exists() && certs.cert_pem.exists() && certs.key_pem.exists() {
-        let mode = std::fs::metadata(&certs.key_pem)?.permissions().mode();
+        let mode = std::fs::metadata(&certs.key_pem)
+            .map_err(file(&certs.key_pem))?
+            .permissions()
+            .mode();
         if mode & 0o077 != 0 {
-            bail!(
-                "dev-certs: {} is readable by group or others; chmod 600 it",
-                certs.key_pem.display()
-            );
+            return Err(TlsError::KeyReadable(certs.key_pem));
         }
         if certifies_ed25519(&certs.cert_pem) {
             tracing::warn!(
@@ -140,7 +191,7 @@ pub fn dev_certs(dir: &Path, names: &[String]) -> Result<DevCerts> {
         }
         return Ok(certs);
     }
-    std::fs::create_dir_all(dir).with_context(|| format!("dev-certs: {}", dir.display()))?;
+    std::fs::create_dir_all(dir).map_err(file(dir))?;
     // ECDSA P-256, not Ed25519: gRPC C-core clients (BoringSSL) offer no Ed25519 signature
     // scheme and cannot verify an Ed25519 server. Agents keep their Ed25519 client keys.
     let ca_key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
@@ -157,16 +208,17 @@ pub fn dev_certs(dir: &Path, names: &[String]) -> Result<DevCerts> {
         .push(rcgen::DnType::CommonName, "shepherd BMaaS server");
     let issuer = rcgen::Issuer::from_params(&ca_params, &ca_key);
     let cert = params.signed_by(&key, &issuer)?;
-    let write = |path: &Path, text: &str, mode: u32| -> Result<()> {
+    let write = |path: &Path, text: &str, mode: u32| -> Result<(), TlsError> {
         let mut f = std::fs::OpenOptions::new()
             .write(true)
             .create(true)
             .truncate(true)
             .mode(mode)
             .open(path)
-            .with_context(|| format!("dev-certs: {}", path.display()))?;
-        std::io::Write::write_all(&mut f, text.as_bytes())?;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+            .map_err(file(path))?;
+        std::io::Write::write_all(&mut f, text.as_bytes()).map_err(file(path))?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+            .map_err(file(path))?;
         Ok(())
     };
     write(&certs.key_pem, &key.serialize_pem(), 0o600)?;

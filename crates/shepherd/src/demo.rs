@@ -17,8 +17,8 @@ use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::metrics::{CallMetrics, InstrumentedProvider};
 use shepherd_loops::provisioner::ProvisionerConfig;
 use shepherd_loops::reconcile::Limits;
-use shepherd_loops::sim::{RealAgents, SimCounters, SimFleet, SimKnobs};
 use shepherd_server::{LoopbackServer, ServerLimits};
+use shepherd_sim::{RealAgents, SimCounters, SimFleet, SimKnobs};
 
 use crate::flags::duration;
 use crate::fleet::shutdown_on_signals;
@@ -179,6 +179,7 @@ fn settings(args: &DemoArgs) -> FleetSettings {
         updater_rate: fast(2000, 1),
         session_interval: Duration::from_secs(5),
         history_retention: None,
+        tasks: Default::default(),
     }
 }
 
@@ -265,22 +266,23 @@ pub async fn run(args: DemoArgs) -> Result<()> {
 
     // The operator's view: web UI and metrics, as `shepherd server` and `shepherd run` serve them.
     let provider_metrics = Arc::new(CallMetrics::default());
-    let (mut registry, stats) = crate::metrics_http::registry_with_fleet_stats(
+    let web = crate::web::WebSettings {
+        refresh: Duration::from_secs(2),
+        thresholds: settings.recovery,
+        brake: Some(settings.recovery_brake_metrics.clone()),
+    };
+    let mut operator = crate::metrics_http::OperatorEndpoint::start(
         &db,
-        settings.recovery,
+        web,
         Duration::from_secs(1),
+        settings.tasks.clone(),
         cancel.clone(),
     );
-    provider_metrics.register(&mut registry, "shepherd_provider", "Provider API");
-    settings.recovery_brake_metrics.register(&mut registry);
-    settings.recoverer_metrics.register(&mut registry);
-    let app = crate::metrics_http::router(registry).merge(crate::web::router(
-        db.clone(),
-        Duration::from_secs(2),
-        settings.recovery,
-        Some(settings.recovery_brake_metrics.clone()),
-        stats.clone(),
-    ));
+    let registry = &mut operator.registry;
+    provider_metrics.register(registry, "shepherd_provider", "Provider API");
+    settings.recovery_brake_metrics.register(registry);
+    settings.recoverer_metrics.register(registry);
+    let app = operator.router(db.clone());
     let http = match crate::metrics_http::serve(
         args.http_listen,
         "http-listen",

@@ -33,3 +33,20 @@ impl ThresholdArgs {
         }
     }
 }
+
+/// How this process judges its background tasks (`/tasks`, `shepherd_task_*` metrics).
+#[derive(Debug, Clone, Args)]
+pub struct TaskArgs {
+    /// A background task (provisioner, updater, retention, fleet statistics) that has gone
+    /// this long without a successful pass is stale: the `/tasks` page marks it and the
+    /// `ShepherdTaskStale` alert fires.
+    #[arg(long, env = "SHEPHERD_TASK_STALE_AFTER", default_value = "1h", value_parser = duration)]
+    pub task_stale_after: Duration,
+}
+
+impl TaskArgs {
+    /// The process's task registry, judged as these flags say.
+    pub fn tasks(&self) -> shepherd_loops::tasks::Tasks {
+        shepherd_loops::tasks::Tasks::new(self.task_stale_after)
+    }
+}

@@ -8,12 +8,12 @@ use std::sync::atomic::AtomicI64;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::Result;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use shepherd_bmdb::{Bmdb, Process, Provider, RecoveryThresholds, Retrieval};
+use shepherd_loops::tasks::{Outcome, TaskHandle};
 use shepherd_proto::bmaas::AgentHardwareReport;
 use shepherd_proto::Message;
 use tokio_util::sync::CancellationToken;
@@ -223,8 +223,12 @@ impl FleetStats {
         self.hardware.lock().expect("hardware totals lock").clone()
     }
 
-    /// Re-reads every statistic from the database.
-    pub async fn refresh(&self, db: &Bmdb, thresholds: RecoveryThresholds) -> Result<()> {
+    /// Re-reads every statistic from the database; returns a one-line summary of what it read.
+    pub async fn refresh(
+        &self,
+        db: &Bmdb,
+        thresholds: RecoveryThresholds,
+    ) -> Result<String, shepherd_bmdb::Error> {
         let (counts, eligible) = db
             .read(move |tx| {
                 Box::pin(async move {
@@ -315,25 +319,38 @@ impl FleetStats {
             self.hw_disk.get_or_create(&l).set(t.disk_bytes);
         }
         self.refreshed.set(unix_seconds());
-        Ok(())
+        Ok(format!(
+            "{} machines, {} heartbeating, {} stale",
+            counts.machines, counts.heartbeating, counts.stale
+        ))
     }
 
-    /// Refreshes every `interval` until `cancel`; failures are logged and counted, never fatal.
+    /// Refreshes every `interval` until `cancel`; each refresh is reported to `task`, and
+    /// failures are logged and counted, never fatal.
     pub async fn run(
         self,
         db: Bmdb,
         thresholds: RecoveryThresholds,
         interval: Duration,
+        task: TaskHandle,
         cancel: CancellationToken,
     ) {
         loop {
+            task.started();
             match self.refresh(&db, thresholds).await {
-                Ok(()) => {
+                Ok(summary) => {
                     self.refresh_failures.set(0);
+                    task.ended(Outcome::Succeeded, summary);
                 }
                 Err(e) => {
                     self.refresh_failures.inc();
                     tracing::warn!(error = %e, "refreshing fleet statistics failed");
+                    let outcome = if e.is_transient() {
+                        Outcome::Waited
+                    } else {
+                        Outcome::Failed
+                    };
+                    task.ended(outcome, e.to_string());
                 }
             }
             tokio::select! {
@@ -370,7 +387,7 @@ pub struct HardwareTotals {
 /// Sums the hardware reports of provided machines by provider and location ("unknown" when
 /// the machine has none), as upstream's statistics did; undecodable reports are skipped with
 /// a warning.
-pub async fn hardware_totals(db: &Bmdb) -> Result<HardwareByLocation> {
+pub async fn hardware_totals(db: &Bmdb) -> Result<HardwareByLocation, shepherd_bmdb::Error> {
     let mut totals = HardwareByLocation::new();
     let mut after: Option<Uuid> = None;
     loop {

@@ -11,30 +11,63 @@ use axum::Router;
 use prometheus_client::registry::Registry;
 use std::time::Duration;
 
-use shepherd_bmdb::{Bmdb, RecoveryThresholds};
+use shepherd_bmdb::Bmdb;
 use tokio_util::sync::CancellationToken;
 
 use crate::fleet_stats::FleetStats;
+use crate::web::WebSettings;
+use shepherd_loops::tasks::Tasks;
 
-/// A registry holding the BMDB counters of `db` (SPEC §16) and the fleet statistics gauges,
-/// whose refresh loop is started on the runtime until `cancel`; and those statistics, whose
-/// hardware totals the web UI's overview shows.
-pub fn registry_with_fleet_stats(
-    db: &Bmdb,
-    thresholds: RecoveryThresholds,
-    stats_interval: Duration,
-    cancel: CancellationToken,
-) -> (Registry, FleetStats) {
-    let mut registry = Registry::default();
-    db.metrics().register(&mut registry);
-    let stats = FleetStats::default();
-    stats.register(&mut registry);
-    tokio::spawn(
-        stats
-            .clone()
-            .run(db.clone(), thresholds, stats_interval, cancel),
-    );
-    (registry, stats)
+/// What a process shows operators: its metrics registry (the BMDB counters of SPEC §16, the
+/// fleet statistics gauges, its background tasks' status, and whatever the command adds) and
+/// the web UI's settings. `run`, `server` and the demo each build one and serve it.
+pub struct OperatorEndpoint {
+    /// The metrics registry; commands register their own metrics into it before serving.
+    pub registry: Registry,
+    /// The fleet statistics, refreshed by a background task; the overview shows their
+    /// hardware totals.
+    pub stats: FleetStats,
+    /// The process's background tasks, shown at `/tasks`.
+    pub tasks: Tasks,
+    /// The web UI's settings.
+    pub web: WebSettings,
+}
+
+impl OperatorEndpoint {
+    /// Registers the BMDB counters, the fleet statistics and the tasks' metrics, and starts
+    /// the fleet statistics' refresh every `stats_interval` until `cancel`, reported as the
+    /// task `fleet-statistics`.
+    pub fn start(
+        db: &Bmdb,
+        web: WebSettings,
+        stats_interval: Duration,
+        tasks: Tasks,
+        cancel: CancellationToken,
+    ) -> OperatorEndpoint {
+        let mut registry = Registry::default();
+        db.metrics().register(&mut registry);
+        let stats = FleetStats::default();
+        stats.register(&mut registry);
+        tasks.register(&mut registry);
+        tokio::spawn(stats.clone().run(
+            db.clone(),
+            web.thresholds,
+            stats_interval,
+            tasks.task("fleet-statistics"),
+            cancel,
+        ));
+        OperatorEndpoint {
+            registry,
+            stats,
+            tasks,
+            web,
+        }
+    }
+
+    /// `/metrics` and the web UI over `db`.
+    pub fn router(self, db: Bmdb) -> Router {
+        router(self.registry).merge(crate::web::router(db, self.web, self.stats, self.tasks))
+    }
 }
 
 /// `/metrics` over `registry`.

@@ -19,9 +19,9 @@ use shepherd_loops::provider::Recoverer;
 use shepherd_loops::provisioner::ProvisionerConfig;
 use shepherd_loops::reconcile::Limits;
 use shepherd_loops::recoverer::{failed_reboot_backoff, RecovererMetrics, RepeatPolicy};
-use shepherd_loops::sim::{SimFleet, SimKnobs};
 use shepherd_loops::static_provider::StaticProvider;
 use shepherd_loops::transport::{SshTransport, Transport};
+use shepherd_sim::{SimFleet, SimKnobs};
 use shepherd_ssh::{load_or_generate_key, public_key_openssh, Auth, SshClient, SshConfig};
 
 use crate::flags::{duration, ThresholdArgs};
@@ -101,6 +101,9 @@ pub struct RunArgs {
     /// BMCs of a static inventory.
     #[command(flatten)]
     pub bmc: BmcArgs,
+    /// How this process judges its background tasks.
+    #[command(flatten)]
+    pub tasks: crate::flags::TaskArgs,
     /// Where `/metrics` (Prometheus text format) and the web UI are served; port 0 picks a
     /// free port.
     #[arg(
@@ -640,6 +643,7 @@ impl RunArgs {
             updater_rate: self.updater_rate,
             session_interval: self.session_interval,
             history_retention: self.history_retention.map(HistoryRetention::new),
+            tasks: self.tasks.tasks(),
         })
     }
 }
@@ -752,30 +756,31 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
         args.schema_check_interval,
         cancel.clone(),
     ));
-    let (mut registry, stats) = crate::metrics_http::registry_with_fleet_stats(
-        &db,
-        settings.recovery,
-        args.stats_interval,
-        cancel.clone(),
-    );
-    provider_metrics.register(&mut registry, "shepherd_provider", "Provider API");
-    ssh_metrics.register(&mut registry, "shepherd_ssh", "SSH");
-    equinix_metrics.register(&mut registry, "shepherd_equinix_api", "Equinix Metal API");
-    ironic_metrics.register(&mut registry, "shepherd_ironic_api", "OpenStack Ironic API");
-    settings.recovery_brake_metrics.register(&mut registry);
-    settings.recoverer_metrics.register(&mut registry);
-    if let Chosen::Static(provider, _) = &chosen {
-        provider.metrics().register(&mut registry);
-    }
     // The web UI here shows the recovery brake of this process's recoverer, besides what
     // `shepherd server`'s shows.
-    let app = crate::metrics_http::router(registry).merge(crate::web::router(
-        db.clone(),
-        Duration::from_secs(5),
-        settings.recovery,
-        Some(settings.recovery_brake_metrics.clone()),
-        stats.clone(),
-    ));
+    let web = crate::web::WebSettings {
+        refresh: Duration::from_secs(5),
+        thresholds: settings.recovery,
+        brake: Some(settings.recovery_brake_metrics.clone()),
+    };
+    let mut operator = crate::metrics_http::OperatorEndpoint::start(
+        &db,
+        web,
+        args.stats_interval,
+        settings.tasks.clone(),
+        cancel.clone(),
+    );
+    let registry = &mut operator.registry;
+    provider_metrics.register(registry, "shepherd_provider", "Provider API");
+    ssh_metrics.register(registry, "shepherd_ssh", "SSH");
+    equinix_metrics.register(registry, "shepherd_equinix_api", "Equinix Metal API");
+    ironic_metrics.register(registry, "shepherd_ironic_api", "OpenStack Ironic API");
+    settings.recovery_brake_metrics.register(registry);
+    settings.recoverer_metrics.register(registry);
+    if let Chosen::Static(provider, _) = &chosen {
+        provider.metrics().register(registry);
+    }
+    let app = operator.router(db.clone());
     let metrics =
         crate::metrics_http::serve(args.metrics_listen, "metrics-listen", app, cancel.clone())
             .await?;
@@ -840,7 +845,8 @@ impl Loops {
             self.settings,
             self.cancel,
         )
-        .await
+        .await?;
+        Ok(())
     }
 }
 

@@ -25,6 +25,9 @@ pub struct ServerArgs {
     /// machines stale (and eligible for recovery) as the site's `shepherd run` does.
     #[command(flatten)]
     pub thresholds: crate::flags::ThresholdArgs,
+    /// How this process judges its background tasks.
+    #[command(flatten)]
+    pub tasks: crate::flags::TaskArgs,
     /// Apply pending BMDB migrations at start-up.
     #[arg(long, env = "SHEPHERD_MIGRATE")]
     pub migrate: bool,
@@ -167,24 +170,24 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
         args.schema_check_interval,
         cancel.clone(),
     ));
-    let (mut registry, stats) = crate::metrics_http::registry_with_fleet_stats(
+    let web = crate::web::WebSettings {
+        refresh: args.web_refresh,
+        thresholds: args.thresholds.thresholds(),
+        brake: None,
+    };
+    let mut operator = crate::metrics_http::OperatorEndpoint::start(
         &db,
-        args.thresholds.thresholds(),
+        web,
         args.stats_interval,
+        args.tasks.tasks(),
         cancel.clone(),
     );
     let connections = ConnectionMetrics::default();
-    connections.register(&mut registry);
+    connections.register(&mut operator.registry);
     let http = crate::metrics_http::serve(
         args.http_listen,
         "http-listen",
-        crate::metrics_http::router(registry).merge(crate::web::router(
-            db.clone(),
-            args.web_refresh,
-            args.thresholds.thresholds(),
-            None,
-            stats.clone(),
-        )),
+        operator.router(db.clone()),
         cancel.clone(),
     )
     .await?;
@@ -205,5 +208,5 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     if let Ok(Err(e)) = schema.await {
         return Err(e.into());
     }
-    result
+    Ok(result?)
 }

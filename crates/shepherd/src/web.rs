@@ -14,6 +14,7 @@ use maud::{html, Markup, PreEscaped, DOCTYPE};
 use serde::Deserialize;
 use shepherd_bmdb::{Bmdb, FleetCounts, Lifecycle, Provider, RecoveryThresholds, SessionInfo};
 use shepherd_loops::brake::{BrakeMetrics, BrakeStatus};
+use shepherd_loops::tasks::Tasks;
 use uuid::Uuid;
 
 use crate::fleet_stats::FleetStats;
@@ -50,21 +51,28 @@ struct Ui {
     brake: Option<BrakeMetrics>,
     /// The fleet statistics of this process (their hardware totals).
     stats: FleetStats,
+    /// The background tasks of this process.
+    tasks: Tasks,
     /// Like `counts`, for the overview.
     overview: tokio::sync::Mutex<CachedOverview>,
 }
 
+/// How the web UI shows things.
+#[derive(Debug, Clone)]
+pub struct WebSettings {
+    /// Pages reload themselves this often (zero: never).
+    pub refresh: std::time::Duration,
+    /// The recoverer's thresholds, which also define a stale heartbeat on every page.
+    pub thresholds: RecoveryThresholds,
+    /// The recovery brake of the recoverer in this process, if one runs here: the machines
+    /// page says whether it is braked.
+    pub brake: Option<BrakeMetrics>,
+}
+
 /// The UI's routes (`/`, `/overview`, `/machines`, `/machines/{id}`, `/sessions`,
-/// `/sessions/{id}`); pages reload themselves every `refresh` (zero: never). With `brake`, the
-/// machines page says whether this process's recoverer is braked; `stats` are this process's
-/// fleet statistics, whose hardware totals the overview shows.
-pub fn router(
-    db: Bmdb,
-    refresh: std::time::Duration,
-    thresholds: RecoveryThresholds,
-    brake: Option<BrakeMetrics>,
-    stats: FleetStats,
-) -> Router {
+/// `/sessions/{id}`, `/tasks`), shown as `web` says; `stats` are this process's fleet
+/// statistics, whose hardware totals the overview shows, and `tasks` its background tasks.
+pub fn router(db: Bmdb, web: WebSettings, stats: FleetStats, tasks: Tasks) -> Router {
     Router::new()
         .route("/", get(|| async { Redirect::to("/machines") }))
         .route("/overview", get(overview))
@@ -72,13 +80,15 @@ pub fn router(
         .route("/machines/{id}", get(machine))
         .route("/sessions", get(sessions))
         .route("/sessions/{id}", get(session))
+        .route("/tasks", get(tasks_page))
         .with_state(Arc::new(Ui {
             db,
             counts: tokio::sync::Mutex::new(None),
-            refresh: refresh.as_secs(),
-            stale_after: thresholds.stale_after(),
-            brake,
+            refresh: web.refresh.as_secs(),
+            stale_after: web.thresholds.stale_after(),
+            brake: web.brake,
             stats,
+            tasks,
             overview: tokio::sync::Mutex::new(None),
         }))
 }
@@ -175,6 +185,7 @@ dl{display:grid;grid-template-columns:max-content auto;gap:.3rem 1rem} dt{color:
 .error{color:#b91c1c} .muted{color:#777} .pager a{margin-right:1rem}
 .legend span{margin-right:1rem;white-space:nowrap} .swatch{display:inline-block;width:.8rem;height:.8rem;margin-right:.3rem;vertical-align:middle}
 svg{max-width:100%;height:auto}
+.o-succeeded{color:#15803d} .o-waited{color:#b45309} .o-failed{color:#b91c1c;font-weight:600}
 ";
 
 fn page(title: &str, refresh: u64, body: Markup) -> Html<String> {
@@ -190,7 +201,7 @@ fn page(title: &str, refresh: u64, body: Markup) -> Html<String> {
                     style { (PreEscaped(STYLE)) }
                 }
                 body {
-                    nav { a href="/overview" { "Overview" } a href="/machines" { "Machines" } a href="/sessions" { "Sessions" } a href="/metrics" { "Metrics" } }
+                    nav { a href="/overview" { "Overview" } a href="/machines" { "Machines" } a href="/sessions" { "Sessions" } a href="/tasks" { "Tasks" } a href="/metrics" { "Metrics" } }
                     h1 { (title) }
                     (body)
                     @if refresh > 0 { p.muted { "Refreshes every " (refresh) " s." } }
@@ -542,6 +553,40 @@ async fn sessions(State(ui): State<Arc<Ui>>) -> Result<Html<String>, PageError> 
             }
         },
     ))
+}
+
+/// This process's background tasks: when each last ran, how it ended and what it did; a task
+/// without a successful pass for longer than `--task-stale-after` is marked stale.
+async fn tasks_page(State(ui): State<Arc<Ui>>) -> Html<String> {
+    let now = Utc::now();
+    let stale_after = ui.tasks.stale_after();
+    let statuses = ui.tasks.statuses();
+    page(
+        "Tasks",
+        ui.refresh,
+        html! {
+            p.muted { "The background tasks of this process. A task is stale after "
+                (humantime::format_duration(stale_after)) " without a successful pass." }
+            @if statuses.is_empty() { p.muted { "No background tasks run in this process." } } @else {
+                table id="tasks" { thead { tr { th { "Task" } th { "Last pass" } th { "Outcome" } th { "What it did" } th { "Last success" } th { "Passes" } } }
+                    tbody { @for t in &statuses {
+                        @let stale = t.is_stale(now, stale_after);
+                        tr data-task=(t.name) data-outcome=(t.last_outcome.map_or("none", |o| o.label())) data-stale=(stale) {
+                            td { (t.name) @if stale { " " span.state.s-stale { "stale" } } }
+                            td { @match (t.running, t.last_start) {
+                                (true, Some(start)) => { "running since " (time(start, now)) },
+                                (_, _) => @match t.last_end { Some(end) => (time(end, now)), None => span.muted { "not yet" } },
+                            } }
+                            td { @match t.last_outcome { Some(o) => span class={"outcome o-" (o.label())} { (o.label()) }, None => span.muted { "–" } } }
+                            td { (t.last_summary) }
+                            td { @match t.last_success { Some(at) => (time(at, now)), None => span.muted { "never" } } }
+                            td { (t.passes) }
+                        }
+                    } }
+                }
+            }
+        },
+    )
 }
 
 fn deadline(s: &SessionInfo, now: DateTime<Utc>) -> Markup {

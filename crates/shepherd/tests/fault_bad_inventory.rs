@@ -102,7 +102,7 @@ fn every_broken_file_inventory_fails_at_start_up() {
     );
     assert!(!out.status.success());
     let line = error_line(&out);
-    assert!(line.contains("inventory entry 0 (m1)"), "{line}");
+    assert!(line.contains("entry 0 (m1)"), "{line}");
     assert!(
         line.contains("BMC password file") && line.contains("no-such-password"),
         "{line}"

@@ -488,10 +488,7 @@ async fn a_failover_mid_provisioning_costs_at_most_one_unrecorded_device_per_rep
                     Ok(r) if r.managed == RESERVATIONS => break,
                     Ok(_) => session = Some(s),
                     Err(e) => {
-                        if matches!(
-                            e.downcast_ref::<ProvisionerError>(),
-                            Some(ProvisionerError::BmdbFailed { .. })
-                        ) {
+                        if matches!(e, ProvisionerError::BmdbFailed { .. }) {
                             unrecorded += 1;
                         }
                         // The session may be gone with the old primary: start another.

@@ -177,8 +177,10 @@ pub(crate) fn to_us(t: DateTime<Utc>) -> i64 {
 }
 
 pub(crate) fn from_us(us: i64) -> Result<DateTime<Utc>> {
-    DateTime::from_timestamp_micros(us)
-        .ok_or_else(|| Error::InvalidValue(format!("timestamp {us} out of range")))
+    DateTime::from_timestamp_micros(us).ok_or_else(|| Error::UnreadableValue {
+        what: "time",
+        problem: format!("{us} µs since the epoch is out of range"),
+    })
 }
 
 /// Seconds as whole microseconds, for SQLite's integer times.

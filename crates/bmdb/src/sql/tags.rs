@@ -349,16 +349,24 @@ pub(crate) async fn os_installation_report(
     row_by_key(conn, sql, id).await
 }
 
-/// Pins `key` unless a key is pinned already; returns the pinned one.
+/// Pins `key` unless a key is pinned already; returns the pinned key, which is `key` unless
+/// another was pinned, in which case nothing is written and [`Error::HostKeyPinned`] says which.
 pub(crate) async fn pin_ssh_host_key(conn: &mut Conn, id: Uuid, key: &str) -> Result<SshHostKey> {
     on_engine!(conn, |c, e| {
         e.with_now(sqlx::query(e.sql(&PIN_SSH_HOST_KEY)).bind(id).bind(key))
             .execute(c)
             .await?;
     });
-    ssh_host_key(conn, id)
+    let pinned = ssh_host_key(conn, id)
         .await?
-        .ok_or_else(|| Error::InvalidValue("host key vanished".into()))
+        .ok_or(Error::MachineGone(id))?;
+    if pinned.key != key {
+        return Err(Error::HostKeyPinned {
+            pinned: pinned.key,
+            presented: key.to_string(),
+        });
+    }
+    Ok(pinned)
 }
 
 pub(crate) async fn ssh_host_key(conn: &mut Conn, id: Uuid) -> Result<Option<SshHostKey>> {

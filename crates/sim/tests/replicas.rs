@@ -13,7 +13,7 @@ use shepherd_loops::provider::Provider as _;
 use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
 use shepherd_loops::reconcile::Limits;
 use shepherd_loops::runner::{run, RunnerConfig};
-use shepherd_loops::sim::{SimFleet, SimKnobs};
+use shepherd_sim::{SimFleet, SimKnobs};
 use tokio_util::sync::CancellationToken;
 
 const MACHINES: usize = 200;
@@ -39,6 +39,7 @@ async fn replica(db: Bmdb, fleet: Arc<SimFleet>, name: &str, cancel: Cancellatio
         provisioner.run(
             db.clone(),
             SessionConfig::new(name, Processor::ShepherdProvisioner),
+            shepherd_loops::tasks::Tasks::default().task("provisioner"),
             cancel.clone()
         ),
         run(db, Arc::new(init), runner, cancel),

@@ -8,7 +8,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::{bail, Context};
 use async_trait::async_trait;
 use futures::StreamExt;
 use rand::Rng;
@@ -20,11 +19,18 @@ use shepherd_proto::Message;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::provider::{
+use shepherd_loops::provider::{
     record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Recorded, Recoverer,
 };
-use crate::runner::live_session;
-use crate::transport::{AgentOutput, AgentRun, Transport};
+use shepherd_loops::runner::live_session;
+use shepherd_loops::settings::InvalidSetting;
+use shepherd_loops::transport::{AgentOutput, AgentRun, Step, Transport, TransportError};
+use shepherd_ssh::SshError;
+
+/// A failure the simulated provider injected.
+#[derive(Debug, thiserror::Error)]
+#[error("simulated provider error {0}")]
+pub struct SimulatedFailure(String);
 
 /// Failure injection and timing of the simulated fleet. Rates are probabilities per attempt.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -71,9 +77,12 @@ impl Default for SimKnobs {
 
 impl SimKnobs {
     /// Checks that rates are probabilities and the heartbeat interval is not zero.
-    pub fn validate(&self) -> anyhow::Result<()> {
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
         if self.heartbeat_interval.is_zero() {
-            bail!("sim heartbeat interval: must be longer than zero");
+            return Err(InvalidSetting::new(
+                "sim heartbeat interval",
+                "must be longer than zero",
+            ));
         }
         for (name, rate) in [
             ("sim connect failure rate", self.connect_failure),
@@ -82,7 +91,10 @@ impl SimKnobs {
             ("sim create failure rate", self.create_failure),
         ] {
             if !(0.0..=1.0).contains(&rate) {
-                bail!("{name}: {rate} is not between 0 and 1");
+                return Err(InvalidSetting::new(
+                    name,
+                    format!("{rate} is not between 0 and 1"),
+                ));
             }
         }
         Ok(())
@@ -173,10 +185,13 @@ fn fake_host_key() -> String {
 
 impl SimFleet {
     /// A fleet of `n` unused machines `sim-00000`… at addresses `10.a.b.c`.
-    pub fn new(n: usize, knobs: SimKnobs) -> anyhow::Result<Self> {
+    pub fn new(n: usize, knobs: SimKnobs) -> Result<Self, InvalidSetting> {
         knobs.validate()?;
         if n >= 1 << 24 {
-            bail!("sim machines: {n} is more than the simulated 10.0.0.0/8 holds");
+            return Err(InvalidSetting::new(
+                "sim machines",
+                format!("{n} is more than the simulated 10.0.0.0/8 holds"),
+            ));
         }
         let machines: Vec<SimMachine> = (0..n)
             .map(|i| SimMachine {
@@ -359,7 +374,8 @@ impl Provider for SimFleet {
             let recorded = db
                 .read(|tx| Box::pin(async move { tx.provided_by(ProviderKind::Sim).await }))
                 .await
-                .context("the simulated provider reading the machines other replicas brought in")?;
+                // The BMDB is this simulated provider's own store: its failure is the API's.
+                .map_err(|e| ProviderError::Api(Box::new(e)))?;
             let mut s = self.state.lock().unwrap();
             for (_, p) in recorded {
                 if let Some(&i) = s.by_id.get(&p.provider_id) {
@@ -393,10 +409,12 @@ impl Provider for SimFleet {
     ) -> Result<Recorded, ProviderError> {
         let id = unused
             .valid_id()
-            .context("unused machine without an id")?
+            .ok_or(ProviderError::Incomplete("an id of the unused machine"))?
             .to_string();
         if self.roll(self.knobs.create_failure) {
-            return Err(anyhow::anyhow!("simulated provider error creating {id}").into());
+            return Err(ProviderError::Api(Box::new(SimulatedFailure(format!(
+                "creating {id}"
+            )))));
         }
         let view = {
             let mut s = self.state.lock().unwrap();
@@ -414,7 +432,9 @@ impl Provider for SimFleet {
 #[async_trait]
 impl Recoverer for SimFleet {
     async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
-        let id = machine.valid_id().context("machine without an id")?;
+        let id = machine
+            .valid_id()
+            .ok_or(ProviderError::Incomplete("an id of the machine"))?;
         {
             let mut s = self.state.lock().unwrap();
             let i = *s
@@ -434,12 +454,16 @@ impl Recoverer for SimFleet {
 
 #[async_trait]
 impl Transport for SimFleet {
-    async fn run_agent(&self, run: AgentRun<'_>) -> anyhow::Result<AgentOutput> {
+    async fn run_agent(&self, run: AgentRun<'_>) -> Result<AgentOutput, TransportError> {
         let jitter = 0.5 + rand::random::<f64>();
         let took = self.knobs.takeover_time.mul_f64(jitter);
         if took > run.timeout {
             tokio::time::sleep(run.timeout).await;
-            bail!("command did not finish within {:?}", run.timeout);
+            let after = run.timeout;
+            return Err(TransportError::at(
+                Step::Run,
+                SshError::ExecTimeout { after },
+            ));
         }
         tokio::time::sleep(took).await;
         let (connect_failure, bad_agent, silent) = (
@@ -449,18 +473,29 @@ impl Transport for SimFleet {
         );
         let mut s = self.state.lock().unwrap();
         s.counters.takeovers += 1;
+        let unreachable = |kind: std::io::ErrorKind| {
+            let error = SshError::Connect {
+                addr: run.addr.to_string(),
+                error: std::io::Error::new(kind, "simulated"),
+            };
+            TransportError::at(Step::Connect, error)
+        };
         let i = *s
             .by_addr
             .get(run.addr)
-            .with_context(|| format!("connecting to {}: no route to host (simulated)", run.addr))?;
+            .ok_or_else(|| unreachable(std::io::ErrorKind::HostUnreachable))?;
         if connect_failure {
             s.counters.connect_failures += 1;
-            bail!("connecting to {}: connection refused (simulated)", run.addr);
+            return Err(unreachable(std::io::ErrorKind::ConnectionRefused));
         }
         let host_key = s.machines[i].host_key.clone();
         if let Some(pinned) = run.pinned_host_key {
             if pinned != host_key {
-                bail!("host key mismatch: the machine presented {host_key} but {pinned} is pinned for it");
+                let error = SshError::HostKeyMismatch {
+                    pinned: pinned.to_string(),
+                    presented: host_key,
+                };
+                return Err(TransportError::at(Step::Connect, error));
             }
         }
         if bad_agent {
@@ -472,8 +507,15 @@ impl Transport for SimFleet {
                 stderr: Vec::new(),
             });
         }
-        let init = TakeoverInit::decode(run.stdin).context("sim agent: decoding TakeoverInit")?;
-        let machine_id: Uuid = init.machine_id.parse().context("sim agent: machine id")?;
+        let local = |what: &str, e: &dyn std::fmt::Display| {
+            TransportError::Local(format!("sim agent: {what}: {e}"))
+        };
+        let init =
+            TakeoverInit::decode(run.stdin).map_err(|e| local("decoding TakeoverInit", &e))?;
+        let machine_id: Uuid = init
+            .machine_id
+            .parse()
+            .map_err(|e| local("machine id", &e))?;
         let (key, task) = match &self.real_agents {
             None => {
                 let mut key = vec![0u8; 32];
@@ -481,8 +523,8 @@ impl Transport for SimFleet {
                 (key, None)
             }
             Some(real) => {
-                let (pkcs8, public) =
-                    shepherd_agent::identity::generate().map_err(anyhow::Error::msg)?;
+                let (pkcs8, public) = shepherd_agent::identity::generate()
+                    .map_err(|e| local("generating a key", &e))?;
                 let config = shepherd_agent::heartbeat::AgentConfig {
                     machine_id: init.machine_id.clone(),
                     endpoint: real.endpoint.clone(),
@@ -605,12 +647,15 @@ mod tests {
         // After a restart over a BMDB that records every machine: nothing to create, no
         // discrepancy.
         let recorded = list.iter().filter_map(|m| m.id.clone()).collect();
-        let plan = crate::reconcile::reconcile(&list, &recorded, Default::default()).unwrap();
+        let plan =
+            shepherd_loops::reconcile::reconcile(&list, &recorded, Default::default()).unwrap();
         assert_eq!((plan.managed, plan.create.len()), (100, 0));
         // A fresh fleet over the same BMDB, not sharing it, disagrees with it: that is what
         // the flag and `share_through` are for.
         let fresh = SimFleet::new(100, SimKnobs::default()).unwrap();
         let fresh = fresh.list_machines().await.unwrap();
-        assert!(crate::reconcile::reconcile(&fresh, &recorded, Default::default()).is_err());
+        assert!(
+            shepherd_loops::reconcile::reconcile(&fresh, &recorded, Default::default()).is_err()
+        );
     }
 }
