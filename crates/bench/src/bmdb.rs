@@ -1,4 +1,4 @@
-//! BMDB benchmark (issue: BMDB core). Measures on Postgres and SQLite, in one run:
+//! BMDB benchmark. Measures on Postgres and SQLite, in one run:
 //! (a) claim+finish throughput with parallel workers; (b) the same with upstream's claim shape;
 //! (c) the raw single-row UPDATE transaction ceiling with as many connections; (d) claim
 //! latency with 1k and 100k machines in the database.

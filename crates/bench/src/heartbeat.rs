@@ -1,4 +1,4 @@
-//! Heartbeat benchmark (issue: BMaaS server and agent). K agents, each with its own TLS
+//! Heartbeat benchmark. K agents, each with its own TLS
 //! connection and client certificate, heartbeat as fast as they can against the server on
 //! Postgres; in the same run, the raw ceiling: the heartbeat upsert alone, straight to
 //! Postgres, from as many tasks over as many connections as the server's pool has. Also the

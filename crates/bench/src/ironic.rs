@@ -1,4 +1,4 @@
-//! Ironic benchmark (issue: a provider that exists today). N `fake-hardware` nodes in a real,
+//! Ironic benchmark. N `fake-hardware` nodes in a real,
 //! standalone Ironic, from enrolled and `available` to an agent heartbeating on each, with one
 //! Shepherd replica (the loops `shepherd run` starts, 32 initializer workers) against the
 //! simplest client that could deploy them: per node one reservation PATCH and one deploy PUT,

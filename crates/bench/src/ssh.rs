@@ -1,4 +1,4 @@
-//! SSH takeover benchmark (issue: control loops over real SSH). N takeovers of one real sshd
+//! SSH takeover benchmark. N takeovers of one real sshd
 //! — upload a ~5 MB agent, run it with a TakeoverInit on stdin, check its TakeoverResponse —
 //! at parallelism P, measured in the same run for Shepherd's SSH transport and for an
 //! `xargs -P` pipeline of OpenSSH `scp` + `ssh` doing the same upload and run.

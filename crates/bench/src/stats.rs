@@ -1,4 +1,4 @@
-//! Small statistics helpers for benchmark reports.
+//! Small statistics helpers for benchmark reports, and the peak memory of a process.
 
 use std::time::Duration;
 
@@ -15,6 +15,15 @@ pub fn quantile(samples: &mut [Duration], q: f64) -> Duration {
 /// Milliseconds with two decimals.
 pub fn ms(d: Duration) -> String {
     format!("{:.2}", d.as_secs_f64() * 1e3)
+}
+
+/// The peak resident set size of a live process, in KiB (`VmHWM`).
+pub fn vm_hwm_kib(pid: u32) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
 #[cfg(test)]

@@ -16,8 +16,7 @@ use crate::claim_hints::ClaimHints;
 use crate::failover::FailoverMark;
 use crate::metrics::BmdbMetrics;
 use crate::migrations::{SchemaWindow, MIGRATIONS, SCHEMA_VERSION};
-use crate::sql::{self, Conn, SqliteTx};
-use crate::tx::Tx;
+use crate::sql::engine::{Autocommit, Conn, Sql, SqliteTx, Tx};
 use crate::url::DatabaseUrl;
 use crate::Error;
 
@@ -130,7 +129,7 @@ impl Inner {
                 Err(e) => return Err(self.explain(e).await),
             },
         };
-        Ok(Tx { inner })
+        Ok(Tx::new(inner))
     }
 
     fn explain_sqlite(&self, e: sqlx::Error, what: &str) -> Error {
@@ -303,7 +302,7 @@ impl Bmdb {
     /// The database's schema version and the oldest binary schema that may run on it.
     pub async fn schema_window(&self) -> Result<SchemaWindow, Error> {
         let mut tx = self.begin(Mode::Read).await?;
-        let w = sql::schema::schema_window(&mut tx.inner).await?;
+        let w = tx.schema_window().await?;
         tx.rollback().await?;
         Ok(w)
     }
@@ -319,23 +318,17 @@ impl Bmdb {
     /// binary there is nothing to do; one that does not is refused, writing nothing.
     pub async fn migrate(&self) -> Result<(i64, i64), Error> {
         let mut tx = self.begin(Mode::Write).await?;
-        sql::schema::lock_for_migration(&mut tx.inner).await?;
-        let found = sql::schema::schema_window(&mut tx.inner).await?;
+        tx.lock_for_migration().await?;
+        let found = tx.schema_window().await?;
         if found.version >= SCHEMA_VERSION {
             tx.rollback().await?;
             found.check_this_binary()?;
             return Ok((found.version, found.version));
         }
         for m in MIGRATIONS.iter().filter(|m| m.version > found.version) {
-            let script = m.script.for_engine(&tx.inner);
-            sql::schema::apply_migration(
-                &mut tx.inner,
-                m.version,
-                m.name,
-                m.oldest_compatible,
-                script,
-            )
-            .await?;
+            let script = m.script.text(tx.engine());
+            tx.apply_migration(m.version, m.name, m.oldest_compatible, script)
+                .await?;
             tracing::info!(version = m.version, name = m.name, "applied BMDB migration");
         }
         tx.commit().await?;
@@ -353,8 +346,8 @@ impl Bmdb {
         script: &str,
     ) -> Result<(), Error> {
         let mut tx = self.begin(Mode::Write).await?;
-        sql::schema::lock_for_migration(&mut tx.inner).await?;
-        sql::schema::apply_migration(&mut tx.inner, version, name, oldest_compatible, script)
+        tx.lock_for_migration().await?;
+        tx.apply_migration(version, name, oldest_compatible, script)
             .await?;
         tx.commit().await
     }
@@ -372,13 +365,10 @@ impl Bmdb {
             .unwrap_or_else(|e| Err(Error::BeginFailed(e.to_string())))
     }
 
-    /// A pooled Postgres connection, or why none could be had.
-    pub(crate) async fn acquire_pg(
-        &self,
-        pool: &PgPool,
-    ) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, Error> {
+    /// A pooled Postgres connection outside any transaction, or why none could be had.
+    pub(crate) async fn autocommit(&self, pool: &PgPool) -> Result<Autocommit, Error> {
         match pool.acquire().await {
-            Ok(c) => Ok(c),
+            Ok(c) => Ok(Autocommit::new(c)),
             Err(e) => Err(self.inner.explain(e).await),
         }
     }
@@ -386,10 +376,8 @@ impl Bmdb {
     /// Deletes expired sessions and their work (recording Canceled history); returns how
     /// many sessions were removed. Sessions run this periodically; it is safe to run anywhere.
     pub async fn collect_garbage(&self) -> Result<u64, Error> {
-        self.transact(|tx| {
-            Box::pin(async move { sql::sessions::collect_garbage(&mut tx.inner).await })
-        })
-        .await
+        self.transact(|tx| Box::pin(async move { tx.collect_garbage().await }))
+            .await
     }
 
     /// Closes the pools, waiting for connections to be returned.

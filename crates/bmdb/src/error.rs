@@ -51,20 +51,22 @@ pub enum Error {
     WorkLost {
         /// The machine.
         machine_id: uuid::Uuid,
-        /// The process.
-        process: crate::Process,
+        /// The process's name (`Process::as_str`).
+        process: &'static str,
     },
     /// Finish or Fail was called on work that was already finished, failed or canceled.
     #[error("work was already {0}")]
     WorkAlreadyDone(&'static str),
     /// A name that should be one of a closed set is not (a process, a provider, a state …):
     /// in a row, a row written by a newer binary; from a caller, a typo.
-    #[error("unknown {kind} {name:?}")]
+    #[error("unknown {kind} {name:?} (one of: {known})")]
     UnknownName {
         /// What the name should name (`Process`, `state` …).
         kind: &'static str,
         /// The name found.
         name: String,
+        /// The names there are, comma-separated.
+        known: String,
     },
     /// A value read from the database cannot be understood (a time out of range, facts that do
     /// not decode); the row is left as it is.

@@ -20,7 +20,6 @@ mod session;
 mod sql;
 mod summary;
 mod transaction;
-mod tx;
 mod url;
 mod work;
 
@@ -38,8 +37,8 @@ pub use operator::ActionOutcome;
 pub use retention::{HistoryRetention, PrunedHistory};
 pub use session::{Session, SessionConfig, BATCH_WAIT, DEFAULT_SESSION_INTERVAL, MAX_BATCH};
 pub use sql::claims::ClaimStrategy;
+pub use sql::engine::Tx;
 pub use sql::views::StatusCounts;
 pub use summary::{FleetCounts, Lifecycle, MachineSummary};
-pub use tx::{Tx, AGENT_KEY_LEN};
 pub use url::{DatabaseUrl, DEFAULT_DATABASE_URL};
 pub use work::{Claim, Work, MAX_CAUSE_LEN};

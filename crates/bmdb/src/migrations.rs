@@ -1,6 +1,6 @@
 //! Numbered, forward-only schema migrations, one SQL file per version and engine.
 
-use crate::sql::Dialects;
+use crate::sql::engine::Dialects;
 
 /// One schema step.
 pub(crate) struct Migration {
@@ -69,10 +69,21 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
             sqlite: include_str!("../migrations/sqlite/0005_provider_facts.sql"),
         },
     },
+    Migration {
+        version: 6,
+        name: "install_action",
+        // Expand: one more value admitted for an operator action. A binary of schema 3 to 5
+        // never writes it and refuses, naming it, to show a history that holds one.
+        oldest_compatible: 3,
+        script: Dialects {
+            postgres: include_str!("../migrations/postgres/0006_install_action.sql"),
+            sqlite: include_str!("../migrations/sqlite/0006_install_action.sql"),
+        },
+    },
 ];
 
 /// The schema version this binary needs and writes.
-pub const SCHEMA_VERSION: i64 = 5;
+pub const SCHEMA_VERSION: i64 = 6;
 
 /// Which binaries may run on a database: its schema version, and the oldest binary schema
 /// that its newest migration declared compatible (SPEC: rolling upgrades).

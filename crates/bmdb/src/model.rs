@@ -9,6 +9,13 @@ use uuid::Uuid;
 
 use crate::Error;
 
+/// Defines a closed enumeration stored as text: the enum, `ALL`, `as_str` (the stored text:
+/// the variant's name), `Display`, and a `FromStr` that refuses anything else with
+/// [`Error::UnknownName`].
+///
+/// Kept as a macro on purpose: the stored text of each variant is its name, and a macro is the
+/// only way to write that once — by hand, every enumeration would repeat each name in four
+/// places, where a typo in one silently misreads rows. It has no control flow of its own.
 macro_rules! text_enum {
     ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident),+ $(,)? }) => {
         $(#[$meta])*
@@ -39,6 +46,7 @@ macro_rules! text_enum {
                     other => Err(Error::UnknownName {
                         kind: stringify!($name),
                         name: other.to_string(),
+                        known: Self::ALL.iter().map(|v| v.as_str()).collect::<Vec<_>>().join(", "),
                     }),
                 }
             }
@@ -114,6 +122,8 @@ text_enum! {
         Decommission,
         /// Let the provisioner bring a decommissioned provider id back.
         Recommission,
+        /// Asked the machine's agent to install an OS.
+        Install,
     }
 }
 
@@ -127,6 +137,7 @@ impl OperatorAction {
             OperatorAction::ForgetHostKey => "forget-host-key",
             OperatorAction::Decommission => "decommission",
             OperatorAction::Recommission => "recommission",
+            OperatorAction::Install => "install",
         }
     }
 }
@@ -174,6 +185,9 @@ impl Processor {
 
 /// Longest provider id accepted, as the schema bounds it.
 pub const MAX_PROVIDER_ID_LEN: usize = 128;
+
+/// The public key length of an ed25519 agent key.
+pub const AGENT_KEY_LEN: usize = 32;
 
 /// The `machine_provided` tag: which provider a machine came from and how to reach it.
 #[derive(Debug, Clone, PartialEq, Eq)]

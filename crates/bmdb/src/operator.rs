@@ -1,12 +1,15 @@
-//! Operators' actions on machines — maintenance, retry, forgetting a host key, decommission
-//! and its undo — each one session transaction that changes the machine and writes who did
-//! it and why into the operators' history (`operator_actions`), so it is safe while the loops
-//! run on the same machines and every change can be traced to a person.
+//! Operators' actions on machines — maintenance, retry, forgetting a host key, an OS
+//! installation request, decommission and its undo — each one session transaction that
+//! changes the machine and writes who did it and why into the operators' history
+//! (`operator_actions`), so it is safe while the loops run on the same machines and every
+//! change can be traced to a person.
+
+use std::sync::Arc;
 
 use uuid::Uuid;
 
+use crate::db::TxFuture;
 use crate::model::*;
-use crate::sql;
 use crate::{Error, Session, Tx};
 
 /// What an operator action found.
@@ -25,25 +28,67 @@ fn decommission_cause(who: &Operator) -> String {
     format!("machine decommissioned by {}", who.by)
 }
 
-/// Runs `$body` in one session transaction of `$session` as operator `$who`, after checking
-/// that `$machine` exists (else the outcome is [`ActionOutcome::NoSuchMachine`]); inside,
-/// `$tx` is the transaction, `$w` the operator and `$sid` the session id.
-macro_rules! on_existing_machine {
-    ($session:ident, $machine:ident, $who:ident, |$tx:ident, $w:ident, $sid:ident| $body:block) => {{
-        let ($sid, who) = ($session.id(), $who.clone());
-        $session
-            .transact(move |$tx| {
-                let who = who.clone();
-                Box::pin(async move {
-                    let $w = &who;
-                    if !$tx.machine_exists($machine).await? {
-                        return Ok(ActionOutcome::NoSuchMachine);
-                    }
-                    $body
-                })
-            })
+/// What an action's body knows besides its transaction: the machine, who acts, and the
+/// session the action runs in.
+#[derive(Debug, Clone)]
+struct Act {
+    machine: Uuid,
+    who: Operator,
+    session: Uuid,
+}
+
+impl Act {
+    /// Writes the action into the operators' history, in the action's transaction.
+    async fn record(
+        &self,
+        tx: &mut Tx,
+        action: OperatorAction,
+        process: Option<Process>,
+    ) -> Result<(), Error> {
+        self.record_as(tx, action, process, &self.who).await
+    }
+
+    /// Like [`Act::record`], with another wording of who and why.
+    async fn record_as(
+        &self,
+        tx: &mut Tx,
+        action: OperatorAction,
+        process: Option<Process>,
+        who: &Operator,
+    ) -> Result<(), Error> {
+        tx.record_action(self.machine, action, process, who, Some(self.session))
             .await
-    }};
+    }
+}
+
+/// The transaction an action runs `body` in, once it found the machine.
+type ActionBody<T> =
+    dyn for<'t> Fn(&'t mut Tx, Act) -> TxFuture<'t, ActionOutcome<T>> + Send + Sync;
+
+/// Runs `body` in one session transaction of `session` on behalf of `who`, after checking, in
+/// the same transaction, that `machine` exists (else [`ActionOutcome::NoSuchMachine`]).
+async fn on_existing_machine<T: Send + 'static>(
+    session: &Session,
+    machine: Uuid,
+    who: &Operator,
+    body: Arc<ActionBody<T>>,
+) -> Result<ActionOutcome<T>, Error> {
+    let act = Act {
+        machine,
+        who: who.clone(),
+        session: session.id(),
+    };
+    session
+        .transact(move |tx| {
+            let (body, act) = (body.clone(), act.clone());
+            Box::pin(async move {
+                if !tx.machine_exists(act.machine).await? {
+                    return Ok(ActionOutcome::NoSuchMachine);
+                }
+                body(tx, act).await
+            })
+        })
+        .await
 }
 
 impl Session {
@@ -55,24 +100,19 @@ impl Session {
         machine: Uuid,
         who: &Operator,
     ) -> Result<ActionOutcome<Vec<Process>>, Error> {
-        on_existing_machine!(self, machine, who, |tx, who, session| {
-            if !sql::operator::set_maintenance(&mut tx.inner, machine, who).await? {
-                return Ok(ActionOutcome::Unchanged);
-            }
-            record(
-                tx,
-                machine,
-                OperatorAction::MaintenanceOn,
-                None,
-                who,
-                session,
-            )
-            .await?;
-            let running = tx.machine_work(machine).await?;
-            Ok(ActionOutcome::Done(
-                running.into_iter().map(|w| w.process).collect(),
-            ))
-        })
+        let body: Arc<ActionBody<Vec<Process>>> = Arc::new(|tx, act| {
+            Box::pin(async move {
+                if !tx.set_maintenance(act.machine, &act.who).await? {
+                    return Ok(ActionOutcome::Unchanged);
+                }
+                act.record(tx, OperatorAction::MaintenanceOn, None).await?;
+                let running = tx.machine_work(act.machine).await?;
+                Ok(ActionOutcome::Done(
+                    running.into_iter().map(|w| w.process).collect(),
+                ))
+            })
+        });
+        on_existing_machine(self, machine, who, body).await
     }
 
     /// Gives the machine back to the loops.
@@ -81,21 +121,16 @@ impl Session {
         machine: Uuid,
         who: &Operator,
     ) -> Result<ActionOutcome<()>, Error> {
-        on_existing_machine!(self, machine, who, |tx, who, session| {
-            if !sql::operator::clear_maintenance(&mut tx.inner, machine).await? {
-                return Ok(ActionOutcome::Unchanged);
-            }
-            record(
-                tx,
-                machine,
-                OperatorAction::MaintenanceOff,
-                None,
-                who,
-                session,
-            )
-            .await?;
-            Ok(ActionOutcome::Done(()))
-        })
+        let body: Arc<ActionBody<()>> = Arc::new(|tx, act| {
+            Box::pin(async move {
+                if !tx.clear_maintenance(act.machine).await? {
+                    return Ok(ActionOutcome::Unchanged);
+                }
+                act.record(tx, OperatorAction::MaintenanceOff, None).await?;
+                Ok(ActionOutcome::Done(()))
+            })
+        });
+        on_existing_machine(self, machine, who, body).await
     }
 
     /// Ends the machine's backoffs now (of `process`, or of all); returns how many ended.
@@ -105,14 +140,17 @@ impl Session {
         process: Option<Process>,
         who: &Operator,
     ) -> Result<ActionOutcome<u64>, Error> {
-        on_existing_machine!(self, machine, who, |tx, who, session| {
-            let cleared = tx.clear_backoffs(machine, process).await?;
-            if cleared == 0 {
-                return Ok(ActionOutcome::Unchanged);
-            }
-            record(tx, machine, OperatorAction::Retry, process, who, session).await?;
-            Ok(ActionOutcome::Done(cleared))
-        })
+        let body: Arc<ActionBody<u64>> = Arc::new(move |tx, act| {
+            Box::pin(async move {
+                let cleared = tx.clear_backoffs(act.machine, process).await?;
+                if cleared == 0 {
+                    return Ok(ActionOutcome::Unchanged);
+                }
+                act.record(tx, OperatorAction::Retry, process).await?;
+                Ok(ActionOutcome::Done(cleared))
+            })
+        });
+        on_existing_machine(self, machine, who, body).await
     }
 
     /// Forgets the machine's pinned SSH host key (the next takeover pins the key it finds) and
@@ -122,30 +160,57 @@ impl Session {
         machine: Uuid,
         who: &Operator,
     ) -> Result<ActionOutcome<SshHostKey>, Error> {
-        on_existing_machine!(self, machine, who, |tx, who, session| {
-            let Some(key) = tx.ssh_host_key(machine).await? else {
-                return Ok(ActionOutcome::Unchanged);
-            };
-            tx.delete_ssh_host_key(machine).await?;
-            tx.clear_backoffs(machine, Some(Process::ShepherdAgentStart))
-                .await?;
-            let noted = Operator {
-                by: who.by.clone(),
-                reason: format!("{} (forgot {})", who.reason, key.key)
-                    .trim_start()
-                    .to_string(),
-            };
-            record(
-                tx,
-                machine,
-                OperatorAction::ForgetHostKey,
-                None,
-                &noted,
-                session,
-            )
-            .await?;
-            Ok(ActionOutcome::Done(key))
-        })
+        let body: Arc<ActionBody<SshHostKey>> = Arc::new(|tx, act| {
+            Box::pin(async move {
+                let Some(key) = tx.ssh_host_key(act.machine).await? else {
+                    return Ok(ActionOutcome::Unchanged);
+                };
+                tx.delete_ssh_host_key(act.machine).await?;
+                tx.clear_backoffs(act.machine, Some(Process::ShepherdAgentStart))
+                    .await?;
+                let noted = Operator {
+                    by: act.who.by.clone(),
+                    reason: format!("{} (forgot {})", act.who.reason, key.key)
+                        .trim_start()
+                        .to_string(),
+                };
+                act.record_as(tx, OperatorAction::ForgetHostKey, None, &noted)
+                    .await?;
+                Ok(ActionOutcome::Done(key))
+            })
+        });
+        on_existing_machine(self, machine, who, body).await
+    }
+
+    /// Asks the machine's agent to install an OS: `make_request` builds the serialized
+    /// `OSInstallationRequest` for the generation it is given (one more than the machine's
+    /// last request), which is recorded as the machine's installation request; the agent
+    /// receives it with its next heartbeat. Returns the generation recorded.
+    pub async fn request_installation(
+        &self,
+        machine: Uuid,
+        who: &Operator,
+        make_request: impl Fn(i64) -> Vec<u8> + Send + Sync + 'static,
+    ) -> Result<ActionOutcome<i64>, Error> {
+        let make_request = Arc::new(make_request);
+        let body: Arc<ActionBody<i64>> = Arc::new(move |tx, act| {
+            let make_request = make_request.clone();
+            Box::pin(async move {
+                let generation = tx
+                    .os_installation_request(act.machine)
+                    .await?
+                    .map_or(1, |r| r.generation + 1);
+                let request = OsInstallationRequest {
+                    generation,
+                    request_raw: make_request(generation),
+                };
+                tx.set_os_installation_request(act.machine, &request)
+                    .await?;
+                act.record(tx, OperatorAction::Install, None).await?;
+                Ok(ActionOutcome::Done(generation))
+            })
+        });
+        on_existing_machine(self, machine, who, body).await
     }
 
     /// Removes the machine from the BMDB: its tags, locks (each ended as Canceled) and
@@ -159,68 +224,43 @@ impl Session {
         who: &Operator,
         undeploy: bool,
     ) -> Result<ActionOutcome<Option<Provided>>, Error> {
-        on_existing_machine!(self, machine, who, |tx, who, session| {
-            let provided = tx.provided(machine).await?;
-            record(
-                tx,
-                machine,
-                OperatorAction::Decommission,
-                None,
-                who,
-                session,
-            )
-            .await?;
-            sql::operator::decommission(
-                &mut tx.inner,
-                machine,
-                who,
-                undeploy,
-                &decommission_cause(who),
-            )
-            .await?;
-            Ok(ActionOutcome::Done(provided))
-        })
+        let body: Arc<ActionBody<Option<Provided>>> = Arc::new(move |tx, act| {
+            Box::pin(async move {
+                let provided = tx.provided(act.machine).await?;
+                act.record(tx, OperatorAction::Decommission, None).await?;
+                let cause = decommission_cause(&act.who);
+                tx.decommission(act.machine, &act.who, undeploy, &cause)
+                    .await?;
+                Ok(ActionOutcome::Done(provided))
+            })
+        });
+        on_existing_machine(self, machine, who, body).await
     }
 
     /// Lifts a decommissioning's bar: the provisioner may bring the provider id back, as a
-    /// new machine. Returns the record lifted.
+    /// new machine. Returns the record lifted. (The machine itself is gone, so this action
+    /// looks for the record, not the machine.)
     pub async fn recommission(
         &self,
         machine: Uuid,
         who: &Operator,
     ) -> Result<ActionOutcome<Decommissioned>, Error> {
-        let (session, who) = (self.id(), who.clone());
+        let act = Act {
+            machine,
+            who: who.clone(),
+            session: self.id(),
+        };
         self.transact(move |tx| {
-            let who = who.clone();
+            let act = act.clone();
             Box::pin(async move {
-                let who = &who;
-                let Some(record_) = tx.decommissioned(machine).await? else {
+                let Some(lifted) = tx.decommissioned(act.machine).await? else {
                     return Ok(ActionOutcome::NoSuchMachine);
                 };
-                sql::operator::recommission(&mut tx.inner, machine).await?;
-                record(
-                    tx,
-                    machine,
-                    OperatorAction::Recommission,
-                    None,
-                    who,
-                    session,
-                )
-                .await?;
-                Ok(ActionOutcome::Done(record_))
+                tx.recommission(act.machine).await?;
+                act.record(tx, OperatorAction::Recommission, None).await?;
+                Ok(ActionOutcome::Done(lifted))
             })
         })
         .await
     }
-}
-
-async fn record(
-    tx: &mut Tx,
-    machine: Uuid,
-    action: OperatorAction,
-    process: Option<Process>,
-    who: &Operator,
-    session: Uuid,
-) -> Result<(), Error> {
-    sql::operator::record_action(&mut tx.inner, machine, action, process, who, Some(session)).await
 }

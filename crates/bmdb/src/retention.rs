@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use crate::sql::{self, retention::HistoryTable};
+use crate::sql::retention::HistoryTable;
 use crate::{Error, Session};
 
 /// How long history is kept.
@@ -81,14 +81,8 @@ impl Session {
                     .transact(move |tx| {
                         Box::pin(async move {
                             let now = tx.now().await?;
-                            sql::retention::prune(
-                                &mut tx.inner,
-                                table,
-                                now - keep,
-                                now - keep_failed,
-                                limit,
-                            )
-                            .await
+                            tx.prune_oldest(table, now - keep, now - keep_failed, limit)
+                                .await
                         })
                     })
                     .await?;

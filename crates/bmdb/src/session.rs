@@ -11,9 +11,8 @@ use uuid::Uuid;
 use crate::db::{Mode, Pools, TxFuture};
 use crate::group_commit::GroupCommit;
 use crate::metrics::WorkResult;
-use crate::sql;
+use crate::sql::engine::Tx;
 use crate::transaction::{retrying, Guard};
-use crate::tx::Tx;
 use crate::{AgentHeartbeat, AgentReport, Bmdb, Error, Process, Processor};
 
 /// Default keep-alive interval (SPEC §17).
@@ -118,7 +117,7 @@ impl SessionInner {
     /// deleted until `tx` ends).
     pub(crate) async fn check_in(&self, tx: &mut Tx) -> Result<(), Error> {
         let id = self.id;
-        if sql::sessions::check_session(&mut tx.inner, id).await? {
+        if tx.session_alive(id).await? {
             Ok(())
         } else {
             self.mark_expired();
@@ -182,15 +181,8 @@ impl Bmdb {
         self.run(config.processor, Mode::Write, None, |tx| {
             let (component, runtime) = (component.clone(), runtime.clone());
             Box::pin(async move {
-                sql::sessions::create_session(
-                    &mut tx.inner,
-                    id,
-                    &component,
-                    &runtime,
-                    processor,
-                    interval_secs as i64,
-                )
-                .await
+                tx.create_session(id, &component, &runtime, processor, interval_secs as i64)
+                    .await
             })
         })
         .await?;
@@ -223,7 +215,7 @@ async fn keepalive(session: Weak<SessionInner>, interval: Duration) {
         let id = s.id;
         let poked =
             s.db.run(s.processor, Mode::Write, None, |tx| {
-                Box::pin(async move { sql::sessions::poke_session(&mut tx.inner, id).await })
+                Box::pin(async move { tx.poke_session(id).await })
             })
             .await;
         match poked {
@@ -374,8 +366,8 @@ impl Session {
             inner.processor,
             || async {
                 inner.ensure_alive()?;
-                let mut conn = db.acquire_pg(pool).await?;
-                sql::sessions::agent_heartbeats_pg(&mut conn, inner.id, &machines, &keys).await
+                let mut conn = db.autocommit(pool).await?;
+                conn.agent_heartbeats(inner.id, &machines, &keys).await
             },
         )
         .await?;
@@ -420,7 +412,7 @@ impl Session {
             .inner
             .db
             .run(self.inner.processor, Mode::Write, None, |tx| {
-                Box::pin(async move { sql::sessions::delete_session(&mut tx.inner, id).await })
+                Box::pin(async move { tx.delete_session(id).await })
             })
             .await;
         self.inner.mark_closed();

@@ -120,12 +120,10 @@ impl FromStr for Lifecycle {
         Lifecycle::ALL
             .into_iter()
             .find(|l| l.slug() == s || l.label() == s)
-            .ok_or_else(|| Error::InvalidArgument {
-                what: "state",
-                problem: format!(
-                    "{s:?} is none of: {}",
-                    Lifecycle::ALL.map(|l| l.slug()).join(", ")
-                ),
+            .ok_or_else(|| Error::UnknownName {
+                kind: "state",
+                name: s.to_string(),
+                known: Lifecycle::ALL.map(|l| l.slug()).join(", "),
             })
     }
 }

@@ -192,6 +192,10 @@ async fn drop_leftovers(pool: &sqlx::PgPool, prefix: &str) {
 
 /// Defines, for each named `async fn NAME(db: Bmdb)`, a module `NAME` with two tests,
 /// `sqlite` and `postgres`, running the body against a fresh database of each backend.
+///
+/// Kept as a macro on purpose: a test must be a function item the test harness finds, and
+/// this is the one way to make two of them per body without writing both out for every test;
+/// the body itself is a plain function a debugger steps into.
 #[macro_export]
 macro_rules! conformance_tests {
     ($($name:ident),+ $(,)?) => {
@@ -417,15 +421,15 @@ pub async fn explain_claims(
             problem: "query plans are Postgres only".into(),
         });
     };
-    let mut conn = pool.acquire().await?;
+    let mut conn = db.autocommit(pool).await?;
     let mut plans = Vec::new();
     for (name, _, retrieval, search, sql) in
         crate::sql::claims::claim_statement_variants(&loop_rules(provider))
     {
         if name.starts_with("postgres") {
-            let plan =
-                crate::sql::claims::explain_claim(&mut conn, session, &retrieval, &search, &sql)
-                    .await?;
+            let plan = conn
+                .explain_claim(session, &retrieval, &search, &sql)
+                .await?;
             plans.push((name, plan));
         }
     }
@@ -587,17 +591,7 @@ pub async fn provided_by(
 /// a node which became a standby in a failover: every write on it fails with SQLSTATE 25006
 /// while reads still work. Panics on SQLite.
 pub async fn make_a_pooled_connection_read_only(db: &Bmdb) {
-    db.transact(|tx| {
-        Box::pin(async move {
-            let crate::sql::Conn::Postgres(c) = &mut tx.inner else {
-                panic!("only a Postgres connection can become a standby's");
-            };
-            sqlx::query("SET SESSION default_transaction_read_only = on")
-                .execute(&mut **c)
-                .await?;
-            Ok(())
-        })
-    })
-    .await
-    .unwrap();
+    db.transact(|tx| Box::pin(async move { tx.make_connection_read_only().await }))
+        .await
+        .unwrap();
 }

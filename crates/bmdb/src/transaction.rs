@@ -13,7 +13,7 @@ use shepherd_retry::{Delays, Streak};
 use crate::db::{Mode, TxFuture};
 use crate::failover::FailoverMark;
 use crate::metrics::{BmdbMetrics, TransactionEnd};
-use crate::tx::Tx;
+use crate::sql::engine::Tx;
 use crate::{Bmdb, Error, Processor};
 
 /// Attempts per transaction before giving up.
@@ -151,8 +151,8 @@ mod tests {
             Processor::Unknown,
             || {
                 attempts += 1;
-                // A protocol error is not a serialization or lock error: not retried.
-                async { Err(Error::Database(sqlx::Error::Protocol("unexpected".into()))) }
+                // An expired session is no serialization or lock error: not retried.
+                async { Err(Error::SessionExpired) }
             },
         )
         .await;

@@ -4,11 +4,10 @@
 use crate::backoff::{default_interval_seconds, Backoff};
 use crate::db::{Mode, Pools, TxFuture};
 use crate::metrics::WorkResult;
-use crate::sql::claims::{self, ClaimOutcome, ClaimShared, ClaimStrategy};
+use crate::sql::claims::{ClaimOutcome, ClaimShared, ClaimStrategy};
 use crate::sql::endings::EndOutcome;
-use crate::sql::{self, Conn};
+use crate::sql::engine::Tx;
 use crate::transaction::retrying;
-use crate::tx::Tx;
 use crate::{Error, Process, Retrieval, Session};
 use uuid::Uuid;
 
@@ -64,10 +63,7 @@ impl Session {
             // Several statements: one IMMEDIATE transaction, committed only if it claimed.
             Pools::Sqlite { .. } => {
                 let mut tx = self.db().begin(Mode::Write).await?;
-                let Conn::Sqlite(c) = &mut tx.inner else {
-                    unreachable!("a SQLite pool gave a non-SQLite transaction")
-                };
-                let outcome = claims::claim_sqlite(c, session, process, retrieval).await?;
+                let outcome = tx.claim_sqlite(session, process, retrieval).await?;
                 if matches!(outcome, ClaimOutcome::Claimed { .. }) {
                     tx.commit().await?;
                 } else {
@@ -77,9 +73,8 @@ impl Session {
             }
             // One statement, atomic on its own: no BEGIN/COMMIT round trips.
             Pools::Postgres(pool) => {
-                let mut conn = self.db().acquire_pg(pool).await?;
-                claims::claim_pg(
-                    &mut conn,
+                let mut conn = self.db().autocommit(pool).await?;
+                conn.claim(
                     session,
                     process,
                     retrieval,
@@ -205,8 +200,7 @@ impl Work {
             self.session.processor(),
             || async move {
                 let mut tx = db.begin(Mode::Write).await?;
-                let outcome =
-                    sql::endings::finish_work(&mut tx.inner, session, machine, process).await?;
+                let outcome = tx.finish_work(session, machine, process).await?;
                 if outcome == EndOutcome::Done {
                     let pending = (commit.lock().expect("a commit function panicked"))(&mut tx);
                     pending.await?;
@@ -243,16 +237,8 @@ impl Work {
             .run(self.session.processor(), Mode::Write, None, |tx| {
                 let cause = cause.clone();
                 Box::pin(async move {
-                    sql::endings::fail_work(
-                        &mut tx.inner,
-                        session,
-                        machine,
-                        process,
-                        &cause,
-                        interval,
-                        delay,
-                    )
-                    .await
+                    tx.fail_work(session, machine, process, &cause, interval, delay)
+                        .await
                 })
             })
             .await?;
@@ -279,7 +265,7 @@ impl Work {
                 self.state = State::Lost;
                 Err(Error::WorkLost {
                     machine_id: self.machine_id,
-                    process: self.process,
+                    process: self.process.as_str(),
                 })
             }
         }
@@ -302,9 +288,7 @@ async fn cancel(session: &Session, machine: Uuid, process: Process) -> Result<()
     let released = session
         .db()
         .run(session.processor(), Mode::Write, None, |tx| {
-            Box::pin(
-                async move { sql::endings::cancel_work(&mut tx.inner, id, machine, process).await },
-            )
+            Box::pin(async move { tx.cancel_work(id, machine, process).await })
         })
         .await?;
     if released {

@@ -441,6 +441,7 @@ mod tests {
         let unknown = shepherd_bmdb::Error::UnknownName {
             kind: "Process",
             name: "ShepherdFuture".into(),
+            known: String::new(),
         };
         assert_eq!(policy(unknown.into()), OnError::Backoff(configured));
         let OnError::Backoff(soon) = policy(TakeoverFailure::NoAddress) else {

@@ -24,6 +24,7 @@ pub mod retention;
 pub mod retry;
 pub mod runner;
 pub mod settings;
+pub mod static_inventory;
 pub mod static_provider;
 pub mod tasks;
 #[cfg(feature = "testing")]

@@ -9,7 +9,7 @@ use shepherd_bmdb::{
 use uuid::Uuid;
 
 use crate::redfish::BmcError;
-use crate::static_provider::InventoryError;
+use crate::static_inventory::InventoryError;
 
 /// Whether a machine the provider lists is ours.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

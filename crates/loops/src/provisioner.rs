@@ -268,6 +268,7 @@ mod tests {
         let unknown = shepherd_bmdb::Error::UnknownName {
             kind: "Provider",
             name: "x".into(),
+            known: String::new(),
         };
         assert!(!ProvisionerError::Bmdb(unknown).is_bmdb_unavailable());
         let disagree = ProvisionerError::Reconcile(ReconcileError::Discrepancy(vec![]));

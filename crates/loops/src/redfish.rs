@@ -233,9 +233,8 @@ impl BmcEntry {
             return Ok(text.lines().next().unwrap_or_default().to_string());
         }
         if let Some(var) = &self.password_env {
-            return std::env::var(var).map_err(|_| {
-                InvalidSetting::new(format!("BMC password variable {var}"), "is not set")
-            });
+            return std::env::var(var)
+                .map_err(|_| InvalidSetting::new(format!("BMC PasswordEnv {var}"), "is not set"));
         }
         Err(self.no_password_source())
     }
@@ -632,7 +631,7 @@ mod tests {
         e.password_env = Some("SHEPHERD_TEST_SURELY_UNSET_VARIABLE".into());
         let text = check(e);
         assert!(
-            text.contains("SHEPHERD_TEST_SURELY_UNSET_VARIABLE is not set"),
+            text.contains("PasswordEnv SHEPHERD_TEST_SURELY_UNSET_VARIABLE: is not set"),
             "{text}"
         );
         let mut e = entry("https://bmc.test", Some(good_pw.clone()));

@@ -455,8 +455,8 @@ async fn repeated_reboots_back_off_and_stop_at_the_cap(db: Bmdb) {
 }
 
 async fn a_reboot_wait_holds_no_worker(db: Bmdb) {
-    // Machines take an hour to come back. The recoverer (one worker) used to sleep through
-    // that hour holding the machine's lock, rebooting one machine an hour.
+    // Machines take an hour to come back. A recoverer (one worker) that slept through that
+    // hour holding the machine's lock would reboot one machine an hour.
     let hour = Duration::from_secs(3600);
     let fleet = silent_fleet(hour);
     take_over(&db, &fleet).await;

@@ -5,8 +5,7 @@ use anyhow::{bail, Context, Result};
 use clap::Subcommand;
 use serde_json::Value;
 use shepherd_bmdb::{
-    ActionOutcome, Bmdb, Lifecycle, Operator, OsInstallationRequest, Process, Processor, Session,
-    SessionConfig, TxFuture,
+    ActionOutcome, Bmdb, Lifecycle, Operator, Process, Processor, Session, SessionConfig, TxFuture,
 };
 use shepherd_proto::bmaas as proto;
 use shepherd_proto::Message;
@@ -130,6 +129,9 @@ pub enum MachinesCommand {
         /// Block device (or file) the agent writes the image to.
         #[arg(long)]
         device: String,
+        /// Who asks, and why (recorded in the machine's operators' history).
+        #[command(flatten)]
+        who: WhoArgs,
     },
 }
 
@@ -490,50 +492,33 @@ async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
             image,
             sha256,
             device,
+            who,
         } => {
             validate_image(&image, &sha256, &device)?;
-            let sha256 = sha256.to_ascii_lowercase();
-            let generation = db
-                .transact(move |tx| {
-                    let (image, sha256, device) = (image.clone(), sha256.clone(), device.clone());
-                    Box::pin(async move {
-                        if !tx.machine_exists(id).await? {
-                            return Ok(None);
-                        }
-                        let generation = tx
-                            .os_installation_request(id)
-                            .await?
-                            .map_or(1, |r| r.generation + 1);
-                        let raw = proto::OsInstallationRequest {
-                            generation,
-                            r#type: Some(proto::os_installation_request::Type::Image(
-                                proto::ImageInstallationRequest {
-                                    url: image,
-                                    sha256,
-                                    target_device: device,
-                                },
-                            )),
-                        }
-                        .encode_to_vec();
-                        tx.set_os_installation_request(
-                            id,
-                            &OsInstallationRequest {
-                                generation,
-                                request_raw: raw,
-                            },
-                        )
-                        .await?;
-                        Ok(Some(generation))
-                    })
-                })
-                .await?;
-            match generation {
-                Some(g) => println!(
-                    "machine {id}: installation request generation {g} recorded; the agent \
+            let who = who.operator(false)?;
+            let image = proto::ImageInstallationRequest {
+                url: image,
+                sha256: sha256.to_ascii_lowercase(),
+                target_device: device,
+            };
+            let request = move |generation| {
+                proto::OsInstallationRequest {
+                    generation,
+                    r#type: Some(proto::os_installation_request::Type::Image(image.clone())),
+                }
+                .encode_to_vec()
+            };
+            let outcome = as_operator(db, move |s| {
+                Box::pin(async move { s.request_installation(id, &who, request).await })
+            })
+            .await?;
+            report(db, id, outcome, "", |generation| {
+                format!(
+                    "installation request generation {generation} recorded; the agent \
                      receives it with its next heartbeat"
-                ),
-                None => bail!("machine {id} does not exist"),
-            }
+                )
+            })
+            .await?;
         }
     }
     Ok(())

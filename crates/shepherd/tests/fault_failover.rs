@@ -4,7 +4,7 @@
 //!
 //! Three ways the primary goes away: its postmaster killed (SIGKILL), the whole node killed
 //! (Patroni too, so the leader key must expire), and a planned `patronictl switchover`. What
-//! must hold in each (issue 29): no two sessions ever hold the same work; no work ends Failed
+//! must hold in each: no two sessions ever hold the same work; no work ends Failed
 //! (the simulated fleet injects no failure, and a failover is the database's unavailability:
 //! work is released, not failed); every machine is provided and taken over once by the end;
 //! each replica commits again within 5 s of HAProxy reaching the new primary; no replica sees

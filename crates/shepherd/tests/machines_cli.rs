@@ -255,6 +255,10 @@ async fn install_requests_bump_the_generation_and_bad_ones_are_refused() {
                 sha,
                 "--device",
                 device,
+                "--by",
+                "dave",
+                "--reason",
+                "new image",
             ],
         )
     };
@@ -280,6 +284,12 @@ async fn install_requests_bump_the_generation_and_bad_ones_are_refused() {
             shown["installation_request"]["request"],
             format!("image https://images.example/os.img (sha256 {sha}) onto /dev/sda")
         );
+        // Each request is in the machine's operators' history, with who asked and why.
+        let actions = shown["operator_actions"].as_array().unwrap();
+        let last = actions.last().expect("the install action is recorded");
+        assert_eq!(last["action"], "install", "{last}");
+        assert_eq!(last["by"], "dave", "{last}");
+        assert_eq!(last["reason"], "new image", "{last}");
     }
     // The request is what the BMaaS server hands the agent.
     let request =

@@ -592,7 +592,7 @@ async fn deploy_examples_are_valid() {
     // The example's BMC password file and variable exist only on a real host, so only the
     // text is checked here (`run` also checks what the entries name at start-up).
     let inventory = std::fs::read(deploy.join("single-site-sqlite/inventory.json")).unwrap();
-    let entries = shepherd_loops::static_provider::parse_inventory(&inventory).unwrap();
+    let entries = shepherd_loops::static_inventory::parse_inventory(&inventory).unwrap();
     assert_eq!(entries.len(), 3);
 }
 

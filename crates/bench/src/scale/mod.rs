@@ -1,4 +1,4 @@
-//! Fleet-scale benchmark (issue 14). Each figure is measured in the run that writes it, next
+//! Fleet-scale benchmark. Each figure is measured in the run that writes it, next
 //! to its baseline:
 //! - the static provider's lookup in a 100,000-machine inventory, against re-reading and
 //!   re-parsing the inventory per lookup (what the provider did before it indexed by id);
@@ -23,7 +23,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use shepherd_bmdb::Provider as ProviderKind;
 use shepherd_loops::provider::Provider;
-use shepherd_loops::static_provider::{parse_inventory, StaticProvider};
+use shepherd_loops::static_inventory::parse_inventory;
+use shepherd_loops::static_provider::StaticProvider;
 
 /// The parts of the benchmark.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -344,7 +345,7 @@ fn demo(shepherd: &Path, machines: usize, timeout: Duration) -> Result<DemoRun> 
     let mut peak_kib = 0u64;
     let deadline = Instant::now() + timeout + Duration::from_secs(30);
     loop {
-        if let Some(kib) = vm_hwm_kib(pid) {
+        if let Some(kib) = crate::stats::vm_hwm_kib(pid) {
             peak_kib = peak_kib.max(kib);
         }
         if child.try_wait()?.is_some() {
@@ -364,15 +365,6 @@ fn demo(shepherd: &Path, machines: usize, timeout: Duration) -> Result<DemoRun> 
         converged_in,
         peak_rss_mb: peak_kib as f64 / 1024.0,
     })
-}
-
-/// The peak resident set size of a live process.
-fn vm_hwm_kib(pid: u32) -> Option<u64> {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()?
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
 /// The demo's "time to converge" summary line, e.g. `time to converge  12.3 s`.

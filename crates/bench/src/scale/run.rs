@@ -83,7 +83,7 @@ async fn watch(child: &mut std::process::Child, db: &Bmdb, spec: &RunSpec) -> Re
         if let Some(status) = child.try_wait()? {
             bail!("shepherd run exited early: {status}");
         }
-        peak_kib = peak_kib.max(super::vm_hwm_kib(pid).unwrap_or(0));
+        peak_kib = peak_kib.max(crate::stats::vm_hwm_kib(pid).unwrap_or(0));
         Ok(())
     };
     let n = spec.machines as i64;

@@ -2,8 +2,8 @@
 //! (each pass, a different twentieth of them has moved, so every pass writes), while worker
 //! sessions make small writes back to back, as loops and the BMaaS server do, and keep their
 //! sessions alive. Measured: the longest any write transaction waited for the writer, and how
-//! many sessions expired. The baseline is the updater as it was before issue 14: the whole
-//! listing compared and written inside one write transaction.
+//! many sessions expired. The baseline is an updater that compares and writes the whole
+//! listing inside one write transaction.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -182,7 +182,7 @@ pub async fn run(
     Ok(run)
 }
 
-/// The updater before issue 14: read every provided row and write the changes in one write
+/// The baseline updater: read every provided row and write the changes in one write
 /// transaction, holding the writer throughout.
 async fn one_transaction_update(
     session: &shepherd_bmdb::Session,

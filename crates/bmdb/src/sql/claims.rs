@@ -12,7 +12,8 @@ use sqlx::sqlite::SqliteArguments;
 use sqlx::{Acquire, PgConnection, Postgres, Sqlite};
 use uuid::Uuid;
 
-use super::{is_sqlstate, on_engine, secs_us, sessions, Conn, Dialects, Result, SqliteTx};
+use super::engine::{is_sqlstate, secs_us, Arg, Autocommit, Conn, Dialects, Result, SqliteTx, Tx};
+use super::sessions;
 use crate::claim_hints::{ClaimHints, HintKey};
 use crate::eligibility::{exclusion_list, Retrieval};
 use crate::metrics::{BmdbMetrics, ClaimSearch};
@@ -157,22 +158,83 @@ fn bind_sqlite<'q, O>(
     }
 }
 
-/// Eligible machines in id order, at most `limit` (an operator's listing).
-pub(crate) async fn eligible(
-    conn: &mut Conn,
-    process: Process,
-    retrieval: &Retrieval,
-    limit: i64,
-) -> Result<Vec<Uuid>> {
-    match conn {
-        Conn::Postgres(c) => eligible_pg(c, process, retrieval, limit).await,
-        Conn::Sqlite(c) => {
-            let sql = eligible_sql(process, retrieval, Flavor::Sqlite);
-            let q = sqlx::query_as::<_, (Uuid,)>(&sql).bind(limit);
-            let rows = bind_sqlite(q, c.now, retrieval)
-                .fetch_all(&mut *c.tx)
-                .await?;
-            Ok(rows.into_iter().map(|(id,)| id).collect())
+impl Tx {
+    /// Machines `process` may claim under `retrieval`, in id order, at most `limit` (an
+    /// operator's listing).
+    pub async fn eligible_machines(
+        &mut self,
+        process: Process,
+        retrieval: &Retrieval,
+        limit: i64,
+    ) -> Result<Vec<Uuid>> {
+        match self.conn() {
+            Conn::Postgres(c) => eligible_pg(c, process, retrieval, limit).await,
+            Conn::Sqlite(c) => {
+                let sql = eligible_sql(process, retrieval, Flavor::Sqlite);
+                let q = sqlx::query_as::<_, (Uuid,)>(&sql).bind(limit);
+                let rows = bind_sqlite(q, c.now, retrieval)
+                    .fetch_all(&mut *c.tx)
+                    .await?;
+                Ok(rows.into_iter().map(|(id,)| id).collect())
+            }
+        }
+    }
+
+    /// How many machines [`Tx::eligible_machines`] would return without a limit (the loops'
+    /// backlog gauges).
+    pub async fn count_eligible(&mut self, process: Process, retrieval: &Retrieval) -> Result<i64> {
+        let count = |flavor| {
+            format!(
+                "SELECT count(*) FROM machine_provided p WHERE {}",
+                eligibility(process, retrieval, 1, flavor)
+            )
+        };
+        let row: (i64,) = match self.conn() {
+            Conn::Postgres(c) => {
+                let sql = count(Flavor::Postgres(Shape::Join));
+                bind_pg(sqlx::query_as(&sql), retrieval)
+                    .fetch_one(&mut **c)
+                    .await?
+            }
+            Conn::Sqlite(c) => {
+                let sql = count(Flavor::Sqlite);
+                bind_sqlite(sqlx::query_as(&sql), c.now, retrieval)
+                    .fetch_one(&mut *c.tx)
+                    .await?
+            }
+        };
+        Ok(row.0)
+    }
+
+    /// The provider's machines whose agent was started (or that a recovery rebooted and
+    /// whose agent is not back yet), and how many of them heartbeated within `fresh_within`:
+    /// the recoverer's brake. Machines still being brought in have no agent to be silent, and
+    /// are no evidence of a failing server or network.
+    pub async fn count_heartbeating(
+        &mut self,
+        provider: Provider,
+        fresh_within: std::time::Duration,
+    ) -> Result<(i64, i64)> {
+        let args = [
+            Arg::Text(provider.as_str()),
+            Arg::Span(fresh_within),
+            Arg::Now,
+        ];
+        let row: Option<(i64, i64)> = self.conn().row(&COUNT_HEARTBEATING, &args).await?;
+        Ok(row.unwrap_or((0, 0)))
+    }
+
+    /// Claims the first eligible machine from a random point, in this SQLite write
+    /// transaction (see [`claim_sqlite`]); the caller commits only if it claimed.
+    pub(crate) async fn claim_sqlite(
+        &mut self,
+        session: Uuid,
+        process: Process,
+        retrieval: &Retrieval,
+    ) -> Result<ClaimOutcome> {
+        match self.conn() {
+            Conn::Sqlite(c) => claim_sqlite(c, session, process, retrieval).await,
+            Conn::Postgres(_) => unreachable!("Postgres claims run outside a transaction"),
         }
     }
 }
@@ -196,35 +258,6 @@ async fn eligible_pg(
     Ok(rows.into_iter().map(|(id,)| id).collect())
 }
 
-/// How many machines are eligible (the loops' backlog gauges).
-pub(crate) async fn count_eligible(
-    conn: &mut Conn,
-    process: Process,
-    retrieval: &Retrieval,
-) -> Result<i64> {
-    let count = |flavor| {
-        format!(
-            "SELECT count(*) FROM machine_provided p WHERE {}",
-            eligibility(process, retrieval, 1, flavor)
-        )
-    };
-    let row: (i64,) = match conn {
-        Conn::Postgres(c) => {
-            let sql = count(Flavor::Postgres(Shape::Join));
-            bind_pg(sqlx::query_as(&sql), retrieval)
-                .fetch_one(&mut **c)
-                .await?
-        }
-        Conn::Sqlite(c) => {
-            let sql = count(Flavor::Sqlite);
-            bind_sqlite(sqlx::query_as(&sql), c.now, retrieval)
-                .fetch_one(&mut *c.tx)
-                .await?
-        }
-    };
-    Ok(row.0)
-}
-
 const COUNT_HEARTBEATING: Dialects = Dialects {
     postgres: "SELECT count(*), count(h.machine_id)
                       FILTER (WHERE h.heartbeat_at > now() - make_interval(secs => $2))
@@ -245,30 +278,13 @@ const COUNT_HEARTBEATING: Dialects = Dialects {
                                  WHERE r.machine_id = p.machine_id))",
 };
 
-/// A provider's machines whose agent was started (or that a recovery rebooted and whose agent
-/// is not back yet), and how many of them heartbeated within `fresh_within`: the recoverer's
-/// brake. Machines still being brought in have no agent to be silent, and are no evidence of a
-/// failing server or network.
-pub(crate) async fn count_heartbeating(
-    conn: &mut Conn,
-    provider: Provider,
-    fresh_within: std::time::Duration,
-) -> Result<(i64, i64)> {
-    on_engine!(conn, |c, e| {
-        let q = sqlx::query_as(e.sql(&COUNT_HEARTBEATING))
-            .bind(provider.as_str())
-            .bind(e.span(fresh_within));
-        Ok(e.with_now(q).fetch_one(c).await?)
-    })
-}
-
 // ---------------------------------------------------------------------------------------------
 // Claims on SQLite
 
 /// Claims the first eligible machine from a random point. The transaction holds SQLite's write
 /// lock from its first statement (`BEGIN IMMEDIATE`), so there are no concurrent claimers to
 /// lose against; the caller commits only if it claimed.
-pub(crate) async fn claim_sqlite(
+async fn claim_sqlite(
     c: &mut SqliteTx,
     session: Uuid,
     process: Process,
@@ -411,7 +427,41 @@ impl Search {
 /// fleet. If neither yields a machine to lock, the last statement searches the whole provider
 /// (wrapping around) with a join-shaped query the planner can run as an anti-join, which stays
 /// cheap when eligible machines are rare or absent, and leaves its other candidates as hints.
-pub(crate) async fn claim_pg(
+impl Autocommit {
+    /// See [`claim_pg`].
+    pub(crate) async fn claim(
+        &mut self,
+        session: Uuid,
+        process: Process,
+        retrieval: &Retrieval,
+        strategy: ClaimStrategy,
+        shared: &ClaimShared<'_>,
+    ) -> Result<ClaimOutcome> {
+        claim_pg(self.conn(), session, process, retrieval, strategy, shared).await
+    }
+
+    /// The executed query plan (`EXPLAIN ANALYZE`, one line a row) of a Postgres claim
+    /// statement with its parameters bound as a claim binds them, in a transaction rolled
+    /// back afterwards so the claim it makes is undone. For the query-plan test.
+    #[cfg(feature = "testing")]
+    pub(crate) async fn explain_claim(
+        &mut self,
+        session: Uuid,
+        retrieval: &Retrieval,
+        search: &Search,
+        sql: &str,
+    ) -> Result<Vec<String>> {
+        let explain = format!("EXPLAIN (ANALYZE, TIMING OFF) {sql}");
+        let mut tx = self.conn().begin().await?;
+        let rows: Vec<(String,)> = bind_claim(sqlx::query_as(&explain), session, search, retrieval)
+            .fetch_all(&mut *tx)
+            .await?;
+        tx.rollback().await?;
+        Ok(rows.into_iter().map(|(line,)| line).collect())
+    }
+}
+
+async fn claim_pg(
     conn: &mut PgConnection,
     session: Uuid,
     process: Process,
@@ -687,24 +737,4 @@ pub(crate) fn claim_statement_variants(
         }
     }
     out
-}
-
-/// The executed query plan (`EXPLAIN ANALYZE`, one line a row) of a Postgres claim
-/// statement with its parameters bound as a claim binds them, in a transaction rolled back
-/// afterwards so the claim it makes is undone. For the query-plan test.
-#[cfg(feature = "testing")]
-pub(crate) async fn explain_claim(
-    c: &mut PgConnection,
-    session: Uuid,
-    retrieval: &Retrieval,
-    search: &Search,
-    sql: &str,
-) -> Result<Vec<String>> {
-    let explain = format!("EXPLAIN (ANALYZE, TIMING OFF) {sql}");
-    let mut tx = c.begin().await?;
-    let rows: Vec<(String,)> = bind_claim(sqlx::query_as(&explain), session, search, retrieval)
-        .fetch_all(&mut *tx)
-        .await?;
-    tx.rollback().await?;
-    Ok(rows.into_iter().map(|(line,)| line).collect())
 }

@@ -1,9 +1,9 @@
 //! Operators' actions on machines: maintenance, decommissioning and the operators' history
-//! (`operator_actions`), each statement once for both engines.
+//! (`operator_actions`), each statement once for both engines, as methods of [`Tx`].
 
 use uuid::Uuid;
 
-use super::{from_columns, on_engine, row_by_key, rows_by_key, Conn, Dialects, Result};
+use super::engine::{from_columns, Arg, Dialects, Result, Tx};
 use crate::model::*;
 
 const SET_MAINTENANCE: Dialects = Dialects {
@@ -47,173 +47,139 @@ const CANCEL_MACHINE_WORK: Dialects = Dialects {
                FROM work WHERE machine_id = $1",
 };
 
-/// Puts the machine in maintenance unless it is; true if this call did. Bumps the machine's
-/// claim count, so a Postgres claim that read the machine before this commit cannot lock it
-/// after (its claim-count check fails): once this commits, no new work starts on the machine.
-pub(crate) async fn set_maintenance(conn: &mut Conn, id: Uuid, who: &Operator) -> Result<bool> {
-    let done = on_engine!(conn, |c, e| {
-        let done = e
-            .with_now(
-                sqlx::query(e.sql(&SET_MAINTENANCE))
-                    .bind(id)
-                    .bind(&who.by)
-                    .bind(&who.reason),
-            )
-            .execute(&mut *c)
-            .await?;
-        Result::Ok(done.rows_affected() > 0)
-    })?;
-    if !done {
-        return Ok(false);
+impl Tx {
+    /// Puts the machine in maintenance unless it is; true if this call did. Bumps the
+    /// machine's claim count, so a Postgres claim that read the machine before this commit
+    /// cannot lock it after (its claim-count check fails): once this commits, no new work
+    /// starts on the machine.
+    pub(crate) async fn set_maintenance(&mut self, id: Uuid, who: &Operator) -> Result<bool> {
+        let args = [
+            Arg::Uuid(id),
+            Arg::Text(&who.by),
+            Arg::Text(&who.reason),
+            Arg::Now,
+        ];
+        if self.conn().execute(&SET_MAINTENANCE, &args).await? == 0 {
+            return Ok(false);
+        }
+        self.fence_claims(id).await?;
+        Ok(true)
     }
-    fence_claims(conn, id).await?;
-    Ok(true)
-}
 
-/// Locks the machine's row until the transaction ends and bumps its claim count: a Postgres
-/// claim that holds the row finishes first, one that read the machine before cannot lock it
-/// after (its claim-count check fails), and later ones see what this transaction wrote.
-async fn fence_claims(conn: &mut Conn, id: Uuid) -> Result<()> {
-    on_engine!(conn, |c, _| {
-        sqlx::query("UPDATE machines SET claim_count = claim_count + 1 WHERE machine_id = $1")
-            .bind(id)
-            .execute(c)
+    /// Locks the machine's row until the transaction ends and bumps its claim count: a
+    /// Postgres claim that holds the row finishes first, one that read the machine before
+    /// cannot lock it after (its claim-count check fails), and later ones see what this
+    /// transaction wrote.
+    async fn fence_claims(&mut self, id: Uuid) -> Result<()> {
+        let sql = "UPDATE machines SET claim_count = claim_count + 1 WHERE machine_id = $1";
+        self.conn().execute(sql, &[Arg::Uuid(id)]).await?;
+        Ok(())
+    }
+
+    /// Ends the machine's maintenance; true if it was in maintenance.
+    pub(crate) async fn clear_maintenance(&mut self, id: Uuid) -> Result<bool> {
+        let sql = "DELETE FROM machine_maintenance WHERE machine_id = $1";
+        Ok(self.conn().execute(sql, &[Arg::Uuid(id)]).await? > 0)
+    }
+
+    /// The machine's maintenance, if an operator put it in maintenance.
+    pub async fn maintenance(&mut self, id: Uuid) -> Result<Option<Maintenance>> {
+        let sql = "SELECT since, actor, reason FROM machine_maintenance WHERE machine_id = $1";
+        self.conn().row(sql, &[Arg::Uuid(id)]).await
+    }
+
+    /// Appends an entry to the operators' history.
+    pub(crate) async fn record_action(
+        &mut self,
+        id: Uuid,
+        action: OperatorAction,
+        process: Option<Process>,
+        who: &Operator,
+        session: Option<Uuid>,
+    ) -> Result<()> {
+        let args = [
+            Arg::Uuid(id),
+            Arg::Text(action.as_str()),
+            Arg::OptText(process.map(|p| p.as_str())),
+            Arg::Text(&who.by),
+            Arg::Text(&who.reason),
+            Arg::OptUuid(session),
+            Arg::Now,
+        ];
+        self.conn().execute(&RECORD_ACTION, &args).await?;
+        Ok(())
+    }
+
+    /// The operators' history of a machine, oldest first.
+    pub async fn machine_actions(&mut self, id: Uuid) -> Result<Vec<ActionEntry>> {
+        let sql = "SELECT id, machine_id, action, process, at, actor, reason FROM operator_actions
+                   WHERE machine_id = $1 ORDER BY id";
+        self.conn().rows(sql, &[Arg::Uuid(id)]).await
+    }
+
+    /// Removes the machine: claims are fenced off first, its provider id is barred (if it has
+    /// one, with whether the provider is to tear it down), every lock it holds ends as
+    /// Canceled with `cause`, and the machine row goes with every tag, lock and backoff (they
+    /// cascade). History is not tied to the row and stays.
+    pub(crate) async fn decommission(
+        &mut self,
+        id: Uuid,
+        who: &Operator,
+        undeploy: bool,
+        cause: &str,
+    ) -> Result<()> {
+        self.fence_claims(id).await?;
+        let conn = self.conn();
+        let bar = [
+            Arg::Uuid(id),
+            Arg::Text(&who.by),
+            Arg::Text(&who.reason),
+            Arg::Bool(undeploy),
+            Arg::Now,
+        ];
+        conn.execute(&DECOMMISSION, &bar).await?;
+        let cancel = [Arg::Uuid(id), Arg::Text(cause), Arg::Now];
+        conn.execute(&CANCEL_MACHINE_WORK, &cancel).await?;
+        let id = [Arg::Uuid(id)];
+        conn.execute("DELETE FROM work WHERE machine_id = $1", &id)
+            .await?;
+        conn.execute("DELETE FROM machines WHERE machine_id = $1", &id)
             .await?;
         Ok(())
-    })
-}
+    }
 
-/// Ends the machine's maintenance; true if it was in maintenance.
-pub(crate) async fn clear_maintenance(conn: &mut Conn, id: Uuid) -> Result<bool> {
-    on_engine!(conn, |c, _| {
-        let done = sqlx::query("DELETE FROM machine_maintenance WHERE machine_id = $1")
-            .bind(id)
-            .execute(c)
-            .await?;
-        Ok(done.rows_affected() > 0)
-    })
-}
+    /// The decommissioning record of a machine id, if it was decommissioned.
+    pub async fn decommissioned(&mut self, id: Uuid) -> Result<Option<Decommissioned>> {
+        let sql = "SELECT provider, provider_id, machine_id, at, actor, reason, undeploy
+                     FROM decommissioned WHERE machine_id = $1 ORDER BY at DESC";
+        self.conn().row(sql, &[Arg::Uuid(id)]).await
+    }
 
-pub(crate) async fn maintenance(conn: &mut Conn, id: Uuid) -> Result<Option<Maintenance>> {
-    let sql = "SELECT since, actor, reason FROM machine_maintenance WHERE machine_id = $1";
-    row_by_key(conn, sql, id).await
-}
+    /// Lifts the bar on a decommissioned machine's provider id; true if there was one.
+    pub(crate) async fn recommission(&mut self, id: Uuid) -> Result<bool> {
+        let sql = "DELETE FROM decommissioned WHERE machine_id = $1";
+        Ok(self.conn().execute(sql, &[Arg::Uuid(id)]).await? > 0)
+    }
 
-/// Appends an entry to the operators' history.
-pub(crate) async fn record_action(
-    conn: &mut Conn,
-    id: Uuid,
-    action: OperatorAction,
-    process: Option<Process>,
-    who: &Operator,
-    session: Option<Uuid>,
-) -> Result<()> {
-    on_engine!(conn, |c, e| {
-        let q = sqlx::query(e.sql(&RECORD_ACTION))
-            .bind(id)
-            .bind(action.as_str())
-            .bind(process.map(|p| p.as_str()))
-            .bind(&who.by)
-            .bind(&who.reason)
-            .bind(session);
-        e.with_now(q).execute(c).await?;
-        Ok(())
-    })
-}
+    /// The provider ids of `provider` an operator decommissioned, in id order, each with
+    /// whether the provider is to tear the machine down.
+    pub async fn decommissioned_ids(&mut self, provider: Provider) -> Result<Vec<(String, bool)>> {
+        let sql = "SELECT provider_id, undeploy FROM decommissioned WHERE provider = $1
+                    ORDER BY provider_id";
+        self.conn().rows(sql, &[Arg::Text(provider.as_str())]).await
+    }
 
-/// The operators' history of a machine, oldest first.
-pub(crate) async fn machine_actions(conn: &mut Conn, id: Uuid) -> Result<Vec<ActionEntry>> {
-    let sql = "SELECT id, machine_id, action, process, at, actor, reason FROM operator_actions
-                WHERE machine_id = $1 ORDER BY id";
-    rows_by_key(conn, sql, id).await
-}
-
-/// Removes the machine: claims are fenced off first, its provider id is barred (if it has
-/// one, with whether the provider is to tear it down), every lock it holds ends as Canceled
-/// with `cause`, and the machine row goes with every tag, lock and backoff (they cascade).
-/// History is not tied to the row and stays.
-pub(crate) async fn decommission(
-    conn: &mut Conn,
-    id: Uuid,
-    who: &Operator,
-    undeploy: bool,
-    cause: &str,
-) -> Result<()> {
-    fence_claims(conn, id).await?;
-    on_engine!(conn, |c, e| {
-        let q = sqlx::query(e.sql(&DECOMMISSION))
-            .bind(id)
-            .bind(&who.by)
-            .bind(&who.reason)
-            .bind(undeploy);
-        e.with_now(q).execute(&mut *c).await?;
-        let q = sqlx::query(e.sql(&CANCEL_MACHINE_WORK))
-            .bind(id)
-            .bind(cause);
-        e.with_now(q).execute(&mut *c).await?;
-        sqlx::query("DELETE FROM work WHERE machine_id = $1")
-            .bind(id)
-            .execute(&mut *c)
-            .await?;
-        sqlx::query("DELETE FROM machines WHERE machine_id = $1")
-            .bind(id)
-            .execute(c)
-            .await?;
-        Ok(())
-    })
-}
-
-/// The decommissioning record of a machine id, if it was decommissioned.
-pub(crate) async fn decommissioned(conn: &mut Conn, id: Uuid) -> Result<Option<Decommissioned>> {
-    let sql = "SELECT provider, provider_id, machine_id, at, actor, reason, undeploy
-                 FROM decommissioned WHERE machine_id = $1 ORDER BY at DESC";
-    row_by_key(conn, sql, id).await
-}
-
-/// Lifts the bar on a decommissioned machine's provider id; true if there was one.
-pub(crate) async fn recommission(conn: &mut Conn, id: Uuid) -> Result<bool> {
-    on_engine!(conn, |c, _| {
-        let done = sqlx::query("DELETE FROM decommissioned WHERE machine_id = $1")
-            .bind(id)
-            .execute(c)
-            .await?;
-        Ok(done.rows_affected() > 0)
-    })
-}
-
-/// The provider ids of `provider` that are decommissioned, in id order, each with whether
-/// the provider is to tear the machine down.
-pub(crate) async fn decommissioned_ids(
-    conn: &mut Conn,
-    provider: Provider,
-) -> Result<Vec<(String, bool)>> {
-    on_engine!(conn, |c, _| {
-        Ok(sqlx::query_as(
-            "SELECT provider_id, undeploy FROM decommissioned WHERE provider = $1
-              ORDER BY provider_id",
-        )
-        .bind(provider.as_str())
-        .fetch_all(c)
-        .await?)
-    })
-}
-
-/// Whether this provider id is decommissioned.
-pub(crate) async fn is_decommissioned(
-    conn: &mut Conn,
-    provider: Provider,
-    provider_id: &str,
-) -> Result<bool> {
-    on_engine!(conn, |c, _| {
-        let found: Option<i32> = sqlx::query_scalar(
-            "SELECT 1 FROM decommissioned WHERE provider = $1 AND provider_id = $2",
-        )
-        .bind(provider.as_str())
-        .bind(provider_id)
-        .fetch_optional(c)
-        .await?;
+    /// Whether an operator decommissioned this provider id.
+    pub async fn is_decommissioned(
+        &mut self,
+        provider: Provider,
+        provider_id: &str,
+    ) -> Result<bool> {
+        let sql = "SELECT 1 FROM decommissioned WHERE provider = $1 AND provider_id = $2";
+        let args = [Arg::Text(provider.as_str()), Arg::Text(provider_id)];
+        let found: Option<i32> = self.conn().value(sql, &args).await?;
         Ok(found.is_some())
-    })
+    }
 }
 
 from_columns! {

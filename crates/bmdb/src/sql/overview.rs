@@ -4,8 +4,9 @@
 
 use chrono::{DateTime, Utc};
 
-use super::{on_engine, Conn, DbTime, Dialects, Result};
+use super::engine::{Arg, DbTime, Dialects, Result, Tx};
 use crate::model::{Process, WorkEvent};
+use crate::summary::FleetCounts;
 
 const SNAPSHOT: Dialects = Dialects {
     postgres: "INSERT INTO fleet_counts_history (at, series, machines)
@@ -23,100 +24,93 @@ const ENDINGS_PER_MINUTE: Dialects = Dialects {
               GROUP BY 1, 2, 3 ORDER BY 1, 2, 3",
 };
 
-/// Records `series` (name, machines) as this minute's snapshot unless another process did,
-/// and forgets snapshots from before `keep_after`.
-pub(crate) async fn record_snapshot(
-    conn: &mut Conn,
-    series: &[(&str, i64)],
-    keep_after: DateTime<Utc>,
-) -> Result<()> {
-    on_engine!(conn, |c, e| {
-        for (name, machines) in series {
-            let q = sqlx::query(e.sql(&SNAPSHOT)).bind(*name).bind(*machines);
-            e.with_now(q).execute(&mut *c).await?;
+impl Tx {
+    /// Records the fleet counts as this minute's snapshot (unless another process already
+    /// did) and forgets snapshots older than eight days.
+    pub async fn record_fleet_snapshot(&mut self, counts: &FleetCounts) -> Result<()> {
+        let keep_after = self.now().await? - chrono::Duration::days(8);
+        for (name, machines) in counts.series() {
+            let args = [Arg::Text(name), Arg::Int(machines), Arg::Now];
+            self.conn().execute(&SNAPSHOT, &args).await?;
         }
-        sqlx::query("DELETE FROM fleet_counts_history WHERE at < $1")
-            .bind(DbTime(keep_after))
-            .execute(c)
+        let forget = "DELETE FROM fleet_counts_history WHERE at < $1";
+        self.conn()
+            .execute(forget, &[Arg::Time(keep_after)])
             .await?;
         Ok(())
-    })
-}
+    }
 
-/// Snapshots after `after`, oldest first: (minute, series, machines).
-pub(crate) async fn snapshots(
-    conn: &mut Conn,
-    after: DateTime<Utc>,
-) -> Result<Vec<(DateTime<Utc>, String, i64)>> {
-    let rows: Vec<(DbTime, String, i64)> = on_engine!(conn, |c, _| {
-        sqlx::query_as(
-            "SELECT at, series, machines FROM fleet_counts_history WHERE at > $1
-              ORDER BY at, series",
-        )
-        .bind(DbTime(after))
-        .fetch_all(c)
-        .await?
-    });
-    Ok(rows.into_iter().map(|(t, s, n)| (t.0, s, n)).collect())
-}
+    /// Fleet count snapshots of the last `span`, oldest first: (minute, series, machines).
+    pub async fn fleet_snapshots(
+        &mut self,
+        span: chrono::Duration,
+    ) -> Result<Vec<(DateTime<Utc>, String, i64)>> {
+        let after = self.now().await? - span;
+        let sql = "SELECT at, series, machines FROM fleet_counts_history WHERE at > $1
+                    ORDER BY at, series";
+        let rows: Vec<(DbTime, String, i64)> = self.conn().rows(sql, &[Arg::Time(after)]).await?;
+        Ok(rows.into_iter().map(|(t, s, n)| (t.0, s, n)).collect())
+    }
 
-/// Finished and Failed entries per minute and process after `after`, oldest first.
-pub(crate) async fn endings_per_minute(
-    conn: &mut Conn,
-    after: DateTime<Utc>,
-) -> Result<Vec<(DateTime<Utc>, Process, WorkEvent, i64)>> {
-    let rows: Vec<(DbTime, String, String, i64)> = on_engine!(conn, |c, e| {
-        sqlx::query_as(e.sql(&ENDINGS_PER_MINUTE))
-            .bind(DbTime(after))
-            .fetch_all(c)
-            .await?
-    });
-    rows.into_iter()
-        .map(|(t, p, ev, n)| Ok((t.0, p.parse()?, ev.parse()?, n)))
-        .collect()
-}
+    /// Finished and Failed work per minute and process over the last `span`, oldest first.
+    pub async fn work_endings_per_minute(
+        &mut self,
+        span: chrono::Duration,
+    ) -> Result<Vec<(DateTime<Utc>, Process, WorkEvent, i64)>> {
+        let after = self.now().await? - span;
+        let rows: Vec<EndingsRow> = self
+            .conn()
+            .rows(&ENDINGS_PER_MINUTE, &[Arg::Time(after)])
+            .await?;
+        rows.into_iter()
+            .map(|r| Ok((r.minute.0, r.process.parse()?, r.event.parse()?, r.n)))
+            .collect()
+    }
 
-/// The `limit` most frequent causes of Failed entries after `after`, most frequent first.
-pub(crate) async fn top_failure_causes(
-    conn: &mut Conn,
-    after: DateTime<Utc>,
-    limit: i64,
-) -> Result<Vec<(String, i64)>> {
-    let rows: Vec<(Option<String>, i64)> = on_engine!(conn, |c, _| {
-        sqlx::query_as(
-            "SELECT failed_cause, count(*) AS n FROM work_history
-              WHERE at > $1 AND event = 'Failed'
-              GROUP BY failed_cause ORDER BY n DESC, failed_cause LIMIT $2",
-        )
-        .bind(DbTime(after))
-        .bind(limit)
-        .fetch_all(c)
-        .await?
-    });
-    Ok(rows
-        .into_iter()
-        .map(|(cause, n)| (cause.unwrap_or_default(), n))
-        .collect())
-}
+    /// The `limit` most frequent failure causes of the last `span`, with their counts.
+    pub async fn top_failure_causes(
+        &mut self,
+        span: chrono::Duration,
+        limit: i64,
+    ) -> Result<Vec<(String, i64)>> {
+        let after = self.now().await? - span;
+        let sql = "SELECT failed_cause, count(*) AS n FROM work_history
+                    WHERE at > $1 AND event = 'Failed'
+                    GROUP BY failed_cause ORDER BY n DESC, failed_cause LIMIT $2";
+        let rows: Vec<(Option<String>, i64)> = self
+            .conn()
+            .rows(sql, &[Arg::Time(after), Arg::Int(limit)])
+            .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(cause, n)| (cause.unwrap_or_default(), n))
+            .collect())
+    }
 
-/// Writes one snapshot point at any minute, to build a chart's history.
-#[cfg(feature = "testing")]
-pub(crate) async fn insert_snapshot_raw(
-    conn: &mut Conn,
-    at: DateTime<Utc>,
-    series: &str,
-    machines: i64,
-) -> Result<()> {
-    on_engine!(conn, |c, _| {
-        sqlx::query(
-            "INSERT INTO fleet_counts_history (at, series, machines) VALUES ($1, $2, $3)
-             ON CONFLICT DO NOTHING",
-        )
-        .bind(DbTime(at))
-        .bind(series)
-        .bind(machines)
-        .execute(c)
-        .await?;
+    /// Test support: writes a fleet-count snapshot point at any time (a chart's history).
+    #[cfg(feature = "testing")]
+    pub async fn insert_fleet_snapshot_raw(
+        &mut self,
+        at: DateTime<Utc>,
+        series: &str,
+        machines: i64,
+    ) -> Result<()> {
+        let sql = "INSERT INTO fleet_counts_history (at, series, machines) VALUES ($1, $2, $3)
+                   ON CONFLICT DO NOTHING";
+        let args = [Arg::Time(at), Arg::Text(series), Arg::Int(machines)];
+        self.conn().execute(sql, &args).await?;
         Ok(())
-    })
+    }
+}
+
+/// A row of [`ENDINGS_PER_MINUTE`].
+struct EndingsRow {
+    minute: DbTime,
+    process: String,
+    event: String,
+    n: i64,
+}
+
+super::engine::from_columns! {
+    EndingsRow { minute: get, process: get, event: get, n: get }
 }

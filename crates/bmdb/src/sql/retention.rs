@@ -3,7 +3,7 @@
 
 use chrono::{DateTime, Utc};
 
-use super::{on_engine, Conn, DbTime, Result};
+use super::engine::{Arg, Result, Tx};
 
 /// The history tables retention prunes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -14,36 +14,31 @@ pub(crate) enum HistoryTable {
     Operator,
 }
 
-/// Deletes at most `limit` of the oldest entries older than `before` (older than
-/// `failed_before` for what is kept longest); returns how many went.
-pub(crate) async fn prune(
-    conn: &mut Conn,
-    table: HistoryTable,
-    before: DateTime<Utc>,
-    failed_before: DateTime<Utc>,
-    limit: i64,
-) -> Result<u64> {
-    let sql = match table {
-        HistoryTable::Work => {
-            "DELETE FROM work_history WHERE id IN (
-                SELECT id FROM work_history
-                 WHERE at < $1 AND (event <> 'Failed' OR at < $2)
-                 ORDER BY at LIMIT $3)"
-        }
-        HistoryTable::Operator => {
-            "DELETE FROM operator_actions WHERE id IN (
-                SELECT id FROM operator_actions
-                 WHERE at < $1 AND at < $2
-                 ORDER BY at LIMIT $3)"
-        }
-    };
-    on_engine!(conn, |c, _| {
-        let done = sqlx::query(sql)
-            .bind(DbTime(before))
-            .bind(DbTime(failed_before))
-            .bind(limit)
-            .execute(c)
-            .await?;
-        Ok(done.rows_affected())
-    })
+impl Tx {
+    /// Deletes at most `limit` of the oldest entries older than `before` (older than
+    /// `failed_before` for what is kept longest); returns how many went.
+    pub(crate) async fn prune_oldest(
+        &mut self,
+        table: HistoryTable,
+        before: DateTime<Utc>,
+        failed_before: DateTime<Utc>,
+        limit: i64,
+    ) -> Result<u64> {
+        let sql = match table {
+            HistoryTable::Work => {
+                "DELETE FROM work_history WHERE id IN (
+                    SELECT id FROM work_history
+                     WHERE at < $1 AND (event <> 'Failed' OR at < $2)
+                     ORDER BY at LIMIT $3)"
+            }
+            HistoryTable::Operator => {
+                "DELETE FROM operator_actions WHERE id IN (
+                    SELECT id FROM operator_actions
+                     WHERE at < $1 AND at < $2
+                     ORDER BY at LIMIT $3)"
+            }
+        };
+        let args = [Arg::Time(before), Arg::Time(failed_before), Arg::Int(limit)];
+        self.conn().execute(sql, &args).await
+    }
 }

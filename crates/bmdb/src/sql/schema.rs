@@ -1,7 +1,7 @@
 //! Migrations' bookkeeping: which schema version a database has and which binaries may run on
 //! it, and recording one migration applied.
 
-use super::{on_engine, Conn, Dialects, Result};
+use super::engine::{Arg, Dialects, Engine, Result, Sql, Tx};
 use crate::migrations::SchemaWindow;
 
 /// Advisory lock key serializing concurrent migrations on Postgres ("shepherd" in ASCII).
@@ -37,22 +37,19 @@ const RECORD: Dialects = Dialects {
              VALUES ($1, $2, $4, $3)",
 };
 
-/// The highest applied migration and the oldest binary schema it admits; 0 and 0 for an
-/// empty database. A version recorded without a window admits only its own binaries.
-pub(crate) async fn schema_window(conn: &mut Conn) -> Result<SchemaWindow> {
-    on_engine!(conn, |c, e| {
-        let exists: bool = sqlx::query_scalar(e.sql(&TABLE_EXISTS))
-            .fetch_one(&mut *c)
-            .await?;
-        if !exists {
-            return Ok(SchemaWindow {
-                version: 0,
-                oldest_compatible: 0,
-            });
+impl Tx {
+    /// The highest applied migration and the oldest binary schema it admits; 0 and 0 for an
+    /// empty database. A version recorded without a window admits only its own binaries.
+    pub(crate) async fn schema_window(&mut self) -> Result<SchemaWindow> {
+        let conn = self.conn();
+        let empty = SchemaWindow {
+            version: 0,
+            oldest_compatible: 0,
+        };
+        if conn.value(&TABLE_EXISTS, &[]).await? != Some(true) {
+            return Ok(empty);
         }
-        let windowed: bool = sqlx::query_scalar(e.sql(&HAS_WINDOW))
-            .fetch_one(&mut *c)
-            .await?;
+        let windowed = conn.value(&HAS_WINDOW, &[]).await? == Some(true);
         let sql = if windowed {
             "SELECT version, oldest_compatible FROM bmdb_schema_migrations
               ORDER BY version DESC LIMIT 1"
@@ -60,57 +57,52 @@ pub(crate) async fn schema_window(conn: &mut Conn) -> Result<SchemaWindow> {
             "SELECT version, NULL AS oldest_compatible FROM bmdb_schema_migrations
               ORDER BY version DESC LIMIT 1"
         };
-        let row: Option<(i64, Option<i64>)> = sqlx::query_as(sql).fetch_optional(&mut *c).await?;
+        let row: Option<(i64, Option<i64>)> = conn.row(sql, &[]).await?;
         Ok(match row {
-            None => SchemaWindow {
-                version: 0,
-                oldest_compatible: 0,
-            },
+            None => empty,
             Some((version, oldest)) => SchemaWindow {
                 version,
                 oldest_compatible: oldest.unwrap_or(version),
             },
         })
-    })
-}
-
-/// Makes concurrent migrators wait for each other until the transaction ends. SQLite needs
-/// nothing: a write transaction already holds its single writer lock.
-pub(crate) async fn lock_for_migration(conn: &mut Conn) -> Result<()> {
-    if let Conn::Postgres(c) = conn {
-        sqlx::query("SELECT pg_advisory_xact_lock($1)")
-            .bind(MIGRATION_LOCK)
-            .execute(&mut **c)
-            .await?;
     }
-    Ok(())
-}
 
-/// Runs migration `version`'s `script` and records it under `name`, admitting binaries of
-/// schema `oldest_compatible` and later.
-pub(crate) async fn apply_migration(
-    conn: &mut Conn,
-    version: i64,
-    name: &str,
-    oldest_compatible: i64,
-    script: &str,
-) -> Result<()> {
-    on_engine!(conn, |c, e| {
-        sqlx::raw_sql(e.sql(&CREATE_TABLE)).execute(&mut *c).await?;
-        let windowed: bool = sqlx::query_scalar(e.sql(&HAS_WINDOW))
-            .fetch_one(&mut *c)
-            .await?;
-        if !windowed {
-            sqlx::raw_sql("ALTER TABLE bmdb_schema_migrations ADD COLUMN oldest_compatible BIGINT")
-                .execute(&mut *c)
+    /// Makes concurrent migrators wait for each other until the transaction ends. SQLite
+    /// needs nothing: a write transaction already holds its single writer lock.
+    pub(crate) async fn lock_for_migration(&mut self) -> Result<()> {
+        if self.engine() == Engine::Postgres {
+            let sql = "SELECT pg_advisory_xact_lock($1)";
+            self.conn()
+                .execute(sql, &[Arg::Int(MIGRATION_LOCK)])
                 .await?;
         }
-        sqlx::raw_sql(script).execute(&mut *c).await?;
-        let q = sqlx::query(e.sql(&RECORD))
-            .bind(version)
-            .bind(name)
-            .bind(oldest_compatible);
-        e.with_now(q).execute(&mut *c).await?;
         Ok(())
-    })
+    }
+
+    /// Runs migration `version`'s `script` and records it under `name`, admitting binaries of
+    /// schema `oldest_compatible` and later.
+    pub(crate) async fn apply_migration(
+        &mut self,
+        version: i64,
+        name: &str,
+        oldest_compatible: i64,
+        script: &str,
+    ) -> Result<()> {
+        let engine = self.engine();
+        let conn = self.conn();
+        conn.execute_script(CREATE_TABLE.text(engine)).await?;
+        if conn.value(&HAS_WINDOW, &[]).await? != Some(true) {
+            let add = "ALTER TABLE bmdb_schema_migrations ADD COLUMN oldest_compatible BIGINT";
+            conn.execute_script(add).await?;
+        }
+        conn.execute_script(script).await?;
+        let args = [
+            Arg::Int(version),
+            Arg::Text(name),
+            Arg::Int(oldest_compatible),
+            Arg::Now,
+        ];
+        conn.execute(&RECORD, &args).await?;
+        Ok(())
+    }
 }

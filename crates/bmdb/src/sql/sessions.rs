@@ -1,10 +1,12 @@
 //! Sessions (SPEC §3): creation, keep-alive, liveness, closing, garbage collection, and the
 //! batch of agent heartbeats that Postgres writes as one statement outside a transaction.
 
-use sqlx::{PgConnection, Row};
+use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::{from_columns, on_engine, row_by_key, Conn, Dialects, FromColumns, Result, SqliteTx};
+use super::engine::{
+    from_columns, Arg, Autocommit, Dialects, Engine, FromColumns, Result, SqliteTx, Tx,
+};
 use crate::model::{Process, SessionInfo};
 
 const CREATE: Dialects = Dialects {
@@ -38,47 +40,8 @@ const CANCEL_ALL_WORK: Dialects = Dialects {
                FROM work WHERE session_id = $1",
 };
 
-pub(crate) async fn create_session(
-    conn: &mut Conn,
-    id: Uuid,
-    component: &str,
-    runtime_info: &str,
-    processor: &str,
-    interval_seconds: i64,
-) -> Result<()> {
-    on_engine!(conn, |c, e| {
-        let q = sqlx::query(e.sql(&CREATE))
-            .bind(id)
-            .bind(component)
-            .bind(runtime_info)
-            .bind(processor)
-            .bind(interval_seconds);
-        e.with_now(q).execute(c).await?;
-        Ok(())
-    })
-}
-
-/// Extends a live session's deadline; false if it is gone or already past its deadline.
-pub(crate) async fn poke_session(conn: &mut Conn, id: Uuid) -> Result<bool> {
-    on_engine!(conn, |c, e| {
-        let r = e
-            .with_now(sqlx::query(e.sql(&POKE)).bind(id))
-            .execute(c)
-            .await?;
-        Ok(r.rows_affected() == 1)
-    })
-}
-
-/// Whether the session is alive (see [`CHECK`]).
-pub(crate) async fn check_session(conn: &mut Conn, id: Uuid) -> Result<bool> {
-    match conn {
-        Conn::Sqlite(c) => alive_sqlite(c, id).await,
-        Conn::Postgres(c) => alive_pg(c, id).await,
-    }
-}
-
-/// [`check_session`] inside a SQLite transaction a caller holds as such (claims, endings).
-pub(crate) async fn alive_sqlite(c: &mut SqliteTx, id: Uuid) -> Result<bool> {
+/// Whether the session is alive, in a SQLite transaction a caller holds as such (claims).
+pub(super) async fn alive_sqlite(c: &mut SqliteTx, id: Uuid) -> Result<bool> {
     let row = sqlx::query(CHECK.sqlite)
         .bind(id)
         .bind(c.now)
@@ -87,8 +50,8 @@ pub(crate) async fn alive_sqlite(c: &mut SqliteTx, id: Uuid) -> Result<bool> {
     Ok(row.is_some())
 }
 
-/// [`check_session`] on a Postgres connection, inside a transaction or not.
-pub(crate) async fn alive_pg(c: &mut PgConnection, id: Uuid) -> Result<bool> {
+/// Whether the session is alive, on a Postgres connection inside a transaction or not.
+pub(super) async fn alive_pg(c: &mut PgConnection, id: Uuid) -> Result<bool> {
     let row = sqlx::query(CHECK.postgres)
         .bind(id)
         .fetch_optional(&mut *c)
@@ -96,95 +59,129 @@ pub(crate) async fn alive_pg(c: &mut PgConnection, id: Uuid) -> Result<bool> {
     Ok(row.is_some())
 }
 
-/// Closes a session: its work is recorded as Canceled and released with it.
-pub(crate) async fn delete_session(conn: &mut Conn, id: Uuid) -> Result<()> {
-    on_engine!(conn, |c, e| {
-        e.with_now(sqlx::query(e.sql(&CANCEL_ALL_WORK)).bind(id))
-            .execute(&mut *c)
-            .await?;
-        sqlx::query("DELETE FROM sessions WHERE session_id = $1")
-            .bind(id)
-            .execute(&mut *c)
-            .await?;
+impl Tx {
+    /// Records a new session with a deadline `interval_seconds` from now.
+    pub(crate) async fn create_session(
+        &mut self,
+        id: Uuid,
+        component: &str,
+        runtime_info: &str,
+        processor: &str,
+        interval_seconds: i64,
+    ) -> Result<()> {
+        let args = [
+            Arg::Uuid(id),
+            Arg::Text(component),
+            Arg::Text(runtime_info),
+            Arg::Text(processor),
+            Arg::Int(interval_seconds),
+            Arg::Now,
+        ];
+        self.conn().execute(&CREATE, &args).await?;
         Ok(())
-    })
-}
+    }
 
-/// Deletes expired sessions (their work cascades), recording each lost lock as Canceled.
-/// On Postgres one statement, so that history names exactly the sessions it deleted even if a
-/// concurrent keep-alive races it; SQLite's single writer has no such race.
-pub(crate) async fn collect_garbage(conn: &mut Conn) -> Result<u64> {
-    match conn {
-        Conn::Postgres(c) => {
-            let n: i64 = sqlx::query_scalar(
-                "WITH dead AS (DELETE FROM sessions WHERE deadline < now() RETURNING session_id),
-                 hist AS (
-                    INSERT INTO work_history (machine_id, process, event, at, session_id, failed_cause)
-                    SELECT w.machine_id, w.process, 'Canceled', now(), w.session_id, 'session expired'
-                    FROM work w JOIN dead d ON d.session_id = w.session_id)
-                 SELECT count(*) FROM dead",
-            )
-            .fetch_one(&mut **c)
+    /// Extends a live session's deadline; false if it is gone or already past its deadline.
+    pub(crate) async fn poke_session(&mut self, id: Uuid) -> Result<bool> {
+        let args = [Arg::Uuid(id), Arg::Now];
+        Ok(self.conn().execute(&POKE, &args).await? == 1)
+    }
+
+    /// Whether the session is alive (see [`CHECK`]; on Postgres it then cannot be deleted
+    /// until this transaction ends).
+    pub(crate) async fn session_alive(&mut self, id: Uuid) -> Result<bool> {
+        let row: Option<i32> = self
+            .conn()
+            .value(&CHECK, &[Arg::Uuid(id), Arg::Now])
             .await?;
-            Ok(n as u64)
-        }
-        Conn::Sqlite(c) => {
-            sqlx::query(
-                "INSERT INTO work_history (machine_id, process, event, at, session_id, failed_cause)
-                 SELECT w.machine_id, w.process, 'Canceled', $1, w.session_id, 'session expired'
-                 FROM work w JOIN sessions s ON s.session_id = w.session_id WHERE s.deadline < $1",
-            )
-            .bind(c.now)
-            .execute(&mut *c.tx)
+        Ok(row.is_some())
+    }
+
+    /// Closes a session: its work is recorded as Canceled and released with it.
+    pub(crate) async fn delete_session(&mut self, id: Uuid) -> Result<()> {
+        let conn = self.conn();
+        conn.execute(&CANCEL_ALL_WORK, &[Arg::Uuid(id), Arg::Now])
             .await?;
-            let r = sqlx::query("DELETE FROM sessions WHERE deadline < $1")
-                .bind(c.now)
-                .execute(&mut *c.tx)
-                .await?;
-            Ok(r.rows_affected())
+        conn.execute(
+            "DELETE FROM sessions WHERE session_id = $1",
+            &[Arg::Uuid(id)],
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Deletes expired sessions (their work cascades), recording each lost lock as Canceled;
+    /// returns how many. On Postgres one statement, so that history names exactly the
+    /// sessions it deleted even if a concurrent keep-alive races it; SQLite's single writer
+    /// has no such race.
+    pub(crate) async fn collect_garbage(&mut self) -> Result<u64> {
+        let conn = self.conn();
+        match conn.engine() {
+            Engine::Postgres => {
+                let sql = "WITH dead AS (DELETE FROM sessions WHERE deadline < now() RETURNING session_id),
+                           hist AS (
+                              INSERT INTO work_history (machine_id, process, event, at, session_id, failed_cause)
+                              SELECT w.machine_id, w.process, 'Canceled', now(), w.session_id, 'session expired'
+                              FROM work w JOIN dead d ON d.session_id = w.session_id)
+                           SELECT count(*) FROM dead";
+                let n: Option<i64> = conn.value(sql, &[]).await?;
+                Ok(n.unwrap_or(0) as u64)
+            }
+            Engine::Sqlite => {
+                let record = "INSERT INTO work_history
+                                  (machine_id, process, event, at, session_id, failed_cause)
+                              SELECT w.machine_id, w.process, 'Canceled', $1, w.session_id,
+                                     'session expired'
+                              FROM work w JOIN sessions s ON s.session_id = w.session_id
+                              WHERE s.deadline < $1";
+                conn.execute(record, &[Arg::Now]).await?;
+                let delete = "DELETE FROM sessions WHERE deadline < $1";
+                conn.execute(delete, &[Arg::Now]).await
+            }
         }
+    }
+
+    /// One session by id.
+    pub async fn session(&mut self, id: Uuid) -> Result<Option<SessionInfo>> {
+        let sql = "SELECT * FROM sessions WHERE session_id = $1";
+        self.conn().row(sql, &[Arg::Uuid(id)]).await
+    }
+
+    /// All sessions, oldest first.
+    pub async fn sessions(&mut self) -> Result<Vec<SessionInfo>> {
+        let sql = "SELECT * FROM sessions ORDER BY created_at, session_id";
+        self.conn().rows(sql, &[]).await
+    }
+
+    /// Work held by a session: (machine, process), in machine order.
+    pub async fn session_work(&mut self, session: Uuid) -> Result<Vec<(Uuid, Process)>> {
+        let sql = "SELECT machine_id, process FROM work WHERE session_id = $1
+                   ORDER BY machine_id, process";
+        let rows: Vec<(Uuid, String)> = self.conn().rows(sql, &[Arg::Uuid(session)]).await?;
+        rows.into_iter().map(|(m, p)| Ok((m, p.parse()?))).collect()
+    }
+
+    /// Test support: deletes a session row (its work cascades) behind its owner's back, as a
+    /// partition plus another replica's garbage collection would.
+    #[cfg(feature = "testing")]
+    pub async fn delete_session_raw(&mut self, session: Uuid) -> Result<()> {
+        self.delete_session(session).await
     }
 }
 
-pub(crate) async fn session(conn: &mut Conn, id: Uuid) -> Result<Option<SessionInfo>> {
-    row_by_key(conn, "SELECT * FROM sessions WHERE session_id = $1", id).await
-}
-
-pub(crate) async fn sessions(conn: &mut Conn) -> Result<Vec<SessionInfo>> {
-    on_engine!(conn, |c, _| {
-        let rows = sqlx::query("SELECT * FROM sessions ORDER BY created_at, session_id")
-            .fetch_all(c)
-            .await?;
-        rows.iter().map(SessionInfo::from_columns).collect()
-    })
-}
-
-/// The work a session holds, by machine and process.
-pub(crate) async fn session_work(conn: &mut Conn, session: Uuid) -> Result<Vec<(Uuid, Process)>> {
-    on_engine!(conn, |c, _| {
-        let rows: Vec<(Uuid, String)> = sqlx::query_as(
-            "SELECT machine_id, process FROM work WHERE session_id = $1
-             ORDER BY machine_id, process",
-        )
-        .bind(session)
-        .fetch_all(c)
-        .await?;
-        rows.into_iter().map(|(m, p)| Ok((m, p.parse()?))).collect()
-    })
-}
-
 /// A batch of bare agent heartbeats in one autocommitted Postgres statement (the group commit
-/// of `heartbeats.rs`): session liveness, each agent's key, the heartbeat upserts of those
+/// of `group_commit.rs`): session liveness, each agent's key, the heartbeat upserts of those
 /// authorized (each machine once, in id order so concurrent batches lock alike) and each
 /// machine's pending installation request. Returns one (session alive, key matches, pending
 /// request) per input, in input order; a heartbeat is written only if both hold.
-pub(crate) async fn agent_heartbeats_pg(
-    c: &mut PgConnection,
-    session: Uuid,
-    machines: &[Uuid],
-    keys: &[Vec<u8>],
-) -> Result<Vec<(bool, bool, Option<Vec<u8>>)>> {
-    let rows = sqlx::query(
+impl Autocommit {
+    pub(crate) async fn agent_heartbeats(
+        &mut self,
+        session: Uuid,
+        machines: &[Uuid],
+        keys: &[Vec<u8>],
+    ) -> Result<Vec<(bool, bool, Option<Vec<u8>>)>> {
+        let rows = sqlx::query(
         "WITH alive AS (
              SELECT 1 FROM sessions WHERE session_id = $1 AND deadline > now() FOR KEY SHARE
          ), beats AS (
@@ -210,14 +207,13 @@ pub(crate) async fn agent_heartbeats_pg(
            FROM beats b LEFT JOIN authorized a ON a.n = b.n
           ORDER BY b.n",
     )
-    .bind(session)
-    .bind(machines)
-    .bind(keys)
-    .fetch_all(&mut *c)
-    .await?;
-    rows.iter()
-        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
-        .collect()
+        .bind(session)
+        .bind(machines)
+        .bind(keys)
+        .fetch_all(self.conn())
+        .await?;
+        rows.iter().map(FromColumns::from_columns).collect()
+    }
 }
 
 from_columns! {

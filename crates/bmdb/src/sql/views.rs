@@ -1,10 +1,10 @@
 //! Operators' read-only views: one row of tags per machine, fleet-wide counts, the counts of
 //! `shepherd bmdb status`, hardware reports, and each engine's own integrity checks.
 
-use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use super::{from_us, on_engine, parse_counts, Columns, Conn, Dialects, FromColumns, Result};
+use super::engine::{from_columns, parse_counts, Arg, Columns, Engine, FromColumns, Result, Tx};
+use super::tags::ProvidedRow;
 use crate::model::{Process, Provider};
 use crate::summary::{FleetCounts, MachineSummary};
 
@@ -31,74 +31,79 @@ pub struct StatusCounts {
     pub history_entries: i64,
 }
 
-/// The transaction's notion of the current time (the database clock on Postgres).
-pub(crate) async fn now(conn: &mut Conn) -> Result<DateTime<Utc>> {
-    match conn {
-        Conn::Postgres(c) => Ok(sqlx::query_scalar("SELECT now()")
-            .fetch_one(&mut **c)
-            .await?),
-        Conn::Sqlite(c) => from_us(c.now),
+/// The single-number counts of [`StatusCounts`].
+struct StatusRow {
+    machines: i64,
+    provided: i64,
+    agent_started: i64,
+    heartbeating: i64,
+    sessions_live: i64,
+    sessions_expired: i64,
+    history_entries: i64,
+}
+
+/// The single-number counts of [`FleetCounts`].
+struct FleetRow {
+    machines: i64,
+    maintenance: i64,
+    decommissioned: i64,
+    agent_started: i64,
+    heartbeating: i64,
+    stale: i64,
+    pending_install: i64,
+    installed: i64,
+    install_failed: i64,
+}
+
+/// A row `PRAGMA foreign_key_check` reports: a row of `table` whose `parent` row is missing.
+struct ForeignKeyProblem {
+    table: String,
+    parent: String,
+}
+
+from_columns! {
+    StatusRow {
+        machines: get, provided: get, agent_started: get, heartbeating: get, sessions_live: get,
+        sessions_expired: get, history_entries: get,
+    }
+    FleetRow {
+        machines: get, maintenance: get, decommissioned: get, agent_started: get,
+        heartbeating: get, stale: get, pending_install: get, installed: get, install_failed: get,
+    }
+    ForeignKeyProblem { table: get, parent: get }
+}
+
+/// How each engine reads the transaction's time in a statement whose other parameters are
+/// `params`: Postgres' `now()`, or SQLite's parameter after them ([`Arg::Now`]).
+fn now_in(engine: Engine, params: usize) -> String {
+    match engine {
+        Engine::Postgres => "now()".into(),
+        Engine::Sqlite => format!("${}", params + 1),
     }
 }
 
-const STATUS_COUNTS: Dialects = Dialects {
-    postgres: "SELECT (SELECT count(*) FROM machines), (SELECT count(*) FROM machine_provided),
-                      (SELECT count(*) FROM machine_agent_started),
-                      (SELECT count(*) FROM machine_agent_heartbeat),
-                      (SELECT count(*) FROM sessions WHERE deadline > now()),
-                      (SELECT count(*) FROM sessions WHERE deadline <= now()),
-                      (SELECT count(*) FROM work_history)",
-    sqlite: "SELECT (SELECT count(*) FROM machines), (SELECT count(*) FROM machine_provided),
-                    (SELECT count(*) FROM machine_agent_started),
-                    (SELECT count(*) FROM machine_agent_heartbeat),
-                    (SELECT count(*) FROM sessions WHERE deadline > $1),
-                    (SELECT count(*) FROM sessions WHERE deadline <= $1),
-                    (SELECT count(*) FROM work_history)",
-};
-
-const ACTIVE_BACKOFFS: Dialects = Dialects {
-    postgres: "SELECT process, count(*) FROM work_backoff WHERE until > now()
-                GROUP BY process ORDER BY process",
-    sqlite: "SELECT process, count(*) FROM work_backoff WHERE until > $1
-              GROUP BY process ORDER BY process",
-};
-
-/// Active work rows and active backoffs, per process.
-async fn active_work_counts(conn: &mut Conn) -> Result<(Vec<(Process, i64)>, Vec<(Process, i64)>)> {
-    on_engine!(conn, |c, e| {
-        let work =
-            sqlx::query_as("SELECT process, count(*) FROM work GROUP BY process ORDER BY process")
-                .fetch_all(&mut *c)
-                .await?;
-        let backoffs = e
-            .with_now(sqlx::query_as(e.sql(&ACTIVE_BACKOFFS)))
-            .fetch_all(&mut *c)
-            .await?;
-        Ok((parse_counts(work)?, parse_counts(backoffs)?))
-    })
+/// The time `span` (parameter `$1`) before the transaction's time, in a statement with one
+/// parameter of its own.
+fn span_ago(engine: Engine) -> &'static str {
+    match engine {
+        Engine::Postgres => "now() - make_interval(secs => $1)",
+        Engine::Sqlite => "$2 - $1",
+    }
 }
 
-pub(crate) async fn status_counts(conn: &mut Conn) -> Result<StatusCounts> {
-    type Row = (i64, i64, i64, i64, i64, i64, i64);
-    let (machines, provided, agent_started, heartbeating, live, expired, history): Row =
-        on_engine!(conn, |c, e| {
-            e.with_now(sqlx::query_as(e.sql(&STATUS_COUNTS)))
-                .fetch_one(c)
-                .await?
-        });
-    let (work, backoffs) = active_work_counts(conn).await?;
-    Ok(StatusCounts {
-        machines,
-        provided,
-        agent_started,
-        heartbeating,
-        sessions_live: live,
-        sessions_expired: expired,
-        work,
-        backoffs,
-        history_entries: history,
-    })
-}
+/// The three installation counts of [`FleetCounts`], as upstream's statistics count them:
+/// requests without a report of their generation (pending), requests with one whatever its
+/// result (installed), and of those the ones that report an error (failed).
+const INSTALLATION_COUNTS: &str = "(SELECT count(*) FROM machine_os_installation_request q
+       WHERE NOT EXISTS (SELECT 1 FROM machine_os_installation_report r
+          WHERE r.machine_id = q.machine_id AND r.generation = q.generation)) AS pending_install,
+     (SELECT count(*) FROM machine_os_installation_request q
+       WHERE EXISTS (SELECT 1 FROM machine_os_installation_report r
+          WHERE r.machine_id = q.machine_id AND r.generation = q.generation)) AS installed,
+     (SELECT count(*) FROM machine_os_installation_request q
+       WHERE EXISTS (SELECT 1 FROM machine_os_installation_report r
+          WHERE r.machine_id = q.machine_id AND r.generation = q.generation
+            AND r.result = 'Error')) AS install_failed";
 
 /// One row of tags per machine; `{now}` is where each engine reads the time.
 fn summary_select(now: &str) -> String {
@@ -125,7 +130,7 @@ fn summary_select(now: &str) -> String {
 fn summary_from_row(r: &impl Columns) -> Result<MachineSummary> {
     let provider: Option<String> = r.get("provider")?;
     let provided = match provider {
-        Some(_) => Some(<(Uuid, crate::Provided)>::from_columns(r)?.1),
+        Some(_) => Some(ProvidedRow::from_columns(r)?.1),
         None => None,
     };
     let work: Option<String> = r.get("work")?;
@@ -151,200 +156,191 @@ fn summary_from_row(r: &impl Columns) -> Result<MachineSummary> {
     })
 }
 
-/// The time as [`summary_select`] reads it, after `params` parameters of its own.
-fn summary_now(conn: &Conn, params: usize) -> String {
-    match conn {
-        Conn::Postgres(_) => "now()".into(),
-        Conn::Sqlite(_) => format!("${}", params + 1),
+impl Tx {
+    /// Active work rows and active backoffs, per process.
+    async fn active_work_counts(&mut self) -> Result<(Vec<(Process, i64)>, Vec<(Process, i64)>)> {
+        let engine = self.engine();
+        let conn = self.conn();
+        let work = "SELECT process, count(*) FROM work GROUP BY process ORDER BY process";
+        let work: Vec<(String, i64)> = conn.rows(work, &[]).await?;
+        let backoffs = format!(
+            "SELECT process, count(*) FROM work_backoff WHERE until > {}
+              GROUP BY process ORDER BY process",
+            now_in(engine, 0)
+        );
+        let backoffs: Vec<(String, i64)> = conn.rows(&backoffs, &[Arg::Now]).await?;
+        Ok((parse_counts(work)?, parse_counts(backoffs)?))
+    }
+
+    /// Counts for `shepherd bmdb status`.
+    pub async fn status_counts(&mut self) -> Result<StatusCounts> {
+        let now = now_in(self.engine(), 0);
+        let sql = format!(
+            "SELECT (SELECT count(*) FROM machines) AS machines,
+                    (SELECT count(*) FROM machine_provided) AS provided,
+                    (SELECT count(*) FROM machine_agent_started) AS agent_started,
+                    (SELECT count(*) FROM machine_agent_heartbeat) AS heartbeating,
+                    (SELECT count(*) FROM sessions WHERE deadline > {now}) AS sessions_live,
+                    (SELECT count(*) FROM sessions WHERE deadline <= {now}) AS sessions_expired,
+                    (SELECT count(*) FROM work_history) AS history_entries"
+        );
+        let row: Option<StatusRow> = self.conn().row(&sql, &[Arg::Now]).await?;
+        let row = row.expect("a SELECT without FROM returns one row");
+        let (work, backoffs) = self.active_work_counts().await?;
+        Ok(StatusCounts {
+            machines: row.machines,
+            provided: row.provided,
+            agent_started: row.agent_started,
+            heartbeating: row.heartbeating,
+            sessions_live: row.sessions_live,
+            sessions_expired: row.sessions_expired,
+            work,
+            backoffs,
+            history_entries: row.history_entries,
+        })
+    }
+
+    /// Up to `limit` machines after `after` in id order, each as one row of tags; only those
+    /// of `provider` if given.
+    pub async fn machine_summaries(
+        &mut self,
+        after: Option<Uuid>,
+        provider: Option<Provider>,
+        limit: i64,
+    ) -> Result<Vec<MachineSummary>> {
+        let sql = format!(
+            "{}
+              WHERE ($1 IS NULL OR m.machine_id > $1) AND ($2 IS NULL OR p.provider = $2)
+              ORDER BY m.machine_id LIMIT $3",
+            summary_select(&now_in(self.engine(), 3))
+        );
+        let args = [
+            Arg::OptUuid(after),
+            Arg::OptText(provider.map(|p| p.as_str())),
+            Arg::Int(limit),
+            Arg::Now,
+        ];
+        self.conn().rows(&sql, &args).await
+    }
+
+    /// One machine as one row of tags; `None` if it does not exist.
+    pub async fn machine_summary(&mut self, id: Uuid) -> Result<Option<MachineSummary>> {
+        let sql = format!(
+            "{} WHERE m.machine_id = $1",
+            summary_select(&now_in(self.engine(), 1))
+        );
+        self.conn().row(&sql, &[Arg::Uuid(id), Arg::Now]).await
+    }
+
+    /// Fleet-wide counts for the statistics gauges; heartbeats older than `stale_after` count
+    /// as stale.
+    pub async fn fleet_counts(&mut self, stale_after: chrono::Duration) -> Result<FleetCounts> {
+        let stale_after = stale_after.to_std().unwrap_or_default();
+        let ago = span_ago(self.engine());
+        let sql = format!(
+            "SELECT (SELECT count(*) FROM machines) AS machines,
+                    (SELECT count(*) FROM machine_maintenance) AS maintenance,
+                    (SELECT count(*) FROM decommissioned) AS decommissioned,
+                    (SELECT count(*) FROM machine_agent_started) AS agent_started,
+                    (SELECT count(*) FROM machine_agent_heartbeat
+                      WHERE heartbeat_at > {ago}) AS heartbeating,
+                    (SELECT count(*) FROM machine_agent_heartbeat
+                      WHERE heartbeat_at <= {ago}) AS stale,
+                    {INSTALLATION_COUNTS}"
+        );
+        let args = [Arg::Span(stale_after), Arg::Now];
+        let row: Option<FleetRow> = self.conn().row(&sql, &args).await?;
+        let row = row.expect("a SELECT without FROM returns one row");
+        let provided = "SELECT provider, count(*) FROM machine_provided
+                         GROUP BY provider ORDER BY provider";
+        let provided: Vec<(String, i64)> = self.conn().rows(provided, &[]).await?;
+        let (work, backoffs) = self.active_work_counts().await?;
+        Ok(FleetCounts {
+            machines: row.machines,
+            provided: parse_counts(provided)?,
+            agent_started: row.agent_started,
+            heartbeating: row.heartbeating,
+            stale: row.stale,
+            pending_install: row.pending_install,
+            installed: row.installed,
+            install_failed: row.install_failed,
+            work,
+            backoffs,
+            maintenance: row.maintenance,
+            decommissioned: row.decommissioned,
+        })
+    }
+
+    /// Up to `limit` raw hardware reports of provided machines after machine `after`, with
+    /// the machine's provider and location (as upstream's statistics, machines without a
+    /// `machine_provided` tag are not counted).
+    pub async fn hardware_reports(
+        &mut self,
+        after: Option<Uuid>,
+        limit: i64,
+    ) -> Result<Vec<(Uuid, Provider, Option<String>, Vec<u8>)>> {
+        let sql = "SELECT h.machine_id, p.provider, p.location, h.report_raw
+                     FROM machine_hardware_report h
+                     JOIN machine_provided p ON p.machine_id = h.machine_id
+                    WHERE $1 IS NULL OR h.machine_id > $1 ORDER BY h.machine_id LIMIT $2";
+        let rows: Vec<HardwareRow> = self
+            .conn()
+            .rows(sql, &[Arg::OptUuid(after), Arg::Int(limit)])
+            .await?;
+        rows.into_iter()
+            .map(|r| Ok((r.machine_id, r.provider.parse()?, r.location, r.report_raw)))
+            .collect()
+    }
+
+    /// What the database engine's own consistency checks find wrong (empty when healthy).
+    /// Postgres, without scanning tables: constraints left unvalidated and indexes left
+    /// invalid (a failed concurrent build) in the BMDB's schema. SQLite: `PRAGMA
+    /// integrity_check` (pages, indexes, NOT NULL and CHECK constraints) and `PRAGMA
+    /// foreign_key_check`, as the SQLite linked into this binary sees them (older command-line
+    /// shells misreport WITHOUT ROWID tables).
+    pub async fn integrity_problems(&mut self) -> Result<Vec<String>> {
+        let conn = self.conn();
+        match conn.engine() {
+            Engine::Postgres => {
+                let sql = "SELECT format('constraint %s on %s is not validated', conname, conrelid::regclass)
+                             FROM pg_constraint
+                            WHERE NOT convalidated AND connamespace = current_schema()::regnamespace
+                           UNION ALL
+                           SELECT format('index %s is not valid', indexrelid::regclass)
+                             FROM pg_index JOIN pg_class ON pg_class.oid = indexrelid
+                            WHERE NOT indisvalid AND relnamespace = current_schema()::regnamespace";
+                conn.values(sql, &[]).await
+            }
+            Engine::Sqlite => {
+                let checked: Vec<String> = conn.values("PRAGMA integrity_check", &[]).await?;
+                let mut problems: Vec<String> = checked.into_iter().filter(|r| r != "ok").collect();
+                let orphans: Vec<ForeignKeyProblem> =
+                    conn.rows("PRAGMA foreign_key_check", &[]).await?;
+                problems.extend(
+                    orphans
+                        .into_iter()
+                        .map(|o| format!("a {} row refers to a missing {} row", o.table, o.parent)),
+                );
+                Ok(problems)
+            }
+        }
     }
 }
 
-pub(crate) async fn machine_summaries(
-    conn: &mut Conn,
-    after: Option<Uuid>,
-    provider: Option<Provider>,
-    limit: i64,
-) -> Result<Vec<MachineSummary>> {
-    let sql = format!(
-        "{}
-          WHERE ($1 IS NULL OR m.machine_id > $1) AND ($2 IS NULL OR p.provider = $2)
-          ORDER BY m.machine_id LIMIT $3",
-        summary_select(&summary_now(conn, 3))
-    );
-    on_engine!(conn, |c, e| {
-        let q = sqlx::query(&sql)
-            .bind(after)
-            .bind(provider.map(|p| p.as_str()))
-            .bind(limit);
-        let rows = e.with_now(q).fetch_all(c).await?;
-        rows.iter().map(summary_from_row).collect()
-    })
+/// A hardware report with its machine's provider and location.
+struct HardwareRow {
+    machine_id: Uuid,
+    provider: String,
+    location: Option<String>,
+    report_raw: Vec<u8>,
 }
 
-pub(crate) async fn machine_summary(conn: &mut Conn, id: Uuid) -> Result<Option<MachineSummary>> {
-    let sql = format!(
-        "{} WHERE m.machine_id = $1",
-        summary_select(&summary_now(conn, 1))
-    );
-    on_engine!(conn, |c, e| {
-        let row = e
-            .with_now(sqlx::query(&sql).bind(id))
-            .fetch_optional(c)
-            .await?;
-        row.as_ref().map(summary_from_row).transpose()
-    })
+from_columns! {
+    HardwareRow { machine_id: get, provider: get, location: get, report_raw: get }
 }
 
-/// The three installation counts of [`FLEET_COUNTS`], as upstream's statistics count them:
-/// requests without a report of their generation (pending), requests with one whatever its
-/// result (installed), and of those the ones that report an error (failed).
-macro_rules! installation_counts {
-    () => {
-        "(SELECT count(*) FROM machine_os_installation_request q
-           WHERE NOT EXISTS (SELECT 1 FROM machine_os_installation_report r
-              WHERE r.machine_id = q.machine_id AND r.generation = q.generation)),
-         (SELECT count(*) FROM machine_os_installation_request q
-           WHERE EXISTS (SELECT 1 FROM machine_os_installation_report r
-              WHERE r.machine_id = q.machine_id AND r.generation = q.generation)),
-         (SELECT count(*) FROM machine_os_installation_request q
-           WHERE EXISTS (SELECT 1 FROM machine_os_installation_report r
-              WHERE r.machine_id = q.machine_id AND r.generation = q.generation
-                AND r.result = 'Error'))"
-    };
-}
-
-const FLEET_COUNTS: Dialects = Dialects {
-    postgres: concat!(
-        "SELECT (SELECT count(*) FROM machines),
-                      (SELECT count(*) FROM machine_maintenance),
-                      (SELECT count(*) FROM decommissioned),
-                      (SELECT count(*) FROM machine_agent_started),
-                      (SELECT count(*) FROM machine_agent_heartbeat
-                        WHERE heartbeat_at > now() - make_interval(secs => $1)),
-                      (SELECT count(*) FROM machine_agent_heartbeat
-                        WHERE heartbeat_at <= now() - make_interval(secs => $1)),
-                      ",
-        installation_counts!()
-    ),
-    sqlite: concat!(
-        "SELECT (SELECT count(*) FROM machines),
-                    (SELECT count(*) FROM machine_maintenance),
-                    (SELECT count(*) FROM decommissioned),
-                    (SELECT count(*) FROM machine_agent_started),
-                    (SELECT count(*) FROM machine_agent_heartbeat WHERE heartbeat_at > $2 - $1),
-                    (SELECT count(*) FROM machine_agent_heartbeat WHERE heartbeat_at <= $2 - $1),
-                    ",
-        installation_counts!()
-    ),
-};
-
-/// Fleet-wide counts; heartbeats older than `stale_after` count as stale.
-pub(crate) async fn fleet_counts(
-    conn: &mut Conn,
-    stale_after: std::time::Duration,
-) -> Result<FleetCounts> {
-    type Row = (i64, i64, i64, i64, i64, i64, i64, i64, i64);
-    let (
-        machines,
-        maintenance,
-        decommissioned,
-        agent_started,
-        heartbeating,
-        stale,
-        pending_install,
-        installed,
-        install_failed,
-    ): Row = on_engine!(conn, |c, e| {
-        let q = sqlx::query_as(e.sql(&FLEET_COUNTS)).bind(e.span(stale_after));
-        e.with_now(q).fetch_one(c).await?
-    });
-    let provided: Vec<(String, i64)> = on_engine!(conn, |c, _| {
-        sqlx::query_as(
-            "SELECT provider, count(*) FROM machine_provided GROUP BY provider ORDER BY provider",
-        )
-        .fetch_all(c)
-        .await?
-    });
-    let (work, backoffs) = active_work_counts(conn).await?;
-    Ok(FleetCounts {
-        machines,
-        provided: parse_counts(provided)?,
-        agent_started,
-        heartbeating,
-        stale,
-        pending_install,
-        installed,
-        install_failed,
-        work,
-        backoffs,
-        maintenance,
-        decommissioned,
-    })
-}
-
-/// Up to `limit` raw hardware reports of provided machines after machine `after`, with the
-/// machine's provider and location (as upstream's statistics, machines without a
-/// `machine_provided` tag are not counted).
-pub(crate) async fn hardware_reports(
-    conn: &mut Conn,
-    after: Option<Uuid>,
-    limit: i64,
-) -> Result<Vec<(Uuid, Provider, Option<String>, Vec<u8>)>> {
-    let rows: Vec<(Uuid, String, Option<String>, Vec<u8>)> = on_engine!(conn, |c, _| {
-        sqlx::query_as(
-            "SELECT h.machine_id, p.provider, p.location, h.report_raw
-               FROM machine_hardware_report h
-               JOIN machine_provided p ON p.machine_id = h.machine_id
-              WHERE $1 IS NULL OR h.machine_id > $1 ORDER BY h.machine_id LIMIT $2",
-        )
-        .bind(after)
-        .bind(limit)
-        .fetch_all(c)
-        .await?
-    });
-    rows.into_iter()
-        .map(|(id, provider, location, raw)| Ok((id, provider.parse()?, location, raw)))
-        .collect()
-}
-
-/// What the engine's own checks find wrong. Postgres, without scanning tables: constraints
-/// left unvalidated and indexes left invalid (a failed concurrent build) in the BMDB's schema.
-/// SQLite: `PRAGMA integrity_check` (pages, indexes, NOT NULL and CHECK constraints) and
-/// `PRAGMA foreign_key_check`, as the SQLite linked into this binary sees them (older
-/// command-line shells misreport WITHOUT ROWID tables).
-pub(crate) async fn integrity_problems(conn: &mut Conn) -> Result<Vec<String>> {
-    match conn {
-        Conn::Postgres(c) => {
-            let rows: Vec<(String,)> = sqlx::query_as(
-                "SELECT format('constraint %s on %s is not validated', conname, conrelid::regclass)
-                   FROM pg_constraint
-                  WHERE NOT convalidated AND connamespace = current_schema()::regnamespace
-                 UNION ALL
-                 SELECT format('index %s is not valid', indexrelid::regclass)
-                   FROM pg_index JOIN pg_class ON pg_class.oid = indexrelid
-                  WHERE NOT indisvalid AND relnamespace = current_schema()::regnamespace",
-            )
-            .fetch_all(&mut **c)
-            .await?;
-            Ok(rows.into_iter().map(|(r,)| r).collect())
-        }
-        Conn::Sqlite(c) => {
-            let rows: Vec<(String,)> = sqlx::query_as("PRAGMA integrity_check")
-                .fetch_all(&mut *c.tx)
-                .await?;
-            let mut problems: Vec<String> = rows
-                .into_iter()
-                .map(|(r,)| r)
-                .filter(|r| r != "ok")
-                .collect();
-            let orphans: Vec<(String, Option<i64>, String, i64)> =
-                sqlx::query_as("PRAGMA foreign_key_check")
-                    .fetch_all(&mut *c.tx)
-                    .await?;
-            problems.extend(orphans.into_iter().map(|(table, _, parent, _)| {
-                format!("a {table} row refers to a missing {parent} row")
-            }));
-            Ok(problems)
-        }
+impl FromColumns for MachineSummary {
+    fn from_columns(r: &impl Columns) -> Result<Self> {
+        summary_from_row(r)
     }
 }

@@ -1,0 +1,316 @@
+//! Tidy checks: the invariants ARCHITECTURE.md states, checked by machine rather than by hope.
+//! Every file the repository tracks is in scope (`git ls-files`), not only `crates/`:
+//!
+//! - every Rust file opens with a `//!` comment;
+//! - every source file is named in ARCHITECTURE.md by a path that names it alone, and every
+//!   path the map names exists (a Rust file's path names exactly one file);
+//! - no crate but the BMDB names `sqlx`, and inside it only `sql/` and the files that open
+//!   pools, classify errors and make test databases do;
+//! - no control loop imports another loop;
+//! - no library crate depends on `anyhow`;
+//! - no file imports another that imports it back, directly or through a chain, re-exports
+//!   included (`graph.rs`), in any crate;
+//! - comments explain the code as it is rather than narrate its history;
+//! - nothing stray (logs, databases) is tracked.
+
+mod graph;
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .unwrap()
+}
+
+/// Every file git tracks (or will: new files not ignored), relative to the workspace.
+fn tracked() -> Vec<String> {
+    let out = std::process::Command::new("git")
+        .args(["ls-files", "--cached", "--others", "--exclude-standard"])
+        .current_dir(workspace())
+        .output()
+        .expect("git ls-files");
+    assert!(out.status.success(), "git ls-files failed");
+    let mut files: Vec<String> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .filter(|f| workspace().join(f).exists())
+        .map(String::from)
+        .collect();
+    files.sort();
+    files
+}
+
+fn rust_files() -> Vec<String> {
+    tracked()
+        .into_iter()
+        .filter(|f| f.ends_with(".rs"))
+        .collect()
+}
+
+fn read(rel: &str) -> String {
+    std::fs::read_to_string(workspace().join(rel)).unwrap()
+}
+
+fn architecture_md() -> String {
+    read("ARCHITECTURE.md")
+}
+
+/// The library source files: `crates/NAME/src/**.rs` (binaries' `main.rs` included).
+fn source_files() -> Vec<String> {
+    rust_files()
+        .into_iter()
+        .filter(|f| f.starts_with("crates/") && f.contains("/src/"))
+        .collect()
+}
+
+/// The backticked tokens of ARCHITECTURE.md that look like paths.
+fn named_paths(map: &str) -> Vec<&str> {
+    map.split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|t| {
+            // Not URL paths (`/metrics`), patterns or code.
+            !t.starts_with('/')
+                && !t.contains([' ', '{', '*', '<', ':', '('])
+                && (t.contains('/')
+                    || [
+                        ".rs", ".sh", ".md", ".sql", ".toml", ".proto", ".yml", ".json",
+                    ]
+                    .iter()
+                    .any(|ext| t.ends_with(ext)))
+        })
+        .collect()
+}
+
+/// Whether `named` names `file`: it is the file's path, or its end on a path boundary.
+fn names(named: &str, file: &str) -> bool {
+    let named = named.trim_end_matches('/');
+    file == named || file.ends_with(&format!("/{named}"))
+}
+
+#[test]
+fn every_rust_file_opens_with_a_module_comment() {
+    let missing: Vec<_> = rust_files()
+        .into_iter()
+        .filter(|f| !read(f).starts_with("//!"))
+        .collect();
+    assert!(missing.is_empty(), "no `//!` comment first: {missing:?}");
+}
+
+#[test]
+fn every_source_file_is_named_by_a_path_that_names_it_alone() {
+    let (map, all) = (architecture_md(), tracked());
+    let named = named_paths(&map);
+    let missing: Vec<_> = source_files()
+        .into_iter()
+        .filter(|file| {
+            !named
+                .iter()
+                .any(|n| names(n, file) && all.iter().filter(|f| names(n, f)).count() == 1)
+        })
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "source files ARCHITECTURE.md does not name by a path of their own (a bare `testing.rs` \
+         names no file: write `loops/src/testing.rs`): {missing:?}"
+    );
+}
+
+#[test]
+fn every_path_architecture_md_names_exists_and_a_rust_path_names_one_file() {
+    let (map, all) = (architecture_md(), tracked());
+    let named = named_paths(&map);
+    assert!(named.len() > 50, "found only {} paths", named.len());
+    let exists = |n: &str| {
+        let n = n.trim_end_matches('/');
+        all.iter().any(|f| {
+            names(n, f) || f.starts_with(&format!("{n}/")) || f.contains(&format!("/{n}/"))
+        })
+    };
+    let missing: Vec<_> = named.iter().filter(|n| !exists(n)).collect();
+    assert!(
+        missing.is_empty(),
+        "ARCHITECTURE.md names paths that do not exist: {missing:?}"
+    );
+    let ambiguous: Vec<_> = named
+        .iter()
+        .filter(|n| n.ends_with(".rs") && all.iter().filter(|f| names(n, f)).count() > 1)
+        .collect();
+    assert!(
+        ambiguous.is_empty(),
+        "ARCHITECTURE.md names Rust files by paths that name several: {ambiguous:?}"
+    );
+}
+
+/// The source that may name `sqlx`: in the BMDB, the statements (`sql/`) and the files that
+/// open pools (`db.rs`), parse database URLs into the driver's options (`url.rs`), classify
+/// the driver's errors (`error.rs`, `failover.rs`) and make test databases (`testing.rs`);
+/// and the benchmarks, whose baselines are raw statements.
+const SQLX_ALLOWED: &[&str] = &[
+    "crates/bmdb/src/sql/",
+    "crates/bmdb/src/db.rs",
+    "crates/bmdb/src/url.rs",
+    "crates/bmdb/src/error.rs",
+    "crates/bmdb/src/failover.rs",
+    "crates/bmdb/src/testing.rs",
+    "crates/bench/src/",
+];
+
+#[test]
+fn only_the_bmdb_names_sqlx_and_inside_it_only_sql_and_the_pools() {
+    let word = regex_lite::Regex::new(r"\bsqlx\b").unwrap();
+    let offenders: Vec<_> = source_files()
+        .into_iter()
+        .filter(|f| word.is_match(&read(f)))
+        .filter(|f| !SQLX_ALLOWED.iter().any(|allowed| f.starts_with(allowed)))
+        .collect();
+    assert!(
+        offenders.is_empty(),
+        "sqlx outside the BMDB's one door (tests and benchmarks' raw baselines aside): {offenders:?}"
+    );
+}
+
+#[test]
+fn no_loop_imports_another_loop() {
+    let loops = [
+        "provisioner",
+        "updater",
+        "initializer",
+        "recoverer",
+        "retention",
+    ];
+    let mut offenders = Vec::new();
+    for this in loops {
+        let text = read(&format!("crates/loops/src/{this}.rs"));
+        for other in loops.iter().filter(|o| **o != this) {
+            if text.contains(&format!("crate::{other}"))
+                || text.contains(&format!("super::{other}"))
+            {
+                offenders.push(format!("{this} imports {other}"));
+            }
+        }
+    }
+    assert!(
+        offenders.is_empty(),
+        "loops coordinate through the BMDB only: {offenders:?}"
+    );
+}
+
+/// Crates that are libraries (their binaries, if any, are `src/main.rs`).
+fn library_crates() -> Vec<String> {
+    let all = tracked();
+    all.iter()
+        .filter_map(|f| f.strip_suffix("/src/lib.rs"))
+        .map(String::from)
+        .collect()
+}
+
+#[test]
+fn no_library_crate_depends_on_anyhow() {
+    let mut offenders = Vec::new();
+    for krate in library_crates() {
+        let manifest = read(&format!("{krate}/Cargo.toml"));
+        let deps = manifest
+            .split("\n[")
+            .find(|s| s.starts_with("[dependencies]") || s.starts_with("dependencies]"))
+            .unwrap_or_default();
+        if deps.contains("anyhow") {
+            offenders.push(format!("{krate}/Cargo.toml"));
+        }
+        for f in source_files()
+            .into_iter()
+            .filter(|f| f.starts_with(&format!("{krate}/src/")) && !f.ends_with("/main.rs"))
+        {
+            if read(&f).contains("anyhow") {
+                offenders.push(f);
+            }
+        }
+    }
+    assert!(
+        offenders.is_empty(),
+        "library crates return typed errors; anyhow is for binaries, tests and benchmarks: {offenders:?}"
+    );
+}
+
+/// Every crate root: libraries, binaries, and each integration test.
+fn crate_roots() -> Vec<PathBuf> {
+    let root = workspace();
+    tracked()
+        .into_iter()
+        .filter(|f| {
+            f.ends_with("/src/lib.rs")
+                || f.ends_with("/src/main.rs")
+                || (f.starts_with("crates/")
+                    && f.split('/').nth(2) == Some("tests")
+                    && (f.matches('/').count() == 3 || f.ends_with("/main.rs"))
+                    && f.ends_with(".rs"))
+        })
+        .map(|f| root.join(f))
+        .collect()
+}
+
+#[test]
+fn no_file_imports_one_that_imports_it_back() {
+    let root = workspace();
+    let mut found = Vec::new();
+    let roots = crate_roots();
+    assert!(roots.len() > 30, "found only {} crate roots", roots.len());
+    for krate in roots {
+        for cycle in graph::cycles(&graph::Crate::read(&krate).edges()) {
+            let files: Vec<String> = cycle
+                .iter()
+                .map(|f| f.strip_prefix(&root).unwrap().display().to_string())
+                .collect();
+            if !found.contains(&files) {
+                found.push(files);
+            }
+        }
+    }
+    assert!(found.is_empty(), "files that import each other: {found:?}");
+}
+
+/// Words that narrate how the code came to be rather than say what it does.
+const NARRATION: &str = r"(?i)\b(issue\s*(\d+|:)|before (the|this) (fix|change)\b|after (the|this) (fix|change)\b|used to\b|previously\b|formerly\b|was changed\b|we changed\b|in an earlier session|this session's work)";
+
+#[test]
+fn comments_explain_rather_than_narrate_history() {
+    let narration = regex_lite::Regex::new(NARRATION).unwrap();
+    let mut offenders = Vec::new();
+    for f in rust_files() {
+        if f.ends_with("tidy/main.rs") {
+            continue;
+        }
+        for (n, line) in read(&f).lines().enumerate() {
+            let Some((_, comment)) = line.split_once("//") else {
+                continue;
+            };
+            if narration.is_match(comment) {
+                offenders.push(format!("{f}:{}: {}", n + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        offenders.is_empty(),
+        "comments that narrate history (say why the code is as it is, not what it was):\n{}",
+        offenders.join("\n")
+    );
+}
+
+#[test]
+fn nothing_stray_is_tracked() {
+    let stray: BTreeSet<_> = tracked()
+        .into_iter()
+        .filter(|f| {
+            [
+                ".log", ".db", ".sqlite", ".db-wal", ".db-shm", ".tmp", ".orig", ".rej",
+            ]
+            .iter()
+            .any(|ext| f.ends_with(ext))
+                || f.starts_with("target/")
+        })
+        .collect();
+    assert!(stray.is_empty(), "stray files tracked: {stray:?}");
+}
