@@ -277,19 +277,13 @@ mod tests {
             "MemTotal:       8000000 kB\nMemFree: 1 kB\n",
         );
         put(r, "sys/devices/system/memory/block_size_bytes", "8000000\n");
-        for i in 0..64 {
+        // 64 blocks online, and two more offlined: not installed memory the OS has.
+        for i in 0..66 {
+            let online = if i < 64 { "1" } else { "0" };
             put(
                 r,
                 &format!("sys/devices/system/memory/memory{i}/online"),
-                "1",
-            );
-        }
-        // Two more blocks, offlined: not installed memory the OS has.
-        for i in 64..66 {
-            put(
-                r,
-                &format!("sys/devices/system/memory/memory{i}/online"),
-                "0",
+                online,
             );
         }
         let cpu = |n, phys| {

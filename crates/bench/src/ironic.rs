@@ -324,9 +324,8 @@ async fn shepherd_replica(proxy: &FaultProxy, args: &Args) -> Result<Ours> {
     let started = Instant::now();
     let loops = tokio::spawn(run_loops(
         db.clone(),
-        provider.clone(),
+        provider,
         fleet.clone(),
-        Some(provider),
         settings(args.workers, args.nodes),
         cancel.clone(),
     ));

@@ -56,6 +56,23 @@ pub enum Retrieval {
 }
 
 impl Retrieval {
+    /// The process that claims machines by this rule: the initializer's takeover, the
+    /// recoverer's reboot.
+    pub fn process(&self) -> crate::Process {
+        match self {
+            Retrieval::AgentStart { .. } => crate::Process::ShepherdAgentStart,
+            Retrieval::AgentRecovery { .. } => crate::Process::ShepherdRecovery,
+        }
+    }
+
+    /// The processor label of the loop that claims by this rule.
+    pub fn processor(&self) -> crate::Processor {
+        match self {
+            Retrieval::AgentStart { .. } => crate::Processor::ShepherdInitializer,
+            Retrieval::AgentRecovery { .. } => crate::Processor::ShepherdRecoverer,
+        }
+    }
+
     /// The provider the rule is scoped to.
     pub fn provider(&self) -> Provider {
         match self {

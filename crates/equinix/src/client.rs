@@ -3,14 +3,13 @@
 //! truncated or undecodable bodies. Creations are never retried here: a retried POST could create
 //! a second device, so the provider decides (it looks for the device first).
 
-use shepherd_loops::causes::reqwest_causes;
 use std::sync::Arc;
 use std::time::Duration;
 
 use reqwest::{Method, StatusCode};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use shepherd_loops::http_body::{read_bounded, BoundedAnswer, ReadError};
+use shepherd_loops::http_body::{exchange_json, Failure};
 use shepherd_loops::metrics::CallMetrics;
 use shepherd_loops::retry::AttemptError;
 pub use shepherd_loops::retry::RetryPolicy;
@@ -45,6 +44,23 @@ pub enum ApiError {
     /// The body was not the JSON expected (or was cut short).
     #[error("Equinix API: undecodable response: {0}")]
     Decode(String),
+}
+
+impl From<Failure> for ApiError {
+    fn from(f: Failure) -> Self {
+        match f {
+            Failure::Connect(cause) | Failure::Transport(cause) => ApiError::Transport(cause),
+            Failure::TooLarge(max) => ApiError::Decode(format!("body larger than {max} bytes")),
+            Failure::Decode(cause) => ApiError::Decode(cause),
+            Failure::Status(answer) if answer.status == StatusCode::NOT_FOUND => ApiError::NotFound,
+            Failure::Status(answer) => ApiError::Status {
+                status: answer.status,
+                body: String::from_utf8_lossy(&answer.body[..answer.body.len().min(300)])
+                    .into_owned(),
+                retry_after: answer.retry_after,
+            },
+        }
+    }
 }
 
 impl AttemptError for ApiError {
@@ -146,37 +162,9 @@ impl Client {
         if let Some(b) = body {
             req = req.json(b);
         }
-        let resp = req
-            .send()
+        exchange_json(req, MAX_BODY_BYTES)
             .await
-            .map_err(|e| ApiError::Transport(reqwest_causes(e)))?;
-        let BoundedAnswer {
-            status,
-            retry_after,
-            body: bytes,
-        } = read_bounded(resp, MAX_BODY_BYTES)
-            .await
-            .map_err(|e| match e {
-                ReadError::Transport(_) => ApiError::Transport(e.to_string()),
-                ReadError::TooLarge(_) => ApiError::Decode(e.to_string()),
-            })?;
-        if status == StatusCode::NOT_FOUND {
-            return Err(ApiError::NotFound);
-        }
-        if !status.is_success() {
-            let text = String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).into_owned();
-            return Err(ApiError::Status {
-                status,
-                body: text,
-                retry_after,
-            });
-        }
-        let bytes = if bytes.is_empty() {
-            b"null".to_vec()
-        } else {
-            bytes
-        };
-        serde_json::from_slice(&bytes).map_err(|e| ApiError::Decode(e.to_string()))
+            .map_err(ApiError::from)
     }
 
     /// A call with retries; `call` names it in metrics and logs.

@@ -175,27 +175,34 @@ fn page<T: serde::Serialize>(
     })
 }
 
+/// A paged listing of what `items` picks from the fake's state, as JSON key `key` at `path`,
+/// after the route's guard.
+async fn listing<T: serde::Serialize>(
+    state: &Shared,
+    headers: &HeaderMap,
+    (project, route, key): (&str, &'static str, &str),
+    q: &PageQuery,
+    items: impl FnOnce(&FakeState) -> &[T],
+) -> Response {
+    if let Some(r) = guard(state, headers, Some(project), route).await {
+        return r;
+    }
+    let body = {
+        let s = state.lock().unwrap();
+        let path = format!("/metal/v1/projects/{project}/{}", key.replace('_', "-"));
+        page(items(&s), q, s.page_size, key, &path)
+    };
+    answer(state, route, StatusCode::OK, body)
+}
+
 async fn list_devices(
     State(state): State<Shared>,
     Path(project): Path<String>,
     Query(q): Query<PageQuery>,
     headers: HeaderMap,
 ) -> Response {
-    let route = "GET /projects/devices";
-    if let Some(r) = guard(&state, &headers, Some(&project), route).await {
-        return r;
-    }
-    let body = {
-        let s = state.lock().unwrap();
-        page(
-            &s.devices,
-            &q,
-            s.page_size,
-            "devices",
-            &format!("/metal/v1/projects/{project}/devices"),
-        )
-    };
-    answer(&state, route, StatusCode::OK, body)
+    let what = (project.as_str(), "GET /projects/devices", "devices");
+    listing(&state, &headers, what, &q, |s| &s.devices).await
 }
 
 async fn create_device(
@@ -343,20 +350,8 @@ async fn list_reservations(
     headers: HeaderMap,
 ) -> Response {
     let route = "GET /projects/hardware-reservations";
-    if let Some(r) = guard(&state, &headers, Some(&project), route).await {
-        return r;
-    }
-    let body = {
-        let s = state.lock().unwrap();
-        page(
-            &s.reservations,
-            &q,
-            s.page_size,
-            "hardware_reservations",
-            &format!("/metal/v1/projects/{project}/hardware-reservations"),
-        )
-    };
-    answer(&state, route, StatusCode::OK, body)
+    let what = (project.as_str(), route, "hardware_reservations");
+    listing(&state, &headers, what, &q, |s| &s.reservations).await
 }
 
 async fn list_keys(

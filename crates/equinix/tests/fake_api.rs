@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use shepherd_bmdb::{testing, Bmdb, Processor, Provider as Kind, Session, SessionConfig};
+use shepherd_bmdb::{testing, Bmdb, Processor, Provider as Kind, Session};
 use shepherd_equinix::fake::{Failure, FakeEquinix};
 use shepherd_equinix::{Client, EquinixConfig, EquinixProvider, RetryPolicy};
 use shepherd_loops::limiter::RateSpec;
@@ -16,6 +16,11 @@ use shepherd_loops::provider::{Availability, Provider, ProviderError, Recoverer}
 use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
 use shepherd_loops::reconcile::Limits;
 use uuid::Uuid;
+
+/// Milliseconds, for the retry policies of these tests.
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
 
 const TOKEN: &str = "test-token";
 const PROJECT: &str = "proj-1";
@@ -29,14 +34,7 @@ fn client(fake: &FakeEquinix, token: &str, metrics: Arc<CallMetrics>) -> Client 
         &fake.url(),
         token,
         PROJECT,
-        RetryPolicy {
-            attempts: 6,
-            delays: shepherd_loops::retry::Delays::new(
-                Duration::from_millis(20),
-                Duration::from_millis(1500),
-            ),
-            timeout: Duration::from_millis(500),
-        },
+        RetryPolicy::new(6, ms(20), ms(1500), ms(500)),
         metrics,
     )
     .unwrap()
@@ -458,7 +456,7 @@ async fn creations_wait_for_the_creation_rate() {
 async fn the_recoverer_reboots_silent_devices_through_the_api() {
     use shepherd_bmdb::{Process, RecoveryThresholds, WorkEvent};
     use shepherd_loops::recoverer::Recoverer as RecovererTask;
-    use shepherd_loops::runner::{self, RunnerConfig};
+    use shepherd_loops::testing::spawn_loop;
     let Rig { fake, t, s, p, .. } = rig(2).await;
     provisioner(p.clone(), 0, 10).iterate(&s).await.unwrap();
     s.close().await.unwrap();
@@ -468,17 +466,12 @@ async fn the_recoverer_reboots_silent_devices_through_the_api() {
     testing::agents_silent_for_hours(&t.db, &ids).await;
     let gone = &devices[1].id;
     fake.remove_device(gone);
-    let cancel = tokio_util::sync::CancellationToken::new();
-    let run = tokio::spawn(runner::run(
+    let (run, cancel) = spawn_loop(
         t.db.clone(),
-        Arc::new(RecovererTask::new(p, RecoveryThresholds::default())),
-        RunnerConfig {
-            parallelism: 1,
-            db_rate: RateSpec::new(Duration::from_millis(10), 4),
-            session: SessionConfig::new("shepherd-recoverer", Processor::ShepherdRecoverer),
-        },
-        cancel.clone(),
-    ));
+        RecovererTask::new(p, RecoveryThresholds::default()),
+        1,
+        4,
+    );
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
         let mut ended = 0;
@@ -547,7 +540,7 @@ async fn the_recoverer_reboots_silent_devices_through_the_api() {
 async fn the_initializer_takes_devices_over_and_waits_for_addresses() {
     use shepherd_bmdb::{Process, WorkEvent};
     use shepherd_loops::initializer::{Initializer, InitializerConfig};
-    use shepherd_loops::runner::{self, RunnerConfig};
+    use shepherd_loops::testing::spawn_loop;
     use shepherd_loops::testing::LocalTestAgent;
     let Rig { fake, t, s, p, .. } = rig(3).await;
     provisioner(p.clone(), 2, 10).iterate(&s).await.unwrap();
@@ -566,17 +559,7 @@ async fn the_initializer_takes_devices_over_and_waits_for_addresses() {
         InitializerConfig::new(vec![0x7f], "bmaas.example:443"),
     )
     .unwrap();
-    let cancel = tokio_util::sync::CancellationToken::new();
-    let run = tokio::spawn(runner::run(
-        t.db.clone(),
-        Arc::new(init),
-        RunnerConfig {
-            parallelism: 2,
-            db_rate: RateSpec::new(Duration::from_millis(10), 10),
-            session: SessionConfig::new("shepherd-initializer", Processor::ShepherdInitializer),
-        },
-        cancel.clone(),
-    ));
+    let (run, cancel) = spawn_loop(t.db.clone(), init, 2, 10);
     let ids = recorded_ids(&t.db).await;
     assert_eq!(ids.len(), 3);
     let outcomes = testing::eventually("every device tried", Duration::from_secs(30), async || {
@@ -642,14 +625,7 @@ async fn an_unreachable_api_says_why() {
         &format!("http://127.0.0.1:{port}"),
         "token",
         "project",
-        RetryPolicy {
-            attempts: 1,
-            delays: shepherd_loops::retry::Delays::new(
-                Duration::from_millis(1),
-                Duration::from_millis(1),
-            ),
-            timeout: Duration::from_secs(5),
-        },
+        RetryPolicy::new(1, ms(1), ms(1), ms(5000)),
         Arc::new(CallMetrics::default()),
     )
     .unwrap();

@@ -13,7 +13,7 @@ use std::time::Duration;
 use reqwest::{Method, StatusCode};
 use serde::de::DeserializeOwned;
 use shepherd_loops::causes::reqwest_causes;
-use shepherd_loops::http_body::{read_bounded, BoundedAnswer, ReadError};
+use shepherd_loops::http_body::{exchange_json, Failure};
 use shepherd_loops::metrics::CallMetrics;
 use shepherd_loops::retry::AttemptError;
 pub use shepherd_loops::retry::RetryPolicy;
@@ -444,28 +444,23 @@ impl Client {
         if let Some(b) = body {
             req = req.json(b);
         }
-        let resp = req.send().await.map_err(|e| {
-            if e.is_connect() {
-                ApiError::Connect(reqwest_causes(e))
-            } else {
-                ApiError::Transport(reqwest_causes(e))
-            }
-        })?;
-        let BoundedAnswer {
-            status,
-            retry_after,
-            body: bytes,
-        } = read_bounded(resp, MAX_BODY_BYTES)
+        exchange_json(req, MAX_BODY_BYTES)
             .await
-            .map_err(|e| match e {
-                ReadError::Transport(_) => ApiError::Transport(e.to_string()),
-                ReadError::TooLarge(_) => ApiError::Decode(e.to_string()),
-            })?;
-        if !status.is_success() {
-            return Err(status_error(status, &bytes, retry_after));
+            .map_err(ApiError::from)
+    }
+}
+
+impl From<Failure> for ApiError {
+    fn from(f: Failure) -> Self {
+        match f {
+            Failure::Connect(cause) => ApiError::Connect(cause),
+            Failure::Transport(cause) => ApiError::Transport(cause),
+            Failure::TooLarge(max) => ApiError::Decode(format!("body larger than {max} bytes")),
+            Failure::Decode(cause) => ApiError::Decode(cause),
+            Failure::Status(answer) => {
+                status_error(answer.status, &answer.body, answer.retry_after)
+            }
         }
-        let bytes: &[u8] = if bytes.is_empty() { b"null" } else { &bytes };
-        serde_json::from_slice(bytes).map_err(|e| ApiError::Decode(e.to_string()))
     }
 }
 

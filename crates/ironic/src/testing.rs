@@ -60,12 +60,10 @@ pub fn venv() -> PathBuf {
         })
 }
 
+/// A port nothing listens on now (the kernel's pick of a free one).
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    let listener = TcpListener::bind("127.0.0.1:0").expect("a free loopback port");
+    listener.local_addr().expect("its address").port()
 }
 
 /// Starts the all-in-one `ironic` process on `dir`'s `ironic.conf`, in a process group of its
@@ -594,6 +592,57 @@ pub fn provisioner(
             creation_rate: RateSpec::new(Duration::from_millis(1), 1000),
         },
     )
+}
+
+/// The SSH public key the tests' deployments install.
+pub const TEST_KEY: &str = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBr2dFCaBHNnDyb0BdXhYrT4Hp4KHLrUeL2vE3GFmBCX shepherd@test";
+
+/// A deployment's settings as the tests use them: nodes of resource class `shepherd-test`,
+/// the address from the node (not inspection), orphans adopted at once.
+pub fn test_config(deployment: &str) -> crate::IronicConfig {
+    let mut c = crate::IronicConfig::new(deployment, TEST_KEY);
+    c.selector.resource_class = Some("shepherd-test".into());
+    c.address_from_inventory = false;
+    c.orphan_grace = Duration::ZERO;
+    c
+}
+
+/// A provider of the Ironic at `url`, retrying as `retry` says.
+pub async fn test_provider(
+    url: &str,
+    auth: crate::Auth,
+    retry: crate::RetryPolicy,
+    config: crate::IronicConfig,
+) -> Result<std::sync::Arc<crate::IronicProvider>, crate::ConnectError> {
+    let metrics = std::sync::Arc::new(shepherd_loops::metrics::CallMetrics::default());
+    let client = crate::Client::new(url, auth, retry, metrics).expect("a client of a test URL");
+    let provider = crate::IronicProvider::connect(client, config).await?;
+    Ok(std::sync::Arc::new(provider))
+}
+
+/// What most tests start from: a real Ironic with `n` fake-hardware nodes (their ids), a fresh
+/// SQLite BMDB with a provisioner's session, and a provider of deployment `site-a` retrying as
+/// `retry` says.
+pub async fn site(
+    n: usize,
+    retry: crate::RetryPolicy,
+) -> (
+    IronicServer,
+    Vec<String>,
+    shepherd_bmdb::testing::TestDb,
+    shepherd_bmdb::Session,
+    std::sync::Arc<crate::IronicProvider>,
+) {
+    let ironic = IronicServer::start(TestAuth::None).await;
+    let nodes = ironic.fake_nodes(n, |_| json!({})).await;
+    let t = shepherd_bmdb::testing::sqlite().await;
+    let processor = shepherd_bmdb::Processor::ShepherdProvisioner;
+    let s = shepherd_bmdb::testing::session(&t.db, processor).await;
+    let config = test_config("site-a");
+    let p = test_provider(&ironic.url(), ironic.auth(), retry, config)
+        .await
+        .expect("a provider of the test Ironic");
+    (ironic, nodes, t, s, p)
 }
 
 /// The BMDB's Ironic machines: provider id → the provider status recorded.

@@ -9,46 +9,21 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use shepherd_bmdb::{testing, Bmdb, Processor, ProviderStatus, Session};
-use shepherd_ironic::testing::{provisioner, recorded, FaultProxy, IronicServer, TestAuth};
-use shepherd_ironic::{
-    ApiError, Auth, Client, ConnectError, IronicConfig, IronicProvider, RetryPolicy,
+use shepherd_ironic::testing::{
+    provisioner, recorded, test_config, test_provider, FaultProxy, IronicServer, TestAuth,
 };
+use shepherd_ironic::{ApiError, Auth, ConnectError, IronicProvider, RetryPolicy};
 use shepherd_loops::limiter::RateSpec;
-use shepherd_loops::metrics::CallMetrics;
 use shepherd_loops::provider::{Provider, Recoverer};
 use shepherd_loops::updater::Updater;
 
-const KEY: &str = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBr2dFCaBHNnDyb0BdXhYrT4Hp4KHLrUeL2vE3GFmBCX shepherd@test";
-
 fn retries(timeout: Duration) -> RetryPolicy {
-    RetryPolicy {
-        attempts: 4,
-        delays: shepherd_loops::retry::Delays::new(
-            Duration::from_millis(50),
-            Duration::from_millis(200),
-        ),
-        timeout,
-    }
-}
-
-fn config() -> IronicConfig {
-    let mut c = IronicConfig::new("site-a", KEY);
-    c.address_from_inventory = false;
-    c.orphan_grace = Duration::ZERO;
-    c
+    let ms = Duration::from_millis;
+    RetryPolicy::new(4, ms(50), ms(200), timeout)
 }
 
 async fn provider_at(url: &str, timeout: Duration) -> Result<Arc<IronicProvider>, ConnectError> {
-    let client = Client::new(
-        url,
-        Auth::None,
-        retries(timeout),
-        Arc::new(CallMetrics::default()),
-    )
-    .unwrap();
-    IronicProvider::connect(client, config())
-        .await
-        .map(Arc::new)
+    test_provider(url, Auth::None, retries(timeout), test_config("site-a")).await
 }
 
 async fn session(db: &Bmdb) -> Session {

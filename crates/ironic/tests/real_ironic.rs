@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use serde_json::json;
 use shepherd_bmdb::{testing, Bmdb, Processor, Provider as Kind, ProviderStatus, Session};
-use shepherd_ironic::testing::{provisioner, recorded, IronicServer, TestAuth};
+use shepherd_ironic::testing::{
+    provisioner, recorded, site, test_config, test_provider, IronicServer, TestAuth,
+};
 use shepherd_ironic::{
     ApiError, Auth, Client, ConnectError, IronicConfig, IronicProvider, RetryPolicy,
 };
@@ -16,36 +18,20 @@ use shepherd_loops::metrics::CallMetrics;
 use shepherd_loops::provider::{Provider, ProviderError, ProviderMachine, Recoverer};
 use shepherd_loops::updater::Updater;
 
-const KEY: &str = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBr2dFCaBHNnDyb0BdXhYrT4Hp4KHLrUeL2vE3GFmBCX shepherd@test";
-
 fn quick_retries() -> RetryPolicy {
-    RetryPolicy {
-        attempts: 3,
-        delays: shepherd_loops::retry::Delays::new(
-            Duration::from_millis(50),
-            Duration::from_millis(200),
-        ),
-        timeout: Duration::from_secs(20),
-    }
+    let ms = Duration::from_millis;
+    RetryPolicy::new(3, ms(50), ms(200), ms(20_000))
 }
 
 fn config(deployment: &str) -> IronicConfig {
-    let mut c = IronicConfig::new(deployment, KEY);
-    c.selector.resource_class = Some("shepherd-test".into());
-    c.address_from_inventory = false;
-    c.orphan_grace = Duration::ZERO;
-    c
+    test_config(deployment)
 }
 
 async fn provider(ironic: &IronicServer, config: IronicConfig) -> Arc<IronicProvider> {
-    let client = Client::new(
-        &ironic.url(),
-        ironic.auth(),
-        quick_retries(),
-        Arc::new(CallMetrics::default()),
-    )
-    .unwrap();
-    Arc::new(IronicProvider::connect(client, config).await.unwrap())
+    let url = ironic.url();
+    test_provider(&url, ironic.auth(), quick_retries(), config)
+        .await
+        .unwrap()
 }
 
 async fn session(db: &Bmdb) -> Session {
@@ -98,7 +84,8 @@ async fn available_nodes_are_reserved_deployed_once_with_our_key_and_recorded() 
         );
         let stored = ironic.stored_instance_info(id);
         assert_eq!(
-            stored["configdrive"]["meta_data"]["public_keys"]["shepherd"], KEY,
+            stored["configdrive"]["meta_data"]["public_keys"]["shepherd"],
+            shepherd_ironic::testing::TEST_KEY,
             "the config drive Ironic stored for {id} carries Shepherd's key: {stored}"
         );
     }
@@ -158,11 +145,7 @@ async fn available_nodes_are_reserved_deployed_once_with_our_key_and_recorded() 
 
 #[tokio::test]
 async fn orphans_are_adopted_without_a_second_deploy_and_other_clients_nodes_are_left_alone() {
-    let ironic = IronicServer::start(TestAuth::None).await;
-    let nodes = ironic.fake_nodes(4, |_| json!({})).await;
-    let t = testing::sqlite().await;
-    let s = session(&t.db).await;
-    let p = provider(&ironic, config("site-a")).await;
+    let (ironic, nodes, t, s, p) = site(4, quick_retries()).await;
 
     // nodes[0]: reserved and deployed by this deployment, but its BMDB insert never happened.
     // nodes[1]: reserved by this deployment, the replica died before asking for the deploy.
@@ -308,11 +291,7 @@ async fn two_replicas_racing_for_the_same_nodes_deploy_each_node_once() {
 
 #[tokio::test]
 async fn maintenance_is_marked_and_never_power_cycled_and_reboots_go_through_ironic() {
-    let ironic = IronicServer::start(TestAuth::None).await;
-    let nodes = ironic.fake_nodes(2, |_| json!({})).await;
-    let t = testing::sqlite().await;
-    let s = session(&t.db).await;
-    let p = provider(&ironic, config("site-a")).await;
+    let (ironic, nodes, t, s, p) = site(2, quick_retries()).await;
     provisioner(p.clone(), 10).iterate(&s).await.unwrap();
     for id in &nodes {
         ironic.wait_for_state(id, "active").await;
@@ -398,11 +377,7 @@ async fn credentials_are_checked_at_start_up_and_the_password_is_never_shown() {
 
 #[tokio::test]
 async fn decommissioned_nodes_are_released_and_torn_down_only_when_asked() {
-    let ironic = IronicServer::start(TestAuth::None).await;
-    let nodes = ironic.fake_nodes(2, |_| json!({})).await;
-    let t = testing::sqlite().await;
-    let s = session(&t.db).await;
-    let p = provider(&ironic, config("site-a")).await;
+    let (ironic, nodes, t, s, p) = site(2, quick_retries()).await;
     let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
     assert_eq!(r.created, 2, "{r:?}");
     for id in &nodes {

@@ -108,6 +108,11 @@ fn system_roots() -> Result<Arc<RootCertStore>, TrustError> {
         .map_err(TrustError::NoSystemRoots)
 }
 
+/// What a handshake signature check returns.
+type Signed = Result<HandshakeSignatureValid, rustls::Error>;
+/// The signed part of a handshake message.
+type Dss = DigitallySignedStruct;
+
 /// The verifier behind [`BmcTrust`].
 struct Verifier {
     /// Certificates trusted as they are.
@@ -170,6 +175,10 @@ impl Verifier {
 }
 
 impl ServerCertVerifier for Verifier {
+    fn verify_tls13_signature(&self, m: &[u8], c: &CertificateDer<'_>, d: &Dss) -> Signed {
+        verify_tls13_signature(m, c, d, &self.algorithms)
+    }
+
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -196,22 +205,8 @@ impl ServerCertVerifier for Verifier {
         }
     }
 
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls12_signature(message, cert, dss, &self.algorithms)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls13_signature(message, cert, dss, &self.algorithms)
+    fn verify_tls12_signature(&self, m: &[u8], c: &CertificateDer<'_>, d: &Dss) -> Signed {
+        verify_tls12_signature(m, c, d, &self.algorithms)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {

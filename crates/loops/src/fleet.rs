@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::brake::{Brake, BrakeConfig, BrakeMetrics};
 use crate::initializer::{Initializer, InitializerConfig};
 use crate::limiter::RateSpec;
-use crate::provider::{Provider, Recoverer as RecovererProvider};
+use crate::provider::Recoverer as RecovererProvider;
 use crate::provisioner::{Provisioner, ProvisionerConfig};
 use crate::recoverer::{Recoverer, RecovererMetrics, RepeatPolicy};
 use crate::retention::{HistoryPruner, RETENTION_RATE};
@@ -67,20 +67,28 @@ fn session(name: &str, processor: Processor, interval: Duration) -> SessionConfi
     SessionConfig::new(name, processor).with_interval(interval)
 }
 
-/// Runs the provisioner, the updater, the initializer and, if `recoverer` is given, the recoverer until
-/// `cancel`; returns once every loop canceled its work and closed its sessions.
-pub async fn run_loops<P, R>(
+impl LoopSettings {
+    /// The runner's settings of a loop whose sessions are named `name`.
+    fn runner(&self, name: &str, processor: Processor, interval: Duration) -> RunnerConfig {
+        RunnerConfig {
+            parallelism: self.parallelism,
+            db_rate: self.db_rate,
+            session: session(name, processor, interval),
+        }
+    }
+}
+
+/// Runs the provisioner, the updater, the initializer and the recoverer with its brake over
+/// `provider` (which also reboots machines), taking machines over through `transport`, and
+/// history retention if it is set, until `cancel`; returns once every loop canceled its work
+/// and closed its sessions.
+pub async fn run_loops<P: RecovererProvider + 'static>(
     db: Bmdb,
     provider: Arc<P>,
     transport: Arc<dyn Transport>,
-    recoverer: Option<Arc<R>>,
     settings: FleetSettings,
     cancel: CancellationToken,
-) -> Result<(), InvalidSetting>
-where
-    P: Provider + 'static,
-    R: RecovererProvider + 'static,
-{
+) -> Result<(), InvalidSetting> {
     let interval = settings.session_interval;
     let initializer = Initializer::new(provider.clone(), transport, settings.initializer)?;
     let updater = Updater::new(provider.clone(), settings.updater_rate);
@@ -90,7 +98,7 @@ where
         settings.tasks.task("updater"),
         cancel.clone(),
     );
-    let provisioner = Provisioner::new(provider, settings.provisioner);
+    let provisioner = Provisioner::new(provider.clone(), settings.provisioner);
     let provisioning = provisioner.run(
         db.clone(),
         session(
@@ -101,48 +109,40 @@ where
         settings.tasks.task("provisioner"),
         cancel.clone(),
     );
+    let initializer_runner = settings.initializer_loop.runner(
+        "shepherd-initializer",
+        Processor::ShepherdInitializer,
+        interval,
+    );
     let initializing = runner::run(
         db.clone(),
         Arc::new(initializer),
-        RunnerConfig {
-            parallelism: settings.initializer_loop.parallelism,
-            db_rate: settings.initializer_loop.db_rate,
-            session: session(
-                "shepherd-initializer",
-                Processor::ShepherdInitializer,
-                interval,
-            ),
-        },
+        initializer_runner,
         cancel.clone(),
     );
-    let recovering = async {
-        if let Some(r) = recoverer {
-            let brake = Brake::new(
-                settings.recovery_brake,
-                r.kind(),
-                settings.recovery,
-                settings.recovery_brake_metrics.clone(),
-            );
-            let braking = tokio::spawn(brake.clone().run(db.clone(), cancel.clone()));
-            let task = Recoverer::new(r, settings.recovery)
-                .with_backoff(settings.recoverer_backoff)
-                .with_repeat_policy(settings.recovery_repeat)
-                .with_metrics(settings.recoverer_metrics.clone())
-                .with_brake(brake);
-            runner::run(
-                db.clone(),
-                Arc::new(task),
-                RunnerConfig {
-                    parallelism: settings.recoverer_loop.parallelism,
-                    db_rate: settings.recoverer_loop.db_rate,
-                    session: session("shepherd-recoverer", Processor::ShepherdRecoverer, interval),
-                },
-                cancel.clone(),
-            )
-            .await;
-            let _ = braking.await;
-        }
-    };
+    let brake = Brake::new(
+        settings.recovery_brake,
+        provider.kind(),
+        settings.recovery,
+        settings.recovery_brake_metrics.clone(),
+    );
+    let braking = brake.clone().run(db.clone(), cancel.clone());
+    let recoverer = Recoverer::new(provider.clone(), settings.recovery)
+        .with_backoff(settings.recoverer_backoff)
+        .with_repeat_policy(settings.recovery_repeat)
+        .with_metrics(settings.recoverer_metrics.clone())
+        .with_brake(brake);
+    let recoverer_runner = settings.recoverer_loop.runner(
+        "shepherd-recoverer",
+        Processor::ShepherdRecoverer,
+        interval,
+    );
+    let recovering = runner::run(
+        db.clone(),
+        Arc::new(recoverer),
+        recoverer_runner,
+        cancel.clone(),
+    );
     let pruning = async {
         if let Some(retention) = settings.history_retention {
             HistoryPruner::new(retention)
@@ -156,6 +156,13 @@ where
                 .await;
         }
     };
-    tokio::join!(provisioning, initializing, recovering, updating, pruning);
+    tokio::join!(
+        provisioning,
+        initializing,
+        recovering,
+        braking,
+        updating,
+        pruning
+    );
     Ok(())
 }

@@ -5,9 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use shepherd_bmdb::{
-    Backoff, Process, Processor, ProviderStatus, Retrieval, Session, AGENT_KEY_LEN,
-};
+use shepherd_bmdb::{Backoff, ProviderStatus, Retrieval, Session, AGENT_KEY_LEN};
 use shepherd_proto::agent::{takeover_response, TakeoverInit, TakeoverResponse};
 use shepherd_proto::Message;
 use uuid::Uuid;
@@ -285,14 +283,6 @@ fn trimmed_stderr(stderr: &[u8]) -> String {
 #[async_trait]
 impl<P: Provider + 'static> MachineTask for Initializer<P> {
     type Error = TakeoverFailure;
-
-    fn process(&self) -> Process {
-        Process::ShepherdAgentStart
-    }
-
-    fn processor(&self) -> Processor {
-        Processor::ShepherdInitializer
-    }
 
     fn retrieval(&self) -> Retrieval {
         Retrieval::AgentStart {

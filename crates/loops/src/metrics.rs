@@ -134,10 +134,33 @@ pub struct InstrumentedProvider<P: ?Sized> {
     metrics: Arc<CallMetrics>,
 }
 
+/// Creates `family`'s series for each of `labels`, so that they are exported at zero before
+/// anything is counted.
+pub fn present_at_zero<L, M>(family: &Family<L, M>, labels: impl IntoIterator<Item = L>)
+where
+    L: Clone + std::hash::Hash + Eq,
+    M: Default,
+{
+    for l in labels {
+        let _ = family.get_or_create(&l);
+    }
+}
+
 impl<P: ?Sized> InstrumentedProvider<P> {
     /// Wraps `inner`, recording into `metrics`.
     pub fn new(inner: Arc<P>, metrics: Arc<CallMetrics>) -> Self {
         InstrumentedProvider { inner, metrics }
+    }
+}
+
+impl<P: ?Sized> InstrumentedProvider<P> {
+    /// Runs a provider call, counted and timed as `call`.
+    async fn timed<T>(
+        &self,
+        call: &'static str,
+        done: impl std::future::Future<Output = Result<T, ProviderError>>,
+    ) -> Result<T, ProviderError> {
+        self.metrics.time(call, provider_result, done).await
     }
 }
 
@@ -148,15 +171,11 @@ impl<P: Provider + ?Sized> Provider for InstrumentedProvider<P> {
     }
 
     async fn list_machines(&self) -> Result<Vec<ProviderMachine>, ProviderError> {
-        self.metrics
-            .time("list", provider_result, self.inner.list_machines())
-            .await
+        self.timed("list", self.inner.list_machines()).await
     }
 
     async fn get_machine(&self, id: &str) -> Result<ProviderMachine, ProviderError> {
-        self.metrics
-            .time("get", provider_result, self.inner.get_machine(id))
-            .await
+        self.timed("get", self.inner.get_machine(id)).await
     }
 
     async fn create_machine(
@@ -164,13 +183,8 @@ impl<P: Provider + ?Sized> Provider for InstrumentedProvider<P> {
         session: &Session,
         unused: &ProviderMachine,
     ) -> Result<Recorded, ProviderError> {
-        self.metrics
-            .time(
-                "create",
-                provider_result,
-                self.inner.create_machine(session, unused),
-            )
-            .await
+        let created = self.inner.create_machine(session, unused);
+        self.timed("create", created).await
     }
 
     async fn hand_back(
@@ -178,22 +192,15 @@ impl<P: Provider + ?Sized> Provider for InstrumentedProvider<P> {
         machine: &ProviderMachine,
         undeploy: bool,
     ) -> Result<HandBack, ProviderError> {
-        self.metrics
-            .time(
-                "hand_back",
-                provider_result,
-                self.inner.hand_back(machine, undeploy),
-            )
-            .await
+        let handed_back = self.inner.hand_back(machine, undeploy);
+        self.timed("hand_back", handed_back).await
     }
 }
 
 #[async_trait]
 impl<P: Recoverer + ?Sized> Recoverer for InstrumentedProvider<P> {
     async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
-        self.metrics
-            .time("reboot", provider_result, self.inner.reboot(machine))
-            .await
+        self.timed("reboot", self.inner.reboot(machine)).await
     }
 
     async fn can_reboot(&self) -> bool {
@@ -205,9 +212,7 @@ impl<P: Recoverer + ?Sized> Recoverer for InstrumentedProvider<P> {
     }
 
     async fn reinstall(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
-        self.metrics
-            .time("reinstall", provider_result, self.inner.reinstall(machine))
-            .await
+        self.timed("reinstall", self.inner.reinstall(machine)).await
     }
 }
 

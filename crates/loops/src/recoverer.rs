@@ -15,10 +15,11 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
-use shepherd_bmdb::{Backoff, Process, Processor, RecoveryThresholds, Retrieval, Session};
+use shepherd_bmdb::{Backoff, Process, RecoveryThresholds, Retrieval, Session};
 use uuid::Uuid;
 
 use crate::brake::Brake;
+use crate::metrics::present_at_zero;
 use crate::provider::{look_up, LookupFailed, ProviderError, Recoverer as RecovererProvider};
 use crate::runner::{Commit, MachineTask, OnError};
 use crate::settings::InvalidSetting;
@@ -142,9 +143,8 @@ pub struct RecovererMetrics {
 impl RecovererMetrics {
     /// Adds `shepherd_recoverer_reboots_total{in_a_row}` to `registry`, every series at 0.
     pub fn register(&self, registry: &mut Registry) {
-        for in_a_row in ["first", "repeated", "last"] {
-            let _ = self.reboots.get_or_create(&RebootLabels { in_a_row });
-        }
+        let labels = ["first", "repeated", "last"].map(|in_a_row| RebootLabels { in_a_row });
+        present_at_zero(&self.reboots, labels);
         registry.register(
             "shepherd_recoverer_reboots",
             "Reboots by the recoverer: first (after a heartbeat), repeated (earlier reboots did not bring the agent back) or last (the machine is left alone until an operator retries it)",
@@ -210,18 +210,15 @@ impl<P: RecovererProvider> Recoverer<P> {
 impl<P: RecovererProvider + 'static> MachineTask for Recoverer<P> {
     type Error = RecoveryError;
 
-    fn process(&self) -> Process {
-        Process::ShepherdRecovery
-    }
-
-    fn processor(&self) -> Processor {
-        Processor::ShepherdRecoverer
+    async fn active(&self) -> bool {
+        self.brake.as_ref().is_none_or(|b| b.admits()) && self.provider.can_reboot().await
     }
 
     fn retrieval(&self) -> Retrieval {
+        let (provider, thresholds) = (self.provider.kind(), self.thresholds);
         Retrieval::AgentRecovery {
-            provider: self.provider.kind(),
-            thresholds: self.thresholds,
+            provider,
+            thresholds,
         }
     }
 
@@ -233,10 +230,6 @@ impl<P: RecovererProvider + 'static> MachineTask for Recoverer<P> {
             RecoveryError::Read(e) if e.is_transient() => OnError::Cancel,
             _ => OnError::Backoff(self.backoff),
         }
-    }
-
-    async fn active(&self) -> bool {
-        self.brake.as_ref().is_none_or(|b| b.admits()) && self.provider.can_reboot().await
     }
 
     async fn process_machine(

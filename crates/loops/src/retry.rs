@@ -44,6 +44,16 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
+    /// `attempts` attempts of at most `timeout` each, waiting from `first` up to `max` between
+    /// them.
+    pub fn new(attempts: u32, first: Duration, max: Duration, timeout: Duration) -> Self {
+        RetryPolicy {
+            attempts,
+            delays: Delays::new(first, max),
+            timeout,
+        }
+    }
+
     /// Runs `attempt` until it succeeds, fails with an error `retry_if` refuses, or the
     /// attempts are used up, sleeping [`RetryPolicy::delay_after`] between attempts. Every
     /// attempt is recorded in `metrics` under `call`; every retry is logged with `api` (the

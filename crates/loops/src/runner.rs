@@ -8,8 +8,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use shepherd_bmdb::{
-    Backoff, Bmdb, Claim, Error as BmdbError, Process, Processor, Retrieval, Session,
-    SessionConfig, Tx, TxFuture, Work,
+    Backoff, Bmdb, Claim, Error as BmdbError, Retrieval, Session, SessionConfig, Tx, TxFuture, Work,
 };
 use shepherd_retry::{Delays, Streak};
 use tokio_util::sync::CancellationToken;
@@ -39,11 +38,8 @@ pub trait MachineTask: Send + Sync + 'static {
     /// Why processing a machine failed. A failed finish (the BMDB, or the commit refusing) is
     /// converted into it too, so that one policy decides every ending.
     type Error: std::fmt::Display + From<BmdbError> + Send + Sync + 'static;
-    /// The work process (and lock) of this loop.
-    fn process(&self) -> Process;
-    /// Metrics label of the loop's sessions.
-    fn processor(&self) -> Processor;
-    /// Which machines the loop takes.
+    /// Which machines the loop takes; the rule also names the work process (and lock) and
+    /// the metrics label of the loop's sessions.
     fn retrieval(&self) -> Retrieval;
     /// Whether the loop may claim now (a recoverer that cannot reboot anything claims nothing).
     async fn active(&self) -> bool {
@@ -70,6 +66,17 @@ pub struct RunnerConfig {
     pub session: SessionConfig,
 }
 
+impl RunnerConfig {
+    /// `parallelism` workers claiming at `db_rate`, their sessions as `session` says.
+    pub fn new(parallelism: usize, db_rate: RateSpec, session: SessionConfig) -> Self {
+        RunnerConfig {
+            parallelism,
+            db_rate,
+            session,
+        }
+    }
+}
+
 /// Runs `task` until `cancel`; returns once every worker stopped and closed its session. Work
 /// held at cancellation is canceled (not failed), so no backoff is charged for the shutdown.
 pub async fn run<T: MachineTask>(
@@ -80,7 +87,7 @@ pub async fn run<T: MachineTask>(
 ) {
     let limiter = Arc::new(Limiter::new(config.db_rate));
     let session = SessionConfig {
-        processor: task.processor(),
+        processor: task.retrieval().processor(),
         ..config.session
     };
     let workers: Vec<_> = (0..config.parallelism.max(1))
@@ -154,7 +161,8 @@ async fn worker<T: MachineTask>(
                 continue;
             }
         };
-        match s.work(task.process(), task.retrieval()).await {
+        let retrieval = task.retrieval();
+        match s.work(retrieval.process(), retrieval).await {
             Ok(Claim::Work(mut work)) => {
                 errors.succeeded();
                 let machine = work.machine_id();
@@ -165,7 +173,7 @@ async fn worker<T: MachineTask>(
                     "work",
                     %machine,
                     provider_id = tracing::field::Empty,
-                    process = %task.process(),
+                    process = %retrieval.process(),
                 );
                 async {
                     let outcome = tokio::select! {

@@ -17,6 +17,7 @@ use shepherd_bmdb::{Provider as ProviderKind, ProviderStatus, Session};
 use shepherd_retry::{Delays, Streak};
 
 use crate::causes::reqwest_causes;
+use crate::metrics::present_at_zero;
 use crate::provider::{
     record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Recorded, Recoverer,
 };
@@ -60,9 +61,8 @@ struct ResultLabels {
 impl InventoryMetrics {
     /// Adds the metrics to `registry`.
     pub fn register(&self, registry: &mut Registry) {
-        for result in ["ok", "unchanged", "error"] {
-            let _ = self.reads.get_or_create(&ResultLabels { result });
-        }
+        let labels = ["ok", "unchanged", "error"].map(|result| ResultLabels { result });
+        present_at_zero(&self.reads, labels);
         registry.register(
             "shepherd_inventory_reads",
             "Reads of the static inventory, by result (ok, unchanged, error)",

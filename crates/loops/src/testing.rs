@@ -38,6 +38,27 @@ fn built_binary(name: &str) -> PathBuf {
     path
 }
 
+/// Runs `task` in the background with `workers` workers claiming every 10 ms (at most `burst`
+/// at once), each on a session named after the loop's processor, until the returned token is
+/// canceled; the handle ends once every worker stopped.
+pub fn spawn_loop<T: crate::runner::MachineTask>(
+    db: shepherd_bmdb::Bmdb,
+    task: T,
+    workers: usize,
+    burst: u32,
+) -> (
+    tokio::task::JoinHandle<()>,
+    tokio_util::sync::CancellationToken,
+) {
+    let processor = task.retrieval().processor();
+    let session = shepherd_bmdb::SessionConfig::new(processor.label(), processor);
+    let rate = crate::limiter::RateSpec::new(std::time::Duration::from_millis(10), burst);
+    let config = crate::runner::RunnerConfig::new(workers, rate, session);
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let run = crate::runner::run(db, std::sync::Arc::new(task), config, cancel.clone());
+    (tokio::spawn(run), cancel)
+}
+
 /// A transport that runs the stand-in agent (`shepherd-test-agent`) as a local process with the
 /// takeover message on its stdin, as SSH would on a machine: for tests of the initializer
 /// that need no sshd.

@@ -31,14 +31,6 @@ struct TaskError(#[from] Error);
 impl MachineTask for Task {
     type Error = TaskError;
 
-    fn process(&self) -> Process {
-        Process::ShepherdAgentStart
-    }
-
-    fn processor(&self) -> Processor {
-        Processor::ShepherdInitializer
-    }
-
     fn retrieval(&self) -> Retrieval {
         Retrieval::AgentStart {
             provider: Provider::Sim,

@@ -48,6 +48,11 @@ pub enum TlsError {
     Generate(#[from] rcgen::Error),
 }
 
+/// What a handshake signature check returns.
+type Signed = Result<HandshakeSignatureValid, rustls::Error>;
+/// The signed part of a handshake message.
+type Dss = DigitallySignedStruct;
+
 /// Accepts any client certificate, but verifies the handshake signature made with its key
 /// (rustls' own checks, with the crypto provider's algorithms).
 #[derive(Debug)]
@@ -60,6 +65,10 @@ impl ClientCertVerifier for AnyClientCert {
         &[]
     }
 
+    fn verify_tls12_signature(&self, m: &[u8], c: &CertificateDer<'_>, d: &Dss) -> Signed {
+        verify_tls12_signature(m, c, d, &self.algorithms)
+    }
+
     fn verify_client_cert(
         &self,
         _end_entity: &CertificateDer<'_>,
@@ -69,30 +78,16 @@ impl ClientCertVerifier for AnyClientCert {
         Ok(ClientCertVerified::assertion())
     }
 
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls12_signature(message, cert, dss, &self.algorithms)
+    fn client_auth_mandatory(&self) -> bool {
+        true
     }
 
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls13_signature(message, cert, dss, &self.algorithms)
+    fn verify_tls13_signature(&self, m: &[u8], c: &CertificateDer<'_>, d: &Dss) -> Signed {
+        verify_tls13_signature(m, c, d, &self.algorithms)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.algorithms.supported_schemes()
-    }
-
-    fn client_auth_mandatory(&self) -> bool {
-        true
     }
 }
 

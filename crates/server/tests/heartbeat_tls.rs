@@ -394,6 +394,10 @@ shepherd_bmdb::conformance_tests!(
 #[derive(Debug)]
 struct CCoreSchemes(std::sync::Arc<rustls::client::WebPkiServerVerifier>);
 
+type Cert<'a> = rustls::pki_types::CertificateDer<'a>;
+type Dss = rustls::DigitallySignedStruct;
+type Signed = Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error>;
+
 impl rustls::client::danger::ServerCertVerifier for CCoreSchemes {
     fn verify_server_cert(
         &self,
@@ -407,22 +411,12 @@ impl rustls::client::danger::ServerCertVerifier for CCoreSchemes {
             .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
     }
 
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &rustls::pki_types::CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
+    fn verify_tls12_signature(&self, m: &[u8], c: &Cert<'_>, d: &Dss) -> Signed {
+        self.0.verify_tls12_signature(m, c, d)
     }
 
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &rustls::pki_types::CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
+    fn verify_tls13_signature(&self, m: &[u8], c: &Cert<'_>, d: &Dss) -> Signed {
+        self.0.verify_tls13_signature(m, c, d)
     }
 
     fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {

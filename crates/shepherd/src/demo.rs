@@ -266,22 +266,16 @@ pub async fn run(args: DemoArgs) -> Result<()> {
 
     // The operator's view: web UI and metrics, as `shepherd server` and `shepherd run` serve them.
     let provider_metrics = Arc::new(CallMetrics::default());
-    let web = crate::web::WebSettings {
-        refresh: Duration::from_secs(2),
-        thresholds: settings.recovery,
-        brake: Some(settings.recovery_brake_metrics.clone()),
-    };
-    let mut operator = crate::metrics_http::OperatorEndpoint::start(
+    let (refresh, stats_interval) = (Duration::from_secs(2), Duration::from_secs(1));
+    let mut operator = crate::metrics_http::OperatorEndpoint::for_fleet(
         &db,
-        web,
-        Duration::from_secs(1),
-        settings.tasks.clone(),
+        &settings,
+        refresh,
+        stats_interval,
         cancel.clone(),
     );
     let registry = &mut operator.registry;
     provider_metrics.register(registry, "shepherd_provider", "Provider API");
-    settings.recovery_brake_metrics.register(registry);
-    settings.recoverer_metrics.register(registry);
     let app = operator.router(db.clone());
     let http = match crate::metrics_http::serve(
         args.http_listen,
@@ -303,9 +297,8 @@ pub async fn run(args: DemoArgs) -> Result<()> {
     let started = Instant::now();
     let loops = tokio::spawn(run_loops(
         db.clone(),
-        provider.clone(),
+        provider,
         fleet.clone(),
-        Some(provider),
         settings,
         cancel.clone(),
     ));

@@ -34,9 +34,24 @@ impl ThresholdArgs {
     }
 }
 
-/// How this process judges its background tasks (`/tasks`, `shepherd_task_*` metrics).
+/// What every long-running process (`run`, `server`) takes besides its own work: its
+/// configuration file, whether it migrates the BMDB, and how often it checks the schema,
+/// refreshes the fleet statistics and judges its background tasks.
 #[derive(Debug, Clone, Args)]
-pub struct TaskArgs {
+pub struct ProcessArgs {
+    /// TOML file whose keys are these flags' names; flags and environment variables win.
+    #[arg(long, env = "SHEPHERD_CONFIG")]
+    pub config: Option<std::path::PathBuf>,
+    /// Apply pending BMDB migrations at start-up.
+    #[arg(long, env = "SHEPHERD_MIGRATE")]
+    pub migrate: bool,
+    /// How often the fleet statistics gauges are recomputed from the BMDB.
+    #[arg(long, env = "SHEPHERD_STATS_INTERVAL", default_value = "30s", value_parser = duration)]
+    pub stats_interval: Duration,
+    /// How often the BMDB's schema is checked while running: a migration that no longer admits
+    /// this binary stops it cleanly (see deploy/README.md, Upgrades).
+    #[arg(long, env = "SHEPHERD_SCHEMA_CHECK_INTERVAL", default_value = "30s", value_parser = duration)]
+    pub schema_check_interval: Duration,
     /// A background task (provisioner, updater, retention, fleet statistics) that has gone
     /// this long without a successful pass is stale: the `/tasks` page marks it and the
     /// `ShepherdTaskStale` alert fires.
@@ -44,7 +59,7 @@ pub struct TaskArgs {
     pub task_stale_after: Duration,
 }
 
-impl TaskArgs {
+impl ProcessArgs {
     /// The process's task registry, judged as these flags say.
     pub fn tasks(&self) -> shepherd_loops::tasks::Tasks {
         shepherd_loops::tasks::Tasks::new(self.task_stale_after)

@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::fleet_stats::FleetStats;
 use crate::web::WebSettings;
+use shepherd_loops::fleet::FleetSettings;
 use shepherd_loops::tasks::Tasks;
 
 /// What a process shows operators: its metrics registry (the BMDB counters of SPEC §16, the
@@ -62,6 +63,30 @@ impl OperatorEndpoint {
             tasks,
             web,
         }
+    }
+
+    /// The endpoint of a process that runs the loops of `fleet` (`run`, the demo): its web UI
+    /// also shows the recovery brake, and the registry also holds the brake's gauges and the
+    /// recoverer's counters.
+    pub fn for_fleet(
+        db: &Bmdb,
+        fleet: &FleetSettings,
+        refresh: Duration,
+        stats_interval: Duration,
+        cancel: CancellationToken,
+    ) -> OperatorEndpoint {
+        let web = WebSettings {
+            refresh,
+            thresholds: fleet.recovery,
+            brake: Some(fleet.recovery_brake_metrics.clone()),
+        };
+        let tasks = fleet.tasks.clone();
+        let mut endpoint = OperatorEndpoint::start(db, web, stats_interval, tasks, cancel);
+        fleet
+            .recovery_brake_metrics
+            .register(&mut endpoint.registry);
+        fleet.recoverer_metrics.register(&mut endpoint.registry);
+        endpoint
     }
 
     /// `/metrics` and the web UI over `db`.

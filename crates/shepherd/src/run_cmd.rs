@@ -68,12 +68,9 @@ impl From<StaticKind> for ProviderKind {
 /// Settings of `shepherd run` (SPEC §17), grouped by the part of Shepherd they steer.
 #[derive(Debug, Clone, Args)]
 pub struct RunArgs {
-    /// TOML file whose keys are these flags' names; flags and environment variables win.
-    #[arg(long, env = "SHEPHERD_CONFIG")]
-    pub config: Option<PathBuf>,
-    /// Apply pending BMDB migrations at start-up.
-    #[arg(long, env = "SHEPHERD_MIGRATE")]
-    pub migrate: bool,
+    /// Configuration, migration, schema checks, statistics and background tasks.
+    #[command(flatten)]
+    pub process: crate::flags::ProcessArgs,
     /// Where machines come from.
     #[command(flatten)]
     pub source: SourceArgs,
@@ -101,9 +98,6 @@ pub struct RunArgs {
     /// BMCs of a static inventory.
     #[command(flatten)]
     pub bmc: BmcArgs,
-    /// How this process judges its background tasks.
-    #[command(flatten)]
-    pub tasks: crate::flags::TaskArgs,
     /// Where `/metrics` (Prometheus text format) and the web UI are served; port 0 picks a
     /// free port.
     #[arg(
@@ -112,9 +106,6 @@ pub struct RunArgs {
         default_value = "127.0.0.1:9464"
     )]
     pub metrics_listen: std::net::SocketAddr,
-    /// How often the fleet statistics gauges are recomputed from the BMDB.
-    #[arg(long, env = "SHEPHERD_STATS_INTERVAL", default_value = "30s", value_parser = duration)]
-    pub stats_interval: Duration,
     /// Pace of the updater, which refreshes address, location, status and reservation of every
     /// machine from one provider listing and marks vanished machines Missing.
     #[arg(long, env = "SHEPHERD_UPDATER_RATE", default_value = "5m,1")]
@@ -122,10 +113,6 @@ pub struct RunArgs {
     /// BMDB session keep-alive interval.
     #[arg(long, env = "SHEPHERD_SESSION_INTERVAL", default_value = "5s", value_parser = duration)]
     pub session_interval: Duration,
-    /// How often the BMDB's schema is checked while running: a migration that no longer admits
-    /// this binary stops it cleanly (see deploy/README.md, Upgrades).
-    #[arg(long, env = "SHEPHERD_SCHEMA_CHECK_INTERVAL", default_value = "30s", value_parser = duration)]
-    pub schema_check_interval: Duration,
     /// How long work history is kept (e.g. 90d); Failed entries and operators' actions are
     /// kept four times as long. Pruned every 10 minutes in batches of 1,000. Left out, history
     /// is kept forever.
@@ -390,6 +377,14 @@ impl SshArgs {
         config.max_handshakes = self.ssh_max_handshakes.max(1);
         Ok((SshClient::new(config), public))
     }
+
+    /// The SSH transport agents are started through, its calls counted in `metrics`, and the
+    /// public key line of its key (if it uses one).
+    fn transport(&self, metrics: &Arc<CallMetrics>) -> Result<(Arc<SshTransport>, Option<String>)> {
+        let (ssh, public_key) = self.client()?;
+        let transport = SshTransport::new(Arc::new(ssh)).with_metrics(metrics.clone());
+        Ok((Arc::new(transport), public_key))
+    }
 }
 
 /// The Equinix Metal provider.
@@ -617,7 +612,7 @@ impl RunArgs {
             ("ssh-connect-timeout", self.ssh.ssh_connect_timeout),
             ("ssh-exec-timeout", self.ssh.ssh_exec_timeout),
             ("session-interval", self.session_interval),
-            ("schema-check-interval", self.schema_check_interval),
+            ("schema-check-interval", self.process.schema_check_interval),
             (
                 "history-retention",
                 self.history_retention.unwrap_or(Duration::MAX),
@@ -643,7 +638,7 @@ impl RunArgs {
             updater_rate: self.updater_rate,
             session_interval: self.session_interval,
             history_retention: self.history_retention.map(HistoryRetention::new),
-            tasks: self.tasks.tasks(),
+            tasks: self.process.tasks(),
         })
     }
 }
@@ -706,7 +701,7 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
                     .context("static-inventory")?
                     .with_bmc_timing(args.bmc.bmc_timeout, args.bmc.bmc_reboot_wait),
             );
-            let (ssh, _) = args.ssh.client()?;
+            let (transport, _) = args.ssh.transport(&ssh_metrics)?;
             // A broken inventory is a start-up error: nothing is written, no loop starts.
             let inventory = provider.load_at_start().await.context("static-inventory")?;
             if !inventory.has_bmcs() {
@@ -714,60 +709,40 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
                     "no inventory entry names a BMC: machines cannot be rebooted until one does; the recoverer waits for it"
                 );
             }
-            let transport =
-                Arc::new(SshTransport::new(Arc::new(ssh)).with_metrics(ssh_metrics.clone()));
             Chosen::Static(provider, transport)
         }
         ProviderChoice::Equinix => {
-            let (ssh, public_key) = args.ssh.client()?;
+            let (transport, public_key) = args.ssh.transport(&ssh_metrics)?;
             let (client, config) = args.equinix.client(public_key, equinix_metrics.clone())?;
-            let provider = Arc::new(
-                EquinixProvider::connect(client, config)
-                    .await
-                    .context("Equinix Metal")?,
-            );
-            let transport =
-                Arc::new(SshTransport::new(Arc::new(ssh)).with_metrics(ssh_metrics.clone()));
-            Chosen::Equinix(provider, transport)
+            let connected = EquinixProvider::connect(client, config).await;
+            Chosen::Equinix(Arc::new(connected.context("Equinix Metal")?), transport)
         }
         ProviderChoice::Ironic => {
-            let (ssh, public_key) = args.ssh.client()?;
+            let (transport, public_key) = args.ssh.transport(&ssh_metrics)?;
             let (client, config) = args.ironic.client(public_key, ironic_metrics.clone())?;
             // An unreachable Ironic, one older than the pinned microversion, or refused
             // credentials stop start-up here, with what was wrong.
-            let provider = Arc::new(
-                IronicProvider::connect(client, config)
-                    .await
-                    .context("OpenStack Ironic")?,
-            );
-            let transport =
-                Arc::new(SshTransport::new(Arc::new(ssh)).with_metrics(ssh_metrics.clone()));
-            Chosen::Ironic(provider, transport)
+            let connected = IronicProvider::connect(client, config).await;
+            Chosen::Ironic(Arc::new(connected.context("OpenStack Ironic")?), transport)
         }
         ProviderChoice::Sim => Chosen::Sim(Arc::new(SimFleet::new(
             args.sim.sim_machines,
             args.sim.knobs(),
         )?)),
     };
-    let db = Bmdb::open_with(database, &OpenOptions::migrating(args.migrate)).await?;
+    let db = Bmdb::open_with(database, &OpenOptions::migrating(args.process.migrate)).await?;
     let cancel = shutdown_on_signals();
     let schema = tokio::spawn(crate::schema_watch::watch(
         db.clone(),
-        args.schema_check_interval,
+        args.process.schema_check_interval,
         cancel.clone(),
     ));
-    // The web UI here shows the recovery brake of this process's recoverer, besides what
-    // `shepherd server`'s shows.
-    let web = crate::web::WebSettings {
-        refresh: Duration::from_secs(5),
-        thresholds: settings.recovery,
-        brake: Some(settings.recovery_brake_metrics.clone()),
-    };
-    let mut operator = crate::metrics_http::OperatorEndpoint::start(
+    // The web UI here also shows the recovery brake of this process's recoverer.
+    let mut operator = crate::metrics_http::OperatorEndpoint::for_fleet(
         &db,
-        web,
-        args.stats_interval,
-        settings.tasks.clone(),
+        &settings,
+        Duration::from_secs(5),
+        args.process.stats_interval,
         cancel.clone(),
     );
     let registry = &mut operator.registry;
@@ -775,8 +750,6 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
     ssh_metrics.register(registry, "shepherd_ssh", "SSH");
     equinix_metrics.register(registry, "shepherd_equinix_api", "Equinix Metal API");
     ironic_metrics.register(registry, "shepherd_ironic_api", "OpenStack Ironic API");
-    settings.recovery_brake_metrics.register(registry);
-    settings.recoverer_metrics.register(registry);
     if let Chosen::Static(provider, _) = &chosen {
         provider.metrics().register(registry);
     }
@@ -837,15 +810,7 @@ impl Loops {
         transport: Arc<dyn Transport>,
     ) -> Result<()> {
         let provider = Arc::new(InstrumentedProvider::new(provider, self.metrics));
-        run_loops(
-            self.db,
-            provider.clone(),
-            transport,
-            Some(provider),
-            self.settings,
-            self.cancel,
-        )
-        .await?;
+        run_loops(self.db, provider, transport, self.settings, self.cancel).await?;
         Ok(())
     }
 }

@@ -18,19 +18,13 @@ use crate::fleet::shutdown_on_signals;
 /// Settings of `shepherd server`.
 #[derive(Debug, Clone, Args)]
 pub struct ServerArgs {
-    /// TOML file whose keys are these flags' names; flags and environment variables win.
-    #[arg(long, env = "SHEPHERD_CONFIG")]
-    pub config: Option<PathBuf>,
+    /// Configuration, migration, schema checks, statistics and background tasks.
+    #[command(flatten)]
+    pub process: crate::flags::ProcessArgs,
     /// The recoverer's thresholds, so that this server's web UI and gauges call the same
     /// machines stale (and eligible for recovery) as the site's `shepherd run` does.
     #[command(flatten)]
     pub thresholds: crate::flags::ThresholdArgs,
-    /// How this process judges its background tasks.
-    #[command(flatten)]
-    pub tasks: crate::flags::TaskArgs,
-    /// Apply pending BMDB migrations at start-up.
-    #[arg(long, env = "SHEPHERD_MIGRATE")]
-    pub migrate: bool,
     /// Address agents connect to (port 0 picks a free port; the chosen address is printed).
     #[arg(long, env = "SHEPHERD_SERVER_LISTEN", default_value = "0.0.0.0:4443")]
     pub listen: SocketAddr,
@@ -58,13 +52,6 @@ pub struct ServerArgs {
     /// How often web UI pages reload themselves; 0s turns it off.
     #[arg(long, env = "SHEPHERD_WEB_REFRESH", default_value = "5s", value_parser = crate::flags::duration)]
     pub web_refresh: std::time::Duration,
-    /// How often the fleet statistics gauges are recomputed from the BMDB.
-    #[arg(long, env = "SHEPHERD_STATS_INTERVAL", default_value = "30s", value_parser = crate::flags::duration)]
-    pub stats_interval: std::time::Duration,
-    /// How often the BMDB's schema is checked while serving: a migration that no longer admits
-    /// this binary stops it cleanly (see deploy/README.md, Upgrades).
-    #[arg(long, env = "SHEPHERD_SCHEMA_CHECK_INTERVAL", default_value = "30s", value_parser = crate::flags::duration)]
-    pub schema_check_interval: std::time::Duration,
     /// BMDB sessions shared by all requests.
     #[arg(long, env = "SHEPHERD_SERVER_SESSIONS", default_value_t = 4)]
     pub sessions: usize,
@@ -151,7 +138,7 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
         (None, None, None) => bail!("tls-cert and tls-key (or dev-certs) are required"),
         _ => bail!("give either tls-cert and tls-key, or dev-certs"),
     };
-    let db = Bmdb::open_with(database, &OpenOptions::migrating(args.migrate)).await?;
+    let db = Bmdb::open_with(database, &OpenOptions::migrating(args.process.migrate)).await?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listen: {}", args.listen))?;
@@ -167,7 +154,7 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     let cancel = shutdown_on_signals();
     let schema = tokio::spawn(crate::schema_watch::watch(
         db.clone(),
-        args.schema_check_interval,
+        args.process.schema_check_interval,
         cancel.clone(),
     ));
     let web = crate::web::WebSettings {
@@ -178,8 +165,8 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     let mut operator = crate::metrics_http::OperatorEndpoint::start(
         &db,
         web,
-        args.stats_interval,
-        args.tasks.tasks(),
+        args.process.stats_interval,
+        args.process.tasks(),
         cancel.clone(),
     );
     let connections = ConnectionMetrics::default();

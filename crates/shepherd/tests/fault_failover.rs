@@ -213,14 +213,9 @@ async fn failover_with(fault: Fault, machines: usize) -> Figures {
     let mut cluster = tokio::task::block_in_place(PatroniCluster::start);
     let url = cluster.url();
     let dir = tempfile::tempdir().unwrap();
-    let mut server = ChildGuard(Some(
-        common::server(&url, dir.path())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(dir.path().join("server.log")).unwrap())
-            .spawn()
-            .unwrap(),
-    ));
-    let endpoint = common::announced(server.child(), "shepherd server: listening on ");
+    let server_log = dir.path().join("server.log");
+    let (server, endpoint) =
+        common::start_server(common::server(&url, dir.path()), Some(&server_log));
     let db = Bmdb::open(&url).await.unwrap();
     sqlx::query("CREATE TABLE failover_probe (id bigint PRIMARY KEY)")
         .execute(

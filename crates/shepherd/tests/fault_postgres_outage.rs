@@ -6,12 +6,11 @@
 
 mod common;
 
-use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::private_postgres::PrivatePostgres;
-use common::{announced_all, history, sim_run, ChildGuard, TestAgent};
+use common::{history, sim_run, ChildGuard, TestAgent};
 use shepherd_bmdb::{Bmdb, Process};
 use shepherd_proto::bmaas::HeartbeatRequest;
 use tokio_util::sync::CancellationToken;
@@ -64,14 +63,8 @@ async fn run_and_server_ride_out_a_postgres_outage() {
     let url = pg.url();
     let dir = tempfile::tempdir().unwrap();
     let server_log = dir.path().join("server.log");
-    let mut server = ChildGuard(Some(
-        common::server(&url, dir.path())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&server_log).unwrap())
-            .spawn()
-            .unwrap(),
-    ));
-    let addr = announced_all(server.child(), &["shepherd server: listening on "]).remove(0);
+    let (mut server, addr) =
+        common::start_server(common::server(&url, dir.path()), Some(&server_log));
     let ca = std::fs::read(dir.path().join("certs/ca.pem")).unwrap();
     let db = Bmdb::open(&url).await.unwrap();
 

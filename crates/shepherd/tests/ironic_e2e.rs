@@ -9,11 +9,11 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use common::ironic::{ironic_run, PASSWORD};
 use common::sushy;
-use common::{announced, wait_for, ChildGuard};
+use common::{wait_for, ChildGuard};
 use serde_json::json;
 use shepherd_bmdb::{testing, Bmdb, OpenOptions, Process, Provider, WorkEvent};
 use shepherd_ironic::testing::{ImageServer, IronicServer, RedfishNode, TestAuth};
@@ -95,11 +95,11 @@ async fn two_replicas_take_every_node_over_and_deploy_each_exactly_once() {
     let mut replicas: Vec<ChildGuard> = logs
         .iter()
         .map(|log| {
+            // The stand-in agent answers the takeover and never heartbeats.
+            let endpoint = "bmaas.test:443";
             ChildGuard(Some(
-                ironic_run(&db_url, &ironic, &key_path, &agent, &target)
+                ironic_run(&db_url, &ironic, &key_path, &agent, &target, endpoint)
                     .args(["--ssh-user", &this_user()])
-                    // The stand-in agent answers the takeover and never heartbeats.
-                    .args(["--agent-endpoint", "bmaas.test:443"])
                     .stderr(std::fs::File::create(log).unwrap())
                     .spawn()
                     .unwrap(),
@@ -198,14 +198,7 @@ async fn two_replicas_take_every_node_over_and_deploy_each_exactly_once() {
 async fn a_silent_agent_on_a_redfish_node_is_rebooted_through_ironic_and_taken_over_again() {
     let dir = tempfile::tempdir().unwrap();
     let db_url = format!("sqlite:{}", dir.path().join("bmdb.sqlite").display());
-    let mut server = ChildGuard(Some(
-        common::server(&db_url, dir.path())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    ));
-    let addr = announced(server.child(), "shepherd server: listening on ");
+    let (server, addr) = common::start_server(common::server(&db_url, dir.path()), None);
     let port = addr.rsplit_once(':').unwrap().1.to_string();
 
     let key_path = dir.path().join("id_ed25519");
@@ -260,10 +253,10 @@ async fn a_silent_agent_on_a_redfish_node_is_rebooted_through_ironic_and_taken_o
         &key_path,
         &shepherd_loops::testing::agent_path(),
         &target,
+        &format!("localhost:{port}"),
     )
     .args(["--ssh-user", &this_user()])
     .args(["--ironic-reboot-wait", "1s"])
-    .arg(format!("--agent-endpoint=localhost:{port}"))
     .arg(format!(
         "--agent-ca={}",
         dir.path().join("certs/ca.pem").display()

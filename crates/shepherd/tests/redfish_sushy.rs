@@ -11,12 +11,10 @@ use std::time::{Duration, Instant};
 use common::free_port;
 use common::sushy::{start_emulator, CertForm, Emulator, FakeSystem};
 use shepherd_bmdb::*;
-use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::recoverer::Recoverer;
 use shepherd_loops::redfish::{Bmc, BmcEntry};
-use shepherd_loops::runner::{self, RunnerConfig};
 use shepherd_loops::static_provider::StaticProvider;
-use tokio_util::sync::CancellationToken;
+use shepherd_loops::testing::spawn_loop;
 
 const SYSTEM_A: &str = "8b5e2a5c-0000-4000-8000-00000000000a";
 const SYSTEM_B: &str = "8b5e2a5c-0000-4000-8000-00000000000b";
@@ -170,17 +168,7 @@ async fn the_recoverer_power_cycles_through_the_inventory_bmc() {
         .unwrap();
     testing::agents_silent_for_hours(&t.db, &ids).await;
     let task = Recoverer::new(provider, RecoveryThresholds::default());
-    let cancel = CancellationToken::new();
-    let run = tokio::spawn(runner::run(
-        t.db.clone(),
-        Arc::new(task),
-        RunnerConfig {
-            parallelism: 2,
-            db_rate: RateSpec::new(Duration::from_millis(10), 4),
-            session: SessionConfig::new("shepherd-recoverer", Processor::ShepherdRecoverer),
-        },
-        cancel.clone(),
-    ));
+    let (run, cancel) = spawn_loop(t.db.clone(), task, 2, 4);
     let deadline = Instant::now() + Duration::from_secs(60);
     let histories = loop {
         let mut all = vec![];

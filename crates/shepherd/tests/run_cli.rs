@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{announced, refused, shepherd, signal};
+use common::{announced, refused, shepherd, signal, sim_replica, Pace};
 use shepherd_bmdb::{Bmdb, StatusCounts};
 
 fn stderr(o: &Output) -> String {
@@ -520,13 +520,20 @@ fn config_print_shows_merged_settings_with_sources_and_no_secrets() {
 fn json_logs_carry_the_work_span() {
     let dir = tempfile::tempdir().unwrap();
     let db = format!("sqlite:{}", dir.path().join("s.db").display());
-    let child = shepherd()
-        .args(["run", "--provider", "sim", "--migrate", "--database", &db])
-        .args(["--sim-machines", "3", "--sim-connect-failure-rate", "1"])
-        .args(["--agent-endpoint", "bmaas.test:443", "--log-format", "json"])
-        .args(["--provisioner-reconcile-rate", "100ms,1"])
-        .args(["--provisioner-creation-rate", "1ms,3"])
-        .args(["--initializer-db-rate", "10ms,4"])
+    let pace = Pace {
+        reconcile_rate: "100ms,1",
+        creation_rate: "1ms,3",
+        claim_rate: "10ms,4",
+        ..Pace::default()
+    };
+    let child = sim_replica(&db, 3, "50ms", pace)
+        .args([
+            "--migrate",
+            "--sim-connect-failure-rate",
+            "1",
+            "--log-format",
+            "json",
+        ])
         .env("SHEPHERD_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -621,14 +628,15 @@ async fn equinix_run_provisions_from_reservations() {
         .env("SHEPHERD_EQUINIX_API_TOKEN", "tok-123456")
         .arg(format!("--ssh-key={}", dir.path().join("id").display()))
         .arg(format!("--agent-executable={}", agent.display()))
-        .args(["--agent-endpoint", "bmaas.test:443"])
-        .args([
-            "--provisioner-max-machines",
-            "3",
-            "--provisioner-reconcile-rate",
-            "100ms,1",
-        ])
-        .args(["--provisioner-creation-rate", "1ms,10"])
+        .args(
+            Pace {
+                max_machines: 3,
+                reconcile_rate: "100ms,1",
+                creation_rate: "1ms,10",
+                ..Pace::default()
+            }
+            .args(),
+        )
         .env("SHEPHERD_LOG", "debug")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -8,7 +8,7 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{announced, shepherd, ChildGuard};
+use common::{shepherd, ChildGuard};
 use shepherd_bmdb::Bmdb;
 use shepherd_proto::bmaas::AgentHardwareReport;
 use shepherd_proto::Message;
@@ -19,14 +19,7 @@ async fn agent_started_over_ssh_heartbeats_to_the_server() {
     let url = format!("sqlite:{}", dir.path().join("bmdb.sqlite").display());
 
     // The server, on a free port, with development certificates.
-    let mut server = ChildGuard(Some(
-        common::server(&url, dir.path())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    ));
-    let addr = announced(server.child(), "shepherd server: listening on ");
+    let (server, addr) = common::start_server(common::server(&url, dir.path()), None);
     let port = addr.rsplit_once(':').unwrap().1;
 
     // A machine (the sshd) in a static inventory, and the loops pointing agents at the server.

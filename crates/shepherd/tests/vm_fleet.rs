@@ -34,19 +34,6 @@ async fn machine_of(db: &Bmdb, vm: &Vm) -> Uuid {
     .unwrap_or_else(|| panic!("{} was not provisioned", vm.name))
 }
 
-/// `shepherd machines show ID --json`.
-fn show(url: &str, m: Uuid) -> Value {
-    let out = common::succeeds(shepherd().args([
-        "machines",
-        "show",
-        &m.to_string(),
-        "--json",
-        "--database",
-        url,
-    ]));
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 /// Fails unless `pinned` (an OpenSSH public key line) is one of the host keys the guest made
 /// for itself; returns its type and key, without the comment.
 fn assert_guest_has_key(vm: &Vm, image: &GuestImage, pinned: &str) -> String {
@@ -176,7 +163,7 @@ async fn a_vm_fleet_is_taken_over_installed_recovered_and_pins_host_keys() {
     let mut pinned = vec![];
     for vm in &vms {
         let m = machine_of(&db, vm).await;
-        let shown = show(&t.url, m);
+        let shown = common::machine_json(&t.url, m);
         // The host key pinned is the one this VM made on its first boot.
         let key = shown["ssh_host_key"]
             .as_str()
@@ -260,7 +247,7 @@ async fn a_vm_fleet_is_taken_over_installed_recovered_and_pins_host_keys() {
     let since = Instant::now();
     let mut beats = Vec::new();
     let report = loop {
-        let shown = show(&t.url, m);
+        let shown = common::machine_json(&t.url, m);
         if !shown["installation_report"].is_null() {
             break shown["installation_report"].clone();
         }
@@ -298,7 +285,7 @@ async fn a_vm_fleet_is_taken_over_installed_recovered_and_pins_host_keys() {
     let killed = chrono::Utc::now();
     let (victim, reinstalled) = (&vms[1], &vms[2]);
     let m = machine_of(&db, victim).await;
-    let agent_key = show(&t.url, m)["agent_key"].clone();
+    let agent_key = common::machine_json(&t.url, m)["agent_key"].clone();
     victim.ssh(&image, "pkill -x agent");
     let mut want = vec![victim.name.clone(), reinstalled.name.clone()];
     want.sort();
@@ -319,23 +306,15 @@ async fn a_vm_fleet_is_taken_over_installed_recovered_and_pins_host_keys() {
         beat(m).await.filter(|h| *h > killed)
     })
     .await;
-    let shown = show(&t.url, m);
-    assert_ne!(
-        shown["agent_key"], agent_key,
-        "a new agent took the machine over"
-    );
-    assert_eq!(shown["recovery"]["in_a_row"], 1, "{shown}");
-    assert!(
-        victim.serial_log().matches("shepherd-guest login:").count() >= 2,
-        "the VM booted twice"
-    );
+    let shown = common::machine_json(&t.url, m);
+    victim.assert_recovered_once(&shown, &agent_key);
 
     // The reinstalled VM presents another host key: its takeover is refused until an operator
     // who checked the change forgets the pin; then it is taken over and pins the new key.
     let r = machine_of(&db, reinstalled).await;
-    let old_key = show(&t.url, r)["ssh_host_key"].clone();
+    let old_key = common::machine_json(&t.url, r)["ssh_host_key"].clone();
     let cause = wait_for("the takeover to meet the new host key", 240, async || {
-        show(&t.url, r)["backoffs"]
+        common::machine_json(&t.url, r)["backoffs"]
             .as_array()
             .unwrap()
             .iter()
@@ -344,7 +323,11 @@ async fn a_vm_fleet_is_taken_over_installed_recovered_and_pins_host_keys() {
     })
     .await;
     assert!(cause.contains("host key mismatch"), "{cause}");
-    assert_eq!(show(&t.url, r)["ssh_host_key"], old_key, "the pin stays");
+    assert_eq!(
+        common::machine_json(&t.url, r)["ssh_host_key"],
+        old_key,
+        "the pin stays"
+    );
     assert!(
         beat(r).await.is_none(),
         "no agent runs on the reinstalled VM"
@@ -360,7 +343,7 @@ async fn a_vm_fleet_is_taken_over_installed_recovered_and_pins_host_keys() {
         beat(r).await
     })
     .await;
-    let new_key = show(&t.url, r)["ssh_host_key"]
+    let new_key = common::machine_json(&t.url, r)["ssh_host_key"]
         .as_str()
         .unwrap()
         .to_string();

@@ -16,8 +16,8 @@ use std::time::Duration;
 use common::ironic::{ironic_run, PASSWORD};
 use common::sushy::{start_emulator, CertForm, FakeSystem};
 use common::vm::{power_follower, server_for_guests, GuestImage, Vm, VmSpec, SERVER_IN_GUEST};
-use common::{free_port, shepherd, wait_for, ChildGuard};
-use serde_json::{json, Value};
+use common::{free_port, wait_for, ChildGuard};
+use serde_json::json;
 use shepherd_bmdb::{testing, Bmdb, Provider};
 use shepherd_ironic::testing::{ImageServer, IronicServer, RedfishNode, TestAuth};
 use uuid::Uuid;
@@ -26,18 +26,6 @@ const MEMORY_MIB: u32 = 256;
 
 /// The Redfish id of the VM's fake system.
 const SYSTEM: &str = "5d0c9a3e-0000-4000-8000-00000000000a";
-
-fn show(url: &str, m: Uuid) -> Value {
-    let out = common::succeeds(shepherd().args([
-        "machines",
-        "show",
-        &m.to_string(),
-        "--json",
-        "--database",
-        url,
-    ]));
-    serde_json::from_slice(&out.stdout).unwrap()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vm_behind_ironic_is_rebooted_through_ironic_when_its_agent_dies_and_taken_over_again() {
@@ -101,8 +89,8 @@ async fn a_vm_behind_ironic_is_rebooted_through_ironic_when_its_agent_dies_and_t
         &image.key,
         &shepherd_loops::testing::agent_path(),
         "/root/agent",
+        SERVER_IN_GUEST,
     )
-    .args(["--agent-endpoint", SERVER_IN_GUEST])
     .arg(format!("--agent-ca={}", certs.join("ca.pem").display()))
     .args(["--ssh-user", "root", "--ssh-exec-timeout", "120s"])
     .args(["--recovery-heartbeat-older-than", "10s"])
@@ -131,7 +119,7 @@ async fn a_vm_behind_ironic_is_rebooted_through_ironic_when_its_agent_dies_and_t
         beat(m).await.map(|_| m)
     })
     .await;
-    let shown = show(&t.url, machine);
+    let shown = common::machine_json(&t.url, machine);
     assert_eq!(shown["provider_facts"]["driver"], "redfish", "{shown}");
     assert_eq!(
         shown["provider_facts"]["resource_class"], "shepherd-test",
@@ -157,16 +145,8 @@ async fn a_vm_behind_ironic_is_rebooted_through_ironic_when_its_agent_dies_and_t
         beat(machine).await.filter(|h| *h > killed)
     })
     .await;
-    let shown = show(&t.url, machine);
-    assert_ne!(
-        shown["agent_key"], agent_key,
-        "a new agent took the machine over: {shown}"
-    );
-    assert_eq!(shown["recovery"]["in_a_row"], 1, "{shown}");
-    assert!(
-        vm.serial_log().matches("shepherd-guest login:").count() >= 2,
-        "the VM booted twice"
-    );
+    let shown = common::machine_json(&t.url, machine);
+    vm.assert_recovered_once(&shown, &agent_key);
     assert_eq!(
         *resets.lock().unwrap(),
         [vm.name.clone()],

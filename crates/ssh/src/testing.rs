@@ -174,12 +174,10 @@ impl Drop for Sshd {
     }
 }
 
+/// A port nothing listens on now (the kernel's pick of a free one).
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    let listener = TcpListener::bind("127.0.0.1:0").expect("a free loopback port");
+    listener.local_addr().expect("its address").port()
 }
 
 fn write_private(path: &PathBuf, text: &str) {

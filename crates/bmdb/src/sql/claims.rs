@@ -12,7 +12,7 @@ use sqlx::sqlite::SqliteArguments;
 use sqlx::{Acquire, PgConnection, Postgres, Sqlite};
 use uuid::Uuid;
 
-use super::engine::{is_sqlstate, secs_us, Arg, Autocommit, Conn, Dialects, Result, SqliteTx, Tx};
+use super::engine::{is_sqlstate, secs_us, span_ago, Arg, Autocommit, Conn, Result, SqliteTx, Tx};
 use super::sessions;
 use crate::claim_hints::{ClaimHints, HintKey};
 use crate::eligibility::{exclusion_list, Retrieval};
@@ -215,12 +215,23 @@ impl Tx {
         provider: Provider,
         fresh_within: std::time::Duration,
     ) -> Result<(i64, i64)> {
+        let fresh_after = span_ago(self.engine(), 2, 3);
+        let sql = format!(
+            "SELECT count(*), count(h.machine_id) FILTER (WHERE h.heartbeat_at > {fresh_after})
+               FROM machine_provided p
+               LEFT JOIN machine_agent_heartbeat h ON h.machine_id = p.machine_id
+              WHERE p.provider = $1
+                AND (EXISTS (SELECT 1 FROM machine_agent_started a
+                              WHERE a.machine_id = p.machine_id)
+                     OR EXISTS (SELECT 1 FROM machine_recovery r
+                                 WHERE r.machine_id = p.machine_id))"
+        );
         let args = [
             Arg::Text(provider.as_str()),
             Arg::Span(fresh_within),
             Arg::Now,
         ];
-        let row: Option<(i64, i64)> = self.conn().row(&COUNT_HEARTBEATING, &args).await?;
+        let row: Option<(i64, i64)> = self.conn().row(&sql, &args).await?;
         Ok(row.unwrap_or((0, 0)))
     }
 
@@ -257,26 +268,6 @@ async fn eligible_pg(
     let rows = bind_pg(q, retrieval).fetch_all(&mut *c).await?;
     Ok(rows.into_iter().map(|(id,)| id).collect())
 }
-
-const COUNT_HEARTBEATING: Dialects = Dialects {
-    postgres: "SELECT count(*), count(h.machine_id)
-                      FILTER (WHERE h.heartbeat_at > now() - make_interval(secs => $2))
-                 FROM machine_provided p
-                 LEFT JOIN machine_agent_heartbeat h ON h.machine_id = p.machine_id
-                WHERE p.provider = $1
-                  AND (EXISTS (SELECT 1 FROM machine_agent_started a
-                                WHERE a.machine_id = p.machine_id)
-                       OR EXISTS (SELECT 1 FROM machine_recovery r
-                                   WHERE r.machine_id = p.machine_id))",
-    sqlite: "SELECT count(*), count(h.machine_id) FILTER (WHERE h.heartbeat_at > $3 - $2)
-               FROM machine_provided p
-               LEFT JOIN machine_agent_heartbeat h ON h.machine_id = p.machine_id
-              WHERE p.provider = $1
-                AND (EXISTS (SELECT 1 FROM machine_agent_started a
-                              WHERE a.machine_id = p.machine_id)
-                     OR EXISTS (SELECT 1 FROM machine_recovery r
-                                 WHERE r.machine_id = p.machine_id))",
-};
 
 // ---------------------------------------------------------------------------------------------
 // Claims on SQLite

@@ -188,6 +188,24 @@ pub(crate) enum Arg<'a> {
     Now,
 }
 
+/// How `engine` reads the transaction's time in a statement: Postgres' `now()`, or SQLite's
+/// parameter `$now` ([`Arg::Now`]).
+pub(crate) fn now_in(engine: Engine, now: usize) -> String {
+    match engine {
+        Engine::Postgres => "now()".into(),
+        Engine::Sqlite => format!("${now}"),
+    }
+}
+
+/// The time a span (parameter `$span`, an [`Arg::Span`]) before the transaction's time, as
+/// `engine` writes it; SQLite reads the time from parameter `$now`.
+pub(crate) fn span_ago(engine: Engine, span: usize, now: usize) -> String {
+    match engine {
+        Engine::Postgres => format!("now() - make_interval(secs => ${span})"),
+        Engine::Sqlite => format!("${now} - ${span}"),
+    }
+}
+
 /// Seconds as whole microseconds, for SQLite's integer times.
 pub(crate) fn secs_us(secs: f64) -> i64 {
     (secs * 1e6).round() as i64

@@ -3,7 +3,9 @@
 
 use uuid::Uuid;
 
-use super::engine::{from_columns, parse_counts, Arg, Columns, Engine, FromColumns, Result, Tx};
+use super::engine::{
+    from_columns, now_in, parse_counts, span_ago, Arg, Columns, Engine, FromColumns, Result, Tx,
+};
 use super::tags::ProvidedRow;
 use crate::model::{Process, Provider};
 use crate::summary::{FleetCounts, MachineSummary};
@@ -71,24 +73,6 @@ from_columns! {
         heartbeating: get, stale: get, pending_install: get, installed: get, install_failed: get,
     }
     ForeignKeyProblem { table: get, parent: get }
-}
-
-/// How each engine reads the transaction's time in a statement whose other parameters are
-/// `params`: Postgres' `now()`, or SQLite's parameter after them ([`Arg::Now`]).
-fn now_in(engine: Engine, params: usize) -> String {
-    match engine {
-        Engine::Postgres => "now()".into(),
-        Engine::Sqlite => format!("${}", params + 1),
-    }
-}
-
-/// The time `span` (parameter `$1`) before the transaction's time, in a statement with one
-/// parameter of its own.
-fn span_ago(engine: Engine) -> &'static str {
-    match engine {
-        Engine::Postgres => "now() - make_interval(secs => $1)",
-        Engine::Sqlite => "$2 - $1",
-    }
 }
 
 /// The three installation counts of [`FleetCounts`], as upstream's statistics count them:
@@ -166,7 +150,7 @@ impl Tx {
         let backoffs = format!(
             "SELECT process, count(*) FROM work_backoff WHERE until > {}
               GROUP BY process ORDER BY process",
-            now_in(engine, 0)
+            now_in(engine, 1)
         );
         let backoffs: Vec<(String, i64)> = conn.rows(&backoffs, &[Arg::Now]).await?;
         Ok((parse_counts(work)?, parse_counts(backoffs)?))
@@ -174,7 +158,7 @@ impl Tx {
 
     /// Counts for `shepherd bmdb status`.
     pub async fn status_counts(&mut self) -> Result<StatusCounts> {
-        let now = now_in(self.engine(), 0);
+        let now = now_in(self.engine(), 1);
         let sql = format!(
             "SELECT (SELECT count(*) FROM machines) AS machines,
                     (SELECT count(*) FROM machine_provided) AS provided,
@@ -212,7 +196,7 @@ impl Tx {
             "{}
               WHERE ($1 IS NULL OR m.machine_id > $1) AND ($2 IS NULL OR p.provider = $2)
               ORDER BY m.machine_id LIMIT $3",
-            summary_select(&now_in(self.engine(), 3))
+            summary_select(&now_in(self.engine(), 4))
         );
         let args = [
             Arg::OptUuid(after),
@@ -227,7 +211,7 @@ impl Tx {
     pub async fn machine_summary(&mut self, id: Uuid) -> Result<Option<MachineSummary>> {
         let sql = format!(
             "{} WHERE m.machine_id = $1",
-            summary_select(&now_in(self.engine(), 1))
+            summary_select(&now_in(self.engine(), 2))
         );
         self.conn().row(&sql, &[Arg::Uuid(id), Arg::Now]).await
     }
@@ -236,7 +220,7 @@ impl Tx {
     /// as stale.
     pub async fn fleet_counts(&mut self, stale_after: chrono::Duration) -> Result<FleetCounts> {
         let stale_after = stale_after.to_std().unwrap_or_default();
-        let ago = span_ago(self.engine());
+        let ago = span_ago(self.engine(), 1, 2);
         let sql = format!(
             "SELECT (SELECT count(*) FROM machines) AS machines,
                     (SELECT count(*) FROM machine_maintenance) AS maintenance,

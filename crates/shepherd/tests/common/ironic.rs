@@ -11,13 +11,15 @@ pub const PASSWORD: &str = "s3cret-ironic-pass";
 
 /// `shepherd run --provider ironic` against `ironic` with HTTP basic credentials (the password
 /// from the environment), taking nodes of resource class `shepherd-test` as deployment `e2e`.
-/// The caller adds the SSH user, the agent's endpoint and how long a reboot takes.
+/// The agent `agent` goes to `target` and heartbeats to `agent_endpoint`; the caller adds
+/// the SSH user and how long a reboot takes.
 pub fn ironic_run(
     db: &str,
     ironic: &IronicServer,
     key: &std::path::Path,
     agent: &std::path::Path,
     target: &str,
+    agent_endpoint: &str,
 ) -> Command {
     let mut cmd = shepherd();
     cmd.args(["run", "--provider", "ironic", "--migrate", "--database", db])
@@ -32,13 +34,18 @@ pub fn ironic_run(
         .args(["--ssh-connect-timeout", "10s"])
         .arg(format!("--agent-executable={}", agent.display()))
         .arg(format!("--agent-target-path={target}"))
-        .args(["--provisioner-max-machines", "0"])
-        .args(["--provisioner-chunk-size", "50"])
-        .args(["--provisioner-reconcile-rate", "2s,1"])
-        .args(["--provisioner-creation-rate", "1ms,50"])
-        .args(["--initializer-parallelism", "8"])
-        .args(["--initializer-db-rate", "20ms,16"])
-        .args(["--session-interval", "2s"])
+        .args(
+            super::Pace {
+                chunk_size: 50,
+                reconcile_rate: "2s,1",
+                creation_rate: "1ms,50",
+                workers: 8,
+                claim_rate: "20ms,16",
+                endpoint: agent_endpoint,
+                ..super::Pace::default()
+            }
+            .args(),
+        )
         .stdout(Stdio::null());
     cmd
 }

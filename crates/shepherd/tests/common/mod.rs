@@ -19,6 +19,23 @@ pub fn shepherd() -> Command {
     cmd
 }
 
+/// Starts `cmd` (a `shepherd server`, see [`server`]), its log in `log` (or dropped), and
+/// returns it with the address it announced it listens on.
+pub fn start_server(mut cmd: Command, log: Option<&std::path::Path>) -> (ChildGuard, String) {
+    let stderr = match log {
+        Some(path) => std::process::Stdio::from(std::fs::File::create(path).unwrap()),
+        None => std::process::Stdio::null(),
+    };
+    let mut server = ChildGuard(Some(
+        cmd.stdout(std::process::Stdio::piped())
+            .stderr(stderr)
+            .spawn()
+            .unwrap(),
+    ));
+    let addr = announced(server.child(), "shepherd server: listening on ");
+    (server, addr)
+}
+
 /// `shepherd server` creating and migrating the BMDB at `url`, listening on a free loopback
 /// port (it prints which), with development certificates in `dir/certs`.
 pub fn server(url: &str, dir: &std::path::Path) -> Command {
@@ -238,6 +255,8 @@ pub struct Pace<'a> {
     pub creation_rate: &'a str,
     /// `--provisioner-chunk-size`.
     pub chunk_size: usize,
+    /// `--provisioner-max-machines` (0: no limit).
+    pub max_machines: usize,
     /// `--session-interval`.
     pub session_interval: &'a str,
     /// `--agent-endpoint`.
@@ -252,6 +271,7 @@ impl Default for Pace<'_> {
             reconcile_rate: "200ms,1",
             creation_rate: "1ms,100",
             chunk_size: 100,
+            max_machines: 0,
             session_interval: "2s",
             endpoint: "bmaas.test:443",
         }
@@ -259,7 +279,7 @@ impl Default for Pace<'_> {
 }
 
 impl Pace<'_> {
-    /// The flags, with no limit on how many machines the provisioner brings in.
+    /// The flags.
     pub fn args(&self) -> Vec<String> {
         [
             ("--initializer-parallelism", self.workers.to_string()),
@@ -267,7 +287,7 @@ impl Pace<'_> {
             ("--provisioner-reconcile-rate", self.reconcile_rate.into()),
             ("--provisioner-creation-rate", self.creation_rate.into()),
             ("--provisioner-chunk-size", self.chunk_size.to_string()),
-            ("--provisioner-max-machines", "0".into()),
+            ("--provisioner-max-machines", self.max_machines.to_string()),
             ("--session-interval", self.session_interval.into()),
             ("--agent-endpoint", self.endpoint.into()),
         ]
@@ -295,4 +315,12 @@ pub fn sim_run(url: &str, machines: usize, takeover: &str, log: &std::path::Path
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(log).unwrap());
     cmd
+}
+
+/// `shepherd machines show ID --json` on the BMDB at `url`.
+pub fn machine_json(url: &str, m: uuid::Uuid) -> serde_json::Value {
+    let id = m.to_string();
+    let args = ["machines", "show", &id, "--json", "--database", url];
+    let out = succeeds(shepherd().args(args));
+    serde_json::from_slice(&out.stdout).unwrap()
 }

@@ -240,6 +240,20 @@ impl Vm {
         }
     }
 
+    /// Asserts what a machine `shown` (as `machines show --json` has it) on this VM looks like
+    /// after one recovery: another agent key than `key_before`, one reboot in a row, and the
+    /// VM booted twice.
+    pub fn assert_recovered_once(&self, shown: &serde_json::Value, key_before: &serde_json::Value) {
+        let key = &shown["agent_key"];
+        assert_ne!(
+            key, key_before,
+            "a new agent took the machine over: {shown}"
+        );
+        assert_eq!(shown["recovery"]["in_a_row"], 1, "{shown}");
+        let boots = self.serial_log().matches("shepherd-guest login:").count();
+        assert!(boots >= 2, "the VM booted twice, not {boots} times");
+    }
+
     /// What the VM wrote to its serial console so far.
     pub fn serial_log(&self) -> String {
         String::from_utf8_lossy(&std::fs::read(&self.serial).unwrap_or_default()).into_owned()
