@@ -52,6 +52,41 @@ fn channel(
         .connect_lazy())
 }
 
+/// Where a failed heartbeat is told: the real agent prints one line per failure (its own
+/// stderr is the machine's log); agents run in-process by the hundred (the demo, benchmarks)
+/// count failures by status code instead, for a summary.
+#[derive(Clone, Default)]
+pub enum FailureReport {
+    /// One line on stderr per failure.
+    #[default]
+    Print,
+    /// Counted into these tallies, shared by many agents.
+    Count(std::sync::Arc<HeartbeatFailures>),
+}
+
+/// Failed heartbeats of many in-process agents, by gRPC status code.
+#[derive(Debug, Default)]
+pub struct HeartbeatFailures {
+    by_code: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
+}
+
+impl HeartbeatFailures {
+    fn count(&self, code: tonic::Code) {
+        let mut by_code = self.by_code.lock().expect("failure tallies");
+        *by_code.entry(format!("{code:?}")).or_default() += 1;
+    }
+
+    /// The failures so far, by code (`Unavailable`, `DeadlineExceeded` …).
+    pub fn by_code(&self) -> std::collections::BTreeMap<String, u64> {
+        self.by_code.lock().expect("failure tallies").clone()
+    }
+
+    /// All failures so far.
+    pub fn total(&self) -> u64 {
+        self.by_code().values().sum()
+    }
+}
+
 /// Everything the heartbeat loop needs; built from the state file by `run`, or directly by
 /// an in-process simulation.
 #[derive(Clone)]
@@ -72,6 +107,8 @@ pub struct AgentConfig {
     pub hardware_report: AgentHardwareReport,
     /// Cap on the delay between failed heartbeats.
     pub retry_max: Duration,
+    /// Where failed heartbeats are told.
+    pub failures: FailureReport,
 }
 
 /// Runs the agent until killed.
@@ -88,6 +125,7 @@ pub async fn run(args: RunArgs) -> ExitCode {
             reboot_command: args.reboot_command.clone(),
             hardware_report: hardware::report(),
             retry_max: args.retry_max,
+            failures: FailureReport::Print,
         };
         run_agent(config, Some((args.state.clone(), st))).await
     };
@@ -167,11 +205,14 @@ pub async fn run_agent(
             }
             Err(status) => {
                 let delay = failures.failed();
-                eprintln!(
-                    "shepherd-agent: heartbeat failed ({}: {}); retrying in {delay:?}",
-                    status.code(),
-                    status.message()
-                );
+                match &config.failures {
+                    FailureReport::Print => eprintln!(
+                        "shepherd-agent: heartbeat failed ({}: {}); retrying in {delay:?}",
+                        status.code(),
+                        status.message()
+                    ),
+                    FailureReport::Count(tallies) => tallies.count(status.code()),
+                }
                 delay
             }
         };
@@ -217,5 +258,45 @@ fn finish_installation(
                 os_installation_report::Result::Error(os_installation_report::Error { error })
             }
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An in-process agent whose server is gone counts its failed heartbeats by code
+    /// instead of printing them, and keeps retrying.
+    #[tokio::test]
+    async fn counted_failures_are_tallied_by_code() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let endpoint = closed.local_addr().expect("address").to_string();
+        drop(closed);
+        let (pkcs8, _) = identity::generate().expect("key");
+        let tallies = std::sync::Arc::new(HeartbeatFailures::default());
+        let config = AgentConfig {
+            machine_id: "m-1".into(),
+            endpoint,
+            ca_der: Vec::new(),
+            pkcs8,
+            heartbeat_interval: Duration::from_millis(10),
+            reboot_command: "true".into(),
+            hardware_report: AgentHardwareReport::default(),
+            retry_max: Duration::from_millis(10),
+            failures: FailureReport::Count(tallies.clone()),
+        };
+        let agent = tokio::spawn(run_agent(config, None));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while tallies.total() < 2 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        agent.abort();
+        assert!(tallies.total() >= 2, "retried: {:?}", tallies.by_code());
+        assert_eq!(
+            tallies.by_code().get("Unavailable").copied(),
+            Some(tallies.total()),
+            "a refused connection is Unavailable: {:?}",
+            tallies.by_code()
+        );
     }
 }

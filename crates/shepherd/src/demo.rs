@@ -18,7 +18,7 @@ use shepherd_loops::metrics::{CallMetrics, InstrumentedProvider};
 use shepherd_loops::provisioner::ProvisionerConfig;
 use shepherd_loops::reconcile::Limits;
 use shepherd_server::{LoopbackServer, ServerLimits};
-use shepherd_sim::{RealAgents, SimCounters, SimFleet, SimKnobs};
+use shepherd_sim::{HeartbeatFailures, RealAgents, SimCounters, SimFleet, SimKnobs};
 
 use crate::flags::duration;
 use crate::fleet::shutdown_on_signals;
@@ -255,11 +255,14 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         limits.idle_timeout = agent_heartbeat_interval(args.machines) / 2;
     }
     let server = LoopbackServer::start(&db, &dir.path().join("certs"), 4, limits).await?;
+    // The agents count their failed heartbeats for the summary rather than print them.
+    let heartbeat_failures = Arc::new(HeartbeatFailures::default());
     let fleet = Arc::new(
         SimFleet::new(args.machines, knobs)?.with_real_agents(RealAgents {
             endpoint: server.endpoint(),
             ca_der: server.ca_der().to_vec(),
             heartbeat_interval: agent_heartbeat_interval(args.machines),
+            failures: heartbeat_failures.clone(),
         }),
     );
     let settings = settings(&args);
@@ -374,6 +377,19 @@ pub async fn run(args: DemoArgs) -> Result<()> {
             .to_string(),
         ),
         ("hardware reports stored", reports.to_string()),
+        (
+            "agent heartbeats failed",
+            heartbeat_failures.total().to_string(),
+        ),
+        (
+            "  answered Unavailable",
+            heartbeat_failures
+                .by_code()
+                .get("Unavailable")
+                .copied()
+                .unwrap_or(0)
+                .to_string(),
+        ),
         (
             "time to converge",
             if converged {

@@ -19,6 +19,7 @@ use shepherd_proto::Message;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+pub use shepherd_agent::heartbeat::HeartbeatFailures;
 use shepherd_loops::provider::{
     record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Recorded, Recoverer,
 };
@@ -148,6 +149,8 @@ pub struct RealAgents {
     pub ca_der: Vec<u8>,
     /// Time between heartbeats.
     pub heartbeat_interval: Duration,
+    /// Where the agents count their failed heartbeats (they print nothing).
+    pub failures: Arc<shepherd_agent::heartbeat::HeartbeatFailures>,
 }
 
 struct SimMachine {
@@ -534,6 +537,9 @@ impl Transport for SimFleet {
                     reboot_command: "true".into(),
                     hardware_report: sim_hardware(&s.machines[i].id),
                     retry_max: Duration::from_secs(5),
+                    failures: shepherd_agent::heartbeat::FailureReport::Count(
+                        real.failures.clone(),
+                    ),
                 };
                 let task = (!silent).then(|| {
                     let handle = tokio::spawn(async move {
