@@ -269,14 +269,33 @@ mod tests {
     fn reads_a_fake_machine() {
         let dir = tempfile::tempdir().unwrap();
         let r = dir.path();
-        put(r, "sys/class/dmi/id/sys_vendor", "Acme\n");
-        put(r, "sys/class/dmi/id/product_name", "Rack 9000\n");
-        put(
-            r,
-            "proc/meminfo",
-            "MemTotal:       8000000 kB\nMemFree: 1 kB\n",
-        );
-        put(r, "sys/devices/system/memory/block_size_bytes", "8000000\n");
+        for (path, text) in [
+            ("sys/class/dmi/id/sys_vendor", "Acme\n"),
+            ("sys/class/dmi/id/product_name", "Rack 9000\n"),
+            (
+                "proc/meminfo",
+                "MemTotal:       8000000 kB\nMemFree: 1 kB\n",
+            ),
+            ("sys/devices/system/memory/block_size_bytes", "8000000\n"),
+            ("sys/block/nvme0n1/size", "2000"),
+            ("sys/block/nvme0n1/queue/rotational", "0"),
+            ("sys/block/nvme0n1/device/serial", "S123"),
+            ("sys/block/nvme0n1/wwid", "eui.0025388b71b0e5f1"),
+            ("sys/block/sda/size", "4000"),
+            ("sys/block/sda/device/vendor", "ATA     "),
+            ("sys/block/sda/device/serial", "S200"),
+            ("sys/block/sda/device/wwid", "naa.5000c500a1b2c3d4"),
+            ("sys/block/sdb/size", "4000"),
+            ("sys/block/sdb/device/vendor", "SEAGATE"),
+            ("sys/block/sdb/device/serial", "S300"),
+            ("sys/block/sdb/device/wwid", "t10.SEAGATE ST4000NM0025 Z1Z0"),
+            ("sys/block/loop0/size", "1"),
+            ("sys/class/net/eth0/address", "aa:bb:cc:00:11:22"),
+            ("sys/class/net/eth0/carrier", "1"),
+            ("sys/class/net/eth0/speed", "1000"),
+        ] {
+            put(r, path, text);
+        }
         // 64 blocks online, and two more offlined: not installed memory the OS has.
         for i in 0..66 {
             let online = if i < 64 { "1" } else { "0" };
@@ -294,26 +313,6 @@ mod tests {
             "proc/cpuinfo",
             &[cpu(0, 0), cpu(1, 0), cpu(2, 1), cpu(3, 1)].concat(),
         );
-        put(r, "sys/block/nvme0n1/size", "2000");
-        put(r, "sys/block/nvme0n1/queue/rotational", "0");
-        put(r, "sys/block/nvme0n1/device/serial", "S123");
-        put(r, "sys/block/nvme0n1/wwid", "eui.0025388b71b0e5f1");
-        put(r, "sys/block/sda/size", "4000");
-        put(r, "sys/block/sda/device/vendor", "ATA     ");
-        put(r, "sys/block/sda/device/serial", "S200");
-        put(r, "sys/block/sda/device/wwid", "naa.5000c500a1b2c3d4");
-        put(r, "sys/block/sdb/size", "4000");
-        put(r, "sys/block/sdb/device/vendor", "SEAGATE");
-        put(r, "sys/block/sdb/device/serial", "S300");
-        put(
-            r,
-            "sys/block/sdb/device/wwid",
-            "t10.SEAGATE ST4000NM0025 Z1Z0",
-        );
-        put(r, "sys/block/loop0/size", "1");
-        put(r, "sys/class/net/eth0/address", "aa:bb:cc:00:11:22");
-        put(r, "sys/class/net/eth0/carrier", "1");
-        put(r, "sys/class/net/eth0/speed", "1000");
         std::fs::create_dir_all(r.join("sys/class/net/eth0/device")).unwrap();
         std::fs::create_dir_all(r.join("sys/class/net/lo")).unwrap();
 

@@ -349,25 +349,7 @@ pub async fn seed_every_state(db: &Bmdb) -> (Vec<SeededMachine>, crate::Session)
                     let id = provided(tx, n).await?;
                     tx.set_agent_started(id, &[n as u8; 32]).await?;
                     tx.set_heartbeat(id).await?;
-                    tx.set_os_installation_request(
-                        id,
-                        &OsInstallationRequest {
-                            generation,
-                            request_raw: vec![],
-                        },
-                    )
-                    .await?;
-                    if let Some(g) = report {
-                        tx.set_os_installation_report(
-                            id,
-                            &OsInstallationReport {
-                                generation: g,
-                                result: InstallationResult::Success,
-                                report_raw: vec![],
-                            },
-                        )
-                        .await?;
-                    }
+                    record_installation(tx, id, Some(generation), report).await?;
                     push(id, state, Some(n));
                 }
                 Ok(out)
@@ -500,11 +482,42 @@ pub async fn request_installation(db: &Bmdb, m: uuid::Uuid, generation: i64, raw
     .expect("store the installation request");
 }
 
+/// Records an empty installation request of generation `request` and a successful report of
+/// generation `report` for machine `id`, each only if given.
+pub async fn record_installation(
+    tx: &mut crate::Tx,
+    id: uuid::Uuid,
+    request: Option<i64>,
+    report: Option<i64>,
+) -> Result<(), crate::Error> {
+    if let Some(generation) = request {
+        let request = crate::OsInstallationRequest {
+            generation,
+            request_raw: vec![],
+        };
+        tx.set_os_installation_request(id, &request).await?;
+    }
+    if let Some(generation) = report {
+        let report = crate::OsInstallationReport {
+            generation,
+            result: crate::InstallationResult::Success,
+            report_raw: vec![],
+        };
+        tx.set_os_installation_report(id, &report).await?;
+    }
+    Ok(())
+}
+
 /// Machine `m`'s stored installation report, if any.
 pub async fn installation_report(db: &Bmdb, m: uuid::Uuid) -> Option<crate::OsInstallationReport> {
     db.read(move |tx| Box::pin(async move { tx.os_installation_report(m).await }))
         .await
         .expect("read the installation report")
+}
+
+/// Every work history entry, oldest first, each seen through `view`.
+pub async fn history_as<T>(db: &Bmdb, view: impl Fn(&crate::HistoryEntry) -> T) -> Vec<T> {
+    all_history(db).await.iter().map(view).collect()
 }
 
 /// Every work history entry, oldest first, read page by page.

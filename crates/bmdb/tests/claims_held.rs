@@ -2,7 +2,7 @@
 //! machine at once, a third claim of a held process finds nothing, and a released lock can be
 //! claimed again. On Postgres, candidates all locked by another transaction make a Conflict.
 
-use shepherd_bmdb::testing::{self, all_history, session};
+use shepherd_bmdb::testing::{self, history_as, session};
 use shepherd_bmdb::*;
 
 const ANY: Retrieval = Retrieval::AgentStart {
@@ -42,11 +42,7 @@ async fn two_processes_hold_one_machine(db: Bmdb) {
     assert_eq!(again.machine_id(), m);
     again.finish(|_| Box::pin(async { Ok(()) })).await.unwrap();
     b.finish(|_| Box::pin(async { Ok(()) })).await.unwrap();
-    let events: Vec<(Process, WorkEvent)> = all_history(&db)
-        .await
-        .iter()
-        .map(|e| (e.process, e.event))
-        .collect();
+    let events = history_as(&db, |e| (e.process, e.event)).await;
     use Process::*;
     use WorkEvent::*;
     assert_eq!(

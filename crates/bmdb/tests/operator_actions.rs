@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use shepherd_bmdb::testing::{self, all_history, session};
+use shepherd_bmdb::testing::{self, all_history, history_as, session};
 use shepherd_bmdb::*;
 use tokio::task::JoinHandle;
 use uuid::Uuid;
@@ -221,17 +221,7 @@ async fn decommission_while_loops_run(db: Bmdb) {
     // Retry and forget-host-key on machines the workers are claiming meanwhile.
     for id in machines.iter().filter(|m| !doomed.contains(m)).take(10) {
         let id = *id;
-        db.transact(move |tx| {
-            Box::pin(async move {
-                let until = tx.now().await? + chrono::Duration::hours(1);
-                tx.set_backoff(id, Process::ShepherdRecovery, until, 60, "bmc down")
-                    .await?;
-                tx.pin_ssh_host_key(id, "ssh-ed25519 AAAAkey").await?;
-                Ok(())
-            })
-        })
-        .await
-        .unwrap();
+        in_backoff_with_pinned_key(&db, id, &[Process::ShepherdRecovery], "AAAAkey").await;
         let who = alice("fixed");
         assert_eq!(
             operator.retry(id, None, &who).await.unwrap(),
@@ -350,24 +340,32 @@ async fn decommission_while_loops_run(db: Bmdb) {
     operator.close().await.unwrap();
 }
 
+/// Puts machine `id` in an hour's backoff of each of `processes` (cause "down") and pins
+/// ed25519 host key `key`.
+async fn in_backoff_with_pinned_key(db: &Bmdb, id: Uuid, processes: &[Process], key: &str) {
+    let processes = processes.to_vec();
+    let key = format!("ssh-ed25519 {key}");
+    db.transact(move |tx| {
+        let (processes, key) = (processes.clone(), key.clone());
+        Box::pin(async move {
+            let until = tx.now().await? + chrono::Duration::hours(1);
+            for p in processes {
+                tx.set_backoff(id, p, until, 3600, "down").await?;
+            }
+            tx.pin_ssh_host_key(id, &key).await
+        })
+    })
+    .await
+    .unwrap();
+}
+
 /// Retry and forget-host-key change the machine and say so in the operators' history; an
 /// action with nothing to do writes nothing.
 async fn retry_and_forget_host_key_are_recorded(db: Bmdb) {
     let id = testing::provision(&db, 1, Provider::Sim).await[0];
     let operator = session(&db, Processor::ShepherdOperator).await;
-    db.transact(move |tx| {
-        Box::pin(async move {
-            let until = tx.now().await? + chrono::Duration::hours(1);
-            tx.set_backoff(id, Process::ShepherdAgentStart, until, 3600, "ssh refused")
-                .await?;
-            tx.set_backoff(id, Process::ShepherdRecovery, until, 3600, "bmc down")
-                .await?;
-            tx.pin_ssh_host_key(id, "ssh-ed25519 AAAAold").await?;
-            Ok(())
-        })
-    })
-    .await
-    .unwrap();
+    let both = [Process::ShepherdAgentStart, Process::ShepherdRecovery];
+    in_backoff_with_pinned_key(&db, id, &both, "AAAAold").await;
     let who = alice("cable fixed");
     assert_eq!(
         operator
@@ -464,11 +462,7 @@ async fn retention_prunes_in_batches_and_keeps_failures_longest(db: Bmdb) {
         operator.prune_history(&retention).await.unwrap(),
         PrunedHistory::default()
     );
-    let left: Vec<_> = all_history(&db)
-        .await
-        .into_iter()
-        .map(|e| (e.event, e.cause))
-        .collect();
+    let left = history_as(&db, |e| (e.event, e.cause.clone())).await;
     assert_eq!(
         left,
         vec![

@@ -382,9 +382,7 @@ impl Provider for EquinixProvider {
 #[async_trait]
 impl Recoverer for EquinixProvider {
     async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
-        let id = machine
-            .valid_id()
-            .ok_or(ProviderError::Incomplete("an id of the machine"))?;
+        let id = machine.required_id()?;
         self.client.reboot(id).await.map_err(|e| match e {
             ApiError::NotFound => ProviderError::NotFound(id.to_string()),
             e => api(e),

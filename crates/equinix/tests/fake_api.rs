@@ -325,12 +325,24 @@ async fn a_device_whose_bmdb_insert_failed_is_adopted_not_duplicated() {
     done(s, t).await;
 }
 
+/// Three devices: two created running, then one more that stays provisioning (no address).
+async fn two_running_one_provisioning() -> Rig {
+    let rig = rig(3).await;
+    provisioner(rig.p.clone(), 2, 10)
+        .iterate(&rig.s)
+        .await
+        .unwrap();
+    rig.fake.set_stuck_provisioning(true);
+    provisioner(rig.p.clone(), 0, 10)
+        .iterate(&rig.s)
+        .await
+        .unwrap();
+    rig
+}
+
 #[tokio::test]
 async fn reboots_and_lookups() {
-    let Rig { fake, t, s, p, .. } = rig(3).await;
-    provisioner(p.clone(), 2, 10).iterate(&s).await.unwrap();
-    fake.set_stuck_provisioning(true);
-    provisioner(p.clone(), 0, 10).iterate(&s).await.unwrap();
+    let Rig { fake, t, s, p, .. } = two_running_one_provisioning().await;
     let devices = fake.devices();
     assert_eq!(devices.len(), 3);
 
@@ -542,10 +554,7 @@ async fn the_initializer_takes_devices_over_and_waits_for_addresses() {
     use shepherd_loops::initializer::{Initializer, InitializerConfig};
     use shepherd_loops::testing::spawn_loop;
     use shepherd_loops::testing::LocalTestAgent;
-    let Rig { fake, t, s, p, .. } = rig(3).await;
-    provisioner(p.clone(), 2, 10).iterate(&s).await.unwrap();
-    fake.set_stuck_provisioning(true);
-    provisioner(p.clone(), 0, 10).iterate(&s).await.unwrap();
+    let Rig { fake, t, s, p, .. } = two_running_one_provisioning().await;
     s.close().await.unwrap();
     let stuck = fake
         .devices()
@@ -616,11 +625,7 @@ async fn the_initializer_takes_devices_over_and_waits_for_addresses() {
 #[tokio::test]
 async fn an_unreachable_api_says_why() {
     // A port that was just free: nothing listens there.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = shepherd_loops::testing::free_loopback_port();
     let client = Client::new(
         &format!("http://127.0.0.1:{port}"),
         "token",

@@ -104,18 +104,15 @@ impl IronicServer {
         let auth_lines = match &auth {
             TestAuth::None => "auth_strategy = noauth\n".to_string(),
             TestAuth::Basic { user, password } => {
-                let hash = Command::new(venv.join("bin/python"))
-                    .args([
-                        "-c",
-                        "import bcrypt,sys; print(bcrypt.hashpw(sys.argv[1].encode(), bcrypt.gensalt(4)).decode())",
-                        password,
-                    ])
-                    .output()
-                    .expect("running the virtualenv's python for bcrypt");
-                assert!(
-                    hash.status.success(),
-                    "bcrypt: {}",
-                    String::from_utf8_lossy(&hash.stderr)
+                let hash = succeeded(
+                    "running the virtualenv's python for bcrypt",
+                    Command::new(venv.join("bin/python"))
+                        .args([
+                            "-c",
+                            "import bcrypt,sys; print(bcrypt.hashpw(sys.argv[1].encode(), bcrypt.gensalt(4)).decode())",
+                            password,
+                        ])
+                        .output(),
                 );
                 let users = dir.path().join("htpasswd");
                 std::fs::write(
@@ -159,16 +156,13 @@ impl IronicServer {
         );
         let conf = dir.path().join("ironic.conf");
         std::fs::write(&conf, config).unwrap();
-        let schema = Command::new(venv.join("bin/ironic-dbsync"))
-            .arg("--config-file")
-            .arg(&conf)
-            .arg("create_schema")
-            .output()
-            .expect("running ironic-dbsync");
-        assert!(
-            schema.status.success(),
-            "ironic-dbsync create_schema: {}",
-            String::from_utf8_lossy(&schema.stderr)
+        succeeded(
+            "running ironic-dbsync create_schema",
+            Command::new(venv.join("bin/ironic-dbsync"))
+                .arg("--config-file")
+                .arg(&conf)
+                .arg("create_schema")
+                .output(),
         );
         let child = spawn(dir.path());
         let server = IronicServer {
@@ -449,18 +443,15 @@ impl IronicServer {
     /// Ironic's database.
     pub fn stored_instance_infos(&self) -> std::collections::HashMap<String, Value> {
         let db = self.dir.path().join("ironic.sqlite");
-        let out = Command::new(venv().join("bin/python"))
-            .args([
-                "-c",
-                "import json,sqlite3,sys; print(json.dumps({u: json.loads(i) if i else None for u, i in sqlite3.connect(sys.argv[1]).execute('select uuid, instance_info from nodes')}))",
-            ])
-            .arg(&db)
-            .output()
-            .expect("reading Ironic's database");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        let out = succeeded(
+            "reading Ironic's database",
+            Command::new(venv().join("bin/python"))
+                .args([
+                    "-c",
+                    "import json,sqlite3,sys; print(json.dumps({u: json.loads(i) if i else None for u, i in sqlite3.connect(sys.argv[1]).execute('select uuid, instance_info from nodes')}))",
+                ])
+                .arg(&db)
+                .output(),
         );
         serde_json::from_slice(&out.stdout).expect("Ironic's instance_info as JSON")
     }
@@ -787,4 +778,16 @@ impl Drop for FaultProxy {
     fn drop(&mut self) {
         self.task.abort();
     }
+}
+
+/// The output of a command that must have run and succeeded; otherwise panics saying `what`
+/// failed, with the command's stderr.
+fn succeeded(what: &str, output: std::io::Result<std::process::Output>) -> std::process::Output {
+    let output = output.unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(
+        output.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
 }

@@ -26,6 +26,12 @@ async fn provider_at(url: &str, timeout: Duration) -> Result<Arc<IronicProvider>
     test_provider(url, Auth::None, retries(timeout), test_config("site-a")).await
 }
 
+/// A provider for the Ironic at `url` (attempts bounded by `timeout`) and a fresh BMDB.
+async fn provider_and_bmdb(url: &str, timeout: Duration) -> (Arc<IronicProvider>, testing::TestDb) {
+    let p = provider_at(url, timeout).await.expect("a provider");
+    (p, testing::sqlite().await)
+}
+
 async fn session(db: &Bmdb) -> Session {
     testing::session(db, Processor::ShepherdProvisioner).await
 }
@@ -96,10 +102,10 @@ async fn unavailable_and_slow_answers_are_retried_within_bounds_and_nothing_is_c
 #[tokio::test]
 async fn the_api_down_at_start_up_fails_clearly_and_down_mid_run_changes_nothing() {
     // Nobody listens: start-up fails after its bounded attempts, saying so.
-    let closed = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let closed = format!(
+        "127.0.0.1:{}",
+        shepherd_loops::testing::free_loopback_port()
+    );
     let started = Instant::now();
     let err = match provider_at(&format!("http://{closed}"), Duration::from_secs(2)).await {
         Err(e) => e,
@@ -114,10 +120,7 @@ async fn the_api_down_at_start_up_fails_clearly_and_down_mid_run_changes_nothing
 
     let mut ironic = IronicServer::start(TestAuth::None).await;
     let nodes = ironic.fake_nodes(2, |_| json!({})).await;
-    let p = provider_at(&ironic.url(), Duration::from_secs(5))
-        .await
-        .unwrap();
-    let t = testing::sqlite().await;
+    let (p, t) = provider_and_bmdb(&ironic.url(), Duration::from_secs(5)).await;
     let s = session(&t.db).await;
     ironic.stop();
     let err = provisioner(p.clone(), 50).iterate(&s).await.unwrap_err();
@@ -147,7 +150,8 @@ async fn a_failed_deploy_is_a_failed_machine_with_ironics_last_error_and_a_refus
     // kernel cannot be fetched.
     let failing = ironic
         .enroll(json!({
-            "driver": "fake-hardware", "deploy_interface": "ramdisk", "boot_interface": "pxe",
+            "driver": "fake-hardware", "resource_class": "shepherd-test",
+            "deploy_interface": "ramdisk", "boot_interface": "pxe",
             "driver_info": {"deploy_kernel": "http://127.0.0.1:1/k", "deploy_ramdisk": "http://127.0.0.1:1/r"},
             "instance_info": {"kernel": "http://127.0.0.1:1/k", "ramdisk": "http://127.0.0.1:1/r"},
         }))
@@ -162,16 +166,16 @@ async fn a_failed_deploy_is_a_failed_machine_with_ironics_last_error_and_a_refus
     assert_eq!(status, 201, "{body}");
     // A node whose deploy Ironic refuses outright (its boot interface cannot boot a ramdisk).
     let refused = ironic
-        .enroll(json!({"driver": "fake-hardware", "deploy_interface": "ramdisk", "boot_interface": "fake"}))
+        .enroll(json!({
+            "driver": "fake-hardware", "resource_class": "shepherd-test",
+            "deploy_interface": "ramdisk", "boot_interface": "fake",
+        }))
         .await;
     let both = [failing.clone(), refused.clone()];
     ironic.provision_all(&both, "manage", "manageable").await;
     ironic.provision_all(&both, "provide", "available").await;
 
-    let p = provider_at(&ironic.url(), Duration::from_secs(10))
-        .await
-        .unwrap();
-    let t = testing::sqlite().await;
+    let (p, t) = provider_and_bmdb(&ironic.url(), Duration::from_secs(10)).await;
     let s = session(&t.db).await;
     let r = provisioner(p.clone(), 50).iterate(&s).await.unwrap();
     assert_eq!((r.created, r.failed), (1, 1), "{r:?}");
@@ -214,10 +218,7 @@ async fn a_failed_deploy_is_a_failed_machine_with_ironics_last_error_and_a_refus
 async fn a_node_reserved_and_deployed_whose_insert_failed_is_adopted_not_deployed_again() {
     let ironic = IronicServer::start(TestAuth::None).await;
     let nodes = ironic.fake_nodes(2, |_| json!({})).await;
-    let p = provider_at(&ironic.url(), Duration::from_secs(10))
-        .await
-        .unwrap();
-    let t = testing::sqlite().await;
+    let (p, t) = provider_and_bmdb(&ironic.url(), Duration::from_secs(10)).await;
 
     // The session is gone when the provisioner records the machines: every insert fails
     // after Ironic reserved and deployed the node.

@@ -7,11 +7,12 @@ use std::time::Duration;
 use crate::brake::{Brake, BrakeConfig, BrakeMetrics};
 use crate::initializer::{Initializer, InitializerConfig};
 use crate::limiter::RateSpec;
+use crate::periodic::{self, Pass};
 use crate::provider::Recoverer as RecovererProvider;
 use crate::provisioner::{Provisioner, ProvisionerConfig};
 use crate::recoverer::{Recoverer, RecovererMetrics, RepeatPolicy};
-use crate::retention::{HistoryPruner, RETENTION_RATE};
-use crate::runner::{self, RunnerConfig};
+use crate::retention::HistoryPruner;
+use crate::runner::{self, MachineTask, RunnerConfig};
 use crate::settings::InvalidSetting;
 use crate::tasks::Tasks;
 use crate::transport::Transport;
@@ -63,18 +64,44 @@ pub struct FleetSettings {
     pub tasks: Tasks,
 }
 
-fn session(name: &str, processor: Processor, interval: Duration) -> SessionConfig {
-    SessionConfig::new(name, processor).with_interval(interval)
+/// A session of `processor`'s loop, named by its label.
+fn session(processor: Processor, interval: Duration) -> SessionConfig {
+    SessionConfig::new(processor.label(), processor).with_interval(interval)
 }
 
 impl LoopSettings {
-    /// The runner's settings of a loop whose sessions are named `name`.
-    fn runner(&self, name: &str, processor: Processor, interval: Duration) -> RunnerConfig {
-        RunnerConfig {
+    /// Runs `task` over machines with these settings until `cancel`, in sessions of `processor`.
+    async fn run<T: MachineTask>(
+        &self,
+        db: Bmdb,
+        task: T,
+        processor: Processor,
+        interval: Duration,
+        cancel: CancellationToken,
+    ) {
+        let config = RunnerConfig {
             parallelism: self.parallelism,
             db_rate: self.db_rate,
-            session: session(name, processor, interval),
-        }
+            session: session(processor, interval),
+        };
+        runner::run(db, Arc::new(task), config, cancel).await
+    }
+}
+
+/// What every periodic loop of one replica shares.
+struct PeriodicLoops<'a> {
+    db: &'a Bmdb,
+    interval: Duration,
+    tasks: &'a Tasks,
+    cancel: &'a CancellationToken,
+}
+
+impl PeriodicLoops<'_> {
+    /// Runs `pass` until cancellation, in sessions of its processor, reporting to task `name`.
+    async fn run<P: Pass>(&self, pass: P, name: &'static str) {
+        let session = session(P::PROCESSOR, self.interval);
+        let task = self.tasks.task(name);
+        periodic::run(&pass, self.db.clone(), session, task, self.cancel.clone()).await
     }
 }
 
@@ -91,33 +118,21 @@ pub async fn run_loops<P: RecovererProvider + 'static>(
 ) -> Result<(), InvalidSetting> {
     let interval = settings.session_interval;
     let initializer = Initializer::new(provider.clone(), transport, settings.initializer)?;
+    let periodic = PeriodicLoops {
+        db: &db,
+        interval,
+        tasks: &settings.tasks,
+        cancel: &cancel,
+    };
     let updater = Updater::new(provider.clone(), settings.updater_rate);
-    let updating = updater.run(
-        db.clone(),
-        session("shepherd-updater", Processor::ShepherdUpdater, interval),
-        settings.tasks.task("updater"),
-        cancel.clone(),
-    );
+    let updating = periodic.run(updater, "updater");
     let provisioner = Provisioner::new(provider.clone(), settings.provisioner);
-    let provisioning = provisioner.run(
+    let provisioning = periodic.run(provisioner, "provisioner");
+    let initializing = settings.initializer_loop.run(
         db.clone(),
-        session(
-            "shepherd-provisioner",
-            Processor::ShepherdProvisioner,
-            interval,
-        ),
-        settings.tasks.task("provisioner"),
-        cancel.clone(),
-    );
-    let initializer_runner = settings.initializer_loop.runner(
-        "shepherd-initializer",
+        initializer,
         Processor::ShepherdInitializer,
         interval,
-    );
-    let initializing = runner::run(
-        db.clone(),
-        Arc::new(initializer),
-        initializer_runner,
         cancel.clone(),
     );
     let brake = Brake::new(
@@ -132,27 +147,17 @@ pub async fn run_loops<P: RecovererProvider + 'static>(
         .with_repeat_policy(settings.recovery_repeat)
         .with_metrics(settings.recoverer_metrics.clone())
         .with_brake(brake);
-    let recoverer_runner = settings.recoverer_loop.runner(
-        "shepherd-recoverer",
+    let recovering = settings.recoverer_loop.run(
+        db.clone(),
+        recoverer,
         Processor::ShepherdRecoverer,
         interval,
-    );
-    let recovering = runner::run(
-        db.clone(),
-        Arc::new(recoverer),
-        recoverer_runner,
         cancel.clone(),
     );
     let pruning = async {
         if let Some(retention) = settings.history_retention {
-            HistoryPruner::new(retention)
-                .run(
-                    RETENTION_RATE,
-                    db.clone(),
-                    session("shepherd-retention", Processor::ShepherdRetention, interval),
-                    settings.tasks.task("retention"),
-                    cancel.clone(),
-                )
+            periodic
+                .run(HistoryPruner::new(retention), "retention")
                 .await;
         }
     };

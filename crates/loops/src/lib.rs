@@ -14,7 +14,7 @@ pub mod initializer;
 pub mod limiter;
 pub mod metrics;
 pub mod penalty;
-mod periodic;
+pub mod periodic;
 pub mod provider;
 pub mod provisioner;
 pub mod reconcile;

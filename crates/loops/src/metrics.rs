@@ -134,16 +134,23 @@ pub struct InstrumentedProvider<P: ?Sized> {
     metrics: Arc<CallMetrics>,
 }
 
-/// Creates `family`'s series for each of `labels`, so that they are exported at zero before
-/// anything is counted.
-pub fn present_at_zero<L, M>(family: &Family<L, M>, labels: impl IntoIterator<Item = L>)
-where
+/// Registers `family` as `name` with `help`, its series for each of `labels` created first,
+/// so that they are exported at zero before anything is counted.
+pub fn register_at_zero<L, M>(
+    registry: &mut Registry,
+    name: &str,
+    help: &str,
+    family: &Family<L, M>,
+    labels: impl IntoIterator<Item = L>,
+) where
     L: Clone + std::hash::Hash + Eq,
     M: Default,
+    Family<L, M>: prometheus_client::registry::Metric + Clone,
 {
     for l in labels {
         let _ = family.get_or_create(&l);
     }
+    registry.register(name, help, family.clone());
 }
 
 impl<P: ?Sized> InstrumentedProvider<P> {

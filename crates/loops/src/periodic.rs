@@ -12,31 +12,43 @@ use crate::tasks::{Outcome, TaskHandle};
 
 /// One pass of a periodic loop.
 #[async_trait]
-pub(crate) trait Pass: Send + Sync {
+pub trait Pass: Send + Sync {
     /// The processor label of the loop's sessions.
     const PROCESSOR: Processor;
     /// What a pass did, shown as the task's summary.
     type Report: std::fmt::Display + Send;
     /// Why a pass failed.
-    type Error: std::error::Error + Send + Sync;
+    type Error: PassError;
+    /// How often passes start.
+    fn rate(&self) -> RateSpec;
     /// One pass; an error is reported and the next pass tries again.
     async fn pass(&self, session: &Session) -> Result<Self::Report, Self::Error>;
-    /// Whether `error` means the BMDB is unavailable (down, failing over, this process's
-    /// session lost): an outage the loop waits out, not a failure of its own.
-    fn bmdb_unavailable(error: &Self::Error) -> bool;
 }
 
-/// Makes passes at `rate` until `cancel`, keeping a session (re-created when it expires) and
-/// closing it at the end; each pass is reported to `task`.
-pub(crate) async fn run<P: Pass>(
+/// Why a pass of a periodic loop failed.
+pub trait PassError: std::error::Error + Send + Sync {
+    /// Whether the BMDB is unavailable (down, failing over, this process's session lost): an
+    /// outage the loop waits out, not a failure of its own.
+    fn bmdb_unavailable(&self) -> bool;
+}
+
+impl PassError for shepherd_bmdb::Error {
+    fn bmdb_unavailable(&self) -> bool {
+        self.is_transient()
+    }
+}
+
+/// Makes passes at `p`'s rate until `cancel`, keeping a session (re-created when it expires,
+/// its processor `P::PROCESSOR`) and closing it at the end; each pass is reported to `task`. A
+/// failed pass is logged and reported; the next one tries again.
+pub async fn run<P: Pass>(
     p: &P,
-    rate: RateSpec,
     db: Bmdb,
     session_config: SessionConfig,
     task: TaskHandle,
     cancel: CancellationToken,
 ) {
-    let limiter = Limiter::new(rate);
+    let limiter = Limiter::new(p.rate());
     let session_config = SessionConfig {
         processor: P::PROCESSOR,
         ..session_config
@@ -66,7 +78,7 @@ pub(crate) async fn run<P: Pass>(
             }
             r = p.pass(&s) => match r {
                 Ok(report) => task.ended(Outcome::Succeeded, report.to_string()),
-                Err(e) if P::bmdb_unavailable(&e) => {
+                Err(e) if e.bmdb_unavailable() => {
                     tracing::warn!(
                         error = %e,
                         "{name} pass stopped: the BMDB is unavailable; trying again next pass"

@@ -68,6 +68,12 @@ impl ProviderMachine {
             .as_deref()
             .filter(|id| !id.is_empty() && id.len() <= shepherd_bmdb::MAX_PROVIDER_ID_LEN)
     }
+
+    /// The valid id of a machine acted on (rebooted, looked up), or why there is none.
+    pub fn required_id(&self) -> Result<&str, ProviderError> {
+        self.valid_id()
+            .ok_or(ProviderError::Incomplete("an id of the machine"))
+    }
 }
 
 /// Errors from a provider.

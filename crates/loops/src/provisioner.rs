@@ -6,16 +6,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use shepherd_bmdb::{Bmdb, Processor, Session, SessionConfig};
-use tokio_util::sync::CancellationToken;
+use shepherd_bmdb::{Processor, Session};
 
 use crate::limiter::{Limiter, RateSpec};
-use crate::periodic::{self, Pass};
+use crate::periodic::{Pass, PassError};
 use crate::provider::{
     listed_and_recorded, Availability, HandBack, ListError, Provider, ProviderError,
 };
 use crate::reconcile::{reconcile, Limits, ReconcileError};
-use crate::tasks::TaskHandle;
 
 /// Why a provisioner pass failed or stopped early.
 #[derive(Debug, thiserror::Error)]
@@ -51,9 +49,8 @@ pub struct ProvisionerConfig {
     pub creation_rate: RateSpec,
 }
 
-impl ProvisionerError {
-    /// Whether the pass stopped because the BMDB is unavailable, which the loop waits out.
-    pub fn is_bmdb_unavailable(&self) -> bool {
+impl PassError for ProvisionerError {
+    fn bmdb_unavailable(&self) -> bool {
         match self {
             ProvisionerError::List(e) => e.is_bmdb_unavailable(),
             ProvisionerError::Bmdb(e) => e.is_transient(),
@@ -198,19 +195,6 @@ impl<P: Provider> Provisioner<P> {
         }
         Ok(report)
     }
-
-    /// Reconciles at the configured rate until `cancel`, keeping a session (re-created when it
-    /// expires). Errors of an iteration are logged; the next iteration tries again.
-    pub async fn run(
-        &self,
-        db: Bmdb,
-        session_config: SessionConfig,
-        task: TaskHandle,
-        cancel: CancellationToken,
-    ) {
-        let rate = self.config.reconcile_rate;
-        periodic::run(self, rate, db, session_config, task, cancel).await
-    }
 }
 
 impl std::fmt::Display for IterationReport {
@@ -235,6 +219,10 @@ impl<P: Provider> Pass for Provisioner<P> {
     type Report = IterationReport;
     type Error = ProvisionerError;
 
+    fn rate(&self) -> RateSpec {
+        self.config.reconcile_rate
+    }
+
     async fn pass(&self, session: &Session) -> Result<IterationReport, ProvisionerError> {
         let r = self.iterate(session).await?;
         if r.adopted > 0 {
@@ -246,10 +234,6 @@ impl<P: Provider> Pass for Provisioner<P> {
         tracing::debug!(report = %r, "reconciled");
         Ok(r)
     }
-
-    fn bmdb_unavailable(error: &ProvisionerError) -> bool {
-        error.is_bmdb_unavailable()
-    }
 }
 
 #[cfg(test)]
@@ -259,21 +243,21 @@ mod tests {
     #[test]
     fn an_unavailable_bmdb_is_told_apart_from_a_failed_pass() {
         let expired = ProvisionerError::List(ListError::Bmdb(shepherd_bmdb::Error::SessionExpired));
-        assert!(expired.is_bmdb_unavailable());
+        assert!(expired.bmdb_unavailable());
         let stopped = ProvisionerError::BmdbFailed {
             created: 3,
             error: ProviderError::NotSupported("x"),
         };
-        assert!(stopped.is_bmdb_unavailable());
+        assert!(stopped.bmdb_unavailable());
         let unknown = shepherd_bmdb::Error::UnknownName {
             kind: "Provider",
             name: "x".into(),
             known: String::new(),
         };
-        assert!(!ProvisionerError::Bmdb(unknown).is_bmdb_unavailable());
+        assert!(!ProvisionerError::Bmdb(unknown).bmdb_unavailable());
         let disagree = ProvisionerError::Reconcile(ReconcileError::Discrepancy(vec![]));
-        assert!(!disagree.is_bmdb_unavailable());
+        assert!(!disagree.bmdb_unavailable());
         let provider = ProvisionerError::List(ListError::Provider(ProviderError::Incomplete("x")));
-        assert!(!provider.is_bmdb_unavailable());
+        assert!(!provider.bmdb_unavailable());
     }
 }

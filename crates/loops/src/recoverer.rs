@@ -19,7 +19,7 @@ use shepherd_bmdb::{Backoff, Process, RecoveryThresholds, Retrieval, Session};
 use uuid::Uuid;
 
 use crate::brake::Brake;
-use crate::metrics::present_at_zero;
+use crate::metrics::register_at_zero;
 use crate::provider::{look_up, LookupFailed, ProviderError, Recoverer as RecovererProvider};
 use crate::runner::{Commit, MachineTask, OnError};
 use crate::settings::InvalidSetting;
@@ -143,12 +143,12 @@ pub struct RecovererMetrics {
 impl RecovererMetrics {
     /// Adds `shepherd_recoverer_reboots_total{in_a_row}` to `registry`, every series at 0.
     pub fn register(&self, registry: &mut Registry) {
-        let labels = ["first", "repeated", "last"].map(|in_a_row| RebootLabels { in_a_row });
-        present_at_zero(&self.reboots, labels);
-        registry.register(
+        register_at_zero(
+            registry,
             "shepherd_recoverer_reboots",
             "Reboots by the recoverer: first (after a heartbeat), repeated (earlier reboots did not bring the agent back) or last (the machine is left alone until an operator retries it)",
-            self.reboots.clone(),
+            &self.reboots,
+            ["first", "repeated", "last"].map(|in_a_row| RebootLabels { in_a_row }),
         );
     }
 }

@@ -3,12 +3,10 @@
 //! bounded at steady state however long the fleet runs.
 
 use async_trait::async_trait;
-use shepherd_bmdb::{Bmdb, HistoryRetention, Processor, PrunedHistory, Session, SessionConfig};
-use tokio_util::sync::CancellationToken;
+use shepherd_bmdb::{HistoryRetention, Processor, PrunedHistory, Session};
 
 use crate::limiter::RateSpec;
-use crate::periodic::{self, Pass};
-use crate::tasks::TaskHandle;
+use crate::periodic::Pass;
 
 /// How often retention passes: often enough that one pass's bounded batches keep up with a
 /// fleet's history, rarely enough to cost nothing.
@@ -24,18 +22,6 @@ impl HistoryPruner {
     pub fn new(retention: HistoryRetention) -> Self {
         HistoryPruner { retention }
     }
-
-    /// Prunes at `rate` until `cancel`.
-    pub async fn run(
-        &self,
-        rate: RateSpec,
-        db: Bmdb,
-        session_config: SessionConfig,
-        task: TaskHandle,
-        cancel: CancellationToken,
-    ) {
-        periodic::run(self, rate, db, session_config, task, cancel).await
-    }
 }
 
 #[async_trait]
@@ -43,6 +29,10 @@ impl Pass for HistoryPruner {
     const PROCESSOR: Processor = Processor::ShepherdRetention;
     type Report = PrunedHistory;
     type Error = shepherd_bmdb::Error;
+
+    fn rate(&self) -> RateSpec {
+        RETENTION_RATE
+    }
 
     async fn pass(&self, session: &Session) -> Result<PrunedHistory, shepherd_bmdb::Error> {
         let pruned = session.prune_history(&self.retention).await?;
@@ -54,9 +44,5 @@ impl Pass for HistoryPruner {
             );
         }
         Ok(pruned)
-    }
-
-    fn bmdb_unavailable(error: &shepherd_bmdb::Error) -> bool {
-        error.is_transient()
     }
 }

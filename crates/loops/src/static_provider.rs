@@ -17,7 +17,7 @@ use shepherd_bmdb::{Provider as ProviderKind, ProviderStatus, Session};
 use shepherd_retry::{Delays, Streak};
 
 use crate::causes::reqwest_causes;
-use crate::metrics::present_at_zero;
+use crate::metrics::register_at_zero;
 use crate::provider::{
     record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Recorded, Recoverer,
 };
@@ -61,12 +61,12 @@ struct ResultLabels {
 impl InventoryMetrics {
     /// Adds the metrics to `registry`.
     pub fn register(&self, registry: &mut Registry) {
-        let labels = ["ok", "unchanged", "error"].map(|result| ResultLabels { result });
-        present_at_zero(&self.reads, labels);
-        registry.register(
+        register_at_zero(
+            registry,
             "shepherd_inventory_reads",
             "Reads of the static inventory, by result (ok, unchanged, error)",
-            self.reads.clone(),
+            &self.reads,
+            ["ok", "unchanged", "error"].map(|result| ResultLabels { result }),
         );
         registry.register(
             "shepherd_inventory_stale",
@@ -383,9 +383,7 @@ impl Recoverer for StaticProvider {
 
     /// Power-cycles the machine through the BMC its inventory entry names.
     async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
-        let id = machine
-            .valid_id()
-            .ok_or(ProviderError::Incomplete("an id of the machine"))?;
+        let id = machine.required_id()?;
         let inv = self.refresh(LOOKUP_MAX_AGE).await?;
         let entry = inv
             .get(id)

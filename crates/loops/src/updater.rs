@@ -8,14 +8,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use shepherd_bmdb::{Bmdb, Processor, Provided, ProviderStatus, Session, SessionConfig};
-use tokio_util::sync::CancellationToken;
+use shepherd_bmdb::{Processor, Provided, ProviderStatus, Session};
 use uuid::Uuid;
 
 use crate::limiter::RateSpec;
-use crate::periodic::{self, Pass};
+use crate::periodic::{Pass, PassError};
 use crate::provider::{listed_and_recorded, ListError, Provider, ProviderMachine};
-use crate::tasks::TaskHandle;
 
 /// Tags written per transaction.
 const BATCH: usize = 500;
@@ -43,9 +41,8 @@ pub enum UpdaterError {
     },
 }
 
-impl UpdaterError {
-    /// Whether the BMDB is unavailable, which the loop waits out.
-    pub fn is_bmdb_unavailable(&self) -> bool {
+impl PassError for UpdaterError {
+    fn bmdb_unavailable(&self) -> bool {
         match self {
             UpdaterError::List(e) => e.is_bmdb_unavailable(),
             UpdaterError::Bmdb(e) => e.is_transient(),
@@ -164,18 +161,6 @@ impl<P: Provider + ?Sized> Updater<P> {
         }
         Ok(report)
     }
-
-    /// Passes at the configured rate until `cancel`, with its own session (processor
-    /// `shepherd-updater`). A failed pass is logged; the next one tries again.
-    pub async fn run(
-        &self,
-        db: Bmdb,
-        session_config: SessionConfig,
-        task: TaskHandle,
-        cancel: CancellationToken,
-    ) {
-        periodic::run(self, self.rate, db, session_config, task, cancel).await
-    }
 }
 
 impl std::fmt::Display for UpdateReport {
@@ -194,14 +179,14 @@ impl<P: Provider + ?Sized> Pass for Updater<P> {
     type Report = UpdateReport;
     type Error = UpdaterError;
 
+    fn rate(&self) -> RateSpec {
+        self.rate
+    }
+
     async fn pass(&self, session: &Session) -> Result<UpdateReport, UpdaterError> {
         let r = self.iterate(session).await?;
         tracing::debug!(report = %r, "provider facts updated");
         Ok(r)
-    }
-
-    fn bmdb_unavailable(error: &UpdaterError) -> bool {
-        error.is_bmdb_unavailable()
     }
 }
 

@@ -64,7 +64,8 @@ async fn take_over(db: &Bmdb, fleet: &Arc<SimFleet>) {
         let (db, cancel, fleet) = (db.clone(), cancel.clone(), fleet.clone());
         async move {
             tokio::join!(
-                provisioner.run(
+                shepherd_loops::periodic::run(
+                    &provisioner,
                     db.clone(),
                     SessionConfig::new("provisioner", Processor::ShepherdProvisioner),
                     Tasks::default().task("provisioner"),

@@ -72,14 +72,16 @@ impl Task {
     }
 }
 
-/// Runs the loop with `task` until `done` holds (within 30 s), then cancels it and waits for
-/// it to end.
+/// Provisions `machines`, runs the loop with `task` until `done` holds (within 30 s), then
+/// cancels it and waits for it to end.
 async fn run_until<T, D: std::fmt::Debug>(
     db: &Bmdb,
+    machines: usize,
     task: Task,
     what: &str,
     done: impl AsyncFnMut() -> Result<T, D>,
 ) {
+    testing::provision(db, machines, Provider::Sim).await;
     let cancel = CancellationToken::new();
     let run = tokio::spawn(runner::run(
         db.clone(),
@@ -102,9 +104,9 @@ fn config() -> RunnerConfig {
 }
 
 async fn cancellation_mid_processing_is_canceled_not_failed(db: Bmdb) {
-    testing::provision(&db, 4, Provider::Sim).await;
     run_until(
         &db,
+        4,
         Task::new(true, false),
         "both workers holding a machine",
         async || {
@@ -131,9 +133,9 @@ async fn cancellation_mid_processing_is_canceled_not_failed(db: Bmdb) {
 }
 
 async fn an_expired_session_is_replaced_and_the_loop_goes_on(db: Bmdb) {
-    testing::provision(&db, 20, Provider::Sim).await;
     run_until(
         &db,
+        20,
         Task::new(false, true),
         "every machine taken over",
         async || {

@@ -504,27 +504,7 @@ mod tests {
                     if let Some(m) = beat {
                         tx.set_heartbeat_at(id, now - D::minutes(m)).await?;
                     }
-                    if let Some(generation) = request {
-                        tx.set_os_installation_request(
-                            id,
-                            &shepherd_bmdb::OsInstallationRequest {
-                                generation,
-                                request_raw: vec![],
-                            },
-                        )
-                        .await?;
-                    }
-                    if let Some(generation) = report {
-                        tx.set_os_installation_report(
-                            id,
-                            &shepherd_bmdb::OsInstallationReport {
-                                generation,
-                                result: shepherd_bmdb::InstallationResult::Success,
-                                report_raw: vec![],
-                            },
-                        )
-                        .await?;
-                    }
+                    shepherd_bmdb::testing::record_installation(tx, id, request, report).await?;
                 }
                 Ok(())
             })

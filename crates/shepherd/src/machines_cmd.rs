@@ -179,10 +179,11 @@ impl WhoArgs {
     }
 }
 
-/// Runs one operator action in a session of its own, closed afterwards.
+/// Runs one action of operator `who` in a session of its own, closed afterwards.
 async fn as_operator<T>(
     db: &Bmdb,
-    action: impl FnOnce(Session) -> TxFuture<'static, T>,
+    who: Operator,
+    action: impl FnOnce(Session, Operator) -> TxFuture<'static, T>,
 ) -> Result<T> {
     let session = db
         .start_session(SessionConfig::new(
@@ -190,7 +191,7 @@ async fn as_operator<T>(
             Processor::ShepherdOperator,
         ))
         .await?;
-    let outcome = action(session.clone()).await;
+    let outcome = action(session.clone(), who).await;
     session.close().await?;
     Ok(outcome?)
 }
@@ -394,8 +395,7 @@ async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
             }
         }
         MachinesCommand::Retry { id, process, who } => {
-            let who = who.operator(false)?;
-            let outcome = as_operator(db, move |s| {
+            let outcome = as_operator(db, who.operator(false)?, move |s, who| {
                 Box::pin(async move { s.retry(id, process, &who).await })
             })
             .await?;
@@ -405,8 +405,7 @@ async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
             .await?;
         }
         MachinesCommand::ForgetHostKey { id, who } => {
-            let who = who.operator(false)?;
-            let outcome = as_operator(db, move |s| {
+            let outcome = as_operator(db, who.operator(false)?, move |s, who| {
                 Box::pin(async move { s.forget_host_key(id, &who).await })
             })
             .await?;
@@ -420,8 +419,7 @@ async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
         }
         MachinesCommand::Maintenance { switch, id, who } => match switch {
             Switch::On => {
-                let who = who.operator(true)?;
-                let outcome = as_operator(db, move |s| {
+                let outcome = as_operator(db, who.operator(true)?, move |s, who| {
                     Box::pin(async move { s.maintenance_on(id, &who).await })
                 })
                 .await?;
@@ -439,8 +437,7 @@ async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
                 .await?;
             }
             Switch::Off => {
-                let who = who.operator(false)?;
-                let outcome = as_operator(db, move |s| {
+                let outcome = as_operator(db, who.operator(false)?, move |s, who| {
                     Box::pin(async move { s.maintenance_off(id, &who).await })
                 })
                 .await?;
@@ -451,8 +448,7 @@ async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
             }
         },
         MachinesCommand::Decommission { id, undeploy, who } => {
-            let who = who.operator(true)?;
-            let outcome = as_operator(db, move |s| {
+            let outcome = as_operator(db, who.operator(true)?, move |s, who| {
                 Box::pin(async move { s.decommission(id, &who, undeploy).await })
             })
             .await?;
@@ -471,8 +467,7 @@ async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
             .await?;
         }
         MachinesCommand::Recommission { id, who } => {
-            let who = who.operator(false)?;
-            let outcome = as_operator(db, move |s| {
+            let outcome = as_operator(db, who.operator(false)?, move |s, who| {
                 Box::pin(async move { s.recommission(id, &who).await })
             })
             .await?;
@@ -495,7 +490,6 @@ async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
             who,
         } => {
             validate_image(&image, &sha256, &device)?;
-            let who = who.operator(false)?;
             let image = proto::ImageInstallationRequest {
                 url: image,
                 sha256: sha256.to_ascii_lowercase(),
@@ -508,7 +502,7 @@ async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
                 }
                 .encode_to_vec()
             };
-            let outcome = as_operator(db, move |s| {
+            let outcome = as_operator(db, who.operator(false)?, move |s, who| {
                 Box::pin(async move { s.request_installation(id, &who, request).await })
             })
             .await?;

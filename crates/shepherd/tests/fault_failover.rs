@@ -218,11 +218,7 @@ async fn failover_with(fault: Fault, machines: usize) -> Figures {
         common::start_server(common::server(&url, dir.path()), Some(&server_log));
     let db = Bmdb::open(&url).await.unwrap();
     sqlx::query("CREATE TABLE failover_probe (id bigint PRIMARY KEY)")
-        .execute(
-            &mut <sqlx::PgConnection as sqlx::Connection>::connect(&url)
-                .await
-                .unwrap(),
-        )
+        .execute(&mut connect(&url).await)
         .await
         .unwrap();
     let stop_probe = tokio_util::sync::CancellationToken::new();
@@ -393,11 +389,7 @@ async fn failover_with(fault: Fault, machines: usize) -> Figures {
     stop_probe.cancel();
     let (acknowledged, writes_unavailable) = probing.await.unwrap();
     let present: Vec<i64> = sqlx::query_scalar("SELECT id FROM failover_probe")
-        .fetch_all(
-            &mut <sqlx::PgConnection as sqlx::Connection>::connect(&url)
-                .await
-                .unwrap(),
-        )
+        .fetch_all(&mut connect(&url).await)
         .await
         .unwrap();
     let present: HashSet<i64> = present.into_iter().collect();
@@ -548,4 +540,11 @@ async fn a_failover_mid_provisioning_costs_at_most_one_unrecorded_device_per_rep
         "an orphan device was never adopted"
     );
     db.close().await;
+}
+
+/// A connection of its own to the cluster (through HAProxy, so to the current primary).
+async fn connect(url: &str) -> sqlx::PgConnection {
+    <sqlx::PgConnection as sqlx::Connection>::connect(url)
+        .await
+        .expect("connect to the cluster")
 }

@@ -11,12 +11,12 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::Command;
 
-use common::ironic::{ironic_run, PASSWORD};
+use common::ironic::{adopt_e2e_node, ironic_run, PASSWORD};
 use common::sushy;
 use common::{wait_for, ChildGuard};
 use serde_json::json;
 use shepherd_bmdb::{testing, Bmdb, OpenOptions, Process, Provider, WorkEvent};
-use shepherd_ironic::testing::{ImageServer, IronicServer, RedfishNode, TestAuth};
+use shepherd_ironic::testing::{ImageServer, IronicServer, TestAuth};
 use shepherd_ssh::testing::Sshd;
 
 /// The Redfish id of the emulated system behind the Redfish node.
@@ -227,17 +227,8 @@ async fn a_silent_agent_on_a_redfish_node_is_rebooted_through_ironic_and_taken_o
         None,
     );
     let images = ImageServer::start().await;
-    let node = ironic
-        .adopt_redfish_node(RedfishNode {
-            address: &emu.url,
-            system_id: &format!("/redfish/v1/Systems/{SYSTEM}"),
-            password: std::fs::read_to_string(&emu.password_file).unwrap().trim(),
-            ca: &emu.ca,
-            mac: "00:5c:52:31:3a:9c",
-            images: &images.url,
-            extra: json!({"ssh_address": sshd.addr(), "shepherd_deployment": "e2e"}),
-        })
-        .await;
+    let mac = "00:5c:52:31:3a:9c";
+    let node = adopt_e2e_node(&ironic, &emu, SYSTEM, mac, &images.url, &sshd.addr()).await;
     let nodes = [node];
     let resets = || {
         std::fs::read_to_string(dir.path().join("emulator.log"))

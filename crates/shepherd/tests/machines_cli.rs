@@ -26,33 +26,47 @@ fn json(o: &Output) -> Value {
     serde_json::from_slice(&o.stdout).unwrap()
 }
 
-/// Seeds one machine per state; returns (machine id → expected state label), the seeded
-/// machines and the session kept alive for the in-work machine.
-async fn seed(
-    db: &Bmdb,
-) -> (
+/// Each element of the JSON array `list`, seen through `view`.
+fn each<'a, T, C: FromIterator<T>>(list: &'a Value, view: impl Fn(&'a Value) -> T) -> C {
+    list.as_array()
+        .expect("a JSON array")
+        .iter()
+        .map(view)
+        .collect()
+}
+
+/// A JSON string's text.
+fn text(v: &Value) -> &str {
+    v.as_str().expect("a JSON string")
+}
+
+/// What the tests start from: a fresh BMDB and its URL, seeded with one machine per state
+/// (machine id → expected state label, and the machines), and the session that keeps the
+/// in-work machine in work.
+type Seeded = (
+    testing::TestDb,
+    String,
     BTreeMap<String, &'static str>,
     Vec<testing::SeededMachine>,
     Session,
-) {
-    let (seeded, session) = testing::seed_every_state(db).await;
-    (
-        seeded
-            .iter()
-            .map(|m| (m.id.to_string(), m.state.label()))
-            .collect(),
-        seeded,
-        session,
-    )
+);
+
+async fn seeded() -> Seeded {
+    let t = testing::sqlite().await;
+    let url = t.url.clone();
+    let (seeded, session) = testing::seed_every_state(&t.db).await;
+    let want = seeded
+        .iter()
+        .map(|m| (m.id.to_string(), m.state.label()))
+        .collect();
+    (t, url, want, seeded, session)
 }
 
-/// A fresh BMDB seeded with one machine per state; returns it, the machine in backoff and the
-/// session kept alive for the in-work machine.
-async fn seeded_in_backoff() -> (testing::TestDb, Uuid, Session) {
-    let t = testing::sqlite().await;
-    let (_, seeded, session) = seed(&t.db).await;
+/// [`seeded`], and the machine in backoff.
+async fn seeded_in_backoff() -> (testing::TestDb, String, Uuid, Session) {
+    let (t, url, _, seeded, session) = seeded().await;
     let m = seeded.iter().find(|m| m.state == Lifecycle::InBackoff);
-    (t, m.unwrap().id, session)
+    (t, url, m.unwrap().id, session)
 }
 
 /// Closes the seeding session and removes the database.
@@ -93,22 +107,12 @@ fn golden(name: &str, got: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn machines_are_listed_filtered_and_shown() {
-    let t = testing::sqlite().await;
-    let url = t.url.clone();
-    let (want, seeded, session) = seed(&t.db).await;
+    let (t, url, want, seeded, session) = seeded().await;
 
     let listed = json(&shepherd(&url, &["machines", "list", "--json"]));
-    let got: BTreeMap<String, &str> = listed
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| {
-            (
-                m["machine_id"].as_str().unwrap().to_string(),
-                m["state"].as_str().unwrap(),
-            )
-        })
-        .collect();
+    let got: BTreeMap<String, &str> = each(&listed, |m| {
+        (text(&m["machine_id"]).to_string(), text(&m["state"]))
+    });
     assert_eq!(got, want);
     let ids: Vec<&String> = want.keys().collect();
     assert_eq!(listed[0]["machine_id"], *ids[0], "listed in id order");
@@ -228,9 +232,7 @@ async fn machines_are_listed_filtered_and_shown() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn install_requests_bump_the_generation_and_bad_ones_are_refused() {
-    let t = testing::sqlite().await;
-    let url = t.url.clone();
-    let (_, seeded, session) = seed(&t.db).await;
+    let (t, url, _, seeded, session) = seeded().await;
     let sha = "ab".repeat(32);
     let installed = seeded
         .iter()
@@ -331,8 +333,7 @@ async fn install_requests_bump_the_generation_and_bad_ones_are_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retry_clears_backoffs_so_the_loops_take_the_machine_again() {
-    let (t, m, session) = seeded_in_backoff().await;
-    let url = t.url.clone();
+    let (t, url, m, session) = seeded_in_backoff().await;
     // A second backoff, as the recoverer leaves one when it gives up on a machine.
     t.db.transact(move |tx| {
         Box::pin(async move {
@@ -417,17 +418,11 @@ async fn retry_clears_backoffs_so_the_loops_take_the_machine_again() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forget_host_key_drops_the_pin_and_ends_the_takeover_backoff() {
-    let (t, m, session) = seeded_in_backoff().await;
-    let url = t.url.clone();
-    t.db.transact(move |tx| {
-        Box::pin(async move {
-            tx.pin_ssh_host_key(m, "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOld old")
-                .await?;
-            Ok(())
-        })
-    })
-    .await
-    .unwrap();
+    let (t, url, m, session) = seeded_in_backoff().await;
+    let old_key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOld old";
+    t.db.transact(move |tx| Box::pin(async move { tx.pin_ssh_host_key(m, old_key).await }))
+        .await
+        .unwrap();
     let shown = json(&shepherd(
         &url,
         &["machines", "show", &m.to_string(), "--json"],
@@ -471,9 +466,7 @@ async fn forget_host_key_drops_the_pin_and_ends_the_takeover_backoff() {
 /// outlives it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn operator_actions_are_recorded_and_shown() {
-    let t = testing::sqlite().await;
-    let url = t.url.clone();
-    let (_, seeded, session) = seed(&t.db).await;
+    let (t, url, _, seeded, session) = seeded().await;
     let m = seeded
         .iter()
         .find(|m| m.state == Lifecycle::Heartbeating)
@@ -508,12 +501,7 @@ async fn operator_actions_are_recorded_and_shown() {
         &url,
         &["machines", "list", "--state", "maintenance", "--json"],
     ));
-    let ids: Vec<&str> = listed
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["machine_id"].as_str().unwrap())
-        .collect();
+    let ids: Vec<&str> = each(&listed, |r| text(&r["machine_id"]));
     assert_eq!(ids, [m.as_str()]);
     let out = shepherd(
         &url,
@@ -618,18 +606,14 @@ async fn show_prints_the_whole_hardware_report() {
         warning: vec!["no SMART data".into()],
     }
     .encode_to_vec();
-    let m =
-        t.db.transact(move |tx| {
-            let report = report.clone();
-            Box::pin(async move {
-                let id = tx.create_machine().await?;
-                tx.set_hardware_report(id, &report).await?;
-                Ok(id)
-            })
-        })
-        .await
-        .unwrap()
-        .to_string();
+    let id = testing::machine_with_agent(&t.db, &[7; 32]).await;
+    t.db.transact(move |tx| {
+        let report = report.clone();
+        Box::pin(async move { tx.set_hardware_report(id, &report).await })
+    })
+    .await
+    .unwrap();
+    let m = id.to_string();
     let shown = json(&shepherd(&url, &["machines", "show", &m, "--json"]));
     let hw = &shown["hardware_report"];
     assert_eq!(hw["efi_support"], "EFI_SUPPORT_ENABLED");
@@ -701,23 +685,12 @@ async fn expired_and_active_backoffs_are_told_apart() {
     .await
     .unwrap();
     let shown = json(&shepherd(&url, &["machines", "show", &m, "--json"]));
-    let flags: Vec<(String, bool)> = shown["backoffs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|b| {
-            (
-                b["process"].as_str().unwrap().to_string(),
-                b["active"].as_bool().unwrap(),
-            )
-        })
-        .collect();
+    let flags: Vec<(&str, bool)> = each(&shown["backoffs"], |b| {
+        (text(&b["process"]), b["active"].as_bool().unwrap())
+    });
     assert_eq!(
         flags,
-        [
-            ("ShepherdAgentStart".to_string(), false),
-            ("ShepherdRecovery".to_string(), true)
-        ]
+        [("ShepherdAgentStart", false), ("ShepherdRecovery", true)]
     );
     assert_eq!(shown["state"], "in backoff");
     t.cleanup().await;

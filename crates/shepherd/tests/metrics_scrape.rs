@@ -92,9 +92,8 @@ async fn metrics_match_the_work_history() {
         ..Pace::default()
     };
     let mut child = sim_replica(&t.url, MACHINES, "1ms", pace)
-        .args(["--sim-connect-failure-rate", "0.05"])
-        .args(["--metrics-listen", "127.0.0.1:0"])
-        .args(["--stats-interval", "200ms"])
+        .args(["--sim-connect-failure-rate=0.05", "--stats-interval=200ms"])
+        .arg("--metrics-listen=127.0.0.1:0")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()

@@ -12,10 +12,10 @@ use std::time::{Duration, Instant};
 
 use common::sushy::{start_emulator, CertForm, FakeSystem};
 use common::vm::{
-    image_server, power_follower, server_for_guests, GuestImage, Vm, VmSpec, IMAGES_IN_GUEST,
-    SERVER_IN_GUEST, TARGET_DISK_BYTES,
+    image_server, power_follower, server_for_guests, vm_site, GuestImage, Vm, VmSpec,
+    IMAGES_IN_GUEST, SERVER_IN_GUEST, TARGET_DISK_BYTES,
 };
-use common::{free_port, shepherd, wait_for, ChildGuard};
+use common::{shepherd, wait_for, ChildGuard};
 use serde_json::Value;
 use shepherd_bmdb::{testing, Bmdb, Provider};
 use uuid::Uuid;
@@ -57,10 +57,7 @@ fn system_id(vm: &Vm) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vm_fleet_is_taken_over_installed_recovered_and_pins_host_keys() {
-    let dir = tempfile::tempdir().unwrap();
-    let image = GuestImage::locate(dir.path());
-    let t = testing::sqlite().await;
-    let server_port = free_port();
+    let (dir, image, t, server_port) = vm_site().await;
     let (images_port, downloads) = image_server(&image).await;
     let mut vms: Vec<Vm> = (1..=VMS)
         .map(|index| {

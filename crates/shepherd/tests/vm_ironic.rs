@@ -13,13 +13,12 @@ mod common;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::ironic::{ironic_run, PASSWORD};
+use common::ironic::{adopt_e2e_node, ironic_run, PASSWORD};
 use common::sushy::{start_emulator, CertForm, FakeSystem};
-use common::vm::{power_follower, server_for_guests, GuestImage, Vm, VmSpec, SERVER_IN_GUEST};
-use common::{free_port, wait_for, ChildGuard};
-use serde_json::json;
+use common::vm::{power_follower, server_for_guests, vm_site, Vm, VmSpec, SERVER_IN_GUEST};
+use common::{wait_for, ChildGuard};
 use shepherd_bmdb::{testing, Bmdb, Provider};
-use shepherd_ironic::testing::{ImageServer, IronicServer, RedfishNode, TestAuth};
+use shepherd_ironic::testing::{ImageServer, IronicServer, TestAuth};
 use uuid::Uuid;
 
 const MEMORY_MIB: u32 = 256;
@@ -29,10 +28,7 @@ const SYSTEM: &str = "5d0c9a3e-0000-4000-8000-00000000000a";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vm_behind_ironic_is_rebooted_through_ironic_when_its_agent_dies_and_taken_over_again() {
-    let dir = tempfile::tempdir().unwrap();
-    let image = GuestImage::locate(dir.path());
-    let t = testing::sqlite().await;
-    let server_port = free_port();
+    let (dir, image, t, server_port) = vm_site().await;
     let mut vm = Vm::start(
         dir.path(),
         VmSpec {
@@ -67,17 +63,7 @@ async fn a_vm_behind_ironic_is_rebooted_through_ironic_when_its_agent_dies_and_t
     })
     .await;
     let images = ImageServer::start().await;
-    let node = ironic
-        .adopt_redfish_node(RedfishNode {
-            address: &bmc.url,
-            system_id: &format!("/redfish/v1/Systems/{SYSTEM}"),
-            password: std::fs::read_to_string(&bmc.password_file).unwrap().trim(),
-            ca: &bmc.ca,
-            mac: &vm.mac,
-            images: &images.url,
-            extra: json!({"ssh_address": vm.ssh_addr(), "shepherd_deployment": "e2e"}),
-        })
-        .await;
+    let node = adopt_e2e_node(&ironic, &bmc, SYSTEM, &vm.mac, &images.url, &vm.ssh_addr()).await;
     // Start `run` only once the VM answers SSH: a failed first attempt would wait out the
     // initializer's backoff.
     tokio::task::block_in_place(|| vm.wait_for_ssh(Duration::from_secs(300)));

@@ -177,6 +177,22 @@ async fn text(c: &Client, css: &str) -> String {
         .unwrap()
 }
 
+/// A scratch directory, and a BMDB with one machine per lifecycle state (returned, with the
+/// session that keeps the in-work one in work) and one more taken over (its id last).
+async fn seeded_site() -> (
+    tempfile::TempDir,
+    testing::TestDb,
+    Vec<testing::SeededMachine>,
+    Session,
+    Uuid,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let t = testing::sqlite().await;
+    let (seeded, holder) = testing::seed_every_state(&t.db).await;
+    let box9 = taken_over_machine(&t.db).await;
+    (dir, t, seeded, holder, box9)
+}
+
 /// A machine taken over through the real work protocol (history: Started, Finished) with a
 /// hardware report, next to the seeded ones.
 async fn taken_over_machine(db: &Bmdb) -> Uuid {
@@ -248,10 +264,7 @@ async fn taken_over_machine(db: &Bmdb) -> Uuid {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn web_ui_shows_what_the_bmdb_holds() {
-    let dir = tempfile::tempdir().unwrap();
-    let t = testing::sqlite().await;
-    let (seeded, holder) = testing::seed_every_state(&t.db).await;
-    let box9 = taken_over_machine(&t.db).await;
+    let (dir, t, seeded, holder, box9) = seeded_site().await;
     let mut want: BTreeMap<String, String> = seeded
         .iter()
         .map(|m| (m.id.to_string(), m.state.slug().to_string()))
@@ -538,10 +551,7 @@ async fn overview_history(db: &Bmdb, machine: Uuid) {
 /// Its screenshot is `docs/overview.png`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overview_shows_the_fleet_at_a_glance() {
-    let dir = tempfile::tempdir().unwrap();
-    let t = testing::sqlite().await;
-    let (_seeded, holder) = testing::seed_every_state(&t.db).await;
-    let box9 = taken_over_machine(&t.db).await;
+    let (dir, t, _seeded, holder, box9) = seeded_site().await;
     overview_history(&t.db, box9).await;
     let (_server, base) = start_server_with(&t.url, dir.path(), &["--stats-interval", "1s"]);
     let (_driver, c) = browser(&dir.path().join("profile")).await;

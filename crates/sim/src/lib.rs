@@ -435,9 +435,7 @@ impl Provider for SimFleet {
 #[async_trait]
 impl Recoverer for SimFleet {
     async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
-        let id = machine
-            .valid_id()
-            .ok_or(ProviderError::Incomplete("an id of the machine"))?;
+        let id = machine.required_id()?;
         {
             let mut s = self.state.lock().unwrap();
             let i = *s

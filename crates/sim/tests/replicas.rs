@@ -36,7 +36,8 @@ async fn replica(db: Bmdb, fleet: Arc<SimFleet>, name: &str, cancel: Cancellatio
         session: SessionConfig::new(name, Processor::ShepherdInitializer),
     };
     tokio::join!(
-        provisioner.run(
+        shepherd_loops::periodic::run(
+            &provisioner,
             db.clone(),
             SessionConfig::new(name, Processor::ShepherdProvisioner),
             shepherd_loops::tasks::Tasks::default().task("provisioner"),

@@ -2,7 +2,7 @@
 
 use std::process::{Command, Stdio};
 
-use shepherd_ironic::testing::IronicServer;
+use shepherd_ironic::testing::{IronicServer, RedfishNode};
 
 use super::shepherd;
 
@@ -48,4 +48,29 @@ pub fn ironic_run(
         )
         .stdout(Stdio::null());
     cmd
+}
+
+/// Adopts the sushy system `system` behind emulator `bmc` into `ironic` as an active node of
+/// deployment `e2e` whose SSH address is `ssh_address`, its port `mac`, its deploy images at
+/// `images`; returns the node's uuid.
+pub async fn adopt_e2e_node(
+    ironic: &IronicServer,
+    bmc: &super::sushy::Emulator,
+    system: &str,
+    mac: &str,
+    images: &str,
+    ssh_address: &str,
+) -> String {
+    let password = std::fs::read_to_string(&bmc.password_file).expect("the BMC password");
+    ironic
+        .adopt_redfish_node(RedfishNode {
+            address: &bmc.url,
+            system_id: &format!("/redfish/v1/Systems/{system}"),
+            password: password.trim(),
+            ca: &bmc.ca,
+            mac,
+            images,
+            extra: serde_json::json!({"ssh_address": ssh_address, "shepherd_deployment": "e2e"}),
+        })
+        .await
 }

@@ -75,11 +75,7 @@ pub fn sshd_machine(dir: &std::path::Path, mut entry: serde_json::Value) -> Sshd
 
 /// A loopback port nobody listens on right now.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    shepherd_loops::testing::free_loopback_port()
 }
 
 /// Waits (up to 30 s) for `child` to print a stdout line starting with `prefix` and returns the

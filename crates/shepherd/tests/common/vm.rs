@@ -13,6 +13,21 @@ pub const SERVER_IN_GUEST: &str = "10.0.2.100:4443";
 /// Where the guest sees the test's image server (plain HTTP).
 pub const IMAGES_IN_GUEST: &str = "10.0.2.101:80";
 
+/// What every VM test starts from: a scratch directory (keys, certificates, sockets, logs),
+/// the guest image with its key copied there, a fresh SQLite BMDB and the loopback port
+/// `shepherd server` will listen on.
+pub async fn vm_site() -> (
+    tempfile::TempDir,
+    GuestImage,
+    shepherd_bmdb::testing::TestDb,
+    u16,
+) {
+    let dir = tempfile::tempdir().expect("scratch directory");
+    let image = GuestImage::locate(dir.path());
+    let t = shepherd_bmdb::testing::sqlite().await;
+    (dir, image, t, super::free_port())
+}
+
 /// The built guest image and the key root accepts in it.
 pub struct GuestImage {
     /// The raw boot disk.
