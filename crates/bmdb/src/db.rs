@@ -12,7 +12,9 @@ use sqlx::sqlite::{
 };
 use sqlx::{ConnectOptions, Connection};
 
+use crate::claim_batch::{ClaimBatches, MAX_CLAIM_BATCH};
 use crate::claim_hints::ClaimHints;
+use crate::ending_batch::{EndingBatches, MAX_ENDING_BATCH};
 use crate::failover::FailoverMark;
 use crate::metrics::BmdbMetrics;
 use crate::migrations::{SchemaWindow, MIGRATIONS, SCHEMA_VERSION};
@@ -85,6 +87,10 @@ pub(crate) struct Inner {
     pub(crate) metrics: BmdbMetrics,
     /// Leftover claim candidates, shared by every session of this handle.
     pub(crate) claim_hints: ClaimHints,
+    /// Concurrent claims gathered into shared statements.
+    pub(crate) claims: ClaimBatches,
+    /// Concurrent work endings gathered into shared transactions.
+    pub(crate) endings: EndingBatches,
     /// When a failover error was last seen; Postgres connections opened before are dropped.
     pub(crate) failover: Arc<FailoverMark>,
     target: String,
@@ -102,7 +108,7 @@ const DIAGNOSIS_TIMEOUT: Duration = Duration::from_secs(3);
 impl Inner {
     async fn begin_now(&self, mode: Mode) -> Result<Tx, Error> {
         let inner = match (&self.pools, mode) {
-            (Pools::Sqlite { writer, .. }, Mode::Write) => {
+            (Pools::Sqlite { writer, .. }, Mode::Write | Mode::Batch) => {
                 let asked = std::time::Instant::now();
                 let tx = writer
                     .begin_with("BEGIN IMMEDIATE")
@@ -124,10 +130,19 @@ impl Inner {
                     now: Utc::now().timestamp_micros(),
                 })
             }
-            (Pools::Postgres(pool), _) => match pool.begin().await {
-                Ok(tx) => Conn::Postgres(tx),
-                Err(e) => return Err(self.explain(e).await),
-            },
+            (Pools::Postgres(pool), mode) => {
+                let begun = match mode {
+                    Mode::Batch => {
+                        pool.begin_with("BEGIN; SET LOCAL plan_cache_mode = force_generic_plan")
+                            .await
+                    }
+                    Mode::Write | Mode::Read => pool.begin().await,
+                };
+                match begun {
+                    Ok(tx) => Conn::Postgres(tx),
+                    Err(e) => return Err(self.explain(e).await),
+                }
+            }
         };
         Ok(Tx::new(inner))
     }
@@ -187,6 +202,11 @@ pub struct Bmdb {
 pub(crate) enum Mode {
     Write,
     Read,
+    /// A write transaction of a batch (`ending_batch.rs`). On Postgres its statements use their
+    /// generic plan: a statement over arrays of the batch's members would otherwise be planned
+    /// again for every batch (its custom plan, fitted to the arrays' length, always looks
+    /// cheaper), which costs more than running it.
+    Batch,
 }
 
 impl Bmdb {
@@ -269,6 +289,8 @@ impl Bmdb {
                 pools,
                 metrics: BmdbMetrics::default(),
                 claim_hints: ClaimHints::default(),
+                claims: ClaimBatches::new(MAX_CLAIM_BATCH),
+                endings: EndingBatches::new(MAX_ENDING_BATCH),
                 failover,
                 target,
                 diagnosis: tokio::sync::Mutex::new(None),

@@ -6,7 +6,7 @@ use std::time::Duration;
 use crate::{Process, Provider};
 
 /// When a started agent counts as lost and the machine becomes eligible for recovery.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct RecoveryThresholds {
     /// The agent never heartbeated and was started longer ago than this.
     pub no_heartbeat_after_start: Duration,
@@ -37,7 +37,7 @@ impl RecoveryThresholds {
 /// Every rule also requires, for the claiming process: no active work of any process in its
 /// [`Process::exclusion_set`], no active backoff of that process, and the machine not in
 /// maintenance.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Retrieval {
     /// Provided by `provider`, agent not started, and no fulfilled-or-pending installation
     /// blocking it (no request, or a request whose generation differs from the report's).

@@ -131,6 +131,8 @@ impl Error {
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Database(e) => is_retryable_sqlx(e),
+            // Its members join the next batch.
+            Error::BatchFailed(e) => e.is_retryable(),
             _ => false,
         }
     }

@@ -5,9 +5,11 @@
 //! SPEC §2–§5 for the model; every SQL statement lives in `sql/`, by concern.
 
 mod backoff;
+mod claim_batch;
 mod claim_hints;
 mod db;
 mod eligibility;
+mod ending_batch;
 mod error;
 mod failover;
 mod group_commit;

@@ -84,10 +84,44 @@ pub struct BmdbMetrics {
     work_started: Family<WorkLabels, Counter>,
     work_finished: Family<WorkEndLabels, Counter>,
     claim_searches: Family<ClaimSearchLabels, Counter>,
-    heartbeat_batches: Family<ProcessorLabels, Counter>,
-    heartbeats_batched: Family<ProcessorLabels, Counter>,
+    heartbeat_batches: BatchCounters,
+    claim_batches: BatchCounters,
+    ending_batches: BatchCounters,
     sessions_expired: Family<ProcessorLabels, Counter>,
     writer_wait: WriterWait,
+}
+
+/// Batches one kind of group write made, and the members they held: divided, the mean batch
+/// size. Exported as `bmdb_<kind>_batches` and `bmdb_<kind>s_batched`.
+#[derive(Debug, Default)]
+struct BatchCounters {
+    batches: Family<ProcessorLabels, Counter>,
+    members: Family<ProcessorLabels, Counter>,
+}
+
+impl BatchCounters {
+    fn register(&self, registry: &mut Registry, kind: &str, help: &str) {
+        registry.register(format!("bmdb_{kind}_batches"), help, self.batches.clone());
+        registry.register(
+            format!("bmdb_{kind}s_batched"),
+            format!("Members of {kind} batches; divided by the batches, the mean batch size"),
+            self.members.clone(),
+        );
+    }
+
+    fn record(&self, processor: Processor, size: usize) {
+        let p = BmdbMetrics::p(processor);
+        self.batches.get_or_create(&p).inc();
+        self.members.get_or_create(&p).inc_by(size as u64);
+    }
+
+    fn get(&self, processor: Processor) -> (u64, u64) {
+        let p = BmdbMetrics::p(processor);
+        (
+            self.batches.get_or_create(&p).get(),
+            self.members.get_or_create(&p).get(),
+        )
+    }
 }
 
 /// How long write transactions waited for SQLite's one writer: a histogram, and the longest
@@ -148,11 +182,6 @@ impl BmdbMetrics {
             self.claim_searches.clone(),
         );
         registry.register(
-            "bmdb_heartbeat_batches",
-            "Transactions that wrote a batch of agent heartbeats (group commit)",
-            self.heartbeat_batches.clone(),
-        );
-        registry.register(
             "bmdb_sessions_expired",
             "BMDB sessions of this process that expired before they were closed (keep-alives did not get through in time); their work was lost",
             self.sessions_expired.clone(),
@@ -162,10 +191,20 @@ impl BmdbMetrics {
             "How long write transactions waited for SQLite's single writer (0 on Postgres: not observed)",
             self.writer_wait.seconds.clone(),
         );
-        registry.register(
-            "bmdb_heartbeats_batched",
-            "Agent heartbeats written in batches; divided by the batches, the mean batch size",
-            self.heartbeats_batched.clone(),
+        self.heartbeat_batches.register(
+            registry,
+            "heartbeat",
+            "Transactions that wrote a batch of agent heartbeats (group commit)",
+        );
+        self.claim_batches.register(
+            registry,
+            "claim",
+            "Claims of concurrent workers served together (one statement on Postgres, one transaction on SQLite)",
+        );
+        self.ending_batches.register(
+            registry,
+            "ending",
+            "Transactions that ended the work of concurrent workers together (finished, failed, canceled)",
         );
     }
 
@@ -254,13 +293,29 @@ impl BmdbMetrics {
             .get()
     }
 
+    /// Counts one heartbeat batch of `size` heartbeats written for `processor`.
     pub(crate) fn heartbeat_batch(&self, processor: Processor, size: usize) {
-        self.heartbeat_batches
-            .get_or_create(&Self::p(processor))
-            .inc();
-        self.heartbeats_batched
-            .get_or_create(&Self::p(processor))
-            .inc_by(size as u64);
+        self.heartbeat_batches.record(processor, size);
+    }
+
+    /// Counts one claim batch of `size` requests served for `processor`.
+    pub(crate) fn claim_batch(&self, processor: Processor, size: usize) {
+        self.claim_batches.record(processor, size);
+    }
+
+    /// Counts one ending batch of `size` endings written for `processor`.
+    pub(crate) fn ending_batch(&self, processor: Processor, size: usize) {
+        self.ending_batches.record(processor, size);
+    }
+
+    /// Claim batches so far and the requests they served, for `processor`.
+    pub fn claim_batches(&self, processor: Processor) -> (u64, u64) {
+        self.claim_batches.get(processor)
+    }
+
+    /// Ending batches so far and the endings they wrote, for `processor`.
+    pub fn ending_batches(&self, processor: Processor) -> (u64, u64) {
+        self.ending_batches.get(processor)
     }
 
     pub(crate) fn session_expired(&self, processor: Processor) {
@@ -291,11 +346,7 @@ impl BmdbMetrics {
 
     /// Heartbeat batches written so far for `processor`, and the heartbeats in them.
     pub fn heartbeat_batches(&self, processor: Processor) -> (u64, u64) {
-        let p = Self::p(processor);
-        (
-            self.heartbeat_batches.get_or_create(&p).get(),
-            self.heartbeats_batched.get_or_create(&p).get(),
-        )
+        self.heartbeat_batches.get(processor)
     }
 
     /// Committed transactions so far for `processor` (for tests and status output).

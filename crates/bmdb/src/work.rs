@@ -2,7 +2,9 @@
 //! [`Work`]'s three endings: finish, fail, cancel.
 
 use crate::backoff::{default_interval_seconds, Backoff};
-use crate::db::{Mode, Pools, TxFuture};
+use crate::claim_batch::ClaimKey;
+use crate::db::{Pools, TxFuture};
+use crate::ending_batch::{Ending, EndingKind};
 use crate::metrics::WorkResult;
 use crate::sql::claims::{ClaimOutcome, ClaimShared, ClaimStrategy};
 use crate::sql::endings::EndOutcome;
@@ -58,36 +60,34 @@ impl Session {
         strategy: ClaimStrategy,
     ) -> Result<Claim, Error> {
         self.inner.ensure_alive()?;
-        let session = self.id();
-        let outcome = match &self.db().inner.pools {
-            // Several statements: one IMMEDIATE transaction, committed only if it claimed.
-            Pools::Sqlite { .. } => {
-                let mut tx = self.db().begin(Mode::Write).await?;
-                let outcome = tx.claim_sqlite(session, process, retrieval).await?;
-                if matches!(outcome, ClaimOutcome::Claimed { .. }) {
-                    tx.commit().await?;
-                } else {
-                    tx.rollback().await?;
-                }
-                outcome
+        let db = self.db();
+        match (&db.inner.pools, strategy) {
+            // Upstream's shape, a benchmark baseline: one claim, on its own.
+            (Pools::Postgres(pool), ClaimStrategy::UpstreamFirstRow) => {
+                let shared = ClaimShared {
+                    hints: &db.inner.claim_hints,
+                    metrics: db.metrics(),
+                    processor: self.processor(),
+                };
+                let mut conn = db.autocommit(pool).await?;
+                let outcomes = conn
+                    .claim(&[self.id()], process, retrieval, strategy, &shared)
+                    .await?;
+                self.claimed(process, outcomes[0])
             }
-            // One statement, atomic on its own: no BEGIN/COMMIT round trips.
-            Pools::Postgres(pool) => {
-                let mut conn = self.db().autocommit(pool).await?;
-                conn.claim(
-                    session,
+            _ => {
+                let key = ClaimKey {
+                    processor: self.processor(),
                     process,
-                    retrieval,
-                    strategy,
-                    &ClaimShared {
-                        hints: &self.db().inner.claim_hints,
-                        metrics: self.db().metrics(),
-                        processor: self.processor(),
-                    },
-                )
-                .await?
+                    retrieval: *retrieval,
+                };
+                db.claim_batched(self, key).await
             }
-        };
+        }
+    }
+
+    /// What a claim statement's `outcome` for this session means to its caller.
+    pub(crate) fn claimed(&self, process: Process, outcome: ClaimOutcome) -> Result<Claim, Error> {
         match outcome {
             ClaimOutcome::Claimed {
                 machine_id,
@@ -183,35 +183,16 @@ impl Work {
     }
 
     /// Ends the work successfully: releases the lock, clears the backoff, writes Finished
-    /// history and runs `commit` (which sets tags), all in one transaction. `commit` may run
-    /// more than once if the transaction is retried.
+    /// history and runs `commit` (which sets tags), all in one transaction, which it may share
+    /// with the endings of concurrent workers (`ending_batch.rs`). `commit` may run more than
+    /// once if the transaction is retried; if it fails, only this work's writes are undone.
     pub async fn finish<F>(&mut self, commit: F) -> Result<(), Error>
     where
-        F: for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, ()> + Send,
+        F: for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, ()> + Send + 'static,
     {
         self.ensure_active()?;
-        let (session, machine, process) = (self.session.id(), self.machine_id, self.process);
-        let db = self.session.db();
-        // Attempts never overlap; the lock only hands `commit` to the attempt under way.
-        let commit = &std::sync::Mutex::new(commit);
-        let outcome = retrying(
-            db.metrics(),
-            &db.inner.failover,
-            self.session.processor(),
-            || async move {
-                let mut tx = db.begin(Mode::Write).await?;
-                let outcome = tx.finish_work(session, machine, process).await?;
-                if outcome == EndOutcome::Done {
-                    let pending = (commit.lock().expect("a commit function panicked"))(&mut tx);
-                    pending.await?;
-                    tx.commit().await?;
-                } else {
-                    tx.rollback().await?;
-                }
-                Ok(outcome)
-            },
-        )
-        .await?;
+        let kind = EndingKind::Finish(std::sync::Mutex::new(Box::new(commit)));
+        let outcome = self.end(kind).await?;
         self.ended(outcome, State::Finished, WorkResult::Finished)
     }
 
@@ -228,21 +209,18 @@ impl Work {
             Some(b) => b.delay_with_jitter(interval),
             None => std::time::Duration::from_secs(interval as u64),
         };
-        let cause = bounded_cause(cause);
-        let (session, machine, process) = (self.session.id(), self.machine_id, self.process);
-        // The statement writes nothing unless the lock was still held, so committing is safe.
-        let outcome = self
-            .session
-            .db()
-            .run(self.session.processor(), Mode::Write, None, |tx| {
-                let cause = cause.clone();
-                Box::pin(async move {
-                    tx.fail_work(session, machine, process, &cause, interval, delay)
-                        .await
-                })
-            })
-            .await?;
+        let kind = EndingKind::Fail {
+            cause: bounded_cause(cause),
+            interval,
+            delay,
+        };
+        let outcome = self.end(kind).await?;
         self.ended(outcome, State::Failed, WorkResult::Failed)
+    }
+
+    /// Writes this work's ending.
+    async fn end(&self, kind: EndingKind) -> Result<EndOutcome, Error> {
+        end(&self.session, self.machine_id, self.process, kind).await
     }
 
     fn ended(
@@ -283,15 +261,24 @@ impl Work {
     }
 }
 
+/// Writes the ending of `session`'s work on `machine` for `process`.
+async fn end(
+    session: &Session,
+    machine: Uuid,
+    process: Process,
+    kind: EndingKind,
+) -> Result<EndOutcome, Error> {
+    let ending = Ending {
+        session: session.id(),
+        machine,
+        process,
+        kind,
+    };
+    session.db().end_work(session.processor(), ending).await
+}
+
 async fn cancel(session: &Session, machine: Uuid, process: Process) -> Result<(), Error> {
-    let id = session.id();
-    let released = session
-        .db()
-        .run(session.processor(), Mode::Write, None, |tx| {
-            Box::pin(async move { tx.cancel_work(id, machine, process).await })
-        })
-        .await?;
-    if released {
+    if end(session, machine, process, EndingKind::Cancel).await? == EndOutcome::Done {
         session.record_work_end(process, WorkResult::Canceled);
     }
     Ok(())

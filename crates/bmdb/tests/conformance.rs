@@ -560,6 +560,16 @@ async fn claims_are_exclusive_under_parallelism(db: Bmdb) {
     let status = db.status_counts().await.unwrap();
     assert_eq!(status.agent_started, MACHINES as i64);
     assert!(status.work.is_empty());
+    // The workers' concurrent claims were served together, not one statement each.
+    let (batches, requests) = db.metrics().claim_batches(Processor::ShepherdInitializer);
+    assert!(
+        requests >= claims + conflicts,
+        "every request was in a batch"
+    );
+    assert!(
+        batches < requests,
+        "{requests} claims in {batches} batches: none shared"
+    );
 
     // Audit: per (machine, process) events alternate Started / ending, never two Started in a row.
     let entries = testing::all_history(&db).await;
@@ -1211,7 +1221,119 @@ async fn heartbeats_are_group_committed(db: Bmdb) {
     );
 }
 
+/// A worker that goes away while its claim is being made (its loop was cancelled) leaves no
+/// machine locked: the work claimed for it is released with Canceled history.
+async fn a_claim_nobody_waits_for_is_released(db: Bmdb) {
+    let id = testing::provision(&db, 1, Provider::Sim).await[0];
+    let s = session(&db, "goes-away").await;
+    let mut claim = Box::pin(s.work(Process::ShepherdAgentStart, START));
+    assert!(
+        futures::poll!(claim.as_mut()).is_pending(),
+        "the claim was asked for"
+    );
+    drop(claim);
+    let events = testing::eventually("the claim released", Duration::from_secs(10), async || {
+        let events = testing::history_as(&db, |e| (e.machine_id, e.event)).await;
+        let work = db.status_counts().await.unwrap().work;
+        testing::when(events.len() == 2 && work.is_empty(), events)
+    })
+    .await;
+    assert_eq!(
+        events,
+        [(id, WorkEvent::Started), (id, WorkEvent::Canceled)],
+        "claimed, then released"
+    );
+    // Released, the machine is claimed again at once.
+    assert_eq!(
+        claimed(s.work(Process::ShepherdAgentStart, START).await.unwrap()).machine_id(),
+        id
+    );
+    s.close().await.unwrap();
+}
+
+/// Endings of concurrent workers are committed together; one whose writes the database
+/// refuses fails alone: the others' endings commit, its own writes are undone (its work is
+/// still held) and it is told its own error, not the batch's.
+async fn a_failed_ending_fails_only_its_own_work(db: Bmdb) {
+    const WORKS: usize = 8;
+    testing::provision(&db, WORKS, Provider::Sim).await;
+    let s = session(&db, "enders").await;
+    let mut works = Vec::new();
+    for _ in 0..WORKS {
+        works.push(claimed(
+            s.work(Process::ShepherdAgentStart, START).await.unwrap(),
+        ));
+    }
+    let processor = s.processor();
+    let before = db.metrics().ending_batches(processor);
+    // The first finish holds the writer a while, so the others gather into one batch behind it.
+    let mut first = works.remove(0);
+    let first_id = first.machine_id();
+    let holding = tokio::spawn(async move {
+        first
+            .finish(move |tx| {
+                Box::pin(async move {
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    tx.set_agent_started(first_id, &key(1)).await
+                })
+            })
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let refused = works[3].machine_id();
+    let endings = works.iter_mut().map(|w| {
+        let id = w.machine_id();
+        w.finish(move |tx| {
+            // The refused one tags a machine that does not exist: a foreign key violation.
+            let target = if id == refused { Uuid::new_v4() } else { id };
+            Box::pin(async move { tx.set_agent_started(target, &key(2)).await })
+        })
+    });
+    let outcomes = futures::future::join_all(endings).await;
+    holding.await.unwrap().unwrap();
+    let (batches, endings) = db.metrics().ending_batches(processor);
+    assert_eq!(
+        (batches - before.0, endings - before.1),
+        (2, WORKS as u64),
+        "the first finish alone, the other seven together"
+    );
+    for (w, outcome) in works.iter().zip(&outcomes) {
+        if w.machine_id() == refused {
+            let e = outcome.as_ref().unwrap_err();
+            assert!(
+                matches!(e, Error::Database(_)),
+                "its own error, not the batch's: {e:?}"
+            );
+        } else {
+            outcome.as_ref().unwrap();
+        }
+    }
+    let status = db.status_counts().await.unwrap();
+    assert_eq!(status.agent_started, WORKS as i64 - 1);
+    assert_eq!(
+        status.work,
+        vec![(Process::ShepherdAgentStart, 1)],
+        "the refused ending's work is still held"
+    );
+    let finished = testing::history_as(&db, |e| (e.machine_id, e.event)).await;
+    assert!(!finished.contains(&(refused, WorkEvent::Finished)));
+    assert_eq!(
+        finished
+            .iter()
+            .filter(|(_, e)| *e == WorkEvent::Finished)
+            .count(),
+        WORKS - 1
+    );
+    // The refused one can still be ended as the loop's policy says.
+    let mut refused_work = works.remove(3);
+    refused_work.fail(None, "tagging refused").await.unwrap();
+    assert!(db.status_counts().await.unwrap().work.is_empty());
+    s.close().await.unwrap();
+}
+
 shepherd_bmdb::conformance_tests!(
+    a_claim_nobody_waits_for_is_released,
+    a_failed_ending_fails_only_its_own_work,
     cancelled_transactions_leave_nothing_open,
     summaries_and_fleet_counts,
     agent_heartbeats,

@@ -3,8 +3,9 @@
 //! One eligibility condition serves both engines; they differ in how it reads time (Postgres'
 //! `now()` and intervals, SQLite's bound microseconds) and Postgres also chooses how its
 //! `EXISTS` checks are planned ([`Shape`]). The claims themselves differ by design: Postgres
-//! claims with one autocommitted statement that skips rows other replicas hold, SQLite inside
-//! one `BEGIN IMMEDIATE` transaction that already excludes every other writer.
+//! serves a batch of requests (`claim_batch.rs`) with one autocommitted statement that skips
+//! rows other replicas hold, SQLite inside one `BEGIN IMMEDIATE` transaction that already
+//! excludes every other writer.
 
 use sqlx::postgres::PgArguments;
 use sqlx::query::QueryAs;
@@ -235,16 +236,23 @@ impl Tx {
         Ok(row.unwrap_or((0, 0)))
     }
 
-    /// Claims the first eligible machine from a random point, in this SQLite write
-    /// transaction (see [`claim_sqlite`]); the caller commits only if it claimed.
+    /// Claims a machine for each of `sessions` (one request each; a session may appear more
+    /// than once), in this SQLite write transaction (see [`claim_sqlite`]); the caller commits
+    /// only if anything was claimed. One outcome per request, in order.
     pub(crate) async fn claim_sqlite(
         &mut self,
-        session: Uuid,
+        sessions: &[Uuid],
         process: Process,
         retrieval: &Retrieval,
-    ) -> Result<ClaimOutcome> {
+    ) -> Result<Vec<ClaimOutcome>> {
         match self.conn() {
-            Conn::Sqlite(c) => claim_sqlite(c, session, process, retrieval).await,
+            Conn::Sqlite(c) => {
+                let mut outcomes = Vec::with_capacity(sessions.len());
+                for session in sessions {
+                    outcomes.push(claim_sqlite(c, *session, process, retrieval).await?);
+                }
+                Ok(outcomes)
+            }
             Conn::Postgres(_) => unreachable!("Postgres claims run outside a transaction"),
         }
     }
@@ -361,11 +369,13 @@ async fn first_eligible_from_random_point(
 // ---------------------------------------------------------------------------------------------
 // Claims on Postgres
 
-/// How many candidates a claim considers before giving up as conflicted.
+/// How many candidates a claim considers before giving up as conflicted. A batch of requests
+/// considers two more per extra request.
 const CLAIM_CANDIDATES: i64 = 32;
 
-/// Index entries the window search looks at.
-const CLAIM_WINDOW: i64 = 64;
+/// Index entries the window search looks at: room for the candidates of a whole batch. A
+/// literal, not a parameter: the statement's cached generic plan must know it is small.
+const CLAIM_WINDOW: i64 = 128;
 
 /// Candidates a full search collects: one is claimed, the rest become hints.
 const CLAIM_HINTS: i64 = 256;
@@ -402,38 +412,60 @@ impl Search {
         }
     }
 
-    /// Candidates the statement considers at most; a full search keeps its extra ones as hints.
-    fn limit(&self) -> i64 {
+    /// Candidates the statement considers at most for `requests` requests; a full search keeps
+    /// its extra ones as hints.
+    fn limit(&self, requests: usize) -> i64 {
+        let more = 2 * (requests.max(1) as i64 - 1);
         match self {
-            Search::Given(_) | Search::Window(_) => CLAIM_CANDIDATES,
-            Search::Everywhere(_) => CLAIM_HINTS,
+            Search::Given(_) | Search::Window(_) => CLAIM_CANDIDATES + more,
+            Search::Everywhere(_) => CLAIM_HINTS + more,
         }
     }
 }
 
-/// Claims one eligible machine for `process` with autocommitted statements, cheapest search
-/// first. Leftover candidates of an earlier full search (`hints`) are checked first; then a
-/// small window of the id index after a random point, checking each machine with index
-/// probes: cheap when eligible machines are common, and it spreads parallel claimers over the
-/// fleet. If neither yields a machine to lock, the last statement searches the whole provider
+/// Claims one eligible machine for each request with autocommitted statements, cheapest
+/// search first, the requests of concurrent claimers served together (`claim_batch.rs`).
+/// Leftover candidates of an earlier full search (`hints`) are checked first; then a small
+/// window of the id index after a random point, checking each machine with index probes:
+/// cheap when eligible machines are common, and it spreads parallel claimers over the fleet.
+/// Requests neither serves go to the last statement, which searches the whole provider
 /// (wrapping around) with a join-shaped query the planner can run as an anti-join, which stays
 /// cheap when eligible machines are rare or absent, and leaves its other candidates as hints.
 impl Autocommit {
-    /// See [`claim_pg`].
+    /// Claims a machine for each of `sessions` (one request each; a session may appear more
+    /// than once); one outcome per request, in order. See [`claim_pg`].
     pub(crate) async fn claim(
         &mut self,
-        session: Uuid,
+        sessions: &[Uuid],
         process: Process,
         retrieval: &Retrieval,
         strategy: ClaimStrategy,
         shared: &ClaimShared<'_>,
-    ) -> Result<ClaimOutcome> {
-        claim_pg(self.conn(), session, process, retrieval, strategy, shared).await
+    ) -> Result<Vec<ClaimOutcome>> {
+        match strategy {
+            ClaimStrategy::SkipLocked => {
+                claim_pg(self.conn(), sessions, process, retrieval, shared).await
+            }
+            ClaimStrategy::UpstreamFirstRow => {
+                let mut outcomes = Vec::with_capacity(sessions.len());
+                for session in sessions {
+                    let mut tx = self.conn().begin().await?;
+                    let outcome = claim_upstream(&mut tx, *session, process, retrieval).await?;
+                    if matches!(outcome, ClaimOutcome::Claimed { .. }) {
+                        tx.commit().await?;
+                    } else {
+                        tx.rollback().await?;
+                    }
+                    outcomes.push(outcome);
+                }
+                Ok(outcomes)
+            }
+        }
     }
 
     /// The executed query plan (`EXPLAIN ANALYZE`, one line a row) of a Postgres claim
-    /// statement with its parameters bound as a claim binds them, in a transaction rolled
-    /// back afterwards so the claim it makes is undone. For the query-plan test.
+    /// statement with its parameters bound as a claim of `session` binds them, in a transaction
+    /// rolled back afterwards so the claim it makes is undone. For the query-plan test.
     #[cfg(feature = "testing")]
     pub(crate) async fn explain_claim(
         &mut self,
@@ -444,63 +476,123 @@ impl Autocommit {
     ) -> Result<Vec<String>> {
         let explain = format!("EXPLAIN (ANALYZE, TIMING OFF) {sql}");
         let mut tx = self.conn().begin().await?;
-        let rows: Vec<(String,)> = bind_claim(sqlx::query_as(&explain), session, search, retrieval)
-            .fetch_all(&mut *tx)
-            .await?;
+        let rows: Vec<(String,)> =
+            bind_claim(sqlx::query_as(&explain), &[session], search, retrieval)
+                .fetch_all(&mut *tx)
+                .await?;
         tx.rollback().await?;
         Ok(rows.into_iter().map(|(line,)| line).collect())
     }
 }
 
-async fn claim_pg(
-    conn: &mut PgConnection,
-    session: Uuid,
-    process: Process,
-    retrieval: &Retrieval,
-    strategy: ClaimStrategy,
-    shared: &ClaimShared<'_>,
-) -> Result<ClaimOutcome> {
-    if strategy == ClaimStrategy::UpstreamFirstRow {
-        let mut tx = conn.begin().await?;
-        let outcome = claim_upstream(&mut tx, session, process, retrieval).await?;
-        if matches!(outcome, ClaimOutcome::Claimed { .. }) {
-            tx.commit().await?;
-        } else {
-            tx.rollback().await?;
-        }
-        return Ok(outcome);
-    }
-    let key = HintKey::new(process, retrieval);
-    let hints = shared.hints;
-    let hinted = hints.take(key, HINTS_PER_CLAIM);
-    if !hinted.is_empty() {
-        let search = Search::Given(hinted);
-        let (outcome, unused) =
-            claim_statement(conn, session, process, retrieval, shared, search).await?;
-        hints.give_back(key, unused);
-        if !matches!(outcome, ClaimOutcome::Nothing | ClaimOutcome::Conflict) {
-            return Ok(outcome);
-        }
-    }
-    let start = Uuid::new_v4();
-    let search = Search::Window(start);
-    let (outcome, _) = claim_statement(conn, session, process, retrieval, shared, search).await?;
-    if !matches!(outcome, ClaimOutcome::Nothing | ClaimOutcome::Conflict) {
-        return Ok(outcome);
-    }
-    let search = Search::Everywhere(start);
-    let (outcome, leftovers) =
-        claim_statement(conn, session, process, retrieval, shared, search).await?;
-    match outcome {
-        ClaimOutcome::Nothing => hints.clear(key),
-        _ => hints.replace(key, leftovers),
-    }
-    Ok(outcome)
+/// What one claim statement did for the requests it was given, and what it saw.
+struct Stage {
+    /// Per request, in order: claimed, or its session is gone; `None` while unserved.
+    answered: Vec<Option<ClaimOutcome>>,
+    /// A machine was locked but its lock insert lost a race (the constraint backstop).
+    insert_lost: bool,
+    /// Candidates the statement considered (up to its limit), counted only when it could not
+    /// serve every live request (0 otherwise: counting would evaluate every candidate).
+    candidates: i64,
+    /// Eligible candidates it did not lock (for a hinted or full search).
+    leftovers: Vec<Uuid>,
 }
 
-/// The text of one claim statement (see [`claim_statement`]). Parameters: `$1` the session,
-/// `$2` the start point or the given ids, `$3` the candidate limit, then the eligibility
-/// thresholds from `$4`.
+async fn claim_pg(
+    conn: &mut PgConnection,
+    sessions: &[Uuid],
+    process: Process,
+    retrieval: &Retrieval,
+    shared: &ClaimShared<'_>,
+) -> Result<Vec<ClaimOutcome>> {
+    let mut round = ClaimRound {
+        conn,
+        sessions,
+        outcomes: vec![None; sessions.len()],
+        process,
+        retrieval,
+        shared,
+    };
+    let key = HintKey::new(process, retrieval);
+    let hints = shared.hints;
+    let hinted = hints.take(key, HINTS_PER_CLAIM * sessions.len());
+    if !hinted.is_empty() {
+        let stage = round.stage(Search::Given(hinted)).await?;
+        hints.give_back(key, stage.leftovers);
+    }
+    let start = Uuid::new_v4();
+    if round.unserved() {
+        round.stage(Search::Window(start)).await?;
+    }
+    if round.unserved() {
+        let search = Search::Everywhere(start);
+        let limit = search.limit(sessions.len());
+        let stage = round.stage(search).await?;
+        // Requests still unserved: every candidate is being or has been claimed by others. If
+        // the search was cut at its limit, more may lie beyond it; otherwise nothing is left.
+        let rest = if stage.insert_lost || stage.candidates >= limit {
+            ClaimOutcome::Conflict
+        } else {
+            ClaimOutcome::Nothing
+        };
+        if rest == ClaimOutcome::Nothing && round.unserved() {
+            hints.clear(key);
+        } else {
+            hints.replace(key, stage.leftovers);
+        }
+        for outcome in round.outcomes.iter_mut().filter(|o| o.is_none()) {
+            *outcome = Some(rest);
+        }
+    }
+    Ok(round
+        .outcomes
+        .into_iter()
+        .map(|o| o.unwrap_or(ClaimOutcome::Nothing))
+        .collect())
+}
+
+/// One batch of claim requests on its way through the searches, widest last.
+struct ClaimRound<'a, 'c> {
+    conn: &'c mut PgConnection,
+    sessions: &'a [Uuid],
+    /// Per request: claimed, or its session is gone; `None` while unserved.
+    outcomes: Vec<Option<ClaimOutcome>>,
+    process: Process,
+    retrieval: &'a Retrieval,
+    shared: &'a ClaimShared<'a>,
+}
+
+impl ClaimRound<'_, '_> {
+    fn unserved(&self) -> bool {
+        self.outcomes.iter().any(Option::is_none)
+    }
+
+    /// Runs one claim statement for the requests still unanswered, answering those it served
+    /// (or whose session is gone).
+    async fn stage(&mut self, search: Search) -> Result<Stage> {
+        let pending: Vec<usize> = (0..self.sessions.len())
+            .filter(|i| self.outcomes[*i].is_none())
+            .collect();
+        let asking: Vec<Uuid> = pending.iter().map(|i| self.sessions[*i]).collect();
+        let label = search.label();
+        let stage =
+            claim_statement(self.conn, &asking, self.process, self.retrieval, search).await?;
+        let mut claimed = false;
+        for (i, answer) in pending.into_iter().zip(&stage.answered) {
+            claimed |= matches!(answer, Some(ClaimOutcome::Claimed { .. }));
+            self.outcomes[i] = *answer;
+        }
+        let shared = self.shared;
+        shared
+            .metrics
+            .claim_search(shared.processor, self.process, label, claimed);
+        Ok(stage)
+    }
+}
+
+/// The text of one claim statement (see [`claim_statement`]). Parameters: `$1` the sessions
+/// of the requests, in order, `$2` the start point or the given ids, `$3` the candidate
+/// limit, then the eligibility thresholds from `$4`.
 pub(crate) fn claim_sql(process: Process, retrieval: &Retrieval, search: &Search) -> String {
     let provider = retrieval.provider().as_str();
     let probe = Flavor::Postgres(Shape::Probe);
@@ -542,107 +634,128 @@ pub(crate) fn claim_sql(process: Process, retrieval: &Retrieval, search: &Search
     };
     let proc = process.as_str();
     format!(
-        "WITH sess AS (
-            SELECT session_id FROM sessions WHERE session_id = $1 AND deadline > now()),
+        "WITH req AS (
+            SELECT r.session_id, r.ord FROM unnest($1::uuid[]) WITH ORDINALITY AS r(session_id, ord)),
+         live AS (
+            SELECT req.session_id, req.ord, row_number() OVER (ORDER BY req.ord) AS n
+            FROM req JOIN sessions s ON s.session_id = req.session_id AND s.deadline > now()),
          cand AS ({candidates}),
          locked AS (
             SELECT m.machine_id FROM cand
             JOIN machines seen ON seen.machine_id = cand.machine_id
             JOIN machines m ON m.machine_id = cand.machine_id
-            WHERE m.claim_count = seen.claim_count AND EXISTS (SELECT 1 FROM sess)
-            LIMIT 1 FOR NO KEY UPDATE OF m SKIP LOCKED),
+            WHERE m.claim_count = seen.claim_count
+            LIMIT (SELECT count(*) FROM live) FOR NO KEY UPDATE OF m SKIP LOCKED),
+         paired AS (
+            SELECT live.ord, live.session_id, l.machine_id FROM live
+            JOIN (SELECT machine_id, row_number() OVER (ORDER BY machine_id) AS n FROM locked) l
+              ON l.n = live.n),
          ins AS (
             INSERT INTO work (machine_id, session_id, process)
-            SELECT machine_id, $1, '{proc}' FROM locked
+            SELECT machine_id, session_id, '{proc}' FROM paired
             ON CONFLICT DO NOTHING RETURNING machine_id),
          bump AS (
             UPDATE machines SET claim_count = claim_count + 1
             WHERE machine_id IN (SELECT machine_id FROM ins)),
          hist AS (
             INSERT INTO work_history (machine_id, process, event, at, session_id)
-            SELECT machine_id, '{proc}', 'Started', now(), $1 FROM ins)
-         SELECT EXISTS (SELECT 1 FROM sess),
-                EXISTS (SELECT 1 FROM locked),
-                (SELECT machine_id FROM ins),
-                (SELECT b.last_interval_seconds FROM work_backoff b JOIN ins ON b.machine_id = ins.machine_id
-                 WHERE b.process = '{proc}'),
-                CASE WHEN EXISTS (SELECT 1 FROM locked) THEN 0 ELSE (SELECT count(*) FROM cand) END,
-                {leftovers}"
+            SELECT paired.machine_id, '{proc}', 'Started', now(), paired.session_id
+            FROM paired JOIN ins ON ins.machine_id = paired.machine_id)
+         SELECT live.ord IS NOT NULL,
+                ins.machine_id,
+                b.last_interval_seconds,
+                (SELECT count(*) FROM locked) > (SELECT count(*) FROM ins),
+                CASE WHEN (SELECT count(*) FROM locked) < (SELECT count(*) FROM live)
+                     THEN (SELECT count(*) FROM cand) ELSE 0 END,
+                CASE WHEN req.ord = 1 THEN {leftovers} END
+         FROM req
+         LEFT JOIN live ON live.ord = req.ord
+         LEFT JOIN paired ON paired.ord = req.ord
+         LEFT JOIN ins ON ins.machine_id = paired.machine_id
+         LEFT JOIN work_backoff b ON b.machine_id = ins.machine_id AND b.process = '{proc}'
+         ORDER BY req.ord"
     )
 }
 
 /// Binds a claim statement's parameters (see [`claim_sql`]).
 fn bind_claim<'q, O>(
     q: PgQueryAs<'q, O>,
-    session: Uuid,
+    sessions: &[Uuid],
     search: &Search,
     retrieval: &Retrieval,
 ) -> PgQueryAs<'q, O> {
-    let q = q.bind(session);
+    let q = q.bind(sessions.to_vec());
     let q = match search {
         Search::Given(ids) => q.bind(ids.clone()),
         Search::Window(start) | Search::Everywhere(start) => q.bind(*start),
     };
-    bind_pg(q.bind(search.limit()), retrieval)
+    bind_pg(q.bind(search.limit(sessions.len())), retrieval)
 }
 
-/// One claim statement: live-session check; candidates evaluated lazily until one locks; a
-/// `SKIP LOCKED` row lock that also skips machines claimed since our snapshot (their
-/// `claim_count` moved on, and READ COMMITTED re-checks the condition against the newest
-/// version of the locked row while `seen` keeps the snapshot's); the lock insert (a lost race
-/// yields no row instead of an error); Started history; the previous backoff interval. Also
-/// returns, for a full or hinted search, the eligible candidates it did not lock.
+/// One claim statement for a batch of requests: which requests' sessions are alive;
+/// candidates evaluated lazily until as many lock as there are live requests; a `SKIP LOCKED`
+/// row lock that also skips machines claimed since our snapshot (their `claim_count` moved on,
+/// and READ COMMITTED re-checks the condition against the newest version of the locked row
+/// while `seen` keeps the snapshot's); each locked machine paired with one live request; the
+/// lock inserts (a lost race yields no row instead of an error); Started history; the previous
+/// backoff intervals. Also returns, for a full or hinted search, the eligible candidates it
+/// did not lock.
 async fn claim_statement(
     conn: &mut PgConnection,
-    session: Uuid,
+    sessions: &[Uuid],
     process: Process,
     retrieval: &Retrieval,
-    shared: &ClaimShared<'_>,
     search: Search,
-) -> Result<(ClaimOutcome, Vec<Uuid>)> {
+) -> Result<Stage> {
     type ClaimRow = (
-        bool,
         bool,
         Option<Uuid>,
         Option<i64>,
+        bool,
         i64,
         Option<Vec<Uuid>>,
     );
     let sql = claim_sql(process, retrieval, &search);
-    let row = bind_claim(
-        sqlx::query_as::<_, ClaimRow>(&sql),
-        session,
-        &search,
-        retrieval,
-    )
-    .fetch_one(&mut *conn)
-    .await;
-    let (session_ok, locked, machine, last_interval, candidates, leftovers) = match row {
-        // The session row was deleted (garbage-collected) after our snapshot saw it alive: the
-        // lock insert's foreign key check, which key-share locks the session, refused it.
-        Err(e) if is_sqlstate(&e, "23503") => {
-            return Ok((ClaimOutcome::SessionExpired, Vec::new()))
+    // A session row deleted (garbage-collected) after the statement's snapshot saw it alive
+    // fails the lock insert's foreign key check; the next statement's snapshot no longer sees
+    // it alive, so the statement is run again, a bounded number of times.
+    let mut attempts = 0;
+    let rows = loop {
+        let rows = bind_claim(
+            sqlx::query_as::<_, ClaimRow>(&sql),
+            sessions,
+            &search,
+            retrieval,
+        )
+        .fetch_all(&mut *conn)
+        .await;
+        match rows {
+            Err(e) if is_sqlstate(&e, "23503") && attempts < 3 => attempts += 1,
+            other => break other?,
         }
-        other => other?,
     };
-    let outcome = match machine {
-        Some(machine_id) => ClaimOutcome::Claimed {
-            machine_id,
-            last_interval,
-        },
-        None if !session_ok => ClaimOutcome::SessionExpired,
-        // Locked a row but the unique lock said no: the constraint backstop caught a race.
-        None if locked => ClaimOutcome::Conflict,
-        // Every candidate we saw is being or has been claimed by others. If the search was cut
-        // at the candidate limit, more may lie beyond it; otherwise nothing is left for us.
-        None if candidates >= search.limit() => ClaimOutcome::Conflict,
-        None => ClaimOutcome::Nothing,
+    let mut stage = Stage {
+        answered: Vec::with_capacity(rows.len()),
+        insert_lost: false,
+        candidates: 0,
+        leftovers: Vec::new(),
     };
-    let claimed = matches!(outcome, ClaimOutcome::Claimed { .. });
-    shared
-        .metrics
-        .claim_search(shared.processor, process, search.label(), claimed);
-    Ok((outcome, leftovers.unwrap_or_default()))
+    for (alive, machine, last_interval, insert_lost, candidates, leftovers) in rows {
+        stage.answered.push(match machine {
+            Some(machine_id) => Some(ClaimOutcome::Claimed {
+                machine_id,
+                last_interval,
+            }),
+            None if !alive => Some(ClaimOutcome::SessionExpired),
+            None => None,
+        });
+        stage.insert_lost = insert_lost;
+        stage.candidates = candidates;
+        if let Some(leftovers) = leftovers {
+            stage.leftovers = leftovers;
+        }
+    }
+    Ok(stage)
 }
 
 /// Upstream's claim shape, kept only as a benchmark baseline: first eligible row, plain insert,

@@ -1,8 +1,9 @@
 //! How work ends (SPEC §4): finished, failed (with a backoff) or canceled, each with its audit
 //! history entry; backoffs set and cleared by hand; the history and work an operator reads.
 //!
-//! On Postgres an ending is one statement (its data-modifying CTEs keep it to one round trip);
-//! SQLite, which has no such CTEs, runs the same steps as statements inside its transaction.
+//! On Postgres the endings of a batch (`ending_batch.rs`) are one statement (its
+//! data-modifying CTEs keep it to one round trip); SQLite, which has no such CTEs, runs the same
+//! steps as statements inside its transaction.
 //! Finish and Fail need no lock on the session row: our work row is the lock. If garbage
 //! collection deleted it first, nothing is deleted and the work is reported lost; if we delete
 //! it first, the collector's cascade waits for our commit.
@@ -10,7 +11,7 @@
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use super::engine::{from_columns, Arg, Engine, Result, Tx};
+use super::engine::{from_columns, Arg, Conn, Result, Tx};
 use crate::model::*;
 
 /// What ending a unit of work found.
@@ -36,39 +37,75 @@ impl EndOutcome {
     }
 }
 
-/// The first steps of a Postgres ending, as CTEs: `sess`, the session if alive; `del`, our work
-/// row, deleted if the session is alive. The ending's own CTEs follow, reading `del`.
-/// Parameters: `$1` the session, `$2` the machine, `$3` the process.
-const OWN_WORK_ENDED: &str = "WITH sess AS (
-        SELECT 1 FROM sessions WHERE session_id = $1 AND deadline > now()),
+/// How one unit of work ends.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum How<'a> {
+    /// Finished: the process's backoff is cleared.
+    Finish,
+    /// Failed with `cause`: held back from the process for `delay`, `interval` seconds
+    /// remembered for its next failure.
+    Fail {
+        cause: &'a str,
+        interval: i64,
+        delay: std::time::Duration,
+    },
+    /// Given up without a verdict; the backoff is untouched. Works on an expired session.
+    Cancel,
+}
+
+impl How<'_> {
+    /// The history event the ending writes.
+    fn event(self) -> WorkEvent {
+        match self {
+            How::Finish => WorkEvent::Finished,
+            How::Fail { .. } => WorkEvent::Failed,
+            How::Cancel => WorkEvent::Canceled,
+        }
+    }
+}
+
+/// One ending: `session`'s work on `machine` for `process`, ended as `how` says.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WorkEnd<'a> {
+    pub(crate) session: Uuid,
+    pub(crate) machine: Uuid,
+    pub(crate) process: Process,
+    pub(crate) how: How<'a>,
+}
+
+/// Many endings in one Postgres statement. Parameters, one array element per ending: `$1`
+/// sessions, `$2` machines, `$3` processes, `$4` events, `$5` failure causes, `$6` backoff
+/// delays in seconds, `$7` intervals remembered. An ending other than a cancel needs its
+/// session alive; each deletes its own work row (`del`), and only those deleted write.
+const END_WORKS_PG: &str = "WITH e AS (
+        SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::text[],
+                             $6::float8[], $7::int8[])
+            WITH ORDINALITY AS e(session_id, machine_id, process, event, cause, delay,
+                                 last_interval, n)),
+     alive AS (
+        SELECT e.n FROM e WHERE e.event = 'Canceled' OR EXISTS (
+            SELECT 1 FROM sessions s WHERE s.session_id = e.session_id AND s.deadline > now())),
      del AS (
-        DELETE FROM work WHERE machine_id = $2 AND process = $3 AND session_id = $1
-        AND EXISTS (SELECT 1 FROM sess) RETURNING machine_id),
-     ";
-
-/// What a Postgres ending returns: whether the session was alive and our work row deleted.
-const ENDED: &str = "SELECT EXISTS (SELECT 1 FROM sess), EXISTS (SELECT 1 FROM del)";
-
-/// Finish's own CTEs after [`OWN_WORK_ENDED`].
-const FINISH_PG: &str = "bo AS (
-        DELETE FROM work_backoff
-         WHERE process = $3 AND machine_id IN (SELECT machine_id FROM del)),
-     hist AS (
-        INSERT INTO work_history (machine_id, process, event, at, session_id)
-        SELECT machine_id, $3, 'Finished', now(), $1 FROM del)
-     ";
-
-/// Fail's own CTEs after [`OWN_WORK_ENDED`]: `$4` the cause, `$5` the delay in seconds, `$6`
-/// the interval remembered for the next failure.
-const FAIL_PG: &str = "bo AS (
+        DELETE FROM work w USING e
+         WHERE w.machine_id = e.machine_id AND w.process = e.process
+           AND w.session_id = e.session_id AND e.n IN (SELECT n FROM alive)
+        RETURNING e.*),
+     cleared AS (
+        DELETE FROM work_backoff b USING del
+         WHERE del.event = 'Finished' AND b.machine_id = del.machine_id
+           AND b.process = del.process),
+     held AS (
         INSERT INTO work_backoff (machine_id, process, until, cause, last_interval_seconds)
-        SELECT machine_id, $3, now() + make_interval(secs => $5), $4, $6 FROM del
+        SELECT machine_id, process, now() + make_interval(secs => delay), cause, last_interval
+          FROM del WHERE event = 'Failed'
         ON CONFLICT (machine_id, process) DO UPDATE SET until = excluded.until,
             cause = excluded.cause, last_interval_seconds = excluded.last_interval_seconds),
      hist AS (
         INSERT INTO work_history (machine_id, process, event, at, session_id, failed_cause)
-        SELECT machine_id, $3, 'Failed', now(), $1, $4 FROM del)
-     ";
+        SELECT machine_id, process, event, now(), session_id,
+               CASE WHEN event = 'Failed' THEN cause END
+          FROM del ORDER BY n)
+     SELECT e.n IN (SELECT n FROM alive), e.n IN (SELECT n FROM del) FROM e ORDER BY e.n";
 
 /// Sets a backoff, or replaces the process's current one.
 const BACKOFF_UPSERT: &str =
@@ -78,116 +115,95 @@ const BACKOFF_UPSERT: &str =
         last_interval_seconds = excluded.last_interval_seconds, cause = excluded.cause";
 
 impl Tx {
-    /// Releases the work, clears the process's backoff and writes Finished history.
-    pub(crate) async fn finish_work(
-        &mut self,
-        session: Uuid,
-        machine: Uuid,
-        process: Process,
-    ) -> Result<EndOutcome> {
-        match self.engine() {
-            Engine::Postgres => {
-                let sql = format!("{OWN_WORK_ENDED}{FINISH_PG}{ENDED}");
-                let args = [
-                    Arg::Uuid(session),
-                    Arg::Uuid(machine),
-                    Arg::Text(process.as_str()),
-                ];
-                self.ended_pg(&sql, &args).await
-            }
-            Engine::Sqlite => {
-                let outcome = self.end_own_work(session, machine, process).await?;
-                if outcome == EndOutcome::Done {
-                    let sql = "DELETE FROM work_backoff WHERE machine_id = $1 AND process = $2";
-                    let args = [Arg::Uuid(machine), Arg::Text(process.as_str())];
-                    self.conn().execute(sql, &args).await?;
-                    self.write_history(session, machine, process, WorkEvent::Finished, None)
-                        .await?;
+    /// Ends each of `ends` (releasing its work, writing its history, clearing or setting its
+    /// backoff); what each found, in order. On Postgres one statement for them all.
+    pub(crate) async fn end_works(&mut self, ends: &[WorkEnd<'_>]) -> Result<Vec<EndOutcome>> {
+        match self.conn() {
+            Conn::Postgres(c) => {
+                let column = |f: &dyn Fn(&WorkEnd<'_>) -> _| ends.iter().map(f).collect();
+                let sessions: Vec<Uuid> = column(&|e| e.session);
+                let machines: Vec<Uuid> = column(&|e| e.machine);
+                let processes: Vec<&str> = ends.iter().map(|e| e.process.as_str()).collect();
+                let events: Vec<&str> = ends.iter().map(|e| e.how.event().as_str()).collect();
+                let (mut causes, mut delays, mut intervals) = (vec![], vec![], vec![]);
+                for e in ends {
+                    let (cause, delay, interval) = match e.how {
+                        How::Fail {
+                            cause,
+                            interval,
+                            delay,
+                        } => (Some(cause), Some(delay.as_secs_f64()), Some(interval)),
+                        How::Finish | How::Cancel => (None, None, None),
+                    };
+                    causes.push(cause);
+                    delays.push(delay);
+                    intervals.push(interval);
                 }
-                Ok(outcome)
-            }
-        }
-    }
-
-    /// Releases the work, puts the machine in backoff for `delay` (remembering
-    /// `interval_seconds` for the next failure) and writes Failed history with `cause`.
-    pub(crate) async fn fail_work(
-        &mut self,
-        session: Uuid,
-        machine: Uuid,
-        process: Process,
-        cause: &str,
-        interval_seconds: i64,
-        delay: std::time::Duration,
-    ) -> Result<EndOutcome> {
-        match self.engine() {
-            Engine::Postgres => {
-                let sql = format!("{OWN_WORK_ENDED}{FAIL_PG}{ENDED}");
-                let args = [
-                    Arg::Uuid(session),
-                    Arg::Uuid(machine),
-                    Arg::Text(process.as_str()),
-                    Arg::Text(cause),
-                    Arg::Span(delay),
-                    Arg::Int(interval_seconds),
-                ];
-                self.ended_pg(&sql, &args).await
-            }
-            Engine::Sqlite => {
-                let outcome = self.end_own_work(session, machine, process).await?;
-                if outcome == EndOutcome::Done {
-                    let until = self.now().await? + delay;
-                    self.set_backoff(machine, process, until, interval_seconds, cause)
-                        .await?;
-                    let failed = WorkEvent::Failed;
-                    self.write_history(session, machine, process, failed, Some(cause))
-                        .await?;
-                }
-                Ok(outcome)
-            }
-        }
-    }
-
-    /// Releases the work and writes Canceled history; the backoff is untouched. False if the
-    /// work was no longer held.
-    pub(crate) async fn cancel_work(
-        &mut self,
-        session: Uuid,
-        machine: Uuid,
-        process: Process,
-    ) -> Result<bool> {
-        match self.engine() {
-            Engine::Postgres => {
-                let sql = "WITH del AS (
-                              DELETE FROM work WHERE machine_id = $2 AND process = $3 AND session_id = $1
-                              RETURNING machine_id),
-                           hist AS (
-                              INSERT INTO work_history (machine_id, process, event, at, session_id)
-                              SELECT machine_id, $3, 'Canceled', now(), $1 FROM del)
-                           SELECT EXISTS (SELECT 1 FROM del)";
-                let args = [
-                    Arg::Uuid(session),
-                    Arg::Uuid(machine),
-                    Arg::Text(process.as_str()),
-                ];
-                Ok(self.conn().value(sql, &args).await? == Some(true))
-            }
-            Engine::Sqlite => {
-                if !self.delete_own_work(session, machine, process).await? {
-                    return Ok(false);
-                }
-                self.write_history(session, machine, process, WorkEvent::Canceled, None)
+                let rows: Vec<(bool, bool)> = sqlx::query_as(END_WORKS_PG)
+                    .bind(sessions)
+                    .bind(machines)
+                    .bind(processes)
+                    .bind(events)
+                    .bind(causes)
+                    .bind(delays)
+                    .bind(intervals)
+                    .fetch_all(&mut **c)
                     .await?;
-                Ok(true)
+                Ok(rows
+                    .into_iter()
+                    .map(|(alive, deleted)| EndOutcome::of(alive, deleted))
+                    .collect())
+            }
+            Conn::Sqlite(_) => {
+                let mut outcomes = Vec::with_capacity(ends.len());
+                for end in ends {
+                    outcomes.push(self.end_work_sqlite(end).await?);
+                }
+                Ok(outcomes)
             }
         }
     }
 
-    /// Runs a Postgres ending and reads what it found.
-    async fn ended_pg(&mut self, sql: &str, args: &[Arg<'_>]) -> Result<EndOutcome> {
-        let row: Option<(bool, bool)> = self.conn().row(sql, args).await?;
-        let (alive, deleted) = row.unwrap_or((false, false));
-        Ok(EndOutcome::of(alive, deleted))
+    /// One ending on SQLite, statement by statement.
+    async fn end_work_sqlite(&mut self, end: &WorkEnd<'_>) -> Result<EndOutcome> {
+        let WorkEnd {
+            session,
+            machine,
+            process,
+            how,
+        } = *end;
+        let outcome = match how {
+            How::Cancel => match self.delete_own_work(session, machine, process).await? {
+                true => EndOutcome::Done,
+                false => EndOutcome::Lost,
+            },
+            How::Finish | How::Fail { .. } => self.end_own_work(session, machine, process).await?,
+        };
+        if outcome != EndOutcome::Done {
+            return Ok(outcome);
+        }
+        let cause = match how {
+            How::Finish => {
+                let sql = "DELETE FROM work_backoff WHERE machine_id = $1 AND process = $2";
+                let args = [Arg::Uuid(machine), Arg::Text(process.as_str())];
+                self.conn().execute(sql, &args).await?;
+                None
+            }
+            How::Fail {
+                cause,
+                interval,
+                delay,
+            } => {
+                let until = self.now().await? + delay;
+                self.set_backoff(machine, process, until, interval, cause)
+                    .await?;
+                Some(cause)
+            }
+            How::Cancel => None,
+        };
+        self.write_history(session, machine, process, how.event(), cause)
+            .await?;
+        Ok(outcome)
     }
 
     /// Deletes our work row after checking the session; the common first half of Finish and
