@@ -6,36 +6,25 @@
 //! per-machine guarantee (`sql/claims.rs`).
 //!
 //! A claim is made by a task of its own, so that a worker that goes away (its loop was
-//! cancelled) neither cancels the other members' claims nor leaves them waiting. Each member
-//! is answered with its [`Work`] itself: claimed for a worker that went away, it is dropped
-//! unread and, as any work dropped without an ending, canceled (released with Canceled
-//! history).
+//! cancelled) neither cancels the other members' claims nor leaves them waiting. Each
+//! member's answer is received, and turned into its [`crate::Work`], by a task of its own too:
+//! claimed for a worker that went away, the work is dropped unread and, as any work dropped
+//! without an ending, canceled (released with Canceled history).
 
+use uuid::Uuid;
+
+use crate::batches::ClaimKey;
 use crate::db::{Mode, Pools};
-use crate::group_commit::{Answer, GroupsByKey};
+use crate::group_commit::Answer;
 use crate::sql::claims::{ClaimOutcome, ClaimShared, ClaimStrategy};
-use crate::{Bmdb, Claim, Error, Process, Processor, Retrieval, Session};
-
-/// Most requests one claim statement serves.
-pub(crate) const MAX_CLAIM_BATCH: usize = 32;
-
-/// Which requests may share a statement: one processor's claims for one process by one rule.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) struct ClaimKey {
-    pub(crate) processor: Processor,
-    pub(crate) process: Process,
-    pub(crate) retrieval: Retrieval,
-}
-
-/// The claim groups of one [`Bmdb`] handle, one per [`ClaimKey`] seen.
-pub(crate) type ClaimBatches = GroupsByKey<ClaimKey, Session, Claim>;
+use crate::{Bmdb, Claim, Error, Session};
 
 impl Bmdb {
     /// Claims one machine for `session` as `key` says, served together with the concurrent
     /// requests of the same key.
     pub(crate) async fn claim_batched(&self, session: &Session, key: ClaimKey) -> Answer<Claim> {
         let group = self.inner.claims.group(key);
-        let (answer, leader) = group.join(session.clone());
+        let (answer, leader) = group.join(session.id());
         if let Some(leader) = leader {
             let db = self.clone();
             tokio::spawn(async move {
@@ -44,23 +33,29 @@ impl Bmdb {
                 batch.answer(written);
             });
         }
-        // A closed answer means the writing task never ran: the runtime is shutting down.
-        answer.await.unwrap_or(Err(Error::SessionExpired))
+        let session = session.clone();
+        let received = tokio::spawn(async move {
+            // A closed answer means the writing task never ran: the runtime is shutting down.
+            let outcome = answer.await.unwrap_or(Err(Error::SessionExpired))?;
+            session.claimed(key.process, outcome)
+        });
+        received.await.unwrap_or(Err(Error::SessionExpired))
     }
 
     /// One claim for each of `sessions`: one statement on Postgres, one write transaction on
     /// SQLite (committed only if it claimed anything).
     async fn claim_for(
         &self,
-        sessions: &[Session],
+        sessions: &[Uuid],
         key: ClaimKey,
-    ) -> Result<Vec<Answer<Claim>>, Error> {
+    ) -> Result<Vec<Answer<ClaimOutcome>>, Error> {
         self.metrics().claim_batch(key.processor, sessions.len());
-        let ids: Vec<_> = sessions.iter().map(Session::id).collect();
         let outcomes = match &self.inner.pools {
             Pools::Sqlite { .. } => {
                 let mut tx = self.begin(Mode::Write).await?;
-                let outcomes = tx.claim_sqlite(&ids, key.process, &key.retrieval).await?;
+                let outcomes = tx
+                    .claim_sqlite(sessions, key.process, &key.retrieval)
+                    .await?;
                 if outcomes
                     .iter()
                     .any(|o| matches!(o, ClaimOutcome::Claimed { .. }))
@@ -79,7 +74,7 @@ impl Bmdb {
                 };
                 let mut conn = self.autocommit(pool).await?;
                 conn.claim(
-                    &ids,
+                    sessions,
                     key.process,
                     &key.retrieval,
                     ClaimStrategy::SkipLocked,
@@ -88,10 +83,6 @@ impl Bmdb {
                 .await?
             }
         };
-        Ok(sessions
-            .iter()
-            .zip(outcomes)
-            .map(|(session, outcome)| session.claimed(key.process, outcome))
-            .collect())
+        Ok(outcomes.into_iter().map(Ok).collect())
     }
 }

@@ -5,25 +5,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::Utc;
-use futures::future::BoxFuture;
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
 use sqlx::{ConnectOptions, Connection};
 
-use crate::claim_batch::{ClaimBatches, MAX_CLAIM_BATCH};
+use crate::batches::{ClaimBatches, EndingBatches, MAX_CLAIM_BATCH, MAX_ENDING_BATCH};
 use crate::claim_hints::ClaimHints;
-use crate::ending_batch::{EndingBatches, MAX_ENDING_BATCH};
 use crate::failover::FailoverMark;
 use crate::metrics::BmdbMetrics;
 use crate::migrations::{SchemaWindow, MIGRATIONS, SCHEMA_VERSION};
 use crate::sql::engine::{Autocommit, Conn, Sql, SqliteTx, Tx};
 use crate::url::DatabaseUrl;
 use crate::Error;
-
-/// The future a transaction body returns; see [`Bmdb::transact`].
-pub type TxFuture<'t, T> = BoxFuture<'t, Result<T, Error>>;
 
 /// Settings for opening a BMDB.
 #[derive(Debug, Clone)]

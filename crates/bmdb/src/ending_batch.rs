@@ -11,74 +11,14 @@
 //! member tries again in a later one. A finish's commit function may therefore run more than
 //! once, as it may whenever a transaction is retried.
 
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::Arc;
 
-use uuid::Uuid;
-
-use crate::db::{Mode, TxFuture};
-use crate::group_commit::{Answer, GroupsByKey};
-use crate::sql::endings::{EndOutcome, How, WorkEnd};
-use crate::sql::engine::Tx;
+use crate::batches::{Ending, EndingKind};
+use crate::db::Mode;
+use crate::group_commit::Answer;
+use crate::sql::endings::{EndOutcome, WorkEnd};
 use crate::transaction::retrying;
-use crate::{Bmdb, Error, Process, Processor};
-
-/// Most endings in one transaction.
-pub(crate) const MAX_ENDING_BATCH: usize = 32;
-
-/// The tag writes that end a successful unit of work, run in the same transaction as its
-/// Finish.
-pub(crate) type CommitFn = Box<dyn for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, ()> + Send>;
-
-/// How one unit of work ends.
-pub(crate) enum EndingKind {
-    /// Finished; the commit function runs after the work row was released.
-    Finish(Mutex<CommitFn>),
-    /// Failed with `cause`, held back for `delay` (`interval` seconds remembered).
-    Fail {
-        cause: String,
-        interval: i64,
-        delay: Duration,
-    },
-    /// Given up without a verdict.
-    Cancel,
-}
-
-/// One ending: whose work, and how it ends.
-pub(crate) struct Ending {
-    pub(crate) session: Uuid,
-    pub(crate) machine: Uuid,
-    pub(crate) process: Process,
-    pub(crate) kind: EndingKind,
-}
-
-impl Ending {
-    /// The ending's statement part (all but a finish's commit function).
-    fn work_end(&self) -> WorkEnd<'_> {
-        let how = match &self.kind {
-            EndingKind::Finish(_) => How::Finish,
-            EndingKind::Fail {
-                cause,
-                interval,
-                delay,
-            } => How::Fail {
-                cause,
-                interval: *interval,
-                delay: *delay,
-            },
-            EndingKind::Cancel => How::Cancel,
-        };
-        WorkEnd {
-            session: self.session,
-            machine: self.machine,
-            process: self.process,
-            how,
-        }
-    }
-}
-
-/// The ending groups of one [`Bmdb`] handle, one per processor.
-pub(crate) type EndingBatches = GroupsByKey<Processor, Arc<Ending>, EndOutcome>;
+use crate::{Bmdb, Error, Processor};
 
 impl Bmdb {
     /// Ends work as `ending` says, committed together with the concurrent endings of

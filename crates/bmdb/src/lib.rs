@@ -5,6 +5,7 @@
 //! SPEC §2–§5 for the model; every SQL statement lives in `sql/`, by concern.
 
 mod backoff;
+mod batches;
 mod claim_batch;
 mod claim_hints;
 mod db;
@@ -29,7 +30,7 @@ mod work;
 pub mod testing;
 
 pub use backoff::{default_interval_seconds, Backoff};
-pub use db::{BackendKind, Bmdb, OpenOptions, TxFuture};
+pub use db::{BackendKind, Bmdb, OpenOptions};
 pub use eligibility::{RecoveryThresholds, Retrieval};
 pub use error::Error;
 pub use metrics::{BmdbMetrics, ClaimSearch};
@@ -39,7 +40,7 @@ pub use operator::ActionOutcome;
 pub use retention::{HistoryRetention, PrunedHistory};
 pub use session::{Session, SessionConfig, BATCH_WAIT, DEFAULT_SESSION_INTERVAL, MAX_BATCH};
 pub use sql::claims::ClaimStrategy;
-pub use sql::engine::Tx;
+pub use sql::engine::{Tx, TxFuture};
 pub use sql::views::StatusCounts;
 pub use summary::{FleetCounts, Lifecycle, MachineSummary};
 pub use url::{DatabaseUrl, DEFAULT_DATABASE_URL};

@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use uuid::Uuid;
 
-use crate::db::TxFuture;
 use crate::model::*;
+use crate::sql::engine::TxFuture;
 use crate::{Error, Session, Tx};
 
 /// What an operator action found.

@@ -8,10 +8,11 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use crate::db::{Mode, Pools, TxFuture};
+use crate::db::{Mode, Pools};
 use crate::group_commit::GroupCommit;
 use crate::metrics::WorkResult;
 use crate::sql::engine::Tx;
+use crate::sql::engine::TxFuture;
 use crate::transaction::{retrying, Guard};
 use crate::{AgentHeartbeat, AgentReport, Bmdb, Error, Process, Processor};
 

@@ -2,13 +2,13 @@
 //! [`Work`]'s three endings: finish, fail, cancel.
 
 use crate::backoff::{default_interval_seconds, Backoff};
-use crate::claim_batch::ClaimKey;
-use crate::db::{Pools, TxFuture};
-use crate::ending_batch::{Ending, EndingKind};
+use crate::batches::{ClaimKey, Ending, EndingKind};
+use crate::db::Pools;
 use crate::metrics::WorkResult;
 use crate::sql::claims::{ClaimOutcome, ClaimShared, ClaimStrategy};
 use crate::sql::endings::EndOutcome;
 use crate::sql::engine::Tx;
+use crate::sql::engine::TxFuture;
 use crate::transaction::retrying;
 use crate::{Error, Process, Retrieval, Session};
 use uuid::Uuid;

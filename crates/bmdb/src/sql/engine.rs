@@ -12,6 +12,7 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use futures::future::BoxFuture;
 use sqlx::encode::IsNull;
 use sqlx::error::BoxDynError;
 use sqlx::postgres::{PgArguments, PgRow, PgTypeInfo, PgValueRef};
@@ -21,6 +22,9 @@ use sqlx::{Database, Decode, Encode, Postgres, Row, Sqlite, Type};
 use uuid::Uuid;
 
 use crate::Error;
+
+/// The future a transaction body returns; see [`crate::Bmdb::transact`].
+pub type TxFuture<'t, T> = BoxFuture<'t, std::result::Result<T, Error>>;
 
 pub(crate) type Result<T> = std::result::Result<T, Error>;
 
