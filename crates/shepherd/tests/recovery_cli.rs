@@ -123,10 +123,13 @@ async fn a_silent_fleet_is_braked_or_rebooted_a_bounded_number_of_times() {
         "the brake let a reboot through"
     );
     let log = std::fs::read_to_string(&log).unwrap();
-    assert!(
-        log.contains("recovery brake engaged: 20 of 20 machines (100%)"),
-        "{log}"
-    );
+    // The brake is logged when it engages, which may be before the last machines of the
+    // fleet were taken over (the page and the gauges above show all 20).
+    let engaged = log
+        .lines()
+        .find(|l| l.contains("recovery brake engaged: "))
+        .unwrap_or_else(|| panic!("no brake in the log: {log}"));
+    assert!(engaged.contains("machines (100%)"), "{engaged}");
 
     // A fresh fleet (a simulated fleet lives as long as its process) with no brake (more
     // than 100 % cannot be silent), giving up after two reboots in a row.
