@@ -23,7 +23,11 @@ pub fn retry_delays(max: Duration) -> Delays {
     Delays::new(Duration::from_secs(1), max)
 }
 
-fn channel(
+/// The agent's connection to the BMaaS server at `endpoint` (`host:port`): TLS with the
+/// agent's own certificate, trusting `ca_der` (or the web PKI's roots if empty), connected on
+/// first use. Benchmarks connect their simulated agents with it, so they measure what a real
+/// agent holds.
+pub fn channel(
     endpoint: &str,
     ca_der: &[u8],
     cert_pem: &str,

@@ -11,16 +11,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use futures::stream::{self, StreamExt};
 use shepherd_bmdb::testing;
 use shepherd_bmdb::{Bmdb, Processor};
 use shepherd_proto::agent::TakeoverInit;
-use shepherd_proto::bmaas::agent_callback_client::AgentCallbackClient;
-use shepherd_proto::bmaas::HeartbeatRequest;
 use shepherd_proto::Message;
 use shepherd_server::{LoopbackServer, ServerLimits};
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
-use uuid::Uuid;
 
 /// Settings of the heartbeat benchmark.
 #[derive(Debug, clap::Args)]
@@ -37,11 +32,6 @@ pub struct Args {
     /// Where to write the report.
     #[arg(long, default_value = "bench/results/heartbeat.md")]
     out: PathBuf,
-}
-
-struct Agent {
-    machine: Uuid,
-    client: AgentCallbackClient<Channel>,
 }
 
 async fn hammer<F, Fut>(tasks: usize, seconds: u64, f: F) -> (u64, u64)
@@ -159,59 +149,10 @@ pub async fn run(args: Args) -> Result<()> {
     let (port, ca_pem) = (server.port(), server.ca_pem().to_string());
 
     println!("creating {} machines and agent identities", args.agents);
-    let identities: Vec<(Vec<u8>, String, String)> = (0..args.agents)
-        .map(|_| {
-            let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ED25519).expect("keygen");
-            let cert = rcgen::CertificateParams::new(vec!["agent".into()])
-                .expect("params")
-                .self_signed(&key)
-                .expect("self-sign");
-            (
-                key.public_key_raw().to_vec(),
-                cert.pem(),
-                key.serialize_pem(),
-            )
-        })
-        .collect();
-    let keys: Vec<Vec<u8>> = identities.iter().map(|(k, _, _)| k.clone()).collect();
-    let machines: Vec<Uuid> = db
-        .transact(move |tx| {
-            let keys = keys.clone();
-            Box::pin(async move {
-                let mut ids = Vec::with_capacity(keys.len());
-                for k in &keys {
-                    let id = tx.create_machine().await?;
-                    tx.set_agent_started(id, k).await?;
-                    ids.push(id);
-                }
-                Ok(ids)
-            })
-        })
-        .await?;
+    let identities = crate::agents::identities(args.agents);
+    let machines = crate::agents::pin(&db, &identities).await?;
     println!("connecting {} agents", args.agents);
-    let agents: Vec<Agent> = stream::iter(identities.into_iter().zip(machines))
-        .map(|((_, cert, key), machine)| {
-            let ca_pem = ca_pem.clone();
-            async move {
-                let tls = ClientTlsConfig::new()
-                    .ca_certificate(Certificate::from_pem(&ca_pem))
-                    .identity(Identity::from_pem(cert, key))
-                    .domain_name("localhost");
-                let channel = Endpoint::from_shared(format!("https://127.0.0.1:{port}"))?
-                    .tls_config(tls)?
-                    .connect()
-                    .await?;
-                Ok::<_, anyhow::Error>(Agent {
-                    machine,
-                    client: AgentCallbackClient::new(channel),
-                })
-            }
-        })
-        .buffer_unordered(32)
-        .collect::<Vec<_>>()
-        .await
-        .into_iter()
-        .collect::<Result<_>>()?;
+    let (agents, _) = crate::agents::connect(port, &ca_pem, &identities, &machines, 32).await?;
     let agents = Arc::new(agents);
 
     println!("measuring heartbeats for {} s", args.seconds);
@@ -224,17 +165,8 @@ pub async fn run(args: Args) -> Result<()> {
     let writes_before = writes(&db);
     let a = agents.clone();
     let (ours_ok, ours_failed) = hammer(args.agents, args.seconds, move |i| {
-        let agent = &a[i];
-        let (mut client, machine) = (agent.client.clone(), agent.machine);
-        async move {
-            client
-                .heartbeat(HeartbeatRequest {
-                    machine_id: machine.to_string(),
-                    ..Default::default()
-                })
-                .await
-                .is_ok()
-        }
+        let a = a.clone();
+        async move { a[i].heartbeat().await }
     })
     .await;
     let txn_per_hb = (writes(&db) - writes_before) as f64 / ours_ok.max(1) as f64;

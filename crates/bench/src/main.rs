@@ -1,6 +1,7 @@
 //! `shepherd-bench`: benchmarks that compare Shepherd with a baseline measured in the same run
 //! and write a markdown report under `bench/results/`.
 
+mod agents;
 mod binaries;
 mod bmdb;
 mod heartbeat;

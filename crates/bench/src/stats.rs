@@ -19,10 +19,15 @@ pub fn ms(d: Duration) -> String {
 
 /// The peak resident set size of a live process, in KiB (`VmHWM`).
 pub fn vm_hwm_kib(pid: u32) -> Option<u64> {
+    status_kib(pid, "VmHWM")
+}
+
+/// A size in KiB from a live process's `/proc/PID/status` (`VmRSS`, `VmHWM`, …).
+pub fn status_kib(pid: u32, field: &str) -> Option<u64> {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()?
         .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 

@@ -381,24 +381,28 @@ pub async fn run(args: DemoArgs) -> Result<()> {
             "agent heartbeats failed",
             heartbeat_failures.total().to_string(),
         ),
-        (
-            "  answered Unavailable",
-            heartbeat_failures
-                .by_code()
-                .get("Unavailable")
-                .copied()
-                .unwrap_or(0)
-                .to_string(),
-        ),
-        (
-            "time to converge",
+    ];
+    // One row per status the failed heartbeats were answered with; Unavailable (the server
+    // could not write) always, since it should be 0.
+    let mut by_code = heartbeat_failures.by_code();
+    by_code.entry("Unavailable".into()).or_insert(0);
+    let code_rows: Vec<(String, String)> = by_code
+        .into_iter()
+        .map(|(code, n)| (format!("  answered {code}"), n.to_string()))
+        .collect();
+    let rows = rows
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .chain(code_rows)
+        .chain([(
+            "time to converge".to_string(),
             if converged {
                 format!("{:.1} s", elapsed.as_secs_f64())
             } else {
                 format!("did not converge in {:?}", args.timeout)
             },
-        ),
-    ];
+        )]);
+    let rows: Vec<(String, String)> = rows.collect();
     let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
     println!("{:<width$}  value", "summary");
     println!("{:-<width$}  {:-<8}", "", "");

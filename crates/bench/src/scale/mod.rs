@@ -8,8 +8,10 @@
 //!   second against the workers' bound, and peak RSS;
 //! - SQLite's writer under the updater with 90,000 machines (`writer.rs`): the longest wait
 //!   for the writer and the sessions that expired, against the one-transaction updater;
-//! - the web UI's p99 with 100,000 machines against 1,000 (`web.rs`).
+//! - the web UI's p99 with 100,000 machines against 1,000 (`web.rs`);
+//! - memory per connected agent in `shepherd server` against a grpc-go server (`agents.rs`).
 
+mod agents;
 mod run;
 mod seed;
 mod web;
@@ -39,6 +41,8 @@ enum Part {
     Sqlite,
     /// The web UI at two sizes.
     Web,
+    /// Server memory per connected agent, against grpc-go.
+    Agents,
 }
 
 /// Settings of the scale benchmark.
@@ -83,6 +87,13 @@ pub struct Args {
     /// Rounds of paging through every filter.
     #[arg(long, default_value_t = 20)]
     web_rounds: usize,
+    /// Agents connected at once for the memory part.
+    #[arg(long, default_value_t = 10_000)]
+    agents: usize,
+    /// How long the agents stay idle, after their first heartbeat, before the measurement, s
+    /// (below the servers' 120 s idle timeout).
+    #[arg(long, default_value_t = 10)]
+    agents_idle_secs: u64,
     /// Where to write the report.
     #[arg(long, default_value = "bench/results/scale.md")]
     out: PathBuf,
@@ -132,7 +143,7 @@ pub async fn run(args: Args) -> Result<()> {
         );
         report.figure("static_lookup_ms_100k", format!("{ours_ms:.4}"));
     }
-    let needs_binary = [Part::Demo, Part::Run, Part::Web]
+    let needs_binary = [Part::Demo, Part::Run, Part::Web, Part::Agents]
         .iter()
         .any(|&p| args.runs(p));
     let shepherd = if needs_binary {
@@ -188,6 +199,9 @@ pub async fn run(args: Args) -> Result<()> {
             format!("{:.2}", p99_large / p99_small),
         );
     }
+    if let (true, Some(shepherd)) = (args.runs(Part::Agents), &shepherd) {
+        agent_memory(shepherd, &args, &mut report).await?;
+    }
     let md = format!(
         "# Fleet-scale benchmark\n\n\
          Run on {} with `cargo run --release -p shepherd-bench -- scale` (2 cores). Method: \
@@ -241,6 +255,51 @@ fn demos(shepherd: &Path, args: &Args, report: &mut Report) -> Result<()> {
     };
     report.figure("demo_10k_vs_1k", ratio);
     report.figure("demo_10k_rss_mb", format!("{:.0}", large.peak_rss_mb));
+    Ok(())
+}
+
+/// Server memory per connected agent, ours against grpc-go.
+async fn agent_memory(shepherd: &Path, args: &Args, report: &mut Report) -> Result<()> {
+    let n = args.agents;
+    let idle = Duration::from_secs(args.agents_idle_secs);
+    let (ours, grpc) = agents::measure(shepherd, n, idle).await?;
+    for (who, m) in [("shepherd server", &ours), ("grpc-go", &grpc)] {
+        anyhow::ensure!(
+            m.first_ok == n && m.second_ok == n,
+            "{who}: {} and {} of {n} heartbeats succeeded",
+            m.first_ok,
+            m.second_ok
+        );
+    }
+    report.row(
+        &format!(
+            "server memory per connected agent, {n} agents idle {}s after one heartbeat (all heartbeat again after), KiB; the clients' side, KiB",
+            args.agents_idle_secs
+        ),
+        format!(
+            "{:.1}; {:.1}",
+            ours.server_kib_per_agent, ours.client_kib_per_agent
+        ),
+        &format!(
+            "{:.1} (grpc-go 1.33, Debian, same service, mutual TLS and limits)",
+            grpc.server_kib_per_agent
+        ),
+    );
+    report.figure(
+        "server_kib_per_agent",
+        format!("{:.1}", ours.server_kib_per_agent),
+    );
+    report.figure(
+        "server_kib_per_agent_vs_grpc",
+        format!(
+            "{:.2}",
+            ours.server_kib_per_agent / grpc.server_kib_per_agent
+        ),
+    );
+    report.figure(
+        "client_kib_per_agent",
+        format!("{:.1}", ours.client_kib_per_agent),
+    );
     Ok(())
 }
 
