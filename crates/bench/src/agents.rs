@@ -7,7 +7,7 @@ use futures::stream::{self, StreamExt};
 use shepherd_bmdb::Bmdb;
 use shepherd_proto::bmaas::agent_callback_client::AgentCallbackClient;
 use shepherd_proto::bmaas::HeartbeatRequest;
-use tonic::transport::Channel;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 use uuid::Uuid;
 
 /// Machines (and keys) written per transaction when pinning many agents.
@@ -83,33 +83,58 @@ impl Agent {
     }
 }
 
+/// How a simulated agent's client connects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientSettings {
+    /// As the real agent does (`shepherd_agent::heartbeat::channel`: connected on first use,
+    /// a 30 s deadline per request): what an agent holds.
+    RealAgent,
+    /// A plain tonic channel, connected eagerly, no deadline: the lightest client, so that a
+    /// throughput benchmark spends the shared CPU on the server.
+    Plain,
+}
+
 /// Connects one agent per identity to the server on loopback `port` that `ca_pem` certifies
-/// (as `localhost`), `parallel` handshakes at a time; each connection is made by its first
-/// heartbeat. Returns the agents and how many of those heartbeats succeeded.
+/// (as `localhost`), `parallel` handshakes at a time, each followed by one heartbeat. Returns
+/// the agents and how many of those heartbeats succeeded.
 pub async fn connect(
     port: u16,
     ca_pem: &str,
     identities: &[AgentIdentity],
     machines: &[Uuid],
     parallel: usize,
+    settings: ClientSettings,
 ) -> Result<(Vec<Agent>, usize)> {
     let ca_der = rustls_pemfile::certs(&mut ca_pem.as_bytes())
         .next()
         .ok_or_else(|| anyhow::anyhow!("no certificate in the CA PEM"))??
         .to_vec();
-    let endpoint = format!("localhost:{port}");
     let connected: Vec<(Agent, bool)> = stream::iter(identities.iter().zip(machines))
         .map(|(identity, &machine)| {
-            let channel = shepherd_agent::heartbeat::channel(
-                &endpoint,
-                &ca_der,
-                &identity.cert_pem,
-                &identity.key_pem,
-            );
+            let ca_der = &ca_der;
             async move {
+                let channel = match settings {
+                    ClientSettings::RealAgent => shepherd_agent::heartbeat::channel(
+                        &format!("localhost:{port}"),
+                        ca_der,
+                        &identity.cert_pem,
+                        &identity.key_pem,
+                    )
+                    .map_err(anyhow::Error::msg)?,
+                    ClientSettings::Plain => {
+                        let tls = ClientTlsConfig::new()
+                            .ca_certificate(Certificate::from_pem(ca_pem))
+                            .identity(Identity::from_pem(&identity.cert_pem, &identity.key_pem))
+                            .domain_name("localhost");
+                        Endpoint::from_shared(format!("https://127.0.0.1:{port}"))?
+                            .tls_config(tls)?
+                            .connect()
+                            .await?
+                    }
+                };
                 let agent = Agent {
                     machine,
-                    client: AgentCallbackClient::new(channel.map_err(anyhow::Error::msg)?),
+                    client: AgentCallbackClient::new(channel),
                 };
                 let ok = agent.heartbeat().await;
                 Ok::<_, anyhow::Error>((agent, ok))

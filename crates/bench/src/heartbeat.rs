@@ -152,7 +152,15 @@ pub async fn run(args: Args) -> Result<()> {
     let identities = crate::agents::identities(args.agents);
     let machines = crate::agents::pin(&db, &identities).await?;
     println!("connecting {} agents", args.agents);
-    let (agents, _) = crate::agents::connect(port, &ca_pem, &identities, &machines, 32).await?;
+    let (agents, _) = crate::agents::connect(
+        port,
+        &ca_pem,
+        &identities,
+        &machines,
+        32,
+        crate::agents::ClientSettings::Plain,
+    )
+    .await?;
     let agents = Arc::new(agents);
 
     println!("measuring heartbeats for {} s", args.seconds);

@@ -96,7 +96,15 @@ async fn run_one(
         let server_before = rss_kib(pid)?;
         let client_before = rss_kib(std::process::id())?;
         let (connected, first_ok) =
-            agents::connect(port, ca_pem, identities, machines, PARALLEL).await?;
+            agents::connect(
+            port,
+            ca_pem,
+            identities,
+            machines,
+            PARALLEL,
+            agents::ClientSettings::RealAgent,
+        )
+        .await?;
         tokio::time::sleep(idle).await;
         let server_after = rss_kib(pid)?;
         let client_after = rss_kib(std::process::id())?;
