@@ -29,7 +29,11 @@ impl Bmdb {
             let db = self.clone();
             tokio::spawn(async move {
                 let batch = group.gather(leader).await;
-                let written = db.claim_for(batch.items(), key).await;
+                db.metrics().claim_batch(key.processor, batch.items().len());
+                let written = db
+                    .claim_for(batch.items(), key, ClaimStrategy::SkipLocked)
+                    .await
+                    .map(|outcomes| outcomes.into_iter().map(Ok).collect());
                 batch.answer(written);
             });
         }
@@ -42,14 +46,15 @@ impl Bmdb {
         received.await.unwrap_or(Err(Error::SessionExpired))
     }
 
-    /// One claim for each of `sessions`: one statement on Postgres, one write transaction on
-    /// SQLite (committed only if it claimed anything).
-    async fn claim_for(
+    /// One claim for each of `sessions`: one statement on Postgres, picking machines as
+    /// `strategy` says; one write transaction on SQLite, which has one way to claim
+    /// (committed only if it claimed anything).
+    pub(crate) async fn claim_for(
         &self,
         sessions: &[Uuid],
         key: ClaimKey,
-    ) -> Result<Vec<Answer<ClaimOutcome>>, Error> {
-        self.metrics().claim_batch(key.processor, sessions.len());
+        strategy: ClaimStrategy,
+    ) -> Result<Vec<ClaimOutcome>, Error> {
         let outcomes = match &self.inner.pools {
             Pools::Sqlite { .. } => {
                 let mut tx = self.begin(Mode::Write).await?;
@@ -73,16 +78,10 @@ impl Bmdb {
                     processor: key.processor,
                 };
                 let mut conn = self.autocommit(pool).await?;
-                conn.claim(
-                    sessions,
-                    key.process,
-                    &key.retrieval,
-                    ClaimStrategy::SkipLocked,
-                    &shared,
-                )
-                .await?
+                conn.claim(sessions, key.process, &key.retrieval, strategy, &shared)
+                    .await?
             }
         };
-        Ok(outcomes.into_iter().map(Ok).collect())
+        Ok(outcomes)
     }
 }

@@ -156,9 +156,9 @@ impl<T, R> Gathered<T, R> {
 
     /// Answers every member: with its own outcome when the batch was written (`outcomes`, one
     /// per item, in order), else with the batch's error — [`Error::SessionExpired`] as it is,
-    /// anything else as [`Error::BatchFailed`]. An outcome whose caller went away is dropped
-    /// here (or with the caller's receiver): an outcome that holds something, like claimed
-    /// work, releases it when dropped.
+    /// anything else as [`Error::BatchFailed`]. An outcome whose caller went away is dropped:
+    /// a caller that must act on its outcome even then receives it in a task of its own
+    /// (`claim_batch.rs`).
     pub(crate) fn answer(self, written: Result<Vec<Answer<R>>, Error>) {
         let replies = self.members.replies;
         debug_assert!(

@@ -11,8 +11,7 @@ use uuid::Uuid;
 use crate::db::{Mode, Pools};
 use crate::group_commit::GroupCommit;
 use crate::metrics::WorkResult;
-use crate::sql::engine::Tx;
-use crate::sql::engine::TxFuture;
+use crate::sql::engine::{Tx, TxFuture};
 use crate::transaction::{retrying, Guard};
 use crate::{AgentHeartbeat, AgentReport, Bmdb, Error, Process, Processor};
 

@@ -13,8 +13,7 @@ use shepherd_retry::{Delays, Streak};
 use crate::db::Mode;
 use crate::failover::FailoverMark;
 use crate::metrics::{BmdbMetrics, TransactionEnd};
-use crate::sql::engine::Tx;
-use crate::sql::engine::TxFuture;
+use crate::sql::engine::{Tx, TxFuture};
 use crate::{Bmdb, Error, Processor};
 
 /// Attempts per transaction before giving up.

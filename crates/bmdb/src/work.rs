@@ -5,10 +5,9 @@ use crate::backoff::{default_interval_seconds, Backoff};
 use crate::batches::{ClaimKey, Ending, EndingKind};
 use crate::db::Pools;
 use crate::metrics::WorkResult;
-use crate::sql::claims::{ClaimOutcome, ClaimShared, ClaimStrategy};
+use crate::sql::claims::{ClaimOutcome, ClaimStrategy};
 use crate::sql::endings::EndOutcome;
-use crate::sql::engine::Tx;
-use crate::sql::engine::TxFuture;
+use crate::sql::engine::{Tx, TxFuture};
 use crate::transaction::retrying;
 use crate::{Error, Process, Retrieval, Session};
 use uuid::Uuid;
@@ -60,29 +59,19 @@ impl Session {
         strategy: ClaimStrategy,
     ) -> Result<Claim, Error> {
         self.inner.ensure_alive()?;
+        let key = ClaimKey {
+            processor: self.processor(),
+            process,
+            retrieval: *retrieval,
+        };
         let db = self.db();
         match (&db.inner.pools, strategy) {
             // Upstream's shape, a benchmark baseline: one claim, on its own.
-            (Pools::Postgres(pool), ClaimStrategy::UpstreamFirstRow) => {
-                let shared = ClaimShared {
-                    hints: &db.inner.claim_hints,
-                    metrics: db.metrics(),
-                    processor: self.processor(),
-                };
-                let mut conn = db.autocommit(pool).await?;
-                let outcomes = conn
-                    .claim(&[self.id()], process, retrieval, strategy, &shared)
-                    .await?;
+            (Pools::Postgres(_), ClaimStrategy::UpstreamFirstRow) => {
+                let outcomes = db.claim_for(&[self.id()], key, strategy).await?;
                 self.claimed(process, outcomes[0])
             }
-            _ => {
-                let key = ClaimKey {
-                    processor: self.processor(),
-                    process,
-                    retrieval: *retrieval,
-                };
-                db.claim_batched(self, key).await
-            }
+            _ => db.claim_batched(self, key).await,
         }
     }
 

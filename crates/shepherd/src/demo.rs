@@ -386,23 +386,19 @@ pub async fn run(args: DemoArgs) -> Result<()> {
     // could not write) always, since it should be 0.
     let mut by_code = heartbeat_failures.by_code();
     by_code.entry("Unavailable".into()).or_insert(0);
-    let code_rows: Vec<(String, String)> = by_code
-        .into_iter()
-        .map(|(code, n)| (format!("  answered {code}"), n.to_string()))
-        .collect();
-    let rows = rows
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .chain(code_rows)
-        .chain([(
-            "time to converge".to_string(),
-            if converged {
-                format!("{:.1} s", elapsed.as_secs_f64())
-            } else {
-                format!("did not converge in {:?}", args.timeout)
-            },
-        )]);
-    let rows: Vec<(String, String)> = rows.collect();
+    let mut rows: Vec<(String, String)> =
+        rows.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+    rows.extend(
+        by_code
+            .into_iter()
+            .map(|(code, n)| (format!("  answered {code}"), n.to_string())),
+    );
+    let converged_in = if converged {
+        format!("{:.1} s", elapsed.as_secs_f64())
+    } else {
+        format!("did not converge in {:?}", args.timeout)
+    };
+    rows.push(("time to converge".into(), converged_in));
     let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
     println!("{:<width$}  value", "summary");
     println!("{:-<width$}  {:-<8}", "", "");
