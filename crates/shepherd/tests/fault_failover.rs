@@ -413,9 +413,17 @@ async fn failover_with(fault: Fault, machines: usize) -> Figures {
 /// so the provisioners' sessions expire and recording fails at once rather than waiting): each replica creates at most one device
 /// the BMDB cannot record (its pass stops there), and every such orphan is adopted afterwards:
 /// one device per reservation, each recorded once.
+///
+/// The kill comes while each replica waits for a device the fake API answers slowly, so each
+/// has one creation in flight: the path that must stop is taken, not left to timing.
+/// The devices created while the BMDB could not record them are counted from the fake API's
+/// devices, between two points the test knows exactly: just after the kill, and the first
+/// session a replica starts on the new primary (no replica creates anything before its own
+/// session starts). Observing the new primary from outside instead would lag it, and count
+/// devices created, and recorded, after the failover.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failover_mid_provisioning_costs_at_most_one_unrecorded_device_per_replica() {
-    use shepherd_equinix::fake::FakeEquinix;
+    use shepherd_equinix::fake::{Failure, FakeEquinix};
     use shepherd_equinix::{Client, EquinixConfig, EquinixProvider, RetryPolicy};
     use shepherd_loops::limiter::RateSpec;
     use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig, ProvisionerError};
@@ -432,6 +440,11 @@ async fn a_failover_mid_provisioning_costs_at_most_one_unrecorded_device_per_rep
         .await;
     let fake = FakeEquinix::start("token", "proj", RESERVATIONS).await;
     let key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIA0000000000000000000000000000000000000000000 shepherd";
+    // Set once the primary is dead; then, by the first replica whose session started after
+    // that, how many devices the fake held at that moment.
+    let killed = std::sync::atomic::AtomicBool::new(false);
+    let writable_again = std::sync::OnceLock::<usize>::new();
+    let (killed, writable_again, fake_ref) = (&killed, &writable_again, &fake);
     let replica = |name: &'static str| {
         let (url, api) = (url.clone(), fake.url());
         async move {
@@ -466,10 +479,19 @@ async fn a_failover_mid_provisioning_costs_at_most_one_unrecorded_device_per_rep
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 let s = match session.take() {
                     Some(s) => s,
-                    None => match db.start_session(config.clone()).await {
-                        Ok(s) => s,
-                        Err(_) => continue,
-                    },
+                    None => {
+                        let after_kill = killed.load(std::sync::atomic::Ordering::SeqCst);
+                        match db.start_session(config.clone()).await {
+                            Ok(s) => {
+                                if after_kill {
+                                    // Recorded before this replica can create anything more.
+                                    let _ = writable_again.set(fake_ref.devices().len());
+                                }
+                                s
+                            }
+                            Err(_) => continue,
+                        }
+                    }
                 };
                 match provisioner.iterate(&s).await {
                     Ok(r) if r.managed == RESERVATIONS => break,
@@ -494,28 +516,39 @@ async fn a_failover_mid_provisioning_costs_at_most_one_unrecorded_device_per_rep
             (c.provided >= (RESERVATIONS / 5) as i64).then_some(())
         })
         .await;
-        let before = fake.requests().len();
+        // One creation of each replica in flight when the primary dies: its device is created
+        // while the BMDB is down, so it cannot be recorded and must be adopted later.
+        for _ in 0..2 {
+            fake.fail_next(
+                "POST /projects/devices",
+                Failure::Slow(Duration::from_secs(3)),
+            );
+        }
+        common::wait_for("both replicas creating a device", 30, async || {
+            (fake.pending_failures() == 0).then_some(())
+        })
+        .await;
+        // The kill blocks this task, so the provisioners (run in this same task) wait for it.
+        cluster.kill_primary_node();
+        let before = fake.devices().len();
+        killed.store(true, std::sync::atomic::Ordering::SeqCst);
+        let since_kill = Instant::now();
         // Waited for without blocking: the provisioners run in this same task.
-        let old = cluster.kill_primary_node();
-        let killed = Instant::now();
-        while cluster.routed_primary().is_none_or(|p| p == old) {
+        let after = loop {
+            if let Some(&after) = writable_again.get() {
+                break after;
+            }
             assert!(
-                killed.elapsed() < Duration::from_secs(60),
-                "no new primary:\n{}",
+                since_kill.elapsed() < Duration::from_secs(60),
+                "no session started on a new primary:\n{}",
                 cluster.logs()
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        // Devices created from the kill until a primary is writable again: none of them could
-        // be recorded when it was created.
-        let created = fake.requests()[before..]
-            .iter()
-            .filter(|r| r.as_str() == "POST /projects/devices")
-            .count();
-        eprintln!(
-            "{created} devices created while the BMDB was down; {} requests in all then",
-            fake.requests().len() - before
-        );
+        };
+        // Devices created from the kill until a session could start again: none of them
+        // could be recorded when it was created.
+        let created = after - before;
+        eprintln!("{created} devices created while the BMDB was down");
         created
     };
     let (a, b, while_down) = tokio::join!(replica("equinix-a"), replica("equinix-b"), fail_over);
@@ -526,6 +559,10 @@ async fn a_failover_mid_provisioning_costs_at_most_one_unrecorded_device_per_rep
     assert!(
         a <= 1 && b <= 1,
         "devices created while the BMDB could not record them: {a} and {b}"
+    );
+    assert!(
+        a + b >= 1,
+        "the kill caught no creation in flight: the test did not test the failure"
     );
     let devices = fake.devices();
     let recorded = testing::provided_by(&db, shepherd_bmdb::Provider::Equinix).await;
