@@ -15,71 +15,51 @@ pub(crate) struct Migration {
     pub(crate) script: Dialects,
 }
 
-/// Every migration this binary knows, in order.
+/// Both engines' scripts of one migration, `migrations/{postgres,sqlite}/FILE`. A macro
+/// because `include_str!` takes only a literal path; it does nothing else.
+macro_rules! scripts {
+    ($file:literal) => {
+        Dialects {
+            postgres: include_str!(concat!("../migrations/postgres/", $file)),
+            sqlite: include_str!(concat!("../migrations/sqlite/", $file)),
+        }
+    };
+}
+
+impl Migration {
+    const fn new(
+        version: i64,
+        name: &'static str,
+        oldest_compatible: i64,
+        script: Dialects,
+    ) -> Self {
+        Migration {
+            version,
+            name,
+            oldest_compatible,
+            script,
+        }
+    }
+}
+
+/// Every migration this binary knows, in order: version, name, oldest compatible schema, scripts.
+#[rustfmt::skip] // a table: one migration per line
 pub(crate) const MIGRATIONS: &[Migration] = &[
-    Migration {
-        version: 1,
-        name: "init",
-        oldest_compatible: 1,
-        script: Dialects {
-            postgres: include_str!("../migrations/postgres/0001_init.sql"),
-            sqlite: include_str!("../migrations/sqlite/0001_init.sql"),
-        },
-    },
-    Migration {
-        version: 2,
-        name: "machine_recovery",
-        oldest_compatible: 2,
-        script: Dialects {
-            postgres: include_str!("../migrations/postgres/0002_machine_recovery.sql"),
-            sqlite: include_str!("../migrations/sqlite/0002_machine_recovery.sql"),
-        },
-    },
-    Migration {
-        version: 3,
-        name: "operator_actions",
-        // Contract: a binary of schema 2 would claim machines in maintenance and bring
-        // decommissioned ones back.
-        oldest_compatible: 3,
-        script: Dialects {
-            postgres: include_str!("../migrations/postgres/0003_operator_actions.sql"),
-            sqlite: include_str!("../migrations/sqlite/0003_operator_actions.sql"),
-        },
-    },
-    Migration {
-        version: 4,
-        name: "ironic",
-        // Expand: more values admitted for a provider and its status. A binary of schema 3
-        // runs on as before; it cannot read machines of the Ironic provider, which only a
-        // binary of schema 4 creates.
-        oldest_compatible: 3,
-        script: Dialects {
-            postgres: include_str!("../migrations/postgres/0004_ironic.sql"),
-            sqlite: include_str!("../migrations/sqlite/0004_ironic.sql"),
-        },
-    },
-    Migration {
-        version: 5,
-        name: "provider_facts",
-        // Expand: a nullable column. A binary of schema 3 or 4 neither reads nor writes it
-        // (its upsert leaves it as it was).
-        oldest_compatible: 3,
-        script: Dialects {
-            postgres: include_str!("../migrations/postgres/0005_provider_facts.sql"),
-            sqlite: include_str!("../migrations/sqlite/0005_provider_facts.sql"),
-        },
-    },
-    Migration {
-        version: 6,
-        name: "install_action",
-        // Expand: one more value admitted for an operator action. A binary of schema 3 to 5
-        // never writes it and refuses, naming it, to show a history that holds one.
-        oldest_compatible: 3,
-        script: Dialects {
-            postgres: include_str!("../migrations/postgres/0006_install_action.sql"),
-            sqlite: include_str!("../migrations/sqlite/0006_install_action.sql"),
-        },
-    },
+    Migration::new(1, "init", 1, scripts!("0001_init.sql")),
+    Migration::new(2, "machine_recovery", 2, scripts!("0002_machine_recovery.sql")),
+    // Contract: a binary of schema 2 would claim machines in maintenance and bring
+    // decommissioned ones back.
+    Migration::new(3, "operator_actions", 3, scripts!("0003_operator_actions.sql")),
+    // Expand: more values admitted for a provider and its status. A binary of schema 3 runs
+    // on as before; it cannot read machines of the Ironic provider, which only a binary of
+    // schema 4 creates.
+    Migration::new(4, "ironic", 3, scripts!("0004_ironic.sql")),
+    // Expand: a nullable column. A binary of schema 3 or 4 neither reads nor writes it (its
+    // upsert leaves it as it was).
+    Migration::new(5, "provider_facts", 3, scripts!("0005_provider_facts.sql")),
+    // Expand: one more value admitted for an operator action. A binary of schema 3 to 5 never
+    // writes it and refuses, naming it, to show a history that holds one.
+    Migration::new(6, "install_action", 3, scripts!("0006_install_action.sql")),
 ];
 
 /// The schema version this binary needs and writes.

@@ -71,8 +71,9 @@ async fn on_existing_machine<T: Send + 'static>(
     session: &Session,
     machine: Uuid,
     who: &Operator,
-    body: Arc<ActionBody<T>>,
+    body: impl for<'t> Fn(&'t mut Tx, Act) -> TxFuture<'t, ActionOutcome<T>> + Send + Sync + 'static,
 ) -> Result<ActionOutcome<T>, Error> {
+    let body: Arc<ActionBody<T>> = Arc::new(body);
     let act = Act {
         machine,
         who: who.clone(),
@@ -100,7 +101,7 @@ impl Session {
         machine: Uuid,
         who: &Operator,
     ) -> Result<ActionOutcome<Vec<Process>>, Error> {
-        let body: Arc<ActionBody<Vec<Process>>> = Arc::new(|tx, act| {
+        on_existing_machine(self, machine, who, |tx, act| {
             Box::pin(async move {
                 if !tx.set_maintenance(act.machine, &act.who).await? {
                     return Ok(ActionOutcome::Unchanged);
@@ -111,8 +112,8 @@ impl Session {
                     running.into_iter().map(|w| w.process).collect(),
                 ))
             })
-        });
-        on_existing_machine(self, machine, who, body).await
+        })
+        .await
     }
 
     /// Gives the machine back to the loops.
@@ -121,7 +122,7 @@ impl Session {
         machine: Uuid,
         who: &Operator,
     ) -> Result<ActionOutcome<()>, Error> {
-        let body: Arc<ActionBody<()>> = Arc::new(|tx, act| {
+        on_existing_machine(self, machine, who, |tx, act| {
             Box::pin(async move {
                 if !tx.clear_maintenance(act.machine).await? {
                     return Ok(ActionOutcome::Unchanged);
@@ -129,8 +130,8 @@ impl Session {
                 act.record(tx, OperatorAction::MaintenanceOff, None).await?;
                 Ok(ActionOutcome::Done(()))
             })
-        });
-        on_existing_machine(self, machine, who, body).await
+        })
+        .await
     }
 
     /// Ends the machine's backoffs now (of `process`, or of all); returns how many ended.
@@ -140,7 +141,7 @@ impl Session {
         process: Option<Process>,
         who: &Operator,
     ) -> Result<ActionOutcome<u64>, Error> {
-        let body: Arc<ActionBody<u64>> = Arc::new(move |tx, act| {
+        on_existing_machine(self, machine, who, move |tx, act| {
             Box::pin(async move {
                 let cleared = tx.clear_backoffs(act.machine, process).await?;
                 if cleared == 0 {
@@ -149,8 +150,8 @@ impl Session {
                 act.record(tx, OperatorAction::Retry, process).await?;
                 Ok(ActionOutcome::Done(cleared))
             })
-        });
-        on_existing_machine(self, machine, who, body).await
+        })
+        .await
     }
 
     /// Forgets the machine's pinned SSH host key (the next takeover pins the key it finds) and
@@ -160,7 +161,7 @@ impl Session {
         machine: Uuid,
         who: &Operator,
     ) -> Result<ActionOutcome<SshHostKey>, Error> {
-        let body: Arc<ActionBody<SshHostKey>> = Arc::new(|tx, act| {
+        on_existing_machine(self, machine, who, |tx, act| {
             Box::pin(async move {
                 let Some(key) = tx.ssh_host_key(act.machine).await? else {
                     return Ok(ActionOutcome::Unchanged);
@@ -178,8 +179,8 @@ impl Session {
                     .await?;
                 Ok(ActionOutcome::Done(key))
             })
-        });
-        on_existing_machine(self, machine, who, body).await
+        })
+        .await
     }
 
     /// Asks the machine's agent to install an OS: `make_request` builds the serialized
@@ -193,7 +194,7 @@ impl Session {
         make_request: impl Fn(i64) -> Vec<u8> + Send + Sync + 'static,
     ) -> Result<ActionOutcome<i64>, Error> {
         let make_request = Arc::new(make_request);
-        let body: Arc<ActionBody<i64>> = Arc::new(move |tx, act| {
+        on_existing_machine(self, machine, who, move |tx, act| {
             let make_request = make_request.clone();
             Box::pin(async move {
                 let generation = tx
@@ -209,8 +210,8 @@ impl Session {
                 act.record(tx, OperatorAction::Install, None).await?;
                 Ok(ActionOutcome::Done(generation))
             })
-        });
-        on_existing_machine(self, machine, who, body).await
+        })
+        .await
     }
 
     /// Removes the machine from the BMDB: its tags, locks (each ended as Canceled) and
@@ -224,7 +225,7 @@ impl Session {
         who: &Operator,
         undeploy: bool,
     ) -> Result<ActionOutcome<Option<Provided>>, Error> {
-        let body: Arc<ActionBody<Option<Provided>>> = Arc::new(move |tx, act| {
+        on_existing_machine(self, machine, who, move |tx, act| {
             Box::pin(async move {
                 let provided = tx.provided(act.machine).await?;
                 act.record(tx, OperatorAction::Decommission, None).await?;
@@ -233,8 +234,8 @@ impl Session {
                     .await?;
                 Ok(ActionOutcome::Done(provided))
             })
-        });
-        on_existing_machine(self, machine, who, body).await
+        })
+        .await
     }
 
     /// Lifts a decommissioning's bar: the provisioner may bring the provider id back, as a

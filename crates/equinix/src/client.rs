@@ -9,7 +9,7 @@ use std::time::Duration;
 use reqwest::{Method, StatusCode};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use shepherd_loops::http_body::{exchange_json, Failure};
+use shepherd_loops::http_body::{never, Failure, JsonApi};
 use shepherd_loops::metrics::CallMetrics;
 use shepherd_loops::retry::AttemptError;
 pub use shepherd_loops::retry::RetryPolicy;
@@ -65,10 +65,10 @@ impl From<Failure> for ApiError {
 
 impl AttemptError for ApiError {
     fn retry_after(&self) -> Option<Duration> {
-        match self {
-            ApiError::Status { retry_after, .. } => *retry_after,
-            _ => None,
-        }
+        let ApiError::Status { retry_after, .. } = self else {
+            return None;
+        };
+        *retry_after
     }
 
     fn is_not_found(&self) -> bool {
@@ -92,18 +92,14 @@ impl ApiError {
 /// A client for one project. The token is sent as `X-Auth-Token` and never printed.
 #[derive(Clone)]
 pub struct Client {
-    http: reqwest::Client,
-    base: String,
-    token: Arc<str>,
+    api: JsonApi,
     project: String,
-    retry: RetryPolicy,
-    metrics: Arc<CallMetrics>,
 }
 
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Client")
-            .field("base", &self.base)
+            .field("base", &self.api.base())
             .field("project", &self.project)
             .field("token", &"<redacted>")
             .finish()
@@ -119,72 +115,20 @@ impl Client {
         retry: RetryPolicy,
         metrics: Arc<CallMetrics>,
     ) -> Result<Client, InvalidSetting> {
-        let url = || format!("API URL {base:?}");
-        let parsed =
-            url::Url::parse(base).map_err(|e| InvalidSetting::new(url(), e.to_string()))?;
-        if !matches!(parsed.scheme(), "http" | "https") {
-            return Err(InvalidSetting::new(url(), "must be http(s)"));
-        }
         if token.is_empty() {
             return Err(InvalidSetting::new("API token", "is empty"));
         }
         if project.is_empty() {
             return Err(InvalidSetting::new("project id", "is empty"));
         }
-        let http = reqwest::Client::builder()
-            .timeout(retry.timeout)
-            .user_agent(concat!("shepherd/", env!("CARGO_PKG_VERSION")))
-            .build()
-            .map_err(|e| InvalidSetting::new(url(), format!("no HTTP client: {e}")))?;
+        let token: Arc<str> = token.into();
+        let api = JsonApi::new("Equinix", base, retry, metrics, MAX_BODY_BYTES)
+            .map_err(|problem| InvalidSetting::new("API URL", problem))?
+            .signed(move |r| r.header("X-Auth-Token", &*token));
         Ok(Client {
-            http,
-            base: base.trim_end_matches('/').to_string(),
-            token: token.into(),
+            api,
             project: project.to_string(),
-            retry,
-            metrics,
         })
-    }
-
-    /// One attempt.
-    async fn attempt<T: DeserializeOwned>(
-        &self,
-        method: Method,
-        path: &str,
-        body: Option<&serde_json::Value>,
-    ) -> Result<T, ApiError> {
-        let url = format!("{}{path}", self.base);
-        let mut req = self
-            .http
-            .request(method, &url)
-            .header("X-Auth-Token", &*self.token)
-            .header("Accept", "application/json");
-        if let Some(b) = body {
-            req = req.json(b);
-        }
-        exchange_json(req, MAX_BODY_BYTES)
-            .await
-            .map_err(ApiError::from)
-    }
-
-    /// A call with retries; `call` names it in metrics and logs.
-    async fn call<T: DeserializeOwned>(
-        &self,
-        call: &'static str,
-        method: Method,
-        path: &str,
-        body: Option<serde_json::Value>,
-        retry: bool,
-    ) -> Result<T, ApiError> {
-        self.retry
-            .run(
-                &self.metrics,
-                "Equinix",
-                call,
-                |e: &ApiError| retry && e.retryable(),
-                || self.attempt(method.clone(), path, body.as_ref()),
-            )
-            .await
     }
 
     async fn paged<T: DeserializeOwned, I>(
@@ -198,7 +142,11 @@ impl Client {
         loop {
             let sep = if path.contains('?') { '&' } else { '?' };
             let p = format!("{path}{sep}page={page}&per_page={PER_PAGE}");
-            let (mut batch, meta) = items(self.call(call, Method::GET, &p, None, true).await?);
+            let (mut batch, meta) = items(
+                self.api
+                    .call(call, Method::GET, &p, None, ApiError::retryable)
+                    .await?,
+            );
             let empty = batch.is_empty();
             out.append(&mut batch);
             let last = meta.last_page.unwrap_or(page);
@@ -218,20 +166,22 @@ impl Client {
 
     /// One device.
     pub async fn get_device(&self, id: &str) -> Result<Device, ApiError> {
-        self.call(
-            "get_device",
-            Method::GET,
-            &format!("/devices/{id}"),
-            None,
-            true,
-        )
-        .await
+        self.api
+            .call(
+                "get_device",
+                Method::GET,
+                &format!("/devices/{id}"),
+                None,
+                ApiError::retryable,
+            )
+            .await
     }
 
     /// Creates a device. Not retried: the caller checks whether it exists before trying again.
     pub async fn create_device(&self, d: &DeviceCreate) -> Result<Device, ApiError> {
         let path = format!("/projects/{}/devices", self.project);
-        self.call("create_device", Method::POST, &path, Some(json(d)), false)
+        self.api
+            .call("create_device", Method::POST, &path, Some(json(d)), never)
             .await
     }
 
@@ -248,7 +198,14 @@ impl Client {
     pub async fn list_ssh_keys(&self) -> Result<Vec<SshKey>, ApiError> {
         let path = format!("/projects/{}/ssh-keys", self.project);
         let l: SshKeyList = self
-            .call("list_ssh_keys", Method::GET, &path, None, true)
+            .api
+            .call(
+                "list_ssh_keys",
+                Method::GET,
+                &path,
+                None,
+                ApiError::retryable,
+            )
             .await?;
         Ok(l.ssh_keys)
     }
@@ -256,25 +213,28 @@ impl Client {
     /// Adds a project SSH key.
     pub async fn create_ssh_key(&self, k: &SshKeyInput) -> Result<SshKey, ApiError> {
         let path = format!("/projects/{}/ssh-keys", self.project);
-        self.call("create_ssh_key", Method::POST, &path, Some(json(k)), false)
+        self.api
+            .call("create_ssh_key", Method::POST, &path, Some(json(k)), never)
             .await
     }
 
     /// Replaces a project SSH key's label and key.
     pub async fn update_ssh_key(&self, id: &str, k: &SshKeyInput) -> Result<SshKey, ApiError> {
-        self.call(
-            "update_ssh_key",
-            Method::PUT,
-            &format!("/ssh-keys/{id}"),
-            Some(json(k)),
-            true,
-        )
-        .await
+        self.api
+            .call(
+                "update_ssh_key",
+                Method::PUT,
+                &format!("/ssh-keys/{id}"),
+                Some(json(k)),
+                ApiError::retryable,
+            )
+            .await
     }
 
     /// Asks for a reboot (retried: a second reboot request is harmless).
     pub async fn reboot(&self, id: &str) -> Result<(), ApiError> {
         let _: serde_json::Value = self
+            .api
             .call(
                 "reboot",
                 Method::POST,
@@ -282,7 +242,7 @@ impl Client {
                 Some(json(&Action {
                     kind: "reboot".into(),
                 })),
-                true,
+                ApiError::retryable,
             )
             .await?;
         Ok(())

@@ -11,12 +11,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use reqwest::{Method, StatusCode};
-use serde::de::DeserializeOwned;
-use shepherd_loops::causes::reqwest_causes;
-use shepherd_loops::http_body::{exchange_json, Failure};
+use shepherd_loops::http_body::{Failure, JsonApi};
 use shepherd_loops::metrics::CallMetrics;
 use shepherd_loops::retry::AttemptError;
 pub use shepherd_loops::retry::RetryPolicy;
+use shepherd_loops::settings::InvalidSetting;
 
 use crate::model::{ApiVersion, ErrorBody, Node, NodeList, PatchOp, NODE_FIELDS};
 
@@ -191,52 +190,21 @@ impl ApiError {
     }
 }
 
-/// Which failures a call retries.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Retry {
-    /// A read: every transient failure.
-    Transient,
-    /// A change: only failures that prove it was not applied.
-    NotApplied,
-}
-
-impl Retry {
-    fn admits(self, e: &ApiError) -> bool {
-        match self {
-            Retry::Transient => e.transient(),
-            Retry::NotApplied => e.not_applied(),
-        }
-    }
-}
-
 /// A client of one Ironic API. Cheap to clone.
 #[derive(Clone)]
 pub struct Client {
-    http: reqwest::Client,
-    /// `http(s)://host:port` without `/v1`.
-    root: String,
+    /// At `http(s)://host:port`, without `/v1`.
+    api: JsonApi,
     auth: Arc<Auth>,
-    retry: RetryPolicy,
-    metrics: Arc<CallMetrics>,
 }
 
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Client")
-            .field("root", &self.root)
+            .field("root", &self.api.base())
             .field("auth", &self.auth)
             .finish()
     }
-}
-
-/// A setting that makes no client.
-#[derive(Debug, thiserror::Error)]
-#[error("{setting}: {problem}")]
-pub struct ConfigError {
-    /// The setting's name, as operators type it.
-    pub setting: &'static str,
-    /// What is wrong with it.
-    pub problem: String,
 }
 
 impl Client {
@@ -246,42 +214,34 @@ impl Client {
         auth: Auth,
         retry: RetryPolicy,
         metrics: Arc<CallMetrics>,
-    ) -> Result<Client, ConfigError> {
-        let bad = |problem: String| ConfigError {
-            setting: "ironic-url",
-            problem,
-        };
-        let parsed = url::Url::parse(url).map_err(|e| bad(format!("{url:?}: {e}")))?;
-        if !matches!(parsed.scheme(), "http" | "https") {
-            return Err(bad(format!("{url:?}: must be http(s)")));
-        }
+    ) -> Result<Client, InvalidSetting> {
         if let Auth::Basic { user, password } = &auth {
             if user.is_empty() || password.is_empty() {
-                return Err(ConfigError {
-                    setting: "ironic-user",
-                    problem: "HTTP basic authentication needs both a user and a password".into(),
-                });
+                return Err(InvalidSetting::new(
+                    "ironic-user",
+                    "HTTP basic authentication needs both a user and a password",
+                ));
             }
         }
-        let http = reqwest::Client::builder()
-            .timeout(retry.timeout)
-            .user_agent(concat!("shepherd/", env!("CARGO_PKG_VERSION")))
-            .build()
-            .map_err(|e| bad(reqwest_causes(e)))?;
         let root = url.trim_end_matches('/');
-        let root = root.strip_suffix("/v1").unwrap_or(root).to_string();
-        Ok(Client {
-            http,
-            root,
-            auth: Arc::new(auth),
-            retry,
-            metrics,
-        })
+        let root = root.strip_suffix("/v1").unwrap_or(root);
+        let auth = Arc::new(auth);
+        let credentials = auth.clone();
+        let api = JsonApi::new("Ironic", root, retry, metrics, MAX_BODY_BYTES)
+            .map_err(|problem| InvalidSetting::new("ironic-url", problem))?
+            .signed(move |r| {
+                let r = r.header("X-OpenStack-Ironic-API-Version", PINNED_VERSION.to_string());
+                match &*credentials {
+                    Auth::Basic { user, password } => r.basic_auth(user, Some(password)),
+                    Auth::None => r,
+                }
+            });
+        Ok(Client { api, auth })
     }
 
     /// The API's address, without `/v1`.
     pub fn root(&self) -> &str {
-        &self.root
+        self.api.base()
     }
 
     /// Asks the server which microversions it offers and refuses one older than
@@ -289,7 +249,8 @@ impl Client {
     /// here rather than on every pass.
     pub async fn negotiate(&self) -> Result<ApiVersion, ApiError> {
         let root: serde_json::Value = self
-            .call("version", Method::GET, "/v1/", None, Retry::Transient)
+            .api
+            .call("version", Method::GET, "/v1/", None, ApiError::transient)
             .await?;
         let (min, max) = ApiVersion::range_of(&root)
             .ok_or_else(|| ApiError::Decode("GET /v1/ names no microversion range".into()))?;
@@ -297,12 +258,13 @@ impl Client {
             return Err(ApiError::TooOld { min, max });
         }
         let _: NodeList = self
+            .api
             .call(
                 "list_nodes",
                 Method::GET,
                 "/v1/nodes?limit=1&fields=uuid",
                 None,
-                Retry::Transient,
+                ApiError::transient,
             )
             .await?;
         Ok(max)
@@ -328,7 +290,8 @@ impl Client {
                 Some(m) => format!("/v1/nodes?{query}&marker={m}"),
             };
             let page: NodeList = self
-                .call("list_nodes", Method::GET, &path, None, Retry::Transient)
+                .api
+                .call("list_nodes", Method::GET, &path, None, ApiError::transient)
                 .await?;
             let full = page.nodes.len() >= PAGE_LIMIT || page.next.is_some();
             marker = page.nodes.last().map(|n| n.uuid.clone());
@@ -345,7 +308,8 @@ impl Client {
     /// One node, with the fields the provider reads.
     pub async fn get_node(&self, id: &str) -> Result<Node, ApiError> {
         let path = format!("/v1/nodes/{}?fields={NODE_FIELDS}", segment(id));
-        self.call("get_node", Method::GET, &path, None, Retry::Transient)
+        self.api
+            .call("get_node", Method::GET, &path, None, ApiError::transient)
             .await
     }
 
@@ -360,7 +324,14 @@ impl Client {
         let body = serde_json::to_value(ops).map_err(|e| ApiError::Decode(e.to_string()))?;
         let path = format!("/v1/nodes/{}", segment(id));
         let _: serde_json::Value = self
-            .call(call, Method::PATCH, &path, Some(body), Retry::NotApplied)
+            .api
+            .call(
+                call,
+                Method::PATCH,
+                &path,
+                Some(body),
+                ApiError::not_applied,
+            )
             .await?;
         // The PATCH answer carries every field; read the ones the provider uses.
         self.get_node(id).await
@@ -376,7 +347,8 @@ impl Client {
     ) -> Result<(), ApiError> {
         let path = format!("/v1/nodes/{}/states/provision", segment(id));
         let _: serde_json::Value = self
-            .call(call, Method::PUT, &path, Some(body), Retry::NotApplied)
+            .api
+            .call(call, Method::PUT, &path, Some(body), ApiError::not_applied)
             .await?;
         Ok(())
     }
@@ -387,12 +359,13 @@ impl Client {
         let path = format!("/v1/nodes/{}/states/power", segment(id));
         let body = serde_json::json!({ "target": target });
         let _: serde_json::Value = self
+            .api
             .call(
                 "set_power_state",
                 Method::PUT,
                 &path,
                 Some(body),
-                Retry::NotApplied,
+                ApiError::not_applied,
             )
             .await?;
         Ok(())
@@ -401,52 +374,15 @@ impl Client {
     /// The node's inspection inventory (hardware found by inspection), as Ironic stores it.
     pub async fn inventory(&self, id: &str) -> Result<serde_json::Value, ApiError> {
         let path = format!("/v1/nodes/{}/inventory", segment(id));
-        self.call("get_inventory", Method::GET, &path, None, Retry::Transient)
-            .await
-    }
-
-    /// A call with retries as `retry` admits them; `call` names it in metrics and logs.
-    async fn call<T: DeserializeOwned>(
-        &self,
-        call: &'static str,
-        method: Method,
-        path: &str,
-        body: Option<serde_json::Value>,
-        retry: Retry,
-    ) -> Result<T, ApiError> {
-        self.retry
-            .run(
-                &self.metrics,
-                "Ironic",
-                call,
-                |e: &ApiError| retry.admits(e),
-                || self.attempt(method.clone(), path, body.as_ref()),
+        self.api
+            .call(
+                "get_inventory",
+                Method::GET,
+                &path,
+                None,
+                ApiError::transient,
             )
             .await
-    }
-
-    /// One attempt.
-    async fn attempt<T: DeserializeOwned>(
-        &self,
-        method: Method,
-        path: &str,
-        body: Option<&serde_json::Value>,
-    ) -> Result<T, ApiError> {
-        let url = format!("{}{path}", self.root);
-        let mut req = self
-            .http
-            .request(method, &url)
-            .header("X-OpenStack-Ironic-API-Version", PINNED_VERSION.to_string())
-            .header("Accept", "application/json");
-        if let Auth::Basic { user, password } = &*self.auth {
-            req = req.basic_auth(user, Some(password));
-        }
-        if let Some(b) = body {
-            req = req.json(b);
-        }
-        exchange_json(req, MAX_BODY_BYTES)
-            .await
-            .map_err(ApiError::from)
     }
 }
 

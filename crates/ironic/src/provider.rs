@@ -34,6 +34,7 @@ use shepherd_loops::provider::{
     record_deploying_machine, Availability, HandBack, Provider, ProviderError, ProviderMachine,
     Recorded, Recoverer,
 };
+use shepherd_loops::settings::InvalidSetting;
 
 use crate::client::{ApiError, Client, Conflict};
 use crate::model::{Node, PatchOp};
@@ -149,13 +150,8 @@ impl IronicConfig {
     }
 
     /// Checks the settings; the message names the setting.
-    pub fn validate(&self) -> Result<(), crate::client::ConfigError> {
-        let bad = |setting, problem: &str| {
-            Err(crate::client::ConfigError {
-                setting,
-                problem: problem.into(),
-            })
-        };
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
+        let bad = |setting: &str, problem: &str| Err(InvalidSetting::new(setting, problem));
         let d = &self.deployment;
         if d.is_empty()
             || d.len() > 64
@@ -596,7 +592,7 @@ fn inventory_address(inventory: &serde_json::Value) -> Option<String> {
 pub enum ConnectError {
     /// A setting is wrong.
     #[error(transparent)]
-    Config(#[from] crate::client::ConfigError),
+    Config(#[from] InvalidSetting),
     /// The API could not be used.
     #[error("Ironic API: {0}")]
     Api(#[from] ApiError),

@@ -2,12 +2,17 @@
 //! read the answer whole with a bound on its size (a server, or something in the middle,
 //! cannot make a client hold more than `max` bytes of one body), and decode a successful one.
 //! What failed comes back as a [`Failure`], which each client turns into its own typed error.
+//! [`JsonApi`] is the part both clients share around it: where the API is, the HTTP client
+//! with its timeout, and the retried, counted call.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 
 use crate::causes::reqwest_causes;
+use crate::metrics::CallMetrics;
+use crate::retry::{AttemptError, RetryPolicy};
 
 /// An answer read whole: its status, its `Retry-After` (in seconds, if sent) and its body.
 #[derive(Debug)]
@@ -85,4 +90,98 @@ async fn read_bounded(mut resp: reqwest::Response, max: usize) -> Result<Bounded
         retry_after,
         body,
     })
+}
+
+/// How a client prepares each request: authentication, version headers.
+type Sign = Arc<dyn Fn(reqwest::RequestBuilder) -> reqwest::RequestBuilder + Send + Sync>;
+
+/// A provider's JSON API as a client calls it: its base URL, one HTTP client whose timeout is
+/// the retry policy's per-attempt timeout, how each request is signed, and the metrics every
+/// call is counted in.
+#[derive(Clone)]
+pub struct JsonApi {
+    name: &'static str,
+    http: reqwest::Client,
+    base: String,
+    sign: Sign,
+    retry: RetryPolicy,
+    metrics: Arc<CallMetrics>,
+    max_body: usize,
+}
+
+/// For calls that are never retried: a creation sent twice could create twice.
+pub fn never<E>(_: &E) -> bool {
+    false
+}
+
+impl JsonApi {
+    /// The API `name` (in logs) at `base`, an http(s) URL (a trailing `/` is dropped); bodies
+    /// of more than `max_body` bytes are refused. The error is the problem with `base`, or
+    /// why no HTTP client could be made.
+    pub fn new(
+        name: &'static str,
+        base: &str,
+        retry: RetryPolicy,
+        metrics: Arc<CallMetrics>,
+        max_body: usize,
+    ) -> Result<JsonApi, String> {
+        let parsed = url::Url::parse(base).map_err(|e| format!("{base:?}: {e}"))?;
+        if !matches!(parsed.scheme(), "http" | "https") {
+            return Err(format!("{base:?}: must be http(s)"));
+        }
+        let http = reqwest::Client::builder()
+            .timeout(retry.timeout)
+            .user_agent(concat!("shepherd/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|e| format!("no HTTP client: {}", reqwest_causes(e)))?;
+        Ok(JsonApi {
+            name,
+            http,
+            base: base.trim_end_matches('/').to_string(),
+            sign: Arc::new(|request| request),
+            retry,
+            metrics,
+            max_body,
+        })
+    }
+
+    /// Every request prepared by `sign` before it is sent (authentication, version headers).
+    pub fn signed(
+        self,
+        sign: impl Fn(reqwest::RequestBuilder) -> reqwest::RequestBuilder + Send + Sync + 'static,
+    ) -> Self {
+        JsonApi {
+            sign: Arc::new(sign),
+            ..self
+        }
+    }
+
+    /// The base URL, without a trailing `/`.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    /// `method` on `base` + `path` with an optional JSON body, retried while `retry_if`
+    /// admits the error and the policy has attempts left; `call` names it in metrics and logs.
+    pub async fn call<T: DeserializeOwned, E: AttemptError + From<Failure>>(
+        &self,
+        call: &'static str,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+        retry_if: impl Fn(&E) -> bool,
+    ) -> Result<T, E> {
+        let url = format!("{}{path}", self.base);
+        let attempt = || {
+            let mut request = (self.sign)(self.http.request(method.clone(), &url))
+                .header("Accept", "application/json");
+            if let Some(b) = &body {
+                request = request.json(b);
+            }
+            async move { exchange_json(request, self.max_body).await.map_err(E::from) }
+        };
+        self.retry
+            .run(&self.metrics, self.name, call, retry_if, attempt)
+            .await
+    }
 }

@@ -117,29 +117,25 @@ pub enum BmcError {
 
 /// Where a machine's BMC is and how to log in, as written in a static inventory entry.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, rename_all = "PascalCase")]
 pub struct BmcEntry {
     /// Base URL, e.g. `https://10.0.0.5` (the Redfish root is `/redfish/v1` below it).
     #[serde(rename = "URL")]
     pub url: String,
     /// The system's path (`/redfish/v1/Systems/1`); if absent the BMC must list exactly one.
-    #[serde(rename = "System", default)]
     pub system: Option<String>,
     /// User name.
-    #[serde(rename = "Username")]
     pub username: String,
     /// File holding the password (first line).
-    #[serde(rename = "PasswordFile", default)]
     pub password_file: Option<PathBuf>,
     /// Environment variable holding the password.
-    #[serde(rename = "PasswordEnv", default)]
     pub password_env: Option<String>,
     /// PEM file of the certificate the BMC presents, or of the CA that issued it (default:
     /// the system's trust store); see [`crate::bmc_tls`].
-    #[serde(rename = "CA", default)]
+    #[serde(rename = "CA")]
     pub ca: Option<PathBuf>,
     /// Skip TLS certificate verification (BMCs with self-signed certificates).
-    #[serde(rename = "Insecure", default)]
+    #[serde(default)]
     pub insecure: bool,
 }
 

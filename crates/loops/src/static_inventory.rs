@@ -98,19 +98,17 @@ pub enum InventoryError {
 
 /// One inventory entry, exactly as written in the file.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, rename_all = "PascalCase")]
 pub struct InventoryEntry {
     /// Stable, unique id of the machine within this inventory.
     #[serde(rename = "ID")]
     pub id: String,
     /// Address reachable over SSH.
-    #[serde(rename = "Addr")]
     pub addr: String,
     /// Free-form location.
-    #[serde(rename = "Location", default)]
     pub location: Option<String>,
     /// The machine's BMC, for power control by the recoverer (Redfish).
-    #[serde(rename = "BMC", default)]
+    #[serde(rename = "BMC")]
     pub bmc: Option<BmcEntry>,
 }
 

@@ -537,16 +537,15 @@ async fn operator_actions_are_recorded_and_shown() {
     assert!(record.undeploy, "{record:?}");
     let out = shepherd(&url, &["machines", "show", &m]);
     common::refused(&out, "decommissioned");
-    let out = shepherd(&url, &["machines", "history", &m]);
-    ok(&out);
-    let history = String::from_utf8_lossy(&out.stdout);
-    for line in [
-        "operator carol       maintenance-on  disk swap",
-        "operator carol       maintenance-off",
-        "operator dave        decommission    returned to vendor",
-    ] {
-        assert!(history.contains(line), "{line:?} missing from:\n{history}");
-    }
+    says(
+        &url,
+        &["machines", "history", &m],
+        &[
+            "operator carol       maintenance-on  disk swap",
+            "operator carol       maintenance-off",
+            "operator dave        decommission    returned to vendor",
+        ],
+    );
     let out = shepherd(&url, &["machines", "recommission", &m, "--by", "dave"]);
     ok(&out);
     let out = shepherd(&url, &["machines", "recommission", &m, "--by", "dave"]);
@@ -558,6 +557,16 @@ async fn operator_actions_are_recorded_and_shown() {
 
 fn ok(o: &Output) {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// Runs `shepherd ARGS`, which must succeed and print every line of `wants`.
+fn says(url: &str, args: &[&str], wants: &[&str]) {
+    let out = shepherd(url, args);
+    ok(&out);
+    let text = String::from_utf8_lossy(&out.stdout);
+    for want in wants {
+        assert!(text.contains(want), "{want:?} missing from:\n{text}");
+    }
 }
 
 /// `machines show` carries the whole decoded hardware report: CPU vendor, disks with vendor,
@@ -627,19 +636,18 @@ async fn show_prints_the_whole_hardware_report() {
     );
     assert_eq!(hw["nics"][0]["driver"], "mlx5_core");
     assert_eq!(hw["nics"][0]["supported_speed_bytes"][0], 3_125_000_000i64);
-    let out = shepherd(&url, &["machines", "show", &m]);
-    ok(&out);
-    let text = String::from_utf8_lossy(&out.stdout);
-    for want in [
-        "Supermicro AS-1114S (serial S42), EFI enabled",
-        "AMD EPYC 7402P (AuthenticAMD): 24 cores, 48 threads, family 23 model 49 stepping 0",
-        "256.0 GiB installed, 97.5 % usable",
-        "Samsung PM9A3 960.0 GiB (serial DISK7, wwn 002538b1), PROTOCOL_NVME, solid state",
-        "02:00:00:00:00:07 driver mlx5_core, link up at 25000 Mbit/s, supports [25000 Mbit/s]",
-        "no SMART data",
-    ] {
-        assert!(text.contains(want), "{want:?} missing from:\n{text}");
-    }
+    says(
+        &url,
+        &["machines", "show", &m],
+        &[
+            "Supermicro AS-1114S (serial S42), EFI enabled",
+            "AMD EPYC 7402P (AuthenticAMD): 24 cores, 48 threads, family 23 model 49 stepping 0",
+            "256.0 GiB installed, 97.5 % usable",
+            "Samsung PM9A3 960.0 GiB (serial DISK7, wwn 002538b1), PROTOCOL_NVME, solid state",
+            "02:00:00:00:00:07 driver mlx5_core, link up at 25000 Mbit/s, supports [25000 Mbit/s]",
+            "no SMART data",
+        ],
+    );
     t.cleanup().await;
 }
 

@@ -215,10 +215,27 @@ pub(crate) fn secs_us(secs: f64) -> i64 {
     (secs * 1e6).round() as i64
 }
 
-fn bind_postgres<'q>(
-    mut q: Query<'q, Postgres, PgArguments>,
+/// Binds `args` to `q` in order: the values both engines store alike here, and the rest
+/// (times, spans, the transaction's time) through `per_engine`.
+fn bind_args<'q, DB>(
+    mut q: Query<'q, DB, <DB as Database>::Arguments<'q>>,
     args: &[Arg<'q>],
-) -> Query<'q, Postgres, PgArguments> {
+    per_engine: impl Fn(
+        Query<'q, DB, <DB as Database>::Arguments<'q>>,
+        &Arg<'q>,
+    ) -> Query<'q, DB, <DB as Database>::Arguments<'q>>,
+) -> Query<'q, DB, <DB as Database>::Arguments<'q>>
+where
+    DB: Database,
+    Uuid: Encode<'q, DB> + Type<DB>,
+    Option<Uuid>: Encode<'q, DB>,
+    &'q str: Encode<'q, DB> + Type<DB>,
+    Option<&'q str>: Encode<'q, DB>,
+    i64: Encode<'q, DB> + Type<DB>,
+    i32: Encode<'q, DB> + Type<DB>,
+    bool: Encode<'q, DB> + Type<DB>,
+    &'q [u8]: Encode<'q, DB> + Type<DB>,
+{
     for arg in args {
         q = match *arg {
             Arg::Uuid(v) => q.bind(v),
@@ -229,37 +246,37 @@ fn bind_postgres<'q>(
             Arg::Int32(v) => q.bind(v),
             Arg::Bool(v) => q.bind(v),
             Arg::Bytes(v) => q.bind(v),
-            Arg::Time(v) => q.bind(v),
-            Arg::OptTime(v) => q.bind(v),
-            Arg::Span(v) => q.bind(v.as_secs_f64()),
-            Arg::Now => q,
+            Arg::Time(_) | Arg::OptTime(_) | Arg::Span(_) | Arg::Now => per_engine(q, arg),
         };
     }
     q
 }
 
+/// Postgres: `timestamptz`, seconds for `make_interval`, and `now()` in the text.
+fn bind_postgres<'q>(
+    q: Query<'q, Postgres, PgArguments>,
+    args: &[Arg<'q>],
+) -> Query<'q, Postgres, PgArguments> {
+    bind_args(q, args, |q, arg| match *arg {
+        Arg::Time(v) => q.bind(v),
+        Arg::OptTime(v) => q.bind(v),
+        Arg::Span(v) => q.bind(v.as_secs_f64()),
+        _ => q,
+    })
+}
+
+/// SQLite: integer microseconds, and the transaction's time `now` as a parameter.
 fn bind_sqlite<'q>(
-    mut q: Query<'q, Sqlite, SqliteArguments<'q>>,
+    q: Query<'q, Sqlite, SqliteArguments<'q>>,
     args: &[Arg<'q>],
     now: i64,
 ) -> Query<'q, Sqlite, SqliteArguments<'q>> {
-    for arg in args {
-        q = match *arg {
-            Arg::Uuid(v) => q.bind(v),
-            Arg::OptUuid(v) => q.bind(v),
-            Arg::Text(v) => q.bind(v),
-            Arg::OptText(v) => q.bind(v),
-            Arg::Int(v) => q.bind(v),
-            Arg::Int32(v) => q.bind(v),
-            Arg::Bool(v) => q.bind(v),
-            Arg::Bytes(v) => q.bind(v),
-            Arg::Time(v) => q.bind(to_us(v)),
-            Arg::OptTime(v) => q.bind(v.map(to_us)),
-            Arg::Span(v) => q.bind(secs_us(v.as_secs_f64())),
-            Arg::Now => q.bind(now),
-        };
-    }
-    q
+    bind_args(q, args, |q, arg| match *arg {
+        Arg::Time(v) => q.bind(to_us(v)),
+        Arg::OptTime(v) => q.bind(v.map(to_us)),
+        Arg::Span(v) => q.bind(secs_us(v.as_secs_f64())),
+        _ => q.bind(now),
+    })
 }
 
 impl Conn {
@@ -352,7 +369,7 @@ impl Conn {
         sql: &(impl Sql + ?Sized),
         args: &[Arg<'_>],
     ) -> Result<Option<T>> {
-        Ok(self.values(sql, args).await?.into_iter().next())
+        Ok(self.row(sql, args).await?.map(|First(v)| v))
     }
 }
 
