@@ -77,6 +77,12 @@ impl AttemptError for ApiError {
 }
 
 impl ApiError {
+    /// Whether the API refused the request as it stands (422), e.g. a creation on a
+    /// reservation that has a device already.
+    pub fn refused(&self) -> bool {
+        matches!(self, ApiError::Status { status, .. } if *status == StatusCode::UNPROCESSABLE_ENTITY)
+    }
+
     /// Whether trying again may help.
     pub fn retryable(&self) -> bool {
         match self {

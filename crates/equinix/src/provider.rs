@@ -231,6 +231,16 @@ impl EquinixProvider {
                         return Ok(d);
                     }
                 }
+                // Refused because the reservation has a device now, under the hostname this
+                // deployment gives it: another replica created it first, and records it.
+                if e.refused() {
+                    if let Ok(Some(d)) = self.device_named(&hostname).await {
+                        return Err(ProviderError::Taken(format!(
+                            "reservation {}: device {} was created by another replica first",
+                            reservation.id, d.id
+                        )));
+                    }
+                }
                 self.penalty.penalize(reservation.id.clone());
                 Err(ProviderError::Api(Box::new(CreationFailed {
                     reservation: reservation.id.clone(),

@@ -292,6 +292,28 @@ async fn injected_api_failures_lead_to_retries_not_duplicates() {
     done(s, t).await;
 }
 
+/// Two replicas offered the same reservation: the API refuses the second creation (422), and
+/// the loser is told the machine was taken by another client, the outcome the provisioner
+/// counts quietly, rather than that creating it failed (a warning and a penalty).
+#[tokio::test]
+async fn a_reservation_another_replica_took_first_is_taken_not_failed() {
+    let Rig { fake, t, s, p, .. } = rig(1).await;
+    let (other, _) = provider(&fake).await;
+    let offered = p.list_machines().await.unwrap();
+    let unused = offered
+        .iter()
+        .find(|m| m.availability == Availability::KnownUnused)
+        .expect("an unused reservation");
+    p.create_machine(&s, unused).await.unwrap();
+    match other.create_machine(&s, unused).await {
+        Err(ProviderError::Taken(what)) => assert!(what.contains("another"), "{what}"),
+        other => panic!("the loser of the race was told {other:?}"),
+    }
+    assert_eq!(fake.devices().len(), 1, "one device");
+    assert_consistent(&fake, &t.db).await;
+    done(s, t).await;
+}
+
 #[tokio::test]
 async fn a_device_whose_bmdb_insert_failed_is_adopted_not_duplicated() {
     let Rig { fake, t, s, p, .. } = rig(4).await;
