@@ -128,8 +128,7 @@ impl Client {
             return Err(InvalidSetting::new("project id", "is empty"));
         }
         let token: Arc<str> = token.into();
-        let api = JsonApi::new("Equinix", base, retry, metrics, MAX_BODY_BYTES)
-            .map_err(|problem| InvalidSetting::new("API URL", problem))?
+        let api = JsonApi::new("Equinix", "API URL", base, retry, metrics, MAX_BODY_BYTES)?
             .signed(move |r| r.header("X-Auth-Token", &*token));
         Ok(Client {
             api,

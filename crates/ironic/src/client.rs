@@ -227,8 +227,7 @@ impl Client {
         let root = root.strip_suffix("/v1").unwrap_or(root);
         let auth = Arc::new(auth);
         let credentials = auth.clone();
-        let api = JsonApi::new("Ironic", root, retry, metrics, MAX_BODY_BYTES)
-            .map_err(|problem| InvalidSetting::new("ironic-url", problem))?
+        let api = JsonApi::new("Ironic", "ironic-url", root, retry, metrics, MAX_BODY_BYTES)?
             .signed(move |r| {
                 let r = r.header("X-OpenStack-Ironic-API-Version", PINNED_VERSION.to_string());
                 match &*credentials {

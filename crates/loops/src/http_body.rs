@@ -13,6 +13,7 @@ use serde::de::DeserializeOwned;
 use crate::causes::reqwest_causes;
 use crate::metrics::CallMetrics;
 use crate::retry::{AttemptError, RetryPolicy};
+use crate::settings::InvalidSetting;
 
 /// An answer read whole: its status, its `Retry-After` (in seconds, if sent) and its body.
 #[derive(Debug)]
@@ -115,25 +116,27 @@ pub fn never<E>(_: &E) -> bool {
 }
 
 impl JsonApi {
-    /// The API `name` (in logs) at `base`, an http(s) URL (a trailing `/` is dropped); bodies
-    /// of more than `max_body` bytes are refused. The error is the problem with `base`, or
-    /// why no HTTP client could be made.
+    /// The API `name` (in logs) at `base`, an http(s) URL (a trailing `/` is dropped) given
+    /// as the operators' `setting`, which an error names; bodies of more than `max_body` bytes
+    /// are refused.
     pub fn new(
         name: &'static str,
+        setting: &str,
         base: &str,
         retry: RetryPolicy,
         metrics: Arc<CallMetrics>,
         max_body: usize,
-    ) -> Result<JsonApi, String> {
-        let parsed = url::Url::parse(base).map_err(|e| format!("{base:?}: {e}"))?;
+    ) -> Result<JsonApi, InvalidSetting> {
+        let invalid = |problem: String| InvalidSetting::new(setting, problem);
+        let parsed = url::Url::parse(base).map_err(|e| invalid(format!("{base:?}: {e}")))?;
         if !matches!(parsed.scheme(), "http" | "https") {
-            return Err(format!("{base:?}: must be http(s)"));
+            return Err(invalid(format!("{base:?}: must be http(s)")));
         }
         let http = reqwest::Client::builder()
             .timeout(retry.timeout)
             .user_agent(concat!("shepherd/", env!("CARGO_PKG_VERSION")))
             .build()
-            .map_err(|e| format!("no HTTP client: {}", reqwest_causes(e)))?;
+            .map_err(|e| invalid(format!("no HTTP client: {}", reqwest_causes(e))))?;
         Ok(JsonApi {
             name,
             http,
