@@ -223,22 +223,20 @@ impl EquinixProvider {
         match self.client.create_device(&request).await {
             Ok(d) => Ok(d),
             Err(e) => {
-                // The device may exist although the answer was lost or an error; look again
-                // (with retries) before giving up on this reservation.
-                if e.retryable() {
+                // The device may exist although the answer was an error: after an ambiguous
+                // failure (the answer lost, a 5xx) it is ours to adopt; after a refusal (422)
+                // another replica created it first, and records it. Look (with retries)
+                // before giving up on this reservation.
+                if e.retryable() || e.refused() {
                     if let Ok(Some(d)) = self.device_named(&hostname).await {
+                        if e.refused() {
+                            return Err(ProviderError::Taken(format!(
+                                "reservation {}: device {} was created by another replica first",
+                                reservation.id, d.id
+                            )));
+                        }
                         tracing::warn!(hostname, device = d.id, error = %e, "device creation answered with an error but the device exists; adopting it");
                         return Ok(d);
-                    }
-                }
-                // Refused because the reservation has a device now, under the hostname this
-                // deployment gives it: another replica created it first, and records it.
-                if e.refused() {
-                    if let Ok(Some(d)) = self.device_named(&hostname).await {
-                        return Err(ProviderError::Taken(format!(
-                            "reservation {}: device {} was created by another replica first",
-                            reservation.id, d.id
-                        )));
                     }
                 }
                 self.penalty.penalize(reservation.id.clone());
