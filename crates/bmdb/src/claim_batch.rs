@@ -5,11 +5,12 @@
 //! own or its own "nothing"/"conflict"/"session expired", and the claim statement keeps each
 //! per-machine guarantee (`sql/claims.rs`).
 //!
-//! A claim is made by a task of its own, so that a worker that goes away (its loop was
-//! cancelled) neither cancels the other members' claims nor leaves them waiting. Each
-//! member's answer is received, and turned into its [`crate::Work`], by a task of its own too:
-//! claimed for a worker that went away, the work is dropped unread and, as any work dropped
-//! without an ending, canceled (released with Canceled history).
+//! Each member's claim runs in a task of its own, which the worker awaits but does not own:
+//! a worker that goes away (its loop was cancelled) neither cancels the other members' claims
+//! (the leader's task writes them) nor leaves them waiting, and its own answer is still
+//! received and turned into its [`crate::Work`]: claimed for a worker that went away, the work
+//! is dropped unread and, as any work dropped without an ending, canceled (released with
+//! Canceled history).
 
 use uuid::Uuid;
 
@@ -25,9 +26,12 @@ impl Bmdb {
     pub(crate) async fn claim_batched(&self, session: &Session, key: ClaimKey) -> Answer<Claim> {
         let group = self.inner.claims.group(key);
         let (answer, leader) = group.join(session.id());
-        if let Some(leader) = leader {
-            let db = self.clone();
-            tokio::spawn(async move {
+        let db = self.clone();
+        let session = session.clone();
+        // One task per member: the leader's writes the batch first and then finds its own
+        // answer ready (a lone claimer, the common case on a quiet fleet, pays one task hop).
+        let claimed = tokio::spawn(async move {
+            if let Some(leader) = leader {
                 let batch = group.gather(leader).await;
                 db.metrics().claim_batch(key.processor, batch.items().len());
                 let written = db
@@ -35,15 +39,12 @@ impl Bmdb {
                     .await
                     .map(|outcomes| outcomes.into_iter().map(Ok).collect());
                 batch.answer(written);
-            });
-        }
-        let session = session.clone();
-        let received = tokio::spawn(async move {
+            }
             // A closed answer means the writing task never ran: the runtime is shutting down.
             let outcome = answer.await.unwrap_or(Err(Error::SessionExpired))?;
             session.claimed(key.process, outcome)
         });
-        received.await.unwrap_or(Err(Error::SessionExpired))
+        claimed.await.unwrap_or(Err(Error::SessionExpired))
     }
 
     /// One claim for each of `sessions`: one statement on Postgres, picking machines as

@@ -1331,7 +1331,55 @@ async fn a_failed_ending_fails_only_its_own_work(db: Bmdb) {
     s.close().await.unwrap();
 }
 
+/// A session whose row is gone (expired, and collected by another replica) claims nothing,
+/// whether its claim is served alone or together with a live session's: the claim statement
+/// checks each request's session itself (Postgres has one statement for a lone request and
+/// one for a batch).
+async fn a_session_whose_row_is_gone_claims_nothing(db: Bmdb) {
+    testing::provision(&db, 2, Provider::Sim).await;
+    let remove = |s: &Session| {
+        let id = s.id();
+        s.stop_keepalive();
+        let db = db.clone();
+        async move {
+            db.transact(move |tx| Box::pin(async move { tx.delete_session_raw(id).await }))
+                .await
+                .unwrap()
+        }
+    };
+    let alone = session(&db, "gone-alone").await;
+    remove(&alone).await;
+    assert!(matches!(
+        alone.work(Process::ShepherdAgentStart, START).await,
+        Err(Error::SessionExpired)
+    ));
+    assert!(alone.is_expired());
+    assert!(
+        testing::all_history(&db).await.is_empty(),
+        "nothing claimed"
+    );
+
+    let live = session(&db, "live").await;
+    let gone = session(&db, "gone-together").await;
+    remove(&gone).await;
+    let (live_claim, gone_claim) = tokio::join!(
+        live.work(Process::ShepherdAgentStart, START),
+        gone.work(Process::ShepherdAgentStart, START)
+    );
+    assert!(matches!(gone_claim, Err(Error::SessionExpired)));
+    let mut work = claimed(live_claim.unwrap());
+    let started = testing::history_as(&db, |e| (e.machine_id, e.session_id)).await;
+    assert_eq!(
+        started,
+        [(work.machine_id(), Some(live.id()))],
+        "only the live one claimed"
+    );
+    work.cancel().await.unwrap();
+    live.close().await.unwrap();
+}
+
 shepherd_bmdb::conformance_tests!(
+    a_session_whose_row_is_gone_claims_nothing,
     a_claim_nobody_waits_for_is_released,
     a_failed_ending_fails_only_its_own_work,
     cancelled_transactions_leave_nothing_open,
