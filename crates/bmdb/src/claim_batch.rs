@@ -32,13 +32,17 @@ impl Bmdb {
         // answer ready (a lone claimer, the common case on a quiet fleet, pays one task hop).
         let claimed = tokio::spawn(async move {
             if let Some(leader) = leader {
-                let batch = group.gather(leader).await;
-                db.metrics().claim_batch(key.processor, batch.items().len());
-                let written = db
-                    .claim_for(batch.items(), key, ClaimStrategy::SkipLocked)
-                    .await
-                    .map(|outcomes| outcomes.into_iter().map(Ok).collect());
-                batch.answer(written);
+                // Boxed: only a leader's task holds the writing's state, not every member's.
+                Box::pin(async {
+                    let batch = group.gather(leader).await;
+                    db.metrics().claim_batch(key.processor, batch.items().len());
+                    let written = db
+                        .claim_for(batch.items(), key, ClaimStrategy::SkipLocked)
+                        .await
+                        .map(|outcomes| outcomes.into_iter().map(Ok).collect());
+                    batch.answer(written);
+                })
+                .await;
             }
             // A closed answer means the writing task never ran: the runtime is shutting down.
             let outcome = answer.await.unwrap_or(Err(Error::SessionExpired))?;
