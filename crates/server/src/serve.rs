@@ -202,9 +202,14 @@ impl Activity {
             if !busy && Instant::now() >= deadline {
                 return reason;
             }
-            // A request in flight keeps the connection; look again once it could be done.
+            // A request in flight keeps the connection; look again once it could be done. A
+            // connection not yet authorized may be authorized while this waits, and then its
+            // idle deadline can come before the unauthenticated one: it is at least one idle
+            // timeout after now, so look again then at the latest.
             let next = if busy {
                 Instant::now() + limits.idle_timeout.min(Duration::from_secs(1))
+            } else if reason == CloseReason::Unauthenticated {
+                deadline.min(Instant::now() + limits.idle_timeout)
             } else {
                 deadline
             };
@@ -374,4 +379,35 @@ async fn serve_connection(
     tracing::debug!(peer = %addr, reason = reason.label(), "closing connection");
     conn.as_mut().graceful_shutdown();
     let _ = tokio::time::timeout(CLOSE_GRACE, conn).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A connection authorized soon after its handshake closes once idle for the idle
+    /// timeout, even when that is shorter than the unauthenticated timeout it was waiting on.
+    #[tokio::test(start_paused = true)]
+    async fn an_authorized_connection_closes_when_idle_not_at_the_unauthenticated_deadline() {
+        let limits = ServerLimits {
+            idle_timeout: Duration::from_secs(2),
+            unauthenticated_timeout: Duration::from_secs(30),
+            ..ServerLimits::default()
+        };
+        let activity = Arc::new(Activity::new());
+        let expired = tokio::spawn({
+            let activity = activity.clone();
+            async move { (activity.expired(&limits).await, Instant::now()) }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        activity.authorized();
+        drop(activity.begin());
+        let (reason, at) = expired.await.unwrap();
+        assert_eq!(reason, CloseReason::Idle);
+        let idle_for = at - activity.start;
+        assert!(
+            idle_for < Duration::from_secs(3),
+            "closed {idle_for:?} after the handshake; the last request was at 0.1 s"
+        );
+    }
 }
