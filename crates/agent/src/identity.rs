@@ -12,8 +12,11 @@ pub fn generate() -> Result<(Vec<u8>, Vec<u8>), String> {
     Ok((pkcs8.as_ref().to_vec(), pair.public_key().as_ref().to_vec()))
 }
 
-/// (certificate PEM, key PEM) of a self-signed certificate for the key.
-pub fn client_certificate(pkcs8: &[u8], machine_id: &str) -> Result<(String, String), String> {
+/// A self-signed certificate for the key, naming the machine.
+pub fn client_certificate(
+    pkcs8: &[u8],
+    machine_id: &str,
+) -> Result<rustls_pki_types::CertificateDer<'static>, String> {
     let der = rustls_pki_types::PrivatePkcs8KeyDer::from(pkcs8);
     let key = rcgen::KeyPair::from_pkcs8_der_and_sign_algo(&der, &rcgen::PKCS_ED25519)
         .map_err(|e| format!("loading the agent key: {e}"))?;
@@ -26,18 +29,5 @@ pub fn client_certificate(pkcs8: &[u8], machine_id: &str) -> Result<(String, Str
     let cert = params
         .self_signed(&key)
         .map_err(|e| format!("self-signing: {e}"))?;
-    Ok((cert.pem(), key.serialize_pem()))
-}
-
-/// PEM text of a DER certificate.
-pub fn der_to_pem(der: &[u8]) -> String {
-    use base64::Engine;
-    let b64 = base64::engine::general_purpose::STANDARD.encode(der);
-    let mut pem = String::from("-----BEGIN CERTIFICATE-----\n");
-    for chunk in b64.as_bytes().chunks(64) {
-        pem.push_str(std::str::from_utf8(chunk).expect("base64 is ASCII"));
-        pem.push('\n');
-    }
-    pem.push_str("-----END CERTIFICATE-----\n");
-    pem
+    Ok(cert.der().clone())
 }

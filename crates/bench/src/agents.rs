@@ -4,6 +4,7 @@
 
 use anyhow::Result;
 use futures::stream::{self, StreamExt};
+use shepherd_agent::connection::{AgentClient, ServerConnector};
 use shepherd_bmdb::Bmdb;
 use shepherd_proto::bmaas::agent_callback_client::AgentCallbackClient;
 use shepherd_proto::bmaas::HeartbeatRequest;
@@ -66,28 +67,43 @@ pub async fn pin(db: &Bmdb, identities: &[AgentIdentity]) -> Result<Vec<Uuid>> {
 /// A connected simulated agent.
 pub struct Agent {
     pub machine: Uuid,
-    pub client: AgentCallbackClient<Channel>,
+    client: Client,
+}
+
+/// A simulated agent's client, as [`ClientSettings`] chose it.
+enum Client {
+    /// The real agent's client; one heartbeat at a time, as the agent sends them.
+    RealAgent(tokio::sync::Mutex<AgentClient>),
+    Plain(AgentCallbackClient<Channel>),
 }
 
 impl Agent {
+    /// Connections the agent's client has made, with the real agent's client.
+    pub fn connections(&self) -> Option<u64> {
+        match &self.client {
+            Client::RealAgent(client) => client.try_lock().ok().map(|c| c.connections()),
+            Client::Plain(_) => None,
+        }
+    }
+
     /// Whether one heartbeat (no reports) was answered with success.
     pub async fn heartbeat(&self) -> bool {
-        let mut client = self.client.clone();
-        client
-            .heartbeat(HeartbeatRequest {
-                machine_id: self.machine.to_string(),
-                ..Default::default()
-            })
-            .await
-            .is_ok()
+        let request = HeartbeatRequest {
+            machine_id: self.machine.to_string(),
+            ..Default::default()
+        };
+        match &self.client {
+            Client::RealAgent(client) => client.lock().await.heartbeat(request).await.is_ok(),
+            Client::Plain(client) => client.clone().heartbeat(request).await.is_ok(),
+        }
     }
 }
 
 /// How a simulated agent's client connects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ClientSettings {
-    /// As the real agent does (`shepherd_agent::heartbeat::channel`: connected on first use,
-    /// a 30 s deadline per request): what an agent holds.
+    /// The real agent's client (`shepherd_agent::connection`: connected on first use, a 30 s
+    /// deadline per request): what an agent holds.
     RealAgent,
     /// A plain tonic channel, connected eagerly, no deadline: the lightest client, so that a
     /// throughput benchmark spends the shared CPU on the server.
@@ -113,29 +129,32 @@ pub async fn connect(
         .map(|(identity, &machine)| {
             let ca_der = &ca_der;
             async move {
-                let channel = match settings {
-                    ClientSettings::RealAgent => shepherd_agent::heartbeat::channel(
-                        &format!("localhost:{port}"),
-                        ca_der,
-                        &identity.cert_pem,
-                        &identity.key_pem,
-                    )
-                    .map_err(anyhow::Error::msg)?,
+                let client = match settings {
+                    ClientSettings::RealAgent => {
+                        let cert = rustls_pemfile::certs(&mut identity.cert_pem.as_bytes())
+                            .next()
+                            .ok_or_else(|| {
+                                anyhow::anyhow!("no certificate in the agent's PEM")
+                            })??;
+                        let key = rustls_pemfile::private_key(&mut identity.key_pem.as_bytes())?
+                            .ok_or_else(|| anyhow::anyhow!("no key in the agent's PEM"))?;
+                        let connector =
+                            ServerConnector::new(&format!("localhost:{port}"), ca_der, cert, key)?;
+                        Client::RealAgent(tokio::sync::Mutex::new(AgentClient::new(connector)))
+                    }
                     ClientSettings::Plain => {
                         let tls = ClientTlsConfig::new()
                             .ca_certificate(Certificate::from_pem(ca_pem))
                             .identity(Identity::from_pem(&identity.cert_pem, &identity.key_pem))
                             .domain_name("localhost");
-                        Endpoint::from_shared(format!("https://127.0.0.1:{port}"))?
+                        let channel = Endpoint::from_shared(format!("https://127.0.0.1:{port}"))?
                             .tls_config(tls)?
                             .connect()
-                            .await?
+                            .await?;
+                        Client::Plain(AgentCallbackClient::new(channel))
                     }
                 };
-                let agent = Agent {
-                    machine,
-                    client: AgentCallbackClient::new(channel),
-                };
+                let agent = Agent { machine, client };
                 let ok = agent.heartbeat().await;
                 Ok::<_, anyhow::Error>((agent, ok))
             }

@@ -393,6 +393,10 @@ pub async fn run(args: DemoArgs) -> Result<()> {
             .into_iter()
             .map(|(code, n)| (format!("  answered {code}"), n.to_string())),
     );
+    rows.push((
+        "  no answer (connection failed)".into(),
+        heartbeat_failures.no_answer().to_string(),
+    ));
     let converged_in = if converged {
         format!("{:.1} s", elapsed.as_secs_f64())
     } else {

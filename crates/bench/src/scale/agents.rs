@@ -109,6 +109,13 @@ async fn run_one(
         let server_after = rss_kib(pid)?;
         let client_after = rss_kib(std::process::id())?;
         let second_ok = agents::heartbeat_all(&connected, PARALLEL).await;
+        let reconnected = connected
+            .iter()
+            .filter(|a| a.connections() != Some(1))
+            .count();
+        if reconnected > 0 {
+            bail!("{reconnected} agents did not keep their one connection through the idle period");
+        }
         let per_agent = |before: u64, after: u64| {
             after.saturating_sub(before) as f64 / identities.len() as f64
         };

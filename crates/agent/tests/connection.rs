@@ -1,0 +1,81 @@
+//! The agent's own client against a real BMaaS server on loopback: it keeps one connection
+//! between heartbeats, keeps it when the server answers with an error, and makes a new one
+//! after the server closed an idle connection or restarted.
+
+use std::time::Duration;
+
+use rustls_pki_types::PrivatePkcs8KeyDer;
+use shepherd_agent::connection::{AgentClient, HeartbeatError, ServerConnector};
+use shepherd_agent::identity;
+use shepherd_bmdb::testing;
+use shepherd_proto::bmaas::HeartbeatRequest;
+use shepherd_server::{LoopbackServer, ServerLimits};
+use tonic::Code;
+
+/// The server closes connections idle this long.
+const IDLE: Duration = Duration::from_secs(1);
+
+fn beat(machine: &str) -> HeartbeatRequest {
+    HeartbeatRequest {
+        machine_id: machine.to_string(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_client_reuses_its_connection_and_replaces_a_closed_one() {
+    let t = testing::sqlite().await;
+    let dir = tempfile::tempdir().unwrap();
+    let limits = ServerLimits {
+        idle_timeout: IDLE,
+        ..ServerLimits::default()
+    };
+    let mut server = LoopbackServer::start(&t.db, dir.path(), 2, limits)
+        .await
+        .unwrap();
+    let (pkcs8, public) = identity::generate().unwrap();
+    let machine = testing::machine_with_agent(&t.db, &public)
+        .await
+        .to_string();
+    let cert = identity::client_certificate(&pkcs8, &machine).unwrap();
+    let key = PrivatePkcs8KeyDer::from(pkcs8).into();
+    let connector = ServerConnector::new(&server.endpoint(), server.ca_der(), cert, key).unwrap();
+    let mut client = AgentClient::new(connector);
+    assert_eq!(client.connections(), 0, "connected on first use only");
+
+    // Heartbeats, and an error the server answers with, share one connection.
+    client.heartbeat(beat(&machine)).await.unwrap();
+    let (_, other_key) = identity::generate().unwrap();
+    let not_ours = testing::machine_with_agent(&t.db, &other_key).await;
+    let refused = client
+        .heartbeat(beat(&not_ours.to_string()))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, HeartbeatError::Answered(s) if s.code() == Code::Unauthenticated),
+        "{refused:?}"
+    );
+    client.heartbeat(beat(&machine)).await.unwrap();
+    assert_eq!(client.connections(), 1);
+
+    // Idle past the server's timeout: the server closes the connection, and the next
+    // heartbeat goes over a new one.
+    tokio::time::sleep(IDLE * 3).await;
+    client.heartbeat(beat(&machine)).await.unwrap();
+    assert_eq!(
+        client.connections(),
+        2,
+        "a new connection after the idle one closed"
+    );
+
+    // The server goes away: no answer, and back on a new connection once it returns.
+    server.stop().await.unwrap();
+    let down = client.heartbeat(beat(&machine)).await.unwrap_err();
+    assert!(matches!(down, HeartbeatError::NoAnswer(_)), "{down:?}");
+    server.restart().await.unwrap();
+    client.heartbeat(beat(&machine)).await.unwrap();
+    assert_eq!(client.connections(), 3);
+
+    server.close().await.unwrap();
+    t.cleanup().await;
+}
