@@ -172,6 +172,13 @@ struct Connection {
     driver: tokio::task::JoinHandle<()>,
 }
 
+impl Connection {
+    /// Whether the connection has ended (the server closed it, or it failed).
+    fn is_closed(&self) -> bool {
+        self.driver.is_finished()
+    }
+}
+
 impl Drop for Connection {
     fn drop(&mut self) {
         self.driver.abort();
@@ -294,13 +301,6 @@ impl std::fmt::Display for HeartbeatError {
 }
 
 impl std::error::Error for HeartbeatError {}
-
-impl Connection {
-    /// Whether the connection has ended (the server closed it, or it failed).
-    fn is_closed(&self) -> bool {
-        self.driver.is_finished()
-    }
-}
 
 #[cfg(test)]
 mod tests {

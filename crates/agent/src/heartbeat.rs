@@ -1,6 +1,7 @@
 //! Agent mode: heartbeat forever, report hardware once, install when asked.
 
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use shepherd_proto::bmaas::{
@@ -39,7 +40,7 @@ pub enum FailureReport {
 #[derive(Debug, Default)]
 pub struct HeartbeatFailures {
     by_code: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
-    no_answer: std::sync::atomic::AtomicU64,
+    no_answer: AtomicU64,
 }
 
 impl HeartbeatFailures {
@@ -50,8 +51,7 @@ impl HeartbeatFailures {
                 *by_code.entry(format!("{:?}", status.code())).or_default() += 1;
             }
             HeartbeatError::NoAnswer(_) => {
-                self.no_answer
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.no_answer.fetch_add(1, Ordering::Relaxed);
             }
         }
     }
@@ -63,7 +63,7 @@ impl HeartbeatFailures {
 
     /// The heartbeats that got no answer so far.
     pub fn no_answer(&self) -> u64 {
-        self.no_answer.load(std::sync::atomic::Ordering::Relaxed)
+        self.no_answer.load(Ordering::Relaxed)
     }
 
     /// All failures so far.
