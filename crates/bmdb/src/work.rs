@@ -199,7 +199,7 @@ impl Work {
             None => std::time::Duration::from_secs(interval as u64),
         };
         let kind = EndingKind::Fail {
-            cause: bounded_cause(cause),
+            cause: stored_cause(cause),
             interval,
             delay,
         };
@@ -290,9 +290,12 @@ impl Drop for Work {
     }
 }
 
-fn bounded_cause(cause: &str) -> String {
+/// `cause` as it is stored: NUL characters (which Postgres' text cannot hold) replaced, cut
+/// to [`MAX_CAUSE_LEN`] bytes at a character boundary.
+pub(crate) fn stored_cause(cause: &str) -> String {
+    let cause = cause.replace('\0', "\u{fffd}");
     if cause.len() <= MAX_CAUSE_LEN {
-        return cause.to_string();
+        return cause;
     }
     let mut end = MAX_CAUSE_LEN;
     while !cause.is_char_boundary(end) {
@@ -307,9 +310,9 @@ mod tests {
 
     #[test]
     fn causes_are_bounded_on_char_boundaries() {
-        assert_eq!(bounded_cause("short"), "short");
+        assert_eq!(stored_cause("short"), "short");
         let long = "é".repeat(MAX_CAUSE_LEN);
-        let cut = bounded_cause(&long);
+        let cut = stored_cause(&long);
         assert!(cut.len() <= MAX_CAUSE_LEN + '…'.len_utf8());
         assert!(cut.ends_with('…'));
     }

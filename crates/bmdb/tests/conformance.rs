@@ -1378,7 +1378,22 @@ async fn a_session_whose_row_is_gone_claims_nothing(db: Bmdb) {
     live.close().await.unwrap();
 }
 
+/// A failure cause is stored whatever its text: a NUL (which Postgres' text refuses) is
+/// replaced, so that one odd error message cannot fail the batch of endings it shares.
+async fn a_failure_cause_with_a_nul_is_stored(db: Bmdb) {
+    testing::provision(&db, 1, Provider::Sim).await;
+    let s = session(&db, "nul").await;
+    let mut w = claimed(s.work(Process::ShepherdAgentStart, START).await.unwrap());
+    let id = w.machine_id();
+    w.fail(None, "stderr: a\0b").await.unwrap();
+    let failed = history(&db, id).await.pop().unwrap();
+    assert_eq!(failed.event, WorkEvent::Failed);
+    assert_eq!(failed.cause.as_deref(), Some("stderr: a\u{fffd}b"));
+    s.close().await.unwrap();
+}
+
 shepherd_bmdb::conformance_tests!(
+    a_failure_cause_with_a_nul_is_stored,
     a_session_whose_row_is_gone_claims_nothing,
     a_claim_nobody_waits_for_is_released,
     a_failed_ending_fails_only_its_own_work,

@@ -273,7 +273,8 @@ impl Tx {
         Ok(())
     }
 
-    /// Keeps `process` off the machine until `until`, with `cause` for operators. A
+    /// Keeps `process` off the machine until `until`, with `cause` for operators (stored as
+    /// a failure cause is: NULs replaced, bounded). A
     /// `last_interval` of 0 marks a wait that is not a failure, so the process's next failure
     /// backs off from its own initial interval.
     pub async fn set_backoff(
@@ -284,11 +285,12 @@ impl Tx {
         last_interval: i64,
         cause: &str,
     ) -> Result<()> {
+        let cause = crate::work::stored_cause(cause);
         let args = [
             Arg::Uuid(machine),
             Arg::Text(process.as_str()),
             Arg::Time(until),
-            Arg::Text(cause),
+            Arg::Text(&cause),
             Arg::Int(last_interval),
         ];
         self.conn().execute(BACKOFF_UPSERT, &args).await?;
