@@ -164,13 +164,8 @@ async fn claim_finish(db: &Bmdb, args: &Args, strategy: ClaimStrategy) -> Result
                     .await?
                 {
                     Claim::Work(mut work) => {
-                        let id = work.machine_id();
-                        work.finish(move |tx| {
-                            Box::pin(
-                                async move { tx.set_agent_started(id, &[7; AGENT_KEY_LEN]).await },
-                            )
-                        })
-                        .await?;
+                        work.finish(TagWrites::none().agent_started([7; AGENT_KEY_LEN]))
+                            .await?;
                         if processed.fetch_add(1, Ordering::Relaxed) + 1 == ninety {
                             ninety_nanos
                                 .store(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -401,7 +396,7 @@ async fn claim_once(session: &Session) -> Result<Duration> {
     let Claim::Work(mut work) = claim else {
         bail!("no eligible machine in the latency run")
     };
-    work.finish(|_| Box::pin(async { Ok(()) })).await?;
+    work.finish(TagWrites::none()).await?;
     Ok(took)
 }
 

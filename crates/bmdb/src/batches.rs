@@ -3,7 +3,7 @@
 //! `claim_batch.rs`, endings by `ending_batch.rs`; the handle (`db.rs`) only keeps the groups,
 //! so these are plain data that name no session, work or handle.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use uuid::Uuid;
@@ -13,7 +13,7 @@ use crate::group_commit::GroupsByKey;
 use crate::model::{Process, Processor};
 use crate::sql::claims::ClaimOutcome;
 use crate::sql::endings::{EndOutcome, How, WorkEnd};
-use crate::sql::engine::{Tx, TxFuture};
+use crate::sql::finish_tags::TagWrites;
 
 /// Most requests one claim statement serves.
 pub(crate) const MAX_CLAIM_BATCH: usize = 32;
@@ -33,14 +33,10 @@ pub(crate) type ClaimBatches = GroupsByKey<ClaimKey, Uuid, ClaimOutcome>;
 /// Most endings in one transaction.
 pub(crate) const MAX_ENDING_BATCH: usize = 32;
 
-/// The tag writes that end a successful unit of work, run in the same transaction as its
-/// Finish.
-pub(crate) type CommitFn = Box<dyn for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, ()> + Send>;
-
 /// How one unit of work ends.
 pub(crate) enum EndingKind {
-    /// Finished; the commit function runs after the work row was released.
-    Finish(Mutex<CommitFn>),
+    /// Finished, writing these tags once the work row was released.
+    Finish(TagWrites),
     /// Failed with `cause`, held back for `delay` (`interval` seconds remembered).
     Fail {
         cause: String,
@@ -60,10 +56,18 @@ pub(crate) struct Ending {
 }
 
 impl Ending {
-    /// The ending's statement part (all but a finish's commit function).
+    /// Refuses an ending whose values the database would refuse, before anything is written.
+    pub(crate) fn check(&self) -> Result<(), crate::Error> {
+        match &self.kind {
+            EndingKind::Finish(tags) => tags.check(),
+            EndingKind::Fail { .. } | EndingKind::Cancel => Ok(()),
+        }
+    }
+
+    /// The ending as the ending statement takes it.
     pub(crate) fn work_end(&self) -> WorkEnd<'_> {
         let how = match &self.kind {
-            EndingKind::Finish(_) => How::Finish,
+            EndingKind::Finish(tags) => How::Finish(tags),
             EndingKind::Fail {
                 cause,
                 interval,

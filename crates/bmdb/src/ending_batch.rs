@@ -3,17 +3,16 @@
 //! processor's workers that come in while another batch is being written are gathered
 //! (`group_commit.rs`, without waiting) and written in one transaction.
 //!
-//! On Postgres the batch's endings are one statement, followed by the commit functions of its
-//! finishes. A member whose commit function fails (its finishing writes refused) is told its
-//! own error and nothing of it is kept, while the others commit: the batch is written again
-//! without it. Only a failure of
-//! the transaction itself (beginning it, the commit) fails the whole batch, and then every
-//! member tries again in a later one. A finish's commit function may therefore run more than
-//! once, as it may whenever a transaction is retried.
+//! On Postgres the batch's endings are one statement, the tag writes of its finishes
+//! (`sql/finish_tags.rs`) with them. A finish whose tags are refused is told its own error
+//! and nothing of it is kept, while the others commit: the batch is written again without it.
+//! Tag writes the database would refuse for their values are checked before anything is
+//! written, so the shared statement fails only with the transaction itself (the connection,
+//! the commit): that fails the whole batch, and then every member tries again in a later one.
 
 use std::sync::Arc;
 
-use crate::batches::{Ending, EndingKind};
+use crate::batches::Ending;
 use crate::db::Mode;
 use crate::group_commit::Answer;
 use crate::sql::endings::{EndOutcome, WorkEnd};
@@ -53,16 +52,16 @@ impl Bmdb {
         answer.await.unwrap_or(Err(Error::SessionExpired))
     }
 
-    /// Writes `endings` in one transaction: their statements together (`Tx::end_works`), then
-    /// the commit function of each finish that found its work; one outcome per member, in
-    /// order. A member whose commit function fails rolls the transaction back; it is told its
-    /// error and the others are written again without it (so a batch is written at most once
-    /// more than it has failing members).
+    /// Writes `endings` in one transaction (`Tx::end_works`: on Postgres one statement, each
+    /// finish's tags with it); one outcome per member, in order. A finish whose tags cannot be
+    /// written is told so at once; one whose tags are refused (a host key pinned already) rolls
+    /// the transaction back, is told its error, and the others are written again without it
+    /// (so a batch is written at most once more than it has refused members).
     async fn write_endings(
         &self,
         endings: &[Arc<Ending>],
     ) -> Result<Vec<Answer<EndOutcome>>, Error> {
-        let mut failed: Vec<Option<Error>> = endings.iter().map(|_| None).collect();
+        let mut failed: Vec<Option<Error>> = endings.iter().map(|e| e.check().err()).collect();
         let mut written = Vec::new();
         loop {
             let members: Vec<usize> = (0..endings.len())
@@ -73,26 +72,18 @@ impl Bmdb {
             }
             let ends: Vec<WorkEnd<'_>> = members.iter().map(|i| endings[*i].work_end()).collect();
             let mut tx = self.begin(Mode::Batch).await?;
-            let outcomes = tx.end_works(&ends).await?;
-            let mut refused = None;
-            for (i, outcome) in members.iter().zip(&outcomes) {
-                if let (EndingKind::Finish(commit), EndOutcome::Done) = (&endings[*i].kind, outcome)
-                {
-                    let pending = (commit.lock().expect("a commit function panicked"))(&mut tx);
-                    if let Err(e) = pending.await {
-                        refused = Some((*i, e));
-                        break;
-                    }
+            match tx.end_works(&ends).await? {
+                Ok(outcomes) => {
+                    tx.commit().await?;
+                    written = outcomes;
+                    break;
+                }
+                Err(refusal) => {
+                    // Nothing of this attempt is kept; the rollback may fail with the connection.
+                    let _ = tx.rollback().await;
+                    failed[members[refusal.member]] = Some(refusal.error);
                 }
             }
-            let Some((i, e)) = refused else {
-                tx.commit().await?;
-                written = outcomes;
-                break;
-            };
-            // Nothing of this attempt is kept; the rollback may fail with the connection.
-            let _ = tx.rollback().await;
-            failed[i] = Some(e);
         }
         let mut written = written.into_iter();
         Ok(failed

@@ -189,6 +189,23 @@ pub const MAX_PROVIDER_ID_LEN: usize = 128;
 /// The public key length of an ed25519 agent key.
 pub const AGENT_KEY_LEN: usize = 32;
 
+/// Longest failure cause stored; longer causes are cut (at a character boundary).
+pub const MAX_CAUSE_LEN: usize = 2048;
+
+/// `cause` as it is stored: NUL characters (which Postgres' text cannot hold) replaced, cut
+/// to [`MAX_CAUSE_LEN`] bytes at a character boundary.
+pub(crate) fn stored_cause(cause: &str) -> String {
+    let cause = cause.replace('\0', "\u{fffd}");
+    if cause.len() <= MAX_CAUSE_LEN {
+        return cause;
+    }
+    let mut end = MAX_CAUSE_LEN;
+    while !cause.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &cause[..end])
+}
+
 /// The `machine_provided` tag: which provider a machine came from and how to reach it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Provided {
@@ -451,6 +468,15 @@ pub struct SessionInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn causes_are_bounded_on_char_boundaries() {
+        assert_eq!(stored_cause("short"), "short");
+        let long = "é".repeat(MAX_CAUSE_LEN);
+        let cut = stored_cause(&long);
+        assert!(cut.len() <= MAX_CAUSE_LEN + '…'.len_utf8());
+        assert!(cut.ends_with('…'));
+    }
     use std::str::FromStr;
 
     #[test]

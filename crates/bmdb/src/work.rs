@@ -5,15 +5,13 @@ use crate::backoff::{default_interval_seconds, Backoff};
 use crate::batches::{ClaimKey, Ending, EndingKind};
 use crate::db::Pools;
 use crate::metrics::WorkResult;
+use crate::model::stored_cause;
 use crate::sql::claims::{ClaimOutcome, ClaimStrategy};
 use crate::sql::endings::EndOutcome;
-use crate::sql::engine::{Tx, TxFuture};
+use crate::sql::finish_tags::TagWrites;
 use crate::transaction::retrying;
 use crate::{Error, Process, Retrieval, Session};
 use uuid::Uuid;
-
-/// Longest failure cause stored; longer causes are cut (at a character boundary).
-pub const MAX_CAUSE_LEN: usize = 2048;
 
 /// The result of trying to claim work.
 #[derive(Debug)]
@@ -172,15 +170,13 @@ impl Work {
     }
 
     /// Ends the work successfully: releases the lock, clears the backoff, writes Finished
-    /// history and runs `commit` (which sets tags), all in one transaction, which it may share
-    /// with the endings of concurrent workers (`ending_batch.rs`). `commit` may run more than
-    /// once if the transaction is retried; if it fails, only this work's writes are undone.
-    pub async fn finish<F>(&mut self, commit: F) -> Result<(), Error>
-    where
-        F: for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, ()> + Send + 'static,
-    {
+    /// history and writes `tags`, all in one transaction, which it may share with the endings
+    /// of concurrent workers (`ending_batch.rs`). If the tags are refused (a host key pinned
+    /// already, a malformed agent key), nothing of this ending is written, the work is still
+    /// held, and the error is this work's alone.
+    pub async fn finish(&mut self, tags: TagWrites) -> Result<(), Error> {
         self.ensure_active()?;
-        let kind = EndingKind::Finish(std::sync::Mutex::new(Box::new(commit)));
+        let kind = EndingKind::Finish(tags);
         let outcome = self.end(kind).await?;
         self.ended(outcome, State::Finished, WorkResult::Finished)
     }
@@ -287,33 +283,5 @@ impl Drop for Work {
                 }
             });
         }
-    }
-}
-
-/// `cause` as it is stored: NUL characters (which Postgres' text cannot hold) replaced, cut
-/// to [`MAX_CAUSE_LEN`] bytes at a character boundary.
-pub(crate) fn stored_cause(cause: &str) -> String {
-    let cause = cause.replace('\0', "\u{fffd}");
-    if cause.len() <= MAX_CAUSE_LEN {
-        return cause;
-    }
-    let mut end = MAX_CAUSE_LEN;
-    while !cause.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &cause[..end])
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn causes_are_bounded_on_char_boundaries() {
-        assert_eq!(stored_cause("short"), "short");
-        let long = "é".repeat(MAX_CAUSE_LEN);
-        let cut = stored_cause(&long);
-        assert!(cut.len() <= MAX_CAUSE_LEN + '…'.len_utf8());
-        assert!(cut.ends_with('…'));
     }
 }

@@ -40,8 +40,8 @@ async fn two_processes_hold_one_machine(db: Bmdb) {
     a.cancel().await.unwrap();
     let mut again = held(s2.work(Process::UnitTest1, ANY).await.unwrap());
     assert_eq!(again.machine_id(), m);
-    again.finish(|_| Box::pin(async { Ok(()) })).await.unwrap();
-    b.finish(|_| Box::pin(async { Ok(()) })).await.unwrap();
+    again.finish(TagWrites::none()).await.unwrap();
+    b.finish(TagWrites::none()).await.unwrap();
     let events = history_as(&db, |e| (e.process, e.event)).await;
     use Process::*;
     use WorkEvent::*;

@@ -75,7 +75,7 @@ async fn start_all_but(db: &Bmdb, ids: &[Uuid], keep: &BTreeSet<Uuid>) {
 async fn claim_and_start(s: &Session) -> Uuid {
     let mut w = claimed(s.work(Process::ShepherdAgentStart, START).await.unwrap());
     let id = w.machine_id();
-    w.finish(move |tx| Box::pin(async move { tx.set_agent_started(id, &key(4)).await }))
+    w.finish(TagWrites::none().agent_started(key(4)))
         .await
         .unwrap();
     id
@@ -264,7 +264,7 @@ async fn session_expiry_releases_work(db: Bmdb) {
         Err(Error::SessionExpired)
     ));
     assert!(matches!(
-        work.finish(|_| Box::pin(async { Ok(()) })).await,
+        work.finish(TagWrites::none()).await,
         Err(Error::SessionExpired)
     ));
     assert!(matches!(
@@ -295,8 +295,7 @@ async fn session_expiry_releases_work(db: Bmdb) {
     );
     let mut w2 = claimed(b.work(Process::ShepherdAgentStart, START).await.unwrap());
     assert_eq!(w2.machine_id(), ids[0]);
-    let first = ids[0];
-    w2.finish(move |tx| Box::pin(async move { tx.set_agent_started(first, &key(1)).await }))
+    w2.finish(TagWrites::none().agent_started(key(1)))
         .await
         .unwrap();
 
@@ -375,7 +374,7 @@ async fn work_endings(db: Bmdb) {
     w.cancel().await.unwrap();
     w.cancel().await.unwrap();
     assert!(matches!(
-        w.finish(|_| Box::pin(async { Ok(()) })).await,
+        w.finish(TagWrites::none()).await,
         Err(Error::WorkAlreadyDone("canceled"))
     ));
     assert_eq!(count_start(&db).await, 1);
@@ -383,9 +382,7 @@ async fn work_endings(db: Bmdb) {
     // Finish twice is an error, cancel after finish a no-op, and the commit runs in the same
     // transaction (an error in it rolls the whole ending back).
     let mut w = claimed(s.work(Process::ShepherdAgentStart, START).await.unwrap());
-    let bad = w
-        .finish(move |tx| Box::pin(async move { tx.set_agent_started(id, &[0; 3]).await }))
-        .await;
+    let bad = w.finish(TagWrites::none().agent_started([0; 3])).await;
     assert!(matches!(bad, Err(Error::InvalidArgument { .. })), "{bad:?}");
     let still_held = db
         .read(move |tx| Box::pin(async move { tx.machine_work(id).await }))
@@ -396,11 +393,11 @@ async fn work_endings(db: Bmdb) {
         1,
         "a failed commit must not release the lock"
     );
-    w.finish(move |tx| Box::pin(async move { tx.set_agent_started(id, &key(2)).await }))
+    w.finish(TagWrites::none().agent_started(key(2)))
         .await
         .unwrap();
     assert!(matches!(
-        w.finish(|_| Box::pin(async { Ok(()) })).await,
+        w.finish(TagWrites::none()).await,
         Err(Error::WorkAlreadyDone("finished"))
     ));
     assert!(matches!(
@@ -483,7 +480,7 @@ async fn backoff_is_persisted_and_grows(db: Bmdb) {
     tokio::time::sleep(Duration::from_millis(2100)).await;
     let mut w = claimed(s.work(Process::ShepherdAgentStart, START).await.unwrap());
     assert_eq!(w.previous_backoff_seconds(), Some(2));
-    w.finish(|_| Box::pin(async { Ok(()) })).await.unwrap();
+    w.finish(TagWrites::none()).await.unwrap();
     assert_eq!(
         backoff_row(db.clone()).await,
         None,
@@ -526,13 +523,10 @@ async fn claims_are_exclusive_under_parallelism(db: Bmdb) {
                         Claim::Work(mut w) => {
                             idle = 0;
                             claims.fetch_add(1, Ordering::Relaxed);
-                            let id = w.machine_id();
                             tokio::task::yield_now().await;
-                            w.finish(move |tx| {
-                                Box::pin(async move { tx.set_agent_started(id, &key(9)).await })
-                            })
-                            .await
-                            .unwrap();
+                            w.finish(TagWrites::none().agent_started(key(9)))
+                                .await
+                                .unwrap();
                         }
                         Claim::Conflict => {
                             conflicts.fetch_add(1, Ordering::Relaxed);
@@ -1251,9 +1245,11 @@ async fn a_claim_nobody_waits_for_is_released(db: Bmdb) {
     s.close().await.unwrap();
 }
 
-/// Endings of concurrent workers are committed together; one whose writes the database
-/// refuses fails alone: the others' endings commit, its own writes are undone (its work is
-/// still held) and it is told its own error, not the batch's.
+/// Endings of concurrent workers are committed together, with every kind of tag a finish
+/// writes; one whose tags are refused fails alone: the others' endings and tags commit, its
+/// own writes are undone (its work is still held) and it is told its own error, not the
+/// batch's. Two refusals: a host key pinned already (found by the database) and a malformed
+/// agent key (found before anything is written).
 async fn a_failed_ending_fails_only_its_own_work(db: Bmdb) {
     const WORKS: usize = 8;
     testing::provision(&db, WORKS, Provider::Sim).await;
@@ -1264,69 +1260,128 @@ async fn a_failed_ending_fails_only_its_own_work(db: Bmdb) {
             s.work(Process::ShepherdAgentStart, START).await.unwrap(),
         ));
     }
+    let id = |w: &Work| w.machine_id();
+    let mut first = works.remove(0);
+    let (first_id, pinned, silenced) = (first.machine_id(), id(&works[3]), id(&works[2]));
+    db.transact(move |tx| {
+        Box::pin(async move {
+            tx.pin_ssh_host_key(pinned, "ssh-ed25519 another").await?;
+            tx.set_heartbeat(silenced).await
+        })
+    })
+    .await
+    .unwrap();
     let processor = s.processor();
     let before = db.metrics().ending_batches(processor);
-    // The first finish holds the writer a while, so the others gather into one batch behind it.
-    let mut first = works.remove(0);
-    let first_id = first.machine_id();
-    let holding = tokio::spawn(async move {
-        first
-            .finish(move |tx| {
+    // Another transaction holds the first machine's agent tag (and, on SQLite, the writer) a
+    // while, so the first finish waits in its batch and the others gather behind it.
+    let holding = tokio::spawn({
+        let db = db.clone();
+        async move {
+            db.transact(move |tx| {
                 Box::pin(async move {
+                    tx.set_agent_started(first_id, &key(1)).await?;
                     tokio::time::sleep(Duration::from_millis(300)).await;
-                    tx.set_agent_started(first_id, &key(1)).await
+                    Ok(())
                 })
             })
             .await
+        }
     });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let first_finish =
+        tokio::spawn(async move { first.finish(TagWrites::none().agent_started(key(1))).await });
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let refused = works[3].machine_id();
-    let endings = works.iter_mut().map(|w| {
-        let id = w.machine_id();
-        w.finish(move |tx| {
-            // The refused one tags a machine that does not exist: a foreign key violation.
-            let target = if id == refused { Uuid::new_v4() } else { id };
-            Box::pin(async move { tx.set_agent_started(target, &key(2)).await })
-        })
-    });
+    let started = || TagWrites::none().agent_started(key(2));
+    let tags = [
+        started().pin_ssh_host_key("ssh-ed25519 zero"),
+        started().recovery(3).hold_back(
+            Process::ShepherdRecovery,
+            Duration::from_secs(3600),
+            60,
+            "held",
+        ),
+        TagWrites::none()
+            .forget_heartbeat()
+            .pin_ssh_host_key("ssh-ed25519 two"),
+        started().pin_ssh_host_key("ssh-ed25519 three"),
+        TagWrites::none().agent_started(vec![0; 3]),
+        started().pin_ssh_host_key("ssh-ed25519 five"),
+        started(),
+    ];
+    let endings = works.iter_mut().zip(tags).map(|(w, t)| w.finish(t));
     let outcomes = futures::future::join_all(endings).await;
     holding.await.unwrap().unwrap();
+    first_finish.await.unwrap().unwrap();
     let (batches, endings) = db.metrics().ending_batches(processor);
     assert_eq!(
         (batches - before.0, endings - before.1),
         (2, WORKS as u64),
         "the first finish alone, the other seven together"
     );
-    for (w, outcome) in works.iter().zip(&outcomes) {
-        if w.machine_id() == refused {
-            let e = outcome.as_ref().unwrap_err();
-            assert!(
-                matches!(e, Error::Database(_)),
-                "its own error, not the batch's: {e:?}"
-            );
-        } else {
-            outcome.as_ref().unwrap();
+    let refused = [id(&works[3]), id(&works[4])];
+    for (i, outcome) in outcomes.iter().enumerate() {
+        match (i, outcome) {
+            (3, Err(Error::HostKeyPinned { pinned, presented })) => {
+                assert_eq!(
+                    (&**pinned, &**presented),
+                    ("ssh-ed25519 another", "ssh-ed25519 three")
+                )
+            }
+            (4, Err(Error::InvalidArgument { .. })) => {}
+            (0..=2 | 5..=6, Ok(())) => {}
+            other => panic!("each its own outcome, not the batch's: {other:?}"),
         }
     }
     let status = db.status_counts().await.unwrap();
-    assert_eq!(status.agent_started, WORKS as i64 - 1);
+    assert_eq!(status.agent_started, 5, "the first, and 0, 1, 5 and 6");
     assert_eq!(
         status.work,
-        vec![(Process::ShepherdAgentStart, 1)],
-        "the refused ending's work is still held"
+        vec![(Process::ShepherdAgentStart, 2)],
+        "the refused endings' work is still held"
     );
+    let (zero, one) = (id(&works[0]), id(&works[1]));
+    let tagged = db
+        .read(move |tx| {
+            Box::pin(async move {
+                Ok((
+                    tx.ssh_host_key(zero).await?.map(|k| k.key),
+                    tx.ssh_host_key(pinned).await?.map(|k| k.key),
+                    tx.recovery(one).await?.map(|r| r.in_a_row),
+                    tx.machine_backoffs(one).await?,
+                    tx.heartbeat(silenced).await?,
+                ))
+            })
+        })
+        .await
+        .unwrap();
+    let (zero_key, pinned_key, in_a_row, backoffs, heartbeat) = tagged;
+    assert_eq!(zero_key.as_deref(), Some("ssh-ed25519 zero"));
+    assert_eq!(pinned_key.as_deref(), Some("ssh-ed25519 another"), "kept");
+    assert_eq!(in_a_row, Some(3));
+    let held: Vec<_> = backoffs
+        .iter()
+        .map(|b| (b.process, &*b.cause, b.last_interval_seconds))
+        .collect();
+    assert_eq!(held, [(Process::ShepherdRecovery, "held", 60)]);
+    let wait = backoffs[0].until - Utc::now();
+    assert!(wait > chrono::TimeDelta::minutes(59) && wait <= chrono::TimeDelta::hours(1));
+    assert_eq!(heartbeat, None, "forgotten");
     let finished = testing::history_as(&db, |e| (e.machine_id, e.event)).await;
-    assert!(!finished.contains(&(refused, WorkEvent::Finished)));
+    for r in refused {
+        assert!(!finished.contains(&(r, WorkEvent::Finished)));
+    }
     assert_eq!(
         finished
             .iter()
             .filter(|(_, e)| *e == WorkEvent::Finished)
             .count(),
-        WORKS - 1
+        WORKS - 2
     );
-    // The refused one can still be ended as the loop's policy says.
-    let mut refused_work = works.remove(3);
-    refused_work.fail(None, "tagging refused").await.unwrap();
+    // The refused ones can still be ended as the loop's policy says.
+    for mut w in works.drain(3..5) {
+        w.fail(None, "tagging refused").await.unwrap();
+    }
     assert!(db.status_counts().await.unwrap().work.is_empty());
     s.close().await.unwrap();
 }
@@ -1428,12 +1483,9 @@ async fn two_processes_share_one_sqlite_file() {
                 loop {
                     match s.work(Process::ShepherdAgentStart, START).await.unwrap() {
                         Claim::Work(mut work) => {
-                            let id = work.machine_id();
-                            work.finish(move |tx| {
-                                Box::pin(async move { tx.set_agent_started(id, &key(5)).await })
-                            })
-                            .await
-                            .unwrap();
+                            work.finish(TagWrites::none().agent_started(key(5)))
+                                .await
+                                .unwrap();
                             done += 1;
                         }
                         Claim::Conflict => {}

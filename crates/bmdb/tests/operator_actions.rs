@@ -32,7 +32,7 @@ fn busy_workers(db: &Bmdb, n: usize, hold: Duration, stop: Arc<AtomicBool>) -> V
                     match s.work(Process::ShepherdAgentStart, START).await.unwrap() {
                         Claim::Work(mut w) => {
                             tokio::time::sleep(hold).await;
-                            match w.finish(|_| Box::pin(async { Ok(()) })).await {
+                            match w.finish(TagWrites::none()).await {
                                 Ok(()) | Err(Error::WorkLost { .. }) => {}
                                 Err(e) => panic!("finish: {e}"),
                             }
@@ -243,7 +243,7 @@ async fn decommission_while_loops_run(db: Bmdb) {
         }
     }
     assert!(matches!(
-        held.finish(|_| Box::pin(async { Ok(()) })).await,
+        held.finish(TagWrites::none()).await,
         Err(Error::WorkLost { .. })
     ));
     holder.close().await.unwrap();

@@ -5,13 +5,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use shepherd_bmdb::{Backoff, ProviderStatus, Retrieval, Session, AGENT_KEY_LEN};
+use shepherd_bmdb::{Backoff, ProviderStatus, Retrieval, Session, TagWrites, AGENT_KEY_LEN};
 use shepherd_proto::agent::{takeover_response, TakeoverInit, TakeoverResponse};
 use shepherd_proto::Message;
 use uuid::Uuid;
 
 use crate::provider::{look_up, LookupFailed, Provider};
-use crate::runner::{Commit, MachineTask, OnError};
+use crate::runner::{MachineTask, OnError};
 use crate::settings::InvalidSetting;
 use crate::transport::{AgentRun, Transport, TransportError};
 
@@ -299,7 +299,7 @@ impl<P: Provider + 'static> MachineTask for Initializer<P> {
         &self,
         session: &Session,
         machine: Uuid,
-    ) -> Result<Commit, TakeoverFailure> {
+    ) -> Result<TagWrites, TakeoverFailure> {
         let (provided, pinned) = session
             .read(move |tx| {
                 Box::pin(async move {
@@ -352,17 +352,12 @@ impl<P: Provider + 'static> MachineTask for Initializer<P> {
         })?;
         tracing::info!(%addr, "agent started");
 
-        let host_key = output.host_key;
-        Ok(Box::new(move |tx| {
-            let (key, host_key) = (key.clone(), host_key.clone());
-            Box::pin(async move {
-                if !host_key.is_empty() {
-                    // Refused (Error::HostKeyPinned) when another takeover pinned another key.
-                    tx.pin_ssh_host_key(machine, &host_key).await?;
-                }
-                tx.set_agent_started(machine, &key).await
-            })
-        }))
+        let tags = TagWrites::none().agent_started(key);
+        Ok(match output.host_key {
+            // Refused (Error::HostKeyPinned) when another takeover pinned another key.
+            host_key if !host_key.is_empty() => tags.pin_ssh_host_key(host_key),
+            _ => tags,
+        })
     }
 }
 

@@ -15,13 +15,13 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
-use shepherd_bmdb::{Backoff, Process, RecoveryThresholds, Retrieval, Session};
+use shepherd_bmdb::{Backoff, Process, RecoveryThresholds, Retrieval, Session, TagWrites};
 use uuid::Uuid;
 
 use crate::brake::Brake;
 use crate::metrics::register_at_zero;
 use crate::provider::{look_up, LookupFailed, ProviderError, Recoverer as RecovererProvider};
-use crate::runner::{Commit, MachineTask, OnError};
+use crate::runner::{MachineTask, OnError};
 use crate::settings::InvalidSetting;
 
 /// Why a recovery failed; [`Recoverer`]'s error policy decides per kind.
@@ -52,7 +52,7 @@ impl From<shepherd_bmdb::Error> for RecoveryError {
 }
 
 /// How long "left alone" lasts: until an operator acts.
-const LEFT_ALONE_FOR: chrono::TimeDelta = chrono::TimeDelta::days(100 * 365);
+const LEFT_ALONE_FOR: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 /// What the recoverer does with a machine that earlier reboots did not bring back.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -236,7 +236,7 @@ impl<P: RecovererProvider + 'static> MachineTask for Recoverer<P> {
         &self,
         session: &Session,
         machine: Uuid,
-    ) -> Result<Commit, RecoveryError> {
+    ) -> Result<TagWrites, RecoveryError> {
         let (provided, heartbeat, previous) = session
             .read(move |tx| {
                 Box::pin(async move {
@@ -294,56 +294,33 @@ impl<P: RecovererProvider + 'static> MachineTask for Recoverer<P> {
                 "rebooted a machine whose agent went silent, {in_a_row} times in a row; leaving it alone until an operator runs `shepherd machines retry {machine}`"
             ),
         }
+        let mut tags = TagWrites::none()
+            .forget_agent_started()
+            .forget_heartbeat()
+            .recovery(in_a_row);
         let reboot_wait = self.provider.reboot_wait();
-        Ok(Box::new(move |tx| {
-            let next = next.clone();
-            Box::pin(async move {
-                tx.delete_agent_started(machine).await?;
-                tx.delete_heartbeat(machine).await?;
-                tx.set_recovery(machine, in_a_row).await?;
-                let now = tx.now().await?;
-                if !reboot_wait.is_zero() {
-                    let wait = chrono::TimeDelta::from_std(reboot_wait).unwrap_or(LEFT_ALONE_FOR);
-                    let cause = format!(
-                        "rebooted by the recoverer; given {} to come back",
-                        humantime::format_duration(reboot_wait)
-                    );
-                    tx.set_backoff(machine, Process::ShepherdAgentStart, now + wait, 0, &cause)
-                        .await?;
-                }
-                match next {
-                    NextRecovery::WhenDue => {}
-                    NextRecovery::After { delay, interval } => {
-                        let delay = chrono::TimeDelta::from_std(delay).unwrap_or(LEFT_ALONE_FOR);
-                        let cause = format!(
-                            "rebooted {in_a_row} times in a row without its agent heartbeating; waiting before the next recovery"
-                        );
-                        tx.set_backoff(
-                            machine,
-                            Process::ShepherdRecovery,
-                            now + delay,
-                            interval,
-                            &cause,
-                        )
-                        .await?;
-                    }
-                    NextRecovery::LeftAlone => {
-                        let cause = format!(
-                            "left alone after {in_a_row} reboots in a row without its agent heartbeating; `shepherd machines retry {machine}` tries again"
-                        );
-                        tx.set_backoff(
-                            machine,
-                            Process::ShepherdRecovery,
-                            now + LEFT_ALONE_FOR,
-                            0,
-                            &cause,
-                        )
-                        .await?;
-                    }
-                }
-                Ok(())
-            })
-        }))
+        if !reboot_wait.is_zero() {
+            let cause = format!(
+                "rebooted by the recoverer; given {} to come back",
+                humantime::format_duration(reboot_wait)
+            );
+            tags = tags.hold_back(Process::ShepherdAgentStart, reboot_wait, 0, &cause);
+        }
+        Ok(match next {
+            NextRecovery::WhenDue => tags,
+            NextRecovery::After { delay, interval } => {
+                let cause = format!(
+                    "rebooted {in_a_row} times in a row without its agent heartbeating; waiting before the next recovery"
+                );
+                tags.hold_back(Process::ShepherdRecovery, delay, interval, &cause)
+            }
+            NextRecovery::LeftAlone => {
+                let cause = format!(
+                    "left alone after {in_a_row} reboots in a row without its agent heartbeating; `shepherd machines retry {machine}` tries again"
+                );
+                tags.hold_back(Process::ShepherdRecovery, LEFT_ALONE_FOR, 0, &cause)
+            }
+        })
     }
 }
 

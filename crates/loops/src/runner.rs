@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use shepherd_bmdb::{
-    Backoff, Bmdb, Claim, Error as BmdbError, Retrieval, Session, SessionConfig, Tx, TxFuture, Work,
+    Backoff, Bmdb, Claim, Error as BmdbError, Retrieval, Session, SessionConfig, TagWrites, Work,
 };
 use shepherd_retry::{Delays, Streak};
 use tokio_util::sync::CancellationToken;
@@ -16,10 +16,6 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::limiter::{Limiter, RateSpec};
-
-/// The tag writes that end a successful unit of work, run in the same transaction as the
-/// work's Finish. May run more than once if that transaction is retried.
-pub type Commit = Box<dyn for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, ()> + Send>;
 
 /// How a loop ends work whose processing or finishing failed.
 #[derive(Debug, Clone, PartialEq)]
@@ -35,7 +31,7 @@ pub enum OnError {
 /// What a control loop does with one machine.
 #[async_trait]
 pub trait MachineTask: Send + Sync + 'static {
-    /// Why processing a machine failed. A failed finish (the BMDB, or the commit refusing) is
+    /// Why processing a machine failed. A failed finish (the BMDB, or its tags refused) is
     /// converted into it too, so that one policy decides every ending.
     type Error: std::fmt::Display + From<BmdbError> + Send + Sync + 'static;
     /// Which machines the loop takes; the rule also names the work process (and lock) and
@@ -45,12 +41,12 @@ pub trait MachineTask: Send + Sync + 'static {
     async fn active(&self) -> bool {
         true
     }
-    /// Processes one claimed machine; the returned commit runs in the finishing transaction.
+    /// Processes one claimed machine; the returned tags are written with its finish.
     async fn process_machine(
         &self,
         session: &Session,
         machine: Uuid,
-    ) -> Result<Commit, Self::Error>;
+    ) -> Result<TagWrites, Self::Error>;
     /// How to end the work after `error`.
     fn error_policy(&self, error: &Self::Error) -> OnError;
 }
@@ -187,7 +183,7 @@ async fn worker<T: MachineTask>(
                             }
                             return;
                         }
-                        Some(Ok(commit)) => match work.finish(commit).await {
+                        Some(Ok(tags)) => match work.finish(tags).await {
                             Ok(()) => return,
                             // The lock or the session is gone: there is nothing left to end.
                             Err(e @ (BmdbError::SessionExpired | BmdbError::WorkLost { .. })) => {

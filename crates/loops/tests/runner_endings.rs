@@ -11,7 +11,7 @@ use async_trait::async_trait;
 use shepherd_bmdb::testing::{self, all_history, eventually, when};
 use shepherd_bmdb::*;
 use shepherd_loops::limiter::RateSpec;
-use shepherd_loops::runner::{self, Commit, MachineTask, OnError, RunnerConfig};
+use shepherd_loops::runner::{self, MachineTask, OnError, RunnerConfig};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -37,7 +37,11 @@ impl MachineTask for Task {
         }
     }
 
-    async fn process_machine(&self, session: &Session, machine: Uuid) -> Result<Commit, TaskError> {
+    async fn process_machine(
+        &self,
+        session: &Session,
+        _machine: Uuid,
+    ) -> Result<TagWrites, TaskError> {
         if self.hang {
             std::future::pending::<()>().await;
         }
@@ -49,9 +53,7 @@ impl MachineTask for Task {
                 .transact(move |tx| Box::pin(async move { tx.delete_session_raw(id).await }))
                 .await?;
         }
-        Ok(Box::new(move |tx: &mut Tx| {
-            Box::pin(async move { tx.set_agent_started(machine, &[1; 32]).await })
-        }))
+        Ok(TagWrites::none().agent_started([1; 32]))
     }
 
     fn error_policy(&self, _: &TaskError) -> OnError {

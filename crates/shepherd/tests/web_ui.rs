@@ -248,10 +248,12 @@ async fn taken_over_machine(db: &Bmdb) -> Uuid {
         warning: vec![],
     }
     .encode_to_vec();
-    work.finish(move |tx| {
+    work.finish(TagWrites::none().agent_started([9; 32]))
+        .await
+        .unwrap();
+    db.transact(move |tx| {
         let report = report.clone();
         Box::pin(async move {
-            tx.set_agent_started(id, &[9; 32]).await?;
             tx.set_heartbeat(id).await?;
             tx.set_hardware_report(id, &report).await
         })

@@ -12,6 +12,7 @@ use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
 use super::engine::{from_columns, Arg, Conn, Result, Tx};
+use super::finish_tags::{Refusal, TagColumns, TagWrites};
 use crate::model::*;
 
 /// What ending a unit of work found.
@@ -40,8 +41,8 @@ impl EndOutcome {
 /// How one unit of work ends.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum How<'a> {
-    /// Finished: the process's backoff is cleared.
-    Finish,
+    /// Finished: the process's backoff is cleared, and these tags written.
+    Finish(&'a TagWrites),
     /// Failed with `cause`: held back from the process for `delay`, `interval` seconds
     /// remembered for its next failure.
     Fail {
@@ -57,7 +58,7 @@ impl How<'_> {
     /// The history event the ending writes.
     fn event(self) -> WorkEvent {
         match self {
-            How::Finish => WorkEvent::Finished,
+            How::Finish(_) => WorkEvent::Finished,
             How::Fail { .. } => WorkEvent::Failed,
             How::Cancel => WorkEvent::Canceled,
         }
@@ -73,15 +74,27 @@ pub(crate) struct WorkEnd<'a> {
     pub(crate) how: How<'a>,
 }
 
-/// Many endings in one Postgres statement. Parameters, one array element per ending: `$1`
-/// sessions, `$2` machines, `$3` processes, `$4` events, `$5` failure causes, `$6` backoff
-/// delays in seconds, `$7` intervals remembered. An ending other than a cancel needs its
-/// session alive; each deletes its own work row (`del`), and only those deleted write.
+/// Many endings in one Postgres statement, finishes with their tag writes. Parameters, one
+/// array element per ending: `$1` sessions, `$2` machines, `$3` processes, `$4` events, `$5`
+/// failure causes, `$6` backoff delays in seconds, `$7` intervals remembered; then a finish's
+/// tags (`finish_tags.rs`): `$8` host keys to pin, `$9` agent keys started, `$10` agents and
+/// `$11` heartbeats forgotten, `$12` recoveries; and one element per hold, `$13` its ending's
+/// position, `$14`–`$17` process, seconds, cause, interval. An ending other than a cancel
+/// needs its session alive; each deletes its own work row (`del`), and only those deleted
+/// write. No machine may have two endings in one statement (a row is written once per
+/// statement). A finish's backoff for its own process is cleared unless it holds that process
+/// again. A pin leaves a pinned key as it is, and returns the key the machine has now, even
+/// one pinned concurrently, so that the caller can refuse a finish whose key differs.
 const END_WORKS_PG: &str = "WITH e AS (
         SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::text[],
-                             $6::float8[], $7::int8[])
+                             $6::float8[], $7::int8[], $8::text[], $9::bytea[], $10::bool[],
+                             $11::bool[], $12::int4[])
             WITH ORDINALITY AS e(session_id, machine_id, process, event, cause, delay,
-                                 last_interval, n)),
+                                 last_interval, pin, agent_key, forget_agent,
+                                 forget_heartbeat, recovery, n)),
+     holds AS (
+        SELECT * FROM unnest($13::int8[], $14::text[], $15::float8[], $16::text[], $17::int8[])
+            AS h(n, process, delay, cause, last_interval)),
      alive AS (
         SELECT e.n FROM e WHERE e.event = 'Canceled' OR EXISTS (
             SELECT 1 FROM sessions s WHERE s.session_id = e.session_id AND s.deadline > now())),
@@ -93,19 +106,46 @@ const END_WORKS_PG: &str = "WITH e AS (
      cleared AS (
         DELETE FROM work_backoff b USING del
          WHERE del.event = 'Finished' AND b.machine_id = del.machine_id
-           AND b.process = del.process),
+           AND b.process = del.process
+           AND NOT EXISTS (SELECT 1 FROM holds h WHERE h.n = del.n AND h.process = del.process)),
      held AS (
         INSERT INTO work_backoff (machine_id, process, until, cause, last_interval_seconds)
         SELECT machine_id, process, now() + make_interval(secs => delay), cause, last_interval
           FROM del WHERE event = 'Failed'
+        UNION ALL
+        SELECT del.machine_id, h.process, now() + make_interval(secs => h.delay), h.cause,
+               h.last_interval
+          FROM holds h JOIN del ON del.n = h.n
         ON CONFLICT (machine_id, process) DO UPDATE SET until = excluded.until,
             cause = excluded.cause, last_interval_seconds = excluded.last_interval_seconds),
      hist AS (
         INSERT INTO work_history (machine_id, process, event, at, session_id, failed_cause)
         SELECT machine_id, process, event, now(), session_id,
                CASE WHEN event = 'Failed' THEN cause END
-          FROM del ORDER BY n)
-     SELECT e.n IN (SELECT n FROM alive), e.n IN (SELECT n FROM del) FROM e ORDER BY e.n";
+          FROM del ORDER BY n),
+     pinned AS (
+        INSERT INTO machine_ssh_host_key (machine_id, key, first_seen_at)
+        SELECT machine_id, pin, now() FROM del WHERE pin IS NOT NULL
+        ON CONFLICT (machine_id) DO UPDATE SET key = machine_ssh_host_key.key
+        RETURNING machine_id, key),
+     started AS (
+        INSERT INTO machine_agent_started (machine_id, started_at, public_key)
+        SELECT machine_id, now(), agent_key FROM del WHERE agent_key IS NOT NULL
+        ON CONFLICT (machine_id) DO UPDATE
+        SET started_at = excluded.started_at, public_key = excluded.public_key),
+     unstarted AS (
+        DELETE FROM machine_agent_started a USING del
+         WHERE a.machine_id = del.machine_id AND del.forget_agent),
+     silenced AS (
+        DELETE FROM machine_agent_heartbeat a USING del
+         WHERE a.machine_id = del.machine_id AND del.forget_heartbeat),
+     recovered AS (
+        INSERT INTO machine_recovery (machine_id, rebooted_at, in_a_row)
+        SELECT machine_id, now(), recovery FROM del WHERE recovery IS NOT NULL
+        ON CONFLICT (machine_id) DO UPDATE
+        SET rebooted_at = excluded.rebooted_at, in_a_row = excluded.in_a_row)
+     SELECT e.n IN (SELECT n FROM alive), e.n IN (SELECT n FROM del), p.key
+       FROM e LEFT JOIN pinned p ON p.machine_id = e.machine_id ORDER BY e.n";
 
 /// Sets a backoff, or replaces the process's current one.
 const BACKOFF_UPSERT: &str =
@@ -116,52 +156,100 @@ const BACKOFF_UPSERT: &str =
 
 impl Tx {
     /// Ends each of `ends` (releasing its work, writing its history, clearing or setting its
-    /// backoff); what each found, in order. On Postgres one statement for them all.
-    pub(crate) async fn end_works(&mut self, ends: &[WorkEnd<'_>]) -> Result<Vec<EndOutcome>> {
-        match self.conn() {
-            Conn::Postgres(c) => {
-                let column = |f: &dyn Fn(&WorkEnd<'_>) -> _| ends.iter().map(f).collect();
-                let sessions: Vec<Uuid> = column(&|e| e.session);
-                let machines: Vec<Uuid> = column(&|e| e.machine);
-                let processes: Vec<&str> = ends.iter().map(|e| e.process.as_str()).collect();
-                let events: Vec<&str> = ends.iter().map(|e| e.how.event().as_str()).collect();
-                let (mut causes, mut delays, mut intervals) = (vec![], vec![], vec![]);
-                for e in ends {
-                    let (cause, delay, interval) = match e.how {
-                        How::Fail {
-                            cause,
-                            interval,
-                            delay,
-                        } => (Some(cause), Some(delay.as_secs_f64()), Some(interval)),
-                        How::Finish | How::Cancel => (None, None, None),
-                    };
-                    causes.push(cause);
-                    delays.push(delay);
-                    intervals.push(interval);
-                }
-                let rows: Vec<(bool, bool)> = sqlx::query_as(END_WORKS_PG)
-                    .bind(sessions)
-                    .bind(machines)
-                    .bind(processes)
-                    .bind(events)
-                    .bind(causes)
-                    .bind(delays)
-                    .bind(intervals)
-                    .fetch_all(&mut **c)
-                    .await?;
-                Ok(rows
-                    .into_iter()
-                    .map(|(alive, deleted)| EndOutcome::of(alive, deleted))
-                    .collect())
-            }
-            Conn::Sqlite(_) => {
-                let mut outcomes = Vec::with_capacity(ends.len());
-                for end in ends {
-                    outcomes.push(self.end_work_sqlite(end).await?);
-                }
-                Ok(outcomes)
-            }
+    /// backoff, writing a finish's tags); what each found, in order, or the first ending whose
+    /// tags were refused, and then the transaction must be rolled back. On Postgres one
+    /// statement for them all, unless two name the same machine.
+    pub(crate) async fn end_works(
+        &mut self,
+        ends: &[WorkEnd<'_>],
+    ) -> Result<std::result::Result<Vec<EndOutcome>, Refusal>> {
+        let postgres = matches!(self.conn(), Conn::Postgres(_));
+        if postgres && each_machine_once(ends) {
+            return self.end_works_together(ends).await;
         }
+        let mut outcomes = Vec::with_capacity(ends.len());
+        for (member, end) in ends.iter().enumerate() {
+            let outcome = if postgres {
+                match self.end_works_together(std::slice::from_ref(end)).await? {
+                    Ok(outcome) => outcome[0],
+                    Err(refusal) => return Ok(Err(Refusal { member, ..refusal })),
+                }
+            } else {
+                self.end_work_sqlite(end).await?
+            };
+            if let (How::Finish(tags), EndOutcome::Done, false) = (end.how, outcome, postgres) {
+                if let Err(error) = self.write_tags_of(end.machine, tags).await {
+                    return Ok(Err(Refusal { member, error }));
+                }
+            }
+            outcomes.push(outcome);
+        }
+        Ok(Ok(outcomes))
+    }
+
+    /// `ends` in one Postgres statement ([`END_WORKS_PG`]); their machines differ.
+    async fn end_works_together(
+        &mut self,
+        ends: &[WorkEnd<'_>],
+    ) -> Result<std::result::Result<Vec<EndOutcome>, Refusal>> {
+        let Conn::Postgres(c) = self.conn() else {
+            unreachable!("one statement on Postgres only")
+        };
+        let column = |f: &dyn Fn(&WorkEnd<'_>) -> _| ends.iter().map(f).collect();
+        let sessions: Vec<Uuid> = column(&|e| e.session);
+        let machines: Vec<Uuid> = column(&|e| e.machine);
+        let processes: Vec<&str> = ends.iter().map(|e| e.process.as_str()).collect();
+        let events: Vec<&str> = ends.iter().map(|e| e.how.event().as_str()).collect();
+        let (mut causes, mut delays, mut intervals) = (vec![], vec![], vec![]);
+        let mut tags = TagColumns::default();
+        for e in ends {
+            let (cause, delay, interval) = match e.how {
+                How::Fail {
+                    cause,
+                    interval,
+                    delay,
+                } => (Some(cause), Some(delay.as_secs_f64()), Some(interval)),
+                How::Finish(_) | How::Cancel => (None, None, None),
+            };
+            causes.push(cause);
+            delays.push(delay);
+            intervals.push(interval);
+            tags.push(match e.how {
+                How::Finish(writes) => Some(writes),
+                How::Fail { .. } | How::Cancel => None,
+            });
+        }
+        let rows: Vec<(bool, bool, Option<String>)> = sqlx::query_as(END_WORKS_PG)
+            .bind(sessions)
+            .bind(machines)
+            .bind(processes)
+            .bind(events)
+            .bind(causes)
+            .bind(delays)
+            .bind(intervals)
+            .bind(tags.pins)
+            .bind(tags.agent_keys)
+            .bind(tags.forget_agents)
+            .bind(tags.forget_heartbeats)
+            .bind(tags.recoveries)
+            .bind(tags.holds.endings)
+            .bind(tags.holds.processes)
+            .bind(tags.holds.seconds)
+            .bind(tags.holds.causes)
+            .bind(tags.holds.intervals)
+            .fetch_all(&mut **c)
+            .await?;
+        let mut outcomes = Vec::with_capacity(rows.len());
+        for (member, (end, (alive, deleted, pinned))) in ends.iter().zip(rows).enumerate() {
+            let outcome = EndOutcome::of(alive, deleted);
+            if let (How::Finish(tags), EndOutcome::Done) = (end.how, outcome) {
+                if let Some(error) = tags.refused_by_pin(end.machine, pinned) {
+                    return Ok(Err(Refusal { member, error }));
+                }
+            }
+            outcomes.push(outcome);
+        }
+        Ok(Ok(outcomes))
     }
 
     /// One ending on SQLite, statement by statement.
@@ -177,13 +265,15 @@ impl Tx {
                 true => EndOutcome::Done,
                 false => EndOutcome::Lost,
             },
-            How::Finish | How::Fail { .. } => self.end_own_work(session, machine, process).await?,
+            How::Finish(_) | How::Fail { .. } => {
+                self.end_own_work(session, machine, process).await?
+            }
         };
         if outcome != EndOutcome::Done {
             return Ok(outcome);
         }
         let cause = match how {
-            How::Finish => {
+            How::Finish(_) => {
                 let sql = "DELETE FROM work_backoff WHERE machine_id = $1 AND process = $2";
                 let args = [Arg::Uuid(machine), Arg::Text(process.as_str())];
                 self.conn().execute(sql, &args).await?;
@@ -285,7 +375,7 @@ impl Tx {
         last_interval: i64,
         cause: &str,
     ) -> Result<()> {
-        let cause = crate::work::stored_cause(cause);
+        let cause = crate::model::stored_cause(cause);
         let args = [
             Arg::Uuid(machine),
             Arg::Text(process.as_str()),
@@ -380,4 +470,11 @@ from_columns! {
     BackoffEntry {
         machine_id: get, process: parsed, until: time, cause: get, last_interval_seconds: get,
     }
+}
+
+/// Whether no machine has two endings in `ends` (one statement cannot write a row twice, so
+/// such a batch is written ending by ending).
+fn each_machine_once(ends: &[WorkEnd<'_>]) -> bool {
+    let mut seen = std::collections::HashSet::with_capacity(ends.len());
+    ends.iter().all(|e| seen.insert(e.machine))
 }

@@ -9,6 +9,7 @@
 //! - `tags.rs` — machines and the facts about them;
 //! - `claims.rs` — eligibility (SPEC §5) and claiming work (SPEC §4);
 //! - `endings.rs` — finishing, failing and canceling work, backoffs and the audit history;
+//! - `finish_tags.rs` — the tag writes of finishes (`TagWrites`), a batch's in one statement;
 //! - `views.rs` — operators' read-only views and counts;
 //! - `operator.rs` — operators' actions (maintenance, decommission) and their history;
 //! - `overview.rs` — fleet counts over time, work endings per minute, top failure causes;
@@ -24,6 +25,7 @@
 pub(crate) mod claims;
 pub(crate) mod endings;
 pub(crate) mod engine;
+pub(crate) mod finish_tags;
 pub(crate) mod operator;
 pub(crate) mod overview;
 pub(crate) mod retention;
