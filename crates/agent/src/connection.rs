@@ -138,7 +138,10 @@ impl ServerConnector {
                 let _ = connection.await;
             });
             let client = AgentCallbackClient::with_origin(Sender(sender), self.origin.clone());
-            Ok(Connection { client, driver })
+            Ok(Connection {
+                client,
+                driver: Some(driver),
+            })
         };
         tokio::time::timeout(CONNECT_TIMEOUT, attempt)
             .await
@@ -169,19 +172,28 @@ impl std::fmt::Display for ConnectError {
 /// One established connection: tonic's client over it, and the task that drives it.
 struct Connection {
     client: AgentCallbackClient<Sender>,
-    driver: tokio::task::JoinHandle<()>,
+    /// `None` once the connection was closed on purpose and its task left to finish.
+    driver: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Connection {
     /// Whether the connection has ended (the server closed it, or it failed).
     fn is_closed(&self) -> bool {
-        self.driver.is_finished()
+        self.driver.as_ref().is_none_or(|d| d.is_finished())
+    }
+
+    /// Ends the connection gracefully: without a request sender, hyper's connection task
+    /// tells the server it is going away (HTTP/2 GOAWAY), closes the connection and ends.
+    fn close(mut self) {
+        self.driver = None;
     }
 }
 
 impl Drop for Connection {
     fn drop(&mut self) {
-        self.driver.abort();
+        if let Some(driver) = &self.driver {
+            driver.abort();
+        }
     }
 }
 
@@ -228,6 +240,13 @@ impl AgentClient {
     /// How many connections this client has made: one for as long as the server keeps it.
     pub fn connections(&self) -> u64 {
         self.connections
+    }
+
+    /// Closes the connection, if there is one, gracefully; the next heartbeat makes a new one.
+    pub fn close(&mut self) {
+        if let Some(connection) = self.connection.take() {
+            connection.close();
+        }
     }
 
     /// Sends one heartbeat. A connection that cannot be made or that fails, and an answer

@@ -72,6 +72,20 @@ impl HeartbeatFailures {
     }
 }
 
+/// What an agent does with its connection between heartbeats.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum BetweenHeartbeats {
+    /// Keeps it for the next heartbeat: a server keeps an idle connection for longer (120 s
+    /// by default) than agents wait between heartbeats (30 s), so one connection serves them
+    /// all.
+    #[default]
+    Keep,
+    /// Closes it after each heartbeat and connects for the next: for a server whose idle
+    /// timeout is shorter than the heartbeat interval, which closes every connection unused
+    /// before the next heartbeat anyway, while both ends hold its buffers until then.
+    Close,
+}
+
 /// Everything the heartbeat loop needs; built from the state file by `run`, or directly by
 /// an in-process simulation.
 #[derive(Clone)]
@@ -86,6 +100,8 @@ pub struct AgentConfig {
     pub pkcs8: Vec<u8>,
     /// Time between heartbeats.
     pub heartbeat_interval: Duration,
+    /// Whether the connection is kept between heartbeats.
+    pub between_heartbeats: BetweenHeartbeats,
     /// Shell command run after a successful installation was reported.
     pub reboot_command: String,
     /// The hardware report sent with the first heartbeat.
@@ -107,6 +123,7 @@ pub async fn run(args: RunArgs) -> ExitCode {
             ca_der: init.ca_certificate,
             pkcs8: st.private_key_pkcs8.clone(),
             heartbeat_interval: args.heartbeat_interval,
+            between_heartbeats: BetweenHeartbeats::Keep,
             reboot_command: args.reboot_command.clone(),
             hardware_report: hardware::report(),
             retry_max: args.retry_max,
@@ -152,7 +169,11 @@ pub async fn run_agent(
             hardware_report: hardware_report.clone(),
             installation_report: installation_report.clone(),
         };
-        let wait = match client.heartbeat(request).await {
+        let answer = client.heartbeat(request).await;
+        if config.between_heartbeats == BetweenHeartbeats::Close {
+            client.close();
+        }
+        let wait = match answer {
             Ok(response) => {
                 failures.succeeded();
                 hardware_report = None;
@@ -262,6 +283,7 @@ mod tests {
             ca_der: Vec::new(),
             pkcs8,
             heartbeat_interval: Duration::from_millis(10),
+            between_heartbeats: BetweenHeartbeats::Keep,
             reboot_command: "true".into(),
             hardware_report: AgentHardwareReport::default(),
             retry_max: Duration::from_millis(10),

@@ -1,6 +1,6 @@
 //! The agent's own client against a real BMaaS server on loopback: it keeps one connection
 //! between heartbeats, keeps it when the server answers with an error, and makes a new one
-//! after the server closed an idle connection or restarted.
+//! after the server closed an idle connection or restarted, or after the agent closed its own.
 
 use std::time::Duration;
 
@@ -76,6 +76,37 @@ async fn the_agent_client_reuses_its_connection_and_replaces_a_closed_one() {
     client.heartbeat(beat(&machine)).await.unwrap();
     assert_eq!(client.connections(), 3);
 
+    server.close().await.unwrap();
+    t.cleanup().await;
+}
+
+/// An agent that closes its connection after a heartbeat (`BetweenHeartbeats::Close`)
+/// connects again for the next one, and the server answers it as before; without the close,
+/// the connection is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_connection_is_replaced_by_the_next_heartbeat() {
+    let t = testing::sqlite().await;
+    let dir = tempfile::tempdir().unwrap();
+    let server = LoopbackServer::start(&t.db, dir.path(), 2, ServerLimits::default())
+        .await
+        .unwrap();
+    let (pkcs8, public) = identity::generate().unwrap();
+    let machine = testing::machine_with_agent(&t.db, &public)
+        .await
+        .to_string();
+    let cert = identity::client_certificate(&pkcs8, &machine).unwrap();
+    let key = PrivatePkcs8KeyDer::from(pkcs8).into();
+    let connector = ServerConnector::new(&server.endpoint(), server.ca_der(), cert, key).unwrap();
+    let mut client = AgentClient::new(connector);
+    client.close();
+    for expected in 1..=3 {
+        client.heartbeat(beat(&machine)).await.unwrap();
+        assert_eq!(client.connections(), expected);
+        client.close();
+    }
+    client.heartbeat(beat(&machine)).await.unwrap();
+    client.heartbeat(beat(&machine)).await.unwrap();
+    assert_eq!(client.connections(), 4, "kept when not closed");
     server.close().await.unwrap();
     t.cleanup().await;
 }

@@ -305,6 +305,7 @@ async fn shepherd_replica(proxy: &FaultProxy, args: &Args) -> Result<Ours> {
             endpoint: server.endpoint(),
             ca_der: server.ca_der().to_vec(),
             heartbeat_interval: knobs.heartbeat_interval,
+            between_heartbeats: Default::default(),
             failures: Default::default(),
         }),
     );

@@ -18,7 +18,9 @@ use shepherd_loops::metrics::{CallMetrics, InstrumentedProvider};
 use shepherd_loops::provisioner::ProvisionerConfig;
 use shepherd_loops::reconcile::Limits;
 use shepherd_server::{LoopbackServer, ServerLimits};
-use shepherd_sim::{HeartbeatFailures, RealAgents, SimCounters, SimFleet, SimKnobs};
+use shepherd_sim::{
+    BetweenHeartbeats, HeartbeatFailures, RealAgents, SimCounters, SimFleet, SimKnobs,
+};
 
 use crate::flags::duration;
 use crate::fleet::shutdown_on_signals;
@@ -248,11 +250,15 @@ pub async fn run(args: DemoArgs) -> Result<()> {
     // The real BMaaS server on loopback TLS; every simulated machine's agent runs the real
     // agent heartbeat code against it.
     let mut limits = ServerLimits::for_loopback_fleet(args.machines);
+    let mut between_heartbeats = BetweenHeartbeats::Keep;
     if !open_files_hold_every_connection(args.machines) {
         // Both ends of every agent's connection live in this process: when the file limit
         // cannot hold them all, the server closes a connection idle for half a heartbeat
         // interval, so each agent connects for its heartbeat and fewer are open at once.
+        // The agents then close their connection after each heartbeat themselves, rather
+        // than hold both ends' buffers for the half interval until the server does.
         limits.idle_timeout = agent_heartbeat_interval(args.machines) / 2;
+        between_heartbeats = BetweenHeartbeats::Close;
     }
     let server = LoopbackServer::start(&db, &dir.path().join("certs"), 4, limits).await?;
     // The agents count their failed heartbeats for the summary rather than print them.
@@ -262,6 +268,7 @@ pub async fn run(args: DemoArgs) -> Result<()> {
             endpoint: server.endpoint(),
             ca_der: server.ca_der().to_vec(),
             heartbeat_interval: agent_heartbeat_interval(args.machines),
+            between_heartbeats,
             failures: heartbeat_failures.clone(),
         }),
     );

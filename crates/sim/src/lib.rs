@@ -19,7 +19,7 @@ use shepherd_proto::Message;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-pub use shepherd_agent::heartbeat::HeartbeatFailures;
+pub use shepherd_agent::heartbeat::{BetweenHeartbeats, HeartbeatFailures};
 use shepherd_loops::provider::{
     record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Recorded, Recoverer,
 };
@@ -149,6 +149,8 @@ pub struct RealAgents {
     pub ca_der: Vec<u8>,
     /// Time between heartbeats.
     pub heartbeat_interval: Duration,
+    /// Whether the agents keep their connection between heartbeats.
+    pub between_heartbeats: BetweenHeartbeats,
     /// Where the agents count their failed heartbeats (they print nothing).
     pub failures: Arc<shepherd_agent::heartbeat::HeartbeatFailures>,
 }
@@ -532,6 +534,7 @@ impl Transport for SimFleet {
                     ca_der: real.ca_der.clone(),
                     pkcs8,
                     heartbeat_interval: real.heartbeat_interval,
+                    between_heartbeats: real.between_heartbeats,
                     reboot_command: "true".into(),
                     hardware_report: sim_hardware(&s.machines[i].id),
                     retry_max: Duration::from_secs(5),
