@@ -7,7 +7,7 @@ use std::time::Duration;
 use rustls_pki_types::PrivatePkcs8KeyDer;
 use shepherd_agent::connection::{AgentClient, HeartbeatError, ServerConnector};
 use shepherd_agent::identity;
-use shepherd_bmdb::testing;
+use shepherd_bmdb::{testing, Bmdb};
 use shepherd_proto::bmaas::HeartbeatRequest;
 use shepherd_server::{LoopbackServer, ServerLimits};
 use tonic::Code;
@@ -22,6 +22,16 @@ fn beat(machine: &str) -> HeartbeatRequest {
     }
 }
 
+/// A machine with an agent on record, and that agent's client of `server`.
+async fn agent_of_a_new_machine(db: &Bmdb, server: &LoopbackServer) -> (String, AgentClient) {
+    let (pkcs8, public) = identity::generate().unwrap();
+    let machine = testing::machine_with_agent(db, &public).await.to_string();
+    let cert = identity::client_certificate(&pkcs8, &machine).unwrap();
+    let key = PrivatePkcs8KeyDer::from(pkcs8).into();
+    let connector = ServerConnector::new(&server.endpoint(), server.ca_der(), cert, key).unwrap();
+    (machine, AgentClient::new(connector))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_agent_client_reuses_its_connection_and_replaces_a_closed_one() {
     let t = testing::sqlite().await;
@@ -33,14 +43,7 @@ async fn the_agent_client_reuses_its_connection_and_replaces_a_closed_one() {
     let mut server = LoopbackServer::start(&t.db, dir.path(), 2, limits)
         .await
         .unwrap();
-    let (pkcs8, public) = identity::generate().unwrap();
-    let machine = testing::machine_with_agent(&t.db, &public)
-        .await
-        .to_string();
-    let cert = identity::client_certificate(&pkcs8, &machine).unwrap();
-    let key = PrivatePkcs8KeyDer::from(pkcs8).into();
-    let connector = ServerConnector::new(&server.endpoint(), server.ca_der(), cert, key).unwrap();
-    let mut client = AgentClient::new(connector);
+    let (machine, mut client) = agent_of_a_new_machine(&t.db, &server).await;
     assert_eq!(client.connections(), 0, "connected on first use only");
 
     // Heartbeats, and an error the server answers with, share one connection.
@@ -90,14 +93,7 @@ async fn a_closed_connection_is_replaced_by_the_next_heartbeat() {
     let server = LoopbackServer::start(&t.db, dir.path(), 2, ServerLimits::default())
         .await
         .unwrap();
-    let (pkcs8, public) = identity::generate().unwrap();
-    let machine = testing::machine_with_agent(&t.db, &public)
-        .await
-        .to_string();
-    let cert = identity::client_certificate(&pkcs8, &machine).unwrap();
-    let key = PrivatePkcs8KeyDer::from(pkcs8).into();
-    let connector = ServerConnector::new(&server.endpoint(), server.ca_der(), cert, key).unwrap();
-    let mut client = AgentClient::new(connector);
+    let (machine, mut client) = agent_of_a_new_machine(&t.db, &server).await;
     client.close();
     for expected in 1..=3 {
         client.heartbeat(beat(&machine)).await.unwrap();

@@ -14,6 +14,7 @@ use uuid::Uuid;
 use super::engine::{from_columns, Arg, Conn, Result, Tx};
 use super::finish_tags::{Refusal, TagColumns, TagWrites};
 use crate::model::*;
+use crate::Error;
 
 /// What ending a unit of work found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -169,20 +170,17 @@ impl Tx {
         }
         let mut outcomes = Vec::with_capacity(ends.len());
         for (member, end) in ends.iter().enumerate() {
-            let outcome = if postgres {
-                match self.end_works_together(std::slice::from_ref(end)).await? {
-                    Ok(outcome) => outcome[0],
-                    Err(refusal) => return Ok(Err(Refusal { member, ..refusal })),
-                }
+            let ended = if postgres {
+                let one = self.end_works_together(std::slice::from_ref(end)).await?;
+                one.map(|outcomes| outcomes[0])
+                    .map_err(|refusal| refusal.error)
             } else {
                 self.end_work_sqlite(end).await?
             };
-            if let (How::Finish(tags), EndOutcome::Done, false) = (end.how, outcome, postgres) {
-                if let Err(error) = self.write_tags_of(end.machine, tags).await {
-                    return Ok(Err(Refusal { member, error }));
-                }
+            match ended {
+                Ok(outcome) => outcomes.push(outcome),
+                Err(error) => return Ok(Err(Refusal { member, error })),
             }
-            outcomes.push(outcome);
         }
         Ok(Ok(outcomes))
     }
@@ -252,8 +250,12 @@ impl Tx {
         Ok(Ok(outcomes))
     }
 
-    /// One ending on SQLite, statement by statement.
-    async fn end_work_sqlite(&mut self, end: &WorkEnd<'_>) -> Result<EndOutcome> {
+    /// One ending on SQLite, statement by statement, a finish's tags last; `Ok(Err(_))` when
+    /// those tags were refused (the transaction must then be rolled back).
+    async fn end_work_sqlite(
+        &mut self,
+        end: &WorkEnd<'_>,
+    ) -> Result<std::result::Result<EndOutcome, Error>> {
         let WorkEnd {
             session,
             machine,
@@ -270,7 +272,7 @@ impl Tx {
             }
         };
         if outcome != EndOutcome::Done {
-            return Ok(outcome);
+            return Ok(Ok(outcome));
         }
         let cause = match how {
             How::Finish(_) => {
@@ -293,7 +295,12 @@ impl Tx {
         };
         self.write_history(session, machine, process, how.event(), cause)
             .await?;
-        Ok(outcome)
+        if let How::Finish(tags) = how {
+            if let Err(refused) = self.write_tags_of(machine, tags).await {
+                return Ok(Err(refused));
+            }
+        }
+        Ok(Ok(outcome))
     }
 
     /// Deletes our work row after checking the session; the common first half of Finish and
