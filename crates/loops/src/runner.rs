@@ -1,7 +1,9 @@
 //! The control loop runner shared by the Initializer, the Recoverer and later loops (SPEC §10):
 //! N workers, each with its own session, claim one machine at a time at a rate-limited pace,
 //! process it, and finish the work, or end it as the loop's [`MachineTask::error_policy`] says
-//! for the error (as kube-runtime's `error_policy` does for a reconcile error).
+//! for the error (as kube-runtime's `error_policy` does for a reconcile error). A worker's
+//! ending is written while it claims its next machine, one ending in flight per worker, and
+//! every ending is written before the worker closes its session.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -140,6 +142,8 @@ async fn worker<T: MachineTask>(
 ) {
     let mut session: Option<Session> = None;
     let mut errors = Streak::new(ERROR_DELAYS);
+    // The ending of the worker's last machine, written while the worker claims its next one.
+    let mut ending: Option<tokio::task::JoinHandle<()>> = None;
     loop {
         tokio::select! {
             biased; // a cancelled loop must not claim more work
@@ -159,7 +163,7 @@ async fn worker<T: MachineTask>(
         };
         let retrieval = task.retrieval();
         match s.work(retrieval.process(), retrieval).await {
-            Ok(Claim::Work(mut work)) => {
+            Ok(Claim::Work(work)) => {
                 errors.succeeded();
                 let machine = work.machine_id();
                 // The task records the provider id once it has read the machine's tags. At the
@@ -171,39 +175,21 @@ async fn worker<T: MachineTask>(
                     provider_id = tracing::field::Empty,
                     process = %retrieval.process(),
                 );
-                async {
-                    let outcome = tokio::select! {
+                let outcome = async {
+                    tokio::select! {
                         _ = cancel.cancelled() => None,
                         r = task.process_machine(&s, machine) => Some(r),
-                    };
-                    let failure = match outcome {
-                        None => {
-                            if let Err(e) = work.cancel().await {
-                                tracing::warn!(error = %e, "canceling work failed");
-                            }
-                            return;
-                        }
-                        Some(Ok(tags)) => match work.finish(tags).await {
-                            Ok(()) => return,
-                            // The lock or the session is gone: there is nothing left to end.
-                            Err(e @ (BmdbError::SessionExpired | BmdbError::WorkLost { .. })) => {
-                                tracing::warn!(error = %e, "finishing work failed");
-                                return;
-                            }
-                            Err(e) => {
-                                tracing::warn!(error = %e, "finishing work failed");
-                                T::Error::from(e)
-                            }
-                        },
-                        Some(Err(e)) => {
-                            tracing::warn!(error = %format!("{e:#}"), "processing failed");
-                            e
-                        }
-                    };
-                    end_failed(&mut work, &*task, &failure).await;
+                    }
                 }
-                .instrument(span)
+                .instrument(span.clone())
                 .await;
+                // One ending in flight per worker: the previous one is written by now (it had
+                // this whole machine's processing to be).
+                if let Some(previous) = ending.take() {
+                    let _ = previous.await;
+                }
+                let end = end_work(work, task.clone(), outcome).instrument(span);
+                ending = Some(tokio::spawn(end));
             }
             Ok(Claim::NothingToDo) | Ok(Claim::Conflict) => errors.succeeded(),
             Err(BmdbError::SessionExpired) => {
@@ -217,7 +203,47 @@ async fn worker<T: MachineTask>(
         }
         session = Some(s);
     }
+    if let Some(last) = ending {
+        let _ = last.await;
+    }
     if let Some(s) = session {
         let _ = s.close().await;
     }
+}
+
+/// Ends a claimed machine's work after its processing: finished with its tags, canceled if
+/// the loop was cancelled first (`outcome` is `None`), or as the task's error policy says.
+/// Run in a task of its own, so that the worker claims its next machine meanwhile: a worker's
+/// claim and its last ending then share the time one of them took, and the database gathers
+/// more of the loop's claims and endings into each batch.
+async fn end_work<T: MachineTask>(
+    mut work: Work,
+    task: Arc<T>,
+    outcome: Option<Result<TagWrites, T::Error>>,
+) {
+    let failure = match outcome {
+        None => {
+            if let Err(e) = work.cancel().await {
+                tracing::warn!(error = %e, "canceling work failed");
+            }
+            return;
+        }
+        Some(Ok(tags)) => match work.finish(tags).await {
+            Ok(()) => return,
+            // The lock or the session is gone: there is nothing left to end.
+            Err(e @ (BmdbError::SessionExpired | BmdbError::WorkLost { .. })) => {
+                tracing::warn!(error = %e, "finishing work failed");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "finishing work failed");
+                T::Error::from(e)
+            }
+        },
+        Some(Err(e)) => {
+            tracing::warn!(error = %format!("{e:#}"), "processing failed");
+            e
+        }
+    };
+    end_failed(&mut work, &*task, &failure).await;
 }

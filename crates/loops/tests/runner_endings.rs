@@ -1,8 +1,11 @@
 //! The machine-loop runner's endings, on both backends: work in progress when the loop is
 //! canceled ends as Canceled (no verdict, no backoff), not Failed; and a session that expires in
-//! the middle of the loop (another replica collected it) is replaced, the loop going on.
+//! the middle of the loop (another replica collected it) is replaced, the loop going on; and
+//! endings written while the workers claim their next machines are all written before the loop
+//! ends.
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -21,6 +24,8 @@ use uuid::Uuid;
 struct Task {
     hang: bool,
     collect_own_session_once: Mutex<bool>,
+    /// Machines processed so far (counted before their endings are written).
+    processed: Arc<AtomicUsize>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -53,6 +58,7 @@ impl MachineTask for Task {
                 .transact(move |tx| Box::pin(async move { tx.delete_session_raw(id).await }))
                 .await?;
         }
+        self.processed.fetch_add(1, Ordering::SeqCst);
         Ok(TagWrites::none().agent_started([1; 32]))
     }
 
@@ -70,6 +76,7 @@ impl Task {
         Task {
             hang,
             collect_own_session_once: Mutex::new(collect_own_session_once),
+            processed: Arc::new(AtomicUsize::new(0)),
         }
     }
 }
@@ -164,7 +171,42 @@ async fn an_expired_session_is_replaced_and_the_loop_goes_on(db: Bmdb) {
     );
 }
 
+/// A worker writes its last ending while it claims its next machine; a loop cancelled just
+/// after its workers processed the last machines still finishes every one of them (none is
+/// canceled by its session's closing) before it ends.
+async fn a_loop_cancelled_after_processing_writes_every_ending(db: Bmdb) {
+    let task = Task::new(false, false);
+    let processed = task.processed.clone();
+    run_until(&db, 20, task, "every machine processed", async || {
+        let n = processed.load(Ordering::SeqCst);
+        when(n == 20, n)
+    })
+    .await;
+    let history = all_history(&db).await;
+    for machine in history
+        .iter()
+        .map(|e| e.machine_id)
+        .collect::<BTreeSet<_>>()
+    {
+        let events: Vec<WorkEvent> = history
+            .iter()
+            .filter(|e| e.machine_id == machine)
+            .map(|e| e.event)
+            .collect();
+        assert_eq!(
+            events,
+            [WorkEvent::Started, WorkEvent::Finished],
+            "machine {machine}"
+        );
+    }
+    let status = db.status_counts().await.unwrap();
+    assert_eq!(status.agent_started, 20, "{status:?}");
+    assert!(status.work.is_empty(), "{status:?}");
+    assert_eq!(status.sessions_live, 0, "sessions closed");
+}
+
 shepherd_bmdb::conformance_tests!(
     cancellation_mid_processing_is_canceled_not_failed,
     an_expired_session_is_replaced_and_the_loop_goes_on,
+    a_loop_cancelled_after_processing_writes_every_ending,
 );
