@@ -186,7 +186,7 @@ async fn worker<T: MachineTask>(
                 // One ending in flight per worker: the previous one is written by now (it had
                 // this whole machine's processing to be).
                 if let Some(previous) = ending.take() {
-                    let _ = previous.await;
+                    written(previous).await;
                 }
                 let end = end_work(work, task.clone(), outcome).instrument(span);
                 ending = Some(tokio::spawn(end));
@@ -204,10 +204,20 @@ async fn worker<T: MachineTask>(
         session = Some(s);
     }
     if let Some(last) = ending {
-        let _ = last.await;
+        written(last).await;
     }
     if let Some(s) = session {
         let _ = s.close().await;
+    }
+}
+
+/// Waits for an ending's task. A panic in it is the worker's own, as it was when the worker
+/// wrote its endings itself.
+async fn written(ending: tokio::task::JoinHandle<()>) {
+    if let Err(e) = ending.await {
+        if e.is_panic() {
+            std::panic::resume_unwind(e.into_panic());
+        }
     }
 }
 
