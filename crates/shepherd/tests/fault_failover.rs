@@ -329,10 +329,22 @@ async fn failover_with(fault: Fault, machines: usize) -> Figures {
         (c.provided == machines as i64 && c.agent_started == machines as i64).then_some(())
     })
     .await;
-    // Every takeover a replica was told was committed is in the history.
+    // Every takeover a replica was told was committed is in the history. A replica counts a
+    // finish once its answer reached the worker's ending, a moment after the commit made it
+    // visible here, so the count is read until it matches (or for a few seconds).
+    let all = history::all(&db).await;
+    let finished = history::exclusive_finishes(&all, Process::ShepherdAgentStart);
+    let in_history = finished.values().sum::<usize>() as u64;
     let mut acknowledged_endings = 0;
-    for m in &metrics {
-        acknowledged_endings += finished_takeovers(m).await;
+    for _ in 0..20 {
+        acknowledged_endings = 0;
+        for m in &metrics {
+            acknowledged_endings += finished_takeovers(m).await;
+        }
+        if acknowledged_endings == in_history {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
     }
     for (name, child) in [("a", a), ("b", b)] {
         let out = child.terminate();
@@ -346,12 +358,9 @@ async fn failover_with(fault: Fault, machines: usize) -> Figures {
     let out = server.terminate();
     assert!(out.status.success(), "server: {}", out.status);
 
-    let all = history::all(&db).await;
-    let finished = history::exclusive_finishes(&all, Process::ShepherdAgentStart);
     assert_eq!(finished.len(), machines, "machines never taken over");
     assert_eq!(
-        finished.values().sum::<usize>() as u64,
-        acknowledged_endings,
+        in_history, acknowledged_endings,
         "{fault:?}: takeovers the replicas were told were committed, against the history"
     );
     assert!(
