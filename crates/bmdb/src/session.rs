@@ -404,7 +404,9 @@ impl Session {
     }
 
     /// Closes the session: stops the keep-alive and deletes the row; work it still held is
-    /// released (recorded as Canceled). Later use fails with [`Error::SessionExpired`].
+    /// released (recorded as Canceled). An ending of its work that races the close is either
+    /// written in full (and the close leaves that work alone) or finds the work gone; a
+    /// machine's history never gets both. Later use fails with [`Error::SessionExpired`].
     pub async fn close(&self) -> Result<(), Error> {
         self.inner.stop_keepalive();
         let id = self.inner.id;

@@ -347,6 +347,43 @@ async fn closing_a_session_releases_its_work(db: Bmdb) {
     std::mem::forget((w1, w2));
 }
 
+/// A session closed while its own works are being ended: the close and each ending race for
+/// the work row, and whichever removes it writes the one ending in the machine's history —
+/// never both a Finished and the close's Canceled. Nothing is left held.
+async fn closing_a_session_while_its_work_ends_records_each_ending_once(db: Bmdb) {
+    const WORKS: usize = 8;
+    const ROUNDS: usize = 25;
+    let ids = testing::provision(&db, WORKS * ROUNDS, Provider::Sim).await;
+    let mut rng = StdRng::seed_from_u64(7);
+    for _ in 0..ROUNDS {
+        let s = session(&db, "closing").await;
+        let mut enders = Vec::new();
+        for _ in 0..WORKS {
+            let mut w = claimed(s.work(Process::ShepherdAgentStart, START).await.unwrap());
+            enders.push(tokio::spawn(async move {
+                // Either the finish or the close removes the work; a finish that lost the race
+                // says so (work lost, or session gone) and leaves nothing to cancel.
+                let _ = w.finish(TagWrites::none().agent_started(key(4))).await;
+                std::mem::forget(w);
+            }));
+        }
+        tokio::time::sleep(Duration::from_micros(rng.random_range(0..1500))).await;
+        s.close().await.unwrap();
+        for e in enders {
+            e.await.unwrap();
+        }
+    }
+    for id in &ids {
+        let events: Vec<WorkEvent> = history(&db, *id).await.iter().map(|e| e.event).collect();
+        let alternates = events.chunks(2).all(|pair| {
+            pair.len() == 2 && pair[0] == WorkEvent::Started && pair[1] != WorkEvent::Started
+        });
+        assert!(alternates, "one ending per claim for {id}: {events:?}");
+    }
+    let work = fleet_counts(&db).await.work;
+    assert!(work.iter().all(|(_, n)| *n == 0), "no work left: {work:?}");
+}
+
 async fn work_endings(db: Bmdb) {
     let ids = testing::provision(&db, 1, Provider::Sim).await;
     let id = ids[0];
@@ -1460,6 +1497,7 @@ shepherd_bmdb::conformance_tests!(
     tags_round_trip,
     session_expiry_releases_work,
     closing_a_session_releases_its_work,
+    closing_a_session_while_its_work_ends_records_each_ending_once,
     work_endings,
     backoff_is_persisted_and_grows,
     claims_are_exclusive_under_parallelism,

@@ -31,14 +31,25 @@ const CHECK: Dialects = Dialects {
     sqlite: "SELECT 1 FROM sessions WHERE session_id = $1 AND deadline > $2",
 };
 
+/// Releases all of a closing session's work, recording each as Canceled. On Postgres the
+/// history names exactly the rows this statement deleted: a concurrent ending of the same work
+/// holds its row until it commits, and then the row is gone here, so the machine gets that
+/// ending alone and not a Canceled beside it. SQLite's single writer has no such race.
 const CANCEL_ALL_WORK: Dialects = Dialects {
-    postgres: "INSERT INTO work_history (machine_id, process, event, at, session_id, failed_cause)
+    postgres: "WITH gone AS (DELETE FROM work WHERE session_id = $1
+                             RETURNING machine_id, process, session_id)
+               INSERT INTO work_history (machine_id, process, event, at, session_id, failed_cause)
                SELECT machine_id, process, 'Canceled', now(), session_id, 'session closed'
-                 FROM work WHERE session_id = $1",
+                 FROM gone",
     sqlite: "INSERT INTO work_history (machine_id, process, event, at, session_id, failed_cause)
              SELECT machine_id, process, 'Canceled', $2, session_id, 'session closed'
                FROM work WHERE session_id = $1",
 };
+
+/// Locks a closing session's row on Postgres, waiting for claims under way (they hold it
+/// `FOR KEY SHARE`) and keeping new ones out, so that the session's work is complete when it
+/// is released.
+const LOCK_FOR_CLOSE: &str = "SELECT 1 FROM sessions WHERE session_id = $1 FOR UPDATE";
 
 /// Whether the session is alive, in a SQLite transaction a caller holds as such (claims).
 pub(super) async fn alive_sqlite(c: &mut SqliteTx, id: Uuid) -> Result<bool> {
@@ -100,6 +111,9 @@ impl Tx {
     /// Closes a session: its work is recorded as Canceled and released with it.
     pub(crate) async fn delete_session(&mut self, id: Uuid) -> Result<()> {
         let conn = self.conn();
+        if conn.engine() == Engine::Postgres {
+            conn.execute(LOCK_FOR_CLOSE, &[Arg::Uuid(id)]).await?;
+        }
         conn.execute(&CANCEL_ALL_WORK, &[Arg::Uuid(id), Arg::Now])
             .await?;
         conn.execute(
