@@ -8,13 +8,13 @@
 //! the [`IronicServer`] is dropped; start-up is bounded. There is no skip path: a missing
 //! virtualenv fails the test with the command that installs it.
 
-use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use shepherd_loops::testing::free_loopback_port;
 
 /// How long Ironic may take to answer and to register its conductor.
 const START_TIMEOUT: Duration = Duration::from_secs(90);
@@ -60,12 +60,6 @@ pub fn venv() -> PathBuf {
         })
 }
 
-/// A port nothing listens on now (the kernel's pick of a free one).
-fn free_port() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("a free loopback port");
-    listener.local_addr().expect("its address").port()
-}
-
 /// Starts the all-in-one `ironic` process on `dir`'s `ironic.conf`, in a process group of its
 /// own, its output appended to `dir`'s `stdout.log`.
 fn spawn(dir: &Path) -> Child {
@@ -100,7 +94,7 @@ impl IronicServer {
             .prefix("shepherd-ironic-")
             .tempdir()
             .unwrap();
-        let port = free_port();
+        let port = free_loopback_port();
         let auth_lines = match &auth {
             TestAuth::None => "auth_strategy = noauth\n".to_string(),
             TestAuth::Basic { user, password } => {

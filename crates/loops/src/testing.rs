@@ -4,12 +4,7 @@ pub mod bmc;
 
 use std::path::PathBuf;
 
-/// A loopback port that was free a moment ago: for a listener the test starts next, or as an
-/// address where nothing listens.
-pub fn free_loopback_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a free loopback port");
-    listener.local_addr().expect("its address").port()
-}
+pub use shepherd_ssh::testing::free_loopback_port;
 
 /// Path of the `shepherd-test-agent` binary built beside the running test.
 pub fn test_agent_path() -> PathBuf {

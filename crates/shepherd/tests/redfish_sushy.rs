@@ -204,7 +204,8 @@ async fn the_recoverer_power_cycles_through_the_inventory_bmc() {
     assert_eq!(
         ended(&histories[0]).event,
         WorkEvent::Finished,
-        "box-b rebooted"
+        "box-b rebooted: {:?}",
+        histories[0]
     );
     assert_eq!(
         power(&emu, SYSTEM_A).await,

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{announced, refused, shepherd, signal, sim_replica, Pace};
+use common::{announced, free_port, refused, shepherd, signal, sim_replica, Pace};
 use shepherd_bmdb::{Bmdb, StatusCounts};
 
 fn stderr(o: &Output) -> String {
@@ -695,11 +695,7 @@ async fn equinix_run_provisions_from_reservations() {
 fn ironic_settings_are_checked_at_start_up() {
     let dir = tempfile::tempdir().unwrap();
     let db = format!("sqlite:{}", dir.path().join("bmdb.sqlite").display());
-    let closed = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
-    let url = format!("http://{closed}");
+    let url = format!("http://127.0.0.1:{}", free_port());
     let run = |extra: &[&str]| {
         shepherd()
             .args([

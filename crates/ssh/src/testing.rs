@@ -4,10 +4,12 @@
 //! config that allows bursts of parallel connections. It runs until the [`Sshd`] is dropped.
 //! sshd must be installed (`scripts/test-deps.sh` does that); there is no skip path.
 
+use std::collections::BTreeSet;
 use std::net::TcpListener;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use russh::keys::ssh_key::private::Ed25519Keypair;
@@ -100,7 +102,7 @@ impl Sshd {
         .unwrap();
         for _ in 0..20 {
             if self.port == 0 || !self.try_start(self.port) {
-                let port = free_port();
+                let port = free_loopback_port();
                 if self.try_start(port) {
                     return;
                 }
@@ -174,10 +176,20 @@ impl Drop for Sshd {
     }
 }
 
-/// A port nothing listens on now (the kernel's pick of a free one).
-fn free_port() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("a free loopback port");
-    listener.local_addr().expect("its address").port()
+/// A loopback port that was free a moment ago (the kernel's pick), for a listener a test
+/// starts next or as an address where nothing listens; never the same port twice in one
+/// process. Tests run in parallel threads of one process: two given the same port at once
+/// would start two servers on it, the second would fail to bind, and its test would talk to
+/// the first server without noticing.
+pub fn free_loopback_port() -> u16 {
+    static GIVEN: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
+    loop {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("a free loopback port");
+        let port = listener.local_addr().expect("its address").port();
+        if GIVEN.lock().unwrap_or_else(|e| e.into_inner()).insert(port) {
+            return port;
+        }
+    }
 }
 
 fn write_private(path: &PathBuf, text: &str) {

@@ -4,7 +4,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use shepherd_ssh::testing::{random_key, Sshd};
+use shepherd_ssh::testing::{free_loopback_port, random_key, Sshd};
 use shepherd_ssh::{parse_public_key, Auth, SshClient, SshConfig, SshError};
 
 /// The settings of a client logging in with `key` as the user running the tests.
@@ -168,11 +168,7 @@ async fn exec_timeout_closes_the_channel() {
 async fn connect_failures_are_told_apart() {
     let key = random_key();
     // Nothing listens: connection refused.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_loopback_port();
     match client(&key)
         .connect(&format!("127.0.0.1:{port}"), None)
         .await
