@@ -1505,6 +1505,69 @@ shepherd_bmdb::conformance_tests!(
     eligibility_matches_model,
 );
 
+/// Garbage collection of an expired session races an ending of its work (Postgres: SQLite's
+/// single writer serializes them). Another transaction has deleted the work row and written
+/// its own Canceled, as an ending does, and commits while the collection waits for that row:
+/// the collection must not add a second Canceled for a lock it did not release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn collecting_a_session_leaves_work_another_transaction_ended() {
+    use sqlx::Connection;
+    let Some(t) = shepherd_bmdb::testing::postgres().await else {
+        return;
+    };
+    let db = t.db.clone();
+    let id = testing::provision(&db, 1, Provider::Sim).await[0];
+    let s = db
+        .start_session(
+            SessionConfig::new("doomed", Processor::ShepherdInitializer)
+                .with_interval(Duration::from_secs(1)),
+        )
+        .await
+        .unwrap();
+    let w = claimed(s.work(Process::ShepherdAgentStart, START).await.unwrap());
+    s.stop_keepalive();
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+
+    let mut ender = sqlx::PgConnection::connect(&t.url).await.unwrap();
+    let mut tx = ender.begin().await.unwrap();
+    sqlx::query(
+        "WITH del AS (DELETE FROM work WHERE machine_id = $1 RETURNING machine_id, process, session_id)
+         INSERT INTO work_history (machine_id, process, event, at, session_id, failed_cause)
+         SELECT machine_id, process, 'Canceled', now(), session_id, 'ended elsewhere' FROM del",
+    )
+    .bind(id)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let collecting = tokio::spawn({
+        let db = db.clone();
+        async move { db.collect_garbage().await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !collecting.is_finished(),
+        "the collection waits for the row"
+    );
+    tx.commit().await.unwrap();
+    assert_eq!(collecting.await.unwrap().unwrap(), 1);
+
+    let events: Vec<_> = history(&db, id)
+        .await
+        .into_iter()
+        .map(|e| (e.event, e.cause))
+        .collect();
+    assert_eq!(
+        events,
+        [
+            (WorkEvent::Started, None),
+            (WorkEvent::Canceled, Some("ended elsewhere".to_string())),
+        ]
+    );
+    std::mem::forget(w);
+    ender.close().await.unwrap();
+    t.cleanup().await;
+}
+
 /// Two handles on one SQLite file behave like two processes: they contend for the file's write
 /// lock (BEGIN IMMEDIATE plus the busy timeout) and still never claim a machine twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -126,17 +126,22 @@ impl Tx {
 
     /// Deletes expired sessions (their work cascades), recording each lost lock as Canceled;
     /// returns how many. On Postgres one statement, so that history names exactly the
-    /// sessions it deleted even if a concurrent keep-alive races it; SQLite's single writer
-    /// has no such race.
+    /// sessions it deleted even if a concurrent keep-alive races it, and exactly the work rows
+    /// it deleted itself: a row that a concurrent ending holds is waited for and, once that
+    /// ending committed, left out (it wrote its own history). SQLite's single writer has
+    /// neither race.
     pub(crate) async fn collect_garbage(&mut self) -> Result<u64> {
         let conn = self.conn();
         match conn.engine() {
             Engine::Postgres => {
                 let sql = "WITH dead AS (DELETE FROM sessions WHERE deadline < now() RETURNING session_id),
+                           gone AS (
+                              DELETE FROM work w USING dead d WHERE w.session_id = d.session_id
+                              RETURNING w.machine_id, w.process, w.session_id),
                            hist AS (
                               INSERT INTO work_history (machine_id, process, event, at, session_id, failed_cause)
-                              SELECT w.machine_id, w.process, 'Canceled', now(), w.session_id, 'session expired'
-                              FROM work w JOIN dead d ON d.session_id = w.session_id)
+                              SELECT machine_id, process, 'Canceled', now(), session_id, 'session expired'
+                              FROM gone)
                            SELECT count(*) FROM dead";
                 let n: Option<i64> = conn.value(sql, &[]).await?;
                 Ok(n.unwrap_or(0) as u64)
