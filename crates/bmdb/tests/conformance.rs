@@ -384,6 +384,43 @@ async fn closing_a_session_while_its_work_ends_records_each_ending_once(db: Bmdb
     assert!(work.iter().all(|(_, n)| *n == 0), "no work left: {work:?}");
 }
 
+/// A session closed while it is still claiming: each claim either commits before the close
+/// (and the close cancels its work, with history) or finds the session gone. No claim is left
+/// with a Started and no ending, and nothing is left held.
+async fn closing_a_session_while_it_claims_leaves_no_claim_without_an_ending(db: Bmdb) {
+    const CLAIMS: usize = 8;
+    const ROUNDS: usize = 25;
+    let ids = testing::provision(&db, CLAIMS, Provider::Sim).await;
+    let mut rng = StdRng::seed_from_u64(9);
+    for _ in 0..ROUNDS {
+        let s = session(&db, "closing").await;
+        let mut claims = Vec::new();
+        for _ in 0..CLAIMS {
+            let s = s.clone();
+            claims.push(tokio::spawn(async move {
+                if let Ok(Claim::Work(w)) = s.work(Process::ShepherdAgentStart, START).await {
+                    // The close releases it, or has released it already.
+                    std::mem::forget(w);
+                }
+            }));
+        }
+        tokio::time::sleep(Duration::from_micros(rng.random_range(0..1500))).await;
+        s.close().await.unwrap();
+        for c in claims {
+            c.await.unwrap();
+        }
+    }
+    for id in &ids {
+        let events: Vec<WorkEvent> = history(&db, *id).await.iter().map(|e| e.event).collect();
+        let alternates = events
+            .chunks(2)
+            .all(|pair| pair == [WorkEvent::Started, WorkEvent::Canceled]);
+        assert!(alternates, "one ending per claim for {id}: {events:?}");
+    }
+    let work = fleet_counts(&db).await.work;
+    assert!(work.iter().all(|(_, n)| *n == 0), "no work left: {work:?}");
+}
+
 async fn work_endings(db: Bmdb) {
     let ids = testing::provision(&db, 1, Provider::Sim).await;
     let id = ids[0];
@@ -1498,6 +1535,7 @@ shepherd_bmdb::conformance_tests!(
     session_expiry_releases_work,
     closing_a_session_releases_its_work,
     closing_a_session_while_its_work_ends_records_each_ending_once,
+    closing_a_session_while_it_claims_leaves_no_claim_without_an_ending,
     work_endings,
     backoff_is_persisted_and_grows,
     claims_are_exclusive_under_parallelism,
