@@ -1606,6 +1606,80 @@ async fn collecting_a_session_leaves_work_another_transaction_ended() {
     t.cleanup().await;
 }
 
+/// Garbage collection of an expired session races a claim of that session that checked it
+/// alive just before its deadline (Postgres; SQLite's single writer serializes them). The
+/// claim holds the session row `FOR KEY SHARE`, as claims do, and commits its work while the
+/// collection waits for that row: the collection must release that work with a Canceled,
+/// not leave a Started without an ending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn collecting_a_session_cancels_a_claim_that_committed_meanwhile() {
+    use sqlx::Connection;
+    let Some(t) = shepherd_bmdb::testing::postgres().await else {
+        return;
+    };
+    let db = t.db.clone();
+    let id = testing::provision(&db, 1, Provider::Sim).await[0];
+    let s = db
+        .start_session(
+            SessionConfig::new("doomed", Processor::ShepherdInitializer)
+                .with_interval(Duration::from_secs(1)),
+        )
+        .await
+        .unwrap();
+    s.stop_keepalive();
+
+    let mut claimer = sqlx::PgConnection::connect(&t.url).await.unwrap();
+    let mut tx = claimer.begin().await.unwrap();
+    let alive: Option<i32> = sqlx::query_scalar(
+        "SELECT 1 FROM sessions WHERE session_id = $1 AND deadline > now() FOR KEY SHARE",
+    )
+    .bind(s.id())
+    .fetch_optional(&mut *tx)
+    .await
+    .unwrap();
+    assert_eq!(alive, Some(1));
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    sqlx::query(
+        "WITH w AS (INSERT INTO work (machine_id, session_id, process)
+                    VALUES ($1, $2, 'ShepherdAgentStart') RETURNING *)
+         INSERT INTO work_history (machine_id, process, event, at, session_id)
+         SELECT machine_id, process, 'Started', now(), session_id FROM w",
+    )
+    .bind(id)
+    .bind(s.id())
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let collecting = tokio::spawn({
+        let db = db.clone();
+        async move { db.collect_garbage().await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !collecting.is_finished(),
+        "the collection waits for the claim"
+    );
+    tx.commit().await.unwrap();
+    assert_eq!(collecting.await.unwrap().unwrap(), 1);
+
+    let events: Vec<_> = history(&db, id)
+        .await
+        .into_iter()
+        .map(|e| (e.event, e.cause))
+        .collect();
+    assert_eq!(
+        events,
+        [
+            (WorkEvent::Started, None),
+            (WorkEvent::Canceled, Some("session expired".to_string())),
+        ]
+    );
+    let work = fleet_counts(&db).await.work;
+    assert!(work.iter().all(|(_, n)| *n == 0), "no work left: {work:?}");
+    claimer.close().await.unwrap();
+    t.cleanup().await;
+}
+
 /// Two handles on one SQLite file behave like two processes: they contend for the file's write
 /// lock (BEGIN IMMEDIATE plus the busy timeout) and still never claim a machine twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -4,9 +4,7 @@
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::engine::{
-    from_columns, Arg, Autocommit, Dialects, Engine, FromColumns, Result, SqliteTx, Tx,
-};
+use super::engine::{from_columns, Arg, Autocommit, Dialects, FromColumns, Result, SqliteTx, Tx};
 use crate::model::{Process, SessionInfo};
 
 const CREATE: Dialects = Dialects {
@@ -31,25 +29,37 @@ const CHECK: Dialects = Dialects {
     sqlite: "SELECT 1 FROM sessions WHERE session_id = $1 AND deadline > $2",
 };
 
-/// Releases all of a closing session's work, recording each as Canceled. On Postgres the
-/// history names exactly the rows this statement deleted: a concurrent ending of the same work
-/// holds its row until it commits, and then the row is gone here, so the machine gets that
-/// ending alone and not a Canceled beside it. SQLite's single writer has no such race.
-const CANCEL_ALL_WORK: Dialects = Dialects {
+/// Locks one session's row to release it (on Postgres `FOR UPDATE`: claims under way hold it
+/// `FOR KEY SHARE` and commit first, new ones wait and then find it gone).
+const LOCK_SESSION: Dialects = Dialects {
+    postgres: "SELECT session_id FROM sessions WHERE session_id = $1 FOR UPDATE",
+    sqlite: "SELECT session_id FROM sessions WHERE session_id = $1",
+};
+
+/// Locks the expired sessions' rows to release them, in id order so that two collectors wait
+/// for each other instead of deadlocking. On Postgres a keep-alive that extended a deadline
+/// meanwhile commits first, and its session is then not expired and not returned.
+const LOCK_EXPIRED: Dialects = Dialects {
+    postgres: "SELECT session_id FROM sessions WHERE deadline < now()
+               ORDER BY session_id FOR UPDATE",
+    sqlite: "SELECT session_id FROM sessions WHERE deadline < $1 ORDER BY session_id",
+};
+
+/// Releases a locked session's work, recording each as Canceled with the cause `$2`. On
+/// Postgres the history names exactly the rows this statement deleted: an ending of the same
+/// work holds its row until it commits, and then the row is gone here, so the machine gets
+/// that ending alone. With the session locked first, every claim of it has committed and is
+/// seen here. SQLite's single writer has neither race.
+const CANCEL_SESSION_WORK: Dialects = Dialects {
     postgres: "WITH gone AS (DELETE FROM work WHERE session_id = $1
                              RETURNING machine_id, process, session_id)
                INSERT INTO work_history (machine_id, process, event, at, session_id, failed_cause)
-               SELECT machine_id, process, 'Canceled', now(), session_id, 'session closed'
+               SELECT machine_id, process, 'Canceled', now(), session_id, $2
                  FROM gone",
     sqlite: "INSERT INTO work_history (machine_id, process, event, at, session_id, failed_cause)
-             SELECT machine_id, process, 'Canceled', $2, session_id, 'session closed'
+             SELECT machine_id, process, 'Canceled', $3, session_id, $2
                FROM work WHERE session_id = $1",
 };
-
-/// Locks a closing session's row on Postgres, waiting for claims under way (they hold it
-/// `FOR KEY SHARE`) and keeping new ones out, so that the session's work is complete when it
-/// is released.
-const LOCK_FOR_CLOSE: &str = "SELECT 1 FROM sessions WHERE session_id = $1 FOR UPDATE";
 
 /// Whether the session is alive, in a SQLite transaction a caller holds as such (claims).
 pub(super) async fn alive_sqlite(c: &mut SqliteTx, id: Uuid) -> Result<bool> {
@@ -110,54 +120,35 @@ impl Tx {
 
     /// Closes a session: its work is recorded as Canceled and released with it.
     pub(crate) async fn delete_session(&mut self, id: Uuid) -> Result<()> {
-        let conn = self.conn();
-        if conn.engine() == Engine::Postgres {
-            conn.execute(LOCK_FOR_CLOSE, &[Arg::Uuid(id)]).await?;
+        let locked: Option<Uuid> = self.conn().value(&LOCK_SESSION, &[Arg::Uuid(id)]).await?;
+        if locked.is_some() {
+            self.release_session(id, "session closed").await?;
         }
-        conn.execute(&CANCEL_ALL_WORK, &[Arg::Uuid(id), Arg::Now])
-            .await?;
+        Ok(())
+    }
+
+    /// Deletes expired sessions, recording each lock they held as Canceled; returns how many.
+    /// Each is locked first, then released like a closed one (see [`CANCEL_SESSION_WORK`]).
+    pub(crate) async fn collect_garbage(&mut self) -> Result<u64> {
+        let dead: Vec<Uuid> = self.conn().values(&LOCK_EXPIRED, &[Arg::Now]).await?;
+        for id in &dead {
+            self.release_session(*id, "session expired").await?;
+        }
+        Ok(dead.len() as u64)
+    }
+
+    /// Releases a session whose row this transaction locked: its work ends as Canceled with
+    /// `cause`, and the row goes.
+    async fn release_session(&mut self, id: Uuid, cause: &str) -> Result<()> {
+        let conn = self.conn();
+        let args = [Arg::Uuid(id), Arg::Text(cause), Arg::Now];
+        conn.execute(&CANCEL_SESSION_WORK, &args).await?;
         conn.execute(
             "DELETE FROM sessions WHERE session_id = $1",
             &[Arg::Uuid(id)],
         )
         .await?;
         Ok(())
-    }
-
-    /// Deletes expired sessions (their work cascades), recording each lost lock as Canceled;
-    /// returns how many. On Postgres one statement, so that history names exactly the
-    /// sessions it deleted even if a concurrent keep-alive races it, and exactly the work rows
-    /// it deleted itself: a row that a concurrent ending holds is waited for and, once that
-    /// ending committed, left out (it wrote its own history). SQLite's single writer has
-    /// neither race.
-    pub(crate) async fn collect_garbage(&mut self) -> Result<u64> {
-        let conn = self.conn();
-        match conn.engine() {
-            Engine::Postgres => {
-                let sql = "WITH dead AS (DELETE FROM sessions WHERE deadline < now() RETURNING session_id),
-                           gone AS (
-                              DELETE FROM work w USING dead d WHERE w.session_id = d.session_id
-                              RETURNING w.machine_id, w.process, w.session_id),
-                           hist AS (
-                              INSERT INTO work_history (machine_id, process, event, at, session_id, failed_cause)
-                              SELECT machine_id, process, 'Canceled', now(), session_id, 'session expired'
-                              FROM gone)
-                           SELECT count(*) FROM dead";
-                let n: Option<i64> = conn.value(sql, &[]).await?;
-                Ok(n.unwrap_or(0) as u64)
-            }
-            Engine::Sqlite => {
-                let record = "INSERT INTO work_history
-                                  (machine_id, process, event, at, session_id, failed_cause)
-                              SELECT w.machine_id, w.process, 'Canceled', $1, w.session_id,
-                                     'session expired'
-                              FROM work w JOIN sessions s ON s.session_id = w.session_id
-                              WHERE s.deadline < $1";
-                conn.execute(record, &[Arg::Now]).await?;
-                let delete = "DELETE FROM sessions WHERE deadline < $1";
-                conn.execute(delete, &[Arg::Now]).await
-            }
-        }
     }
 
     /// One session by id.
