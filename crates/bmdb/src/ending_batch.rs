@@ -44,7 +44,7 @@ impl Bmdb {
             tokio::spawn(async move {
                 let batch = group.gather(leader).await;
                 db.metrics().ending_batch(processor, batch.items().len());
-                let written = db.write_endings(batch.items()).await;
+                let written = db.write_endings(processor, batch.items()).await;
                 batch.answer(written);
             });
         }
@@ -57,8 +57,14 @@ impl Bmdb {
     /// written is told so at once; one whose tags are refused (a host key pinned already) rolls
     /// the transaction back, is told its error, and the others are written again without it
     /// (so a batch is written at most once more than it has refused members).
+    ///
+    /// A COMMIT that fails with the connection (the primary died as it committed) leaves the
+    /// batch in doubt: it may be written, and its members are told the error all the same.
+    /// They are counted in `bmdb_endings_in_doubt`, so that endings a process saw fail can be
+    /// told from endings the database lost.
     async fn write_endings(
         &self,
+        processor: Processor,
         endings: &[Arc<Ending>],
     ) -> Result<Vec<Answer<EndOutcome>>, Error> {
         let mut failed: Vec<Option<Error>> = endings.iter().map(|e| e.check().err()).collect();
@@ -74,7 +80,13 @@ impl Bmdb {
             let mut tx = self.begin(Mode::Batch).await?;
             match tx.end_works(&ends).await? {
                 Ok(outcomes) => {
-                    tx.commit().await?;
+                    if let Err(e) = tx.commit().await {
+                        if !e.is_retryable() {
+                            self.metrics()
+                                .ending_batch_in_doubt(processor, members.len());
+                        }
+                        return Err(e);
+                    }
                     written = outcomes;
                     break;
                 }

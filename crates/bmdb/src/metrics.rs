@@ -87,6 +87,7 @@ pub struct BmdbMetrics {
     heartbeat_batches: BatchCounters,
     claim_batches: BatchCounters,
     ending_batches: BatchCounters,
+    endings_in_doubt: Family<ProcessorLabels, Counter>,
     sessions_expired: Family<ProcessorLabels, Counter>,
     writer_wait: WriterWait,
 }
@@ -180,6 +181,11 @@ impl BmdbMetrics {
             "bmdb_claim_searches",
             "Claim statements on Postgres, by where they searched and whether they claimed",
             self.claim_searches.clone(),
+        );
+        registry.register(
+            "bmdb_endings_in_doubt",
+            "Work endings whose COMMIT failed with the connection: the database may have written them (the work's history says); they are not counted as ended here",
+            self.endings_in_doubt.clone(),
         );
         registry.register(
             "bmdb_sessions_expired",
@@ -306,6 +312,20 @@ impl BmdbMetrics {
     /// Counts one ending batch of `size` endings written for `processor`.
     pub(crate) fn ending_batch(&self, processor: Processor, size: usize) {
         self.ending_batches.record(processor, size);
+    }
+
+    /// Counts `n` endings of `processor` whose batch's COMMIT failed with the connection.
+    pub(crate) fn ending_batch_in_doubt(&self, processor: Processor, n: usize) {
+        self.endings_in_doubt
+            .get_or_create(&Self::p(processor))
+            .inc_by(n as u64);
+    }
+
+    /// Endings of `processor` so far whose batch's COMMIT failed with the connection.
+    pub fn endings_in_doubt(&self, processor: Processor) -> u64 {
+        self.endings_in_doubt
+            .get_or_create(&Self::p(processor))
+            .get()
     }
 
     /// Claim batches so far and the requests they served, for `processor`.

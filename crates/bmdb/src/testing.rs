@@ -426,6 +426,19 @@ pub async fn session(db: &Bmdb, processor: crate::Processor) -> crate::Session {
         .expect("start a test session")
 }
 
+/// Like [`session`], kept alive every `interval`: a short one lets a test see the session
+/// expire, a long one keeps its keep-alives out of the way.
+pub async fn session_every(
+    db: &Bmdb,
+    processor: crate::Processor,
+    interval: std::time::Duration,
+) -> crate::Session {
+    let config = crate::SessionConfig::new(processor.label(), processor).with_interval(interval);
+    db.start_session(config)
+        .await
+        .expect("start a test session")
+}
+
 /// Polls `f` every 50 ms until it returns `Ok` and returns that value, failing the test when
 /// `within` passes first with a message naming `what` and the last `Err` (the state it was
 /// stuck in). Tests that wait for the system to get somewhere wait through this, so no wait is

@@ -25,6 +25,12 @@ async fn session(db: &Bmdb, name: &str) -> Session {
         .expect("start session")
 }
 
+/// A session with a one-second interval, which expires two seconds after its keep-alive
+/// stops.
+async fn doomed_session(db: &Bmdb) -> Session {
+    testing::session_every(db, Processor::ShepherdInitializer, Duration::from_secs(1)).await
+}
+
 fn claimed(c: Claim) -> Work {
     match c {
         Claim::Work(w) => w,
@@ -241,13 +247,7 @@ async fn tags_round_trip(db: Bmdb) {
 
 async fn session_expiry_releases_work(db: Bmdb) {
     let ids = testing::provision(&db, 1, Provider::Sim).await;
-    let a = db
-        .start_session(
-            SessionConfig::new("doomed", Processor::ShepherdInitializer)
-                .with_interval(Duration::from_secs(1)),
-        )
-        .await
-        .unwrap();
+    let a = doomed_session(&db).await;
     let mut work = claimed(a.work(Process::ShepherdAgentStart, START).await.unwrap());
     assert_eq!(work.machine_id(), ids[0]);
 
@@ -347,18 +347,48 @@ async fn closing_a_session_releases_its_work(db: Bmdb) {
     std::mem::forget((w1, w2));
 }
 
+/// Rounds of a session closed while `racers` it started run: each round starts a session,
+/// the racers (tasks) against it, closes it after a random pause of up to 1.5 ms, and waits
+/// for the racers.
+async fn close_during_rounds(
+    db: &Bmdb,
+    seed: u64,
+    racers: impl AsyncFn(&Session) -> Vec<tokio::task::JoinHandle<()>>,
+) {
+    const ROUNDS: usize = 25;
+    let mut rng = StdRng::seed_from_u64(seed);
+    for _ in 0..ROUNDS {
+        let s = session(db, "closing").await;
+        let running = racers(&s).await;
+        tokio::time::sleep(Duration::from_micros(rng.random_range(0..1500))).await;
+        s.close().await.unwrap();
+        for r in running {
+            r.await.unwrap();
+        }
+    }
+}
+
+/// Every claim of each of `ids` has exactly one ending after its Started, and no work is held.
+async fn every_claim_ended_once(db: &Bmdb, ids: &[Uuid]) {
+    for id in ids {
+        let events: Vec<WorkEvent> = history(db, *id).await.iter().map(|e| e.event).collect();
+        let alternates = events.chunks(2).all(|pair| {
+            pair.len() == 2 && pair[0] == WorkEvent::Started && pair[1] != WorkEvent::Started
+        });
+        assert!(alternates, "one ending per claim for {id}: {events:?}");
+    }
+    let work = fleet_counts(db).await.work;
+    assert!(work.iter().all(|(_, n)| *n == 0), "no work left: {work:?}");
+}
+
 /// A session closed while its own works are being ended: the close and each ending race for
 /// the work row, and whichever removes it writes the one ending in the machine's history —
 /// never both a Finished and the close's Canceled. Nothing is left held.
 async fn closing_a_session_while_its_work_ends_records_each_ending_once(db: Bmdb) {
-    const WORKS: usize = 8;
-    const ROUNDS: usize = 25;
-    let ids = testing::provision(&db, WORKS * ROUNDS, Provider::Sim).await;
-    let mut rng = StdRng::seed_from_u64(7);
-    for _ in 0..ROUNDS {
-        let s = session(&db, "closing").await;
+    let ids = testing::provision(&db, 8 * 25, Provider::Sim).await;
+    close_during_rounds(&db, 7, async |s| {
         let mut enders = Vec::new();
-        for _ in 0..WORKS {
+        for _ in 0..8 {
             let mut w = claimed(s.work(Process::ShepherdAgentStart, START).await.unwrap());
             enders.push(tokio::spawn(async move {
                 // Either the finish or the close removes the work; a finish that lost the race
@@ -367,58 +397,28 @@ async fn closing_a_session_while_its_work_ends_records_each_ending_once(db: Bmdb
                 std::mem::forget(w);
             }));
         }
-        tokio::time::sleep(Duration::from_micros(rng.random_range(0..1500))).await;
-        s.close().await.unwrap();
-        for e in enders {
-            e.await.unwrap();
-        }
-    }
-    for id in &ids {
-        let events: Vec<WorkEvent> = history(&db, *id).await.iter().map(|e| e.event).collect();
-        let alternates = events.chunks(2).all(|pair| {
-            pair.len() == 2 && pair[0] == WorkEvent::Started && pair[1] != WorkEvent::Started
-        });
-        assert!(alternates, "one ending per claim for {id}: {events:?}");
-    }
-    let work = fleet_counts(&db).await.work;
-    assert!(work.iter().all(|(_, n)| *n == 0), "no work left: {work:?}");
+        enders
+    })
+    .await;
+    every_claim_ended_once(&db, &ids).await;
 }
 
 /// A session closed while it is still claiming: each claim either commits before the close
 /// (and the close cancels its work, with history) or finds the session gone. No claim is left
 /// with a Started and no ending, and nothing is left held.
 async fn closing_a_session_while_it_claims_leaves_no_claim_without_an_ending(db: Bmdb) {
-    const CLAIMS: usize = 8;
-    const ROUNDS: usize = 25;
-    let ids = testing::provision(&db, CLAIMS, Provider::Sim).await;
-    let mut rng = StdRng::seed_from_u64(9);
-    for _ in 0..ROUNDS {
-        let s = session(&db, "closing").await;
-        let mut claims = Vec::new();
-        for _ in 0..CLAIMS {
-            let s = s.clone();
-            claims.push(tokio::spawn(async move {
-                if let Ok(Claim::Work(w)) = s.work(Process::ShepherdAgentStart, START).await {
-                    // The close releases it, or has released it already.
-                    std::mem::forget(w);
-                }
-            }));
-        }
-        tokio::time::sleep(Duration::from_micros(rng.random_range(0..1500))).await;
-        s.close().await.unwrap();
-        for c in claims {
-            c.await.unwrap();
-        }
-    }
-    for id in &ids {
-        let events: Vec<WorkEvent> = history(&db, *id).await.iter().map(|e| e.event).collect();
-        let alternates = events
-            .chunks(2)
-            .all(|pair| pair == [WorkEvent::Started, WorkEvent::Canceled]);
-        assert!(alternates, "one ending per claim for {id}: {events:?}");
-    }
-    let work = fleet_counts(&db).await.work;
-    assert!(work.iter().all(|(_, n)| *n == 0), "no work left: {work:?}");
+    let ids = testing::provision(&db, 8, Provider::Sim).await;
+    close_during_rounds(&db, 9, async |s| {
+        let claim = |s: Session| async move {
+            if let Ok(Claim::Work(w)) = s.work(Process::ShepherdAgentStart, START).await {
+                // The close releases it, or has released it already.
+                std::mem::forget(w);
+            }
+        };
+        (0..8).map(|_| tokio::spawn(claim(s.clone()))).collect()
+    })
+    .await;
+    every_claim_ended_once(&db, &ids).await;
 }
 
 async fn work_endings(db: Bmdb) {
@@ -1543,6 +1543,31 @@ shepherd_bmdb::conformance_tests!(
     eligibility_matches_model,
 );
 
+/// Collects garbage while `tx` (another transaction, holding a row the collection needs) is
+/// open: the collection waits for it, `tx` commits, and then the one expired session goes.
+async fn collect_while_held(db: &Bmdb, tx: sqlx::Transaction<'_, sqlx::Postgres>) {
+    let collecting = tokio::spawn({
+        let db = db.clone();
+        async move { db.collect_garbage().await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !collecting.is_finished(),
+        "the collection waits for the row"
+    );
+    tx.commit().await.unwrap();
+    assert_eq!(collecting.await.unwrap().unwrap(), 1);
+}
+
+/// A machine's history as (event, cause) pairs.
+async fn events_and_causes(db: &Bmdb, id: Uuid) -> Vec<(WorkEvent, Option<String>)> {
+    history(db, id)
+        .await
+        .into_iter()
+        .map(|e| (e.event, e.cause))
+        .collect()
+}
+
 /// Garbage collection of an expired session races an ending of its work (Postgres: SQLite's
 /// single writer serializes them). Another transaction has deleted the work row and written
 /// its own Canceled, as an ending does, and commits while the collection waits for that row:
@@ -1555,13 +1580,7 @@ async fn collecting_a_session_leaves_work_another_transaction_ended() {
     };
     let db = t.db.clone();
     let id = testing::provision(&db, 1, Provider::Sim).await[0];
-    let s = db
-        .start_session(
-            SessionConfig::new("doomed", Processor::ShepherdInitializer)
-                .with_interval(Duration::from_secs(1)),
-        )
-        .await
-        .unwrap();
+    let s = doomed_session(&db).await;
     let w = claimed(s.work(Process::ShepherdAgentStart, START).await.unwrap());
     s.stop_keepalive();
     tokio::time::sleep(Duration::from_millis(2200)).await;
@@ -1577,25 +1596,9 @@ async fn collecting_a_session_leaves_work_another_transaction_ended() {
     .execute(&mut *tx)
     .await
     .unwrap();
-    let collecting = tokio::spawn({
-        let db = db.clone();
-        async move { db.collect_garbage().await }
-    });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(
-        !collecting.is_finished(),
-        "the collection waits for the row"
-    );
-    tx.commit().await.unwrap();
-    assert_eq!(collecting.await.unwrap().unwrap(), 1);
-
-    let events: Vec<_> = history(&db, id)
-        .await
-        .into_iter()
-        .map(|e| (e.event, e.cause))
-        .collect();
+    collect_while_held(&db, tx).await;
     assert_eq!(
-        events,
+        events_and_causes(&db, id).await,
         [
             (WorkEvent::Started, None),
             (WorkEvent::Canceled, Some("ended elsewhere".to_string())),
@@ -1619,13 +1622,7 @@ async fn collecting_a_session_cancels_a_claim_that_committed_meanwhile() {
     };
     let db = t.db.clone();
     let id = testing::provision(&db, 1, Provider::Sim).await[0];
-    let s = db
-        .start_session(
-            SessionConfig::new("doomed", Processor::ShepherdInitializer)
-                .with_interval(Duration::from_secs(1)),
-        )
-        .await
-        .unwrap();
+    let s = doomed_session(&db).await;
     s.stop_keepalive();
 
     let mut claimer = sqlx::PgConnection::connect(&t.url).await.unwrap();
@@ -1650,25 +1647,9 @@ async fn collecting_a_session_cancels_a_claim_that_committed_meanwhile() {
     .execute(&mut *tx)
     .await
     .unwrap();
-    let collecting = tokio::spawn({
-        let db = db.clone();
-        async move { db.collect_garbage().await }
-    });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(
-        !collecting.is_finished(),
-        "the collection waits for the claim"
-    );
-    tx.commit().await.unwrap();
-    assert_eq!(collecting.await.unwrap().unwrap(), 1);
-
-    let events: Vec<_> = history(&db, id)
-        .await
-        .into_iter()
-        .map(|e| (e.event, e.cause))
-        .collect();
+    collect_while_held(&db, tx).await;
     assert_eq!(
-        events,
+        events_and_causes(&db, id).await,
         [
             (WorkEvent::Started, None),
             (WorkEvent::Canceled, Some("session expired".to_string())),
