@@ -25,6 +25,9 @@ async fn session(db: &Bmdb, name: &str) -> Session {
         .expect("start session")
 }
 
+/// Long enough after a [`doomed_session`]'s keep-alive stopped for it to have expired.
+const PAST_EXPIRY: Duration = Duration::from_millis(2200);
+
 /// A session with a one-second interval, which expires two seconds after its keep-alive
 /// stops.
 async fn doomed_session(db: &Bmdb) -> Session {
@@ -258,7 +261,7 @@ async fn session_expiry_releases_work(db: Bmdb) {
 
     // The process "crashes": no more pokes.
     a.stop_keepalive();
-    tokio::time::sleep(Duration::from_millis(2200)).await;
+    tokio::time::sleep(PAST_EXPIRY).await;
     assert!(matches!(
         a.transact(|_| Box::pin(async { Ok(()) })).await,
         Err(Error::SessionExpired)
@@ -1543,6 +1546,39 @@ shepherd_bmdb::conformance_tests!(
     eligibility_matches_model,
 );
 
+/// A Postgres test database with one machine, a [`doomed_session`] whose keep-alive is
+/// stopped (it expires [`PAST_EXPIRY`] from now), and a connection of the test's own for the
+/// transaction that races the garbage collection.
+struct DoomedOnPostgres {
+    t: testing::TestDb,
+    machine: Uuid,
+    session: Session,
+    raw: sqlx::PgConnection,
+}
+
+impl DoomedOnPostgres {
+    async fn start() -> Option<DoomedOnPostgres> {
+        use sqlx::Connection;
+        let t = testing::postgres().await?;
+        let machine = testing::provision(&t.db, 1, Provider::Sim).await[0];
+        let session = doomed_session(&t.db).await;
+        session.stop_keepalive();
+        let raw = sqlx::PgConnection::connect(&t.url).await.unwrap();
+        Some(DoomedOnPostgres {
+            t,
+            machine,
+            session,
+            raw,
+        })
+    }
+
+    async fn end(self) {
+        use sqlx::Connection;
+        self.raw.close().await.unwrap();
+        self.t.cleanup().await;
+    }
+}
+
 /// Collects garbage while `tx` (another transaction, holding a row the collection needs) is
 /// open: the collection waits for it, `tx` commits, and then the one expired session goes.
 async fn collect_while_held(db: &Bmdb, tx: sqlx::Transaction<'_, sqlx::Postgres>) {
@@ -1559,13 +1595,20 @@ async fn collect_while_held(db: &Bmdb, tx: sqlx::Transaction<'_, sqlx::Postgres>
     assert_eq!(collecting.await.unwrap().unwrap(), 1);
 }
 
-/// A machine's history as (event, cause) pairs.
-async fn events_and_causes(db: &Bmdb, id: Uuid) -> Vec<(WorkEvent, Option<String>)> {
-    history(db, id)
+/// The machine's history is one claim, ended Canceled with `cause`.
+async fn assert_started_then_canceled(db: &Bmdb, id: Uuid, cause: &str) {
+    let events: Vec<_> = history(db, id)
         .await
         .into_iter()
         .map(|e| (e.event, e.cause))
-        .collect()
+        .collect();
+    assert_eq!(
+        events,
+        [
+            (WorkEvent::Started, None),
+            (WorkEvent::Canceled, Some(cause.to_string())),
+        ]
+    );
 }
 
 /// Garbage collection of an expired session races an ending of its work (Postgres: SQLite's
@@ -1575,18 +1618,19 @@ async fn events_and_causes(db: &Bmdb, id: Uuid) -> Vec<(WorkEvent, Option<String
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn collecting_a_session_leaves_work_another_transaction_ended() {
     use sqlx::Connection;
-    let Some(t) = shepherd_bmdb::testing::postgres().await else {
+    let Some(mut f) = DoomedOnPostgres::start().await else {
         return;
     };
-    let db = t.db.clone();
-    let id = testing::provision(&db, 1, Provider::Sim).await[0];
-    let s = doomed_session(&db).await;
-    let w = claimed(s.work(Process::ShepherdAgentStart, START).await.unwrap());
-    s.stop_keepalive();
-    tokio::time::sleep(Duration::from_millis(2200)).await;
+    let (db, id) = (f.t.db.clone(), f.machine);
+    let w = claimed(
+        f.session
+            .work(Process::ShepherdAgentStart, START)
+            .await
+            .unwrap(),
+    );
+    tokio::time::sleep(PAST_EXPIRY).await;
 
-    let mut ender = sqlx::PgConnection::connect(&t.url).await.unwrap();
-    let mut tx = ender.begin().await.unwrap();
+    let mut tx = f.raw.begin().await.unwrap();
     sqlx::query(
         "WITH del AS (DELETE FROM work WHERE machine_id = $1 RETURNING machine_id, process, session_id)
          INSERT INTO work_history (machine_id, process, event, at, session_id, failed_cause)
@@ -1597,16 +1641,9 @@ async fn collecting_a_session_leaves_work_another_transaction_ended() {
     .await
     .unwrap();
     collect_while_held(&db, tx).await;
-    assert_eq!(
-        events_and_causes(&db, id).await,
-        [
-            (WorkEvent::Started, None),
-            (WorkEvent::Canceled, Some("ended elsewhere".to_string())),
-        ]
-    );
+    assert_started_then_canceled(&db, id, "ended elsewhere").await;
     std::mem::forget(w);
-    ender.close().await.unwrap();
-    t.cleanup().await;
+    f.end().await;
 }
 
 /// Garbage collection of an expired session races a claim of that session that checked it
@@ -1617,25 +1654,20 @@ async fn collecting_a_session_leaves_work_another_transaction_ended() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn collecting_a_session_cancels_a_claim_that_committed_meanwhile() {
     use sqlx::Connection;
-    let Some(t) = shepherd_bmdb::testing::postgres().await else {
+    let Some(mut f) = DoomedOnPostgres::start().await else {
         return;
     };
-    let db = t.db.clone();
-    let id = testing::provision(&db, 1, Provider::Sim).await[0];
-    let s = doomed_session(&db).await;
-    s.stop_keepalive();
-
-    let mut claimer = sqlx::PgConnection::connect(&t.url).await.unwrap();
-    let mut tx = claimer.begin().await.unwrap();
+    let (db, id, session) = (f.t.db.clone(), f.machine, f.session.id());
+    let mut tx = f.raw.begin().await.unwrap();
     let alive: Option<i32> = sqlx::query_scalar(
         "SELECT 1 FROM sessions WHERE session_id = $1 AND deadline > now() FOR KEY SHARE",
     )
-    .bind(s.id())
+    .bind(session)
     .fetch_optional(&mut *tx)
     .await
     .unwrap();
     assert_eq!(alive, Some(1));
-    tokio::time::sleep(Duration::from_millis(2200)).await;
+    tokio::time::sleep(PAST_EXPIRY).await;
     sqlx::query(
         "WITH w AS (INSERT INTO work (machine_id, session_id, process)
                     VALUES ($1, $2, 'ShepherdAgentStart') RETURNING *)
@@ -1643,22 +1675,15 @@ async fn collecting_a_session_cancels_a_claim_that_committed_meanwhile() {
          SELECT machine_id, process, 'Started', now(), session_id FROM w",
     )
     .bind(id)
-    .bind(s.id())
+    .bind(session)
     .execute(&mut *tx)
     .await
     .unwrap();
     collect_while_held(&db, tx).await;
-    assert_eq!(
-        events_and_causes(&db, id).await,
-        [
-            (WorkEvent::Started, None),
-            (WorkEvent::Canceled, Some("session expired".to_string())),
-        ]
-    );
+    assert_started_then_canceled(&db, id, "session expired").await;
     let work = fleet_counts(&db).await.work;
     assert!(work.iter().all(|(_, n)| *n == 0), "no work left: {work:?}");
-    claimer.close().await.unwrap();
-    t.cleanup().await;
+    f.end().await;
 }
 
 /// Two handles on one SQLite file behave like two processes: they contend for the file's write
