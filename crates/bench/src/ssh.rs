@@ -86,6 +86,7 @@ async fn ours(
                         target_path: &target,
                         stdin: &stdin,
                         timeout: Duration::from_secs(120),
+                        lease: &shepherd_bmdb::Lease::unbounded(),
                     })
                     .await?;
                 verify_response(&init, &out.stdout)?;

@@ -43,8 +43,8 @@ pub(crate) enum EndingKind {
         interval: i64,
         delay: Duration,
     },
-    /// Given up without a verdict.
-    Cancel,
+    /// Given up without a verdict, with why if it is known.
+    Cancel(Option<String>),
 }
 
 /// One ending: whose work, and how it ends.
@@ -60,7 +60,7 @@ impl Ending {
     pub(crate) fn check(&self) -> Result<(), crate::Error> {
         match &self.kind {
             EndingKind::Finish(tags) => tags.check(),
-            EndingKind::Fail { .. } | EndingKind::Cancel => Ok(()),
+            EndingKind::Fail { .. } | EndingKind::Cancel(_) => Ok(()),
         }
     }
 
@@ -77,7 +77,7 @@ impl Ending {
                 interval: *interval,
                 delay: *delay,
             },
-            EndingKind::Cancel => How::Cancel,
+            EndingKind::Cancel(cause) => How::Cancel(cause.as_deref()),
         };
         WorkEnd {
             session: self.session,

@@ -91,11 +91,41 @@ pub(crate) struct Inner {
     target: String,
     /// The last diagnosis of an unreachable database, and when it was made.
     diagnosis: tokio::sync::Mutex<Option<(std::time::Instant, String)>>,
+    /// When this handle's last background garbage collection started, and whether it is
+    /// still under way (one at a time, at most one per session interval).
+    collecting: std::sync::Mutex<(Option<std::time::Instant>, bool)>,
 }
 
 /// How long one diagnosis of an unreachable database is reused: an outage makes every waiting
 /// caller time out at once, and one probe connection per second is enough to name the cause.
 const DIAGNOSIS_TTL: Duration = Duration::from_secs(1);
+
+/// What every Postgres connection of a BMDB sets, so that no replica can stall the others
+/// (see ARCHITECTURE.md, "Leases"):
+/// - `idle_in_transaction_session_timeout`: a transaction whose client stopped talking (a
+///   process paused, or cut off by a silent partition) is ended by the server, and the row
+///   locks it held (a session row its keep-alive updated, work rows) are released. BMDB
+///   transactions never wait on anything but the database between statements;
+/// - `statement_timeout`: no statement runs unbounded (migrations lift it, `schema.rs`);
+/// - `tcp_keepalives_*` and `tcp_user_timeout`: the server notices a peer that is gone within
+///   about ten seconds, instead of TCP's two hours.
+pub(crate) const SESSION_LIMITS: [(&str, &str); 6] = [
+    ("idle_in_transaction_session_timeout", "3s"),
+    ("statement_timeout", "60s"),
+    ("tcp_keepalives_idle", "5"),
+    ("tcp_keepalives_interval", "2"),
+    ("tcp_keepalives_count", "3"),
+    ("tcp_user_timeout", "10000"),
+];
+
+/// `pg` with [`SESSION_LIMITS`] set at connection start.
+fn with_session_limits(pg: sqlx::postgres::PgConnectOptions) -> sqlx::postgres::PgConnectOptions {
+    pg.options(SESSION_LIMITS)
+}
+
+/// The longest a background garbage collection may take; the next keep-alive that asks for
+/// one starts it again.
+const GC_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How long a diagnostic connection attempt may take.
 const DIAGNOSIS_TIMEOUT: Duration = Duration::from_secs(3);
@@ -257,6 +287,7 @@ impl Bmdb {
                 Pools::Sqlite { writer, reader }
             }
             DatabaseUrl::Postgres(pg) => {
+                let pg = Box::new(with_session_limits(*pg));
                 // One direct connection first: the pool retries refused connections until its
                 // timeout and then reports only "timed out", hiding the real cause.
                 let probe = tokio::time::timeout(opts.connect_timeout, pg.connect())
@@ -289,6 +320,7 @@ impl Bmdb {
                 failover,
                 target,
                 diagnosis: tokio::sync::Mutex::new(None),
+                collecting: Default::default(),
             }),
         })
     }
@@ -395,6 +427,36 @@ impl Bmdb {
     pub async fn collect_garbage(&self) -> Result<u64, Error> {
         self.transact(|tx| Box::pin(async move { tx.collect_garbage().await }))
             .await
+    }
+
+    /// Starts a garbage collection in a task of its own unless one of this handle's is under
+    /// way or started less than `every` ago: sessions' keep-alives ask for one after each
+    /// keep-alive and never wait for it, so a collection that waits (on a row another
+    /// replica's stuck transaction holds) cannot make them late, and one process collects
+    /// about once per session interval. Bounded by [`GC_TIMEOUT`].
+    pub(crate) fn collect_garbage_in_background(&self, every: Duration) {
+        {
+            let mut collecting = self.inner.collecting.lock().unwrap();
+            let recent = collecting.0.is_some_and(|at| at.elapsed() < every);
+            if collecting.1 || recent {
+                return;
+            }
+            *collecting = (Some(std::time::Instant::now()), true);
+        }
+        let db = self.clone();
+        tokio::spawn(async move {
+            match tokio::time::timeout(GC_TIMEOUT, db.collect_garbage()).await {
+                Ok(Ok(0)) => {}
+                Ok(Ok(n)) => tracing::info!(sessions = n, "garbage-collected expired sessions"),
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "garbage collection of expired sessions failed")
+                }
+                Err(_) => tracing::warn!(
+                    "garbage collection of expired sessions did not end within {GC_TIMEOUT:?}"
+                ),
+            }
+            db.inner.collecting.lock().unwrap().1 = false;
+        });
     }
 
     /// Closes the pools, waiting for connections to be returned.

@@ -89,7 +89,13 @@ pub struct BmdbMetrics {
     ending_batches: BatchCounters,
     endings_in_doubt: Family<ProcessorLabels, Counter>,
     sessions_expired: Family<ProcessorLabels, Counter>,
+    work_fenced: Family<ProcessLabels, Counter>,
     writer_wait: WriterWait,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProcessLabels {
+    process: &'static str,
 }
 
 /// Batches one kind of group write made, and the members they held: divided, the mean batch
@@ -191,6 +197,11 @@ impl BmdbMetrics {
             "bmdb_sessions_expired",
             "BMDB sessions of this process that expired before they were closed (keep-alives did not get through in time); their work was lost",
             self.sessions_expired.clone(),
+        );
+        registry.register(
+            "shepherd_work_fenced",
+            "Work ended because its session's lease ended before or during a side effect on the machine (canceled with the cause \"lease lost\")",
+            self.work_fenced.clone(),
         );
         registry.register(
             "bmdb_sqlite_writer_wait_seconds",
@@ -336,6 +347,21 @@ impl BmdbMetrics {
     /// Ending batches so far and the endings they wrote, for `processor`.
     pub fn ending_batches(&self, processor: Processor) -> (u64, u64) {
         self.ending_batches.get(processor)
+    }
+
+    pub(crate) fn work_fenced(&self, process: Process) {
+        let labels = ProcessLabels {
+            process: process.as_str(),
+        };
+        self.work_fenced.get_or_create(&labels).inc();
+    }
+
+    /// Work of `process` ended because its session's lease ended (`Work::fenced`).
+    pub fn works_fenced(&self, process: Process) -> u64 {
+        let labels = ProcessLabels {
+            process: process.as_str(),
+        };
+        self.work_fenced.get_or_create(&labels).get()
     }
 
     pub(crate) fn session_expired(&self, processor: Processor) {

@@ -10,6 +10,7 @@ use uuid::Uuid;
 
 use crate::db::{Mode, Pools};
 use crate::group_commit::GroupCommit;
+use crate::lease::{drift_margin, Lease, LeaseClock};
 use crate::metrics::WorkResult;
 use crate::sql::engine::{Tx, TxFuture};
 use crate::transaction::{retrying, Guard};
@@ -18,8 +19,12 @@ use crate::{AgentHeartbeat, AgentReport, Bmdb, Error, Process, Processor};
 /// Default keep-alive interval (SPEC §17).
 pub const DEFAULT_SESSION_INTERVAL: Duration = Duration::from_secs(5);
 
-/// Run garbage collection of expired sessions every this many successful pokes.
-const GC_EVERY_POKES: u32 = 10;
+/// Keep-alives per interval: a healthy session renews this often, so that one or two failed
+/// keep-alives still leave it most of its lease (see `lease.rs`).
+const POKES_PER_INTERVAL: u32 = 3;
+
+/// After a failed keep-alive, the next one comes after this share of the interval.
+const RETRY_SHARE: u32 = 10;
 
 /// Most bare agent heartbeats of one session written in one transaction.
 pub const MAX_BATCH: usize = 256;
@@ -66,18 +71,14 @@ impl SessionConfig {
     }
 }
 
-struct LocalState {
-    expired: bool,
-    /// If no poke succeeds before this instant, the session counts as expired locally.
-    deadline: Instant,
-}
-
 pub(crate) struct SessionInner {
     pub(crate) id: Uuid,
     pub(crate) db: Bmdb,
     pub(crate) processor: Processor,
     interval: Duration,
-    state: Mutex<LocalState>,
+    /// The lease's local deadline (`lease.rs`): if no keep-alive commits before it, the
+    /// session counts as expired here.
+    lease: Arc<LeaseClock>,
     keepalive: Mutex<Option<JoinHandle<()>>>,
     /// This session's bare agent heartbeats, gathered into batches (`group_commit.rs`).
     heartbeats: GroupCommit<Beat, AgentHeartbeat>,
@@ -86,30 +87,18 @@ pub(crate) struct SessionInner {
 impl SessionInner {
     /// Marks the session expired, counting it the first time.
     fn mark_expired(&self) {
-        Self::expire(&mut self.state.lock().unwrap(), &self.db, self.processor);
+        self.lease.end(true);
     }
 
     /// Marks a session its owner closed: it can no longer commit, and did not expire.
     fn mark_closed(&self) {
-        self.state.lock().unwrap().expired = true;
-    }
-
-    fn expire(st: &mut LocalState, db: &Bmdb, processor: Processor) {
-        if !st.expired {
-            st.expired = true;
-            db.metrics().session_expired(processor);
-        }
+        self.lease.end(false);
     }
 
     pub(crate) fn ensure_alive(&self) -> Result<(), Error> {
-        let mut st = self.state.lock().unwrap();
-        if !st.expired && Instant::now() >= st.deadline {
-            Self::expire(&mut st, &self.db, self.processor);
-        }
-        if st.expired {
-            Err(Error::SessionExpired)
-        } else {
-            Ok(())
+        match self.lease.deadline() {
+            Ok(_) => Ok(()),
+            Err(_) => Err(Error::SessionExpired),
         }
     }
 
@@ -192,10 +181,13 @@ impl Bmdb {
             db: self.clone(),
             processor: config.processor,
             interval,
-            state: Mutex::new(LocalState {
-                expired: false,
-                deadline: started + interval,
-            }),
+            lease: Arc::new(LeaseClock::new(
+                started + interval - drift_margin(interval),
+                {
+                    let (db, processor) = (self.clone(), config.processor);
+                    move || db.metrics().session_expired(processor)
+                },
+            )),
             keepalive: Mutex::new(None),
             heartbeats: GroupCommit::new(MAX_BATCH, BATCH_WAIT),
         });
@@ -207,19 +199,34 @@ impl Bmdb {
 }
 
 async fn keepalive(session: Weak<SessionInner>, interval: Duration) {
-    let mut pokes: u32 = rand::random::<u32>() % GC_EVERY_POKES;
+    let period = interval / POKES_PER_INTERVAL;
+    let mut wait = period;
     loop {
-        tokio::time::sleep(interval / 2).await;
+        tokio::time::sleep(wait).await;
         let Some(s) = session.upgrade() else { return };
         let attempt_started = Instant::now();
         let id = s.id;
-        let poked =
+        // Bounded, so that a keep-alive stuck on a silent partition gives way to the next one
+        // (on a fresh connection) instead of holding the loop past the deadline.
+        let poked = tokio::time::timeout(
+            period,
             s.db.run(s.processor, Mode::Write, None, |tx| {
                 Box::pin(async move { tx.poke_session(id).await })
+            }),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(Error::Unavailable {
+                target: s.db.target().to_string(),
+                cause: format!("keep-alive did not commit within {period:?}"),
             })
-            .await;
+        });
         match poked {
-            Ok(true) => s.state.lock().unwrap().deadline = attempt_started + s.interval,
+            Ok(true) => {
+                s.lease
+                    .renew(attempt_started + s.interval - drift_margin(s.interval));
+                wait = period;
+            }
             Ok(false) => {
                 tracing::warn!(session = %id, "session expired: its row is gone or past its deadline");
                 s.mark_expired();
@@ -231,19 +238,13 @@ async fn keepalive(session: Weak<SessionInner>, interval: Duration) {
                     tracing::warn!(session = %id, "session expired: keep-alive failed until the deadline");
                     return;
                 }
+                wait = interval / RETRY_SHARE;
                 continue;
             }
         }
-        pokes = pokes.wrapping_add(1);
-        if pokes.is_multiple_of(GC_EVERY_POKES) {
-            match s.db.collect_garbage().await {
-                Ok(0) => {}
-                Ok(n) => tracing::info!(sessions = n, "garbage-collected expired sessions"),
-                Err(e) => {
-                    tracing::warn!(error = %e, "garbage collection of expired sessions failed")
-                }
-            }
-        }
+        // Expired sessions (another replica's, cut off or crashed) are released about once
+        // per interval by each process, in a task of its own that never delays this loop.
+        s.db.collect_garbage_in_background(s.interval);
     }
 }
 
@@ -261,6 +262,21 @@ impl Session {
     /// The database this session lives in.
     pub fn db(&self) -> &Bmdb {
         &self.inner.db
+    }
+
+    /// This session's lease: checked before every side effect of its work (`lease.rs`).
+    pub fn lease(&self) -> Lease {
+        Lease::of(&self.inner.lease)
+    }
+
+    /// Whether this session, alive in the database, still holds `machine`'s work for
+    /// `process`, read in the database right now: the last check before a side effect whose
+    /// far side cannot refuse a stale holder (a BMC reset). The lease must still be checked
+    /// after it (`Lease::left`).
+    pub async fn still_holds(&self, machine: Uuid, process: Process) -> Result<bool, Error> {
+        let id = self.inner.id;
+        self.read(move |tx| Box::pin(async move { tx.holds_work(id, machine, process).await }))
+            .await
     }
 
     /// Whether the session is known to be expired. A false answer can turn true at any time.

@@ -237,10 +237,31 @@ impl Work {
     /// Gives the work up without a verdict: releases the lock and writes Canceled history;
     /// backoff is untouched. A no-op after the work already ended. Works on an expired session.
     pub async fn cancel(&mut self) -> Result<(), Error> {
+        self.cancel_with(None).await
+    }
+
+    /// [`Work::cancel`], recording `cause` with the Canceled entry (a shutdown, an outage).
+    pub async fn cancel_because(&mut self, cause: &str) -> Result<(), Error> {
+        self.cancel_with(Some(stored_cause(cause))).await
+    }
+
+    /// Ends work whose session's lease ended before or during a side effect (`lease.rs`):
+    /// counted in `shepherd_work_fenced_total{process}`, and canceled with the cause "lease
+    /// lost" if the work row is still this session's (once another replica's collector
+    /// released it, nothing is written).
+    pub async fn fenced(&mut self) -> Result<(), Error> {
         if self.state != State::Active {
             return Ok(());
         }
-        cancel(&self.session, self.machine_id, self.process).await?;
+        self.session.db().metrics().work_fenced(self.process);
+        self.cancel_because(&crate::LeaseLost.to_string()).await
+    }
+
+    async fn cancel_with(&mut self, cause: Option<String>) -> Result<(), Error> {
+        if self.state != State::Active {
+            return Ok(());
+        }
+        cancel(&self.session, self.machine_id, self.process, cause).await?;
         self.state = State::Canceled;
         Ok(())
     }
@@ -262,8 +283,13 @@ async fn end(
     session.db().end_work(session.processor(), ending).await
 }
 
-async fn cancel(session: &Session, machine: Uuid, process: Process) -> Result<(), Error> {
-    if end(session, machine, process, EndingKind::Cancel).await? == EndOutcome::Done {
+async fn cancel(
+    session: &Session,
+    machine: Uuid,
+    process: Process,
+    cause: Option<String>,
+) -> Result<(), Error> {
+    if end(session, machine, process, EndingKind::Cancel(cause)).await? == EndOutcome::Done {
         session.record_work_end(process, WorkResult::Canceled);
     }
     Ok(())
@@ -278,7 +304,7 @@ impl Drop for Work {
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             let (session, machine, process) = (self.session.clone(), self.machine_id, self.process);
             rt.spawn(async move {
-                if let Err(e) = cancel(&session, machine, process).await {
+                if let Err(e) = cancel(&session, machine, process, None).await {
                     tracing::warn!(%machine, error = %e, "canceling dropped work failed; it is released when the session ends");
                 }
             });

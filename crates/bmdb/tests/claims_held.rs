@@ -2,19 +2,12 @@
 //! machine at once, a third claim of a held process finds nothing, and a released lock can be
 //! claimed again. On Postgres, candidates all locked by another transaction make a Conflict.
 
-use shepherd_bmdb::testing::{self, history_as, session};
+use shepherd_bmdb::testing::{self, held, history_as, session};
 use shepherd_bmdb::*;
 
 const ANY: Retrieval = Retrieval::AgentStart {
     provider: Provider::Sim,
 };
-
-fn held(c: Claim) -> Work {
-    match c {
-        Claim::Work(w) => w,
-        other => panic!("expected work, got {other:?}"),
-    }
-}
 
 async fn two_processes_hold_one_machine(db: Bmdb) {
     let m = testing::provision(&db, 1, Provider::Sim).await[0];

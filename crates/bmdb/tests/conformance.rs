@@ -1580,19 +1580,24 @@ impl DoomedOnPostgres {
 }
 
 /// Collects garbage while `tx` (another transaction, holding a row the collection needs) is
-/// open: the collection waits for it, `tx` commits, and then the one expired session goes.
-async fn collect_while_held(db: &Bmdb, tx: sqlx::Transaction<'_, sqlx::Postgres>) {
+/// open, then commits `tx`. Returns what that collection released, and what the next one
+/// released: a collection waits (within its lock timeout) for a work row `tx` holds, and
+/// skips a session whose row `tx` holds, leaving it to the next collection.
+async fn collect_while_held(db: &Bmdb, tx: sqlx::Transaction<'_, sqlx::Postgres>) -> (u64, u64) {
     let collecting = tokio::spawn({
         let db = db.clone();
         async move { db.collect_garbage().await }
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(
-        !collecting.is_finished(),
-        "the collection waits for the row"
-    );
+    let waited = !collecting.is_finished();
     tx.commit().await.unwrap();
-    assert_eq!(collecting.await.unwrap().unwrap(), 1);
+    let first = collecting.await.unwrap().unwrap();
+    assert_eq!(
+        waited,
+        first == 1,
+        "a collection that released it waited for it"
+    );
+    (first, db.collect_garbage().await.unwrap())
 }
 
 /// The machine's history is one claim, ended Canceled with `cause`.
@@ -1640,7 +1645,11 @@ async fn collecting_a_session_leaves_work_another_transaction_ended() {
     .execute(&mut *tx)
     .await
     .unwrap();
-    collect_while_held(&db, tx).await;
+    assert_eq!(
+        collect_while_held(&db, tx).await,
+        (1, 0),
+        "the collection waits for the work row, then releases the session"
+    );
     assert_started_then_canceled(&db, id, "ended elsewhere").await;
     std::mem::forget(w);
     f.end().await;
@@ -1649,8 +1658,8 @@ async fn collecting_a_session_leaves_work_another_transaction_ended() {
 /// Garbage collection of an expired session races a claim of that session that checked it
 /// alive just before its deadline (Postgres; SQLite's single writer serializes them). The
 /// claim holds the session row `FOR KEY SHARE`, as claims do, and commits its work while the
-/// collection waits for that row: the collection must release that work with a Canceled,
-/// not leave a Started without an ending.
+/// collection runs: the collection skips the session it cannot lock, and the next one must
+/// release that work with a Canceled, not leave a Started without an ending.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn collecting_a_session_cancels_a_claim_that_committed_meanwhile() {
     use sqlx::Connection;
@@ -1679,7 +1688,11 @@ async fn collecting_a_session_cancels_a_claim_that_committed_meanwhile() {
     .execute(&mut *tx)
     .await
     .unwrap();
-    collect_while_held(&db, tx).await;
+    assert_eq!(
+        collect_while_held(&db, tx).await,
+        (0, 1),
+        "the collection skips the session the claim holds; the next one releases it"
+    );
     assert_started_then_canceled(&db, id, "session expired").await;
     let work = fleet_counts(&db).await.work;
     assert!(work.iter().all(|(_, n)| *n == 0), "no work left: {work:?}");

@@ -171,6 +171,10 @@ pub enum TakeoverFailure {
     /// The agent ran, but its answer was no takeover.
     #[error(transparent)]
     Agent(#[from] AgentFailure),
+    /// The work's lease ended before a step could start, or cut one off: the machine may be
+    /// another replica's now.
+    #[error(transparent)]
+    LeaseLost(TransportError),
 }
 
 impl From<shepherd_bmdb::Error> for TakeoverFailure {
@@ -190,6 +194,7 @@ impl From<TransportError> for TakeoverFailure {
     fn from(e: TransportError) -> Self {
         match e {
             TransportError::HostKeyMismatch(_) => TakeoverFailure::HostKeyMismatch(e),
+            TransportError::LeaseLost { .. } => TakeoverFailure::LeaseLost(e),
             TransportError::Unreachable(_)
             | TransportError::TimedOut {
                 step: crate::transport::Step::Connect,
@@ -207,12 +212,13 @@ const NO_ADDRESS_BACKOFF: (Duration, Duration) =
 
 /// How a failed takeover ends, given the configured `backoff`. A BMDB outage is not the
 /// machine's fault: the work is released as it is. A machine without an address, or still
-/// provisioning, is asked again soon; one presenting another host key than the pinned one
+/// provisioning, is asked again soon; one whose lease ended is fenced (canceled, counted); one presenting another host key than the pinned one
 /// (at connect, or pinned meanwhile by another takeover), or failed at its provider, waits
 /// the longest backoff (an operator must look); anything else, a BMDB error about the data
 /// included, backs off as configured.
 pub fn takeover_policy(backoff: Backoff, error: &TakeoverFailure) -> OnError {
     match error {
+        TakeoverFailure::LeaseLost(_) => OnError::Fenced,
         TakeoverFailure::Bmdb(e) if e.is_transient() => OnError::Cancel,
         TakeoverFailure::HostKeyMismatch(_)
         | TakeoverFailure::HostKeyPinnedMeanwhile { .. }
@@ -340,6 +346,7 @@ impl<P: Provider + 'static> MachineTask for Initializer<P> {
                 target_path: &self.config.target_path,
                 stdin: &stdin,
                 timeout: self.config.exec_timeout,
+                lease: &session.lease(),
             })
             .await?;
         let stderr = trimmed_stderr(&output.stderr);

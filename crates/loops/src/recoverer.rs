@@ -15,7 +15,9 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
-use shepherd_bmdb::{Backoff, Process, RecoveryThresholds, Retrieval, Session, TagWrites};
+use shepherd_bmdb::{
+    Backoff, LeaseLost, Process, RecoveryThresholds, Retrieval, Session, TagWrites,
+};
 use uuid::Uuid;
 
 use crate::brake::Brake;
@@ -42,6 +44,10 @@ pub enum RecoveryError {
     /// The reboot failed (the BMC or the provider's API said no, or did not answer).
     #[error("rebooting: {0:#}")]
     Reboot(ProviderError),
+    /// The work's lease ended, or the work was found no longer held, before the reboot; or
+    /// the lease ended while it was under way.
+    #[error("rebooting: {0}")]
+    LeaseLost(LeaseLost),
 }
 
 impl From<shepherd_bmdb::Error> for RecoveryError {
@@ -227,6 +233,7 @@ impl<P: RecovererProvider + 'static> MachineTask for Recoverer<P> {
     /// that comes back does not reboot it again at once.
     fn error_policy(&self, error: &RecoveryError) -> OnError {
         match error {
+            RecoveryError::LeaseLost(_) => OnError::Fenced,
             RecoveryError::Read(e) if e.is_transient() => OnError::Cancel,
             _ => OnError::Backoff(self.backoff),
         }
@@ -252,10 +259,24 @@ impl<P: RecovererProvider + 'static> MachineTask for Recoverer<P> {
         let provided = provided.ok_or(RecoveryError::NotProvided)?;
         tracing::Span::current().record("provider_id", provided.provider_id.as_str());
         let at_provider = look_up(&*self.provider, &provided.provider_id).await?;
-        self.provider
-            .reboot(&at_provider)
+        // The lock is read again right before the reset, and the reset is raced against the
+        // lease: a BMC cannot refuse a replica whose lease ended.
+        let lease = session.lease();
+        let lost = RecoveryError::LeaseLost(LeaseLost);
+        let process = self.retrieval().process();
+        if !session
+            .still_holds(machine, process)
             .await
-            .map_err(RecoveryError::Reboot)?;
+            .map_err(RecoveryError::Read)?
+        {
+            return Err(lost);
+        }
+        lease.left().map_err(RecoveryError::LeaseLost)?;
+        tokio::select! {
+            biased;
+            _ = lease.lost() => return Err(lost),
+            rebooted = self.provider.reboot(&at_provider) => rebooted.map_err(RecoveryError::Reboot)?,
+        }
         if let Some(b) = &self.brake {
             b.rebooted();
         }

@@ -28,7 +28,24 @@ pub enum OnError {
     /// Release the machine without a verdict and without a backoff: the failure was not the
     /// machine's (the BMDB was unreachable, a lock was lost), so it may be claimed again.
     Cancel,
+    /// The session's lease ended before a side effect could start, or cut one off
+    /// ([`shepherd_bmdb::Lease`]): the work is canceled with the cause "lease lost" and counted
+    /// in `shepherd_work_fenced_total`.
+    Fenced,
 }
+
+/// How a machine's processing ended, as the runner saw it.
+enum Processed<T, E> {
+    /// `process_machine` returned.
+    Done(Result<T, E>),
+    /// The loop was cancelled first (shutdown).
+    Shutdown,
+    /// The session's lease ended first: the processing was dropped where it stood.
+    Fenced,
+}
+
+/// The cause recorded with work canceled because its loop shut down.
+const SHUTDOWN_CAUSE: &str = "shutting down";
 
 /// What a control loop does with one machine.
 #[async_trait]
@@ -121,7 +138,8 @@ pub async fn live_session(
 async fn end_failed<T: MachineTask>(work: &mut Work, task: &T, failure: &T::Error) {
     let ended = match task.error_policy(failure) {
         OnError::Backoff(backoff) => work.fail(Some(&backoff), &format!("{failure:#}")).await,
-        OnError::Cancel => work.cancel().await,
+        OnError::Cancel => work.cancel_because(&format!("{failure:#}")).await,
+        OnError::Fenced => work.fenced().await,
     };
     if let Err(e) = ended {
         tracing::warn!(error = %e, "ending failed work failed; it is released when the session ends");
@@ -175,10 +193,15 @@ async fn worker<T: MachineTask>(
                     provider_id = tracing::field::Empty,
                     process = %retrieval.process(),
                 );
+                // Raced against the lease as well as the shutdown: a machine task never runs on
+                // past its session's lease, whatever step it is in.
+                let lease = s.lease();
                 let outcome = async {
                     tokio::select! {
-                        _ = cancel.cancelled() => None,
-                        r = task.process_machine(&s, machine) => Some(r),
+                        biased;
+                        _ = lease.lost() => Processed::Fenced,
+                        _ = cancel.cancelled() => Processed::Shutdown,
+                        r = task.process_machine(&s, machine) => Processed::Done(r),
                     }
                 }
                 .instrument(span.clone())
@@ -222,23 +245,31 @@ async fn written(ending: tokio::task::JoinHandle<()>) {
 }
 
 /// Ends a claimed machine's work after its processing: finished with its tags, canceled if
-/// the loop was cancelled first (`outcome` is `None`), or as the task's error policy says.
+/// the loop was cancelled first, fenced if the lease ended first, or as the task's error
+/// policy says.
 /// Run in a task of its own, so that the worker claims its next machine meanwhile: a worker's
 /// claim and its last ending then share the time one of them took, and the database gathers
 /// more of the loop's claims and endings into each batch.
 async fn end_work<T: MachineTask>(
     mut work: Work,
     task: Arc<T>,
-    outcome: Option<Result<TagWrites, T::Error>>,
+    outcome: Processed<TagWrites, T::Error>,
 ) {
     let failure = match outcome {
-        None => {
-            if let Err(e) = work.cancel().await {
+        Processed::Shutdown => {
+            if let Err(e) = work.cancel_because(SHUTDOWN_CAUSE).await {
                 tracing::warn!(error = %e, "canceling work failed");
             }
             return;
         }
-        Some(Ok(tags)) => match work.finish(tags).await {
+        Processed::Fenced => {
+            tracing::warn!("the session's lease ended during processing; stopped");
+            if let Err(e) = work.fenced().await {
+                tracing::warn!(error = %e, "canceling fenced work failed");
+            }
+            return;
+        }
+        Processed::Done(Ok(tags)) => match work.finish(tags).await {
             Ok(()) => return,
             // The lock or the session is gone: there is nothing left to end.
             Err(e @ (BmdbError::SessionExpired | BmdbError::WorkLost { .. })) => {
@@ -250,7 +281,7 @@ async fn end_work<T: MachineTask>(
                 T::Error::from(e)
             }
         },
-        Some(Err(e)) => {
+        Processed::Done(Err(e)) => {
             tracing::warn!(error = %format!("{e:#}"), "processing failed");
             e
         }

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use futures::FutureExt;
+use shepherd_bmdb::Lease;
 use shepherd_ssh::{parse_public_key, shell_quote, SshClient, SshError};
 
 use crate::metrics::{CallMetrics, CallResult};
@@ -26,6 +27,9 @@ pub struct AgentRun<'a> {
     pub stdin: &'a [u8],
     /// Bound on the whole step (connect, upload, run).
     pub timeout: Duration,
+    /// The lease of the work this start belongs to: each step starts only while it holds,
+    /// and a step under way is cut off when it ends.
+    pub lease: &'a Lease,
 }
 
 /// What the agent did.
@@ -46,8 +50,10 @@ pub struct AgentOutput {
 pub enum Step {
     /// Getting an SSH session.
     Connect,
-    /// Uploading the agent.
+    /// Uploading the agent (to a temporary name).
     Upload,
+    /// Renaming the upload into place.
+    Rename,
     /// Running it.
     Run,
 }
@@ -57,6 +63,7 @@ impl std::fmt::Display for Step {
         f.write_str(match self {
             Step::Connect => "connecting",
             Step::Upload => "uploading the agent",
+            Step::Rename => "putting the agent in place",
             Step::Run => "running the agent",
         })
     }
@@ -87,6 +94,13 @@ pub enum TransportError {
         step: Step,
         /// Why.
         error: SshError,
+    },
+    /// The work's lease ended before `step` could start, or while it ran (the step was cut
+    /// off): the machine may be another replica's now.
+    #[error("{step}: lease lost")]
+    LeaseLost {
+        /// The step not started, or cut off.
+        step: Step,
     },
     /// An in-process transport (the simulator, a test's) could not run its agent.
     #[error("running the agent: {0}")]
@@ -143,58 +157,85 @@ fn ok_or_error<T, E>(r: &Result<T, E>) -> CallResult {
     }
 }
 
-/// `step`'s outcome within what is `left` of the start's bound of `after`.
-async fn bounded<T>(
-    step: Step,
-    left: Duration,
+/// What bounds each step of one agent start: the work's lease, and the start's timeout.
+struct Bounds<'a> {
+    lease: &'a Lease,
+    deadline: Instant,
     after: Duration,
-    work: impl std::future::Future<Output = Result<T, SshError>>,
-) -> Result<T, TransportError> {
-    tokio::time::timeout(left, work)
-        .map(|r| match r {
+}
+
+impl Bounds<'_> {
+    /// What is left of the start's timeout.
+    fn left(&self) -> Duration {
+        self.deadline.saturating_duration_since(Instant::now())
+    }
+
+    /// `work`, the side effect of `step`: started only while the lease holds, dropped (its
+    /// channel closed with the connection) once the lease ends, and bounded by what is left
+    /// of the start's timeout.
+    async fn fenced<T>(
+        &self,
+        step: Step,
+        work: impl std::future::Future<Output = Result<T, SshError>>,
+    ) -> Result<T, TransportError> {
+        self.fenced_within(step, self.left(), work).await
+    }
+
+    /// [`Bounds::fenced`] with a bound of its own: `within` (a step that bounds itself).
+    async fn fenced_within<T>(
+        &self,
+        step: Step,
+        within: Duration,
+        work: impl std::future::Future<Output = Result<T, SshError>>,
+    ) -> Result<T, TransportError> {
+        self.lease
+            .left()
+            .map_err(|_| TransportError::LeaseLost { step })?;
+        let after = self.after;
+        let bounded = tokio::time::timeout(within, work).map(|r| match r {
             Err(_) => Err(TransportError::TimedOut { step, after }),
             Ok(r) => r.map_err(|e| TransportError::at(step, e)),
-        })
-        .await
+        });
+        tokio::select! {
+            biased;
+            _ = self.lease.lost() => Err(TransportError::LeaseLost { step }),
+            r = bounded => r,
+        }
+    }
 }
 
 #[async_trait]
 impl Transport for SshTransport {
     async fn run_agent(&self, run: AgentRun<'_>) -> Result<AgentOutput, TransportError> {
-        let deadline = Instant::now() + run.timeout;
-        let left = || deadline.saturating_duration_since(Instant::now());
         let pinned = run
             .pinned_host_key
             .map(parse_public_key)
             .transpose()
             .map_err(|e| TransportError::at(Step::Connect, e))?;
+        let bounds = Bounds {
+            lease: run.lease,
+            deadline: Instant::now() + run.timeout,
+            after: run.timeout,
+        };
+        let metrics = &self.metrics;
         let connect = self.client.connect(run.addr, pinned.as_ref());
-        let session = self
-            .metrics
-            .time(
-                "connect",
-                ok_or_error,
-                bounded(Step::Connect, left(), run.timeout, connect),
-            )
-            .await?;
+        let session = metrics.time(
+            "connect",
+            ok_or_error,
+            bounds.fenced(Step::Connect, connect),
+        );
+        let session = session.await?;
         let host_key = session.host_key();
         let result = async {
-            let upload = session.upload(run.target_path, run.agent, 0o755);
-            self.metrics
-                .time(
-                    "upload",
-                    ok_or_error,
-                    bounded(Step::Upload, left(), run.timeout, upload),
-                )
-                .await?;
-            self.metrics
-                .time(
-                    "exec",
-                    ok_or_error,
-                    session.exec(&shell_quote(run.target_path), run.stdin, left()),
-                )
-                .await
-                .map_err(|e| TransportError::at(Step::Run, e))
+            let upload = session.stage(run.target_path, run.agent, 0o755);
+            let staged = metrics.time("upload", ok_or_error, bounds.fenced(Step::Upload, upload));
+            let rename = staged.await?.put_in_place(&session, bounds.left());
+            bounds.fenced(Step::Rename, rename).await?;
+            let command = shell_quote(run.target_path);
+            // `exec` bounds itself by the rest of the timeout, and closes its channel then.
+            let exec = session.exec(&command, run.stdin, bounds.left());
+            let run = bounds.fenced_within(Step::Run, Duration::MAX, exec);
+            metrics.time("exec", ok_or_error, run).await
         }
         .await;
         session.close().await;

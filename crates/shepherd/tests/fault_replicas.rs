@@ -8,10 +8,10 @@
 mod common;
 
 use std::collections::HashSet;
-use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{history, shepherd, signal, sim_run, ChildGuard, Pace};
+use common::ssh_fleet::{open_when_migrated, SshFleet};
+use common::{history, signal, sim_run, ChildGuard};
 use shepherd_bmdb::{testing, Bmdb, Process, StatusCounts, WorkEvent};
 use uuid::Uuid;
 
@@ -39,103 +39,13 @@ async fn work_of(db: &Bmdb, sessions: &HashSet<Uuid>) -> usize {
     n
 }
 
-/// Static-provider replicas over real sshds, one per machine, whose test agent takes
-/// `delay_ms` to answer. Each replica uploads the agent to a path of its own.
-struct SshFleet {
-    _sshds: Vec<shepherd_ssh::testing::Sshd>,
-    inventory: std::path::PathBuf,
-    key: std::path::PathBuf,
-    dir: tempfile::TempDir,
-}
-
-impl SshFleet {
-    fn start(machines: usize, delay_ms: u64) -> SshFleet {
-        let dir = tempfile::tempdir().unwrap();
-        let key = dir.path().join("id_ed25519");
-        let public = shepherd_ssh::load_or_generate_key(&key).unwrap();
-        let env = format!("SetEnv SHEPHERD_TEST_AGENT_DELAY_MS={delay_ms}");
-        let sshds: Vec<_> = (0..machines)
-            .map(|_| shepherd_ssh::testing::Sshd::start_with(&[public.public_key()], &env))
-            .collect();
-        let entries: Vec<_> = sshds
-            .iter()
-            .enumerate()
-            .map(|(i, s)| serde_json::json!({"ID": format!("box-{i:03}"), "Addr": s.addr()}))
-            .collect();
-        let inventory = dir.path().join("inventory.json");
-        std::fs::write(&inventory, serde_json::to_vec(&entries).unwrap()).unwrap();
-        SshFleet {
-            _sshds: sshds,
-            inventory,
-            key,
-            dir,
-        }
-    }
-
-    fn replica(&self, url: &str, name: &str) -> Child {
-        let target = self.dir.path().join(format!("agent-{name}"));
-        shepherd()
-            .args([
-                "run",
-                "--provider",
-                "static",
-                "--migrate",
-                "--database",
-                url,
-            ])
-            .arg(format!(
-                "--static-inventory=file://{}",
-                self.inventory.display()
-            ))
-            .arg(format!(
-                "--agent-executable={}",
-                shepherd_loops::testing::test_agent_path().display()
-            ))
-            .arg(format!("--agent-target-path={}", target.display()))
-            .arg(format!("--ssh-key={}", self.key.display()))
-            .args([
-                "--ssh-user",
-                &std::env::var("USER").unwrap_or_else(|_| "root".into()),
-            ])
-            // One worker per replica: every "machine" here shares this host's filesystem, so
-            // two workers of one replica would upload to one path at once.
-            .args(
-                Pace {
-                    workers: 1,
-                    ..Pace::default()
-                }
-                .args(),
-            )
-            .args(["--ssh-connect-timeout", "10s"])
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(self.dir.path().join(format!("{name}.log"))).unwrap())
-            .spawn()
-            .unwrap()
-    }
-
-    fn log(&self, name: &str) -> String {
-        let log = std::fs::read_to_string(self.dir.path().join(format!("{name}.log")));
-        let log = log.unwrap_or_default();
-        let tail: Vec<&str> = log.lines().rev().take(20).collect();
-        tail.join("\n")
-    }
-}
-
-async fn open_when_migrated(url: &str) -> Bmdb {
-    let migrated = "shepherd run to migrate the BMDB";
-    testing::eventually(migrated, Duration::from_secs(30), async || {
-        Bmdb::open(url).await
-    })
-    .await
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_of_one_replica_loses_and_duplicates_nothing() {
     const MACHINES: usize = 30;
     let Some(url) = testing::fresh_postgres_database().await else {
         return;
     };
-    let fleet = SshFleet::start(MACHINES, 700);
+    let fleet = SshFleet::start(MACHINES, 700, &["a", "b"]);
     let mut a = ChildGuard(Some(fleet.replica(&url, "a")));
     let db = open_when_migrated(&url).await;
     let mut b = ChildGuard(Some(fleet.replica(&url, "b")));

@@ -278,6 +278,17 @@ impl SshSession {
     /// renamed into place, so a running old copy is never overwritten in place (ETXTBSY) and a
     /// cut-off upload never leaves a half-written executable at `path`.
     pub async fn upload(&self, path: &str, bytes: &[u8], mode: u32) -> Result<(), SshError> {
+        self.stage(path, bytes, mode)
+            .await?
+            .put_in_place(self, RENAME_TIMEOUT)
+            .await
+    }
+
+    /// The first half of [`SshSession::upload`]: writes `bytes` with `mode` to a temporary
+    /// name next to `path`. Nothing is at `path` until [`Staged::put_in_place`]; a caller that
+    /// drops the [`Staged`] instead leaves the temporary file behind (and touches the machine
+    /// no more).
+    pub async fn stage(&self, path: &str, bytes: &[u8], mode: u32) -> Result<Staged, SshError> {
         let err = |message: String| SshError::Sftp {
             path: path.to_string(),
             message,
@@ -288,7 +299,7 @@ impl SshSession {
             .await
             .map_err(|e| err(format!("starting sftp: {e}")))?;
         let tmp = format!("{path}.upload-{:08x}", rand::random::<u32>());
-        let result = async {
+        let written = async {
             let attrs = FileAttributes {
                 permissions: Some(mode),
                 ..Default::default()
@@ -310,32 +321,19 @@ impl SshSession {
             // The server's umask applies at creation; set the mode explicitly.
             sftp.set_metadata(tmp.clone(), attrs)
                 .await
-                .map_err(|e| err(format!("setting mode {mode:o}: {e}")))?;
-            // Plain SFTP rename refuses an existing target, and removing it first leaves a
-            // moment without one (an agent started then is not found). rename(2) through the
-            // shell replaces it atomically; without a shell, remove and rename.
-            let replaced = self
-                .exec(
-                    &format!("mv -f {} {}", shell_quote(&tmp), shell_quote(path)),
-                    b"",
-                    RENAME_TIMEOUT,
-                )
-                .await
-                .is_ok_and(|out| out.exit_status == Some(0));
-            if replaced {
-                return Ok(());
-            }
-            let _ = sftp.remove_file(path.to_string()).await;
-            sftp.rename(tmp.clone(), path.to_string())
-                .await
-                .map_err(|e| err(format!("renaming into place: {e}")))
+                .map_err(|e| err(format!("setting mode {mode:o}: {e}")))
         }
         .await;
-        if result.is_err() {
+        if let Err(e) = written {
             let _ = sftp.remove_file(tmp).await;
+            let _ = sftp.close().await;
+            return Err(e);
         }
-        let _ = sftp.close().await;
-        result
+        Ok(Staged {
+            sftp,
+            tmp,
+            path: path.to_string(),
+        })
     }
 
     /// Runs `command` with `stdin` as its input and waits for it to end, at most `timeout`.
@@ -386,6 +384,47 @@ impl SshSession {
             .handle
             .disconnect(Disconnect::ByApplication, "", "")
             .await;
+    }
+}
+
+/// An upload written to its temporary name, not yet at its path ([`SshSession::stage`]).
+pub struct Staged {
+    sftp: SftpSession,
+    tmp: String,
+    path: String,
+}
+
+impl Staged {
+    /// Renames the staged file to its path, within `timeout`. Plain SFTP rename refuses an
+    /// existing target, and removing it first leaves a moment without one (an agent started
+    /// then is not found); rename(2) through the shell replaces it atomically. Without a
+    /// shell, remove and rename.
+    pub async fn put_in_place(
+        self,
+        session: &SshSession,
+        timeout: Duration,
+    ) -> Result<(), SshError> {
+        let Staged { sftp, tmp, path } = self;
+        let command = format!("mv -f {} {}", shell_quote(&tmp), shell_quote(&path));
+        let replaced = session
+            .exec(&command, b"", timeout)
+            .await
+            .is_ok_and(|out| out.exit_status == Some(0));
+        let result = if replaced {
+            Ok(())
+        } else {
+            let _ = sftp.remove_file(path.clone()).await;
+            let renamed = sftp.rename(tmp.clone(), path.clone()).await;
+            renamed.map_err(|e| SshError::Sftp {
+                path: path.clone(),
+                message: format!("renaming into place: {e}"),
+            })
+        };
+        if result.is_err() {
+            let _ = sftp.remove_file(tmp).await;
+        }
+        let _ = sftp.close().await;
+        result
     }
 }
 

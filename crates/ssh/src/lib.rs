@@ -9,7 +9,7 @@ mod key;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use client::{shell_quote, Auth, ExecOutput, SshClient, SshConfig, SshSession};
+pub use client::{shell_quote, Auth, ExecOutput, SshClient, SshConfig, SshSession, Staged};
 pub use error::SshError;
 pub use key::{load_or_generate_key, public_key_openssh, KeyError};
 pub use russh::keys::ssh_key::LineEnding;

@@ -51,8 +51,9 @@ pub(crate) enum How<'a> {
         interval: i64,
         delay: std::time::Duration,
     },
-    /// Given up without a verdict; the backoff is untouched. Works on an expired session.
-    Cancel,
+    /// Given up without a verdict, with why if it is known ("lease lost"); the backoff is
+    /// untouched. Works on an expired session.
+    Cancel(Option<&'a str>),
 }
 
 impl How<'_> {
@@ -61,7 +62,7 @@ impl How<'_> {
         match self {
             How::Finish(_) => WorkEvent::Finished,
             How::Fail { .. } => WorkEvent::Failed,
-            How::Cancel => WorkEvent::Canceled,
+            How::Cancel(_) => WorkEvent::Canceled,
         }
     }
 }
@@ -121,8 +122,7 @@ const END_WORKS_PG: &str = "WITH e AS (
             cause = excluded.cause, last_interval_seconds = excluded.last_interval_seconds),
      hist AS (
         INSERT INTO work_history (machine_id, process, event, at, session_id, failed_cause)
-        SELECT machine_id, process, event, now(), session_id,
-               CASE WHEN event = 'Failed' THEN cause END
+        SELECT machine_id, process, event, now(), session_id, cause
           FROM del ORDER BY n),
      pinned AS (
         INSERT INTO machine_ssh_host_key (machine_id, key, first_seen_at)
@@ -207,14 +207,15 @@ impl Tx {
                     interval,
                     delay,
                 } => (Some(cause), Some(delay.as_secs_f64()), Some(interval)),
-                How::Finish(_) | How::Cancel => (None, None, None),
+                How::Cancel(cause) => (cause, None, None),
+                How::Finish(_) => (None, None, None),
             };
             causes.push(cause);
             delays.push(delay);
             intervals.push(interval);
             tags.push(match e.how {
                 How::Finish(writes) => Some(writes),
-                How::Fail { .. } | How::Cancel => None,
+                How::Fail { .. } | How::Cancel(_) => None,
             });
         }
         let rows: Vec<(bool, bool, Option<String>)> = sqlx::query_as(END_WORKS_PG)
@@ -263,7 +264,7 @@ impl Tx {
             how,
         } = *end;
         let outcome = match how {
-            How::Cancel => match self.delete_own_work(session, machine, process).await? {
+            How::Cancel(_) => match self.delete_own_work(session, machine, process).await? {
                 true => EndOutcome::Done,
                 false => EndOutcome::Lost,
             },
@@ -291,7 +292,7 @@ impl Tx {
                     .await?;
                 Some(cause)
             }
-            How::Cancel => None,
+            How::Cancel(cause) => cause,
         };
         self.write_history(session, machine, process, how.event(), cause)
             .await?;

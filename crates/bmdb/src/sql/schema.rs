@@ -71,6 +71,11 @@ impl Tx {
     /// needs nothing: a write transaction already holds its single writer lock.
     pub(crate) async fn lock_for_migration(&mut self) -> Result<()> {
         if self.engine() == Engine::Postgres {
+            // Migrations may rewrite every row of a large fleet, and a second migrator waits
+            // here for the first: neither is bounded by the connection's statement timeout.
+            self.conn()
+                .execute("SET LOCAL statement_timeout = 0", &[])
+                .await?;
             let sql = "SELECT pg_advisory_xact_lock($1)";
             self.conn()
                 .execute(sql, &[Arg::Int(MIGRATION_LOCK)])

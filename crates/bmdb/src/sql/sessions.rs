@@ -4,7 +4,9 @@
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::engine::{from_columns, Arg, Autocommit, Dialects, FromColumns, Result, SqliteTx, Tx};
+use super::engine::{
+    from_columns, Arg, Autocommit, Conn, Dialects, FromColumns, Result, SqliteTx, Tx,
+};
 use crate::model::{Process, SessionInfo};
 
 const CREATE: Dialects = Dialects {
@@ -29,6 +31,16 @@ const CHECK: Dialects = Dialects {
     sqlite: "SELECT 1 FROM sessions WHERE session_id = $1 AND deadline > $2",
 };
 
+/// A live session's work on one machine for one process.
+const HOLDS_WORK: Dialects = Dialects {
+    postgres: "SELECT 1 FROM work w JOIN sessions s ON s.session_id = w.session_id
+                WHERE w.session_id = $1 AND w.machine_id = $2 AND w.process = $3
+                  AND s.deadline > now()",
+    sqlite: "SELECT 1 FROM work w JOIN sessions s ON s.session_id = w.session_id
+              WHERE w.session_id = $1 AND w.machine_id = $2 AND w.process = $3
+                AND s.deadline > $4",
+};
+
 /// Locks one session's row to release it (on Postgres `FOR UPDATE`: claims under way hold it
 /// `FOR KEY SHARE` and commit first, new ones wait and then find it gone).
 const LOCK_SESSION: Dialects = Dialects {
@@ -36,14 +48,21 @@ const LOCK_SESSION: Dialects = Dialects {
     sqlite: "SELECT session_id FROM sessions WHERE session_id = $1",
 };
 
-/// Locks the expired sessions' rows to release them, in id order so that two collectors wait
-/// for each other instead of deadlocking. On Postgres a keep-alive that extended a deadline
-/// meanwhile commits first, and its session is then not expired and not returned.
+/// Locks the expired sessions' rows to release them. On Postgres a row another transaction
+/// holds is skipped, never waited for: a keep-alive under way (its session may be alive
+/// after all), another collector, or the open transaction of a replica cut off from the
+/// database, which Postgres ends at `idle_in_transaction_session_timeout` (`db.rs`); a later
+/// collection takes what was skipped. The transaction's `lock_timeout` bounds the wait for a
+/// work row such a transaction holds.
 const LOCK_EXPIRED: Dialects = Dialects {
     postgres: "SELECT session_id FROM sessions WHERE deadline < now()
-               ORDER BY session_id FOR UPDATE",
+               ORDER BY session_id FOR UPDATE SKIP LOCKED",
     sqlite: "SELECT session_id FROM sessions WHERE deadline < $1 ORDER BY session_id",
 };
+
+/// How long a collection waits for a row lock (a work row another transaction holds) before
+/// it gives up with `lock_not_available`; the next collection tries again.
+const GC_LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout = '2s'";
 
 /// Releases a locked session's work, recording each as Canceled with the cause `$2`. On
 /// Postgres the history names exactly the rows this statement deleted: an ending of the same
@@ -130,6 +149,9 @@ impl Tx {
     /// Deletes expired sessions, recording each lock they held as Canceled; returns how many.
     /// Each is locked first, then released like a closed one (see [`CANCEL_SESSION_WORK`]).
     pub(crate) async fn collect_garbage(&mut self) -> Result<u64> {
+        if let Conn::Postgres(c) = self.conn() {
+            sqlx::query(GC_LOCK_TIMEOUT).execute(&mut **c).await?;
+        }
         let dead: Vec<Uuid> = self.conn().values(&LOCK_EXPIRED, &[Arg::Now]).await?;
         for id in &dead {
             self.release_session(*id, "session expired").await?;
@@ -163,12 +185,37 @@ impl Tx {
         self.conn().rows(sql, &[]).await
     }
 
+    /// Whether `session` is alive and holds `machine`'s work for `process`: the re-check right
+    /// before a side effect that cannot be fenced by the far side (a BMC reset).
+    pub(crate) async fn holds_work(
+        &mut self,
+        session: Uuid,
+        machine: Uuid,
+        process: Process,
+    ) -> Result<bool> {
+        let args = [
+            Arg::Uuid(session),
+            Arg::Uuid(machine),
+            Arg::Text(process.as_str()),
+            Arg::Now,
+        ];
+        let held: Option<i32> = self.conn().value(&HOLDS_WORK, &args).await?;
+        Ok(held.is_some())
+    }
+
     /// Work held by a session: (machine, process), in machine order.
     pub async fn session_work(&mut self, session: Uuid) -> Result<Vec<(Uuid, Process)>> {
         let sql = "SELECT machine_id, process FROM work WHERE session_id = $1
                    ORDER BY machine_id, process";
         let rows: Vec<(Uuid, String)> = self.conn().rows(sql, &[Arg::Uuid(session)]).await?;
         rows.into_iter().map(|(m, p)| Ok((m, p.parse()?))).collect()
+    }
+
+    /// Test support: a session's keep-alive statement, inside a transaction the test holds
+    /// (to hold the row's lock as a keep-alive cut off before its COMMIT would).
+    #[cfg(feature = "testing")]
+    pub async fn poke_session_for_test(&mut self, session: Uuid) -> Result<bool> {
+        self.poke_session(session).await
     }
 
     /// Test support: deletes a session row (its work cascades) behind its owner's back, as a

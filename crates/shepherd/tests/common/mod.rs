@@ -182,6 +182,7 @@ pub mod history;
 pub mod ironic;
 pub mod patroni;
 pub mod private_postgres;
+pub mod ssh_fleet;
 pub mod sushy;
 pub mod vm;
 

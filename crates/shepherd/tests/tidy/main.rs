@@ -155,7 +155,7 @@ const SQLX_ALLOWED: &[&str] = &[
     "crates/bmdb/src/url.rs",
     "crates/bmdb/src/error.rs",
     "crates/bmdb/src/failover.rs",
-    "crates/bmdb/src/testing.rs",
+    "crates/bmdb/src/testing/mod.rs",
     "crates/bench/src/",
 ];
 

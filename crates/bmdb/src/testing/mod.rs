@@ -7,6 +7,10 @@
 //! Postgres variant prints a skip notice, unless `SHEPHERD_REQUIRE_POSTGRES=1`, which makes it
 //! fail (CI sets it).
 
+mod blackhole;
+
+pub use blackhole::Blackhole;
+
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -424,6 +428,14 @@ pub async fn session(db: &Bmdb, processor: crate::Processor) -> crate::Session {
     db.start_session(crate::SessionConfig::new(processor.label(), processor))
         .await
         .expect("start a test session")
+}
+
+/// The work of a claim that must have claimed a machine; any other answer fails the test.
+pub fn held(claim: crate::Claim) -> crate::Work {
+    match claim {
+        crate::Claim::Work(w) => w,
+        other => panic!("expected work, got {other:?}"),
+    }
 }
 
 /// Like [`session`], kept alive every `interval`: a short one lets a test see the session
