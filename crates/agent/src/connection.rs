@@ -24,6 +24,8 @@ use shepherd_proto::bmaas::{HeartbeatRequest, HeartbeatResponse};
 use tokio_rustls::rustls;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 
+use crate::clock::{AtCertificateTime, CertificateTime};
+
 /// How long making a connection (TCP, TLS and HTTP/2 handshakes) may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -63,12 +65,25 @@ pub struct ServerConnector {
 
 impl ServerConnector {
     /// A connector to `endpoint` (`host:port`) presenting `cert` with `key`, trusting `ca_der`
-    /// (or the web PKI's roots if it is empty).
+    /// (or the web PKI's roots if it is empty), checking certificates' dates by the machine's
+    /// clock.
     pub fn new(
         endpoint: &str,
         ca_der: &[u8],
         cert: CertificateDer<'static>,
         key: PrivateKeyDer<'static>,
+    ) -> Result<Self, SettingsError> {
+        Self::checking_dates_at(endpoint, ca_der, cert, key, CertificateTime::wall_clock())
+    }
+
+    /// [`ServerConnector::new`], checking the server certificate's dates at `time`
+    /// (`clock.rs`).
+    pub fn checking_dates_at(
+        endpoint: &str,
+        ca_der: &[u8],
+        cert: CertificateDer<'static>,
+        key: PrivateKeyDer<'static>,
+        time: CertificateTime,
     ) -> Result<Self, SettingsError> {
         let origin: http::Uri = format!("https://{endpoint}")
             .parse()
@@ -95,10 +110,17 @@ impl ServerConnector {
                 .map_err(tls_error)?;
         }
         let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let webpki = rustls::client::WebPkiServerVerifier::builder_with_provider(
+            Arc::new(roots),
+            provider.clone(),
+        )
+        .build()
+        .map_err(|e| SettingsError::Tls(e.to_string()))?;
         let mut config = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .map_err(tls_error)?
-            .with_root_certificates(roots)
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(AtCertificateTime::new(webpki, time)))
             .with_client_auth_cert(vec![cert], key)
             .map_err(tls_error)?;
         config.alpn_protocols = vec![b"h2".to_vec()];

@@ -11,6 +11,7 @@ use shepherd_proto::bmaas::{
 use shepherd_proto::shepherd::agent::AgentState;
 use shepherd_retry::{Delays, Streak};
 
+use crate::clock::CertificateTime;
 use crate::connection::{AgentClient, HeartbeatError, ServerConnector};
 use crate::{hardware, identity, install, state, RunArgs};
 
@@ -96,6 +97,8 @@ pub struct AgentConfig {
     pub endpoint: String,
     /// DER of the CA to trust; empty means web PKI roots.
     pub ca_der: Vec<u8>,
+    /// The time the server certificate's dates are checked at (`clock.rs`).
+    pub certificate_time: CertificateTime,
     /// The agent's ed25519 private key, PKCS#8 DER.
     pub pkcs8: Vec<u8>,
     /// Time between heartbeats.
@@ -121,6 +124,7 @@ pub async fn run(args: RunArgs) -> ExitCode {
             machine_id: init.machine_id,
             endpoint: init.bmaas_endpoint,
             ca_der: init.ca_certificate,
+            certificate_time: CertificateTime::from_takeover(init.issued_at_unix_millis),
             pkcs8: st.private_key_pkcs8.clone(),
             heartbeat_interval: args.heartbeat_interval,
             between_heartbeats: BetweenHeartbeats::Keep,
@@ -148,8 +152,14 @@ pub async fn run_agent(
 ) -> Result<(), String> {
     let cert = identity::client_certificate(&config.pkcs8, &config.machine_id)?;
     let key = rustls_pki_types::PrivatePkcs8KeyDer::from(config.pkcs8.clone()).into();
-    let connector = ServerConnector::new(&config.endpoint, &config.ca_der, cert, key)
-        .map_err(|e| e.to_string())?;
+    let connector = ServerConnector::checking_dates_at(
+        &config.endpoint,
+        &config.ca_der,
+        cert,
+        key,
+        config.certificate_time,
+    )
+    .map_err(|e| e.to_string())?;
     let mut client = AgentClient::new(connector);
     let mut installed_generation = persist
         .as_ref()
@@ -281,6 +291,7 @@ mod tests {
             machine_id: "m-1".into(),
             endpoint,
             ca_der: Vec::new(),
+            certificate_time: CertificateTime::wall_clock(),
             pkcs8,
             heartbeat_interval: Duration::from_millis(10),
             between_heartbeats: BetweenHeartbeats::Keep,

@@ -5,6 +5,7 @@
 //! sends a hardware report once, and installs an OS image when asked. The heartbeat loop is a
 //! library too, so simulated fleets run the real agent code in-process.
 
+pub mod clock;
 pub mod connection;
 mod ethtool;
 pub mod hardware;

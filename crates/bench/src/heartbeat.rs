@@ -73,6 +73,7 @@ async fn agent_rss_mib(db: &Bmdb, server: &LoopbackServer) -> Result<f64> {
         machine_id: machine.to_string(),
         bmaas_endpoint: server.endpoint(),
         ca_certificate: server.ca_der().to_vec(),
+        ..Default::default()
     };
     let mut child = Command::new(&exe)
         .env("SHEPHERD_AGENT_HEARTBEAT_INTERVAL", "1s")

@@ -63,6 +63,7 @@ async fn ours(
         machine_id: "00000000-0000-4000-8000-000000000001".into(),
         bmaas_endpoint: "bmaas.bench:443".into(),
         ca_certificate: Vec::new(),
+        ..Default::default()
     };
     let stdin = init.encode_to_vec();
     let addr = sshd.addr();
@@ -192,6 +193,7 @@ pub async fn run(args: Args) -> Result<()> {
         machine_id: "00000000-0000-4000-8000-000000000001".into(),
         bmaas_endpoint: "bmaas.bench:443".into(),
         ca_certificate: Vec::new(),
+        ..Default::default()
     };
     let init_path = work.path().join("init.bin");
     std::fs::write(&init_path, init.encode_to_vec())?;

@@ -277,6 +277,13 @@ pub fn verify_response(sent: &TakeoverInit, stdout: &[u8]) -> Result<Vec<u8>, Re
     }
 }
 
+/// This host's clock in milliseconds since the Unix epoch, for `TakeoverInit`: the agent
+/// checks the server certificate's dates against it when its own clock is wrong.
+fn unix_millis_now() -> i64 {
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    since.map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
 fn trimmed_stderr(stderr: &[u8]) -> String {
     let text = String::from_utf8_lossy(stderr);
     let text = text.trim();
@@ -335,6 +342,7 @@ impl<P: Provider + 'static> MachineTask for Initializer<P> {
             machine_id: machine.to_string(),
             bmaas_endpoint: self.config.bmaas_endpoint.clone(),
             ca_certificate: self.config.ca_certificate.clone().unwrap_or_default(),
+            issued_at_unix_millis: unix_millis_now(),
         };
         let stdin = init.encode_to_vec();
         let output = self
@@ -380,6 +388,7 @@ mod tests {
             machine_id: "m".into(),
             bmaas_endpoint: "bmaas:443".into(),
             ca_certificate: vec![1, 2],
+            ..Default::default()
         }
     }
 

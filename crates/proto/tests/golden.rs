@@ -25,6 +25,7 @@ fn init() -> TakeoverInit {
         machine_id: "m".into(),
         bmaas_endpoint: "e".into(),
         ca_certificate: vec![1],
+        ..Default::default()
     }
 }
 

@@ -85,20 +85,8 @@ async fn agent_takes_over_heartbeats_and_installs(db: Bmdb) {
     let server = LoopbackServer::start(&db, &dir.path().join("certs"), 2, ServerLimits::default())
         .await
         .unwrap();
-    let ca_der = server.ca_der().to_vec();
-
     // The agent is copied where the Initializer would upload it, and run as it would run it.
-    let exe: PathBuf = dir.path().join("agent");
-    std::fs::copy(agent_path(), &exe).unwrap();
-    let machine = db
-        .transact(|tx| Box::pin(async move { tx.create_machine().await }))
-        .await
-        .unwrap();
-    let init = TakeoverInit {
-        machine_id: machine.to_string(),
-        bmaas_endpoint: server.endpoint(),
-        ca_certificate: ca_der,
-    };
+    let (exe, machine, init) = agent_for_a_new_machine(&db, &server, dir.path()).await;
     let marker = dir.path().join("rebooted");
     let mut agent = Command::new(&exe);
     agent.env("SHEPHERD_AGENT_HEARTBEAT_INTERVAL", "200ms").env(
@@ -234,4 +222,134 @@ fn takeover_without_endpoint_is_an_error_response() {
     let err = verify_response(&init, &out.stdout).unwrap_err().to_string();
     assert!(err.contains("no BMaaS endpoint"), "{err}");
     assert!(!dir.path().join("agent.state").exists());
+}
+
+/// A copy of the agent in `dir`, where the Initializer would upload it, a new machine, and
+/// the `TakeoverInit` the Initializer would send it for `server`.
+async fn agent_for_a_new_machine(
+    db: &Bmdb,
+    server: &LoopbackServer,
+    dir: &Path,
+) -> (PathBuf, Uuid, TakeoverInit) {
+    let exe = dir.join("agent");
+    std::fs::copy(agent_path(), &exe).unwrap();
+    let machine = db
+        .transact(|tx| Box::pin(async move { tx.create_machine().await }))
+        .await
+        .unwrap();
+    let init = TakeoverInit {
+        machine_id: machine.to_string(),
+        bmaas_endpoint: server.endpoint(),
+        ca_certificate: server.ca_der().to_vec(),
+        issued_at_unix_millis: chrono::Utc::now().timestamp_millis(),
+    };
+    (exe, machine, init)
+}
+
+/// Where Debian's `faketime` package (installed by `scripts/test-deps.sh`) puts its library.
+const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
+
+/// A CA and a server certificate for `localhost` as an operator's PKI issues them: valid from
+/// today, the server's for 90 days (not the development certificates' 1975–4096, which hide
+/// clock problems), written where [`LoopbackServer::start`] finds them.
+fn operator_certs(dir: &Path) {
+    let today = chrono::Utc::now().date_naive();
+    let date = |d: chrono::NaiveDate| {
+        use chrono::Datelike;
+        rcgen::date_time_ymd(d.year(), d.month() as u8, d.day() as u8)
+    };
+    let ca_key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca_params.not_before = date(today);
+    ca_params.not_after = date(today + chrono::Days::new(3650));
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+    let mut params = rcgen::CertificateParams::new(vec!["localhost".to_string()]).unwrap();
+    params.not_before = date(today);
+    params.not_after = date(today + chrono::Days::new(90));
+    let issuer = rcgen::Issuer::from_params(&ca_params, &ca_key);
+    let cert = params.signed_by(&key, &issuer).unwrap();
+    std::fs::create_dir_all(dir).unwrap();
+    let key_path = dir.join("server.key");
+    std::fs::write(&key_path, key.serialize_pem()).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&key_path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::fs::write(dir.join("server.pem"), cert.pem()).unwrap();
+    std::fs::write(dir.join("ca.pem"), ca.pem()).unwrap();
+}
+
+/// Agents whose clock is wrong (a dead RTC battery: the year 2000; two days behind; a year
+/// ahead) heartbeat all the same, against a server certificate valid from today for 90 days:
+/// they check its dates against the Initializer's time in their `TakeoverInit`, counted on
+/// with their monotonic clock (`agent/src/clock.rs`). One with the right clock is the control.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_with_wrong_clocks_heartbeat() {
+    assert!(
+        Path::new(LIBFAKETIME).exists(),
+        "{LIBFAKETIME} is missing: run scripts/test-deps.sh (installs faketime)"
+    );
+    let t = testing::sqlite().await;
+    let db = t.db.clone();
+    let dir = tempfile::tempdir().unwrap();
+    operator_certs(&dir.path().join("certs"));
+    let mut server =
+        LoopbackServer::start(&db, &dir.path().join("certs"), 2, ServerLimits::default())
+            .await
+            .unwrap();
+    let clocks = [
+        None,
+        Some("@2000-01-01 00:00:00"),
+        Some("-2d"),
+        Some("+365d"),
+    ];
+    let mut machines = Vec::new();
+    let mut agents = Vec::new();
+    for (i, clock) in clocks.iter().enumerate() {
+        let home = dir.path().join(format!("agent-{i}"));
+        std::fs::create_dir(&home).unwrap();
+        let (exe, machine, init) = agent_for_a_new_machine(&db, &server, &home).await;
+        let mut agent = Command::new(&exe);
+        agent.env("SHEPHERD_AGENT_HEARTBEAT_INTERVAL", "200ms");
+        if let Some(clock) = clock {
+            agent
+                .env("LD_PRELOAD", LIBFAKETIME)
+                .env("FAKETIME", clock)
+                .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+        }
+        let out = take_over(agent, &init);
+        let key = verify_response(&init, &out.stdout).unwrap();
+        agents.push(AgentProcess(pid_of(&exe)));
+        db.transact(move |tx| {
+            let key = key.clone();
+            Box::pin(async move { tx.set_agent_started(machine, &key).await })
+        })
+        .await
+        .unwrap();
+        machines.push((machine, *clock));
+    }
+    let heartbeating = async || {
+        let mut n = 0;
+        for (m, _) in machines.clone() {
+            let beat = db.read(move |tx| Box::pin(async move { tx.heartbeat(m).await }));
+            n += usize::from(beat.await.unwrap().is_some());
+        }
+        n
+    };
+    let all = testing::eventually(
+        "every agent to heartbeat",
+        Duration::from_secs(30),
+        async || {
+            let n = heartbeating().await;
+            testing::when(n == machines.len(), n)
+        },
+    )
+    .await;
+    println!(
+        "wrong_clock_agents_heartbeating = {}",
+        all as f64 / machines.len() as f64
+    );
+    drop(agents);
+    server.stop().await.unwrap();
+    t.cleanup().await;
 }

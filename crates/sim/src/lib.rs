@@ -532,6 +532,9 @@ impl Transport for SimFleet {
                     machine_id: init.machine_id.clone(),
                     endpoint: real.endpoint.clone(),
                     ca_der: real.ca_der.clone(),
+                    certificate_time: shepherd_agent::clock::CertificateTime::from_takeover(
+                        init.issued_at_unix_millis,
+                    ),
                     pkcs8,
                     heartbeat_interval: real.heartbeat_interval,
                     between_heartbeats: real.between_heartbeats,
