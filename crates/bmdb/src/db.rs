@@ -13,10 +13,11 @@ use sqlx::{ConnectOptions, Connection};
 
 use crate::batches::{ClaimBatches, EndingBatches, MAX_CLAIM_BATCH, MAX_ENDING_BATCH};
 use crate::claim_hints::ClaimHints;
+use crate::disk_full::DiskFullWarning;
 use crate::failover::FailoverMark;
 use crate::metrics::BmdbMetrics;
-use crate::migrations::{SchemaWindow, MIGRATIONS, SCHEMA_VERSION};
-use crate::sql::engine::{Autocommit, Conn, Sql, SqliteTx, Tx};
+use crate::migrations::{Migration, SchemaWindow, MIGRATIONS, SCHEMA_VERSION};
+use crate::sql::engine::{Autocommit, Conn, Sql, SqliteTx, SqliteTxConn, Tx};
 use crate::url::DatabaseUrl;
 use crate::Error;
 
@@ -86,14 +87,39 @@ pub(crate) struct Inner {
     pub(crate) claims: ClaimBatches,
     /// Concurrent work endings gathered into shared transactions.
     pub(crate) endings: EndingBatches,
-    /// When a failover error was last seen; Postgres connections opened before are dropped.
-    pub(crate) failover: Arc<FailoverMark>,
+    /// What the transaction runner remembers of the errors it saw.
+    pub(crate) seen: SeenErrors,
     target: String,
     /// The last diagnosis of an unreachable database, and when it was made.
     diagnosis: tokio::sync::Mutex<Option<(std::time::Instant, String)>>,
     /// When this handle's last background garbage collection started, and whether it is
     /// still under way (one at a time, at most one per session interval).
     collecting: std::sync::Mutex<(Option<std::time::Instant>, bool)>,
+}
+
+/// What the transaction runner (`transaction.rs`) remembers of the errors it saw, per handle.
+#[derive(Debug, Default)]
+pub(crate) struct SeenErrors {
+    /// When a failover error was last seen; Postgres connections opened before are dropped.
+    pub(crate) failover: Arc<FailoverMark>,
+    /// When a full disk was last told.
+    pub(crate) disk_full: DiskFullWarning,
+    /// When a transaction last failed because the database could not be reached or written.
+    pub(crate) outage: std::sync::Mutex<Option<std::time::Instant>>,
+}
+
+impl SeenErrors {
+    /// Remembers what `e`, a failed transaction's error, says about the database.
+    pub(crate) fn saw(&self, e: &Error) {
+        if e.is_failover() {
+            // The connection may lead to a standby: no one is handed it again.
+            self.failover.seen();
+        }
+        if e.is_outage() {
+            *self.outage.lock().unwrap() = Some(std::time::Instant::now());
+        }
+        self.disk_full.saw(e);
+    }
 }
 
 /// How long one diagnosis of an unreachable database is reused: an outage makes every waiting
@@ -135,10 +161,11 @@ impl Inner {
         let inner = match (&self.pools, mode) {
             (Pools::Sqlite { writer, .. }, Mode::Write | Mode::Batch) => {
                 let asked = std::time::Instant::now();
-                let tx = writer
-                    .begin_with("BEGIN IMMEDIATE")
+                let explain = |e| self.explain_sqlite(e, "the SQLite writer");
+                let conn = writer.acquire().await.map_err(explain)?;
+                let tx = SqliteTxConn::begin(conn, "BEGIN IMMEDIATE")
                     .await
-                    .map_err(|e| self.explain_sqlite(e, "the SQLite writer"))?;
+                    .map_err(explain)?;
                 self.metrics.writer_waited(asked.elapsed());
                 Conn::Sqlite(SqliteTx {
                     tx,
@@ -146,10 +173,9 @@ impl Inner {
                 })
             }
             (Pools::Sqlite { reader, .. }, Mode::Read) => {
-                let tx = reader
-                    .begin()
-                    .await
-                    .map_err(|e| self.explain_sqlite(e, "a SQLite reader"))?;
+                let explain = |e| self.explain_sqlite(e, "a SQLite reader");
+                let conn = reader.acquire().await.map_err(explain)?;
+                let tx = SqliteTxConn::begin(conn, "BEGIN").await.map_err(explain)?;
                 Conn::Sqlite(SqliteTx {
                     tx,
                     now: Utc::now().timestamp_micros(),
@@ -260,6 +286,10 @@ impl Bmdb {
             error,
         };
         let failover = Arc::new(FailoverMark::default());
+        let sqlite_path = match &parsed {
+            DatabaseUrl::Sqlite(path) => Some(path.clone()),
+            DatabaseUrl::Postgres(_) => None,
+        };
         let pools = match parsed {
             DatabaseUrl::Sqlite(path) => {
                 if !opts.create && !path.exists() {
@@ -317,7 +347,11 @@ impl Bmdb {
                 claim_hints: ClaimHints::default(),
                 claims: ClaimBatches::new(MAX_CLAIM_BATCH),
                 endings: EndingBatches::new(MAX_ENDING_BATCH),
-                failover,
+                seen: SeenErrors {
+                    failover,
+                    disk_full: DiskFullWarning::new(sqlite_path),
+                    outage: Default::default(),
+                },
                 target,
                 diagnosis: tokio::sync::Mutex::new(None),
                 collecting: Default::default(),
@@ -366,6 +400,12 @@ impl Bmdb {
     /// other. Returns the versions before and after. On a newer schema that still admits this
     /// binary there is nothing to do; one that does not is refused, writing nothing.
     pub async fn migrate(&self) -> Result<(i64, i64), Error> {
+        self.migrate_up_to(SCHEMA_VERSION).await
+    }
+
+    /// [`Bmdb::migrate`], stopping at schema `version`: what tests use to make a database of
+    /// an older schema.
+    pub(crate) async fn migrate_up_to(&self, version: i64) -> Result<(i64, i64), Error> {
         let mut tx = self.begin(Mode::Write).await?;
         tx.lock_for_migration().await?;
         let found = tx.schema_window().await?;
@@ -374,14 +414,21 @@ impl Bmdb {
             found.check_this_binary()?;
             return Ok((found.version, found.version));
         }
-        for m in MIGRATIONS.iter().filter(|m| m.version > found.version) {
+        let pending = |m: &&Migration| m.version > found.version && m.version <= version;
+        for m in MIGRATIONS.iter().filter(pending) {
             let script = m.script.text(tx.engine());
             tx.apply_migration(m.version, m.name, m.oldest_compatible, script)
                 .await?;
             tracing::info!(version = m.version, name = m.name, "applied BMDB migration");
         }
         tx.commit().await?;
-        Ok((found.version, SCHEMA_VERSION))
+        Ok((found.version, version.min(SCHEMA_VERSION)))
+    }
+
+    /// Test support: migrates an empty database up to schema `version` only.
+    #[cfg(feature = "testing")]
+    pub async fn migrate_for_test_up_to(&self, version: i64) -> Result<(), Error> {
+        self.migrate_up_to(version).await.map(|_| ())
     }
 
     /// Test support: applies a migration this binary does not know, as a newer binary would
@@ -427,6 +474,21 @@ impl Bmdb {
     pub async fn collect_garbage(&self) -> Result<u64, Error> {
         self.transact(|tx| Box::pin(async move { tx.collect_garbage().await }))
             .await
+    }
+
+    /// The database's unavailability with its cause, named by one direct connection attempt
+    /// (as a pool that timed out is): for a caller that gave up waiting on its own.
+    pub(crate) async fn unavailable(&self) -> Error {
+        self.inner.explain(sqlx::Error::PoolTimedOut).await
+    }
+
+    /// How long ago this handle last saw the database unreachable or unwritable (an outage, a
+    /// failover, a full disk), if it ever did. Facts the database could not record meanwhile
+    /// (agents' heartbeats) are missing, not absent: the recoverer waits a whole silence
+    /// threshold after an outage before it believes a silence.
+    pub fn since_last_outage(&self) -> Option<Duration> {
+        let last = *self.inner.seen.outage.lock().unwrap();
+        last.map(|at| at.elapsed())
     }
 
     /// Starts a garbage collection in a task of its own unless one of this handle's is under

@@ -28,7 +28,7 @@ impl Bmdb {
         ending: Ending,
     ) -> Result<EndOutcome, Error> {
         let ending = Arc::new(ending);
-        retrying(self.metrics(), &self.inner.failover, processor, || {
+        retrying(self.metrics(), &self.inner.seen, processor, || {
             self.end_batched(processor, ending.clone())
         })
         .await

@@ -151,7 +151,8 @@ impl Error {
             | Error::WorkLost { .. } => true,
             Error::BatchFailed(e) => e.is_transient(),
             Error::Database(e) => {
-                is_retryable_sqlx(e)
+                is_disk_full_sqlx(e)
+                    || is_retryable_sqlx(e)
                     || crate::failover::is_failover_sqlx(e)
                     || matches!(
                         e,
@@ -162,6 +163,18 @@ impl Error {
                     )
             }
             _ => false,
+        }
+    }
+
+    /// Whether the database itself could not be reached or written (refused connections, a
+    /// pool that timed out, a failover, a full disk): [`Error::is_transient`] less what is
+    /// about this process's hold (a session or lock lost) or contention.
+    pub fn is_outage(&self) -> bool {
+        match self {
+            Error::SessionExpired | Error::WorkLost { .. } => false,
+            Error::BatchFailed(e) => e.is_outage(),
+            Error::Database(e) if is_retryable_sqlx(e) => false,
+            e => e.is_transient(),
         }
     }
 
@@ -176,6 +189,17 @@ impl Error {
         }
     }
 
+    /// Whether the database's disk is full (SQLite's `SQLITE_FULL` or an `ENOSPC`, Postgres'
+    /// `disk_full`): unavailability that ends when an operator frees space, never the data's
+    /// fault, so [`Error::is_transient`] includes it.
+    pub fn is_disk_full(&self) -> bool {
+        match self {
+            Error::Database(e) => is_disk_full_sqlx(e),
+            Error::BatchFailed(e) => e.is_disk_full(),
+            _ => false,
+        }
+    }
+
     /// Whether a unique constraint refused the write (another writer got there first).
     pub fn is_unique_violation(&self) -> bool {
         match self {
@@ -185,6 +209,18 @@ impl Error {
             _ => false,
         }
     }
+}
+
+/// SQLite's `SQLITE_FULL` (13, with any extended code), Postgres' `disk_full` (53100), or
+/// the operating system's `ENOSPC` under either.
+pub(crate) fn is_disk_full_sqlx(e: &sqlx::Error) -> bool {
+    if let sqlx::Error::Io(io) = e {
+        return io.raw_os_error() == Some(28);
+    }
+    let Some(code) = e.as_database_error().and_then(|db| db.code()) else {
+        return false;
+    };
+    code == "53100" || code.parse::<i64>().is_ok_and(|n| n & 0xff == 13)
 }
 
 pub(crate) fn is_retryable_sqlx(e: &sqlx::Error) -> bool {

@@ -9,6 +9,7 @@ mod batches;
 mod claim_batch;
 mod claim_hints;
 mod db;
+mod disk_full;
 mod eligibility;
 mod ending_batch;
 mod error;

@@ -208,19 +208,14 @@ async fn keepalive(session: Weak<SessionInner>, interval: Duration) {
         let id = s.id;
         // Bounded, so that a keep-alive stuck on a silent partition gives way to the next one
         // (on a fresh connection) instead of holding the loop past the deadline.
-        let poked = tokio::time::timeout(
-            period,
-            s.db.run(s.processor, Mode::Write, None, |tx| {
-                Box::pin(async move { tx.poke_session(id).await })
-            }),
-        )
-        .await
-        .unwrap_or_else(|_| {
-            Err(Error::Unavailable {
-                target: s.db.target().to_string(),
-                cause: format!("keep-alive did not commit within {period:?}"),
-            })
+        let poke = s.db.run(s.processor, Mode::Write, None, |tx| {
+            Box::pin(async move { tx.poke_session(id).await })
         });
+        let poked = match tokio::time::timeout(period, poke).await {
+            Ok(poked) => poked,
+            // Named by one direct connection attempt, as a pool that timed out is.
+            Err(_) => Err(s.db.unavailable().await),
+        };
         match poked {
             Ok(true) => {
                 s.lease
@@ -376,16 +371,11 @@ impl Session {
                 .await;
         };
         let (machines, keys): (Vec<Uuid>, Vec<Vec<u8>>) = beats.iter().cloned().unzip();
-        let rows = retrying(
-            db.metrics(),
-            &db.inner.failover,
-            inner.processor,
-            || async {
-                inner.ensure_alive()?;
-                let mut conn = db.autocommit(pool).await?;
-                conn.agent_heartbeats(inner.id, &machines, &keys).await
-            },
-        )
+        let rows = retrying(db.metrics(), &db.inner.seen, inner.processor, || async {
+            inner.ensure_alive()?;
+            let mut conn = db.autocommit(pool).await?;
+            conn.agent_heartbeats(inner.id, &machines, &keys).await
+        })
         .await?;
         Ok(rows
             .into_iter()
@@ -417,6 +407,14 @@ impl Session {
     /// process had crashed or lost the database. For failure drills and tests.
     pub fn stop_keepalive(&self) {
         self.inner.stop_keepalive();
+    }
+
+    /// Abandons the session: its keep-alive stops and it counts as expired here at once, so
+    /// that the database lets go of it (and its work) at its deadline. For work whose ending
+    /// could not be written ([`crate::Work::give_up`]).
+    pub(crate) fn abandon(&self) {
+        self.inner.stop_keepalive();
+        self.inner.mark_expired();
     }
 
     /// Closes the session: stops the keep-alive and deletes the row; work it still held is

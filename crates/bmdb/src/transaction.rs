@@ -11,7 +11,7 @@ use std::time::Duration;
 use shepherd_retry::{Delays, Streak};
 
 use crate::db::Mode;
-use crate::failover::FailoverMark;
+use crate::db::SeenErrors;
 use crate::metrics::{BmdbMetrics, TransactionEnd};
 use crate::sql::engine::{Tx, TxFuture};
 use crate::{Bmdb, Error, Processor};
@@ -26,7 +26,7 @@ const DELAYS: Delays = Delays::new(Duration::from_millis(2), Duration::from_mill
 /// statement), so that a retry starts from scratch.
 pub(crate) async fn retrying<T, F, Fut>(
     metrics: &BmdbMetrics,
-    failover: &FailoverMark,
+    seen: &SeenErrors,
     processor: Processor,
     mut attempt: F,
 ) -> Result<T, Error>
@@ -42,10 +42,7 @@ where
                 return Ok(v);
             }
             Err(e) => {
-                if e.is_failover() {
-                    // The connection may lead to a standby: no one is handed it again.
-                    failover.seen();
-                }
+                seen.saw(&e);
                 let delay = failures.failed();
                 if !e.is_retryable() || failures.failures() >= MAX_ATTEMPTS {
                     metrics.transaction(processor, TransactionEnd::Failed);
@@ -112,27 +109,22 @@ impl Bmdb {
         // Each attempt's future needs `body` for a while; attempts never overlap, so the lock
         // is never contended: it only hands the one `FnMut` to the attempt under way.
         let body = &std::sync::Mutex::new(body);
-        retrying(
-            self.metrics(),
-            &self.inner.failover,
-            processor,
-            || async move {
-                let attempt = async {
-                    if let Some(g) = guard {
-                        g.before()?;
-                    }
-                    let mut tx = self.begin(mode).await?;
-                    if let Some(g) = guard {
-                        g.inside(&mut tx).await?;
-                    }
-                    let pending = (body.lock().expect("a transaction body panicked"))(&mut tx);
-                    let v = pending.await?;
-                    tx.commit().await?;
-                    Ok(v)
-                };
-                attempt.await
-            },
-        )
+        retrying(self.metrics(), &self.inner.seen, processor, || async move {
+            let attempt = async {
+                if let Some(g) = guard {
+                    g.before()?;
+                }
+                let mut tx = self.begin(mode).await?;
+                if let Some(g) = guard {
+                    g.inside(&mut tx).await?;
+                }
+                let pending = (body.lock().expect("a transaction body panicked"))(&mut tx);
+                let v = pending.await?;
+                tx.commit().await?;
+                Ok(v)
+            };
+            attempt.await
+        })
         .await
     }
 }
@@ -145,17 +137,13 @@ mod tests {
     async fn gives_up_at_once_on_errors_that_are_not_contention() {
         let metrics = BmdbMetrics::default();
         let mut attempts = 0;
-        let r: Result<(), _> = retrying(
-            &metrics,
-            &FailoverMark::default(),
-            Processor::Unknown,
-            || {
+        let r: Result<(), _> =
+            retrying(&metrics, &SeenErrors::default(), Processor::Unknown, || {
                 attempts += 1;
                 // An expired session is no serialization or lock error: not retried.
                 async { Err(Error::SessionExpired) }
-            },
-        )
-        .await;
+            })
+            .await;
         assert!(r.is_err());
         assert_eq!(attempts, 1);
         assert_eq!(metrics.transactions_retried(Processor::Unknown), 0);

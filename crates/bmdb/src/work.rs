@@ -43,7 +43,7 @@ impl Session {
     ) -> Result<Claim, Error> {
         retrying(
             self.db().metrics(),
-            &self.db().inner.failover,
+            &self.db().inner.seen,
             self.processor(),
             || self.attempt_claim(process, &retrieval, strategy),
         )
@@ -257,6 +257,24 @@ impl Work {
         self.cancel_because(&crate::LeaseLost.to_string()).await
     }
 
+    /// Gives up on writing this work's ending (the database could not be written, and the
+    /// caller stopped retrying): the session is abandoned (its keep-alive stops and it counts
+    /// as expired here), so that once its row expires any replica's collector releases the
+    /// work with a Canceled entry. Without this, a session kept alive would hold the machine
+    /// until its process ends.
+    pub fn give_up(mut self) {
+        if self.state == State::Active {
+            tracing::warn!(machine = %self.machine_id, process = %self.process, "the work's ending could not be written; its session is abandoned, so the database releases the work when the session expires");
+            self.session.abandon();
+            self.state = State::Lost;
+        }
+    }
+
+    /// Whether the work still waits for its ending.
+    pub fn is_active(&self) -> bool {
+        self.state == State::Active
+    }
+
     async fn cancel_with(&mut self, cause: Option<String>) -> Result<(), Error> {
         if self.state != State::Active {
             return Ok(());
@@ -305,7 +323,8 @@ impl Drop for Work {
             let (session, machine, process) = (self.session.clone(), self.machine_id, self.process);
             rt.spawn(async move {
                 if let Err(e) = cancel(&session, machine, process, None).await {
-                    tracing::warn!(%machine, error = %e, "canceling dropped work failed; it is released when the session ends");
+                    tracing::warn!(%machine, error = %e, "canceling dropped work failed; its session is abandoned, so the database releases it when the session expires");
+                    session.abandon();
                 }
             });
         }

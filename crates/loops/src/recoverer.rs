@@ -16,7 +16,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use shepherd_bmdb::{
-    Backoff, LeaseLost, Process, RecoveryThresholds, Retrieval, Session, TagWrites,
+    Backoff, Bmdb, LeaseLost, Process, RecoveryThresholds, Retrieval, Session, TagWrites,
 };
 use uuid::Uuid;
 
@@ -216,8 +216,16 @@ impl<P: RecovererProvider> Recoverer<P> {
 impl<P: RecovererProvider + 'static> MachineTask for Recoverer<P> {
     type Error = RecoveryError;
 
-    async fn active(&self) -> bool {
-        self.brake.as_ref().is_none_or(|b| b.admits()) && self.provider.can_reboot().await
+    /// Not while the brake holds, not when the provider cannot reboot, and not within a
+    /// silence threshold of a BMDB outage: heartbeats that arrived while the database could not
+    /// record them are missing from it, and a live agent shows up again within that time.
+    async fn active(&self, db: &Bmdb) -> bool {
+        let after_outage = db
+            .since_last_outage()
+            .is_some_and(|since| since < self.thresholds.heartbeat_older_than);
+        !after_outage
+            && self.brake.as_ref().is_none_or(|b| b.admits())
+            && self.provider.can_reboot().await
     }
 
     fn retrieval(&self) -> Retrieval {

@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use shepherd_bmdb::{
-    Backoff, Bmdb, Claim, Error as BmdbError, Retrieval, Session, SessionConfig, TagWrites, Work,
+    Backoff, Bmdb, Claim, Error as BmdbError, Lease, Retrieval, Session, SessionConfig, TagWrites,
+    Work,
 };
 use shepherd_retry::{Delays, Streak};
 use tokio_util::sync::CancellationToken;
@@ -56,8 +57,9 @@ pub trait MachineTask: Send + Sync + 'static {
     /// Which machines the loop takes; the rule also names the work process (and lock) and
     /// the metrics label of the loop's sessions.
     fn retrieval(&self) -> Retrieval;
-    /// Whether the loop may claim now (a recoverer that cannot reboot anything claims nothing).
-    async fn active(&self) -> bool {
+    /// Whether the loop may claim now (a recoverer that cannot reboot anything claims nothing),
+    /// given the database it claims from.
+    async fn active(&self, _db: &Bmdb) -> bool {
         true
     }
     /// Processes one claimed machine; the returned tags are written with its finish.
@@ -135,14 +137,48 @@ pub async fn live_session(
 }
 
 /// Ends `work` after `failure` as the task's error policy says.
-async fn end_failed<T: MachineTask>(work: &mut Work, task: &T, failure: &T::Error) {
+async fn end_failed<T: MachineTask>(work: &mut Work, lease: &Lease, task: &T, failure: &T::Error) {
+    let cause = format!("{failure:#}");
     let ended = match task.error_policy(failure) {
-        OnError::Backoff(backoff) => work.fail(Some(&backoff), &format!("{failure:#}")).await,
-        OnError::Cancel => work.cancel_because(&format!("{failure:#}")).await,
+        OnError::Backoff(backoff) => write(work, lease, Ending::Fail(&backoff, &cause)).await,
+        OnError::Cancel => write(work, lease, Ending::Cancel(&cause)).await,
         OnError::Fenced => work.fenced().await,
     };
     if let Err(e) = ended {
-        tracing::warn!(error = %e, "ending failed work failed; it is released when the session ends");
+        tracing::warn!(error = %e, "ending failed work failed");
+    }
+}
+
+/// An ending the runner writes.
+enum Ending<'a> {
+    Finish(&'a TagWrites),
+    Fail(&'a Backoff, &'a str),
+    Cancel(&'a str),
+}
+
+/// Writes `ending` until it is written, fails for good, or the session's lease ends: an
+/// ending the database could not write for the moment (an outage, a full disk) is tried again
+/// after the worker's error delays while the lease holds, so that the machine's work is not
+/// left held by a session that lives on.
+async fn write(work: &mut Work, lease: &Lease, ending: Ending<'_>) -> Result<(), BmdbError> {
+    let mut errors = Streak::new(ERROR_DELAYS);
+    loop {
+        let written = match ending {
+            Ending::Finish(tags) => work.finish(tags.clone()).await,
+            Ending::Fail(backoff, cause) => work.fail(Some(backoff), cause).await,
+            Ending::Cancel(cause) => work.cancel_because(cause).await,
+        };
+        match written {
+            Err(e @ (BmdbError::SessionExpired | BmdbError::WorkLost { .. })) => return Err(e),
+            Err(e) if e.is_transient() => {
+                let wait = errors.failed();
+                match lease.left() {
+                    Ok(left) if left > wait => tokio::time::sleep(wait).await,
+                    _ => return Err(e),
+                }
+            }
+            other => return other,
+        }
     }
 }
 
@@ -168,7 +204,7 @@ async fn worker<T: MachineTask>(
             _ = cancel.cancelled() => break,
             _ = limiter.wait() => {}
         }
-        if !task.active().await {
+        if !task.active(&db).await {
             continue;
         }
         let s = match live_session(&db, &session_config, session.take()).await {
@@ -211,7 +247,7 @@ async fn worker<T: MachineTask>(
                 if let Some(previous) = ending.take() {
                     written(previous).await;
                 }
-                let end = end_work(work, task.clone(), outcome).instrument(span);
+                let end = end_work(work, lease, task.clone(), outcome).instrument(span);
                 ending = Some(tokio::spawn(end));
             }
             Ok(Claim::NothingToDo) | Ok(Claim::Conflict) => errors.succeeded(),
@@ -252,6 +288,7 @@ async fn written(ending: tokio::task::JoinHandle<()>) {
 /// more of the loop's claims and endings into each batch.
 async fn end_work<T: MachineTask>(
     mut work: Work,
+    lease: Lease,
     task: Arc<T>,
     outcome: Processed<TagWrites, T::Error>,
 ) {
@@ -260,31 +297,43 @@ async fn end_work<T: MachineTask>(
             if let Err(e) = work.cancel_because(SHUTDOWN_CAUSE).await {
                 tracing::warn!(error = %e, "canceling work failed");
             }
-            return;
+            None
         }
         Processed::Fenced => {
             tracing::warn!("the session's lease ended during processing; stopped");
             if let Err(e) = work.fenced().await {
                 tracing::warn!(error = %e, "canceling fenced work failed");
             }
-            return;
+            None
         }
-        Processed::Done(Ok(tags)) => match work.finish(tags).await {
-            Ok(()) => return,
-            // The lock or the session is gone: there is nothing left to end.
-            Err(e @ (BmdbError::SessionExpired | BmdbError::WorkLost { .. })) => {
-                tracing::warn!(error = %e, "finishing work failed");
-                return;
+        Processed::Done(Ok(tags)) => {
+            match write(&mut work, &lease, Ending::Finish(&tags)).await {
+                Ok(()) => None,
+                // The lock or the session is gone: there is nothing left to end.
+                Err(e @ (BmdbError::SessionExpired | BmdbError::WorkLost { .. })) => {
+                    tracing::warn!(error = %e, "finishing work failed");
+                    None
+                }
+                // Still unavailable when the lease ended: given up below.
+                Err(e) if e.is_transient() => {
+                    tracing::warn!(error = %e, "finishing work failed");
+                    None
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "finishing work failed");
+                    Some(T::Error::from(e))
+                }
             }
-            Err(e) => {
-                tracing::warn!(error = %e, "finishing work failed");
-                T::Error::from(e)
-            }
-        },
+        }
         Processed::Done(Err(e)) => {
             tracing::warn!(error = %format!("{e:#}"), "processing failed");
-            e
+            Some(e)
         }
     };
-    end_failed(&mut work, &*task, &failure).await;
+    if let Some(failure) = failure {
+        end_failed(&mut work, &lease, &*task, &failure).await;
+    }
+    if work.is_active() {
+        work.give_up();
+    }
 }

@@ -315,13 +315,19 @@ pub async fn run(args: DemoArgs) -> Result<()> {
 
     let mut bars = Bars::new(args.machines as u64);
     let n = args.machines as i64;
+    let mut cancel_reason = "";
     let converged = loop {
         let counts = db.status_counts().await?;
         bars.update(&counts, &fleet.counters(), started.elapsed());
         if counts.heartbeating == n && counts.agent_started == n {
             break true;
         }
-        if cancel.is_cancelled() || started.elapsed() > args.timeout {
+        if cancel.is_cancelled() {
+            cancel_reason = "interrupted";
+            break false;
+        }
+        if started.elapsed() > args.timeout {
+            cancel_reason = "timed out";
             break false;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -404,10 +410,12 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         "  no answer (connection failed)".into(),
         heartbeat_failures.no_answer().to_string(),
     ));
-    let converged_in = if converged {
-        format!("{:.1} s", elapsed.as_secs_f64())
-    } else {
-        format!("did not converge in {:?}", args.timeout)
+    let converged_in = match (converged, cancel_reason) {
+        (true, _) => format!("{:.1} s", elapsed.as_secs_f64()),
+        (false, reason) => format!(
+            "did not converge: {reason} after {:.1} s",
+            elapsed.as_secs_f64()
+        ),
     };
     rows.push(("time to converge".into(), converged_in));
     let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);

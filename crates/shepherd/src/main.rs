@@ -122,9 +122,10 @@ async fn main() {
     };
     let matches = Cli::command().get_matches_from(merged.argv);
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    // The demo injects failures on purpose; their warnings would bury the progress bars.
+    // The demo injects failures on purpose; their warnings would bury the progress bars. A
+    // BMDB that cannot be written (its disk full) is still told, once a minute at most.
     let default_level = match cli.command {
-        Command::Demo(_) => "error",
+        Command::Demo(_) => "error,shepherd_bmdb::disk_full=warn",
         _ => "warn",
     };
     let filter = tracing_subscriber::EnvFilter::try_from_env("SHEPHERD_LOG")

@@ -34,8 +34,90 @@ pub(crate) type PgTx = sqlx::Transaction<'static, Postgres>;
 /// A SQLite transaction plus its fixed notion of "now" (read once at `BEGIN`, like Postgres'
 /// `now()`), in microseconds.
 pub(crate) struct SqliteTx {
-    pub(crate) tx: sqlx::Transaction<'static, Sqlite>,
+    pub(crate) tx: SqliteTxConn,
     pub(crate) now: i64,
+}
+
+/// A pooled SQLite connection inside a transaction begun with a plain `BEGIN`, and ended
+/// with a plain `COMMIT` or `ROLLBACK`. A connection whose transaction did not end cleanly
+/// (its COMMIT or ROLLBACK failed, as on a full disk, or it was dropped unfinished) is closed
+/// rather than returned to the pool: closing rolls back whatever SQLite still holds, and the
+/// pool opens a fresh connection. (sqlx's own `Transaction` returns such a connection with
+/// its transaction still counted, and every later BEGIN on it fails until the process
+/// restarts.)
+pub(crate) struct SqliteTxConn {
+    conn: sqlx::pool::PoolConnection<Sqlite>,
+    open: bool,
+}
+
+impl SqliteTxConn {
+    /// Begins a transaction on `conn` with `begin` (`BEGIN` or `BEGIN IMMEDIATE`).
+    pub(crate) fn begin(
+        conn: sqlx::pool::PoolConnection<Sqlite>,
+        begin: &'static str,
+    ) -> BoxFuture<'static, std::result::Result<SqliteTxConn, sqlx::Error>> {
+        Box::pin(async move {
+            let mut tx = SqliteTxConn { conn, open: true };
+            run_plain(&mut tx.conn, begin).await?;
+            Ok(tx)
+        })
+    }
+
+    /// Ends the transaction with `statement` (`COMMIT` or `ROLLBACK`); after a failed COMMIT
+    /// a ROLLBACK is tried, and the connection is closed either way.
+    fn end(
+        mut self,
+        statement: &'static str,
+    ) -> BoxFuture<'static, std::result::Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            let ended = run_plain(&mut self.conn, statement).await;
+            if ended.is_ok() {
+                self.return_to_pool();
+            } else if statement != "ROLLBACK" {
+                let _ = run_plain(&mut self.conn, "ROLLBACK").await;
+            }
+            ended
+        })
+    }
+}
+
+/// Runs one statement without parameters on `conn`.
+fn run_plain<'c>(
+    conn: &'c mut sqlx::SqliteConnection,
+    statement: &'static str,
+) -> BoxFuture<'c, std::result::Result<(), sqlx::Error>> {
+    Box::pin(async move {
+        sqlx::query(statement).execute(conn).await?;
+        Ok(())
+    })
+}
+
+impl SqliteTxConn {
+    /// The transaction ended cleanly: the connection goes back to the pool when dropped.
+    fn return_to_pool(&mut self) {
+        self.open = false;
+    }
+}
+
+impl std::ops::Deref for SqliteTxConn {
+    type Target = sqlx::SqliteConnection;
+    fn deref(&self) -> &Self::Target {
+        &self.conn
+    }
+}
+
+impl std::ops::DerefMut for SqliteTxConn {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.conn
+    }
+}
+
+impl Drop for SqliteTxConn {
+    fn drop(&mut self) {
+        if self.open {
+            self.conn.close_on_drop();
+        }
+    }
 }
 
 /// One open transaction on either engine.
@@ -82,7 +164,7 @@ impl Tx {
 
     pub(crate) async fn commit(self) -> Result<()> {
         match self.inner {
-            Conn::Sqlite(c) => c.tx.commit().await?,
+            Conn::Sqlite(c) => c.tx.end("COMMIT").await?,
             Conn::Postgres(c) => c.commit().await?,
         }
         Ok(())
@@ -103,7 +185,7 @@ impl Tx {
 
     pub(crate) async fn rollback(self) -> Result<()> {
         match self.inner {
-            Conn::Sqlite(c) => c.tx.rollback().await?,
+            Conn::Sqlite(c) => c.tx.end("ROLLBACK").await?,
             Conn::Postgres(c) => c.rollback().await?,
         }
         Ok(())

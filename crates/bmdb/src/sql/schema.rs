@@ -100,7 +100,11 @@ impl Tx {
             let add = "ALTER TABLE bmdb_schema_migrations ADD COLUMN oldest_compatible BIGINT";
             conn.execute_script(add).await?;
         }
-        conn.execute_script(script).await?;
+        let statements = statements(script);
+        for (n, statement) in statements.iter().enumerate() {
+            conn.execute_script(statement).await?;
+            pause_for_test(version, n + 1, statements.len()).await;
+        }
         let args = [
             Arg::Int(version),
             Arg::Text(name),
@@ -109,5 +113,82 @@ impl Tx {
         ];
         conn.execute(&RECORD, &args).await?;
         Ok(())
+    }
+}
+
+impl Tx {
+    /// Test support: the schema as the engine describes it (tables, columns, indexes and
+    /// constraints, as text, sorted), to tell a half-applied migration from none.
+    #[cfg(feature = "testing")]
+    pub async fn schema_description(&mut self) -> Result<Vec<String>> {
+        let sql = Dialects {
+            postgres: "SELECT format('%s.%s %s %s', c.relname, a.attname,
+                                     format_type(a.atttypid, a.atttypmod), a.attnotnull)
+                         FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+                         JOIN pg_namespace n ON n.oid = c.relnamespace
+                        WHERE n.nspname = 'public' AND a.attnum > 0 AND NOT a.attisdropped
+                       UNION ALL
+                       SELECT format('%s %s', conname, pg_get_constraintdef(oid))
+                         FROM pg_constraint WHERE connamespace = 'public'::regnamespace
+                       UNION ALL
+                       SELECT indexdef FROM pg_indexes WHERE schemaname = 'public'
+                       ORDER BY 1",
+            sqlite: "SELECT type || ' ' || name || ' ' || coalesce(sql, '') FROM sqlite_master
+                      ORDER BY 1",
+        };
+        self.conn().values(&sql, &[]).await
+    }
+}
+
+/// A migration script's statements, in order: split at each `;` that ends a line, comment
+/// lines dropped. The scripts hold no statement that contains such a `;` (no triggers, no
+/// function bodies), which the migration tests check by running them.
+fn statements(script: &str) -> Vec<String> {
+    let mut statements = Vec::new();
+    let mut current = String::new();
+    for line in script.lines() {
+        if line.trim_start().starts_with("--") {
+            continue;
+        }
+        current.push_str(line);
+        current.push('\n');
+        if line.trim_end().ends_with(';') {
+            statements.push(std::mem::take(&mut current));
+        }
+    }
+    if !current.trim().is_empty() {
+        statements.push(current);
+    }
+    statements
+}
+
+/// Test support: with `SHEPHERD_TEST_MIGRATION_PAUSE=VERSION:N` in the environment, the
+/// migrator says on standard error that it applied statement `N` of migration `VERSION` and
+/// waits there, so that a test can kill it with SIGKILL at that statement.
+#[cfg(feature = "testing")]
+async fn pause_for_test(version: i64, n: usize, total: usize) {
+    let Ok(at) = std::env::var("SHEPHERD_TEST_MIGRATION_PAUSE") else {
+        return;
+    };
+    if at == format!("{version}:{n}") {
+        eprintln!("bmdb migration {version}: applied statement {n} of {total}; waiting");
+        tokio::time::sleep(std::time::Duration::from_secs(120)).await;
+    }
+}
+
+/// Without the test support, nothing.
+#[cfg(not(feature = "testing"))]
+async fn pause_for_test(_version: i64, _n: usize, _total: usize) {}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn scripts_split_into_their_statements() {
+        let script =
+            "-- a comment; with a semicolon\nCREATE TABLE a (x INT,\n  y INT);\nDROP TABLE b;\n";
+        assert_eq!(
+            super::statements(script),
+            ["CREATE TABLE a (x INT,\n  y INT);\n", "DROP TABLE b;\n"]
+        );
     }
 }

@@ -8,8 +8,10 @@
 //! fail (CI sets it).
 
 mod blackhole;
+mod small_disk;
 
 pub use blackhole::Blackhole;
+pub use small_disk::SmallDisk;
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -428,6 +430,14 @@ pub async fn session(db: &Bmdb, processor: crate::Processor) -> crate::Session {
     db.start_session(crate::SessionConfig::new(processor.label(), processor))
         .await
         .expect("start a test session")
+}
+
+/// What `PRAGMA integrity_check` (SQLite) or its Postgres counterpart finds wrong with the
+/// database; empty when it is whole.
+pub async fn integrity_problems(db: &Bmdb) -> Vec<String> {
+    db.read(|tx| Box::pin(async move { tx.integrity_problems().await }))
+        .await
+        .expect("read the integrity check")
 }
 
 /// The work of a claim that must have claimed a machine; any other answer fails the test.
