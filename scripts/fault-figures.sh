@@ -25,6 +25,7 @@ run() {
   rm -f "$log"
 }
 run -p shepherd --test fault_fencing
+run -p shepherd-loops --test recoverer_fencing
 run -p shepherd-bmdb --test leases a_replica_cut_off_inside_a_transaction_stalls_no_one
 run -p shepherd-server --test agent_e2e agents_with_wrong_clocks_heartbeat
 run -p shepherd --test fault_disk_full
@@ -61,9 +62,10 @@ kinds.
   a silent partition, or paused with SIGSTOP (on Postgres and on SQLite), in the middle of an
   upload, until replica b has taken over every machine. Side effects are the commands the
   machines' \`ForceCommand\` logged with the key that ran them; a's lease end is the last
-  deadline the BMDB gave its sessions. Takeovers only: the recoverer's resets are fenced by
-  the same lease and re-read their lock in the database first, but no fault test reboots
-  through a BMC under a partition yet.
+  deadline the BMDB gave its sessions. Reboots (\`crates/loops/tests/recoverer_fencing.rs\`):
+  two recoverers, lookups at the BMC taking 3 s, one partitioned from Postgres while it looks
+  a machine up; its resets after its lease could have ended are counted. (A paused recoverer
+  is not tested yet.)
 - Stalled replica (\`crates/bmdb/tests/leases.rs\`): a replica cut off between its keep-alive's
   UPDATE and COMMIT, its session row locked; the time from its lease's end to the other
   replica's claim of its machine, with the session interval ${interval} s.

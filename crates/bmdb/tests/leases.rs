@@ -214,7 +214,10 @@ async fn a_replica_cut_off_inside_a_transaction_stalls_no_one() {
     )
     .await;
     let after = lease_ended.elapsed();
-    println!("stalled_replica_claims_after_lease_s = {:.2}", after.as_secs_f64());
+    println!(
+        "stalled_replica_claims_after_lease_s = {:.2}",
+        after.as_secs_f64()
+    );
     println!("session_interval_s = {}", INTERVAL.as_secs());
     assert_eq!(claimed.machine_id(), m);
     assert!(
