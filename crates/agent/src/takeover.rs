@@ -29,12 +29,25 @@ fn take_over() -> Result<(TakeoverInit, Vec<u8>, Vec<String>), String> {
     if init.machine_id.is_empty() {
         return Err("TakeoverInit has no machine id".into());
     }
-    let (pkcs8, public) = identity::generate()?;
     let path = state::default_path().map_err(|e| format!("locating the state file: {e}"))?;
+    // The fencing token: a takeover from a replica whose lease ended carries a lower
+    // generation than the one that took the machine over since, and is refused. Generations
+    // count one BMDB machine's claims, so only the same machine's are compared.
+    let seen = state::load(&path)
+        .ok()
+        .and_then(|st| st.init)
+        .filter(|seen| seen.machine_id == init.machine_id)
+        .map_or(0, |seen| seen.claim_generation);
+    shepherd_proto::check_fencing_token(seen, init.claim_generation).map_err(|e| e.to_string())?;
+    let (pkcs8, public) = identity::generate()?;
     state::save(
         &path,
         &AgentState {
-            init: Some(init.clone()),
+            // The highest generation seen is kept, even through a takeover that sent none.
+            init: Some(TakeoverInit {
+                claim_generation: init.claim_generation.max(seen),
+                ..init.clone()
+            }),
             private_key_pkcs8: pkcs8,
             installed_generation: 0,
         },

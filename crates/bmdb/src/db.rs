@@ -479,7 +479,17 @@ impl Bmdb {
     /// The database's unavailability with its cause, named by one direct connection attempt
     /// (as a pool that timed out is): for a caller that gave up waiting on its own.
     pub(crate) async fn unavailable(&self) -> Error {
-        self.inner.explain(sqlx::Error::PoolTimedOut).await
+        match self.inner.pools {
+            Pools::Postgres(_) => self.inner.explain(sqlx::Error::PoolTimedOut).await,
+            // Another process's transaction (one paused or stuck while writing) holds the
+            // file's write lock, or this process's writer is busy.
+            Pools::Sqlite { .. } => Error::Unavailable {
+                target: self.inner.target.clone(),
+                cause: "the SQLite write lock was not free in time: another transaction or \
+                        process holds it (a process paused or stuck while writing?)"
+                    .into(),
+            },
+        }
     }
 
     /// How long ago this handle last saw the database unreachable or unwritable (an outage, a

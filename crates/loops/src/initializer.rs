@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use shepherd_bmdb::{Backoff, ProviderStatus, Retrieval, Session, TagWrites, AGENT_KEY_LEN};
+use shepherd_bmdb::{
+    Backoff, Provided, ProviderStatus, Retrieval, Session, SshHostKey, TagWrites, AGENT_KEY_LEN,
+};
 use shepherd_proto::agent::{takeover_response, TakeoverInit, TakeoverResponse};
 use shepherd_proto::Message;
 use uuid::Uuid;
@@ -277,6 +279,15 @@ pub fn verify_response(sent: &TakeoverInit, stdout: &[u8]) -> Result<Vec<u8>, Re
     }
 }
 
+/// What the BMDB knows of a machine a takeover starts from, read in one transaction.
+struct Known {
+    provided: Option<Provided>,
+    /// The host key pinned at an earlier takeover.
+    pinned: Option<SshHostKey>,
+    /// The work's fencing token (`Tx::claim_generation`), sent in the `TakeoverInit`.
+    generation: u64,
+}
+
 /// This host's clock in milliseconds since the Unix epoch, for `TakeoverInit`: the agent
 /// checks the server certificate's dates against it when its own clock is wrong.
 fn unix_millis_now() -> i64 {
@@ -313,14 +324,19 @@ impl<P: Provider + 'static> MachineTask for Initializer<P> {
         session: &Session,
         machine: Uuid,
     ) -> Result<TagWrites, TakeoverFailure> {
-        let (provided, pinned) = session
+        let known = session
             .read(move |tx| {
                 Box::pin(async move {
-                    Ok((tx.provided(machine).await?, tx.ssh_host_key(machine).await?))
+                    Ok(Known {
+                        provided: tx.provided(machine).await?,
+                        pinned: tx.ssh_host_key(machine).await?,
+                        generation: tx.claim_generation(machine).await?,
+                    })
                 })
             })
             .await?;
-        let provided = provided.ok_or(TakeoverFailure::NotProvided)?;
+        let (pinned, generation) = (known.pinned, known.generation);
+        let provided = known.provided.ok_or(TakeoverFailure::NotProvided)?;
         tracing::Span::current().record("provider_id", provided.provider_id.as_str());
         let at_provider = look_up(&*self.provider, &provided.provider_id).await?;
         if at_provider.failed {
@@ -343,6 +359,7 @@ impl<P: Provider + 'static> MachineTask for Initializer<P> {
             bmaas_endpoint: self.config.bmaas_endpoint.clone(),
             ca_certificate: self.config.ca_certificate.clone().unwrap_or_default(),
             issued_at_unix_millis: unix_millis_now(),
+            claim_generation: generation,
         };
         let stdin = init.encode_to_vec();
         let output = self

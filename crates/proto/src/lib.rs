@@ -40,3 +40,24 @@ pub use cloud::agent::api as agent;
 pub use cloud::bmaas::server::api as bmaas;
 
 pub use prost::{DecodeError, Message};
+
+/// A takeover whose fencing token (`TakeoverInit.claim_generation`) is lower than one the
+/// agent has already seen: it comes from a replica whose lease on the machine ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("stale takeover: claim generation {offered} is lower than {seen}, already seen")]
+pub struct StaleTakeover {
+    /// The highest generation the agent has seen.
+    pub seen: u64,
+    /// The generation of the refused takeover.
+    pub offered: u64,
+}
+
+/// The fencing rule every agent applies to a takeover offering generation `offered`, having
+/// seen `seen`: a lower one is refused; 0 (an Initializer that sends none) is never refused.
+pub fn check_fencing_token(seen: u64, offered: u64) -> Result<(), StaleTakeover> {
+    if offered != 0 && offered < seen {
+        Err(StaleTakeover { seen, offered })
+    } else {
+        Ok(())
+    }
+}

@@ -242,6 +242,7 @@ async fn agent_for_a_new_machine(
         bmaas_endpoint: server.endpoint(),
         ca_certificate: server.ca_der().to_vec(),
         issued_at_unix_millis: chrono::Utc::now().timestamp_millis(),
+        claim_generation: 0,
     };
     (exe, machine, init)
 }
@@ -352,4 +353,49 @@ async fn agents_with_wrong_clocks_heartbeat() {
     drop(agents);
     server.stop().await.unwrap();
     t.cleanup().await;
+}
+
+/// The fencing token of a takeover (`TakeoverInit.claim_generation`): the real agent and the
+/// test agent both refuse a takeover whose generation is lower than one they already took
+/// for the machine (from a replica whose lease ended), take a higher one, and never refuse
+/// one that carries none (an Initializer that sends no token). Another machine's generations
+/// are not compared.
+#[test]
+fn takeovers_with_a_stale_fencing_token_are_refused() {
+    for (name, binary) in [
+        ("agent", agent_path()),
+        ("test agent", shepherd_loops::testing::test_agent_path()),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let exe = dir.path().join("agent");
+        std::fs::copy(&binary, &exe).unwrap();
+        let _background = AgentProcess(None);
+        let takeover = |machine: &str, generation: u64| {
+            let init = TakeoverInit {
+                machine_id: machine.into(),
+                bmaas_endpoint: "localhost:1".into(),
+                claim_generation: generation,
+                ..Default::default()
+            };
+            let out = take_over(Command::new(&exe), &init);
+            let answer = verify_response(&init, &out.stdout).map(|_| ());
+            if let Some(pid) = pid_of(&exe) {
+                drop(AgentProcess(Some(pid)));
+            }
+            answer.map_err(|e| e.to_string())
+        };
+        let m = Uuid::new_v4().to_string();
+        takeover(&m, 5).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let stale = takeover(&m, 3).expect_err(name);
+        assert!(stale.contains("stale takeover"), "{name}: {stale}");
+        takeover(&m, 0).unwrap_or_else(|e| panic!("{name}, no token: {e}"));
+        let still = takeover(&m, 4).expect_err(name);
+        assert!(
+            still.contains("stale takeover"),
+            "{name}, after no token: {still}"
+        );
+        takeover(&m, 7).unwrap_or_else(|e| panic!("{name}: {e}"));
+        takeover(&Uuid::new_v4().to_string(), 1)
+            .unwrap_or_else(|e| panic!("{name}, another machine: {e}"));
+    }
 }

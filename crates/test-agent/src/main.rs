@@ -6,6 +6,9 @@
 //! (echoes a different init), `short-key` (a 16-byte key), `hang` (answers nothing for a minute), `exit-1`
 //! (fails without output).
 //!
+//! Like the real agent, it refuses a takeover whose fencing token (`claim_generation`) is
+//! lower than the highest it has seen for the machine, which it keeps next to itself.
+//!
 //! `SHEPHERD_TEST_AGENT_DELAY_MS` in its environment (an sshd's `SetEnv`) makes it take that
 //! long to answer, as a real takeover does, so tests can act while takeovers are in flight.
 
@@ -71,11 +74,38 @@ fn main() -> ExitCode {
             Ok(init) if init.bmaas_endpoint.is_empty() => {
                 error("no BMaaS endpoint in TakeoverInit")
             }
-            Ok(init) => success(init, 32),
+            Ok(init) => match fence(&init.machine_id, init.claim_generation) {
+                Ok(()) => success(init, 32),
+                Err(e) => error(&e),
+            },
             Err(e) => error(&format!("decoding TakeoverInit: {e}")),
         },
     };
     write(&response.encode_to_vec())
+}
+
+/// The fencing token, as the real agent keeps it: the highest generation seen for a machine
+/// is kept next to the executable (`<exe>.<machine>.generation`: tests run many "machines" on
+/// one file system), and a takeover with a lower one is refused.
+fn fence(machine: &str, offered: u64) -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| format!("locating myself: {e}"))?;
+    let mut name = exe.file_name().unwrap_or_default().to_os_string();
+    let safe: String = machine
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || *c == '-')
+        .collect();
+    name.push(format!(".{safe}.generation"));
+    let path = exe.with_file_name(name);
+    let seen = std::fs::read_to_string(&path)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0);
+    shepherd_proto::check_fencing_token(seen, offered).map_err(|e| e.to_string())?;
+    if offered > seen {
+        std::fs::write(&path, offered.to_string())
+            .map_err(|e| format!("writing {}: {e}", path.display()))?;
+    }
+    Ok(())
 }
 
 fn success(init: TakeoverInit, key_len: usize) -> TakeoverResponse {

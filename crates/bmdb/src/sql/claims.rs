@@ -160,6 +160,15 @@ fn bind_sqlite<'q, O>(
 }
 
 impl Tx {
+    /// The machine's claim count: bumped by every claim of it (and by `maintenance on`), so
+    /// read while holding its work it is that work's fencing token, higher than any earlier
+    /// holder's; 0 for a machine that does not exist.
+    pub async fn claim_generation(&mut self, machine: Uuid) -> Result<u64> {
+        let sql = "SELECT claim_count FROM machines WHERE machine_id = $1";
+        let count: Option<i64> = self.conn().value(sql, &[Arg::Uuid(machine)]).await?;
+        Ok(count.and_then(|c| u64::try_from(c).ok()).unwrap_or(0))
+    }
+
     /// Machines `process` may claim under `retrieval`, in id order, at most `limit` (an
     /// operator's listing).
     pub async fn eligible_machines(
