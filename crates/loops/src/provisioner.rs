@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use shepherd_bmdb::{Processor, Session};
+use shepherd_bmdb::{LeaseLost, Processor, Session};
 
 use crate::limiter::{Limiter, RateSpec};
 use crate::periodic::{Pass, PassError};
@@ -36,6 +36,9 @@ pub enum ProvisionerError {
         /// The failure.
         error: ProviderError,
     },
+    /// The session's lease ended during the pass: nothing more is created or handed back.
+    #[error("stopped the pass: {0}")]
+    LeaseLost(#[from] LeaseLost),
 }
 
 /// Provisioner settings (SPEC §17 defaults).
@@ -54,7 +57,7 @@ impl PassError for ProvisionerError {
         match self {
             ProvisionerError::List(e) => e.is_bmdb_unavailable(),
             ProvisionerError::Bmdb(e) => e.is_transient(),
-            ProvisionerError::BmdbFailed { .. } => true,
+            ProvisionerError::BmdbFailed { .. } | ProvisionerError::LeaseLost(_) => true,
             ProvisionerError::Reconcile(_) => false,
         }
     }
@@ -140,6 +143,7 @@ impl<P: Provider> Provisioner<P> {
                 continue;
             };
             let undeploy = barred.get(id).copied().unwrap_or(false);
+            session.lease().left()?;
             match self.provider.hand_back(machine, undeploy).await {
                 Ok(HandBack::Kept) => {}
                 Ok(HandBack::Released) => {
@@ -165,6 +169,8 @@ impl<P: Provider> Provisioner<P> {
         }
         for machine in &plan.create {
             self.creation.wait().await;
+            // A creation started under a lease that ended would be another replica's to make.
+            session.lease().left()?;
             match self.provider.create_machine(session, machine).await {
                 Ok(r) if r.adopted => {
                     tracing::debug!(machine = %r.machine, provider_id = ?machine.id, "adopted a machine already recorded");

@@ -34,9 +34,21 @@ struct Dummy {
     /// Creating this id expires the creating session after the machine exists at the
     /// provider and before the BMDB records it, as a database failover does.
     expire_session_on: Option<String>,
+    /// Once this id is created and recorded, the session's keep-alive stops and the creation
+    /// returns only when its lease has ended, as after a pause or a partition.
+    lose_lease_after: Option<String>,
 }
 
 impl Dummy {
+    /// The ids of the machines created so far.
+    fn used(&self) -> Vec<String> {
+        let machines = self.machines.lock().unwrap();
+        let used = machines
+            .iter()
+            .filter(|(_, a)| **a == Availability::KnownUsed);
+        used.map(|(id, _)| id.clone()).collect()
+    }
+
     fn with_capacity(n: usize) -> Self {
         let d = Dummy::default();
         for i in 0..n {
@@ -96,12 +108,13 @@ impl ProviderTrait for Dummy {
         if self.expire_session_on.as_ref() == Some(&id) {
             session.close().await.unwrap();
         }
-        Ok(record_new_machine(
-            session,
-            self.kind(),
-            &Self::machine(&id, Availability::KnownUsed),
-        )
-        .await?)
+        let machine = Self::machine(&id, Availability::KnownUsed);
+        let recorded = record_new_machine(session, self.kind(), &machine).await?;
+        if self.lose_lease_after.as_ref() == Some(&id) {
+            session.stop_keepalive();
+            session.lease().lost().await;
+        }
+        Ok(recorded)
     }
 }
 
@@ -205,20 +218,34 @@ async fn provisioner_stops_at_the_first_failure_of_the_bmdb(db: Bmdb) {
         }
         other => panic!("{other:?}: {err:#}"),
     }
-    let used: Vec<String> = provider
-        .machines
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|(_, a)| **a == Availability::KnownUsed)
-        .map(|(id, _)| id.clone())
-        .collect();
+    let used = provider.used();
     assert_eq!(
         used,
         ["dummy-001", "dummy-002"],
         "nothing created after the BMDB failed"
     );
     assert_eq!(provided_ids(&db).await, ["dummy-001"]);
+}
+
+/// A pass whose session's lease ends creates nothing more at the provider: the lease is
+/// checked before every creation.
+async fn provisioner_creates_nothing_once_its_lease_ended(db: Bmdb) {
+    let dummy = Dummy {
+        lose_lease_after: Some("dummy-001".into()),
+        ..Dummy::with_capacity(5)
+    };
+    let provider = Arc::new(dummy);
+    let p = Provisioner::new(provider.clone(), unpaced(0, 10));
+    let s =
+        testing::session_every(&db, Processor::ShepherdProvisioner, Duration::from_secs(1)).await;
+    let err = p.iterate(&s).await.unwrap_err();
+    assert!(matches!(err, ProvisionerError::LeaseLost(_)), "{err:#}");
+    let used = provider.used();
+    assert_eq!(
+        used,
+        ["dummy-000", "dummy-001"],
+        "nothing created after the lease"
+    );
 }
 
 async fn provisioner_leaves_decommissioned_machines_alone(db: Bmdb) {
@@ -657,6 +684,7 @@ shepherd_bmdb::conformance_tests!(
     a_refused_commit_fails_the_work_with_its_cause,
     provisioner_stops_at_max,
     provisioner_stops_at_the_first_failure_of_the_bmdb,
+    provisioner_creates_nothing_once_its_lease_ended,
     provisioner_leaves_decommissioned_machines_alone,
     the_updater_refreshes_machines_in_maintenance,
     initializer_starts_the_agent_on_all_provided,
