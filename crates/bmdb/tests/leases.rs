@@ -3,6 +3,7 @@
 //! canceled with its cause and counted, and no replica's stuck transaction stalls another's
 //! keep-alives or its collector.
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use shepherd_bmdb::testing::{self, eventually, held, session_every, Blackhole};
@@ -244,4 +245,70 @@ async fn a_replica_cut_off_inside_a_transaction_stalls_no_one() {
 fn proxy_cut_after_update(proxy: &Blackhole) -> std::sync::Arc<dyn Fn() + Send + Sync> {
     let proxy = proxy.clone();
     std::sync::Arc::new(move || proxy.cut())
+}
+
+/// Log lines written while the returned guard lives, on this thread: the test runs on a
+/// current-thread runtime, so every task of it logs here.
+fn capture_logs() -> (Arc<Mutex<Vec<u8>>>, tracing::subscriber::DefaultGuard) {
+    let logs: Arc<Mutex<Vec<u8>>> = Arc::default();
+    let sink = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_max_level(tracing::Level::WARN)
+        .with_writer(move || LogSink(sink.clone()))
+        .finish();
+    (logs, tracing::subscriber::set_default(subscriber))
+}
+
+struct LogSink(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogSink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Another process that stops while it holds the SQLite file's write lock (paused mid-
+/// transaction) keeps every other process from writing. The others' leases end on time
+/// rather than waiting on the lock, their keep-alives say why, and writes resume once the
+/// lock is free.
+#[tokio::test(flavor = "current_thread")]
+async fn a_stopped_sqlite_writer_is_named_and_the_others_leases_end_on_time() {
+    use sqlx::{Connection, Executor};
+    let (logs, _guard) = capture_logs();
+    let t = testing::sqlite().await;
+    let s = session_every(
+        &t.db,
+        Processor::ShepherdInitializer,
+        Duration::from_secs(1),
+    )
+    .await;
+    let mut stopped = sqlx::SqliteConnection::connect(&t.url).await.unwrap();
+    stopped.execute("BEGIN IMMEDIATE").await.unwrap();
+    tokio::time::timeout(Duration::from_secs(3), s.lease().lost())
+        .await
+        .expect("the lease ends within its interval, not after the busy timeout");
+    let named = "the keep-alive to name the held write lock";
+    eventually(named, Duration::from_secs(5), async || {
+        let text = String::from_utf8_lossy(&logs.lock().unwrap()).to_string();
+        testing::when(
+            text.contains("SQLite write lock was not free in time"),
+            text,
+        )
+    })
+    .await;
+    stopped.execute("ROLLBACK").await.unwrap();
+    let write = "a write once the lock is free";
+    eventually(write, Duration::from_secs(15), async || {
+        let created =
+            t.db.transact(|tx| Box::pin(async move { tx.create_machine().await }))
+                .await;
+        created.map_err(|e| e.to_string())
+    })
+    .await;
+    t.cleanup().await;
 }
