@@ -160,12 +160,6 @@ impl Lease {
         Ok(deadline.saturating_duration_since(Instant::now()))
     }
 
-    /// `step`, bounded by what is left of the lease: the timeout to give a step that must
-    /// end while the lease holds.
-    pub fn bound(&self, step: Duration) -> Result<Duration, LeaseLost> {
-        Ok(self.left()?.min(step))
-    }
-
     /// Resolves once the lease has ended (at its local deadline, or when the session is
     /// expired or closed); never, for an unbounded lease. Renewals push it back.
     pub async fn lost(&self) {
