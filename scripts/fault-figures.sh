@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The fault figures of bench/results/faults.md, from the fault tests that measure them (the
-# same tests CI runs): leases that fence side effects (two replicas over real sshds, one
-# partitioned from Postgres or paused mid-upload, on Postgres and, paused, on SQLite), a
+# same tests CI runs): leases that fence side effects (two replicas over real sshds or
+# scripted BMCs, one partitioned from Postgres or paused mid-upload or mid-reboot, on Postgres
+# and, paused, on SQLite), a
 # replica cut off inside its keep-alive, agents with wrong clocks, and the SQLite BMDB's disk
 # filled mid-run. Each test prints `key = value` lines; a figure seen in several runs is
 # reported at its worst. About two minutes.
@@ -62,10 +63,12 @@ kinds.
   a silent partition, or paused with SIGSTOP (on Postgres and on SQLite), in the middle of an
   upload, until replica b has taken over every machine. Side effects are the commands the
   machines' \`ForceCommand\` logged with the key that ran them; a's lease end is the last
-  deadline the BMDB gave its sessions. Reboots (\`crates/loops/tests/recoverer_fencing.rs\`):
-  two recoverers, lookups at the BMC taking 3 s, one partitioned from Postgres while it looks
-  a machine up; its resets after its lease could have ended are counted. (A paused recoverer
-  is not tested yet.)
+  deadline the BMDB gave its sessions. Reboots, in the same file: two replicas' recoverers
+  power-cycle three silent machines through scripted Redfish BMCs (one set per replica, reads
+  answered after 3 s, every request logged); replica a is partitioned (Postgres) or paused (both
+  engines) while it reads a BMC, until b has reset every machine. Also
+  (\`crates/loops/tests/recoverer_fencing.rs\`) two recoverers in one process, one
+  partitioned while its provider looks a machine up.
 - Stalled replica (\`crates/bmdb/tests/leases.rs\`): a replica cut off between its keep-alive's
   UPDATE and COMMIT, its session row locked; the time from its lease's end to the other
   replica's claim of its machine, with the session interval ${interval} s.

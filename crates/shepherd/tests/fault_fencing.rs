@@ -1,7 +1,9 @@
 //! Fault suite: leases that fence side effects. Two `shepherd run` replicas on one BMDB take
 //! over machines (real sshds whose uploads are slow); replica `a` is cut off from
 //! Postgres by a silent partition, or paused with SIGSTOP, in the middle of an upload. Every
-//! command the machines run is logged with the key that ran it (`ForceCommand`). Asserted:
+//! command the machines run is logged with the key that ran it (`ForceCommand`). The same
+//! holds for reboots: two replicas' recoverers power-cycle silent machines through Redfish
+//! BMCs that are slow to answer, and `a` is paused while it reads a BMC. Asserted:
 //! - no machine has side effects of `a` after side effects of `b` (none overlap);
 //! - no side effect of `a` started after the last deadline its sessions had in the BMDB;
 //! - `a` writes nothing to the BMDB once it is back.
@@ -11,14 +13,16 @@
 mod common;
 
 use std::collections::{HashMap, HashSet};
+use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use common::ssh_fleet::{open_when_migrated, SideEffect, SshFleet};
-use common::{history, signal, ChildGuard, Pace};
+use common::{history, shepherd, signal, ChildGuard, Pace};
 use shepherd_bmdb::testing::{self, Blackhole};
-use shepherd_bmdb::{Bmdb, Process};
+use shepherd_bmdb::{BackendKind, Bmdb, HistoryEntry, Process, Provided, Provider};
+use shepherd_loops::testing::bmc::{Answer, Script, ScriptedBmc};
 use uuid::Uuid;
 
 const MACHINES: usize = 3;
@@ -67,6 +71,37 @@ enum Fault {
     Pause,
 }
 
+impl Fault {
+    /// The fault of `kind` for a replica of the BMDB at `url`, and the URL that replica uses.
+    async fn prepare(kind: Kind, url: &str) -> (Fault, String) {
+        match kind {
+            Kind::Partition => {
+                let upstream = url.split('@').nth(1).unwrap().split('/').next().unwrap();
+                let proxy = Blackhole::start(upstream).await;
+                let through = proxy.url_through(url, upstream);
+                (Fault::Partition(proxy), through)
+            }
+            Kind::Pause => (Fault::Pause, url.to_string()),
+        }
+    }
+
+    /// Cuts the replica `child` off, or pauses it.
+    async fn inject(&self, child: &std::process::Child, db: &Bmdb) {
+        match self {
+            Fault::Partition(proxy) => proxy.cut(),
+            Fault::Pause => pause_outside_a_write(child, db).await,
+        }
+    }
+
+    /// Ends the fault.
+    fn lift(&self, child: &std::process::Child) {
+        match self {
+            Fault::Partition(proxy) => proxy.heal(),
+            Fault::Pause => signal(child, "CONT"),
+        }
+    }
+}
+
 fn seconds(t: DateTime<Utc>) -> f64 {
     t.timestamp_micros() as f64 / 1e6
 }
@@ -89,6 +124,71 @@ fn overlapping(effects: &[SideEffect]) -> usize {
     overlapped.len()
 }
 
+/// Lets `a` run for a while after its fault ends, then stops both replicas; returns what `a`
+/// wrote to the BMDB once back under the sessions `fenced` (every session of `a` if `None`:
+/// there is nothing left to do), and the whole history.
+async fn back_for_a_while(
+    db: &Bmdb,
+    mut a: ChildGuard,
+    b: ChildGuard,
+    deadlines: &Deadlines,
+    fenced: Option<&HashSet<Uuid>>,
+) -> (Vec<HistoryEntry>, Vec<HistoryEntry>) {
+    let back = Utc::now();
+    // Time for `a` to act, if it still would.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let a_after = history::sessions_of(db, a.child().id()).await.unwrap();
+    for replica in [a.terminate(), b.terminate()] {
+        assert!(replica.status.success(), "exit: {}", replica.status);
+    }
+    let every_session: HashSet<Uuid> = deadlines.sessions().union(&a_after).copied().collect();
+    let fenced = fenced.unwrap_or(&every_session);
+    let history = history::all(db).await;
+    let written_after = history
+        .iter()
+        .filter(|h| h.session_id.is_some_and(|s| fenced.contains(&s)) && h.at > back)
+        .cloned()
+        .collect();
+    (written_after, history)
+}
+
+/// Prints the figures of one run (`what`: the side effect and the fault) and returns them:
+/// machines with overlapping side effects, and `a`'s side effects after `lease_end`.
+fn figures<'e>(
+    effects: &'e [SideEffect],
+    lease_end: f64,
+    what: &str,
+) -> (usize, Vec<&'e SideEffect>) {
+    let overlapped = overlapping(effects);
+    let late: Vec<_> = effects
+        .iter()
+        .filter(|e| e.replica == "a" && e.at > lease_end)
+        .collect();
+    println!("fence_overlapping_side_effects_{what} = {overlapped}");
+    println!("fence_side_effects_after_lease_{what} = {}", late.len());
+    (overlapped, late)
+}
+
+/// Pauses `child` (SIGSTOP) at a moment it holds no SQLite write lock. A writer stopped with
+/// the lock stops every process of a SQLite site, which `crates/bmdb/tests/leases.rs` tests;
+/// here the other replica must be able to go on.
+async fn pause_outside_a_write(child: &std::process::Child, db: &Bmdb) {
+    for _ in 0..20 {
+        signal(child, "STOP");
+        if db.backend() != BackendKind::Sqlite {
+            return;
+        }
+        let probe = db.transact(|tx| Box::pin(async move { tx.now().await }));
+        let probed = tokio::time::timeout(Duration::from_millis(500), probe).await;
+        if probed.is_ok_and(|written| written.is_ok()) {
+            return;
+        }
+        signal(child, "CONT");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the replica held the SQLite write lock at every try");
+}
+
 /// Which fault to inject.
 #[derive(Clone, Copy)]
 enum Kind {
@@ -96,18 +196,19 @@ enum Kind {
     Pause,
 }
 
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Partition => "partition",
+            Kind::Pause => "pause",
+        }
+    }
+}
+
 async fn fault_during_takeovers(url: &str, kind: Kind) {
     let url = url.to_string();
     let fleet = SshFleet::logging(MACHINES, 500, &["a", "b"], UPLOAD_DELAY_MS);
-    let (fault, a_url) = match kind {
-        Kind::Partition => {
-            let upstream = url.split('@').nth(1).unwrap().split('/').next().unwrap();
-            let proxy = Blackhole::start(upstream).await;
-            let through = proxy.url_through(&url, upstream);
-            (Fault::Partition(proxy), through)
-        }
-        Kind::Pause => (Fault::Pause, url.clone()),
-    };
+    let (fault, a_url) = Fault::prepare(kind, &url).await;
     let mut a = ChildGuard(Some(fleet.replica(&a_url, "a")));
     let db = open_when_migrated(&url).await;
     let deadlines = Deadlines::default();
@@ -122,10 +223,7 @@ async fn fault_during_takeovers(url: &str, kind: Kind) {
     })
     .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    match &fault {
-        Fault::Partition(proxy) => proxy.cut(),
-        Fault::Pause => signal(a.child(), "STOP"),
-    }
+    fault.inject(a.child(), &db).await;
     let a_sessions = deadlines.sessions();
     let pace = Pace {
         workers: 1,
@@ -140,38 +238,13 @@ async fn fault_during_takeovers(url: &str, kind: Kind) {
     })
     .await;
     let lease_end = seconds(deadlines.last_of(&a_sessions));
-    match &fault {
-        Fault::Partition(proxy) => proxy.heal(),
-        Fault::Pause => signal(a.child(), "CONT"),
-    }
-    let back = Utc::now();
-    // Time for `a` to act, if it still would.
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    let a_pid = a.child().id();
-    let a_after = history::sessions_of(&db, a_pid).await.unwrap();
-    for replica in [a.terminate(), b.terminate()] {
-        assert!(replica.status.success(), "exit: {}", replica.status);
-    }
+    fault.lift(a.child());
+    let (a_written, history) = back_for_a_while(&db, a, b, &deadlines, None).await;
     watcher.abort();
 
     let effects = fleet.side_effects();
-    let overlapped = overlapping(&effects);
-    let late: Vec<_> = effects
-        .iter()
-        .filter(|e| e.replica == "a" && e.at > lease_end)
-        .collect();
-    let all_a: HashSet<Uuid> = deadlines.sessions().union(&a_after).copied().collect();
-    let history = history::all(&db).await;
-    let written_after: Vec<_> = history
-        .iter()
-        .filter(|h| h.session_id.is_some_and(|s| all_a.contains(&s)) && h.at > back)
-        .collect();
-    let kind = match kind {
-        Kind::Partition => "partition",
-        Kind::Pause => "pause",
-    };
-    println!("fence_overlapping_side_effects_{kind} = {overlapped}");
-    println!("fence_side_effects_after_lease_{kind} = {}", late.len());
+    let what = format!("takeover_{}", kind.name());
+    let (overlapped, late) = figures(&effects, lease_end, &what);
     let summary = format!("first upload of a: {first:?}\nside effects: {effects:#?}");
     assert!(
         effects
@@ -185,8 +258,8 @@ async fn fault_during_takeovers(url: &str, kind: Kind) {
         "side effects of a after its lease ended at {lease_end}: {late:?}; {summary}"
     );
     assert!(
-        written_after.is_empty(),
-        "a wrote to the BMDB once back: {written_after:?}"
+        a_written.is_empty(),
+        "a wrote to the BMDB once back: {a_written:?}"
     );
     let finished = history::exclusive_finishes(&history, Process::ShepherdAgentStart);
     assert_eq!(finished.len(), MACHINES, "{finished:?}");
@@ -206,4 +279,177 @@ async fn a_paused_replica_starts_nothing_after_its_lease(url: &str) {
     fault_during_takeovers(url, Kind::Pause).await;
 }
 
-shepherd_bmdb::url_conformance_tests!(a_paused_replica_starts_nothing_after_its_lease);
+/// Machines `box-0`… whose agents went silent, in the BMDB at `url`, migrated here.
+async fn silent_static_machines(url: &str, n: usize) -> Bmdb {
+    let migrating = shepherd_bmdb::OpenOptions::migrating(true);
+    let db = Bmdb::open_with(url, &migrating).await.unwrap();
+    let machines = db
+        .transact(move |tx| {
+            Box::pin(async move {
+                let mut ids = Vec::with_capacity(n);
+                for i in 0..n {
+                    let id = tx.create_machine().await?;
+                    let provided = Provided::new(Provider::Static, format!("box-{i}"));
+                    tx.set_provided(id, &provided).await?;
+                    ids.push(id);
+                }
+                Ok(ids)
+            })
+        })
+        .await
+        .unwrap();
+    testing::agents_silent_for_hours(&db, &machines).await;
+    db
+}
+
+/// A recovering replica: `shepherd run` over the static inventory whose BMCs are `bmcs` (one
+/// per machine), logging into `dir`; its recoverer reboots silent machines at once.
+fn recovering_replica(
+    url: &str,
+    dir: &std::path::Path,
+    name: &str,
+    bmcs: &[ScriptedBmc],
+) -> ChildGuard {
+    let password = dir.join("bmc-password");
+    std::fs::write(&password, "x\n").unwrap();
+    let entries: Vec<_> = bmcs
+        .iter()
+        .enumerate()
+        .map(|(i, bmc)| {
+            serde_json::json!({
+                "ID": format!("box-{i}"),
+                // Nothing listens there: the initializer fails fast once a machine is rebooted.
+                "Addr": "127.0.0.1:1",
+                "BMC": {"URL": bmc.url, "System": "/redfish/v1/Systems/1",
+                        "Username": "admin", "PasswordFile": password},
+            })
+        })
+        .collect();
+    let inventory = dir.join(format!("inventory-{name}.json"));
+    std::fs::write(&inventory, serde_json::Value::from(entries).to_string()).unwrap();
+    let child = shepherd()
+        .args(["run", "--provider", "static", "--database", url])
+        .arg(format!("--static-inventory=file://{}", inventory.display()))
+        .arg(format!(
+            "--agent-executable={}",
+            shepherd_loops::testing::test_agent_path().display()
+        ))
+        .arg(format!(
+            "--ssh-key={}",
+            dir.join(format!("id_{name}")).display()
+        ))
+        .args(Pace::default().args())
+        // Longer than any pause: only the lease may stop a reset that was under way.
+        .args(["--bmc-timeout", "60s", "--bmc-reboot-wait", "1s"])
+        .args([
+            "--recovery-brake-share",
+            "1",
+            "--recoverer-db-rate",
+            "10ms,8",
+        ])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap())
+        .spawn()
+        .unwrap();
+    ChildGuard(Some(child))
+}
+
+/// The resets the BMCs of replica `name` received, as side effects.
+fn resets(name: &str, bmcs: &[ScriptedBmc]) -> Vec<SideEffect> {
+    let mut effects = Vec::new();
+    for (machine, bmc) in bmcs.iter().enumerate() {
+        for request in bmc.requests().into_iter().filter(|r| r.what != "GET") {
+            effects.push(SideEffect {
+                at: request.at,
+                machine,
+                replica: name.to_string(),
+                command: request.what,
+            });
+        }
+    }
+    effects
+}
+
+/// Replica `a`'s recoverer is cut off or paused while it reads the machines' BMCs, each taking
+/// 3 s to answer, until `b` has power-cycled every machine; then it runs on.
+async fn fault_during_reboots(url: &str, kind: Kind) {
+    let (fault, a_url) = Fault::prepare(kind, url).await;
+    let dir = tempfile::tempdir().unwrap();
+    let db = silent_static_machines(url, MACHINES).await;
+    let (mut a_bmcs, mut b_bmcs) = (Vec::new(), Vec::new());
+    for _ in 0..MACHINES {
+        let slow = Answer::SlowReads(Duration::from_millis(UPLOAD_DELAY_MS));
+        let script = Script::allowing(&["ForceRestart"]);
+        a_bmcs.push(
+            ScriptedBmc::start(Script {
+                answer: slow,
+                ..script.clone()
+            })
+            .await,
+        );
+        b_bmcs.push(ScriptedBmc::start(script).await);
+    }
+    let mut a = recovering_replica(&a_url, dir.path(), "a", &a_bmcs);
+    let deadlines = Deadlines::default();
+    let watcher = deadlines.watch(&db, a.child().id());
+    let log = |name: &str| {
+        let log = std::fs::read_to_string(dir.path().join(format!("{name}.log")));
+        log.unwrap_or_default()
+    };
+    let read = "replica a to read a BMC";
+    testing::eventually(read, Duration::from_secs(60), async || {
+        let reading = a_bmcs.iter().any(|b| !b.requests().is_empty());
+        testing::when(reading, log("a"))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    fault.inject(a.child(), &db).await;
+    let a_sessions = deadlines.sessions();
+    let b = recovering_replica(url, dir.path(), "b", &b_bmcs);
+    let everything = "replica b to power-cycle every machine";
+    testing::eventually(everything, Duration::from_secs(60), async || {
+        let cycled: HashSet<usize> = resets("b", &b_bmcs).iter().map(|r| r.machine).collect();
+        testing::when(cycled.len() == MACHINES, log("b"))
+    })
+    .await;
+    let lease_end = seconds(deadlines.last_of(&a_sessions));
+    fault.lift(a.child());
+    // Once back, `a` may take new work under a new session, never under those it held.
+    let (a_written, _) = back_for_a_while(&db, a, b, &deadlines, Some(&a_sessions)).await;
+    watcher.abort();
+
+    let mut effects = resets("a", &a_bmcs);
+    effects.extend(resets("b", &b_bmcs));
+    effects.sort_by(|x, y| x.at.total_cmp(&y.at));
+    let what = format!("reboot_{}", kind.name());
+    let (overlapped, late) = figures(&effects, lease_end, &what);
+    let a_log = log("a");
+    assert_eq!(overlapped, 0, "overlapping resets: {effects:#?}\n{a_log}");
+    assert!(
+        late.is_empty(),
+        "resets of a after its lease ended at {lease_end}: {late:?}\n{a_log}"
+    );
+    assert!(
+        a_written.is_empty(),
+        "a wrote to the BMDB once back: {a_written:?}"
+    );
+    db.close().await;
+}
+
+/// A silent partition between replica `a`'s recoverer and Postgres.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_recoverer_resets_nothing_after_its_lease() {
+    if let Some(url) = testing::fresh_postgres_database().await {
+        fault_during_reboots(&url, Kind::Partition).await;
+    }
+}
+
+/// Replica `a`'s recoverer paused (SIGSTOP) for longer than its lease, on either engine.
+async fn a_paused_recoverer_resets_nothing_after_its_lease(url: &str) {
+    fault_during_reboots(url, Kind::Pause).await;
+}
+
+shepherd_bmdb::url_conformance_tests!(
+    a_paused_replica_starts_nothing_after_its_lease,
+    a_paused_recoverer_resets_nothing_after_its_lease
+);

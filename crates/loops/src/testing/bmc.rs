@@ -18,6 +18,9 @@ pub enum Answer {
     Status(&'static str),
     /// Requests are read and never answered (the connection is held for a minute).
     Hang,
+    /// As a working BMC does, but reads (GET) are answered only after this long: a BMC busy
+    /// elsewhere, during which a test can inject a fault.
+    SlowReads(Duration),
 }
 
 /// What the scripted BMC does.
@@ -47,7 +50,16 @@ impl Script {
 pub struct ScriptedBmc {
     /// Its base URL (`http://127.0.0.1:PORT` or `https://…`).
     pub url: String,
-    resets: Arc<Mutex<Vec<String>>>,
+    requests: Arc<Mutex<Vec<Logged>>>,
+}
+
+/// One request the scripted BMC received.
+#[derive(Debug, Clone)]
+pub struct Logged {
+    /// When its request arrived, in seconds since the Unix epoch.
+    pub at: f64,
+    /// `GET`, or the reset type POSTed.
+    pub what: String,
 }
 
 impl ScriptedBmc {
@@ -60,10 +72,10 @@ impl ScriptedBmc {
             "http"
         };
         let url = format!("{scheme}://{}", listener.local_addr().unwrap());
-        let resets = Arc::new(Mutex::new(Vec::new()));
+        let requests = Arc::new(Mutex::new(Vec::new()));
         let state = Arc::new(State {
             script,
-            resets: resets.clone(),
+            requests: requests.clone(),
             power: Mutex::new("On".into()),
         });
         tokio::spawn(async move {
@@ -86,7 +98,7 @@ impl ScriptedBmc {
                 });
             }
         });
-        ScriptedBmc { url, resets }
+        ScriptedBmc { url, requests }
     }
 
     /// An inventory entry for this BMC (system 1, user `admin`, its password in a file in
@@ -107,13 +119,20 @@ impl ScriptedBmc {
 
     /// The reset types POSTed so far, in order.
     pub fn resets(&self) -> Vec<String> {
-        self.resets.lock().unwrap().clone()
+        let log = self.requests.lock().unwrap();
+        let resets = log.iter().filter(|l| l.what != "GET");
+        resets.map(|l| l.what.clone()).collect()
+    }
+
+    /// Every request so far, in order: reads as `GET`, resets by their type.
+    pub fn requests(&self) -> Vec<Logged> {
+        self.requests.lock().unwrap().clone()
     }
 }
 
 struct State {
     script: Script,
-    resets: Arc<Mutex<Vec<String>>>,
+    requests: Arc<Mutex<Vec<Logged>>>,
     power: Mutex<String>,
 }
 
@@ -123,6 +142,10 @@ impl State {
         let Some(request) = read_request(&mut conn).await else {
             return;
         };
+        let reading = !request.starts_with("POST");
+        if reading {
+            self.log("GET");
+        }
         let (status, body) = match self.script.answer {
             Answer::Hang => {
                 tokio::time::sleep(Duration::from_secs(60)).await;
@@ -132,11 +155,15 @@ impl State {
                 status,
                 format!("<html>\n<body>\n<h1>{status}</h1>\n<p>firmware says no</p>\n</body>\n</html>\n"),
             ),
-            Answer::Normal if request.starts_with("POST") => {
+            Answer::Normal | Answer::SlowReads(_) if !reading => {
                 self.reset(&request);
                 ("204 No Content", String::new())
             }
             Answer::Normal => ("200 OK", self.system()),
+            Answer::SlowReads(delay) => {
+                tokio::time::sleep(delay).await;
+                ("200 OK", self.system())
+            }
         };
         let reply = format!(
             "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
@@ -157,13 +184,20 @@ impl State {
         .into_iter()
         .find(|r| request.contains(&format!("\"{r}\"")))
         .unwrap_or("?");
-        self.resets.lock().unwrap().push(reset.to_string());
+        self.log(reset);
         let next = if reset == "ForceOff" { "Off" } else { "On" };
         let state = self.clone();
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(300)).await;
             *state.power.lock().unwrap() = next.to_string();
         });
+    }
+
+    fn log(&self, what: &str) {
+        let at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+        let at = at.unwrap_or_default().as_secs_f64();
+        let what = what.to_string();
+        self.requests.lock().unwrap().push(Logged { at, what });
     }
 
     fn system(&self) -> String {
