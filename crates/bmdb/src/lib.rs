@@ -4,6 +4,7 @@
 //! Every Shepherd component coordinates only through this crate. See `ARCHITECTURE.md` and
 //! SPEC §2–§5 for the model; every SQL statement lives in `sql/`, by concern.
 
+mod api_tokens;
 mod backoff;
 mod batches;
 mod claim_batch;
@@ -31,6 +32,7 @@ mod work;
 #[cfg(feature = "testing")]
 pub mod testing;
 
+pub use api_tokens::{ApiToken, TokenSecret, MAX_LISTED as MAX_API_TOKENS_LISTED, TOKEN_PREFIX};
 pub use backoff::{default_interval_seconds, Backoff};
 pub use db::{BackendKind, Bmdb, OpenOptions};
 pub use eligibility::{RecoveryThresholds, Retrieval};

@@ -60,10 +60,13 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
     // Expand: one more value admitted for an operator action. A binary of schema 3 to 5 never
     // writes it and refuses, naming it, to show a history that holds one.
     Migration::new(6, "install_action", 3, scripts!("0006_install_action.sql")),
+    // Expand: a table and a nullable column. A binary of schema 3 to 6 neither reads nor
+    // writes them.
+    Migration::new(7, "api_tokens", 3, scripts!("0007_api_tokens.sql")),
 ];
 
 /// The schema version this binary needs and writes.
-pub const SCHEMA_VERSION: i64 = 6;
+pub const SCHEMA_VERSION: i64 = 7;
 
 /// Which binaries may run on a database: its schema version, and the oldest binary schema
 /// that its newest migration declared compatible (SPEC: rolling upgrades).

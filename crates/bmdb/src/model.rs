@@ -98,6 +98,19 @@ text_enum! {
 }
 
 text_enum! {
+    /// What a person or a program may do through the operator API, each role including the
+    /// ones before it.
+    Role {
+        /// Reads: machines, sessions, the overview, background tasks.
+        Viewer,
+        /// Also acts on machines: maintenance, retry, forgetting a host key, installation.
+        Operator,
+        /// Also manages API tokens and decommissions machines.
+        Admin,
+    }
+}
+
+text_enum! {
     /// Outcome of an OS installation as reported by the agent.
     InstallationResult { Success, Error }
 }
@@ -549,10 +562,14 @@ mod tests {
 /// Who did an operator action and why; both are kept in the history.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Operator {
-    /// The operator's name (the login name, or what `--by` says).
+    /// The operator's name: the principal the operator API proved (`token:NAME`, or the
+    /// identity provider's issuer and subject), or on the database directly the login name
+    /// or what `--by` says.
     pub by: String,
     /// Why (`--reason`); may be empty where the command does not require one.
     pub reason: String,
+    /// The operator API's id of the request that made the action; `None` on the database.
+    pub request_id: Option<String>,
 }
 
 impl Operator {
@@ -578,7 +595,19 @@ impl Operator {
                 ),
             });
         }
-        Ok(Operator { by, reason })
+        Ok(Operator {
+            by,
+            reason,
+            request_id: None,
+        })
+    }
+
+    /// The same operator, acting in the operator API's request `id`.
+    pub fn in_request(self, id: impl Into<String>) -> Operator {
+        Operator {
+            request_id: Some(id.into()),
+            ..self
+        }
     }
 }
 
@@ -610,6 +639,8 @@ pub struct ActionEntry {
     pub by: String,
     /// Why, and what the action found (e.g. the forgotten key).
     pub reason: String,
+    /// The operator API's id of the request that made it, if it came through the API.
+    pub request_id: Option<String>,
 }
 
 /// A provider id an operator decommissioned; the provisioner leaves it alone.

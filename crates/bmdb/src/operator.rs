@@ -170,10 +170,10 @@ impl Session {
                 tx.clear_backoffs(act.machine, Some(Process::ShepherdAgentStart))
                     .await?;
                 let noted = Operator {
-                    by: act.who.by.clone(),
                     reason: format!("{} (forgot {})", act.who.reason, key.key)
                         .trim_start()
                         .to_string(),
+                    ..act.who.clone()
                 };
                 act.record_as(tx, OperatorAction::ForgetHostKey, None, &noted)
                     .await?;

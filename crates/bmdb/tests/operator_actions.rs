@@ -478,9 +478,77 @@ async fn retention_prunes_in_batches_and_keeps_failures_longest(db: Bmdb) {
     operator.close().await.unwrap();
 }
 
+/// API tokens: made once per name, found by their secret only (the BMDB holds a hash),
+/// revocable, expiring, and their use recorded.
+async fn api_tokens_are_hashed_unique_revocable_and_expire(db: Bmdb) {
+    let day = Duration::from_secs(86_400);
+    let (ci, secret) = db
+        .create_api_token("ci", Role::Operator, day, "alice")
+        .await
+        .unwrap()
+        .expect("a new name");
+    assert_eq!((ci.role, ci.created_by.as_str()), (Role::Operator, "alice"));
+    let lifetime = ci.expires_at - ci.created_at;
+    assert_eq!(lifetime.num_seconds(), 86_400, "{ci:?}");
+    let again = db.create_api_token("ci", Role::Admin, day, "bob").await;
+    assert!(again.unwrap().is_none(), "a name is made once");
+    let bad = db
+        .create_api_token("no spaces", Role::Viewer, day, "bob")
+        .await;
+    assert!(matches!(bad, Err(Error::InvalidArgument { .. })), "{bad:?}");
+
+    let found = db.api_token_for(secret.reveal()).await.unwrap();
+    assert_eq!(found.as_ref(), Some(&ci));
+    assert!(ci.is_valid_at(chrono::Utc::now()));
+    let mut wrong = secret.reveal().to_string();
+    wrong.pop();
+    wrong.push('x');
+    for text in [wrong.as_str(), "Bearer nothing", ""] {
+        assert_eq!(db.api_token_for(text).await.unwrap(), None, "{text:?}");
+    }
+
+    db.api_tokens_used(&[ci.id]).await.unwrap();
+    let used = db.api_token_for(secret.reveal()).await.unwrap().unwrap();
+    assert!(used.last_used_at.is_some());
+
+    let revoked = db.revoke_api_token("ci").await.unwrap().unwrap();
+    assert!(!revoked.is_valid_at(chrono::Utc::now()), "{revoked:?}");
+    assert_eq!(db.revoke_api_token("nope").await.unwrap(), None);
+
+    let (short, _) = db
+        .create_api_token("short", Role::Viewer, Duration::from_secs(1), "alice")
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(!short.is_valid_at(short.created_at + chrono::Duration::seconds(2)));
+    let names: Vec<_> = db.api_tokens().await.unwrap();
+    let names: Vec<_> = names.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, ["ci", "short"]);
+}
+
+/// An action made through the operator API keeps the API request's id in the history.
+async fn actions_keep_their_request_id(db: Bmdb) {
+    let m = testing::provision(&db, 1, Provider::Sim).await[0];
+    let s = session(&db, Processor::Unknown).await;
+    let who = Operator::new("token:ci", "rack 4 power work")
+        .unwrap()
+        .in_request("req-1");
+    s.maintenance_on(m, &who).await.unwrap();
+    s.maintenance_off(m, &alice("")).await.unwrap();
+    let actions = db
+        .read(move |tx| Box::pin(async move { tx.machine_actions(m).await }))
+        .await
+        .unwrap();
+    let ids: Vec<_> = actions.iter().map(|a| a.request_id.as_deref()).collect();
+    assert_eq!(ids, [Some("req-1"), None]);
+    s.close().await.unwrap();
+}
+
 shepherd_bmdb::conformance_tests!(
     maintenance_keeps_loops_away,
     decommission_while_loops_run,
     retry_and_forget_host_key_are_recorded,
     retention_prunes_in_batches_and_keeps_failures_longest,
+    api_tokens_are_hashed_unique_revocable_and_expire,
+    actions_keep_their_request_id,
 );

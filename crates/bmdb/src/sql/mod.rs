@@ -13,7 +13,8 @@
 //! - `views.rs` — operators' read-only views and counts;
 //! - `operator.rs` — operators' actions (maintenance, decommission) and their history;
 //! - `overview.rs` — fleet counts over time, work endings per minute, top failure causes;
-//! - `retention.rs` — pruning old history in bounded batches.
+//! - `retention.rs` — pruning old history in bounded batches;
+//! - `api_tokens.rs` — the operator API's local tokens.
 //!
 //! This is the one door to the database: `Tx`'s connection is private to `engine.rs`, so the
 //! rest of the crate can only call these methods, and no other crate names `sqlx` (tidy
@@ -22,6 +23,7 @@
 //! to each other in a `Dialects`. Statements only one engine can express (Postgres'
 //! data-modifying CTEs, SQLite's `PRAGMA`s) are the arms of one `match` on the engine.
 
+pub(crate) mod api_tokens;
 pub(crate) mod claims;
 pub(crate) mod endings;
 pub(crate) mod engine;

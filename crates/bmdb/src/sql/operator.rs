@@ -14,12 +14,12 @@ const SET_MAINTENANCE: Dialects = Dialects {
 };
 
 const RECORD_ACTION: Dialects = Dialects {
-    postgres:
-        "INSERT INTO operator_actions (machine_id, action, process, at, actor, reason, session_id)
-               VALUES ($1, $2, $3, now(), $4, $5, $6)",
-    sqlite:
-        "INSERT INTO operator_actions (machine_id, action, process, at, actor, reason, session_id)
-             VALUES ($1, $2, $3, $7, $4, $5, $6)",
+    postgres: "INSERT INTO operator_actions
+                      (machine_id, action, process, at, actor, reason, session_id, request_id)
+               VALUES ($1, $2, $3, now(), $4, $5, $6, $7)",
+    sqlite: "INSERT INTO operator_actions
+                    (machine_id, action, process, at, actor, reason, session_id, request_id)
+             VALUES ($1, $2, $3, $8, $4, $5, $6, $7)",
 };
 
 const DECOMMISSION: Dialects = Dialects {
@@ -104,6 +104,7 @@ impl Tx {
             Arg::Text(&who.by),
             Arg::Text(&who.reason),
             Arg::OptUuid(session),
+            Arg::OptText(who.request_id.as_deref()),
             Arg::Now,
         ];
         self.conn().execute(&RECORD_ACTION, &args).await?;
@@ -112,8 +113,8 @@ impl Tx {
 
     /// The operators' history of a machine, oldest first.
     pub async fn machine_actions(&mut self, id: Uuid) -> Result<Vec<ActionEntry>> {
-        let sql = "SELECT id, machine_id, action, process, at, actor, reason FROM operator_actions
-                   WHERE machine_id = $1 ORDER BY id";
+        let sql = "SELECT id, machine_id, action, process, at, actor, reason, request_id
+                     FROM operator_actions WHERE machine_id = $1 ORDER BY id";
         self.conn().rows(sql, &[Arg::Uuid(id)]).await
     }
 
@@ -186,7 +187,7 @@ from_columns! {
     Maintenance { since: time, by: get("actor"), reason: get }
     ActionEntry {
         id: get, machine_id: get, action: parsed, process: opt_parsed, at: time,
-        by: get("actor"), reason: get,
+        by: get("actor"), reason: get, request_id: get,
     }
     Decommissioned {
         provider: parsed, provider_id: get, machine_id: get, at: time, by: get("actor"),

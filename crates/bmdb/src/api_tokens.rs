@@ -1,0 +1,205 @@
+//! Local API tokens: how automation, and sites without an identity provider, authenticate to
+//! the operator API. A token is a random secret shown once when it is made; the BMDB keeps
+//! only its SHA-256, with the token's name, role, expiry, revocation and last use.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use rand::RngCore;
+use sha2::{Digest, Sha256};
+use uuid::Uuid;
+
+use crate::{Bmdb, Error, Role};
+
+/// What every token's text starts with, so that a leaked one is recognisable (secret
+/// scanners, logs) and a token is not mistaken for a JWT.
+pub const TOKEN_PREFIX: &str = "shp_";
+
+/// Longest token name kept.
+const MAX_NAME: usize = 100;
+
+/// Most tokens listed at once.
+pub const MAX_LISTED: i64 = 1000;
+
+/// A token as the BMDB records it (never its secret).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiToken {
+    /// Its id.
+    pub id: Uuid,
+    /// Its name, unique (`ci`, `cmdb-sync`): who it is in the operators' history.
+    pub name: String,
+    /// What it may do.
+    pub role: Role,
+    /// When it was made (the database clock).
+    pub created_at: DateTime<Utc>,
+    /// Who made it.
+    pub created_by: String,
+    /// When it stops working.
+    pub expires_at: DateTime<Utc>,
+    /// When it was revoked, if it was.
+    pub revoked_at: Option<DateTime<Utc>>,
+    /// When it was last used (recorded at most once a minute per token).
+    pub last_used_at: Option<DateTime<Utc>>,
+}
+
+impl ApiToken {
+    /// Whether it may be used at `now`: not revoked and not expired.
+    pub fn is_valid_at(&self, now: DateTime<Utc>) -> bool {
+        self.revoked_at.is_none() && now < self.expires_at
+    }
+}
+
+/// A token's secret text. Its `Debug` shows nothing of it, so it cannot reach a log by
+/// accident.
+#[derive(Clone, PartialEq, Eq)]
+pub struct TokenSecret(String);
+
+impl TokenSecret {
+    /// A new random secret: the prefix and 32 random bytes in hex.
+    fn generate() -> TokenSecret {
+        let mut bytes = [0u8; 32];
+        rand::rng().fill_bytes(&mut bytes);
+        let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        TokenSecret(format!("{TOKEN_PREFIX}{hex}"))
+    }
+
+    /// The text, to show once to whoever made it.
+    pub fn reveal(&self) -> &str {
+        &self.0
+    }
+
+    /// The SHA-256 the BMDB keeps of `text`.
+    fn sha256_of(text: &str) -> [u8; 32] {
+        Sha256::digest(text.as_bytes()).into()
+    }
+}
+
+impl std::fmt::Debug for TokenSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TokenSecret(…)")
+    }
+}
+
+/// The checks on a new token's name: not empty, short, and of letters, digits, `-`, `_`, `.`.
+fn check_name(name: &str) -> Result<(), Error> {
+    let fine = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+    if name.is_empty() || name.len() > MAX_NAME || !name.chars().all(fine) {
+        return Err(Error::InvalidArgument {
+            what: "token name",
+            problem: format!(
+                "{name:?}: 1 to {MAX_NAME} letters, digits, '-', '_' or '.' are allowed"
+            ),
+        });
+    }
+    Ok(())
+}
+
+impl Bmdb {
+    /// Makes a token named `name` with `role`, valid for `valid_for`; returns it with its
+    /// secret, or `None` if a token of that name exists (revoked ones included: names are
+    /// never reused, so the history stays unambiguous).
+    pub async fn create_api_token(
+        &self,
+        name: &str,
+        role: Role,
+        valid_for: Duration,
+        created_by: &str,
+    ) -> Result<Option<(ApiToken, TokenSecret)>, Error> {
+        check_name(name)?;
+        let secret = TokenSecret::generate();
+        let sha256 = TokenSecret::sha256_of(secret.reveal());
+        let (name, created_by) = (name.to_string(), created_by.to_string());
+        let id = Uuid::new_v4();
+        let made = self
+            .transact(move |tx| {
+                let (name, created_by) = (name.clone(), created_by.clone());
+                Box::pin(async move {
+                    let draft = ApiToken {
+                        id,
+                        name: name.clone(),
+                        role,
+                        created_at: DateTime::UNIX_EPOCH,
+                        created_by,
+                        expires_at: DateTime::UNIX_EPOCH,
+                        revoked_at: None,
+                        last_used_at: None,
+                    };
+                    if !tx.create_api_token(&draft, &sha256, valid_for).await? {
+                        return Ok(None);
+                    }
+                    tx.api_token(&name).await
+                })
+            })
+            .await?;
+        Ok(made.map(|token| (token, secret)))
+    }
+
+    /// The token whose secret is `text`, whatever its state (the caller checks
+    /// [`ApiToken::is_valid_at`]); `None` for a text that is no token.
+    pub async fn api_token_for(&self, text: &str) -> Result<Option<ApiToken>, Error> {
+        if !text.starts_with(TOKEN_PREFIX) {
+            return Ok(None);
+        }
+        let sha256 = TokenSecret::sha256_of(text);
+        self.read(move |tx| Box::pin(async move { tx.api_token_by_sha256(&sha256).await }))
+            .await
+    }
+
+    /// Every token, by name (at most [`MAX_LISTED`]).
+    pub async fn api_tokens(&self) -> Result<Vec<ApiToken>, Error> {
+        self.read(|tx| Box::pin(async move { tx.api_tokens(MAX_LISTED).await }))
+            .await
+    }
+
+    /// Revokes the token named `name`: it stops working at once for every server that has not
+    /// cached it, and within the cache's lifetime for those that have. Returns the token as it
+    /// now is, or `None` if there is no such token.
+    pub async fn revoke_api_token(&self, name: &str) -> Result<Option<ApiToken>, Error> {
+        let name = name.to_string();
+        self.transact(move |tx| {
+            let name = name.clone();
+            Box::pin(async move {
+                tx.revoke_api_token(&name).await?;
+                tx.api_token(&name).await
+            })
+        })
+        .await
+    }
+
+    /// Records that the tokens `ids` were used now, in one transaction.
+    pub async fn api_tokens_used(&self, ids: &[Uuid]) -> Result<(), Error> {
+        let ids = ids.to_vec();
+        self.transact(move |tx| {
+            let ids = ids.clone();
+            Box::pin(async move {
+                for id in ids {
+                    tx.api_token_used(id).await?;
+                }
+                Ok(())
+            })
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_are_prefixed_random_and_never_printed() {
+        let (a, b) = (TokenSecret::generate(), TokenSecret::generate());
+        assert!(a.reveal().starts_with(TOKEN_PREFIX));
+        assert_eq!(a.reveal().len(), TOKEN_PREFIX.len() + 64);
+        assert_ne!(a, b);
+        assert!(!format!("{a:?}").contains(&a.reveal()[TOKEN_PREFIX.len()..]));
+    }
+
+    #[test]
+    fn names_are_checked() {
+        assert!(check_name("ci-pipeline.v2").is_ok());
+        for bad in ["", "a b", "x;DROP", &"n".repeat(MAX_NAME + 1)] {
+            assert!(check_name(bad).is_err(), "{bad:?}");
+        }
+    }
+}
