@@ -4,13 +4,10 @@ use crate::flags::ThresholdArgs;
 use anyhow::{bail, Context, Result};
 use clap::Subcommand;
 use serde_json::Value;
-use shepherd_bmdb::{
-    ActionOutcome, Bmdb, Lifecycle, Operator, Process, Processor, Session, SessionConfig, TxFuture,
-};
-use shepherd_proto::bmaas as proto;
-use shepherd_proto::Message;
+use shepherd_bmdb::{Bmdb, Lifecycle, Operator, Process};
 use uuid::Uuid;
 
+use crate::actions::{self, InstallImage, MachineAction};
 use crate::inventory;
 
 fn parse_state(s: &str) -> Result<Lifecycle, String> {
@@ -157,7 +154,7 @@ pub struct WhoArgs {
 
 impl WhoArgs {
     /// The operator, checked; `reason_needed` refuses a missing or blank reason.
-    fn operator(&self, reason_needed: bool) -> Result<Operator> {
+    fn operator(&self) -> Result<Operator> {
         // Without --by or a login name in the environment (a cron job, a container), the
         // user id still says who.
         let by = self.by.clone().unwrap_or_else(|| {
@@ -172,65 +169,11 @@ impl WhoArgs {
                 })
         });
         let reason = self.reason.clone().unwrap_or_default();
-        if reason_needed && reason.trim().is_empty() {
-            bail!("--reason is needed: say why, for the machine's history");
-        }
         Ok(Operator::new(by, reason)?)
     }
 }
 
 /// Runs one action of operator `who` in a session of its own, closed afterwards.
-async fn as_operator<T>(
-    db: &Bmdb,
-    who: Operator,
-    action: impl FnOnce(Session, Operator) -> TxFuture<'static, T>,
-) -> Result<T> {
-    let session = db
-        .start_session(SessionConfig::new(
-            "shepherd-cli",
-            Processor::ShepherdOperator,
-        ))
-        .await?;
-    let outcome = action(session.clone(), who).await;
-    session.close().await?;
-    Ok(outcome?)
-}
-
-/// What an action outcome means for the command: an unknown machine is an error (naming the
-/// decommissioning if that is why), nothing to do is a line, done is `done`'s line.
-async fn report<T>(
-    db: &Bmdb,
-    id: Uuid,
-    outcome: ActionOutcome<T>,
-    unchanged: &str,
-    done: impl FnOnce(T) -> String,
-) -> Result<()> {
-    match outcome {
-        ActionOutcome::NoSuchMachine => return Err(no_such_machine(db, id).await),
-        ActionOutcome::Unchanged => println!("machine {id}: {unchanged}"),
-        ActionOutcome::Done(t) => println!("machine {id}: {}", done(t)),
-    }
-    Ok(())
-}
-
-/// Why machine `id` cannot be found: it was decommissioned (saying how to undo it), or it
-/// never existed.
-async fn no_such_machine(db: &Bmdb, id: Uuid) -> anyhow::Error {
-    let decommissioned = db
-        .read(move |tx| Box::pin(async move { tx.decommissioned(id).await }))
-        .await;
-    match decommissioned {
-        Ok(Some(d)) => anyhow::anyhow!(
-            "machine {id} was decommissioned at {} by {} ({}); `shepherd machines recommission {id}` undoes that",
-            d.at.to_rfc3339(),
-            d.by,
-            d.reason
-        ),
-        Ok(None) => anyhow::anyhow!("machine {id} does not exist"),
-        Err(e) => e.into(),
-    }
-}
-
 fn text(v: &Value) -> String {
     match v {
         Value::Null => "-".into(),
@@ -283,19 +226,6 @@ fn table(rows: &[Value], cols: &[&str]) -> String {
 
 /// Checks an image request before it reaches the BMDB, so a typo fails here rather than on
 /// the machine.
-fn validate_image(image: &str, sha256: &str, device: &str) -> Result<()> {
-    if !(image.starts_with("https://") || image.starts_with("http://")) {
-        bail!("image: {image:?} is not an http(s) URL");
-    }
-    if sha256.len() != 64 || !sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
-        bail!("sha256: {sha256:?} is not 64 hex digits");
-    }
-    if device.is_empty() {
-        bail!("device: must not be empty");
-    }
-    Ok(())
-}
-
 async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
     match command {
         MachinesCommand::List {
@@ -354,7 +284,7 @@ async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
         } => {
             let stale_after = thresholds.thresholds().stale_after();
             let Some(detail) = inventory::detail(db, id, stale_after).await? else {
-                return Err(no_such_machine(db, id).await);
+                bail!(actions::no_such_machine(db, id).await?);
             };
             let v = inventory::detail_json(&detail);
             if json {
@@ -395,92 +325,23 @@ async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
             }
         }
         MachinesCommand::Retry { id, process, who } => {
-            let outcome = as_operator(db, who.operator(false)?, move |s, who| {
-                Box::pin(async move { s.retry(id, process, &who).await })
-            })
-            .await?;
-            report(db, id, outcome, "no backoff to clear", |n| {
-                format!("{n} backoff(s) cleared; the loops may take it again now")
-            })
-            .await?;
+            act(db, id, MachineAction::Retry { process }, &who).await?;
         }
         MachinesCommand::ForgetHostKey { id, who } => {
-            let outcome = as_operator(db, who.operator(false)?, move |s, who| {
-                Box::pin(async move { s.forget_host_key(id, &who).await })
-            })
-            .await?;
-            report(db, id, outcome, "no host key pinned", |key| {
-                format!(
-                    "forgot host key {}; the next takeover pins the key it finds",
-                    key.key
-                )
-            })
-            .await?;
+            act(db, id, MachineAction::ForgetHostKey, &who).await?;
         }
-        MachinesCommand::Maintenance { switch, id, who } => match switch {
-            Switch::On => {
-                let outcome = as_operator(db, who.operator(true)?, move |s, who| {
-                    Box::pin(async move { s.maintenance_on(id, &who).await })
-                })
-                .await?;
-                report(db, id, outcome, "already in maintenance", |running| {
-                    let mut line = "in maintenance; no loop will claim it".to_string();
-                    if !running.is_empty() {
-                        let names: Vec<String> = running.iter().map(|p| p.to_string()).collect();
-                        line += &format!(
-                            " (work already running finishes first: {})",
-                            names.join(", ")
-                        );
-                    }
-                    line
-                })
-                .await?;
-            }
-            Switch::Off => {
-                let outcome = as_operator(db, who.operator(false)?, move |s, who| {
-                    Box::pin(async move { s.maintenance_off(id, &who).await })
-                })
-                .await?;
-                report(db, id, outcome, "was not in maintenance", |()| {
-                    "out of maintenance; the loops may take it again".to_string()
-                })
-                .await?;
-            }
-        },
+        MachinesCommand::Maintenance { switch, id, who } => {
+            let action = match switch {
+                Switch::On => MachineAction::MaintenanceOn,
+                Switch::Off => MachineAction::MaintenanceOff,
+            };
+            act(db, id, action, &who).await?;
+        }
         MachinesCommand::Decommission { id, undeploy, who } => {
-            let outcome = as_operator(db, who.operator(true)?, move |s, who| {
-                Box::pin(async move { s.decommission(id, &who, undeploy).await })
-            })
-            .await?;
-            report(db, id, outcome, "", |provided| match provided {
-                Some(p) => format!(
-                    "decommissioned; the provisioner {} and leaves {} machine {:?} alone until `shepherd machines recommission {id}`",
-                    if undeploy {
-                        "tears it down at its provider"
-                    } else {
-                        "releases it at its provider"
-                    },
-                    p.provider, p.provider_id
-                ),
-                None => "decommissioned (it had no provider id)".to_string(),
-            })
-            .await?;
+            act(db, id, MachineAction::Decommission { undeploy }, &who).await?;
         }
         MachinesCommand::Recommission { id, who } => {
-            let outcome = as_operator(db, who.operator(false)?, move |s, who| {
-                Box::pin(async move { s.recommission(id, &who).await })
-            })
-            .await?;
-            if outcome == ActionOutcome::NoSuchMachine {
-                bail!("machine {id} is not decommissioned");
-            }
-            report(db, id, outcome, "", |d| {
-                format!(
-                    "recommissioned; the provisioner may bring {} machine {:?} back as a new machine",
-                    d.provider, d.provider_id
-                )
-            })
-            .await?;
+            act(db, id, MachineAction::Recommission, &who).await?;
         }
         MachinesCommand::Install {
             id,
@@ -489,32 +350,20 @@ async fn run_on(db: &Bmdb, command: MachinesCommand) -> Result<()> {
             device,
             who,
         } => {
-            validate_image(&image, &sha256, &device)?;
-            let image = proto::ImageInstallationRequest {
-                url: image,
-                sha256: sha256.to_ascii_lowercase(),
-                target_device: device,
-            };
-            let request = move |generation| {
-                proto::OsInstallationRequest {
-                    generation,
-                    r#type: Some(proto::os_installation_request::Type::Image(image.clone())),
-                }
-                .encode_to_vec()
-            };
-            let outcome = as_operator(db, who.operator(false)?, move |s, who| {
-                Box::pin(async move { s.request_installation(id, &who, request).await })
-            })
-            .await?;
-            report(db, id, outcome, "", |generation| {
-                format!(
-                    "installation request generation {generation} recorded; the agent \
-                     receives it with its next heartbeat"
-                )
-            })
-            .await?;
+            let image = InstallImage::new(image, sha256, device)?;
+            act(db, id, MachineAction::Install(image), &who).await?;
         }
     }
+    Ok(())
+}
+
+/// Performs `action` on machine `id` for the operator `who` names, and says what it did.
+async fn act(db: &Bmdb, id: Uuid, action: MachineAction, who: &WhoArgs) -> Result<()> {
+    if action.needs_reason() && who.reason.as_deref().unwrap_or("").trim().is_empty() {
+        bail!("--reason is needed: say why, for the machine's history");
+    }
+    let performed = actions::perform(db, "shepherd-cli", id, action, &who.operator()?).await?;
+    println!("machine {id}: {}", performed.message());
     Ok(())
 }
 

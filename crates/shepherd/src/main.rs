@@ -3,6 +3,7 @@
 //! operators' commands: `machines` (list, show, history, install, retry, forget-host-key),
 //! `sessions list`, `bmdb` (migrate, status, check) and `config print` (the merged settings).
 
+mod actions;
 mod bmdb_cmd;
 mod config_cmd;
 mod config_file;
