@@ -26,14 +26,22 @@ pub const MAX_LISTED: i64 = 1000;
 pub struct ApiToken {
     /// Its id.
     pub id: Uuid,
-    /// Its name, unique (`ci`, `cmdb-sync`): who it is in the operators' history.
+    /// Its name, unique and never reused (`ci`, `cmdb-sync`): who it is in the operators'
+    /// history (`token:NAME`).
     pub name: String,
     /// What it may do.
     pub role: Role,
-    /// When it was made (the database clock).
-    pub created_at: DateTime<Utc>,
     /// Who made it.
     pub created_by: String,
+    /// Its life, by the database clock.
+    pub times: TokenTimes,
+}
+
+/// When a token was made, stops working, was revoked and was last used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenTimes {
+    /// When it was made.
+    pub created_at: DateTime<Utc>,
     /// When it stops working.
     pub expires_at: DateTime<Utc>,
     /// When it was revoked, if it was.
@@ -45,7 +53,7 @@ pub struct ApiToken {
 impl ApiToken {
     /// Whether it may be used at `now`: not revoked and not expired.
     pub fn is_valid_at(&self, now: DateTime<Utc>) -> bool {
-        self.revoked_at.is_none() && now < self.expires_at
+        self.times.revoked_at.is_none() && now < self.times.expires_at
     }
 }
 
@@ -67,11 +75,11 @@ impl TokenSecret {
     pub fn reveal(&self) -> &str {
         &self.0
     }
+}
 
-    /// The SHA-256 the BMDB keeps of `text`.
-    fn sha256_of(text: &str) -> [u8; 32] {
-        Sha256::digest(text.as_bytes()).into()
-    }
+/// The SHA-256 the BMDB keeps of a token's text: what a server may cache lookups by.
+pub fn digest(text: &str) -> [u8; 32] {
+    Sha256::digest(text.as_bytes()).into()
 }
 
 impl std::fmt::Debug for TokenSecret {
@@ -107,7 +115,7 @@ impl Bmdb {
     ) -> Result<Option<(ApiToken, TokenSecret)>, Error> {
         check_name(name)?;
         let secret = TokenSecret::generate();
-        let sha256 = TokenSecret::sha256_of(secret.reveal());
+        let sha256 = digest(secret.reveal());
         let (name, created_by) = (name.to_string(), created_by.to_string());
         let id = Uuid::new_v4();
         let made = self
@@ -118,11 +126,13 @@ impl Bmdb {
                         id,
                         name: name.clone(),
                         role,
-                        created_at: DateTime::UNIX_EPOCH,
                         created_by,
-                        expires_at: DateTime::UNIX_EPOCH,
-                        revoked_at: None,
-                        last_used_at: None,
+                        times: TokenTimes {
+                            created_at: DateTime::UNIX_EPOCH,
+                            expires_at: DateTime::UNIX_EPOCH,
+                            revoked_at: None,
+                            last_used_at: None,
+                        },
                     };
                     if !tx.create_api_token(&draft, &sha256, valid_for).await? {
                         return Ok(None);
@@ -140,7 +150,7 @@ impl Bmdb {
         if !text.starts_with(TOKEN_PREFIX) {
             return Ok(None);
         }
-        let sha256 = TokenSecret::sha256_of(text);
+        let sha256 = digest(text);
         self.read(move |tx| Box::pin(async move { tx.api_token_by_sha256(&sha256).await }))
             .await
     }

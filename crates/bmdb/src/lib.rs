@@ -32,7 +32,10 @@ mod work;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use api_tokens::{ApiToken, TokenSecret, MAX_LISTED as MAX_API_TOKENS_LISTED, TOKEN_PREFIX};
+pub use api_tokens::{
+    digest as api_token_digest, ApiToken, TokenSecret, TokenTimes,
+    MAX_LISTED as MAX_API_TOKENS_LISTED, TOKEN_PREFIX,
+};
 pub use backoff::{default_interval_seconds, Backoff};
 pub use db::{BackendKind, Bmdb, OpenOptions};
 pub use eligibility::{RecoveryThresholds, Retrieval};

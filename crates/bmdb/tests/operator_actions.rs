@@ -488,7 +488,7 @@ async fn api_tokens_are_hashed_unique_revocable_and_expire(db: Bmdb) {
         .unwrap()
         .expect("a new name");
     assert_eq!((ci.role, ci.created_by.as_str()), (Role::Operator, "alice"));
-    let lifetime = ci.expires_at - ci.created_at;
+    let lifetime = ci.times.expires_at - ci.times.created_at;
     assert_eq!(lifetime.num_seconds(), 86_400, "{ci:?}");
     let again = db.create_api_token("ci", Role::Admin, day, "bob").await;
     assert!(again.unwrap().is_none(), "a name is made once");
@@ -509,7 +509,7 @@ async fn api_tokens_are_hashed_unique_revocable_and_expire(db: Bmdb) {
 
     db.api_tokens_used(&[ci.id]).await.unwrap();
     let used = db.api_token_for(secret.reveal()).await.unwrap().unwrap();
-    assert!(used.last_used_at.is_some());
+    assert!(used.times.last_used_at.is_some());
 
     let revoked = db.revoke_api_token("ci").await.unwrap().unwrap();
     assert!(!revoked.is_valid_at(chrono::Utc::now()), "{revoked:?}");
@@ -520,7 +520,7 @@ async fn api_tokens_are_hashed_unique_revocable_and_expire(db: Bmdb) {
         .await
         .unwrap()
         .unwrap();
-    assert!(!short.is_valid_at(short.created_at + chrono::Duration::seconds(2)));
+    assert!(!short.is_valid_at(short.times.created_at + chrono::Duration::seconds(2)));
     let names: Vec<_> = db.api_tokens().await.unwrap();
     let names: Vec<_> = names.iter().map(|t| t.name.as_str()).collect();
     assert_eq!(names, ["ci", "short"]);

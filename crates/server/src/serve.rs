@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::Service;
 
-use crate::admission::{Admission, AdmissionCaps, ConnectionTicket};
+use crate::admission::{Admission, AdmissionCaps, ConnectionTicket, HandshakeTicket};
 use crate::metrics::{CloseReason, ConnectionMetrics, Rejection};
 use crate::peer::{Authorized, Peer};
 use crate::service::{BmaasService, MAX_MESSAGE_BYTES};
@@ -271,25 +271,7 @@ pub async fn serve_with_metrics(
     )
     .prepare();
     let tracker = TaskTracker::new();
-    loop {
-        let (tcp, peer) = tokio::select! {
-            biased;
-            _ = shutdown.cancelled() => break,
-            r = listener.accept() => match r {
-                Ok(c) => c,
-                Err(e) => {
-                    // Out of file descriptors, usually: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        let Ok(ticket) = admission.handshake(peer.ip()) else {
-            // Dropping the socket closes it; the rejection is counted by reason.
-            tracing::debug!(%peer, "no handshake slot for this peer; connection dropped");
-            continue;
-        };
+    while let Some((tcp, peer, ticket)) = next_admitted(&listener, &admission, &shutdown).await {
         let _ = tcp.set_nodelay(true);
         let (acceptor, routes, admission) = (acceptor.clone(), routes.clone(), admission.clone());
         let shutdown = shutdown.clone();
@@ -321,6 +303,35 @@ pub async fn serve_with_metrics(
     tracker.close();
     tracker.wait().await;
     Ok(())
+}
+
+/// Waits for the next connection that `admission` gives a handshake slot; `None` once
+/// `shutdown` fires. A failed accept (out of file descriptors, usually) backs off instead of
+/// spinning; a peer without a slot has its socket dropped, which closes it (the rejection is
+/// counted by reason).
+pub async fn next_admitted(
+    listener: &TcpListener,
+    admission: &Arc<Admission>,
+    shutdown: &CancellationToken,
+) -> Option<(TcpStream, SocketAddr, HandshakeTicket)> {
+    loop {
+        let (tcp, peer) = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return None,
+            r = listener.accept() => match r {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        match admission.handshake(peer.ip()) {
+            Ok(ticket) => return Some((tcp, peer, ticket)),
+            Err(_) => tracing::debug!(%peer, "no handshake slot for this peer; connection dropped"),
+        }
+    }
 }
 
 /// Serves one established connection until the peer closes it, it expires, or shutdown.

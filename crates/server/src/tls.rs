@@ -113,6 +113,27 @@ fn server_config(
 
 /// A server config from a PEM certificate chain and a PEM private key.
 pub fn load_server_config(cert: &Path, key: &Path) -> Result<ServerConfig, TlsError> {
+    let (chain, key) = load_pem(cert, key)?;
+    server_config(chain, key)
+}
+
+/// A server config for HTTPS (the operator API) from the same files: no client certificate is
+/// asked for (people and programs prove who they are in each request), HTTP/1.1.
+pub fn load_https_config(cert: &Path, key: &Path) -> Result<ServerConfig, TlsError> {
+    let (chain, key) = load_pem(cert, key)?;
+    let mut config = ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()?
+        .with_no_client_auth()
+        .with_single_cert(chain, key)?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(config)
+}
+
+/// The certificate chain and private key in PEM files `cert` and `key`.
+fn load_pem(
+    cert: &Path,
+    key: &Path,
+) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), TlsError> {
     let file = |setting, path: &Path| {
         let path = path.to_path_buf();
         move |error| TlsError::File {
@@ -137,7 +158,7 @@ pub fn load_server_config(cert: &Path, key: &Path) -> Result<ServerConfig, TlsEr
     let key = rustls_pemfile::private_key(&mut keys.as_slice())
         .map_err(file("tls-key", key))?
         .ok_or_else(|| empty("tls-key", key, "private key"))?;
-    server_config(chain, key)
+    Ok((chain, key))
 }
 
 /// Development certificates: a CA and a server certificate signed by it, kept in a directory

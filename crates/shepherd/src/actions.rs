@@ -158,25 +158,37 @@ async fn perform_in(
     who: &Operator,
 ) -> Result<Option<Performed>, shepherd_bmdb::Error> {
     Ok(match action {
-        MachineAction::MaintenanceOn => told(s.maintenance_on(id, who).await?, "already in maintenance", |running| {
-            let mut line = "in maintenance; no loop will claim it".to_string();
-            if !running.is_empty() {
-                let names: Vec<String> = running.iter().map(|p| p.to_string()).collect();
-                let names = names.join(", ");
-                line += &format!(" (work already running finishes first: {names})");
-            }
-            line
-        }),
-        MachineAction::MaintenanceOff => told(s.maintenance_off(id, who).await?, "was not in maintenance", |()| {
-            "out of maintenance; the loops may take it again".into()
-        }),
-        MachineAction::Retry { process } => told(s.retry(id, process, who).await?, "no backoff to clear", |n| {
-            format!("{n} backoff(s) cleared; the loops may take it again now")
-        }),
-        MachineAction::ForgetHostKey => told(s.forget_host_key(id, who).await?, "no host key pinned", |key| {
-            let key = key.key;
-            format!("forgot host key {key}; the next takeover pins the key it finds")
-        }),
+        MachineAction::MaintenanceOn => told(
+            s.maintenance_on(id, who).await?,
+            "already in maintenance",
+            |running| {
+                let mut line = "in maintenance; no loop will claim it".to_string();
+                if !running.is_empty() {
+                    let names: Vec<String> = running.iter().map(|p| p.to_string()).collect();
+                    let names = names.join(", ");
+                    line += &format!(" (work already running finishes first: {names})");
+                }
+                line
+            },
+        ),
+        MachineAction::MaintenanceOff => told(
+            s.maintenance_off(id, who).await?,
+            "was not in maintenance",
+            |()| "out of maintenance; the loops may take it again".into(),
+        ),
+        MachineAction::Retry { process } => told(
+            s.retry(id, process, who).await?,
+            "no backoff to clear",
+            |n| format!("{n} backoff(s) cleared; the loops may take it again now"),
+        ),
+        MachineAction::ForgetHostKey => told(
+            s.forget_host_key(id, who).await?,
+            "no host key pinned",
+            |key| {
+                let key = key.key;
+                format!("forgot host key {key}; the next takeover pins the key it finds")
+            },
+        ),
         MachineAction::Decommission { undeploy } => {
             let outcome = s.decommission(id, who, undeploy).await?;
             told(outcome, "", |provided| match provided {

@@ -180,6 +180,53 @@ pub async fn detail(db: &Bmdb, id: Uuid, stale_after: chrono::Duration) -> Resul
         .await?)
 }
 
+/// The fleet counts, computed at most once per `ttl` however many readers ask: counting is
+/// O(fleet) and a page or an API request must not be. Readers that come while the counts are
+/// being computed wait for that computation.
+pub struct CountsCache {
+    db: Bmdb,
+    stale_after: chrono::Duration,
+    ttl: std::time::Duration,
+    cached: tokio::sync::Mutex<
+        Option<(
+            std::time::Instant,
+            std::sync::Arc<shepherd_bmdb::FleetCounts>,
+        )>,
+    >,
+}
+
+impl CountsCache {
+    /// Counts of `db`, stale heartbeats being older than `stale_after`, reused for `ttl`.
+    pub fn new(db: Bmdb, stale_after: chrono::Duration, ttl: std::time::Duration) -> Self {
+        CountsCache {
+            db,
+            stale_after,
+            ttl,
+            cached: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// The counts, at most `ttl` old.
+    pub async fn get(
+        &self,
+    ) -> Result<std::sync::Arc<shepherd_bmdb::FleetCounts>, shepherd_bmdb::Error> {
+        let mut cached = self.cached.lock().await;
+        if let Some((at, counts)) = cached.as_ref() {
+            if at.elapsed() < self.ttl {
+                return Ok(counts.clone());
+            }
+        }
+        let stale_after = self.stale_after;
+        let counts = self
+            .db
+            .read(move |tx| Box::pin(async move { tx.fleet_counts(stale_after).await }))
+            .await?;
+        let counts = std::sync::Arc::new(counts);
+        *cached = Some((std::time::Instant::now(), counts.clone()));
+        Ok(counts)
+    }
+}
+
 /// Hex of bytes (keys).
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -279,7 +326,8 @@ pub fn detail_json(d: &Detail) -> Value {
 /// One entry of the operators' history as JSON.
 pub fn action_json(a: &ActionEntry) -> Value {
     json!({"at": a.at.to_rfc3339(), "action": a.action.slug(),
-           "process": a.process.map(|p| p.to_string()), "by": a.by, "reason": a.reason})
+           "process": a.process.map(|p| p.to_string()), "by": a.by, "reason": a.reason,
+           "request_id": a.request_id})
 }
 
 /// One line of a machine's history, the loops' and the operators' entries together.
@@ -314,11 +362,17 @@ pub fn history_lines(history: &[HistoryEntry], actions: &[ActionEntry]) -> Vec<H
                 Some(p) => format!("{} {p}", a.action.slug()),
                 None => a.action.slug().to_string(),
             };
+            let why = match &a.request_id {
+                Some(request) => format!("{} [API request {request}]", a.reason)
+                    .trim_start()
+                    .to_string(),
+                None => a.reason.clone(),
+            };
             let line = HistoryLine {
                 at: a.at,
                 who: format!("operator {}", a.by),
                 what,
-                why: a.reason.clone(),
+                why,
             };
             (a.at, 1, a.id, line)
         }))

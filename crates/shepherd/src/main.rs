@@ -4,6 +4,7 @@
 //! `sessions list`, `bmdb` (migrate, status, check) and `config print` (the merged settings).
 
 mod actions;
+mod api;
 mod bmdb_cmd;
 mod config_cmd;
 mod config_file;
@@ -19,6 +20,7 @@ mod overview;
 mod run_cmd;
 mod schema_watch;
 mod server_cmd;
+mod tokens_cmd;
 mod web;
 
 use std::io::IsTerminal;
@@ -68,6 +70,11 @@ enum Command {
     Sessions {
         #[command(subcommand)]
         command: SessionsCommand,
+    },
+    /// The operator API's local tokens (on the database: administrators only).
+    Tokens {
+        #[command(subcommand)]
+        command: tokens_cmd::TokensCommand,
     },
     /// Manage the Bare Metal Database itself.
     Bmdb {
@@ -154,6 +161,7 @@ async fn main() {
             command: SessionsCommand::List,
         } => machines_cmd::sessions(&cli.database).await,
         Command::Bmdb { command } => bmdb_cmd::run(&cli.database, command).await,
+        Command::Tokens { command } => tokens_cmd::run(&cli.database, command).await,
         Command::Config {
             command: ConfigCommand::Print { command },
         } => {

@@ -9,8 +9,8 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use shepherd_bmdb::{Bmdb, OpenOptions, Processor, SessionConfig};
 use shepherd_server::{
-    dev_certs, load_server_config, serve_with_metrics, BmaasService, ConnectionMetrics,
-    ServerLimits, SessionPool,
+    dev_certs, load_https_config, load_server_config, serve_with_metrics, BmaasService,
+    ConnectionMetrics, ServerLimits, SessionPool,
 };
 
 use crate::fleet::shutdown_on_signals;
@@ -49,6 +49,16 @@ pub struct ServerArgs {
     /// behind a TLS proxy); port 0 picks a free port.
     #[arg(long, env = "SHEPHERD_HTTP_LISTEN", default_value = "127.0.0.1:9465")]
     pub http_listen: SocketAddr,
+    /// Where the operator API (`/api/v1`, HTTPS with the server certificate) is served; off
+    /// unless given. Port 0 picks a free port.
+    #[arg(long, env = "SHEPHERD_API_LISTEN")]
+    pub api_listen: Option<SocketAddr>,
+    /// Operator API: requests per second allowed to one identity and to one peer address.
+    #[arg(long, env = "SHEPHERD_API_RATE", default_value_t = 50.0)]
+    pub api_rate: f64,
+    /// Operator API: requests one identity or peer may make at once before the rate applies.
+    #[arg(long, env = "SHEPHERD_API_BURST", default_value_t = 100.0)]
+    pub api_burst: f64,
     /// How often web UI pages reload themselves; 0s turns it off.
     #[arg(long, env = "SHEPHERD_WEB_REFRESH", default_value = "5s", value_parser = crate::flags::duration)]
     pub web_refresh: std::time::Duration,
@@ -124,20 +134,24 @@ impl ServerArgs {
 /// Runs the server until SIGINT/SIGTERM.
 pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     let limits = args.limits()?;
+    if !(args.api_rate > 0.0 && args.api_burst >= 1.0) {
+        bail!("api-rate must be above 0 and api-burst at least 1");
+    }
     crate::fds::raise_limit_for(limits.max_connections + limits.max_pending_handshakes);
-    let tls = match (&args.tls_cert, &args.tls_key, &args.dev_certs) {
-        (Some(cert), Some(key), None) => load_server_config(cert, key)?,
+    let (cert, key) = match (&args.tls_cert, &args.tls_key, &args.dev_certs) {
+        (Some(cert), Some(key), None) => (cert.clone(), key.clone()),
         (None, None, Some(dir)) => {
             let certs = dev_certs(dir, &args.dev_cert_names)?;
             eprintln!(
                 "shepherd server: development CA for agents: {}",
                 certs.ca_pem.display()
             );
-            load_server_config(&certs.cert_pem, &certs.key_pem)?
+            (certs.cert_pem, certs.key_pem)
         }
         (None, None, None) => bail!("tls-cert and tls-key (or dev-certs) are required"),
         _ => bail!("give either tls-cert and tls-key, or dev-certs"),
     };
+    let tls = load_server_config(&cert, &key)?;
     let db = Bmdb::open_with(database, &OpenOptions::migrating(args.process.migrate)).await?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -171,6 +185,40 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     );
     let connections = ConnectionMetrics::default();
     connections.register(&mut operator.registry);
+    if let Some(addr) = args.api_listen {
+        let api_tls = Arc::new(load_https_config(&cert, &key)?);
+        let settings = crate::api::ApiSettings {
+            rate: crate::api::RateSpec {
+                per_second: args.api_rate,
+                burst: args.api_burst,
+            },
+            ..crate::api::ApiSettings::default()
+        };
+        let stale_after = args.thresholds.thresholds().stale_after();
+        let tasks = operator.tasks.clone();
+        let app = crate::api::router(
+            db.clone(),
+            stale_after,
+            tasks,
+            settings,
+            &mut operator.registry,
+        );
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("api-listen: {addr}"))?;
+        crate::fleet::announce(&format!(
+            "shepherd server: operator API at https://{}/api/v1",
+            listener.local_addr()?
+        ));
+        let limits = crate::api::listener::ApiLimits::default();
+        tokio::spawn(crate::api::listener::serve(
+            listener,
+            api_tls,
+            app,
+            limits,
+            cancel.clone(),
+        ));
+    }
     let http = crate::metrics_http::serve(
         args.http_listen,
         "http-listen",

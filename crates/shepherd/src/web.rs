@@ -34,15 +34,13 @@ const COUNTS_TTL: std::time::Duration = std::time::Duration::from_secs(2);
 /// How long the overview is reused: it reads a day of snapshots and an hour of history.
 const OVERVIEW_TTL: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// The fleet counts last computed, and when.
-type CachedCounts = Option<(std::time::Instant, Arc<FleetCounts>)>;
 /// The overview last read, and when.
 type CachedOverview = Option<(std::time::Instant, Arc<Overview>)>;
 
 struct Ui {
     db: Bmdb,
-    /// Requests that need counts while they are being computed wait for that computation.
-    counts: tokio::sync::Mutex<CachedCounts>,
+    /// The fleet counts, at most [`COUNTS_TTL`] old.
+    counts: inventory::CountsCache,
     /// Seconds between automatic page refreshes; 0 turns them off.
     refresh: u64,
     /// How old a last heartbeat must be to count as stale (the recoverer's threshold).
@@ -82,8 +80,12 @@ pub fn router(db: Bmdb, web: WebSettings, stats: FleetStats, tasks: Tasks) -> Ro
         .route("/sessions/{id}", get(session))
         .route("/tasks", get(tasks_page))
         .with_state(Arc::new(Ui {
+            counts: inventory::CountsCache::new(
+                db.clone(),
+                web.thresholds.stale_after(),
+                COUNTS_TTL,
+            ),
             db,
-            counts: tokio::sync::Mutex::new(None),
             refresh: web.refresh.as_secs(),
             stale_after: web.thresholds.stale_after(),
             brake: web.brake,
@@ -96,20 +98,7 @@ pub fn router(db: Bmdb, web: WebSettings, stats: FleetStats, tasks: Tasks) -> Ro
 impl Ui {
     /// The fleet counts, at most [`COUNTS_TTL`] old.
     async fn fleet_counts(&self) -> Result<Arc<FleetCounts>, PageError> {
-        let mut cached = self.counts.lock().await;
-        if let Some((at, counts)) = cached.as_ref() {
-            if at.elapsed() < COUNTS_TTL {
-                return Ok(counts.clone());
-            }
-        }
-        let stale_after = self.stale_after;
-        let counts = self
-            .db
-            .read(move |tx| Box::pin(async move { tx.fleet_counts(stale_after).await }))
-            .await?;
-        let counts = Arc::new(counts);
-        *cached = Some((std::time::Instant::now(), counts.clone()));
-        Ok(counts)
+        Ok(self.counts.get().await?)
     }
 }
 
@@ -512,12 +501,13 @@ fn machine_body(d: &Detail) -> Markup {
         }
         h2 { "Operators' actions" }
         @if d.actions.is_empty() { p.muted id="actions" { "None." } } @else {
-            table id="actions" { thead { tr { th { "At" } th { "Action" } th { "By" } th { "Reason" } } }
+            table id="actions" { thead { tr { th { "At" } th { "Action" } th { "By" } th { "Reason" } th { "API request" } } }
                 tbody { @for a in &d.actions { tr data-action=(a.action.slug()) {
                     td { span title=(a.at.to_rfc3339()) { (a.at.format("%Y-%m-%d %H:%M:%S%.3f")) } }
                     td { (a.action.slug()) @if let Some(p) = a.process { " " (p.to_string()) } }
                     td { (a.by) }
                     td { (a.reason) }
+                    td.mono { (opt(a.request_id.as_deref())) }
                 } } } }
         }
     }

@@ -8,11 +8,10 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{announced_all, sample, ChildGuard, TestAgent};
+use common::{sample, TestAgent};
 use shepherd_bmdb::Bmdb;
 use shepherd_proto::bmaas::HeartbeatRequest;
 use tokio::io::AsyncReadExt;
@@ -82,19 +81,16 @@ async fn one_hostile_peer_cannot_lock_agents_out() {
     let _ = rlimit::increase_nofile_limit(u64::MAX);
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite:{}", dir.path().join("bmdb.sqlite").display());
-    let mut server = ChildGuard(Some(
-        common::server(&url, dir.path())
-            .args(["--handshake-timeout", "5s"])
-            .args(["--max-pending-handshakes-per-peer", "16"])
-            .args(["--unauthenticated-timeout", "20s"])
-            .args(["--idle-timeout", "3s"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    ));
-    let lines = announced_all(
-        server.child(),
+    let extra = [
+        ["--handshake-timeout", "5s"],
+        ["--max-pending-handshakes-per-peer", "16"],
+        ["--unauthenticated-timeout", "20s"],
+        ["--idle-timeout", "3s"],
+    ];
+    let (server, lines) = common::started_server(
+        &url,
+        dir.path(),
+        &extra.concat(),
         &[
             "shepherd server: listening on ",
             "shepherd server: web UI at http://",

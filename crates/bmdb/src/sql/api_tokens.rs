@@ -3,8 +3,8 @@
 
 use uuid::Uuid;
 
-use super::engine::{from_columns, Arg, Dialects, Result, Tx};
-use crate::api_tokens::ApiToken;
+use super::engine::{from_columns, Arg, Columns, Dialects, FromColumns, Result, Tx};
+use crate::api_tokens::{ApiToken, TokenTimes};
 
 const CREATE: Dialects = Dialects {
     postgres: "INSERT INTO api_tokens
@@ -86,8 +86,19 @@ impl Tx {
 }
 
 from_columns! {
-    ApiToken {
-        id: get("token_id"), name: get, role: parsed, created_at: time, created_by: get,
-        expires_at: time, revoked_at: opt_time, last_used_at: opt_time,
+    TokenTimes {
+        created_at: time, expires_at: time, revoked_at: opt_time, last_used_at: opt_time,
+    }
+}
+
+impl FromColumns for ApiToken {
+    fn from_columns(r: &impl Columns) -> Result<Self> {
+        Ok(ApiToken {
+            id: r.get("token_id")?,
+            name: r.get("name")?,
+            role: r.parsed("role")?,
+            created_by: r.get("created_by")?,
+            times: TokenTimes::from_columns(r)?,
+        })
     }
 }

@@ -46,6 +46,25 @@ pub fn server(url: &str, dir: &std::path::Path) -> Command {
     cmd
 }
 
+/// Starts [`server`] with the flags `extra`, its log discarded, and waits until it printed a
+/// line starting with each of `prefixes`; returns it and the rest of each line.
+pub fn started_server(
+    url: &str,
+    dir: &std::path::Path,
+    extra: &[&str],
+    prefixes: &[&'static str],
+) -> (ChildGuard, Vec<String>) {
+    let child = server(url, dir)
+        .args(extra)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut server = ChildGuard(Some(child));
+    let lines = announced_all(server.child(), prefixes);
+    (server, lines)
+}
+
 /// A machine for `--provider static`: a real sshd that trusts the operator key at
 /// `dir/id_ed25519`, listed in the inventory at `dir/inventory.json`.
 pub struct SshdMachine {

@@ -1,0 +1,139 @@
+//! Who is asking: the identity a request proves with its `Authorization: Bearer` header. A
+//! local API token (`shp_…`) is looked up by its SHA-256 in the BMDB; answers are cached
+//! briefly so that a busy client costs no query per request, and its use is recorded at
+//! most once a minute. The token itself is never logged, counted or stored.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use axum::http::{header, HeaderMap};
+use chrono::Utc;
+use shepherd_bmdb::{ApiToken, Bmdb, Role};
+use uuid::Uuid;
+
+use super::problem::{Kind, Problem};
+
+/// How long a token's lookup is reused. A token revoked through another server stops working
+/// here within this; one revoked through this server stops at once.
+pub const TOKEN_CACHE_TTL: Duration = Duration::from_secs(10);
+/// Most token lookups cached; the cache starts afresh when full (garbage tokens cannot grow it
+/// without bound).
+const TOKEN_CACHE_MAX: usize = 10_000;
+/// A token's use is recorded at most this often.
+const USE_RECORDED_EVERY: Duration = Duration::from_secs(60);
+/// Longest `Authorization` header read.
+const MAX_CREDENTIAL: usize = 8 << 10;
+
+/// A proven identity and what it may do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Principal {
+    /// Who, as the operators' history records it (`token:ci`).
+    pub name: String,
+    /// What it may do.
+    pub role: Role,
+}
+
+/// A cached lookup: when it was made and what it found.
+type Cached = (Instant, Option<ApiToken>);
+
+/// Verifies credentials.
+pub struct Authenticator {
+    db: Bmdb,
+    /// Token lookups by the SHA-256 of the token.
+    tokens: Mutex<HashMap<[u8; 32], Cached>>,
+    /// When each token's use was last recorded.
+    recorded: Mutex<HashMap<Uuid, Instant>>,
+}
+
+impl Authenticator {
+    /// An authenticator of tokens in `db`.
+    pub fn new(db: Bmdb) -> Authenticator {
+        Authenticator {
+            db,
+            tokens: Mutex::new(HashMap::new()),
+            recorded: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The principal `headers` prove; a 401 problem for none, or one that does not verify.
+    pub async fn authenticate(&self, headers: &HeaderMap) -> Result<Principal, Problem> {
+        let unauthenticated = |why: &str| Problem::new(Kind::Unauthenticated, why);
+        let value = headers
+            .get(header::AUTHORIZATION)
+            .ok_or_else(|| unauthenticated("no credentials: send Authorization: Bearer TOKEN"))?;
+        if value.len() > MAX_CREDENTIAL {
+            return Err(unauthenticated("the Authorization header is too long"));
+        }
+        let value = value
+            .to_str()
+            .map_err(|_| unauthenticated("the Authorization header is not text"))?;
+        let (scheme, credential) = value.split_once(' ').unwrap_or((value, ""));
+        if !scheme.eq_ignore_ascii_case("bearer") || credential.trim().is_empty() {
+            return Err(unauthenticated("only Bearer credentials are accepted"));
+        }
+        let credential = credential.trim();
+        if credential.starts_with(shepherd_bmdb::TOKEN_PREFIX) {
+            return self.token(credential).await;
+        }
+        Err(unauthenticated(
+            "the credential is not a Shepherd API token",
+        ))
+    }
+
+    /// The principal of the local API token `text`.
+    async fn token(&self, text: &str) -> Result<Principal, Problem> {
+        let digest = shepherd_bmdb::api_token_digest(text);
+        let cached = self.tokens.lock().unwrap().get(&digest).cloned();
+        let token = match cached {
+            Some((at, token)) if at.elapsed() < TOKEN_CACHE_TTL => token,
+            _ => {
+                let token = self.db.api_token_for(text).await?;
+                let mut tokens = self.tokens.lock().unwrap();
+                if tokens.len() >= TOKEN_CACHE_MAX {
+                    tokens.clear();
+                }
+                tokens.insert(digest, (Instant::now(), token.clone()));
+                token
+            }
+        };
+        let invalid = |why: &str| Problem::new(Kind::Unauthenticated, why);
+        let token = token.ok_or_else(|| invalid("unknown token"))?;
+        if token.times.revoked_at.is_some() {
+            return Err(invalid("the token was revoked"));
+        }
+        if !token.is_valid_at(Utc::now()) {
+            return Err(invalid("the token expired"));
+        }
+        self.record_use(token.id);
+        Ok(Principal {
+            name: format!("token:{}", token.name),
+            role: token.role,
+        })
+    }
+
+    /// Records the use of token `id` in the background, at most once a minute.
+    fn record_use(&self, id: Uuid) {
+        {
+            let mut recorded = self.recorded.lock().unwrap();
+            let due = recorded
+                .get(&id)
+                .is_none_or(|at| at.elapsed() >= USE_RECORDED_EVERY);
+            if !due {
+                return;
+            }
+            recorded.insert(id, Instant::now());
+        }
+        let db = self.db.clone();
+        tokio::spawn(async move {
+            if let Err(e) = db.api_tokens_used(&[id]).await {
+                tracing::debug!(error = %e, "could not record a token's use");
+            }
+        });
+    }
+
+    /// Forgets every cached lookup (after a revocation through this server).
+    pub fn forget_cached(&self) {
+        self.tokens.lock().unwrap().clear();
+    }
+}

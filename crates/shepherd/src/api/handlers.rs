@@ -1,0 +1,387 @@
+//! The operator API's routes: reads of what the BMDB knows, every operator action on a
+//! machine (through `actions::perform`, as the CLI does), and API tokens. Bodies and queries
+//! are strict: an unknown field is an error, not ignored.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::{Extension, Json};
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use shepherd_bmdb::{ApiToken, Lifecycle, Operator, Process, Provider, Role};
+use uuid::Uuid;
+
+use super::auth::Principal;
+use super::extract::{ApiJson, ApiQuery};
+use super::problem::{Kind, Problem};
+use super::{Api, RequestId};
+use crate::actions::{self, ActionError, InstallImage, MachineAction, Performed};
+use crate::inventory;
+
+/// Machines per page unless the query asks otherwise.
+const DEFAULT_PAGE: usize = 100;
+/// Largest page a query may ask for.
+pub const MAX_PAGE: usize = 1000;
+/// Machines scanned per request when a state filter matches few of them.
+const SCAN_BUDGET: usize = 20_000;
+/// Longest a token may be valid.
+const MAX_TOKEN_DAYS: u64 = 3650;
+
+type Reply = Result<Json<Value>, Problem>;
+
+fn invalid(detail: impl Into<String>) -> Problem {
+    Problem::new(Kind::InvalidRequest, detail)
+}
+
+fn machine_id(id: &str) -> Result<Uuid, Problem> {
+    id.parse()
+        .map_err(|_| invalid(format!("{id:?} is not a machine id (a UUID)")))
+}
+
+/// `GET /api/v1/machines` filters and paging.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListQuery {
+    state: Option<String>,
+    provider: Option<String>,
+    after: Option<Uuid>,
+    limit: Option<usize>,
+}
+
+/// `GET /api/v1/machines`: a page of machines in id order, with `next` to continue from.
+pub async fn list_machines(State(api): State<Arc<Api>>, ApiQuery(q): ApiQuery<ListQuery>) -> Reply {
+    let limit = q.limit.unwrap_or(DEFAULT_PAGE);
+    if limit == 0 || limit > MAX_PAGE {
+        return Err(invalid(format!("limit must be 1 to {MAX_PAGE}")));
+    }
+    let state: Option<Lifecycle> = q.state.as_deref().map(str::parse).transpose()?;
+    let provider: Option<Provider> = q.provider.as_deref().map(str::parse).transpose()?;
+    let listing = inventory::list(
+        &api.db,
+        provider,
+        state,
+        q.after,
+        limit,
+        SCAN_BUDGET,
+        api.stale_after,
+    )
+    .await
+    .map_err(unavailable)?;
+    let machines: Vec<Value> = listing
+        .machines
+        .iter()
+        .map(|m| inventory::summary_json(m, listing.state_of(m)))
+        .collect();
+    Ok(Json(json!({ "machines": machines, "next": listing.next })))
+}
+
+fn unavailable(e: anyhow::Error) -> Problem {
+    Problem::new(Kind::Unavailable, format!("{e:#}"))
+}
+
+/// `GET /api/v1/machines/{id}`: everything about one machine.
+pub async fn show_machine(State(api): State<Arc<Api>>, Path(id): Path<String>) -> Reply {
+    let id = machine_id(&id)?;
+    match inventory::detail(&api.db, id, api.stale_after)
+        .await
+        .map_err(unavailable)?
+    {
+        Some(detail) => Ok(Json(inventory::detail_json(&detail))),
+        None => Err(Problem::new(
+            Kind::NotFound,
+            actions::no_such_machine(&api.db, id).await?,
+        )),
+    }
+}
+
+/// `GET /api/v1/machines/{id}/history`: the loops' and the operators' history, oldest first.
+pub async fn machine_history(State(api): State<Arc<Api>>, Path(id): Path<String>) -> Reply {
+    let id = machine_id(&id)?;
+    let (lines, decommissioned) = inventory::history(&api.db, id).await.map_err(unavailable)?;
+    let lines: Vec<Value> = lines
+        .iter()
+        .map(|l| json!({ "at": l.at, "who": l.who, "what": l.what, "why": l.why }))
+        .collect();
+    let decommissioned = decommissioned.map(|d| {
+        json!({ "at": d.at, "by": d.by, "reason": d.reason, "provider": d.provider.as_str(),
+                "provider_id": d.provider_id })
+    });
+    Ok(Json(
+        json!({ "machine_id": id, "history": lines, "decommissioned": decommissioned }),
+    ))
+}
+
+/// `GET /api/v1/sessions`: the BMDB's sessions and whether each is live.
+pub async fn sessions(State(api): State<Arc<Api>>) -> Reply {
+    let (list, now) = api
+        .db
+        .read(|tx| Box::pin(async move { Ok((tx.sessions().await?, tx.now().await?)) }))
+        .await?;
+    let list: Vec<Value> = list
+        .iter()
+        .map(|s| {
+            json!({ "session_id": s.session_id, "component": s.component_name,
+                    "processor": s.processor.as_str(), "deadline": s.deadline,
+                    "live": s.deadline > now, "runtime": s.runtime_info })
+        })
+        .collect();
+    Ok(Json(json!({ "sessions": list })))
+}
+
+/// `GET /api/v1/overview`: the fleet's counts by state, as the overview's chart names them.
+pub async fn overview(State(api): State<Arc<Api>>) -> Reply {
+    let counts = api.counts.get().await?;
+    let series: serde_json::Map<String, Value> = counts
+        .series()
+        .into_iter()
+        .map(|(name, n)| (name.to_string(), json!(n)))
+        .collect();
+    Ok(Json(json!({ "counts": series })))
+}
+
+/// `GET /api/v1/tasks`: this process's background tasks.
+pub async fn tasks(State(api): State<Arc<Api>>) -> Reply {
+    let now = chrono::Utc::now();
+    let stale_after = api.tasks.stale_after();
+    let tasks: Vec<Value> = api
+        .tasks
+        .statuses()
+        .iter()
+        .map(|t| {
+            json!({ "name": t.name, "running": t.running, "passes": t.passes,
+                    "last_outcome": t.last_outcome.map(|o| o.label()),
+                    "last_summary": t.last_summary, "last_success": t.last_success,
+                    "stale": t.is_stale(now, stale_after) })
+        })
+        .collect();
+    Ok(Json(json!({ "tasks": tasks })))
+}
+
+/// `GET /api/v1/whoami`: the identity the request proved.
+pub async fn whoami(Extension(who): Extension<Principal>) -> Reply {
+    Ok(Json(json!({ "name": who.name, "role": who.role.as_str() })))
+}
+
+/// Performs `action` on machine `id` for `who` with `reason`, in request `request`.
+async fn act(
+    api: &Api,
+    id: &str,
+    action: MachineAction,
+    reason: Option<String>,
+    who: &Principal,
+    request: &RequestId,
+) -> Reply {
+    let id = machine_id(id)?;
+    let operator =
+        Operator::new(who.name.clone(), reason.unwrap_or_default())?.in_request(request.0.clone());
+    let performed = actions::perform(&api.db, "shepherd-api", id, action, &operator).await;
+    let (changed, message) = match performed {
+        Ok(Performed::Done(m)) => (true, m),
+        Ok(Performed::Unchanged(m)) => (false, m),
+        Err(ActionError::Invalid(m)) => return Err(invalid(m)),
+        Err(ActionError::NoSuchMachine(m)) => return Err(Problem::new(Kind::NotFound, m)),
+        Err(ActionError::Bmdb(e)) => return Err(e.into()),
+    };
+    Ok(Json(
+        json!({ "machine_id": id, "changed": changed, "message": message,
+                    "request_id": request.0 }),
+    ))
+}
+
+/// The body of an action route: what it asks, and why (for the history).
+pub trait ActionBody: DeserializeOwned + Send + 'static {
+    /// The action and the reason it gives.
+    fn action(self) -> Result<(MachineAction, Option<String>), Problem>;
+}
+
+/// `POST /api/v1/machines/{id}/…`: performs the action its body `B` asks for, recorded under
+/// the request's identity and id.
+pub async fn action<B: ActionBody>(
+    State(api): State<Arc<Api>>,
+    Path(id): Path<String>,
+    Extension(who): Extension<Principal>,
+    Extension(request): Extension<RequestId>,
+    ApiJson(body): ApiJson<B>,
+) -> Reply {
+    let (action, reason) = body.action()?;
+    act(&api, &id, action, reason, &who, &request).await
+}
+
+/// `…/maintenance`: `on` takes the machine out of the loops' hands, `off` gives it back.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MaintenanceBody {
+    on: bool,
+    reason: Option<String>,
+}
+
+impl ActionBody for MaintenanceBody {
+    fn action(self) -> Result<(MachineAction, Option<String>), Problem> {
+        let action = match self.on {
+            true => MachineAction::MaintenanceOn,
+            false => MachineAction::MaintenanceOff,
+        };
+        Ok((action, self.reason))
+    }
+}
+
+/// `…/retry`: ends the machine's backoffs (of `process`, or all) now.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryBody {
+    process: Option<String>,
+    reason: Option<String>,
+}
+
+impl ActionBody for RetryBody {
+    fn action(self) -> Result<(MachineAction, Option<String>), Problem> {
+        let process: Option<Process> = self.process.as_deref().map(str::parse).transpose()?;
+        Ok((MachineAction::Retry { process }, self.reason))
+    }
+}
+
+/// The body of an action that needs nothing but a reason: the action is `A`'s.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Because<A> {
+    reason: Option<String>,
+    #[serde(skip)]
+    action: std::marker::PhantomData<A>,
+}
+
+/// An action that takes no parameters.
+pub trait PlainAction: Send + 'static {
+    /// The action.
+    const ACTION: MachineAction;
+}
+
+impl<A: PlainAction> ActionBody for Because<A> {
+    fn action(self) -> Result<(MachineAction, Option<String>), Problem> {
+        Ok((A::ACTION, self.reason))
+    }
+}
+
+/// `…/forget-host-key`.
+#[derive(Debug)]
+pub struct ForgetHostKey;
+
+impl PlainAction for ForgetHostKey {
+    const ACTION: MachineAction = MachineAction::ForgetHostKey;
+}
+
+/// `…/recommission`.
+#[derive(Debug)]
+pub struct Recommission;
+
+impl PlainAction for Recommission {
+    const ACTION: MachineAction = MachineAction::Recommission;
+}
+
+/// `…/decommission`: removes the machine from the BMDB (and, with `undeploy`, tears it
+/// down at its provider).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DecommissionBody {
+    #[serde(default)]
+    undeploy: bool,
+    reason: Option<String>,
+}
+
+impl ActionBody for DecommissionBody {
+    fn action(self) -> Result<(MachineAction, Option<String>), Problem> {
+        let undeploy = self.undeploy;
+        Ok((MachineAction::Decommission { undeploy }, self.reason))
+    }
+}
+
+/// `…/install`: asks the machine's agent to install an image.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InstallBody {
+    image: String,
+    sha256: String,
+    device: String,
+    reason: Option<String>,
+}
+
+impl ActionBody for InstallBody {
+    fn action(self) -> Result<(MachineAction, Option<String>), Problem> {
+        let image = InstallImage::new(self.image, self.sha256, self.device)
+            .map_err(|e| invalid(e.to_string()))?;
+        Ok((MachineAction::Install(image), self.reason))
+    }
+}
+
+fn token_json(t: &ApiToken) -> Value {
+    json!({ "name": t.name, "role": t.role.as_str(), "created_at": t.times.created_at,
+            "created_by": t.created_by, "expires_at": t.times.expires_at,
+            "revoked_at": t.times.revoked_at, "last_used_at": t.times.last_used_at })
+}
+
+/// `GET /api/v1/tokens`: every token (never a secret).
+pub async fn list_tokens(State(api): State<Arc<Api>>) -> Reply {
+    let tokens = api.db.api_tokens().await?;
+    let tokens: Vec<Value> = tokens.iter().map(token_json).collect();
+    Ok(Json(json!({ "tokens": tokens })))
+}
+
+/// `POST /api/v1/tokens`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewTokenBody {
+    name: String,
+    role: String,
+    expires_in_days: u64,
+}
+
+/// `POST /api/v1/tokens`: makes a token; its secret is in this answer and nowhere else.
+pub async fn create_token(
+    State(api): State<Arc<Api>>,
+    Extension(who): Extension<Principal>,
+    ApiJson(body): ApiJson<NewTokenBody>,
+) -> Result<(StatusCode, Json<Value>), Problem> {
+    let role: Role = parse_role(&body.role)?;
+    if body.expires_in_days == 0 || body.expires_in_days > MAX_TOKEN_DAYS {
+        return Err(invalid(format!(
+            "expires_in_days must be 1 to {MAX_TOKEN_DAYS}"
+        )));
+    }
+    let valid_for = std::time::Duration::from_secs(body.expires_in_days * 86_400);
+    let made = api
+        .db
+        .create_api_token(&body.name, role, valid_for, &who.name)
+        .await?;
+    let Some((token, secret)) = made else {
+        let taken = format!(
+            "a token named {:?} exists (names are never reused)",
+            body.name
+        );
+        return Err(Problem::new(Kind::Conflict, taken));
+    };
+    let mut answer = token_json(&token);
+    answer["secret"] = json!(secret.reveal());
+    Ok((StatusCode::CREATED, Json(answer)))
+}
+
+/// A role as people write it: `viewer`, `operator` or `admin`, in any case.
+pub fn parse_role(text: &str) -> Result<Role, Problem> {
+    Role::ALL
+        .iter()
+        .copied()
+        .find(|r| r.as_str().eq_ignore_ascii_case(text))
+        .ok_or_else(|| invalid(format!("role {text:?}: one of viewer, operator, admin")))
+}
+
+/// `DELETE /api/v1/tokens/{name}`: revokes a token.
+pub async fn revoke_token(State(api): State<Arc<Api>>, Path(name): Path<String>) -> Reply {
+    let Some(token) = api.db.revoke_api_token(&name).await? else {
+        return Err(Problem::new(
+            Kind::NotFound,
+            format!("no token named {name:?}"),
+        ));
+    };
+    api.auth.forget_cached();
+    Ok(Json(token_json(&token)))
+}

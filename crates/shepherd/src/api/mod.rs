@@ -1,0 +1,301 @@
+//! The operator API, `/api/v1`: JSON over HTTPS for people, the web UI and automation, served
+//! by `shepherd server --api-listen`. Every request proves an identity (`auth.rs`), which the
+//! one policy table (`policy.rs`) allows or refuses; every action is recorded in the
+//! operators' history with that identity and the request's id. Errors are problem details
+//! (`problem.rs`). The listener's bounds are in `listener.rs`.
+
+pub mod auth;
+mod extract;
+pub mod handlers;
+pub mod listener;
+pub mod policy;
+pub mod problem;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::{ConnectInfo, DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::HeaderValue;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::Router;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+use shepherd_bmdb::Bmdb;
+use shepherd_loops::tasks::Tasks;
+
+use auth::{Authenticator, Principal};
+use problem::{Kind, Problem};
+
+/// Largest request body.
+pub const MAX_BODY_BYTES: usize = 64 << 10;
+/// How long the fleet counts are reused (counting is O(fleet)).
+const COUNTS_TTL: Duration = Duration::from_secs(2);
+
+/// The id of one API request: in the `x-request-id` answer header, in problems' logs and in
+/// the operators' history of the actions it made.
+#[derive(Debug, Clone)]
+pub struct RequestId(pub String);
+
+/// How the API is set up.
+#[derive(Debug, Clone, Copy)]
+pub struct ApiSettings {
+    /// A request must be answered within this.
+    pub request_timeout: Duration,
+    /// Requests per second allowed to one identity, and to one peer address, with a burst.
+    pub rate: RateSpec,
+}
+
+impl Default for ApiSettings {
+    fn default() -> Self {
+        ApiSettings {
+            request_timeout: Duration::from_secs(30),
+            rate: RateSpec {
+                per_second: 50.0,
+                burst: 100.0,
+            },
+        }
+    }
+}
+
+/// A rate: so many requests per second, after a burst.
+#[derive(Debug, Clone, Copy)]
+pub struct RateSpec {
+    /// Steady requests per second.
+    pub per_second: f64,
+    /// Requests allowed at once.
+    pub burst: f64,
+}
+
+/// The API's state.
+pub struct Api {
+    db: Bmdb,
+    auth: Authenticator,
+    stale_after: chrono::Duration,
+    tasks: Tasks,
+    settings: ApiSettings,
+    metrics: ApiMetrics,
+    per_peer: RateLimiter,
+    per_identity: RateLimiter,
+    counts: crate::inventory::CountsCache,
+    denials: DenialLog,
+}
+
+/// The API's routes over `db`; `stale_after` is the recoverer's threshold, `tasks` this
+/// process's background tasks. The counters are registered in `registry`.
+pub fn router(
+    db: Bmdb,
+    stale_after: chrono::Duration,
+    tasks: Tasks,
+    settings: ApiSettings,
+    registry: &mut Registry,
+) -> Router {
+    let metrics = ApiMetrics::default();
+    metrics.register(registry);
+    let api = Arc::new(Api {
+        auth: Authenticator::new(db.clone()),
+        counts: crate::inventory::CountsCache::new(db.clone(), stale_after, COUNTS_TTL),
+        db,
+        stale_after,
+        tasks,
+        settings,
+        metrics,
+        per_peer: RateLimiter::new(settings.rate),
+        per_identity: RateLimiter::new(settings.rate),
+        denials: DenialLog::default(),
+    });
+    use handlers as h;
+    // Operators' actions on one machine, under `/api/v1/machines/{id}`.
+    let actions = Router::new()
+        .route("/maintenance", post(h::action::<h::MaintenanceBody>))
+        .route("/retry", post(h::action::<h::RetryBody>))
+        .route(
+            "/forget-host-key",
+            post(h::action::<h::Because<h::ForgetHostKey>>),
+        )
+        .route("/install", post(h::action::<h::InstallBody>))
+        .route("/decommission", post(h::action::<h::DecommissionBody>))
+        .route(
+            "/recommission",
+            post(h::action::<h::Because<h::Recommission>>),
+        );
+    Router::new()
+        .route("/api/v1/machines", get(h::list_machines))
+        .route("/api/v1/machines/{id}", get(h::show_machine))
+        .route("/api/v1/machines/{id}/history", get(h::machine_history))
+        .route("/api/v1/sessions", get(h::sessions))
+        .route("/api/v1/overview", get(h::overview))
+        .route("/api/v1/tasks", get(h::tasks))
+        .route("/api/v1/whoami", get(h::whoami))
+        .nest("/api/v1/machines/{id}", actions)
+        .route("/api/v1/tokens", get(h::list_tokens).post(h::create_token))
+        .route("/api/v1/tokens/{name}", delete(h::revoke_token))
+        .route_layer(axum::middleware::from_fn_with_state(api.clone(), guard))
+        .fallback(|| async { Problem::new(Kind::NotFound, "no such route") })
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(api)
+}
+
+/// What every request goes through before its handler: a request id, the peer's rate, the
+/// identity and its rate, the policy, and a time limit; then it is counted.
+async fn guard(State(api): State<Arc<Api>>, mut req: Request, next: Next) -> Response {
+    let request_id = RequestId(uuid::Uuid::new_v4().to_string());
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or("unmatched".to_string(), |p| p.as_str().to_string());
+    let peer = req
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0.ip().to_string());
+    let method = req.method().clone();
+    // Owned, so that no borrow of the request (whose body is not `Sync`) is held across an
+    // await.
+    let headers = req.headers().clone();
+    let checked = async {
+        if let Some(peer) = &peer {
+            api.per_peer.admit(peer)?;
+        }
+        let who = api.auth.authenticate(&headers).await?;
+        api.per_identity.admit(&who.name)?;
+        let Some(needed) = policy::required(&method, &route) else {
+            return Err(Problem::new(Kind::Forbidden, "no rule allows this route"));
+        };
+        if who.role < needed {
+            let detail = format!("{} is {}; this needs {}", who.name, who.role, needed);
+            return Err(Problem::new(Kind::Forbidden, detail));
+        }
+        Ok(who)
+    };
+    let mut response = match checked.await {
+        Err(problem) => {
+            api.denials.note(&problem, &route, peer.as_deref());
+            problem.into_response()
+        }
+        Ok(who) => {
+            req.extensions_mut().insert::<Principal>(who);
+            req.extensions_mut().insert(request_id.clone());
+            match tokio::time::timeout(api.settings.request_timeout, next.run(req)).await {
+                Ok(response) => response,
+                Err(_) => Problem::new(Kind::Timeout, "the request took too long").into_response(),
+            }
+        }
+    };
+    let result = match response.extensions().get::<Kind>() {
+        Some(kind) => kind.name(),
+        None => "ok",
+    };
+    api.metrics.count(&route, result);
+    if let Ok(id) = HeaderValue::from_str(&request_id.0) {
+        response.headers_mut().insert("x-request-id", id);
+    }
+    response
+}
+
+/// Labels of `shepherd_api_requests_total`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    /// The route's template (`/api/v1/machines/{id}`): bounded, never a raw path.
+    route: String,
+    /// `ok`, or the problem's type name (`unauthenticated`, `forbidden` …).
+    result: &'static str,
+}
+
+/// The API's counters.
+#[derive(Debug, Clone, Default)]
+struct ApiMetrics {
+    requests: Family<RequestLabels, Counter>,
+}
+
+impl ApiMetrics {
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "shepherd_api_requests",
+            "Operator API requests by route and result (ok, or the problem type)",
+            self.requests.clone(),
+        );
+    }
+
+    fn count(&self, route: &str, result: &'static str) {
+        let labels = RequestLabels {
+            route: route.to_string(),
+            result,
+        };
+        self.requests.get_or_create(&labels).inc();
+    }
+}
+
+/// Refused requests, logged at most once per interval with how many there were meanwhile:
+/// a client hammering with a bad token cannot flood the log. The credential is never logged.
+#[derive(Default)]
+struct DenialLog {
+    state: Mutex<(Option<Instant>, u64)>,
+}
+
+impl DenialLog {
+    const EVERY: Duration = Duration::from_secs(10);
+
+    fn note(&self, problem: &Problem, route: &str, peer: Option<&str>) {
+        let mut state = self.state.lock().unwrap();
+        state.1 += 1;
+        if state.0.is_some_and(|at| at.elapsed() < Self::EVERY) {
+            return;
+        }
+        let refused = std::mem::take(&mut state.1);
+        state.0 = Some(Instant::now());
+        tracing::warn!(
+            problem = problem.kind.name(),
+            detail = %problem.detail,
+            route,
+            peer = peer.unwrap_or("unknown"),
+            refused_since_last = refused,
+            "API request refused"
+        );
+    }
+}
+
+/// Token buckets by key (a peer address, an identity). The map is bounded: when full it
+/// starts afresh, which only ever lets more requests through, never fewer.
+struct RateLimiter {
+    rate: RateSpec,
+    buckets: Mutex<HashMap<String, (f64, Instant)>>,
+}
+
+impl RateLimiter {
+    const MAX_KEYS: usize = 100_000;
+
+    fn new(rate: RateSpec) -> RateLimiter {
+        RateLimiter {
+            rate,
+            buckets: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Takes one request from `key`'s bucket; a `rate-limited` problem if it is empty.
+    fn admit(&self, key: &str) -> Result<(), Problem> {
+        let mut buckets = self.buckets.lock().unwrap();
+        if buckets.len() >= Self::MAX_KEYS && !buckets.contains_key(key) {
+            buckets.clear();
+        }
+        let now = Instant::now();
+        let (tokens, at) = buckets
+            .entry(key.to_string())
+            .or_insert((self.rate.burst, now));
+        let refilled = *tokens + now.duration_since(*at).as_secs_f64() * self.rate.per_second;
+        *tokens = refilled.min(self.rate.burst);
+        *at = now;
+        if *tokens < 1.0 {
+            return Err(Problem::new(
+                Kind::RateLimited,
+                "too many requests; slow down",
+            ));
+        }
+        *tokens -= 1.0;
+        Ok(())
+    }
+}

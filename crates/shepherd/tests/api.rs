@@ -1,0 +1,392 @@
+//! The operator API through the real `shepherd server --api-listen`, over TLS with the
+//! development certificate, with local API tokens made by `shepherd tokens create`:
+//! - every route of the policy table × every role, and no identity: 401 without one, 403 with
+//!   a role below the rule's, anything else at or above it;
+//! - tokens that are unknown, tampered with, revoked or expired are refused;
+//! - an action through the API lands in the operators' history under the token's name and
+//!   the request's id, as `machines show` and `machines history` show it;
+//! - malformed JSON, unknown fields, huge pages and oversized bodies get one clear 4xx and
+//!   change nothing; requests are counted by route and result.
+
+mod common;
+
+#[path = "../src/api/policy.rs"]
+#[allow(dead_code)]
+mod policy;
+
+use std::time::Duration;
+
+use common::{machine_json, sample, shepherd, succeeds, ChildGuard};
+use reqwest::{Method, StatusCode};
+use serde_json::{json, Value};
+use shepherd_bmdb::{testing, Bmdb, Provider, Role};
+
+/// A running server with its API address, a client trusting its certificate, and its BMDB.
+struct ApiServer {
+    _server: ChildGuard,
+    base: String,
+    metrics: String,
+    client: reqwest::Client,
+    url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl ApiServer {
+    async fn start(url: &str) -> ApiServer {
+        let dir = tempfile::tempdir().unwrap();
+        let (server, lines) = common::started_server(
+            url,
+            dir.path(),
+            &["--api-listen", "127.0.0.1:0"],
+            &[
+                "shepherd server: operator API at https://",
+                "shepherd server: web UI at http://",
+            ],
+        );
+        let addr: std::net::SocketAddr = lines[0].trim_end_matches("/api/v1").parse().unwrap();
+        let metrics = format!("http://{}/metrics", lines[1].split('/').next().unwrap());
+        let ca = std::fs::read(dir.path().join("certs/ca.pem")).unwrap();
+        let client = reqwest::Client::builder()
+            .add_root_certificate(reqwest::Certificate::from_pem(&ca).unwrap())
+            .resolve("localhost", addr)
+            .timeout(Duration::from_secs(20))
+            .build()
+            .unwrap();
+        ApiServer {
+            _server: server,
+            base: format!("https://localhost:{}", addr.port()),
+            metrics,
+            client,
+            url: url.to_string(),
+            _dir: dir,
+        }
+    }
+
+    /// `method path` with `token` (if any) and a JSON `body` (if any).
+    async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        token: Option<&str>,
+        body: Option<&Value>,
+    ) -> (StatusCode, Value, Option<String>) {
+        let mut req = self.client.request(method, format!("{}{path}", self.base));
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        if let Some(b) = body {
+            req = req.json(b);
+        }
+        let resp = req.send().await.unwrap();
+        let status = resp.status();
+        let request_id = resp
+            .headers()
+            .get("x-request-id")
+            .map(|v| v.to_str().unwrap().to_string());
+        let text = resp.text().await.unwrap();
+        let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        (status, body, request_id)
+    }
+
+    /// The server over a BMDB with one machine, its id, and a token named `name` of `role`.
+    async fn with_machine(
+        url: &str,
+        name: &str,
+        role: &str,
+    ) -> (ApiServer, Bmdb, uuid::Uuid, String) {
+        let api = ApiServer::start(url).await;
+        let db = Bmdb::open(url).await.unwrap();
+        let machine = testing::provision(&db, 1, Provider::Sim).await[0];
+        let token = api.token(name, role);
+        (api, db, machine, token)
+    }
+
+    /// A token of `role` made with `shepherd tokens create`.
+    fn token(&self, name: &str, role: &str) -> String {
+        let out = succeeds(shepherd().args([
+            "tokens",
+            "create",
+            "--name",
+            name,
+            "--role",
+            role,
+            "--expires",
+            "1d",
+            "--database",
+            &self.url,
+        ]));
+        String::from_utf8(out.stdout).unwrap().trim().to_string()
+    }
+}
+
+/// A body the route accepts, so that only the policy decides (the handler may still answer
+/// 400 or 404, which is past the policy).
+fn body_for(rule: &policy::Rule) -> Option<Value> {
+    match (rule.method, rule.path) {
+        ("POST", p) if p.ends_with("/maintenance") => Some(json!({"on": false})),
+        ("POST", "/api/v1/tokens") => Some(json!({})),
+        ("POST", _) => Some(json!({})),
+        _ => None,
+    }
+}
+
+async fn every_route_answers_as_the_policy_says(url: &str) {
+    let api = ApiServer::start(url).await;
+    let tokens = [
+        (Role::Viewer, api.token("v", "viewer")),
+        (Role::Operator, api.token("o", "operator")),
+        (Role::Admin, api.token("a", "admin")),
+    ];
+    // A machine nobody has: every handler that gets this far answers 404, past the policy.
+    let nobody = uuid::Uuid::new_v4().to_string();
+    for rule in policy::POLICY {
+        let path = rule
+            .path
+            .replace("{id}", &nobody)
+            .replace("{name}", "no-such-token");
+        let method = Method::from_bytes(rule.method.as_bytes()).unwrap();
+        let body = body_for(rule);
+        let (status, problem, _) = api.call(method.clone(), &path, None, body.as_ref()).await;
+        assert_eq!(
+            status,
+            StatusCode::UNAUTHORIZED,
+            "{rule:?} without a token: {problem}"
+        );
+        assert_eq!(problem["type"], "urn:shepherd:problem:unauthenticated");
+        for (role, token) in &tokens {
+            let (status, answer, _) = api
+                .call(method.clone(), &path, Some(token), body.as_ref())
+                .await;
+            if *role >= rule.role {
+                assert!(
+                    ![StatusCode::UNAUTHORIZED, StatusCode::FORBIDDEN].contains(&status),
+                    "{rule:?} as {role}: {status} {answer}"
+                );
+            } else {
+                assert_eq!(
+                    status,
+                    StatusCode::FORBIDDEN,
+                    "{rule:?} as {role}: {answer}"
+                );
+                assert_eq!(answer["type"], "urn:shepherd:problem:forbidden");
+            }
+        }
+    }
+    // A route the policy does not name is not served, to anyone.
+    let admin = &tokens[2].1;
+    let (status, _, _) = api
+        .call(Method::GET, "/api/v1/secrets", Some(admin), None)
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+}
+
+async fn bad_tokens_are_refused(url: &str) {
+    let api = ApiServer::start(url).await;
+    let good = api.token("good", "viewer");
+    let revoked = api.token("revoked", "admin");
+    succeeds(shepherd().args(["tokens", "revoke", "revoked", "--database", url]));
+    let db = Bmdb::open(url).await.unwrap();
+    let (_, expiring) = db
+        .create_api_token("expiring", Role::Admin, Duration::from_secs(1), "test")
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let mut tampered = good.clone();
+    let last = tampered.pop().unwrap();
+    tampered.push(if last == '0' { '1' } else { '0' });
+    let cases = [
+        (
+            "unknown",
+            "shp_0000000000000000000000000000000000000000000000000000000000000000".to_string(),
+        ),
+        ("tampered", tampered),
+        ("revoked", revoked),
+        ("expired", expiring.reveal().to_string()),
+        ("not a token", "eyJhbGciOiJub25lIn0.e30.".to_string()),
+    ];
+    for (what, token) in &cases {
+        let (status, problem, _) = api
+            .call(Method::GET, "/api/v1/whoami", Some(token), None)
+            .await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{what}: {problem}");
+    }
+    let (status, me, _) = api
+        .call(Method::GET, "/api/v1/whoami", Some(&good), None)
+        .await;
+    assert_eq!(
+        (status, me),
+        (
+            StatusCode::OK,
+            json!({"name": "token:good", "role": "Viewer"})
+        )
+    );
+    // Basic credentials and a bare token are not bearer tokens.
+    let basic = api
+        .client
+        .get(format!("{}/api/v1/whoami", api.base))
+        .basic_auth("admin", Some(&good))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(basic.status(), StatusCode::UNAUTHORIZED);
+    let listed =
+        String::from_utf8(succeeds(shepherd().args(["tokens", "list", "--database", url])).stdout)
+            .unwrap();
+    assert!(
+        listed.contains("revoked") && !listed.contains(&good),
+        "{listed}"
+    );
+    db.close().await;
+}
+
+async fn actions_are_recorded_under_the_proven_identity(url: &str) {
+    let (api, db, machine, ops) = ApiServer::with_machine(url, "ops-pipeline", "operator").await;
+    let path = format!("/api/v1/machines/{machine}/maintenance");
+    let body = json!({"on": true, "reason": "rack 4 power work"});
+    let (status, answer, request_id) = api.call(Method::POST, &path, Some(&ops), Some(&body)).await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    assert_eq!(answer["changed"], true);
+    let request_id = request_id.expect("x-request-id");
+    assert_eq!(answer["request_id"], request_id.as_str());
+    // A reason is needed to take a machine away.
+    let off = format!("/api/v1/machines/{machine}/decommission");
+    let admin = api.token("root", "admin");
+    let (status, problem, _) = api
+        .call(Method::POST, &off, Some(&admin), Some(&json!({})))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{problem}");
+
+    let shown = machine_json(url, machine);
+    let action = &shown["operator_actions"][0];
+    assert_eq!(action["by"], "token:ops-pipeline", "{shown}");
+    assert_eq!(action["reason"], "rack 4 power work");
+    assert_eq!(action["request_id"], request_id.as_str());
+    let id = machine.to_string();
+    let history = succeeds(shepherd().args(["machines", "history", &id, "--database", url]));
+    let history = String::from_utf8(history.stdout).unwrap();
+    assert!(
+        history.contains("operator token:ops-pipeline") && history.contains(&request_id),
+        "{history}"
+    );
+    let (_, via_api, _) = api
+        .call(
+            Method::GET,
+            &format!("/api/v1/machines/{machine}/history"),
+            Some(&ops),
+            None,
+        )
+        .await;
+    assert_eq!(
+        via_api["history"][0]["who"], "operator token:ops-pipeline",
+        "{via_api}"
+    );
+    db.close().await;
+}
+
+async fn hostile_input_gets_one_clear_4xx(url: &str) {
+    let (api, db, machine, ops) = ApiServer::with_machine(url, "ops", "operator").await;
+    let path = format!("/api/v1/machines/{machine}/maintenance");
+    let raw = |body: String| {
+        api.client
+            .post(format!("{}{path}", api.base))
+            .bearer_auth(&ops)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    let cases = [
+        (
+            "malformed JSON",
+            "{\"on\": tru".to_string(),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            "unknown field",
+            r#"{"on": true, "reason": "x", "force": true}"#.to_string(),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            "wrong type",
+            r#"{"on": "yes"}"#.to_string(),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            "huge body",
+            format!(r#"{{"on": true, "reason": "{}"}}"#, "x".repeat(100_000)),
+            StatusCode::PAYLOAD_TOO_LARGE,
+        ),
+        (
+            "long reason",
+            format!(r#"{{"on": true, "reason": "{}"}}"#, "x".repeat(2_000)),
+            StatusCode::BAD_REQUEST,
+        ),
+    ];
+    for (what, body, want) in cases {
+        let resp = raw(body).await.unwrap();
+        let status = resp.status();
+        let kind = resp.headers()["content-type"].to_str().unwrap().to_string();
+        let problem: Value = resp.json().await.unwrap();
+        assert_eq!(status, want, "{what}: {problem}");
+        assert_eq!(kind, "application/problem+json", "{what}");
+        assert!(
+            problem["detail"].as_str().is_some_and(|d| !d.is_empty()),
+            "{what}: {problem}"
+        );
+    }
+    for query in [
+        "limit=100000",
+        "limit=0",
+        "state=flying",
+        "colour=red",
+        "after=nope",
+    ] {
+        let (status, problem, _) = api
+            .call(
+                Method::GET,
+                &format!("/api/v1/machines?{query}"),
+                Some(&ops),
+                None,
+            )
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{query}: {problem}");
+    }
+    // Nothing changed.
+    let shown = machine_json(url, machine);
+    assert_eq!(shown["operator_actions"], json!([]), "{shown}");
+    let (status, page, _) = api
+        .call(Method::GET, "/api/v1/machines?limit=10", Some(&ops), None)
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(page["machines"].as_array().unwrap().len(), 1, "{page}");
+
+    let text = reqwest::get(&api.metrics)
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let counted = |route: &str, result: &str| {
+        let series =
+            format!("shepherd_api_requests_total{{route=\"{route}\",result=\"{result}\"}}");
+        sample(&text, &series)
+    };
+    assert_eq!(
+        counted("/api/v1/machines", "invalid-request"),
+        Some(5.0),
+        "{text}"
+    );
+    assert_eq!(
+        counted("/api/v1/machines/{id}/maintenance", "too-large"),
+        Some(1.0)
+    );
+    assert!(!text.contains(&ops), "a token in the metrics");
+    db.close().await;
+}
+
+shepherd_bmdb::url_conformance_tests!(
+    every_route_answers_as_the_policy_says,
+    bad_tokens_are_refused,
+    actions_are_recorded_under_the_proven_identity,
+    hostile_input_gets_one_clear_4xx,
+);
