@@ -59,6 +59,32 @@ pub struct ServerArgs {
     /// Operator API: requests one identity or peer may make at once before the rate applies.
     #[arg(long, env = "SHEPHERD_API_BURST", default_value_t = 100.0)]
     pub api_burst: f64,
+    /// Operator API: the OpenID Connect issuer whose JWT access tokens are accepted besides
+    /// local tokens (`https://id.example.com/realms/ops`, exactly as its tokens name it).
+    #[arg(long, env = "SHEPHERD_OIDC_ISSUER")]
+    pub oidc_issuer: Option<String>,
+    /// Operator API: the audience the identity provider's tokens must be for.
+    #[arg(long, env = "SHEPHERD_OIDC_AUDIENCE", default_value = "")]
+    pub oidc_audience: String,
+    /// Operator API: the token claim that holds roles.
+    #[arg(
+        long,
+        env = "SHEPHERD_OIDC_ROLE_CLAIM",
+        value_enum,
+        default_value = "groups"
+    )]
+    pub oidc_role_claim: crate::api::oidc::RoleClaim,
+    /// Operator API: a claim value and the role it gives (`shepherd-admins=admin`); repeat
+    /// for each. A token gets the highest role of its values; with none, it may do nothing.
+    #[arg(long = "oidc-role", env = "SHEPHERD_OIDC_ROLES", value_delimiter = ',', value_parser = crate::api::oidc::parse_role_mapping)]
+    pub oidc_roles: Vec<(String, shepherd_bmdb::Role)>,
+    /// Operator API: clock allowance for a token's `exp` and `nbf` (at most 5m).
+    #[arg(long, env = "SHEPHERD_OIDC_LEEWAY", default_value = "60s", value_parser = crate::flags::duration)]
+    pub oidc_leeway: Duration,
+    /// Operator API: a CA (PEM) to trust for the identity provider's certificate, besides
+    /// the system's.
+    #[arg(long, env = "SHEPHERD_OIDC_CA")]
+    pub oidc_ca: Option<PathBuf>,
     /// How often web UI pages reload themselves; 0s turns it off.
     #[arg(long, env = "SHEPHERD_WEB_REFRESH", default_value = "5s", value_parser = crate::flags::duration)]
     pub web_refresh: std::time::Duration,
@@ -112,6 +138,28 @@ pub struct ServerArgs {
 }
 
 impl ServerArgs {
+    /// The identity provider's verifier, if one is configured; the message names the setting.
+    pub fn oidc(&self) -> Result<Option<crate::api::oidc::OidcVerifier>> {
+        let Some(issuer) = &self.oidc_issuer else {
+            return Ok(None);
+        };
+        let ca_pem = match &self.oidc_ca {
+            Some(path) => {
+                Some(std::fs::read(path).with_context(|| format!("oidc-ca: {}", path.display()))?)
+            }
+            None => None,
+        };
+        let settings = crate::api::oidc::OidcSettings {
+            issuer: issuer.clone(),
+            audience: self.oidc_audience.clone(),
+            role_claim: self.oidc_role_claim,
+            roles: self.oidc_roles.clone(),
+            leeway: self.oidc_leeway,
+            ca_pem,
+        };
+        Ok(Some(crate::api::oidc::OidcVerifier::new(settings)?))
+    }
+
     /// The connection limits, checked; the message names the setting.
     pub fn limits(&self) -> Result<ServerLimits> {
         let limits = ServerLimits {
@@ -136,6 +184,10 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     let limits = args.limits()?;
     if !(args.api_rate > 0.0 && args.api_burst >= 1.0) {
         bail!("api-rate must be above 0 and api-burst at least 1");
+    }
+    let oidc = args.oidc()?;
+    if oidc.is_some() && args.api_listen.is_none() {
+        bail!("oidc-issuer: the identity provider is for the operator API; give api-listen too");
     }
     crate::fds::raise_limit_for(limits.max_connections + limits.max_pending_handshakes);
     let (cert, key) = match (&args.tls_cert, &args.tls_key, &args.dev_certs) {
@@ -196,13 +248,13 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
         };
         let stale_after = args.thresholds.thresholds().stale_after();
         let tasks = operator.tasks.clone();
-        let app = crate::api::router(
-            db.clone(),
-            stale_after,
-            tasks,
-            settings,
-            &mut operator.registry,
-        );
+        if let Some(oidc) = &oidc {
+            if let Err(why) = oidc.prefetch().await {
+                tracing::warn!(%why, "the identity provider's keys cannot be fetched yet; its tokens are refused until they can");
+            }
+        }
+        let registry = &mut operator.registry;
+        let app = crate::api::router(db.clone(), stale_after, tasks, settings, oidc, registry);
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("api-listen: {addr}"))?;

@@ -8,7 +8,7 @@ use anyhow::{bail, Result};
 use clap::Subcommand;
 use shepherd_bmdb::{ApiToken, Bmdb};
 
-use crate::api::handlers::parse_role;
+use crate::api::policy::parse_role;
 
 /// Subcommands of `shepherd tokens`.
 #[derive(Debug, Subcommand)]
@@ -55,7 +55,7 @@ async fn run_on(db: &Bmdb, command: TokensCommand) -> Result<()> {
             expires,
             by,
         } => {
-            let role = parse_role(&role).map_err(|p| anyhow::anyhow!(p.detail))?;
+            let role = parse_role(&role).map_err(|e| anyhow::anyhow!(e))?;
             if expires < Duration::from_secs(60) {
                 bail!("--expires: {expires:?} is too short; a token lives at least a minute");
             }

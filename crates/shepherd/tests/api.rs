@@ -14,6 +14,7 @@ mod common;
 #[allow(dead_code)]
 mod policy;
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{machine_json, sample, shepherd, succeeds, ChildGuard};
@@ -33,11 +34,18 @@ struct ApiServer {
 
 impl ApiServer {
     async fn start(url: &str) -> ApiServer {
+        ApiServer::start_with(url, &[]).await
+    }
+
+    /// Like [`ApiServer::start`], with the server flags `extra`.
+    async fn start_with(url: &str, extra: &[&str]) -> ApiServer {
         let dir = tempfile::tempdir().unwrap();
+        let mut flags = vec!["--api-listen", "127.0.0.1:0"];
+        flags.extend_from_slice(extra);
         let (server, lines) = common::started_server(
             url,
             dir.path(),
-            &["--api-listen", "127.0.0.1:0"],
+            &flags,
             &[
                 "shepherd server: operator API at https://",
                 "shepherd server: web UI at http://",
@@ -390,3 +398,245 @@ shepherd_bmdb::url_conformance_tests!(
     actions_are_recorded_under_the_proven_identity,
     hostile_input_gets_one_clear_4xx,
 );
+
+/// An OpenID provider for tests, on loopback: discovery and a key set of ES256 keys that the
+/// test signs tokens with, and can rotate or take down.
+struct TestIssuer {
+    url: String,
+    keys: Arc<Mutex<Vec<Value>>>,
+    stop: tokio_util::sync::CancellationToken,
+    served: tokio::task::JoinHandle<()>,
+}
+
+/// A signing key of the test issuer: its id and private key.
+struct SigningKey {
+    kid: String,
+    key: rcgen::KeyPair,
+}
+
+impl SigningKey {
+    fn new(kid: &str) -> SigningKey {
+        SigningKey {
+            kid: kid.to_string(),
+            key: rcgen::KeyPair::generate().unwrap(),
+        }
+    }
+
+    /// Its public JWK.
+    fn jwk(&self) -> Value {
+        use base64::Engine;
+        let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+        let point = self.key.public_key_raw();
+        json!({"kty": "EC", "crv": "P-256", "alg": "ES256", "use": "sig", "kid": self.kid,
+               "x": b64.encode(&point[1..33]), "y": b64.encode(&point[33..65])})
+    }
+
+    /// `claims` signed with it.
+    fn sign(&self, claims: &Value) -> String {
+        let mut header = jsonwebtoken::Header::new(jsonwebtoken::Algorithm::ES256);
+        header.kid = Some(self.kid.clone());
+        let pem = self.key.serialize_pem();
+        let key = jsonwebtoken::EncodingKey::from_ec_pem(pem.as_bytes()).unwrap();
+        jsonwebtoken::encode(&header, claims, &key).unwrap()
+    }
+}
+
+impl TestIssuer {
+    async fn start(first: &SigningKey) -> TestIssuer {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let keys = Arc::new(Mutex::new(vec![first.jwk()]));
+        let discovery = json!({"issuer": url, "jwks_uri": format!("{url}/jwks")});
+        let served_keys = keys.clone();
+        let app = axum::Router::new()
+            .route(
+                "/.well-known/openid-configuration",
+                axum::routing::get(move || async move { axum::Json(discovery) }),
+            )
+            .route(
+                "/jwks",
+                axum::routing::get(move || async move {
+                    axum::Json(json!({"keys": *served_keys.lock().unwrap()}))
+                }),
+            );
+        let stop = tokio_util::sync::CancellationToken::new();
+        let stopped = stop.clone();
+        let served = tokio::spawn(async move {
+            let shutdown = async move { stopped.cancelled().await };
+            axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown)
+                .await
+                .unwrap();
+        });
+        TestIssuer {
+            url,
+            keys,
+            stop,
+            served,
+        }
+    }
+
+    /// Claims of a token for `sub` in `groups`, valid now for five minutes.
+    fn claims(&self, sub: &str, groups: &[&str]) -> Value {
+        let now = chrono::Utc::now().timestamp();
+        json!({"iss": self.url, "aud": "shepherd", "sub": sub, "groups": groups,
+               "iat": now, "nbf": now - 5, "exp": now + 300})
+    }
+
+    /// Publishes `key` instead of every key before.
+    fn rotate_to(&self, key: &SigningKey) {
+        *self.keys.lock().unwrap() = vec![key.jwk()];
+    }
+
+    /// Stops answering: the port is closed.
+    async fn go_down(self) {
+        self.stop.cancel();
+        self.served.await.unwrap();
+    }
+}
+
+/// `header.payload.` with the payload of `token` replaced by `claims` (base64url JSON).
+fn with_payload(token: &str, claims: &Value) -> String {
+    use base64::Engine;
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let parts: Vec<&str> = token.split('.').collect();
+    let payload = b64.encode(claims.to_string());
+    format!("{}.{payload}.{}", parts[0], parts[2])
+}
+
+/// Tokens of an OpenID provider: the role comes from `groups` through the mapping; every
+/// kind of bad token is refused; a rotated key is picked up without a restart; with the
+/// provider down, tokens of keys already fetched still work and others fail saying why.
+async fn identity_provider_tokens_are_verified(url: &str) {
+    use base64::Engine;
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let first = SigningKey::new("k1");
+    let issuer = TestIssuer::start(&first).await;
+    let extra = [
+        "--oidc-issuer",
+        &issuer.url,
+        "--oidc-audience",
+        "shepherd",
+        "--oidc-role",
+        "fleet-ops=operator",
+        "--oidc-role",
+        "fleet-admins=admin",
+        "--oidc-leeway",
+        "5s",
+    ];
+    let api = ApiServer::start_with(url, &extra).await;
+    let whoami = async |token: &str| {
+        api.call(Method::GET, "/api/v1/whoami", Some(token), None)
+            .await
+    };
+
+    let alice = first.sign(&issuer.claims("alice", &["fleet-ops", "visitors"]));
+    let (status, me, _) = whoami(&alice).await;
+    let name = format!("oidc:alice@{}", issuer.url);
+    assert_eq!(
+        (status, me),
+        (StatusCode::OK, json!({"name": name, "role": "Operator"}))
+    );
+    let (status, _, _) = api
+        .call(
+            Method::POST,
+            "/api/v1/tokens",
+            Some(&alice),
+            Some(&json!({})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "an operator makes no tokens");
+
+    let now = chrono::Utc::now().timestamp();
+    let admin_claims = issuer.claims("alice", &["fleet-admins"]);
+    let claims = |change: Value| {
+        let mut c = admin_claims.clone();
+        for (k, v) in change.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        c
+    };
+    let header_none = b64.encode(r#"{"alg":"none","kid":"k1","typ":"JWT"}"#);
+    let unsigned = format!(
+        "{header_none}.{}.",
+        b64.encode(claims(json!({})).to_string())
+    );
+    let hs256 = {
+        let mut header = jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256);
+        header.kid = Some("k1".into());
+        let public = first.jwk().to_string();
+        let key = jsonwebtoken::EncodingKey::from_secret(public.as_bytes());
+        jsonwebtoken::encode(&header, &claims(json!({})), &key).unwrap()
+    };
+    let stranger = SigningKey::new("k-unknown");
+    let refused = [
+        ("expired", first.sign(&claims(json!({"exp": now - 60})))),
+        (
+            "not yet valid",
+            first.sign(&claims(json!({"nbf": now + 120}))),
+        ),
+        (
+            "wrong audience",
+            first.sign(&claims(json!({"aud": "someone-else"}))),
+        ),
+        (
+            "wrong issuer",
+            first.sign(&claims(json!({"iss": "http://127.0.0.1:1/evil"}))),
+        ),
+        ("unsigned", unsigned),
+        ("HS256 with the public key", hs256),
+        ("tampered", with_payload(&alice, &claims(json!({})))),
+        (
+            "no exp",
+            first.sign(&{
+                let mut c = claims(json!({}));
+                c.as_object_mut().unwrap().remove("exp");
+                c
+            }),
+        ),
+    ];
+    for (what, token) in &refused {
+        let (status, problem, _) = whoami(token).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{what}: {problem}");
+    }
+    let (status, problem, _) = whoami(&first.sign(&issuer.claims("bob", &["visitors"]))).await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "no mapped group: {problem}");
+    assert!(
+        problem["detail"].as_str().unwrap().contains("no role"),
+        "{problem}"
+    );
+
+    // Rotation: the provider publishes a new key; its tokens work without a restart.
+    let second = SigningKey::new("k2");
+    issuer.rotate_to(&second);
+    tokio::time::sleep(Duration::from_secs(5)).await; // the refetch floor
+    let carol = second.sign(&issuer.claims("carol", &["fleet-admins"]));
+    let (status, me, _) = whoami(&carol).await;
+    assert_eq!(
+        (status, me["role"].clone()),
+        (StatusCode::OK, json!("Admin")),
+        "{me}"
+    );
+
+    // The provider goes down: tokens of the keys fetched keep working; a new key cannot be
+    // fetched, and the refusal says so.
+    issuer.go_down().await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let (status, _, _) = whoami(&carol).await;
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "a cached key with the provider down"
+    );
+    let (status, problem, _) = whoami(&stranger.sign(&claims(json!({})))).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED, "{problem}");
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .contains("cannot be fetched"),
+        "{problem}"
+    );
+}
+
+shepherd_bmdb::url_conformance_tests!(identity_provider_tokens_are_verified);

@@ -1,7 +1,8 @@
 //! Who is asking: the identity a request proves with its `Authorization: Bearer` header. A
 //! local API token (`shp_…`) is looked up by its SHA-256 in the BMDB; answers are cached
 //! briefly so that a busy client costs no query per request, and its use is recorded at
-//! most once a minute. The token itself is never logged, counted or stored.
+//! most once a minute. Anything else is verified as the identity provider's JWT
+//! (`oidc.rs`), when one is configured. A credential is never logged, counted or stored.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -9,9 +10,10 @@ use std::time::{Duration, Instant};
 
 use axum::http::{header, HeaderMap};
 use chrono::Utc;
-use shepherd_bmdb::{ApiToken, Bmdb, Role};
+use shepherd_bmdb::{ApiToken, Bmdb};
 use uuid::Uuid;
 
+use super::policy::Principal;
 use super::problem::{Kind, Problem};
 
 /// How long a token's lookup is reused. A token revoked through another server stops working
@@ -25,21 +27,14 @@ const USE_RECORDED_EVERY: Duration = Duration::from_secs(60);
 /// Longest `Authorization` header read.
 const MAX_CREDENTIAL: usize = 8 << 10;
 
-/// A proven identity and what it may do.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Principal {
-    /// Who, as the operators' history records it (`token:ci`).
-    pub name: String,
-    /// What it may do.
-    pub role: Role,
-}
-
 /// A cached lookup: when it was made and what it found.
 type Cached = (Instant, Option<ApiToken>);
 
 /// Verifies credentials.
 pub struct Authenticator {
     db: Bmdb,
+    /// The identity provider whose tokens are accepted, if one is configured.
+    oidc: Option<super::oidc::OidcVerifier>,
     /// Token lookups by the SHA-256 of the token.
     tokens: Mutex<HashMap<[u8; 32], Cached>>,
     /// When each token's use was last recorded.
@@ -47,10 +42,11 @@ pub struct Authenticator {
 }
 
 impl Authenticator {
-    /// An authenticator of tokens in `db`.
-    pub fn new(db: Bmdb) -> Authenticator {
+    /// An authenticator of the tokens in `db` and, if given, of an identity provider's.
+    pub fn new(db: Bmdb, oidc: Option<super::oidc::OidcVerifier>) -> Authenticator {
         Authenticator {
             db,
+            oidc,
             tokens: Mutex::new(HashMap::new()),
             recorded: Mutex::new(HashMap::new()),
         }
@@ -76,9 +72,12 @@ impl Authenticator {
         if credential.starts_with(shepherd_bmdb::TOKEN_PREFIX) {
             return self.token(credential).await;
         }
-        Err(unauthenticated(
-            "the credential is not a Shepherd API token",
-        ))
+        match &self.oidc {
+            Some(oidc) => oidc.verify(credential).await,
+            None => Err(unauthenticated(
+                "the credential is not a Shepherd API token (no identity provider is configured)",
+            )),
+        }
     }
 
     /// The principal of the local API token `text`.

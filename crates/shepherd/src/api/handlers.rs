@@ -13,8 +13,8 @@ use serde_json::{json, Value};
 use shepherd_bmdb::{ApiToken, Lifecycle, Operator, Process, Provider, Role};
 use uuid::Uuid;
 
-use super::auth::Principal;
 use super::extract::{ApiJson, ApiQuery};
+use super::policy::{parse_role, Principal};
 use super::problem::{Kind, Problem};
 use super::{Api, RequestId};
 use crate::actions::{self, ActionError, InstallImage, MachineAction, Performed};
@@ -342,7 +342,7 @@ pub async fn create_token(
     Extension(who): Extension<Principal>,
     ApiJson(body): ApiJson<NewTokenBody>,
 ) -> Result<(StatusCode, Json<Value>), Problem> {
-    let role: Role = parse_role(&body.role)?;
+    let role: Role = parse_role(&body.role).map_err(invalid)?;
     if body.expires_in_days == 0 || body.expires_in_days > MAX_TOKEN_DAYS {
         return Err(invalid(format!(
             "expires_in_days must be 1 to {MAX_TOKEN_DAYS}"
@@ -363,15 +363,6 @@ pub async fn create_token(
     let mut answer = token_json(&token);
     answer["secret"] = json!(secret.reveal());
     Ok((StatusCode::CREATED, Json(answer)))
-}
-
-/// A role as people write it: `viewer`, `operator` or `admin`, in any case.
-pub fn parse_role(text: &str) -> Result<Role, Problem> {
-    Role::ALL
-        .iter()
-        .copied()
-        .find(|r| r.as_str().eq_ignore_ascii_case(text))
-        .ok_or_else(|| invalid(format!("role {text:?}: one of viewer, operator, admin")))
 }
 
 /// `DELETE /api/v1/tokens/{name}`: revokes a token.

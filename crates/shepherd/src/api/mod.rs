@@ -8,6 +8,7 @@ pub mod auth;
 mod extract;
 pub mod handlers;
 pub mod listener;
+pub mod oidc;
 pub mod policy;
 pub mod problem;
 
@@ -29,7 +30,8 @@ use prometheus_client::registry::Registry;
 use shepherd_bmdb::Bmdb;
 use shepherd_loops::tasks::Tasks;
 
-use auth::{Authenticator, Principal};
+use auth::Authenticator;
+use policy::Principal;
 use problem::{Kind, Problem};
 
 /// Largest request body.
@@ -87,18 +89,20 @@ pub struct Api {
 }
 
 /// The API's routes over `db`; `stale_after` is the recoverer's threshold, `tasks` this
-/// process's background tasks. The counters are registered in `registry`.
+/// process's background tasks, `oidc` the identity provider whose tokens are accepted
+/// besides local ones. The counters are registered in `registry`.
 pub fn router(
     db: Bmdb,
     stale_after: chrono::Duration,
     tasks: Tasks,
     settings: ApiSettings,
+    oidc: Option<oidc::OidcVerifier>,
     registry: &mut Registry,
 ) -> Router {
     let metrics = ApiMetrics::default();
     metrics.register(registry);
     let api = Arc::new(Api {
-        auth: Authenticator::new(db.clone()),
+        auth: Authenticator::new(db.clone(), oidc),
         counts: crate::inventory::CountsCache::new(db.clone(), stale_after, COUNTS_TTL),
         db,
         stale_after,

@@ -42,6 +42,24 @@ pub const POLICY: &[Rule] = &[
     rule("DELETE", "/api/v1/tokens/{name}", Role::Admin),
 ];
 
+/// A proven identity and what it may do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Principal {
+    /// Who, as the operators' history records it (`token:ci`, `oidc:SUBJECT@ISSUER`).
+    pub name: String,
+    /// What it may do.
+    pub role: Role,
+}
+
+/// A role as people write it: `viewer`, `operator` or `admin`, in any case.
+pub fn parse_role(text: &str) -> Result<Role, String> {
+    Role::ALL
+        .iter()
+        .copied()
+        .find(|r| r.as_str().eq_ignore_ascii_case(text))
+        .ok_or_else(|| format!("role {text:?}: one of viewer, operator, admin"))
+}
+
 /// The least role `method` on the route `path` needs; `None` for a route the policy does not
 /// name, which nobody may use.
 pub fn required(method: &Method, path: &str) -> Option<Role> {
