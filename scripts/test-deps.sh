@@ -131,6 +131,24 @@ ensure_ironic() {
   echo "test-deps: ironic $("$venv/bin/pip" show ironic 2>/dev/null | sed -n 's/^Version: //p')"
 }
 
+ensure_oidc_provider() {
+  # The operator API's tests sign in against a real OpenID provider: panva's oidc-provider
+  # (OpenID Certified) under Node, installed from npm into a directory of our own
+  # (crates/shepherd/tests/common/oidc-idp.mjs runs it). Node from Debian if there is none.
+  local dir="${SHEPHERD_OIDC_PROVIDER_DIR:-$HOME/.cache/shepherd/oidc-provider}"
+  if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+    echo "test-deps: installing Node.js"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null
+  fi
+  if [ ! -f "$dir/node_modules/oidc-provider/package.json" ]; then
+    echo "test-deps: installing oidc-provider into $dir"
+    mkdir -p "$dir"
+    (cd "$dir" && npm install --no-audit --no-fund --silent oidc-provider@9.13.3 >/dev/null)
+  fi
+  echo "test-deps: node $(node --version), oidc-provider $(sed -n 's/^  "version": "\(.*\)",$/\1/p' "$dir/node_modules/oidc-provider/package.json")"
+}
+
 ensure_vm() {
   # QEMU (TCG: this machine's nested KVM cannot run these guests) and the image tools, in one
   # apt command: qemu-system-x86 alone conflicts with a backported qemu-utils, so the
@@ -166,5 +184,6 @@ ensure_promtool
 ensure_patroni
 ensure_sushy
 ensure_ironic
+ensure_oidc_provider
 ensure_vm
 echo "test-deps: ready"

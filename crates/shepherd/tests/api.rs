@@ -640,3 +640,48 @@ async fn identity_provider_tokens_are_verified(url: &str) {
 }
 
 shepherd_bmdb::url_conformance_tests!(identity_provider_tokens_are_verified);
+
+/// A real OpenID provider (oidc-provider under Node): its client-credentials JWTs work, the
+/// role coming from their `scope`, and an action is recorded under the client's identity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_openid_provider_s_tokens_work() {
+    let idp = common::oidc::OidcProvider::start();
+    let fresh = testing::fresh_sqlite_url();
+    let extra = [
+        "--oidc-issuer",
+        &idp.issuer,
+        "--oidc-audience",
+        "shepherd",
+        "--oidc-role-claim",
+        "scope",
+        "--oidc-role",
+        "shepherd:viewer=viewer,shepherd:operator=operator",
+    ];
+    let api = ApiServer::start_with(&fresh.url, &extra).await;
+    let db = Bmdb::open(&fresh.url).await.unwrap();
+    let machine = testing::provision(&db, 1, Provider::Sim).await[0];
+    let viewer = idp.client_token("shepherd:viewer").await;
+    let operator = idp.client_token("shepherd:operator").await;
+
+    let (status, me, _) = api
+        .call(Method::GET, "/api/v1/whoami", Some(&viewer), None)
+        .await;
+    let name = format!("oidc:ci-pipeline@{}", idp.issuer);
+    assert_eq!(
+        (status, me),
+        (StatusCode::OK, json!({"name": name, "role": "Viewer"}))
+    );
+    let path = format!("/api/v1/machines/{machine}/maintenance");
+    let body = json!({"on": true, "reason": "firmware update"});
+    let (status, _, _) = api
+        .call(Method::POST, &path, Some(&viewer), Some(&body))
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    let (status, answer, _) = api
+        .call(Method::POST, &path, Some(&operator), Some(&body))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    let shown = machine_json(&fresh.url, machine);
+    assert_eq!(shown["operator_actions"][0]["by"], name.as_str(), "{shown}");
+    db.close().await;
+}

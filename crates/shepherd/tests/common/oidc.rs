@@ -1,0 +1,66 @@
+//! A real OpenID provider for tests: panva's `oidc-provider` under Node
+//! (`common/oidc-idp.mjs`), installed by `scripts/test-deps.sh`, on a free loopback port.
+
+use std::process::{Command, Stdio};
+
+use super::{announced, free_port, ChildGuard};
+
+/// A running provider.
+pub struct OidcProvider {
+    /// Its issuer URL (`http://127.0.0.1:PORT`).
+    pub issuer: String,
+    _node: ChildGuard,
+}
+
+impl OidcProvider {
+    /// Starts it; fails the test, naming the fix, when it is not installed.
+    pub fn start() -> OidcProvider {
+        let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
+        let dir = std::env::var("SHEPHERD_OIDC_PROVIDER_DIR")
+            .unwrap_or_else(|_| format!("{home}/.cache/shepherd/oidc-provider"));
+        let package = std::path::Path::new(&dir).join("node_modules/oidc-provider/package.json");
+        assert!(
+            package.exists(),
+            "{} is missing: run scripts/test-deps.sh (installs Node and oidc-provider)",
+            package.display()
+        );
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/common/oidc-idp.mjs");
+        let port = free_port().to_string();
+        let child = Command::new("node")
+            .args([script, &dir, &port])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("node (scripts/test-deps.sh installs it)");
+        let mut node = ChildGuard(Some(child));
+        let issuer = announced(node.child(), "idp: listening at ");
+        OidcProvider {
+            issuer,
+            _node: node,
+        }
+    }
+
+    /// An access token (a JWT) for the client `ci-pipeline` with `scope`, by the client
+    /// credentials grant.
+    pub async fn client_token(&self, scope: &str) -> String {
+        let form = [
+            ("grant_type", "client_credentials"),
+            ("scope", scope),
+            ("resource", "urn:shepherd:api"),
+        ];
+        let answer: serde_json::Value = reqwest::Client::new()
+            .post(format!("{}/token", self.issuer))
+            .basic_auth("ci-pipeline", Some("ci-pipeline-secret"))
+            .form(&form)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let token = answer["access_token"].as_str();
+        token
+            .unwrap_or_else(|| panic!("no token: {answer}"))
+            .to_string()
+    }
+}
