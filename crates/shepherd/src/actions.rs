@@ -89,6 +89,29 @@ impl MachineAction {
     }
 }
 
+/// The operator API's route (under `/api/v1/machines/{id}/`) and body (without the reason)
+/// for `action`: what the CLI sends when it acts through the API.
+pub fn api_request(action: &MachineAction) -> (&'static str, serde_json::Value) {
+    use serde_json::json;
+    match action {
+        MachineAction::MaintenanceOn => ("maintenance", json!({"on": true})),
+        MachineAction::MaintenanceOff => ("maintenance", json!({"on": false})),
+        MachineAction::Retry { process } => {
+            let process = process.map(|p| p.as_str());
+            ("retry", json!({ "process": process }))
+        }
+        MachineAction::ForgetHostKey => ("forget-host-key", json!({})),
+        MachineAction::Decommission { undeploy } => {
+            ("decommission", json!({ "undeploy": undeploy }))
+        }
+        MachineAction::Recommission => ("recommission", json!({})),
+        MachineAction::Install(image) => (
+            "install",
+            json!({"image": image.url, "sha256": image.sha256, "device": image.device}),
+        ),
+    }
+}
+
 /// What an action did, in a sentence for people.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Performed {

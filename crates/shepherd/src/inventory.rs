@@ -343,6 +343,11 @@ pub struct HistoryLine {
     pub why: String,
 }
 
+/// One history line as JSON (`machines history` through the API, and the API's answer).
+pub fn history_line_json(l: &HistoryLine) -> Value {
+    json!({ "at": l.at.to_rfc3339(), "who": l.who, "what": l.what, "why": l.why })
+}
+
 /// A machine's whole history, oldest first: work entries and operators' actions merged by
 /// time (a work entry first where both have the same time).
 pub fn history_lines(history: &[HistoryEntry], actions: &[ActionEntry]) -> Vec<HistoryLine> {

@@ -5,6 +5,7 @@
 
 mod actions;
 mod api;
+mod api_client;
 mod bmdb_cmd;
 mod config_cmd;
 mod config_file;
@@ -63,6 +64,9 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Inspect machines: list, show, history.
     Machines {
+        /// The operator API to use instead of the database.
+        #[command(flatten)]
+        api: api_client::ApiArgs,
         #[command(subcommand)]
         command: machines_cmd::MachinesCommand,
     },
@@ -73,6 +77,9 @@ enum Command {
     },
     /// The operator API's local tokens (on the database: administrators only).
     Tokens {
+        /// The operator API to use instead of the database (an admin's token).
+        #[command(flatten)]
+        api: api_client::ApiArgs,
         #[command(subcommand)]
         command: tokens_cmd::TokensCommand,
     },
@@ -156,12 +163,12 @@ async fn main() {
         Command::Run(args) => run_cmd::run(&cli.database, *args).await,
         Command::Server(args) => server_cmd::run(&cli.database, *args).await,
         Command::Demo(args) => demo::run(args).await,
-        Command::Machines { command } => machines_cmd::run(&cli.database, command).await,
+        Command::Machines { api, command } => machines_cmd::run(&cli.database, &api, command).await,
         Command::Sessions {
             command: SessionsCommand::List,
         } => machines_cmd::sessions(&cli.database).await,
         Command::Bmdb { command } => bmdb_cmd::run(&cli.database, command).await,
-        Command::Tokens { command } => tokens_cmd::run(&cli.database, command).await,
+        Command::Tokens { api, command } => tokens_cmd::run(&cli.database, &api, command).await,
         Command::Config {
             command: ConfigCommand::Print { command },
         } => {

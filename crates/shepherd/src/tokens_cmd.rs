@@ -1,12 +1,17 @@
 //! `shepherd tokens …`: the operator API's local tokens, on the database directly (the
-//! administrators' break-glass path, as for `machines` without `--api`). A token's secret is
-//! printed once, when it is made; the BMDB keeps only its SHA-256.
+//! administrators' break-glass path, and how the first token is made) or, with `--api`,
+//! through the API with an admin's token. A token's secret is printed once, when it is made;
+//! the BMDB keeps only its SHA-256.
 
 use std::time::Duration;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Subcommand;
-use shepherd_bmdb::{ApiToken, Bmdb};
+use reqwest::Method;
+use serde_json::{json, Value};
+use shepherd_bmdb::{ApiToken, Bmdb, TokenTimes};
+
+use crate::api_client::{ApiArgs, ApiClient};
 
 use crate::api::policy::parse_role;
 
@@ -14,21 +19,7 @@ use crate::api::policy::parse_role;
 #[derive(Debug, Subcommand)]
 pub enum TokensCommand {
     /// Makes a token and prints it once (store it now: it cannot be shown again).
-    Create {
-        /// Its name, unique and never reused: who it is in the operators' history.
-        #[arg(long)]
-        name: String,
-        /// What it may do: viewer (reads), operator (actions on machines), admin (tokens,
-        /// decommission).
-        #[arg(long)]
-        role: String,
-        /// How long it is valid (`90d`, `12h`).
-        #[arg(long, value_parser = crate::flags::duration)]
-        expires: Duration,
-        /// Who makes it, for the record (default: the login name).
-        #[arg(long)]
-        by: Option<String>,
-    },
+    Create(NewToken),
     /// Every token: name, role, expiry, revocation and last use (never a secret).
     List,
     /// Revokes a token: it stops working at once on servers that have not cached it, within
@@ -39,22 +30,109 @@ pub enum TokensCommand {
     },
 }
 
-/// Runs `command` on the BMDB at `url`.
-pub async fn run(url: &str, command: TokensCommand) -> Result<()> {
+/// What `tokens create` makes.
+#[derive(Debug, clap::Args)]
+pub struct NewToken {
+    /// Its name, unique and never reused: who it is in the operators' history.
+    #[arg(long)]
+    name: String,
+    /// What it may do: viewer (reads), operator (actions on machines), admin (tokens,
+    /// decommission).
+    #[arg(long)]
+    role: String,
+    /// How long it is valid (`90d`, `12h`).
+    #[arg(long, value_parser = crate::flags::duration)]
+    expires: Duration,
+    /// Who makes it, for the record (default: the login name; through the API, the token's).
+    #[arg(long)]
+    by: Option<String>,
+}
+
+/// Tells what was made, on stderr, and prints the secret alone on stdout.
+fn made(token: &ApiToken, secret: &str) {
+    let until = token.times.expires_at.to_rfc3339();
+    eprintln!(
+        "token {:?} ({}) valid until {until}; it is shown once:",
+        token.name, token.role
+    );
+    println!("{secret}");
+}
+
+/// Runs `command` on the BMDB at `url`, or through the operator API (an admin's token).
+pub async fn run(url: &str, api: &ApiArgs, command: TokensCommand) -> Result<()> {
+    if let Some(client) = api.client()? {
+        return run_via_api(&client, command).await;
+    }
     let db = Bmdb::open(url).await?;
     let result = run_on(&db, command).await;
     db.close().await;
     result
 }
 
+/// `command` through the operator API: the same lines as on the database.
+async fn run_via_api(api: &ApiClient, command: TokensCommand) -> Result<()> {
+    match command {
+        TokensCommand::Create(new) => {
+            if new.by.is_some() {
+                bail!("--by: through the API, the token says who acts");
+            }
+            let days = new.expires.as_secs().div_ceil(86_400);
+            let body = json!({"name": new.name, "role": new.role, "expires_in_days": days});
+            let answer = api.call(Method::POST, "/tokens", Some(body)).await?;
+            made(
+                &token_of(&answer)?,
+                answer["secret"].as_str().unwrap_or_default(),
+            );
+        }
+        TokensCommand::List => {
+            let listed = api.get("/tokens").await?;
+            for t in listed["tokens"].as_array().into_iter().flatten() {
+                println!("{}", line(&token_of(t)?));
+            }
+        }
+        TokensCommand::Revoke { name } => {
+            let revoked = api
+                .call(Method::DELETE, &format!("/tokens/{name}"), None)
+                .await?;
+            println!("{}", line(&token_of(&revoked)?));
+        }
+    }
+    Ok(())
+}
+
+/// A token as the API describes it.
+fn token_of(v: &Value) -> Result<ApiToken> {
+    let time = |key: &str| -> Result<Option<chrono::DateTime<chrono::Utc>>> {
+        match v[key].as_str() {
+            Some(t) => Ok(Some(
+                t.parse().with_context(|| format!("token {key}: {t:?}"))?,
+            )),
+            None => Ok(None),
+        }
+    };
+    let text = |key: &str| v[key].as_str().unwrap_or_default().to_string();
+    Ok(ApiToken {
+        id: uuid::Uuid::nil(),
+        name: text("name"),
+        role: text("role").parse()?,
+        created_by: text("created_by"),
+        times: TokenTimes {
+            created_at: time("created_at")?.context("token without created_at")?,
+            expires_at: time("expires_at")?.context("token without expires_at")?,
+            revoked_at: time("revoked_at")?,
+            last_used_at: time("last_used_at")?,
+        },
+    })
+}
+
 async fn run_on(db: &Bmdb, command: TokensCommand) -> Result<()> {
     match command {
-        TokensCommand::Create {
+        TokensCommand::Create(NewToken {
             name,
             role,
             expires,
             by,
-        } => {
+        }) => {
             let role = parse_role(&role).map_err(|e| anyhow::anyhow!(e))?;
             if expires < Duration::from_secs(60) {
                 bail!("--expires: {expires:?} is too short; a token lives at least a minute");
@@ -66,13 +144,7 @@ async fn run_on(db: &Bmdb, command: TokensCommand) -> Result<()> {
             else {
                 bail!("a token named {name:?} exists (names are never reused)");
             };
-            eprintln!(
-                "token {:?} ({}) valid until {}; it is shown once:",
-                token.name,
-                token.role,
-                token.times.expires_at.to_rfc3339()
-            );
-            println!("{}", secret.reveal());
+            made(&token, secret.reveal());
         }
         TokensCommand::List => {
             for t in db.api_tokens().await? {

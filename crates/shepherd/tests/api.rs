@@ -29,7 +29,7 @@ struct ApiServer {
     metrics: String,
     client: reqwest::Client,
     url: String,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 impl ApiServer {
@@ -66,7 +66,7 @@ impl ApiServer {
             metrics,
             client,
             url: url.to_string(),
-            _dir: dir,
+            dir,
         }
     }
 
@@ -640,6 +640,124 @@ async fn identity_provider_tokens_are_verified(url: &str) {
 }
 
 shepherd_bmdb::url_conformance_tests!(identity_provider_tokens_are_verified);
+
+/// Every `machines` and `tokens` command through the API (`--api`, `SHEPHERD_API_TOKEN`):
+/// reads print what they print on the database, actions are recorded under the token.
+async fn the_cli_works_through_the_api(url: &str) {
+    let (api, db, machine, admin) = ApiServer::with_machine(url, "cli-admin", "admin").await;
+    let ca = api.dir.path().join("certs/ca.pem");
+    let run = |through_api: bool, args: &[&str]| {
+        let mut cmd = shepherd();
+        cmd.args(args).args(["--database", url]);
+        if through_api {
+            cmd.args(["--api", &api.base]).arg("--api-ca").arg(&ca);
+            cmd.env("SHEPHERD_API_TOKEN", &admin);
+        }
+        let out = cmd.output().unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(
+            out.status.success(),
+            "{args:?} (API: {through_api}): {stderr}"
+        );
+        stdout.to_string()
+    };
+    let id = machine.to_string();
+    let image = [
+        "--image",
+        "https://images.example/os.img",
+        "--sha256",
+        &"ab".repeat(32),
+        "--device",
+        "/dev/sda",
+    ];
+    let actions: [(Vec<&str>, &str); 7] = [
+        (
+            vec!["maintenance", "on", &id, "--reason", "disk swap"],
+            "in maintenance",
+        ),
+        (vec!["maintenance", "off", &id], "out of maintenance"),
+        (vec!["retry", &id], "no backoff to clear"),
+        (vec!["forget-host-key", &id], "no host key pinned"),
+        (
+            [vec!["install", &id], image.to_vec()].concat(),
+            "generation 1 recorded",
+        ),
+        (
+            vec!["decommission", &id, "--reason", "returned"],
+            "decommissioned",
+        ),
+        (vec!["recommission", &id], "recommissioned"),
+    ];
+    for (args, said) in &actions {
+        let out = run(true, &[&["machines"][..], args].concat());
+        assert!(out.contains(said), "{args:?}: {out}");
+    }
+    let other = testing::provision(&db, 1, Provider::Sim).await[0].to_string();
+    for read in [
+        vec!["machines", "list", "--json"],
+        vec!["machines", "list"],
+        vec!["machines", "show", &other, "--json"],
+        vec!["machines", "show", &other],
+        vec!["machines", "history", &id],
+    ] {
+        assert_eq!(run(true, &read), run(false, &read), "{read:?}");
+    }
+    let history = run(false, &["machines", "history", &id]);
+    // Retry and forget-host-key found nothing to do, so they wrote nothing.
+    assert_eq!(
+        history.matches("operator token:cli-admin").count(),
+        5,
+        "{history}"
+    );
+
+    let secret = run(
+        true,
+        &[
+            "tokens",
+            "create",
+            "--name",
+            "made-remotely",
+            "--role",
+            "viewer",
+            "--expires",
+            "7d",
+        ],
+    );
+    assert!(secret.trim().starts_with("shp_"), "{secret}");
+    let listed = run(true, &["tokens", "list"]);
+    assert_eq!(listed, run(false, &["tokens", "list"]));
+    assert!(
+        listed.contains("made-remotely") && !listed.contains(secret.trim()),
+        "{listed}"
+    );
+    let revoked = run(true, &["tokens", "revoke", "made-remotely"]);
+    assert!(revoked.contains("revoked"), "{revoked}");
+    // A viewer's token cannot act, and the refusal is the command's error.
+    let viewer = api.token("cli-viewer", "viewer");
+    let out = shepherd()
+        .args([
+            "machines",
+            "retry",
+            &id,
+            "--api",
+            &api.base,
+            "--database",
+            url,
+        ])
+        .arg("--api-ca")
+        .arg(&ca)
+        .env("SHEPHERD_API_TOKEN", &viewer)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("403"), "{stderr}");
+    db.close().await;
+}
+
+shepherd_bmdb::url_conformance_tests!(the_cli_works_through_the_api);
 
 /// A real OpenID provider (oidc-provider under Node): its client-credentials JWTs work, the
 /// role coming from their `scope`, and an action is recorded under the client's identity.

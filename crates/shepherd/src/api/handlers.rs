@@ -100,10 +100,7 @@ pub async fn show_machine(State(api): State<Arc<Api>>, Path(id): Path<String>) -
 pub async fn machine_history(State(api): State<Arc<Api>>, Path(id): Path<String>) -> Reply {
     let id = machine_id(&id)?;
     let (lines, decommissioned) = inventory::history(&api.db, id).await.map_err(unavailable)?;
-    let lines: Vec<Value> = lines
-        .iter()
-        .map(|l| json!({ "at": l.at, "who": l.who, "what": l.what, "why": l.why }))
-        .collect();
+    let lines: Vec<Value> = lines.iter().map(inventory::history_line_json).collect();
     let decommissioned = decommissioned.map(|d| {
         json!({ "at": d.at, "by": d.by, "reason": d.reason, "provider": d.provider.as_str(),
                 "provider_id": d.provider_id })
