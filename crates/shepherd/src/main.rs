@@ -7,6 +7,7 @@ mod actions;
 mod api;
 mod api_client;
 mod bmdb_cmd;
+mod cause_shapes;
 mod config_cmd;
 mod config_file;
 mod demo;

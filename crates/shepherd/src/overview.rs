@@ -10,6 +10,7 @@ use chrono::{DateTime, Duration, Utc};
 use maud::{html, Markup, PreEscaped};
 use shepherd_bmdb::{Bmdb, FleetCounts, Process, WorkEvent};
 
+use crate::cause_shapes::{self, CauseShape};
 use crate::fleet_stats::HardwareByLocation;
 use crate::inventory::gib;
 
@@ -17,8 +18,11 @@ use crate::inventory::gib;
 const CHART_SPAN: Duration = Duration::hours(24);
 /// How far back the per-minute bars reach.
 const BARS_SPAN: Duration = Duration::minutes(60);
-/// Failure causes listed.
-const TOP_CAUSES: i64 = 10;
+/// Failure cause shapes listed.
+const TOP_CAUSES: usize = 10;
+/// Distinct failure causes read to group by shape: bounded, so that a day of failures with a
+/// distinct cause each costs the page no more than this.
+const CAUSES_READ: i64 = 10_000;
 
 /// Everything the overview shows, read at one moment.
 #[derive(Debug, Clone)]
@@ -31,8 +35,8 @@ pub struct Overview {
     pub snapshots: Vec<(DateTime<Utc>, String, i64)>,
     /// Work endings per minute of the last hour.
     pub endings: Vec<(DateTime<Utc>, Process, WorkEvent, i64)>,
-    /// The most frequent failure causes of the last day.
-    pub causes: Vec<(String, i64)>,
+    /// The most frequent shapes of failure cause of the last day.
+    pub causes: Vec<CauseShape>,
     /// Hardware totals per provider and location, from the fleet statistics' last refresh.
     pub hardware: std::sync::Arc<HardwareByLocation>,
 }
@@ -51,7 +55,7 @@ pub async fn load(
                     tx.now().await?,
                     tx.fleet_snapshots(CHART_SPAN).await?,
                     tx.work_endings_per_minute(BARS_SPAN).await?,
-                    tx.top_failure_causes(CHART_SPAN, TOP_CAUSES).await?,
+                    tx.top_failure_causes(CHART_SPAN, CAUSES_READ).await?,
                 ))
             })
         })
@@ -61,7 +65,7 @@ pub async fn load(
         counts,
         snapshots,
         endings,
-        causes,
+        causes: cause_shapes::group(&causes, TOP_CAUSES),
         hardware,
     })
 }
@@ -88,6 +92,8 @@ const HEIGHT: f64 = 240.0;
 const LEFT: f64 = 56.0;
 const BOTTOM: f64 = 24.0;
 const TOP: f64 = 8.0;
+/// Length of one series' dash where several series share a line.
+const DASH: f64 = 8.0;
 
 /// A round top for a y axis holding `max`: twice the smallest 1, 2 or 5 × 10ⁿ at least half
 /// of it, so the axis's three gridlines carry whole numbers.
@@ -146,17 +152,32 @@ pub fn state_chart(o: &Overview) -> Markup {
     let y = |n: i64| TOP + (HEIGHT - TOP - BOTTOM) * (1.0 - n as f64 / max);
     let mut svg = String::new();
     y_axis(&mut svg, max);
+    // Series drawn on the same points would hide each other: each of a group of k such series
+    // is drawn dashed, its dashes shifted, so the line shows all their colours in turn.
+    let mut lines: BTreeMap<String, Vec<&str>> = BTreeMap::new();
     for (series, points) in &by_series {
         let line: Vec<String> = points
             .iter()
             .map(|(t, n)| format!("{:.1},{:.1}", x(*t), y(*n)))
             .collect();
-        let _ = write!(
-            svg,
-            r#"<polyline data-series="{series}" fill="none" stroke="{}" stroke-width="2" points="{}"/>"#,
-            colour(series),
-            line.join(" ")
-        );
+        lines.entry(line.join(" ")).or_default().push(series);
+    }
+    for (points, group) in &lines {
+        for (i, series) in group.iter().enumerate() {
+            let dashes = match group.len() {
+                1 => String::new(),
+                k => format!(
+                    r#" stroke-dasharray="{DASH} {}" stroke-dashoffset="{}""#,
+                    DASH * (k - 1) as f64,
+                    -DASH * i as f64
+                ),
+            };
+            let _ = write!(
+                svg,
+                r#"<polyline data-series="{series}" fill="none" stroke="{}" stroke-width="2"{dashes} points="{points}"/>"#,
+                colour(series),
+            );
+        }
     }
     x_labels(&mut svg, from, o.now);
     let current: BTreeMap<&str, i64> = o.counts.series().into_iter().collect();
@@ -250,8 +271,12 @@ pub fn body(o: &Overview) -> Markup {
         (minute_bars(o))
         h2 { "Top failure causes, last 24 hours" }
         @if o.causes.is_empty() { p.muted id="causes" { "No failures." } } @else {
+            p.muted { "Causes of one shape (addresses, ids and numbers aside) count together." }
             table id="causes" { thead { tr { th { "Failures" } th { "Cause" } } }
-                tbody { @for (cause, n) in &o.causes { tr { td { (n) } td.mono { (cause) } } } } }
+                tbody { @for c in &o.causes { tr data-shape=(c.shape) {
+                    td { (c.failures) }
+                    td.mono { (c.shape) @if c.example != c.shape { br; span.muted { "e.g. " (c.example) } } }
+                } } } }
         }
         h2 { "Hardware by provider and location" }
         @if o.hardware.is_empty() { p.muted id="hardware-totals" { "No hardware reports yet." } } @else {
@@ -269,6 +294,60 @@ pub fn body(o: &Overview) -> Markup {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An overview whose snapshots are `series` (name, value) at two minutes.
+    fn overview_of(series: &[(&str, i64)]) -> Overview {
+        let now = Utc::now();
+        let snapshots = [now - Duration::minutes(2), now - Duration::minutes(1)]
+            .into_iter()
+            .flat_map(|at| series.iter().map(move |(s, n)| (at, s.to_string(), *n)))
+            .collect();
+        Overview {
+            now,
+            counts: FleetCounts::default(),
+            snapshots,
+            endings: Vec::new(),
+            causes: Vec::new(),
+            hardware: Default::default(),
+        }
+    }
+
+    #[test]
+    fn series_on_the_same_points_are_all_visible() {
+        let o = overview_of(&[
+            ("machines", 3000),
+            ("provided", 3000),
+            ("heartbeating", 3000),
+            ("stale", 4),
+        ]);
+        let svg = state_chart(&o).into_string();
+        let polyline = |series: &str| {
+            let at = svg.find(&format!(r#"data-series="{series}""#)).unwrap();
+            svg[at..at + svg[at..].find("/>").unwrap()].to_string()
+        };
+        let offsets: Vec<String> = ["heartbeating", "machines", "provided"]
+            .iter()
+            .map(|s| {
+                let line = polyline(s);
+                assert!(line.contains(r#"stroke-dasharray="8 16""#), "{line}");
+                line.split("stroke-dashoffset=")
+                    .nth(1)
+                    .unwrap()
+                    .split(' ')
+                    .next()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect();
+        let mut distinct = offsets.clone();
+        distinct.sort();
+        distinct.dedup();
+        assert_eq!(distinct.len(), 3, "{offsets:?}");
+        assert!(
+            !polyline("stale").contains("dasharray"),
+            "a series alone is solid"
+        );
+    }
 
     #[test]
     fn axis_tops_are_round_and_hold_the_maximum() {
