@@ -803,3 +803,42 @@ async fn a_real_openid_provider_s_tokens_work() {
     assert_eq!(shown["operator_actions"][0]["by"], name.as_str(), "{shown}");
     db.close().await;
 }
+
+/// The OpenAPI document the server serves is the one committed (`docs/openapi.json`), and it
+/// has one operation per rule of the policy. `SHEPHERD_UPDATE_OPENAPI=1` rewrites the file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openapi_document_is_committed_and_complete() {
+    let fresh = testing::fresh_sqlite_url();
+    let api = ApiServer::start(&fresh.url).await;
+    let viewer = api.token("docs", "viewer");
+    let (status, served, _) = api
+        .call(Method::GET, "/api/v1/openapi.json", Some(&viewer), None)
+        .await;
+    assert_eq!(status, StatusCode::OK, "{served}");
+    assert_eq!(served["openapi"], "3.1.0");
+    let committed =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/openapi.json");
+    let text = serde_json::to_string_pretty(&served).unwrap() + "\n";
+    if std::env::var("SHEPHERD_UPDATE_OPENAPI").is_ok_and(|v| v == "1") {
+        std::fs::write(&committed, &text).unwrap();
+    }
+    let on_disk = std::fs::read_to_string(&committed).unwrap_or_default();
+    assert!(
+        on_disk == text,
+        "docs/openapi.json differs from what the server serves; \
+         run SHEPHERD_UPDATE_OPENAPI=1 cargo test -p shepherd --test api openapi"
+    );
+    let mut documented: Vec<(String, String)> = Vec::new();
+    for (path, item) in served["paths"].as_object().unwrap() {
+        for method in item.as_object().unwrap().keys() {
+            documented.push((method.to_uppercase(), path.clone()));
+        }
+    }
+    let mut ruled: Vec<(String, String)> = policy::POLICY
+        .iter()
+        .map(|r| (r.method.to_string(), r.path.to_string()))
+        .collect();
+    documented.sort();
+    ruled.sort();
+    assert_eq!(documented, ruled);
+}

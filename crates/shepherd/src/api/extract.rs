@@ -10,12 +10,15 @@ use serde::de::DeserializeOwned;
 
 use super::problem::{Kind, Problem};
 
+/// Largest request body.
+pub const MAX_BODY_BYTES: usize = 64 << 10;
+
 /// A body over the limit is still read and dropped up to this many bytes before the answer,
 /// so that a client that sent a little too much reads a clean 413 instead of a reset
 /// connection; beyond it the connection is closed.
 const DRAINED_AT_MOST: usize = 1 << 20;
 
-/// A JSON body of `T`, at most [`super::MAX_BODY_BYTES`].
+/// A JSON body of `T`, at most [`MAX_BODY_BYTES`].
 pub struct ApiJson<T>(pub T);
 
 impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
@@ -40,14 +43,14 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
         while let Some(chunk) = chunks.next().await {
             let chunk = chunk.map_err(|e| Problem::new(Kind::InvalidRequest, e.to_string()))?;
             read += chunk.len();
-            if read <= super::MAX_BODY_BYTES {
+            if read <= MAX_BODY_BYTES {
                 body.extend_from_slice(&chunk);
             } else if read > DRAINED_AT_MOST {
                 break;
             }
         }
-        if read > super::MAX_BODY_BYTES {
-            let detail = format!("the body is larger than {} bytes", super::MAX_BODY_BYTES);
+        if read > MAX_BODY_BYTES {
+            let detail = format!("the body is larger than {} bytes", MAX_BODY_BYTES);
             return Err(Problem::new(Kind::TooLarge, detail));
         }
         match axum::Json::<T>::from_bytes(&body) {

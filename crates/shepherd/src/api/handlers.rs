@@ -16,7 +16,7 @@ use uuid::Uuid;
 use super::extract::{ApiJson, ApiQuery};
 use super::policy::{parse_role, Principal};
 use super::problem::{Kind, Problem};
-use super::{Api, RequestId};
+use super::state::{Api, RequestId};
 use crate::actions::{self, ActionError, InstallImage, MachineAction, Performed};
 use crate::inventory;
 
@@ -41,12 +41,17 @@ fn machine_id(id: &str) -> Result<Uuid, Problem> {
 }
 
 /// `GET /api/v1/machines` filters and paging.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
 pub struct ListQuery {
+    /// Only machines in this state (`provided`, `agent-starting`, `heartbeating`, `stale`,
+    /// `in-backoff`, `in-work`, `installing`, `installed`, `maintenance`, `unprovided`).
     state: Option<String>,
+    /// Only machines of this provider (`Static`, `Ironic`, `Sim` …).
     provider: Option<String>,
+    /// Start after this machine id (the previous page's `next`).
     after: Option<Uuid>,
+    /// Most machines in the page: 1 to 1000, 100 unless given.
     limit: Option<usize>,
 }
 
@@ -207,10 +212,12 @@ pub async fn action<B: ActionBody>(
 }
 
 /// `…/maintenance`: `on` takes the machine out of the loops' hands, `off` gives it back.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct MaintenanceBody {
+    /// In maintenance (true) or back to the loops (false).
     on: bool,
+    /// Why, for the machine's history; needed to turn maintenance on.
     reason: Option<String>,
 }
 
@@ -225,10 +232,13 @@ impl ActionBody for MaintenanceBody {
 }
 
 /// `…/retry`: ends the machine's backoffs (of `process`, or all) now.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RetryBody {
+    /// Only this process's backoff (`ShepherdAccess`, `ShepherdAgentStart`,
+    /// `ShepherdRecovery`); all if absent.
     process: Option<String>,
+    /// Why, for the machine's history.
     reason: Option<String>,
 }
 
@@ -278,11 +288,13 @@ impl PlainAction for Recommission {
 
 /// `…/decommission`: removes the machine from the BMDB (and, with `undeploy`, tears it
 /// down at its provider).
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DecommissionBody {
+    /// Also tear the machine down at its provider (its disks are lost).
     #[serde(default)]
     undeploy: bool,
+    /// Why, for the machine's history; needed.
     reason: Option<String>,
 }
 
@@ -294,12 +306,16 @@ impl ActionBody for DecommissionBody {
 }
 
 /// `…/install`: asks the machine's agent to install an image.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct InstallBody {
+    /// The image's http(s) URL.
     image: String,
+    /// Its SHA-256, 64 hex digits.
     sha256: String,
+    /// The block device it is written to.
     device: String,
+    /// Why, for the machine's history.
     reason: Option<String>,
 }
 
@@ -325,11 +341,14 @@ pub async fn list_tokens(State(api): State<Arc<Api>>) -> Reply {
 }
 
 /// `POST /api/v1/tokens`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewTokenBody {
+    /// Its name, unique and never reused: who it is in the operators' history.
     name: String,
+    /// `viewer`, `operator` or `admin`.
     role: String,
+    /// How long it is valid, 1 to 3650 days.
     expires_in_days: u64,
 }
 

@@ -9,8 +9,10 @@ mod extract;
 pub mod handlers;
 pub mod listener;
 pub mod oidc;
+mod openapi;
 pub mod policy;
 pub mod problem;
+mod state;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -33,16 +35,10 @@ use shepherd_loops::tasks::Tasks;
 use auth::Authenticator;
 use policy::Principal;
 use problem::{Kind, Problem};
+pub use state::{Api, RequestId};
 
-/// Largest request body.
-pub const MAX_BODY_BYTES: usize = 64 << 10;
 /// How long the fleet counts are reused (counting is O(fleet)).
 const COUNTS_TTL: Duration = Duration::from_secs(2);
-
-/// The id of one API request: in the `x-request-id` answer header, in problems' logs and in
-/// the operators' history of the actions it made.
-#[derive(Debug, Clone)]
-pub struct RequestId(pub String);
 
 /// How the API is set up.
 #[derive(Debug, Clone, Copy)]
@@ -74,17 +70,14 @@ pub struct RateSpec {
     pub burst: f64,
 }
 
-/// The API's state.
-pub struct Api {
-    db: Bmdb,
-    auth: Authenticator,
-    stale_after: chrono::Duration,
-    tasks: Tasks,
+/// What the guard in front of every route holds: the API (whose authenticator it asks), the
+/// settings, the counters, the rate limiters and the log of refusals.
+struct Gate {
+    api: Arc<Api>,
     settings: ApiSettings,
     metrics: ApiMetrics,
     per_peer: RateLimiter,
     per_identity: RateLimiter,
-    counts: crate::inventory::CountsCache,
     denials: DenialLog,
 }
 
@@ -107,6 +100,9 @@ pub fn router(
         db,
         stale_after,
         tasks,
+    });
+    let gate = Arc::new(Gate {
+        api: api.clone(),
         settings,
         metrics,
         per_peer: RateLimiter::new(settings.rate),
@@ -136,18 +132,19 @@ pub fn router(
         .route("/api/v1/overview", get(h::overview))
         .route("/api/v1/tasks", get(h::tasks))
         .route("/api/v1/whoami", get(h::whoami))
+        .route("/api/v1/openapi.json", get(openapi::served))
         .nest("/api/v1/machines/{id}", actions)
         .route("/api/v1/tokens", get(h::list_tokens).post(h::create_token))
         .route("/api/v1/tokens/{name}", delete(h::revoke_token))
-        .route_layer(axum::middleware::from_fn_with_state(api.clone(), guard))
+        .route_layer(axum::middleware::from_fn_with_state(gate, guard))
         .fallback(|| async { Problem::new(Kind::NotFound, "no such route") })
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(DefaultBodyLimit::max(extract::MAX_BODY_BYTES))
         .with_state(api)
 }
 
 /// What every request goes through before its handler: a request id, the peer's rate, the
 /// identity and its rate, the policy, and a time limit; then it is counted.
-async fn guard(State(api): State<Arc<Api>>, mut req: Request, next: Next) -> Response {
+async fn guard(State(gate): State<Arc<Gate>>, mut req: Request, next: Next) -> Response {
     let request_id = RequestId(uuid::Uuid::new_v4().to_string());
     let route = req
         .extensions()
@@ -163,10 +160,10 @@ async fn guard(State(api): State<Arc<Api>>, mut req: Request, next: Next) -> Res
     let headers = req.headers().clone();
     let checked = async {
         if let Some(peer) = &peer {
-            api.per_peer.admit(peer)?;
+            gate.per_peer.admit(peer)?;
         }
-        let who = api.auth.authenticate(&headers).await?;
-        api.per_identity.admit(&who.name)?;
+        let who = gate.api.auth.authenticate(&headers).await?;
+        gate.per_identity.admit(&who.name)?;
         let Some(needed) = policy::required(&method, &route) else {
             return Err(Problem::new(Kind::Forbidden, "no rule allows this route"));
         };
@@ -178,13 +175,13 @@ async fn guard(State(api): State<Arc<Api>>, mut req: Request, next: Next) -> Res
     };
     let mut response = match checked.await {
         Err(problem) => {
-            api.denials.note(&problem, &route, peer.as_deref());
+            gate.denials.note(&problem, &route, peer.as_deref());
             problem.into_response()
         }
         Ok(who) => {
             req.extensions_mut().insert::<Principal>(who);
             req.extensions_mut().insert(request_id.clone());
-            match tokio::time::timeout(api.settings.request_timeout, next.run(req)).await {
+            match tokio::time::timeout(gate.settings.request_timeout, next.run(req)).await {
                 Ok(response) => response,
                 Err(_) => Problem::new(Kind::Timeout, "the request took too long").into_response(),
             }
@@ -194,7 +191,7 @@ async fn guard(State(api): State<Arc<Api>>, mut req: Request, next: Next) -> Res
         Some(kind) => kind.name(),
         None => "ok",
     };
-    api.metrics.count(&route, result);
+    gate.metrics.count(&route, result);
     if let Ok(id) = HeaderValue::from_str(&request_id.0) {
         response.headers_mut().insert("x-request-id", id);
     }

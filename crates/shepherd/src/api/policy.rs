@@ -31,6 +31,7 @@ pub const POLICY: &[Rule] = &[
     rule("GET", "/api/v1/overview", Role::Viewer),
     rule("GET", "/api/v1/tasks", Role::Viewer),
     rule("GET", "/api/v1/whoami", Role::Viewer),
+    rule("GET", "/api/v1/openapi.json", Role::Viewer),
     rule("POST", "/api/v1/machines/{id}/maintenance", Role::Operator),
     rule("POST", "/api/v1/machines/{id}/retry", Role::Operator),
     rule("POST", "/api/v1/machines/{id}/forget-host-key", Role::Operator),

@@ -3,7 +3,6 @@
 
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use serde_json::json;
 
 /// The kinds of problem the API answers with; each has one status and one stable type URI.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,16 +89,32 @@ impl From<shepherd_bmdb::Error> for Problem {
     }
 }
 
+/// A problem as the API writes it (`application/problem+json`).
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct ProblemBody {
+    /// `urn:shepherd:problem:NAME`: `unauthenticated`, `forbidden`, `not-found`,
+    /// `invalid-request`, `conflict`, `too-large`, `rate-limited`, `unavailable`, `timeout`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The HTTP status's reason phrase.
+    pub title: String,
+    /// The HTTP status.
+    pub status: u16,
+    /// What is wrong, in one line.
+    pub detail: String,
+}
+
 impl IntoResponse for Problem {
     fn into_response(self) -> Response {
         let status = self.kind.status();
-        let body = json!({
-            "type": format!("urn:shepherd:problem:{}", self.kind.name()),
-            "title": status.canonical_reason().unwrap_or("error"),
-            "status": status.as_u16(),
-            "detail": self.detail,
-        });
-        let mut response = (status, body.to_string()).into_response();
+        let body = ProblemBody {
+            kind: format!("urn:shepherd:problem:{}", self.kind.name()),
+            title: status.canonical_reason().unwrap_or("error").to_string(),
+            status: status.as_u16(),
+            detail: self.detail,
+        };
+        let body = serde_json::to_string(&body).unwrap_or_default();
+        let mut response = (status, body).into_response();
         let content_type = header::HeaderValue::from_static("application/problem+json");
         response
             .headers_mut()
