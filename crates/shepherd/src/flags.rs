@@ -57,9 +57,30 @@ pub struct ProcessArgs {
     /// `ShepherdTaskStale` alert fires.
     #[arg(long, env = "SHEPHERD_TASK_STALE_AFTER", default_value = "1h", value_parser = duration)]
     pub task_stale_after: Duration,
+    /// Serve the web UI and `/metrics`, which ask no one who they are, on an address other
+    /// than loopback (a management network, behind a firewall). Without it, such an address
+    /// is refused at start-up.
+    #[arg(long, env = "SHEPHERD_INSECURE_WEB_LISTEN")]
+    pub insecure_web_listen: bool,
 }
 
 impl ProcessArgs {
+    /// Refuses to serve the unauthenticated web UI and `/metrics` on `addr` (the flag named
+    /// `setting`) unless it is a loopback address or `--insecure-web-listen` says so.
+    pub fn check_web_listen(
+        &self,
+        setting: &str,
+        addr: std::net::SocketAddr,
+    ) -> anyhow::Result<()> {
+        if addr.ip().is_loopback() || self.insecure_web_listen {
+            return Ok(());
+        }
+        anyhow::bail!(
+            "{setting}: {addr} is not loopback, and the web UI and /metrics there ask no one who \
+             they are; keep it on 127.0.0.1, or pass --insecure-web-listen to serve them on a \
+             network you trust"
+        )
+    }
     /// The process's task registry, judged as these flags say.
     pub fn tasks(&self) -> shepherd_loops::tasks::Tasks {
         shepherd_loops::tasks::Tasks::new(self.task_stale_after)

@@ -669,6 +669,8 @@ enum Chosen {
 
 /// Runs `shepherd run` until SIGINT/SIGTERM.
 pub async fn run(database: &str, args: RunArgs) -> Result<()> {
+    args.process
+        .check_web_listen("metrics-listen", args.metrics_listen)?;
     let ca = args
         .initializer
         .agent_ca

@@ -182,6 +182,8 @@ impl ServerArgs {
 /// Runs the server until SIGINT/SIGTERM.
 pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     let limits = args.limits()?;
+    args.process
+        .check_web_listen("http-listen", args.http_listen)?;
     if !(args.api_rate > 0.0 && args.api_burst >= 1.0) {
         bail!("api-rate must be above 0 and api-burst at least 1");
     }

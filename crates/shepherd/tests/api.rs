@@ -804,6 +804,26 @@ async fn a_real_openid_provider_s_tokens_work() {
     db.close().await;
 }
 
+/// The web UI and `/metrics` ask no one who they are: the server refuses to serve them beyond
+/// loopback unless told so explicitly, and serves them there when it is.
+#[test]
+fn the_unauthenticated_web_ui_stays_on_loopback_unless_told() {
+    let fresh = testing::fresh_sqlite_url();
+    let dir = tempfile::tempdir().unwrap();
+    let out = common::server(&fresh.url, dir.path())
+        .args(["--http-listen", "0.0.0.0:0"])
+        .output()
+        .unwrap();
+    common::refused(&out, "http-listen: 0.0.0.0:0 is not loopback");
+    let (mut server, _) = common::started_server(
+        &fresh.url,
+        dir.path(),
+        &["--http-listen", "0.0.0.0:0", "--insecure-web-listen"],
+        &["shepherd server: web UI at http://"],
+    );
+    assert!(server.child().try_wait().unwrap().is_none(), "it serves");
+}
+
 /// The OpenAPI document the server serves is the one committed (`docs/openapi.json`), and it
 /// has one operation per rule of the policy. `SHEPHERD_UPDATE_OPENAPI=1` rewrites the file.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -40,6 +40,11 @@ fn bad_settings_fail_at_start_up_naming_the_setting() {
         ),
         (vec![], vec![], "agent-endpoint: is required"),
         (
+            vec!["--agent-endpoint", "x:1", "--metrics-listen", "0.0.0.0:0"],
+            vec![],
+            "metrics-listen: 0.0.0.0:0 is not loopback",
+        ),
+        (
             vec!["--agent-endpoint", "x:1", "--agent-target-path", "agent"],
             vec![],
             "target path",
