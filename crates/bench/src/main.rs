@@ -2,6 +2,7 @@
 //! and write a markdown report under `bench/results/`.
 
 mod agents;
+mod api;
 mod binaries;
 mod bmdb;
 mod heartbeat;
@@ -31,6 +32,8 @@ enum Bench {
     Ironic(ironic::Args),
     /// Fleet scale: static inventory lookups, the demo with 1,000 and 10,000 machines.
     Scale(scale::Args),
+    /// The operator API at 100,000 machines: its page against the web UI's, and a JWT's cost.
+    Api(api::Args),
 }
 
 #[tokio::main(flavor = "multi_thread")]
@@ -41,5 +44,6 @@ async fn main() -> anyhow::Result<()> {
         Bench::Heartbeat(args) => heartbeat::run(args).await,
         Bench::Scale(args) => scale::run(args).await,
         Bench::Ironic(args) => ironic::run(args).await,
+        Bench::Api(args) => api::run(args).await,
     }
 }

@@ -617,6 +617,13 @@ async fn identity_provider_tokens_are_verified(url: &str) {
         (StatusCode::OK, json!("Admin")),
         "{me}"
     );
+    // A token verified once is remembered, but only until it expires: this one is past its
+    // exp by 3 s, inside the 5 s allowance, and is used again after the wait below.
+    let mut late = issuer.claims("dave", &["fleet-ops"]);
+    late["exp"] = json!(chrono::Utc::now().timestamp() - 3);
+    let brief = second.sign(&late);
+    let (status, _, _) = whoami(&brief).await;
+    assert_eq!(status, StatusCode::OK, "a token inside the allowance");
 
     // The provider goes down: tokens of the keys fetched keep working; a new key cannot be
     // fetched, and the refusal says so.
@@ -627,6 +634,12 @@ async fn identity_provider_tokens_are_verified(url: &str) {
         status,
         StatusCode::OK,
         "a cached key with the provider down"
+    );
+    let (status, problem, _) = whoami(&brief).await;
+    assert_eq!(
+        status,
+        StatusCode::UNAUTHORIZED,
+        "a remembered token past its exp: {problem}"
     );
     let (status, problem, _) = whoami(&stranger.sign(&claims(json!({})))).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED, "{problem}");

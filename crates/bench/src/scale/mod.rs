@@ -15,7 +15,7 @@ mod agents;
 mod run;
 mod seed;
 mod web;
-mod writer;
+pub(crate) mod writer;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};

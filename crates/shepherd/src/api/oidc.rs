@@ -10,6 +10,7 @@
 //! a token signed with a key not yet fetched is refused with the reason.
 
 use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, Jwk, JwkSet, KeyAlgorithm};
@@ -21,6 +22,8 @@ use shepherd_bmdb::Role;
 use super::policy::Principal;
 use super::problem::{Kind, Problem};
 
+/// Tokens remembered as verified, at most; the memory starts afresh when full.
+const VERIFIED_MAX: usize = 10_000;
 /// Keys are fetched again at most this often for an unknown key id.
 pub const MIN_REFETCH: Duration = Duration::from_secs(5);
 /// Keys older than this are fetched again when next used (kept if that fails).
@@ -53,8 +56,13 @@ impl RoleClaim {
     }
 
     /// The values the claim holds in `claims`.
-    fn values(self, claims: &serde_json::Map<String, Value>) -> Vec<String> {
-        match claims.get(self.name()) {
+    fn values(self, claims: &Claims) -> Vec<String> {
+        let claim = match self {
+            RoleClaim::Groups => &claims.groups,
+            RoleClaim::Roles => &claims.roles,
+            RoleClaim::Scope => &claims.scope,
+        };
+        match claim {
             Some(Value::String(s)) => s.split_whitespace().map(str::to_string).collect(),
             Some(Value::Array(a)) => a
                 .iter()
@@ -128,10 +136,22 @@ pub fn parse_role_mapping(text: &str) -> Result<(String, Role), String> {
     Ok((value.to_string(), role))
 }
 
-/// The keys last fetched, when fetching was last tried, and why that failed if it did.
+/// A key made ready to verify with, once, when the keys are fetched: its one algorithm, the
+/// decoding key, and the checks a token signed with it must pass.
+struct Prepared {
+    algorithm: Algorithm,
+    key: DecodingKey,
+    validation: Validation,
+}
+
+/// Keys by id: each prepared, or why it cannot be used.
+type KeySet = HashMap<String, Result<Arc<Prepared>, String>>;
+
+/// The keys last fetched and when, when fetching was last tried, and why that failed if it
+/// did.
 #[derive(Default)]
 struct Keys {
-    set: Option<(Instant, JwkSet)>,
+    set: Option<(Instant, KeySet)>,
     last_try: Option<Instant>,
     last_error: Option<String>,
 }
@@ -140,8 +160,16 @@ struct Keys {
 pub struct OidcVerifier {
     settings: OidcSettings,
     http: reqwest::Client,
-    keys: tokio::sync::Mutex<Keys>,
+    /// Read on every request; written when keys are fetched.
+    keys: RwLock<Keys>,
+    /// Held while keys are fetched, so that one fetch serves every request waiting for it.
+    fetching: tokio::sync::Mutex<()>,
     roles: HashMap<String, Role>,
+    /// Tokens verified already, by their SHA-256: the principal and the token's `exp`. A
+    /// client uses one token for many requests; only its first pays for the signature. Each
+    /// use still checks `exp`, and the memory is forgotten whenever keys are fetched again, so
+    /// a key the provider withdrew stops vouching for its tokens.
+    verified: std::sync::Mutex<HashMap<[u8; 32], (Principal, i64)>>,
 }
 
 /// The claims read from a token besides those `jsonwebtoken` checks.
@@ -149,8 +177,10 @@ pub struct OidcVerifier {
 struct Claims {
     sub: String,
     iss: String,
-    #[serde(flatten)]
-    rest: serde_json::Map<String, Value>,
+    exp: i64,
+    groups: Option<Value>,
+    roles: Option<Value>,
+    scope: Option<Value>,
 }
 
 fn unauthenticated(detail: impl Into<String>) -> Problem {
@@ -176,47 +206,61 @@ impl OidcVerifier {
         Ok(OidcVerifier {
             settings,
             http,
-            keys: tokio::sync::Mutex::new(Keys::default()),
+            keys: RwLock::new(Keys::default()),
+            fetching: tokio::sync::Mutex::new(()),
             roles,
+            verified: std::sync::Mutex::new(HashMap::new()),
         })
     }
 
     /// Fetches the provider's keys now; the error says why they could not be fetched.
     pub async fn prefetch(&self) -> Result<(), String> {
-        let mut keys = self.keys.lock().await;
-        self.refetch(&mut keys).await
+        let _fetching = self.fetching.lock().await;
+        self.refetch().await
     }
 
-    /// The principal `token` proves.
+    /// The principal `token` proves: remembered if it was verified before and has not
+    /// expired, else verified now.
     pub async fn verify(&self, token: &str) -> Result<Principal, Problem> {
+        let digest = shepherd_bmdb::api_token_digest(token);
+        let now = chrono::Utc::now().timestamp();
+        let leeway = self.settings.leeway.as_secs() as i64;
+        let remembered = self.verified.lock().unwrap().get(&digest).cloned();
+        if let Some((principal, exp)) = remembered {
+            if now <= exp + leeway {
+                return Ok(principal);
+            }
+            self.verified.lock().unwrap().remove(&digest);
+        }
+        let (principal, exp) = self.verify_signed(token).await?;
+        let mut verified = self.verified.lock().unwrap();
+        if verified.len() >= VERIFIED_MAX {
+            verified.clear();
+        }
+        verified.insert(digest, (principal.clone(), exp));
+        Ok(principal)
+    }
+
+    /// Verifies `token`'s signature and claims; the principal and the token's `exp`.
+    async fn verify_signed(&self, token: &str) -> Result<(Principal, i64), Problem> {
         let header = jsonwebtoken::decode_header(token)
             .map_err(|e| unauthenticated(format!("not a signed JWT: {e}")))?;
         let kid = header
             .kid
             .ok_or_else(|| unauthenticated("the token names no signing key (kid)"))?;
-        let jwk = self.key(&kid).await?;
-        let algorithm = key_algorithm(&jwk)
-            .ok_or_else(|| unauthenticated(format!("key {kid:?} is of a kind not accepted")))?;
-        if header.alg != algorithm {
+        let key = self.key(&kid).await?;
+        if header.alg != key.algorithm {
             return Err(unauthenticated(format!(
-                "the token says {:?}, but key {kid:?} is for {algorithm:?}",
-                header.alg
+                "the token says {:?}, but key {kid:?} is for {:?}",
+                header.alg, key.algorithm
             )));
         }
-        let key = DecodingKey::from_jwk(&jwk)
-            .map_err(|e| unauthenticated(format!("key {kid:?} is unusable: {e}")))?;
-        let mut validation = Validation::new(algorithm);
-        validation.set_issuer(&[&self.settings.issuer]);
-        validation.set_audience(&[&self.settings.audience]);
-        validation.set_required_spec_claims(&["exp", "iss", "aud", "sub"]);
-        validation.validate_nbf = true;
-        validation.leeway = self.settings.leeway.as_secs();
-        let data = jsonwebtoken::decode::<Claims>(token, &key, &validation)
+        let data = jsonwebtoken::decode::<Claims>(token, &key.key, &key.validation)
             .map_err(|e| unauthenticated(format!("the token does not verify: {e}")))?;
         let claims = data.claims;
         let claim = self.settings.role_claim;
         let role = claim
-            .values(&claims.rest)
+            .values(&claims)
             .iter()
             .filter_map(|v| self.roles.get(v))
             .max()
@@ -229,43 +273,66 @@ impl OidcVerifier {
             );
             Problem::new(Kind::Forbidden, detail)
         })?;
-        Ok(Principal { name, role })
+        Ok((Principal { name, role }, claims.exp))
     }
 
-    /// The key `kid`, fetching the keys again if it is not known (or they are old).
-    async fn key(&self, kid: &str) -> Result<Jwk, Problem> {
-        let mut keys = self.keys.lock().await;
-        let fresh = keys
-            .set
-            .as_ref()
-            .is_some_and(|(at, _)| at.elapsed() < KEYS_MAX_AGE);
-        if let Some(jwk) = find(&keys, kid).filter(|_| fresh) {
-            return Ok(jwk);
+    /// The key `kid`, prepared; the keys are fetched again if it is not known (or they are
+    /// old), by one request at a time.
+    async fn key(&self, kid: &str) -> Result<Arc<Prepared>, Problem> {
+        if let Some(known) = self.known(kid, true) {
+            return known;
         }
-        if keys.last_try.is_none_or(|at| at.elapsed() >= MIN_REFETCH) {
+        let _fetching = self.fetching.lock().await;
+        // Another request may have fetched them meanwhile.
+        if let Some(known) = self.known(kid, true) {
+            return known;
+        }
+        let may_try = {
+            let keys = self.keys.read().unwrap();
+            keys.last_try.is_none_or(|at| at.elapsed() >= MIN_REFETCH)
+        };
+        if may_try {
             // A failure is kept in `last_error`; the keys fetched before stay usable.
-            let _ = self.refetch(&mut keys).await;
+            let _ = self.refetch().await;
         }
-        let fetched = keys.last_error.clone().map_or(Ok(()), Err);
-        match (find(&keys, kid), fetched) {
-            (Some(jwk), _) => Ok(jwk),
-            (None, Err(why)) => Err(unauthenticated(format!(
+        if let Some(known) = self.known(kid, false) {
+            return known;
+        }
+        let why = self.keys.read().unwrap().last_error.clone();
+        Err(unauthenticated(match why {
+            Some(why) => format!(
                 "key {kid:?} is not known and the identity provider's keys cannot be fetched: {why}"
-            ))),
-            (None, Ok(())) => Err(unauthenticated(format!(
-                "key {kid:?} is not one of the identity provider's keys"
-            ))),
-        }
+            ),
+            None => format!("key {kid:?} is not one of the identity provider's keys"),
+        }))
     }
 
-    /// Fetches the keys again, noting the outcome in `keys`.
-    async fn refetch(&self, keys: &mut Keys) -> Result<(), String> {
-        keys.last_try = Some(Instant::now());
+    /// Key `kid` as last fetched (only if the keys are not old, when `fresh`): prepared, or
+    /// why it cannot be used; `None` if it is not among them.
+    fn known(&self, kid: &str, fresh: bool) -> Option<Result<Arc<Prepared>, Problem>> {
+        let keys = self.keys.read().unwrap();
+        let (at, set) = keys.set.as_ref()?;
+        if fresh && at.elapsed() >= KEYS_MAX_AGE {
+            return None;
+        }
+        let prepared = set.get(kid)?.clone();
+        Some(prepared.map_err(|why| unauthenticated(format!("key {kid:?} {why}"))))
+    }
+
+    /// Fetches the keys again and notes the outcome; the caller holds `fetching`.
+    async fn refetch(&self) -> Result<(), String> {
+        self.keys.write().unwrap().last_try = Some(Instant::now());
         let fetched = self.fetch_keys().await;
+        let mut keys = self.keys.write().unwrap();
         match fetched {
             Ok(set) => {
-                keys.set = Some((Instant::now(), set));
+                let prepared = set.keys.iter().filter_map(|jwk| {
+                    let kid = jwk.common.key_id.clone()?;
+                    Some((kid, self.prepare(jwk).map(Arc::new)))
+                });
+                keys.set = Some((Instant::now(), prepared.collect()));
                 keys.last_error = None;
+                self.verified.lock().unwrap().clear();
                 Ok(())
             }
             Err(why) => {
@@ -273,6 +340,23 @@ impl OidcVerifier {
                 Err(why)
             }
         }
+    }
+
+    /// `jwk` ready to verify with, or why it cannot be.
+    fn prepare(&self, jwk: &Jwk) -> Result<Prepared, String> {
+        let algorithm = key_algorithm(jwk).ok_or("is of a kind not accepted")?;
+        let key = DecodingKey::from_jwk(jwk).map_err(|e| format!("is unusable: {e}"))?;
+        let mut validation = Validation::new(algorithm);
+        validation.set_issuer(&[&self.settings.issuer]);
+        validation.set_audience(&[&self.settings.audience]);
+        validation.set_required_spec_claims(&["exp", "iss", "aud", "sub"]);
+        validation.validate_nbf = true;
+        validation.leeway = self.settings.leeway.as_secs();
+        Ok(Prepared {
+            algorithm,
+            key,
+            validation,
+        })
     }
 
     /// Discovery, then the key set it names.
@@ -312,11 +396,6 @@ impl OidcVerifier {
         }
         serde_json::from_slice(&body).map_err(|e| format!("{url}: {e}"))
     }
-}
-
-fn find(keys: &Keys, kid: &str) -> Option<Jwk> {
-    let (_, set) = keys.set.as_ref()?;
-    set.find(kid).cloned()
 }
 
 /// The one algorithm a key verifies: the one it names, else the one its kind implies. Keys

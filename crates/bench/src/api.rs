@@ -1,0 +1,278 @@
+//! The operator API over a large fleet: `shepherd server` (the release binary) on a seeded
+//! SQLite BMDB, with a real OpenID provider (panva's oidc-provider under Node, as the tests
+//! run it) issuing RS256 JWT access tokens. Measured side by side in one run, on loopback,
+//! requests interleaved so that both sides see the same machine:
+//! - the p99 of `GET /api/v1/machines?limit=100` with a JWT (HTTPS) against the web UI's same
+//!   page, `/machines?limit=100` (plain HTTP): `api_p99_vs_web`;
+//! - what a JWT costs a request: the median of `GET /api/v1/whoami` with the JWT minus its
+//!   median with a local token, which is found by its SHA-256 in a cache:
+//!   `api_auth_us_per_request`. The server remembers a token it verified (until its `exp`),
+//!   so this is the cost of every request but a token's first; that one, which checks the
+//!   RS256 signature with the cached key, is measured apart with tokens used once each:
+//!   `api_first_jwt_us`.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+
+use crate::stats::quantile;
+
+/// Settings of `shepherd-bench api`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Machines in the BMDB.
+    #[arg(long, default_value_t = 100_000)]
+    machines: usize,
+    /// Requests of each kind measured (after a warm-up of a tenth as many).
+    #[arg(long, default_value_t = 2_000)]
+    requests: usize,
+    /// Tokens used once each, for the cost of a token's first verification.
+    #[arg(long, default_value_t = 300)]
+    fresh_tokens: usize,
+    /// Where to write the report.
+    #[arg(long, default_value = "bench/results/api.md")]
+    out: PathBuf,
+}
+
+/// A child process killed when dropped.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Reads `child`'s stdout until a line starts with each of `prefixes`; the rest of each.
+fn announced(child: &mut Child, prefixes: &[&str]) -> Result<Vec<String>> {
+    let stdout = child.stdout.take().context("stdout")?;
+    let mut lines = BufReader::new(stdout).lines();
+    let mut found = vec![None; prefixes.len()];
+    while found.iter().any(Option::is_none) {
+        let line = lines
+            .next()
+            .context("the child exited before it was ready")??;
+        for (i, prefix) in prefixes.iter().enumerate() {
+            if let Some(rest) = line.strip_prefix(prefix) {
+                found[i] = Some(rest.to_string());
+            }
+        }
+    }
+    std::thread::spawn(move || lines.for_each(drop));
+    Ok(found.into_iter().flatten().collect())
+}
+
+/// The OpenID provider, on a free loopback port; its issuer URL.
+fn start_provider() -> Result<(Killed, String)> {
+    let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
+    let dir = std::env::var("SHEPHERD_OIDC_PROVIDER_DIR")
+        .unwrap_or_else(|_| format!("{home}/.cache/shepherd/oidc-provider"));
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../shepherd/tests/common/oidc-idp.mjs"
+    );
+    let port = shepherd_loops::testing::free_loopback_port().to_string();
+    let child = Command::new("node")
+        .args([script, &dir, &port])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("node (scripts/test-deps.sh installs it and oidc-provider)")?;
+    let mut child = Killed(child);
+    let issuer = announced(&mut child.0, &["idp: listening at "])?.remove(0);
+    Ok((child, issuer))
+}
+
+/// A viewer's JWT from the provider (client credentials).
+async fn jwt(issuer: &str) -> Result<String> {
+    let form = [
+        ("grant_type", "client_credentials"),
+        ("scope", "shepherd:viewer"),
+        ("resource", "urn:shepherd:api"),
+    ];
+    let answer: serde_json::Value = reqwest::Client::new()
+        .post(format!("{issuer}/token"))
+        .basic_auth("ci-pipeline", Some("ci-pipeline-secret"))
+        .form(&form)
+        .send()
+        .await?
+        .json()
+        .await?;
+    let token = answer["access_token"].as_str();
+    Ok(token
+        .with_context(|| format!("no token: {answer}"))?
+        .to_string())
+}
+
+/// Times one GET of `url` (with `token`, if any), which must succeed.
+async fn timed(client: &reqwest::Client, url: &str, token: Option<&str>) -> Result<Duration> {
+    let started = Instant::now();
+    let mut request = client.get(url);
+    if let Some(token) = token {
+        request = request.bearer_auth(token);
+    }
+    let response = request.send().await?;
+    let status = response.status();
+    let body = response.bytes().await?;
+    ensure!(
+        status.is_success(),
+        "{url}: {status}: {}",
+        String::from_utf8_lossy(&body)
+    );
+    Ok(started.elapsed())
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Runs the benchmark and writes its report.
+pub async fn run(args: Args) -> Result<()> {
+    let shepherd = crate::binaries::release_binary("shepherd")?;
+    eprintln!("api: seeding {} machines", args.machines);
+    let (t, _) = crate::scale::writer::seeded(args.machines).await?;
+    let made = Command::new(&shepherd)
+        .args([
+            "tokens",
+            "create",
+            "--name",
+            "bench",
+            "--role",
+            "viewer",
+            "--expires",
+            "1d",
+        ])
+        .args(["--database", &t.url])
+        .output()?;
+    if !made.status.success() {
+        bail!("tokens create: {}", String::from_utf8_lossy(&made.stderr));
+    }
+    let local = String::from_utf8(made.stdout)?.trim().to_string();
+    let (_provider, issuer) = start_provider()?;
+    let jwt = jwt(&issuer).await?;
+    let dir = tempfile::tempdir()?;
+    let server = Command::new(&shepherd)
+        .args(["server", "--database", &t.url, "--listen", "127.0.0.1:0"])
+        .args(["--http-listen", "127.0.0.1:0", "--web-refresh", "0s"])
+        .args([
+            "--api-listen",
+            "127.0.0.1:0",
+            "--api-rate",
+            "1000000",
+            "--api-burst",
+            "1000000",
+        ])
+        .args(["--oidc-issuer", &issuer, "--oidc-audience", "shepherd"])
+        .args([
+            "--oidc-role-claim",
+            "scope",
+            "--oidc-role",
+            "shepherd:viewer=viewer",
+        ])
+        .arg("--dev-certs")
+        .arg(dir.path().join("certs"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let mut server = Killed(server);
+    let lines = announced(
+        &mut server.0,
+        &[
+            "shepherd server: operator API at https://",
+            "shepherd server: web UI at http://",
+        ],
+    )?;
+    let api_addr: std::net::SocketAddr = lines[0].trim_end_matches("/api/v1").parse()?;
+    let web = format!(
+        "http://{}",
+        lines[1].split('/').next().context("web address")?
+    );
+    let ca = std::fs::read(dir.path().join("certs/ca.pem"))?;
+    let api_client = reqwest::Client::builder()
+        .add_root_certificate(reqwest::Certificate::from_pem(&ca)?)
+        .resolve("localhost", api_addr)
+        .build()?;
+    let web_client = reqwest::Client::new();
+    let api = format!("https://localhost:{}/api/v1", api_addr.port());
+
+    let (mut api_pages, mut web_pages) = (Vec::new(), Vec::new());
+    let (mut with_jwt, mut with_local) = (Vec::new(), Vec::new());
+    let warm_up = args.requests / 10;
+    for i in 0..warm_up + args.requests {
+        let web_page = timed(&web_client, &format!("{web}/machines?limit=100"), None).await?;
+        let api_page = timed(
+            &api_client,
+            &format!("{api}/machines?limit=100"),
+            Some(&jwt),
+        )
+        .await?;
+        let jwt_whoami = timed(&api_client, &format!("{api}/whoami"), Some(&jwt)).await?;
+        let local_whoami = timed(&api_client, &format!("{api}/whoami"), Some(&local)).await?;
+        if i >= warm_up {
+            web_pages.push(web_page);
+            api_pages.push(api_page);
+            with_jwt.push(jwt_whoami);
+            with_local.push(local_whoami);
+        }
+    }
+    // Tokens used once each: their first verification, against local tokens alongside.
+    let mut fresh = Vec::with_capacity(args.fresh_tokens);
+    for _ in 0..args.fresh_tokens {
+        fresh.push(self::jwt(&issuer).await?);
+    }
+    let (mut first_use, mut local_alongside) = (Vec::new(), Vec::new());
+    for token in &fresh {
+        first_use.push(timed(&api_client, &format!("{api}/whoami"), Some(token)).await?);
+        local_alongside.push(timed(&api_client, &format!("{api}/whoami"), Some(&local)).await?);
+    }
+    drop(server);
+    t.cleanup().await;
+
+    let (api_p99, web_p99) = (
+        quantile(&mut api_pages, 0.99),
+        quantile(&mut web_pages, 0.99),
+    );
+    let (jwt_p50, local_p50) = (quantile(&mut with_jwt, 0.5), quantile(&mut with_local, 0.5));
+    let auth_us = (jwt_p50.as_secs_f64() - local_p50.as_secs_f64()).max(0.0) * 1e6;
+    let (first_p50, alongside_p50) = (
+        quantile(&mut first_use, 0.5),
+        quantile(&mut local_alongside, 0.5),
+    );
+    let first_us = (first_p50.as_secs_f64() - alongside_p50.as_secs_f64()).max(0.0) * 1e6;
+    let ratio = ms(api_p99) / ms(web_p99).max(1e-9);
+    let md = format!(
+        "# Operator API\n\n\
+         Run on {} with `shepherd-bench api` (2 cores; release build; loopback). `shepherd server`\n\
+         over a SQLite BMDB of {} machines; a real OpenID provider (oidc-provider under Node)\n\
+         issues the RS256 JWT. {} requests of each kind, interleaved, after a warm-up of {}.\n\n\
+         | What | Operator API | Baseline |\n|---|---|---|\n\
+         | p99 of a page of 100 machines | {:.2} ms (`/api/v1/machines?limit=100`, HTTPS, JWT) | {:.2} ms (web UI `/machines?limit=100`, plain HTTP) |\n\
+         | median of `/api/v1/whoami` | {:.0} µs with the JWT | {:.0} µs with a local token |\n\
+         | median of `/api/v1/whoami`, each token's first use | {:.0} µs with {} fresh JWTs | {:.0} µs with a local token |\n\n\
+         api_p99_vs_web = {ratio:.2}\n\
+         api_auth_us_per_request = {auth_us:.0}\n\
+         api_first_jwt_us = {first_us:.0}\n\
+         api_p99_ms = {:.2}\n\
+         web_p99_ms = {:.2}\n",
+        chrono::Utc::now().format("%Y-%m-%d %H:%M UTC"),
+        args.machines,
+        args.requests,
+        warm_up,
+        ms(api_p99),
+        ms(web_p99),
+        jwt_p50.as_secs_f64() * 1e6,
+        local_p50.as_secs_f64() * 1e6,
+        first_p50.as_secs_f64() * 1e6,
+        args.fresh_tokens,
+        alongside_p50.as_secs_f64() * 1e6,
+        ms(api_p99),
+        ms(web_p99),
+    );
+    eprint!("{md}");
+    std::fs::write(&args.out, md).with_context(|| format!("writing {}", args.out.display()))?;
+    Ok(())
+}
