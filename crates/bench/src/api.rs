@@ -126,6 +126,25 @@ async fn timed(client: &reqwest::Client, url: &str, token: Option<&str>) -> Resu
     Ok(started.elapsed())
 }
 
+/// Runs `a` and `b`, `a` first on even rounds and `b` first on odd ones; their times.
+async fn pair<A, B>(
+    round: usize,
+    a: impl FnOnce() -> A,
+    b: impl FnOnce() -> B,
+) -> Result<(Duration, Duration)>
+where
+    A: std::future::Future<Output = Result<Duration>>,
+    B: std::future::Future<Output = Result<Duration>>,
+{
+    if round.is_multiple_of(2) {
+        let a = a().await?;
+        Ok((a, b().await?))
+    } else {
+        let b = b().await?;
+        Ok((a().await?, b))
+    }
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -199,24 +218,36 @@ pub async fn run(args: Args) -> Result<()> {
     let web_client = reqwest::Client::new();
     let api = format!("https://localhost:{}/api/v1", api_addr.port());
 
-    let (mut api_pages, mut web_pages) = (Vec::new(), Vec::new());
-    let (mut with_jwt, mut with_local) = (Vec::new(), Vec::new());
+    // Each pair is measured in both orders, alternately: the request that follows a heavier
+    // one would otherwise be charged for it.
     let warm_up = args.requests / 10;
+    let web_page = format!("{web}/machines?limit=100");
+    let api_page = format!("{api}/machines?limit=100");
+    let (mut web_pages, mut api_pages) = (Vec::new(), Vec::new());
     for i in 0..warm_up + args.requests {
-        let web_page = timed(&web_client, &format!("{web}/machines?limit=100"), None).await?;
-        let api_page = timed(
-            &api_client,
-            &format!("{api}/machines?limit=100"),
-            Some(&jwt),
+        let (w, a) = pair(
+            i,
+            || timed(&web_client, &web_page, None),
+            || timed(&api_client, &api_page, Some(&jwt)),
         )
         .await?;
-        let jwt_whoami = timed(&api_client, &format!("{api}/whoami"), Some(&jwt)).await?;
-        let local_whoami = timed(&api_client, &format!("{api}/whoami"), Some(&local)).await?;
         if i >= warm_up {
-            web_pages.push(web_page);
-            api_pages.push(api_page);
-            with_jwt.push(jwt_whoami);
-            with_local.push(local_whoami);
+            web_pages.push(w);
+            api_pages.push(a);
+        }
+    }
+    let whoami = format!("{api}/whoami");
+    let (mut with_local, mut with_jwt) = (Vec::new(), Vec::new());
+    for i in 0..warm_up + args.requests {
+        let (l, j) = pair(
+            i,
+            || timed(&api_client, &whoami, Some(&local)),
+            || timed(&api_client, &whoami, Some(&jwt)),
+        )
+        .await?;
+        if i >= warm_up {
+            with_local.push(l);
+            with_jwt.push(j);
         }
     }
     // Tokens used once each: their first verification, against local tokens alongside.
@@ -224,10 +255,16 @@ pub async fn run(args: Args) -> Result<()> {
     for _ in 0..args.fresh_tokens {
         fresh.push(self::jwt(&issuer).await?);
     }
-    let (mut first_use, mut local_alongside) = (Vec::new(), Vec::new());
-    for token in &fresh {
-        first_use.push(timed(&api_client, &format!("{api}/whoami"), Some(token)).await?);
-        local_alongside.push(timed(&api_client, &format!("{api}/whoami"), Some(&local)).await?);
+    let (mut local_alongside, mut first_use) = (Vec::new(), Vec::new());
+    for (i, token) in fresh.iter().enumerate() {
+        let (l, f) = pair(
+            i,
+            || timed(&api_client, &whoami, Some(&local)),
+            || timed(&api_client, &whoami, Some(token)),
+        )
+        .await?;
+        local_alongside.push(l);
+        first_use.push(f);
     }
     drop(server);
     t.cleanup().await;
@@ -248,7 +285,8 @@ pub async fn run(args: Args) -> Result<()> {
         "# Operator API\n\n\
          Run on {} with `shepherd-bench api` (2 cores; release build; loopback). `shepherd server`\n\
          over a SQLite BMDB of {} machines; a real OpenID provider (oidc-provider under Node)\n\
-         issues the RS256 JWT. {} requests of each kind, interleaved, after a warm-up of {}.\n\n\
+         issues the RS256 JWT. {} requests of each kind, in pairs whose order alternates, after a\n\
+         warm-up of {}.\n\n\
          | What | Operator API | Baseline |\n|---|---|---|\n\
          | p99 of a page of 100 machines | {:.2} ms (`/api/v1/machines?limit=100`, HTTPS, JWT) | {:.2} ms (web UI `/machines?limit=100`, plain HTTP) |\n\
          | median of `/api/v1/whoami` | {:.0} µs with the JWT | {:.0} µs with a local token |\n\
