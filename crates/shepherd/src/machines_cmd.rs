@@ -154,7 +154,7 @@ pub struct WhoArgs {
 }
 
 impl WhoArgs {
-    /// The operator, checked; `reason_needed` refuses a missing or blank reason.
+    /// The operator on the database: `--by`, else the login name, else the user id.
     fn operator(&self) -> Result<Operator> {
         // Without --by or a login name in the environment (a cron job, a container), the
         // user id still says who.

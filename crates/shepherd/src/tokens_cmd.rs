@@ -40,7 +40,7 @@ pub struct NewToken {
     /// decommission).
     #[arg(long)]
     role: String,
-    /// How long it is valid (`90d`, `12h`).
+    /// How long it is valid (`90d`, `12h`; through the API, rounded up to whole days).
     #[arg(long, value_parser = crate::flags::duration)]
     expires: Duration,
     /// Who makes it, for the record (default: the login name; through the API, the token's).

@@ -875,3 +875,60 @@ async fn the_openapi_document_is_committed_and_complete() {
     ruled.sort();
     assert_eq!(documented, ruled);
 }
+
+/// A client that connects and sends nothing, or stops after a request, is closed by the API
+/// within its header timeout (10 s), before or between requests: nobody holds a connection
+/// for free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_api_connections_are_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let fresh = testing::fresh_sqlite_url();
+    let api = ApiServer::start(&fresh.url).await;
+    let ca = std::fs::read(api.dir.path().join("certs/ca.pem")).unwrap();
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls_pemfile::certs(&mut &ca[..]) {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let port = api.base.rsplit(':').next().unwrap().to_string();
+    let connect = async || {
+        let tcp = tokio::net::TcpStream::connect(format!("127.0.0.1:{port}"))
+            .await
+            .unwrap();
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        connector.connect(name, tcp).await.unwrap()
+    };
+    let closed_within =
+        async |stream: &mut tokio_rustls::client::TlsStream<tokio::net::TcpStream>| {
+            let started = std::time::Instant::now();
+            let mut buf = vec![0u8; 4096];
+            let outcome = tokio::time::timeout(Duration::from_secs(30), async {
+                loop {
+                    match stream.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(_) => {}
+                    }
+                }
+            })
+            .await;
+            assert!(outcome.is_ok(), "still open after 30 s");
+            started.elapsed()
+        };
+    let (mut silent, mut after_one) = (connect().await, connect().await);
+    after_one
+        .write_all(b"GET /api/v1/whoami HTTP/1.1\r\nhost: localhost\r\n\r\n")
+        .await
+        .unwrap();
+    let (waited, _) = tokio::join!(closed_within(&mut silent), closed_within(&mut after_one));
+    assert!(
+        waited >= Duration::from_secs(5),
+        "closed too soon: {waited:?}"
+    );
+}
