@@ -19,7 +19,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::extract::{ConnectInfo, DefaultBodyLimit, MatchedPath, Request, State};
+use axum::extract::{ConnectInfo, MatchedPath, Request, State};
 use axum::http::HeaderValue;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -138,7 +138,6 @@ pub fn router(
         .route("/api/v1/tokens/{name}", delete(h::revoke_token))
         .route_layer(axum::middleware::from_fn_with_state(gate, guard))
         .fallback(|| async { Problem::new(Kind::NotFound, "no such route") })
-        .layer(DefaultBodyLimit::max(extract::MAX_BODY_BYTES))
         .with_state(api)
 }
 
