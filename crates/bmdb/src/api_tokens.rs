@@ -15,6 +15,9 @@ use crate::{Bmdb, Error, Role};
 /// scanners, logs) and a token is not mistaken for a JWT.
 pub const TOKEN_PREFIX: &str = "shp_";
 
+/// What the names of web UI sign-ins start with; no other token may be named so.
+pub const SESSION_PREFIX: &str = "session.";
+
 /// Longest token name kept.
 const MAX_NAME: usize = 100;
 
@@ -51,6 +54,16 @@ pub struct TokenTimes {
 }
 
 impl ApiToken {
+    /// Who the token acts as in the operators' history: `token:NAME`, or, for a web UI
+    /// sign-in, the identity that signed in.
+    pub fn principal_name(&self) -> String {
+        if self.name.starts_with(SESSION_PREFIX) {
+            self.created_by.clone()
+        } else {
+            format!("token:{}", self.name)
+        }
+    }
+
     /// Whether it may be used at `now`: not revoked and not expired.
     pub fn is_valid_at(&self, now: DateTime<Utc>) -> bool {
         self.times.revoked_at.is_none() && now < self.times.expires_at
@@ -102,6 +115,14 @@ fn check_name(name: &str) -> Result<(), Error> {
     Ok(())
 }
 
+/// A token to make: its name, role, life and maker.
+struct Draft<'a> {
+    name: &'a str,
+    role: Role,
+    valid_for: Duration,
+    created_by: &'a str,
+}
+
 impl Bmdb {
     /// Makes a token named `name` with `role`, valid for `valid_for`; returns it with its
     /// secret, or `None` if a token of that name exists (revoked ones included: names are
@@ -114,9 +135,57 @@ impl Bmdb {
         created_by: &str,
     ) -> Result<Option<(ApiToken, TokenSecret)>, Error> {
         check_name(name)?;
+        if name.starts_with(SESSION_PREFIX) {
+            return Err(Error::InvalidArgument {
+                what: "token name",
+                problem: format!(
+                    "{name:?}: names starting {SESSION_PREFIX:?} are the web UI's sign-ins"
+                ),
+            });
+        }
+        let draft = Draft {
+            name,
+            role,
+            valid_for,
+            created_by,
+        };
+        self.insert_api_token(draft).await
+    }
+
+    /// Makes the token of a web UI sign-in: `who` (as the identity provider proved it) with
+    /// `role`, for `valid_for`. Its name is [`SESSION_PREFIX`] and a random id; it acts as
+    /// `who` (see [`ApiToken::principal_name`]). Signing out revokes it, and an admin can
+    /// list and revoke it like any token.
+    pub async fn create_web_session(
+        &self,
+        who: &str,
+        role: Role,
+        valid_for: Duration,
+    ) -> Result<(ApiToken, TokenSecret), Error> {
+        let name = format!("{SESSION_PREFIX}{}", Uuid::new_v4().simple());
+        let draft = Draft {
+            name: &name,
+            role,
+            valid_for,
+            created_by: who,
+        };
+        let made = self.insert_api_token(draft).await?;
+        made.ok_or_else(|| Error::InvalidArgument {
+            what: "web session",
+            problem: format!("{name}: made twice"),
+        })
+    }
+
+    /// Inserts the token `draft` describes (its name checked by the caller); `None` if the
+    /// name is taken.
+    async fn insert_api_token(
+        &self,
+        draft: Draft<'_>,
+    ) -> Result<Option<(ApiToken, TokenSecret)>, Error> {
         let secret = TokenSecret::generate();
         let sha256 = digest(secret.reveal());
-        let (name, created_by) = (name.to_string(), created_by.to_string());
+        let (role, valid_for) = (draft.role, draft.valid_for);
+        let (name, created_by) = (draft.name.to_string(), draft.created_by.to_string());
         let id = Uuid::new_v4();
         let made = self
             .transact(move |tx| {

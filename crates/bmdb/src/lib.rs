@@ -34,7 +34,7 @@ pub mod testing;
 
 pub use api_tokens::{
     digest as api_token_digest, ApiToken, TokenSecret, TokenTimes,
-    MAX_LISTED as MAX_API_TOKENS_LISTED, TOKEN_PREFIX,
+    MAX_LISTED as MAX_API_TOKENS_LISTED, SESSION_PREFIX, TOKEN_PREFIX,
 };
 pub use backoff::{default_interval_seconds, Backoff};
 pub use db::{BackendKind, Bmdb, OpenOptions};

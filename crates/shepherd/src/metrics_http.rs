@@ -5,7 +5,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use axum::http::header::CONTENT_TYPE;
+use axum::extract::{Request, State};
+use axum::http::header::{CONTENT_TYPE, WWW_AUTHENTICATE};
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
 use prometheus_client::registry::Registry;
@@ -14,6 +18,7 @@ use std::time::Duration;
 use shepherd_bmdb::Bmdb;
 use tokio_util::sync::CancellationToken;
 
+use crate::api::auth::Authenticator;
 use crate::fleet_stats::FleetStats;
 use crate::web::WebSettings;
 use shepherd_loops::fleet::FleetSettings;
@@ -91,14 +96,17 @@ impl OperatorEndpoint {
 
     /// `/metrics` and the web UI over `db`.
     pub fn router(self, db: Bmdb) -> Router {
-        router(self.registry).merge(crate::web::router(db, self.web, self.stats, self.tasks))
+        let web = crate::web::router(db, self.web, self.stats, self.tasks, None);
+        router(self.registry, None).merge(web)
     }
 }
 
-/// `/metrics` over `registry`.
-pub fn router(registry: Registry) -> Router {
+/// `/metrics` over `registry`; with `auth`, only for requests with a credential it accepts
+/// (a local API token or the identity provider's token, any role), which is how Prometheus's
+/// `authorization: {credentials_file: …}` sends one.
+pub fn router(registry: Registry, auth: Option<Arc<Authenticator>>) -> Router {
     let registry = Arc::new(registry);
-    Router::new().route(
+    let metrics = Router::new().route(
         "/metrics",
         get(move || {
             let registry = registry.clone();
@@ -119,7 +127,33 @@ pub fn router(registry: Registry) -> Router {
                 }
             }
         }),
-    )
+    );
+    match auth {
+        None => metrics,
+        Some(auth) => metrics.route_layer(axum::middleware::from_fn_with_state(
+            auth,
+            require_credential,
+        )),
+    }
+}
+
+/// Lets through only requests whose credential `auth` accepts.
+async fn require_credential(
+    State(auth): State<Arc<Authenticator>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    match auth.authenticate(req.headers()).await {
+        Ok(_) => next.run(req).await,
+        Err(problem) => {
+            let answer = (
+                StatusCode::UNAUTHORIZED,
+                [(WWW_AUTHENTICATE, "Bearer")],
+                format!("{}\n", problem.detail),
+            );
+            answer.into_response()
+        }
+    }
 }
 
 /// Serves `app` over plain HTTP on `addr` until `cancel`; returns the bound address (port 0

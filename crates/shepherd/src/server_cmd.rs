@@ -85,6 +85,30 @@ pub struct ServerArgs {
     /// the system's.
     #[arg(long, env = "SHEPHERD_OIDC_CA")]
     pub oidc_ca: Option<PathBuf>,
+    /// Web UI sign-in: the client id the identity provider knows the web UI by. With it, the
+    /// web UI is served on the API listener behind sign-in (authorization code with PKCE),
+    /// its machine pages take actions, and `http-listen` serves only `/metrics`.
+    #[arg(long, env = "SHEPHERD_WEB_CLIENT_ID")]
+    pub web_client_id: Option<String>,
+    /// Web UI sign-in: scopes to ask for besides `openid`, comma-separated (those that put
+    /// the role claim into the ID token, such as `groups`).
+    #[arg(long, env = "SHEPHERD_WEB_SCOPES", value_delimiter = ',')]
+    pub web_scopes: Vec<String>,
+    /// Web UI sign-in: a file holding the client's secret, if the provider gave it one (a
+    /// file, so that the secret is not in the process list).
+    #[arg(long, env = "SHEPHERD_WEB_CLIENT_SECRET_FILE")]
+    pub web_client_secret_file: Option<PathBuf>,
+    /// Web UI sign-in: how long a sign-in lasts (at most 7d).
+    #[arg(long, env = "SHEPHERD_WEB_SESSION_LIFETIME", default_value = "8h", value_parser = crate::flags::duration)]
+    pub web_session_lifetime: Duration,
+    /// Web UI sign-in: where browsers reach the API listener (`https://shepherd.example.com:8443`);
+    /// the redirect URI to register at the provider is this and `/signin/callback`.
+    #[arg(long, env = "SHEPHERD_WEB_URL")]
+    pub web_url: Option<String>,
+    /// `/metrics` answers only requests with an API credential (a local token, any role),
+    /// as Prometheus sends with `authorization: {credentials_file: …}`.
+    #[arg(long, env = "SHEPHERD_METRICS_REQUIRE_TOKEN")]
+    pub metrics_require_token: bool,
     /// How often web UI pages reload themselves; 0s turns it off.
     #[arg(long, env = "SHEPHERD_WEB_REFRESH", default_value = "5s", value_parser = crate::flags::duration)]
     pub web_refresh: std::time::Duration,
@@ -160,6 +184,36 @@ impl ServerArgs {
         Ok(Some(crate::api::oidc::OidcVerifier::new(settings)?))
     }
 
+    /// The web UI's sign-in settings, if it is configured; the message names the setting.
+    fn sign_in_settings(&self) -> Result<Option<crate::api::signin::SignInSettings>> {
+        let Some(client_id) = &self.web_client_id else {
+            return Ok(None);
+        };
+        if self.oidc_issuer.is_none() || self.api_listen.is_none() {
+            bail!("web-client-id: web sign-in needs oidc-issuer and api-listen too");
+        }
+        let Some(public_url) = &self.web_url else {
+            bail!("web-client-id: give web-url too (where browsers reach api-listen)");
+        };
+        let client_secret = match &self.web_client_secret_file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("web-client-secret-file: {}", path.display()))?;
+                Some(text.trim().to_string())
+            }
+            None => None,
+        };
+        let settings = crate::api::signin::SignInSettings {
+            client_id: client_id.clone(),
+            client_secret,
+            public_url: public_url.clone(),
+            scopes: self.web_scopes.clone(),
+            lifetime: self.web_session_lifetime,
+        };
+        settings.validate().map_err(anyhow::Error::msg)?;
+        Ok(Some(settings))
+    }
+
     /// The connection limits, checked; the message names the setting.
     pub fn limits(&self) -> Result<ServerLimits> {
         let limits = ServerLimits {
@@ -179,6 +233,27 @@ impl ServerArgs {
     }
 }
 
+/// Serves the operator API's `app` on `addr` over HTTPS (`tls`) until `cancel`.
+async fn serve_api(
+    addr: SocketAddr,
+    tls: Arc<rustls::ServerConfig>,
+    app: axum::Router,
+    cancel: tokio_util::sync::CancellationToken,
+) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("api-listen: {addr}"))?;
+    crate::fleet::announce(&format!(
+        "shepherd server: operator API at https://{}/api/v1",
+        listener.local_addr()?
+    ));
+    let limits = crate::api::listener::ApiLimits::default();
+    tokio::spawn(crate::api::listener::serve(
+        listener, tls, app, limits, cancel,
+    ));
+    Ok(())
+}
+
 /// Runs the server until SIGINT/SIGTERM.
 pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     let limits = args.limits()?;
@@ -187,10 +262,11 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     if !(args.api_rate > 0.0 && args.api_burst >= 1.0) {
         bail!("api-rate must be above 0 and api-burst at least 1");
     }
-    let oidc = args.oidc()?;
+    let oidc = args.oidc()?.map(Arc::new);
     if oidc.is_some() && args.api_listen.is_none() {
         bail!("oidc-issuer: the identity provider is for the operator API; give api-listen too");
     }
+    let sign_in = args.sign_in_settings()?;
     crate::fds::raise_limit_for(limits.max_connections + limits.max_pending_handshakes);
     let (cert, key) = match (&args.tls_cert, &args.tls_key, &args.dev_certs) {
         (Some(cert), Some(key), None) => (cert.clone(), key.clone()),
@@ -239,8 +315,24 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     );
     let connections = ConnectionMetrics::default();
     connections.register(&mut operator.registry);
+    let auth = Arc::new(crate::api::auth::Authenticator::new(
+        db.clone(),
+        oidc.clone(),
+    ));
+    if let Some(oidc) = &oidc {
+        if let Err(why) = oidc.prefetch().await {
+            tracing::warn!(%why, "the identity provider's keys cannot be fetched yet; its tokens are refused until they can");
+        }
+    }
+    let sign_in = match (&oidc, sign_in) {
+        (Some(oidc), Some(settings)) => {
+            let (oidc, auth, db) = (oidc.clone(), auth.clone(), db.clone());
+            let sign_in = crate::api::signin::SignIn::new(settings, oidc, auth, db);
+            Some(Arc::new(sign_in.map_err(anyhow::Error::msg)?))
+        }
+        _ => None,
+    };
     if let Some(addr) = args.api_listen {
-        let api_tls = Arc::new(load_https_config(&cert, &key)?);
         let settings = crate::api::ApiSettings {
             rate: crate::api::RateSpec {
                 per_second: args.api_rate,
@@ -250,39 +342,57 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
         };
         let stale_after = args.thresholds.thresholds().stale_after();
         let tasks = operator.tasks.clone();
-        if let Some(oidc) = &oidc {
-            if let Err(why) = oidc.prefetch().await {
-                tracing::warn!(%why, "the identity provider's keys cannot be fetched yet; its tokens are refused until they can");
-            }
-        }
         let registry = &mut operator.registry;
-        let app = crate::api::router(db.clone(), stale_after, tasks, settings, oidc, registry);
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .with_context(|| format!("api-listen: {addr}"))?;
+        let mut app = crate::api::router(
+            db.clone(),
+            stale_after,
+            tasks,
+            settings,
+            auth.clone(),
+            registry,
+        );
+        if let Some(sign_in) = &sign_in {
+            // People sign in: the web UI is served here, over HTTPS, behind sign-in.
+            let (web, stats) = (operator.web.clone(), operator.stats.clone());
+            let pages = crate::web::router(
+                db.clone(),
+                web,
+                stats,
+                operator.tasks.clone(),
+                Some(sign_in.clone()),
+            );
+            app = app
+                .merge(crate::api::signin::routes(sign_in.clone()))
+                .merge(pages);
+        }
+        let tls = Arc::new(load_https_config(&cert, &key)?);
+        serve_api(addr, tls, app, cancel.clone()).await?;
+    }
+    let metrics_auth = args.metrics_require_token.then(|| auth.clone());
+    let open_web = sign_in.is_none();
+    let mut http_app = crate::metrics_http::router(operator.registry, metrics_auth);
+    if open_web {
+        let web = crate::web::router(
+            db.clone(),
+            operator.web,
+            operator.stats,
+            operator.tasks,
+            None,
+        );
+        http_app = http_app.merge(web);
+    }
+    let http =
+        crate::metrics_http::serve(args.http_listen, "http-listen", http_app, cancel.clone())
+            .await?;
+    if open_web {
         crate::fleet::announce(&format!(
-            "shepherd server: operator API at https://{}/api/v1",
-            listener.local_addr()?
+            "shepherd server: web UI at http://{http}/machines, metrics at http://{http}/metrics"
         ));
-        let limits = crate::api::listener::ApiLimits::default();
-        tokio::spawn(crate::api::listener::serve(
-            listener,
-            api_tls,
-            app,
-            limits,
-            cancel.clone(),
+    } else {
+        crate::fleet::announce(&format!(
+            "shepherd server: metrics at http://{http}/metrics"
         ));
     }
-    let http = crate::metrics_http::serve(
-        args.http_listen,
-        "http-listen",
-        operator.router(db.clone()),
-        cancel.clone(),
-    )
-    .await?;
-    crate::fleet::announce(&format!(
-        "shepherd server: web UI at http://{http}/machines, metrics at http://{http}/metrics"
-    ));
     let result = serve_with_metrics(
         listener,
         Arc::new(tls),

@@ -1,25 +1,31 @@
 //! The debug web UI (SPEC §12): server-rendered HTML over the BMDB, no JavaScript. The fleet
 //! at a glance (`overview.rs`), machines list with filters and paging, machine detail, sessions. Pages refresh themselves so an
-//! operator can watch machines move through states. Read-only.
+//! operator can watch machines move through states. Read-only, unless people sign in
+//! (`api/signin.rs`): then every page needs a sign-in, and the machine page offers the
+//! actions the signed-in role may take (`web/actions.rs`).
+
+mod actions;
+mod page;
 
 use std::sync::Arc;
 
 use axum::extract::{Path, Query, State};
-use axum::http::StatusCode;
-use axum::response::{Html, IntoResponse, Redirect, Response};
+use axum::response::{Html, Redirect};
 use axum::routing::get;
-use axum::Router;
+use axum::{Extension, Router};
 use chrono::{DateTime, Utc};
-use maud::{html, Markup, PreEscaped, DOCTYPE};
+use maud::{html, Markup};
 use serde::Deserialize;
 use shepherd_bmdb::{Bmdb, FleetCounts, Lifecycle, Provider, RecoveryThresholds, SessionInfo};
 use shepherd_loops::brake::{BrakeMetrics, BrakeStatus};
 use shepherd_loops::tasks::Tasks;
 use uuid::Uuid;
 
+use crate::api::signin::{SignIn, WebUser};
 use crate::fleet_stats::FleetStats;
 use crate::inventory::{self, Detail};
 use crate::overview::Overview;
+use page::{bad_request, not_found, page, parse_id, Look, PageError};
 
 /// Machines per page unless the URL asks otherwise.
 const DEFAULT_PAGE: usize = 100;
@@ -41,8 +47,8 @@ struct Ui {
     db: Bmdb,
     /// The fleet counts, at most [`COUNTS_TTL`] old.
     counts: inventory::CountsCache,
-    /// Seconds between automatic page refreshes; 0 turns them off.
-    refresh: u64,
+    /// How pages look: their refresh, whether people sign in.
+    look: Look,
     /// How old a last heartbeat must be to count as stale (the recoverer's threshold).
     stale_after: chrono::Duration,
     /// The recovery brake of the recoverer in this process, if one runs here.
@@ -70,29 +76,44 @@ pub struct WebSettings {
 /// The UI's routes (`/`, `/overview`, `/machines`, `/machines/{id}`, `/sessions`,
 /// `/sessions/{id}`, `/tasks`), shown as `web` says; `stats` are this process's fleet
 /// statistics, whose hardware totals the overview shows, and `tasks` its background tasks.
-pub fn router(db: Bmdb, web: WebSettings, stats: FleetStats, tasks: Tasks) -> Router {
-    Router::new()
+/// With `sign_in`, every page needs a signed-in user, and the machine page takes actions
+/// (`POST /machines/{id}/actions`); without it, the UI is read-only.
+pub fn router(
+    db: Bmdb,
+    web: WebSettings,
+    stats: FleetStats,
+    tasks: Tasks,
+    sign_in: Option<Arc<SignIn>>,
+) -> Router {
+    let pages = Router::new()
         .route("/", get(|| async { Redirect::to("/machines") }))
         .route("/overview", get(overview))
         .route("/machines", get(machines))
         .route("/machines/{id}", get(machine))
         .route("/sessions", get(sessions))
         .route("/sessions/{id}", get(session))
-        .route("/tasks", get(tasks_page))
-        .with_state(Arc::new(Ui {
-            counts: inventory::CountsCache::new(
-                db.clone(),
-                web.thresholds.stale_after(),
-                COUNTS_TTL,
-            ),
-            db,
-            refresh: web.refresh.as_secs(),
-            stale_after: web.thresholds.stale_after(),
-            brake: web.brake,
-            stats,
-            tasks,
-            overview: tokio::sync::Mutex::new(None),
-        }))
+        .route("/tasks", get(tasks_page));
+    let acting_db = db.clone();
+    let look = Look {
+        refresh: web.refresh.as_secs(),
+        signed_in: sign_in.is_some(),
+    };
+    let pages = pages.with_state(Arc::new(Ui {
+        counts: inventory::CountsCache::new(db.clone(), web.thresholds.stale_after(), COUNTS_TTL),
+        db,
+        look,
+        stale_after: web.thresholds.stale_after(),
+        brake: web.brake,
+        stats,
+        tasks,
+        overview: tokio::sync::Mutex::new(None),
+    }));
+    match sign_in {
+        None => pages,
+        Some(sign_in) => pages.merge(actions::routes(acting_db)).route_layer(
+            axum::middleware::from_fn_with_state(sign_in, crate::api::signin::require_session),
+        ),
+    }
 }
 
 impl Ui {
@@ -117,88 +138,9 @@ async fn overview(State(ui): State<Arc<Ui>>) -> Result<Html<String>, PageError> 
     };
     Ok(page(
         "Overview",
-        ui.refresh,
+        ui.look,
         html! { (fleet_counts(&o.counts)) (crate::overview::body(&o)) },
     ))
-}
-
-/// A page that could not be shown, with what to tell the operator.
-struct PageError(StatusCode, String);
-
-impl From<anyhow::Error> for PageError {
-    fn from(e: anyhow::Error) -> Self {
-        PageError(StatusCode::SERVICE_UNAVAILABLE, format!("{e:#}"))
-    }
-}
-
-impl From<shepherd_bmdb::Error> for PageError {
-    fn from(e: shepherd_bmdb::Error) -> Self {
-        PageError(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
-    }
-}
-
-impl IntoResponse for PageError {
-    fn into_response(self) -> Response {
-        let title = self.0.canonical_reason().unwrap_or("error").to_string();
-        let body = page(
-            &title,
-            0,
-            html! { p.error { (self.1) } p { a href="/machines" { "Back to machines" } } },
-        );
-        (self.0, body).into_response()
-    }
-}
-
-fn bad_request(msg: String) -> PageError {
-    PageError(StatusCode::BAD_REQUEST, msg)
-}
-
-fn not_found(msg: String) -> PageError {
-    PageError(StatusCode::NOT_FOUND, msg)
-}
-
-const STYLE: &str = "
-body{font-family:system-ui,sans-serif;margin:1.5rem;color:#222;max-width:1400px}
-h1{font-size:1.4rem;margin:.2rem 0 1rem} h2{font-size:1.1rem;margin:1.5rem 0 .5rem}
-nav a{margin-right:1rem} table{border-collapse:collapse;width:100%;font-size:.9rem}
-th,td{text-align:left;padding:.3rem .6rem;border-bottom:1px solid #e3e3e3;vertical-align:top}
-th{background:#f4f4f6} tr:hover td{background:#fafafa}
-code,.mono{font-family:ui-monospace,monospace;font-size:.85rem}
-.state{display:inline-block;padding:.05rem .5rem;border-radius:.8rem;font-size:.8rem;white-space:nowrap}
-.s-in-work{background:#dbeafe}.s-in-backoff{background:#fee2e2}.s-installed{background:#dcfce7}
-.s-installing{background:#fef9c3}.s-heartbeating{background:#d1fae5}.s-stale{background:#fed7aa}
-.s-agent-starting{background:#e0e7ff}.s-provided{background:#f3f4f6}.s-unprovided{background:#e5e7eb}
-.s-maintenance{background:#fde68a} .warn{background:#fffbeb;border-left:4px solid #f59e0b;padding:.4rem .8rem}
-.counts span{margin-right:1.2rem} form{margin:1rem 0} select,button{font-size:.9rem;padding:.2rem}
-dl{display:grid;grid-template-columns:max-content auto;gap:.3rem 1rem} dt{color:#666}
-.error{color:#b91c1c} .muted{color:#777} .pager a{margin-right:1rem}
-.legend span{margin-right:1rem;white-space:nowrap} .swatch{display:inline-block;width:.8rem;height:.8rem;margin-right:.3rem;vertical-align:middle}
-svg{max-width:100%;height:auto}
-.o-succeeded{color:#15803d} .o-waited{color:#b45309} .o-failed{color:#b91c1c;font-weight:600}
-";
-
-fn page(title: &str, refresh: u64, body: Markup) -> Html<String> {
-    Html(
-        html! {
-            (DOCTYPE)
-            html lang="en" {
-                head {
-                    meta charset="utf-8";
-                    meta name="viewport" content="width=device-width, initial-scale=1";
-                    @if refresh > 0 { meta http-equiv="refresh" content=(refresh); }
-                    title { (title) " · Shepherd" }
-                    style { (PreEscaped(STYLE)) }
-                }
-                body {
-                    nav { a href="/overview" { "Overview" } a href="/machines" { "Machines" } a href="/sessions" { "Sessions" } a href="/tasks" { "Tasks" } a href="/metrics" { "Metrics" } }
-                    h1 { (title) }
-                    (body)
-                    @if refresh > 0 { p.muted { "Refreshes every " (refresh) " s." } }
-                }
-            }
-        }
-        .into_string(),
-    )
 }
 
 fn state_badge(state: Lifecycle) -> Markup {
@@ -346,7 +288,7 @@ async fn machines(
             @if let Some(next) = listing.next { a href=(link(Some(next))) id="next" { "Next page »" } }
         }
     };
-    Ok(page("Machines", ui.refresh, body))
+    Ok(page("Machines", ui.look, body))
 }
 
 /// Whether the recoverer is stopped by its brake, and why.
@@ -393,20 +335,26 @@ fn fleet_counts(c: &FleetCounts) -> Markup {
 }
 
 /// The id in a page's path; a bad one is a bad request that names what it should have been.
-fn parse_id(id: &str, what: &str) -> Result<Uuid, PageError> {
-    id.parse()
-        .map_err(|e| bad_request(format!("{id:?} is not a {what} id: {e}")))
-}
-
 async fn machine(
     State(ui): State<Arc<Ui>>,
     Path(id): Path<String>,
+    user: Option<Extension<WebUser>>,
 ) -> Result<Html<String>, PageError> {
     let id = parse_id(&id, "machine")?;
     let Some(d) = inventory::detail(&ui.db, id, ui.stale_after).await? else {
         return Err(not_found(format!("machine {id} does not exist")));
     };
-    Ok(page(&format!("Machine {id}"), ui.refresh, machine_body(&d)))
+    let buttons = user.map(|Extension(user)| actions::buttons(id, &user));
+    // A page with forms does not reload itself under a reason being typed.
+    let look = match &buttons {
+        Some(b) if !b.0.is_empty() => Look {
+            refresh: 0,
+            ..ui.look
+        },
+        _ => ui.look,
+    };
+    let body = html! { (machine_body(&d)) @if let Some(b) = buttons { (b) } };
+    Ok(page(&format!("Machine {id}"), look, body))
 }
 
 fn machine_body(d: &Detail) -> Markup {
@@ -530,7 +478,7 @@ async fn sessions(State(ui): State<Arc<Ui>>) -> Result<Html<String>, PageError> 
         .await?;
     Ok(page(
         "Sessions",
-        ui.refresh,
+        ui.look,
         html! {
             @if list.is_empty() { p.muted { "No sessions." } } @else {
                 table id="sessions" { thead { tr { th { "Session" } th { "Component" } th { "Processor" } th { "Deadline" } th { "Runtime" } } }
@@ -553,7 +501,7 @@ async fn tasks_page(State(ui): State<Arc<Ui>>) -> Html<String> {
     let statuses = ui.tasks.statuses();
     page(
         "Tasks",
-        ui.refresh,
+        ui.look,
         html! {
             p.muted { "The background tasks of this process. A task is stale after "
                 (humantime::format_duration(stale_after)) " without a successful pass." }
@@ -607,7 +555,7 @@ async fn session(
     };
     Ok(page(
         &format!("Session {id}"),
-        ui.refresh,
+        ui.look,
         html! {
             dl id="session" {
                 dt { "component" } dd data-field="component" { (s.component_name) }

@@ -47,22 +47,26 @@ fn start_server(url: &str, dir: &Path) -> (Guard, String) {
 
 /// [`start_server`] with more flags.
 fn start_server_with(url: &str, dir: &Path, flags: &[&str]) -> (Guard, String) {
-    let child = shepherd()
+    let mut server = shepherd();
+    server
         .args(["server", "--database", url, "--listen", "127.0.0.1:0"])
         .args(flags)
         .args(["--http-listen", "127.0.0.1:0"])
         // A reload in the middle of reading a page would detach the elements being read.
         .args(["--web-refresh", "0s"])
         .arg("--dev-certs")
-        .arg(dir.join("certs"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut guard = Guard(child);
-    let announced = announced(&mut guard.0, "shepherd server: web UI at ");
+        .arg(dir.join("certs"));
+    let (guard, announced) = spawn_announcing(&mut server, "shepherd server: web UI at ");
     let base = announced.split("/machines").next().unwrap().to_string();
     (guard, base)
+}
+
+/// Starts `cmd` and waits for the line it prints starting with `prefix`; the rest of it.
+fn spawn_announcing(cmd: &mut Command, prefix: &'static str) -> (Guard, String) {
+    let child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn();
+    let mut guard = Guard(child.unwrap());
+    let line = announced(&mut guard.0, prefix);
+    (guard, line)
 }
 
 /// chromedriver on a free port, and a WebDriver session of headless Chromium.
@@ -95,6 +99,8 @@ async fn browser(profile: &Path) -> (Guard, Client) {
             ],
         }),
     );
+    // The signed-in UI is served over HTTPS with the test's own development CA.
+    caps.insert("acceptInsecureCerts".into(), true.into());
     let deadline = Instant::now() + Duration::from_secs(30);
     let client = loop {
         // chromedriver speaks plain HTTP on loopback.
@@ -635,4 +641,275 @@ async fn overview_shows_the_fleet_at_a_glance() {
     c.close().await.unwrap();
     holder.close().await.unwrap();
     t.cleanup().await;
+}
+
+/// `shepherd server` with web sign-in through `issuer` on API port `port`; returns it and the
+/// URL of its `/metrics`.
+fn start_signed_in_server(url: &str, dir: &Path, issuer: &str, port: u16) -> (Guard, String) {
+    let secret = dir.join("web-client-secret");
+    std::fs::write(&secret, "shepherd-web-secret\n").unwrap();
+    let mut child = shepherd();
+    child
+        .args(["server", "--database", url, "--listen", "127.0.0.1:0"])
+        .args(["--http-listen", "127.0.0.1:0", "--web-refresh", "5s"])
+        .arg("--dev-certs")
+        .arg(dir.join("certs"))
+        .args(["--dev-cert-names", "127.0.0.1"])
+        .args(["--api-listen", &format!("127.0.0.1:{port}")])
+        .args(["--oidc-issuer", issuer, "--oidc-audience", "shepherd"])
+        .args(["--oidc-role-claim", "groups"])
+        .args([
+            "--oidc-role",
+            "shepherd-operators=operator,shepherd-viewers=viewer",
+        ])
+        .args(["--web-client-id", "shepherd-web", "--web-scopes", "groups"])
+        .arg("--web-client-secret-file")
+        .arg(&secret)
+        .args(["--web-url", &format!("https://127.0.0.1:{port}")])
+        .arg("--metrics-require-token");
+    spawn_announcing(&mut child, "shepherd server: metrics at ")
+}
+
+/// Signs in as `name` through the provider's login and consent forms, starting from `page`
+/// of the UI; returns once the browser is back on `page`.
+async fn sign_in(c: &Client, page: &str, issuer: &str, name: &str) {
+    c.goto(page).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut logged_in = false;
+    loop {
+        let url = c.current_url().await.unwrap().to_string();
+        if url == page {
+            return;
+        }
+        assert!(Instant::now() < deadline, "sign-in stuck at {url}");
+        if url.starts_with(&format!("{issuer}/interaction/")) {
+            let ready = c.execute("return document.readyState", vec![]);
+            if ready.await.unwrap() != "complete" {
+                continue;
+            }
+            if let Ok(login) = c.find(Locator::Css("input[name=login]")).await {
+                assert!(!logged_in, "asked to sign in twice");
+                login.send_keys(name).await.unwrap();
+                let password = c.find(Locator::Css("input[name=password]")).await;
+                password.unwrap().send_keys("any").await.unwrap();
+                logged_in = true;
+            }
+            let submit = c.find(Locator::Css("button[type=submit]")).await.unwrap();
+            click_and_wait(c, submit).await;
+            continue;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The CSRF token of the forms on `page`, as read with `cookie`.
+async fn csrf_on(http: &reqwest::Client, page: &str, cookie: &str) -> String {
+    let html = http
+        .get(page)
+        .header("cookie", cookie)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let at = html
+        .find("name=\"csrf\" value=\"")
+        .expect("a form with a CSRF token");
+    let rest = &html[at + "name=\"csrf\" value=\"".len()..];
+    rest[..rest.find('"').unwrap()].to_string()
+}
+
+/// The operators' actions recorded for machine `id`: (action, by).
+async fn recorded_actions(db: &Bmdb, id: Uuid) -> Vec<(String, String)> {
+    let actions = db
+        .read(move |tx| Box::pin(async move { tx.machine_actions(id).await }))
+        .await
+        .unwrap();
+    actions
+        .into_iter()
+        .map(|a| (a.action.slug().to_string(), a.by))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signed_in_operators_act_from_the_machine_page_and_viewers_cannot() {
+    let (dir, t, _seeded, _holder, machine) = seeded_site().await;
+    let port = free_port();
+    let base = format!("https://127.0.0.1:{port}");
+    let idp = common::oidc::OidcProvider::start_with(Some(&format!("{base}/signin/callback")));
+    let (_server, metrics) = start_signed_in_server(&t.url, dir.path(), &idp.issuer, port);
+    let ca = std::fs::read(dir.path().join("certs/ca.pem")).unwrap();
+    let http = reqwest::Client::builder()
+        .add_root_certificate(reqwest::Certificate::from_pem(&ca).unwrap())
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let page = format!("{base}/machines/{machine}");
+
+    // Without a sign-in, every page sends the browser to sign in.
+    let answer = http.get(&page).send().await.unwrap();
+    assert_eq!(answer.status(), 303);
+    let location = answer.headers()["location"].to_str().unwrap();
+    assert!(location.starts_with("/signin?next="), "{location}");
+
+    // An operator signs in through the provider's form and puts the machine into maintenance.
+    let (_driver, c) = browser(&dir.path().join("profile")).await;
+    sign_in(&c, &page, &idp.issuer, "operator-alice").await;
+    let who = format!("oidc:operator-alice@{}", idp.issuer);
+    let form = "form[data-action=maintenance-on]";
+    let reason = c
+        .find(Locator::Css(&format!("{form} input[name=reason]")))
+        .await;
+    reason.unwrap().send_keys("firmware update").await.unwrap();
+    let button = c
+        .find(Locator::Css(&format!("{form} button")))
+        .await
+        .unwrap();
+    button.click().await.unwrap();
+    let maintenance = c.wait().for_element(Locator::Css("#maintenance")).await;
+    let maintenance = maintenance.unwrap().text().await.unwrap();
+    assert!(maintenance.contains(&who), "{maintenance}");
+    assert!(maintenance.contains("firmware update"), "{maintenance}");
+    let history = text(&c, "#actions tr[data-action=maintenance-on]").await;
+    assert!(history.contains(&who), "{history}");
+    std::fs::write(
+        screenshot_dir().join("signed-in-machine.png"),
+        c.screenshot().await.unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        recorded_actions(&t.db, machine).await,
+        vec![("maintenance-on".to_string(), who.clone())]
+    );
+
+    // The cookie is HttpOnly, Secure and SameSite=Strict.
+    let cookie = c.get_named_cookie("__Host-shepherd-session").await.unwrap();
+    assert_eq!(cookie.http_only(), Some(true));
+    assert_eq!(cookie.secure(), Some(true));
+    assert_eq!(format!("{:?}", cookie.same_site()), "Some(Strict)");
+    let session = format!("__Host-shepherd-session={}", cookie.value());
+
+    // Forged forms change nothing: without the session's CSRF token, from another site, or
+    // without a session.
+    let csrf = csrf_on(&http, &page, &session).await;
+    let act = format!("{page}/actions");
+    let forged = [
+        (Some(session.as_str()), "not-the-token", None),
+        (
+            Some(session.as_str()),
+            csrf.as_str(),
+            Some("https://evil.example"),
+        ),
+        (None, csrf.as_str(), None),
+    ];
+    for (cookie, token, origin) in forged {
+        let mut request = http.post(&act).form(&[
+            ("csrf", token),
+            ("action", "maintenance-off"),
+            ("reason", "forged"),
+        ]);
+        if let Some(cookie) = cookie {
+            request = request.header("cookie", cookie);
+        }
+        if let Some(origin) = origin {
+            request = request.header("origin", origin);
+        }
+        let status = request.send().await.unwrap().status();
+        assert!(
+            status == 403 || status == 401,
+            "forged form (session: {}, csrf: {token}, origin: {origin:?}): {status}",
+            cookie.is_some()
+        );
+    }
+    assert_eq!(
+        recorded_actions(&t.db, machine).await.len(),
+        1,
+        "a forged form acted"
+    );
+
+    // `/metrics` asks for a token.
+    let metrics_url = metrics;
+    let status = reqwest::get(&metrics_url).await.unwrap().status();
+    assert_eq!(status, 401);
+    let (_, token) =
+        t.db.create_api_token(
+            "prometheus",
+            Role::Viewer,
+            Duration::from_secs(3600),
+            "test",
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    let answer = reqwest::Client::new()
+        .get(&metrics_url)
+        .bearer_auth(token.reveal())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 200);
+
+    // Signing out ends the session: its cookie no longer opens a page.
+    c.goto(&format!("{base}/account")).await.unwrap();
+    let sign_out = c.find(Locator::Css("#sign-out")).await.unwrap();
+    click_and_wait(&c, sign_out).await;
+    c.find(Locator::Css("#signed-out")).await.unwrap();
+    let answer = http
+        .get(&page)
+        .header("cookie", &session)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        answer.status(),
+        303,
+        "a signed-out session still opens pages"
+    );
+
+    // A viewer (a fresh browser profile, so the provider asks again) sees no buttons, and
+    // a form with their own valid token is refused for their role.
+    drop(c);
+    let (_driver2, c) = browser(&dir.path().join("profile-viewer")).await;
+    sign_in(&c, &page, &idp.issuer, "viewer-vic").await;
+    c.find(Locator::Css("#state")).await.unwrap();
+    assert!(
+        c.find(Locator::Css("#actions-forms")).await.is_err(),
+        "a viewer sees buttons"
+    );
+    let cookie = c.get_named_cookie("__Host-shepherd-session").await.unwrap();
+    let viewer = format!("__Host-shepherd-session={}", cookie.value());
+    let csrf = csrf_on(&http, &format!("{base}/account"), &viewer).await;
+    let form = [
+        ("csrf", csrf.as_str()),
+        ("action", "maintenance-off"),
+        ("reason", "mine"),
+    ];
+    let answer = http
+        .post(&act)
+        .header("cookie", &viewer)
+        .form(&form)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 403);
+    assert_eq!(
+        recorded_actions(&t.db, machine).await.len(),
+        1,
+        "a viewer acted"
+    );
+
+    // Sign-ins are tokens named `session.…`, which nobody else may take.
+    let taken =
+        t.db.create_api_token("session.mine", Role::Admin, Duration::from_secs(60), "x");
+    assert!(taken.await.is_err(), "a token took a sign-in's name");
+
+    // With the provider down, a new sign-in fails at once, saying why.
+    drop(idp);
+    let started = common::wait_for("a refused sign-in", 20, async || {
+        let answer = http.get(format!("{base}/signin")).send().await.unwrap();
+        (answer.status() == 503).then_some(answer)
+    });
+    let page = started.await.text().await.unwrap();
+    assert!(page.contains("cannot be reached"), "{page}");
 }

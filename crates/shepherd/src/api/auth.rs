@@ -5,7 +5,7 @@
 //! (`oidc.rs`), when one is configured. A credential is never logged, counted or stored.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::http::{header, HeaderMap};
@@ -34,7 +34,7 @@ type Cached = (Instant, Option<ApiToken>);
 pub struct Authenticator {
     db: Bmdb,
     /// The identity provider whose tokens are accepted, if one is configured.
-    oidc: Option<super::oidc::OidcVerifier>,
+    oidc: Option<Arc<super::oidc::OidcVerifier>>,
     /// Token lookups by the SHA-256 of the token.
     tokens: Mutex<HashMap<[u8; 32], Cached>>,
     /// When each token's use was last recorded.
@@ -43,7 +43,7 @@ pub struct Authenticator {
 
 impl Authenticator {
     /// An authenticator of the tokens in `db` and, if given, of an identity provider's.
-    pub fn new(db: Bmdb, oidc: Option<super::oidc::OidcVerifier>) -> Authenticator {
+    pub fn new(db: Bmdb, oidc: Option<Arc<super::oidc::OidcVerifier>>) -> Authenticator {
         Authenticator {
             db,
             oidc,
@@ -82,6 +82,30 @@ impl Authenticator {
 
     /// The principal of the local API token `text`.
     async fn token(&self, text: &str) -> Result<Principal, Problem> {
+        let token = self.valid_token(text).await?;
+        Ok(Principal {
+            name: token.principal_name(),
+            role: token.role,
+        })
+    }
+
+    /// The web UI sign-in whose cookie holds `text`: its principal and its token (whose name
+    /// signing out revokes). Only a sign-in's token is accepted from a cookie.
+    pub async fn web_session(&self, text: &str) -> Result<(Principal, ApiToken), Problem> {
+        let token = self.valid_token(text).await?;
+        if !token.name.starts_with(shepherd_bmdb::SESSION_PREFIX) {
+            let why = "the cookie does not hold a web sign-in";
+            return Err(Problem::new(Kind::Unauthenticated, why));
+        }
+        let principal = Principal {
+            name: token.principal_name(),
+            role: token.role,
+        };
+        Ok((principal, token))
+    }
+
+    /// The token whose text is `text`, if it is valid now (its use is recorded).
+    async fn valid_token(&self, text: &str) -> Result<ApiToken, Problem> {
         let digest = shepherd_bmdb::api_token_digest(text);
         let cached = self.tokens.lock().unwrap().get(&digest).cloned();
         let token = match cached {
@@ -105,10 +129,7 @@ impl Authenticator {
             return Err(invalid("the token expired"));
         }
         self.record_use(token.id);
-        Ok(Principal {
-            name: format!("token:{}", token.name),
-            role: token.role,
-        })
+        Ok(token)
     }
 
     /// Records the use of token `id` in the background, at most once a minute.

@@ -12,6 +12,7 @@ pub mod oidc;
 mod openapi;
 pub mod policy;
 pub mod problem;
+pub mod signin;
 mod state;
 
 use std::collections::HashMap;
@@ -82,20 +83,20 @@ struct Gate {
 }
 
 /// The API's routes over `db`; `stale_after` is the recoverer's threshold, `tasks` this
-/// process's background tasks, `oidc` the identity provider whose tokens are accepted
-/// besides local ones. The counters are registered in `registry`.
+/// process's background tasks, `auth` what verifies credentials (local tokens, and the
+/// identity provider's if one is configured). The counters are registered in `registry`.
 pub fn router(
     db: Bmdb,
     stale_after: chrono::Duration,
     tasks: Tasks,
     settings: ApiSettings,
-    oidc: Option<oidc::OidcVerifier>,
+    auth: Arc<Authenticator>,
     registry: &mut Registry,
 ) -> Router {
     let metrics = ApiMetrics::default();
     metrics.register(registry);
     let api = Arc::new(Api {
-        auth: Authenticator::new(db.clone(), oidc),
+        auth,
         counts: crate::inventory::CountsCache::new(db.clone(), stale_after, COUNTS_TTL),
         db,
         stale_after,

@@ -152,8 +152,19 @@ type KeySet = HashMap<String, Result<Arc<Prepared>, String>>;
 #[derive(Default)]
 struct Keys {
     set: Option<(Instant, KeySet)>,
+    /// Where people sign in, as discovery last said.
+    endpoints: Option<Endpoints>,
     last_try: Option<Instant>,
     last_error: Option<String>,
+}
+
+/// Where the provider signs people in, from its discovery document.
+#[derive(Debug, Clone)]
+pub struct Endpoints {
+    /// Where a browser is sent to sign in (`authorization_endpoint`).
+    pub authorization: String,
+    /// Where a code is exchanged for tokens (`token_endpoint`).
+    pub token: String,
 }
 
 /// Verifies the provider's tokens.
@@ -181,6 +192,7 @@ struct Claims {
     groups: Option<Value>,
     roles: Option<Value>,
     scope: Option<Value>,
+    nonce: Option<String>,
 }
 
 fn unauthenticated(detail: impl Into<String>) -> Problem {
@@ -232,7 +244,8 @@ impl OidcVerifier {
             }
             self.verified.lock().unwrap().remove(&digest);
         }
-        let (principal, exp) = self.verify_signed(token).await?;
+        let claims = self.verify_signed(token, None).await?;
+        let (principal, exp) = (self.principal(&claims)?, claims.exp);
         let mut verified = self.verified.lock().unwrap();
         if verified.len() >= VERIFIED_MAX {
             verified.clear();
@@ -241,8 +254,55 @@ impl OidcVerifier {
         Ok(principal)
     }
 
-    /// Verifies `token`'s signature and claims; the principal and the token's `exp`.
-    async fn verify_signed(&self, token: &str) -> Result<(Principal, i64), Problem> {
+    /// The principal of a sign-in's ID token: `token` must verify like an access token, but
+    /// be for `client_id` and carry `nonce` (the one the sign-in sent, so that an ID token
+    /// from another sign-in cannot be replayed into this one).
+    pub async fn verify_id_token(
+        &self,
+        token: &str,
+        client_id: &str,
+        nonce: &str,
+    ) -> Result<Principal, Problem> {
+        let claims = self.verify_signed(token, Some(client_id)).await?;
+        if claims.nonce.as_deref() != Some(nonce) {
+            return Err(unauthenticated(
+                "the ID token is not for this sign-in (nonce)",
+            ));
+        }
+        self.principal(&claims)
+    }
+
+    /// The provider's sign-in endpoints, with its discovery read again first (at most every
+    /// [`MIN_REFETCH`]) so that a sign-in started while the provider is down fails here, with
+    /// the reason, rather than at a page the browser cannot reach.
+    pub async fn endpoints(&self) -> Result<Endpoints, String> {
+        let _fetching = self.fetching.lock().await;
+        let may_try = {
+            let keys = self.keys.read().unwrap();
+            keys.last_try.is_none_or(|at| at.elapsed() >= MIN_REFETCH)
+        };
+        if may_try {
+            self.refetch().await?;
+        }
+        let keys = self.keys.read().unwrap();
+        match (&keys.last_error, &keys.endpoints) {
+            (Some(why), _) => Err(why.clone()),
+            (None, Some(endpoints)) => Ok(endpoints.clone()),
+            (None, None) => Err(
+                "discovery names no authorization_endpoint and token_endpoint: the provider cannot sign people in"
+                    .into(),
+            ),
+        }
+    }
+
+    /// The HTTP client that talks to the provider (its CA trusted, redirects not followed).
+    pub fn http(&self) -> &reqwest::Client {
+        &self.http
+    }
+
+    /// Verifies `token`'s signature and claims, for `audience` if given (else the configured
+    /// one); its claims.
+    async fn verify_signed(&self, token: &str, audience: Option<&str>) -> Result<Claims, Problem> {
         let header = jsonwebtoken::decode_header(token)
             .map_err(|e| unauthenticated(format!("not a signed JWT: {e}")))?;
         let kid = header
@@ -255,12 +315,24 @@ impl OidcVerifier {
                 header.alg, key.algorithm
             )));
         }
-        let data = jsonwebtoken::decode::<Claims>(token, &key.key, &key.validation)
+        let validation = match audience {
+            Some(audience) => {
+                let mut validation = key.validation.clone();
+                validation.set_audience(&[audience]);
+                std::borrow::Cow::Owned(validation)
+            }
+            None => std::borrow::Cow::Borrowed(&key.validation),
+        };
+        let data = jsonwebtoken::decode::<Claims>(token, &key.key, &validation)
             .map_err(|e| unauthenticated(format!("the token does not verify: {e}")))?;
-        let claims = data.claims;
+        Ok(data.claims)
+    }
+
+    /// The principal `claims` name, with the highest role its role claim's values map to.
+    fn principal(&self, claims: &Claims) -> Result<Principal, Problem> {
         let claim = self.settings.role_claim;
         let role = claim
-            .values(&claims)
+            .values(claims)
             .iter()
             .filter_map(|v| self.roles.get(v))
             .max()
@@ -273,7 +345,7 @@ impl OidcVerifier {
             );
             Problem::new(Kind::Forbidden, detail)
         })?;
-        Ok((Principal { name, role }, claims.exp))
+        Ok(Principal { name, role })
     }
 
     /// The key `kid`, prepared; the keys are fetched again if it is not known (or they are
@@ -325,7 +397,8 @@ impl OidcVerifier {
         let fetched = self.fetch_keys().await;
         let mut keys = self.keys.write().unwrap();
         match fetched {
-            Ok(set) => {
+            Ok((set, endpoints)) => {
+                keys.endpoints = endpoints;
                 let prepared = set.keys.iter().filter_map(|jwk| {
                     let kid = jwk.common.key_id.clone()?;
                     Some((kid, self.prepare(jwk).map(Arc::new)))
@@ -359,8 +432,9 @@ impl OidcVerifier {
         })
     }
 
-    /// Discovery, then the key set it names.
-    async fn fetch_keys(&self) -> Result<JwkSet, String> {
+    /// Discovery, then the key set it names; and the sign-in endpoints it names, if it names
+    /// them (a provider that only issues tokens to services may not).
+    async fn fetch_keys(&self) -> Result<(JwkSet, Option<Endpoints>), String> {
         let issuer = self.settings.issuer.trim_end_matches('/');
         let discovery: Value = self
             .fetch(&format!("{issuer}/.well-known/openid-configuration"))
@@ -371,11 +445,21 @@ impl OidcVerifier {
                 discovery["issuer"], self.settings.issuer
             ));
         }
-        let jwks_uri = discovery["jwks_uri"]
-            .as_str()
-            .ok_or("discovery names no jwks_uri")?
-            .to_string();
-        self.fetch(&jwks_uri).await
+        let named = |field: &str| {
+            discovery[field]
+                .as_str()
+                .map(str::to_string)
+                .ok_or_else(|| format!("discovery names no {field}"))
+        };
+        let jwks_uri = named("jwks_uri")?;
+        let endpoints = match (named("authorization_endpoint"), named("token_endpoint")) {
+            (Ok(authorization), Ok(token)) => Some(Endpoints {
+                authorization,
+                token,
+            }),
+            _ => None,
+        };
+        Ok((self.fetch(&jwks_uri).await?, endpoints))
     }
 
     /// GETs `url` as JSON of at most [`MAX_DOCUMENT`] bytes.

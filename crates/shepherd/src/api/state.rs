@@ -1,6 +1,8 @@
 //! What the API's handlers share: the BMDB, the authenticator, the recoverer's threshold,
 //! this process's background tasks and the cached fleet counts; and the id of each request.
 
+use std::sync::Arc;
+
 use shepherd_bmdb::Bmdb;
 use shepherd_loops::tasks::Tasks;
 
@@ -9,7 +11,7 @@ use super::auth::Authenticator;
 /// The API's state, shared by its handlers.
 pub struct Api {
     pub(super) db: Bmdb,
-    pub(super) auth: Authenticator,
+    pub(super) auth: Arc<Authenticator>,
     /// How old a last heartbeat must be to count as stale (the recoverer's threshold).
     pub(super) stale_after: chrono::Duration,
     pub(super) tasks: Tasks,

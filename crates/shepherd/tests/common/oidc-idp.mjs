@@ -1,18 +1,41 @@
 // An OpenID provider for Shepherd's tests (panva's oidc-provider), on loopback only.
-// Usage: node oidc-idp.mjs MODULE_DIR PORT (scripts/test-deps.sh installs MODULE_DIR).
+// Usage: node oidc-idp.mjs MODULE_DIR PORT [WEB_REDIRECT_URI]
+// (scripts/test-deps.sh installs MODULE_DIR).
 // One client, `ci-pipeline`, gets JWT access tokens for audience `shepherd` by the client
 // credentials grant, with the scopes it asks for among `shepherd:viewer shepherd:operator`.
+// With a redirect URI, a second client, `shepherd-web`, signs people in by the authorization
+// code flow with PKCE (the built-in login form takes any name and password). An account's
+// `groups` claim, in its ID token when the `groups` scope is asked for, follows its name:
+// `operator…` is in `shepherd-operators`, `viewer…` in `shepherd-viewers`, others in none.
 import { pathToFileURL } from 'node:url';
 import { join } from 'node:path';
 
-const [moduleDir, port] = process.argv.slice(2);
+const [moduleDir, port, webRedirect] = process.argv.slice(2);
 const { default: Provider } = await import(
   pathToFileURL(join(moduleDir, 'node_modules', 'oidc-provider', 'lib', 'index.js')).href
 );
 const issuer = `http://127.0.0.1:${port}`;
+const groupsOf = (name) =>
+  name.startsWith('operator') ? ['shepherd-operators']
+    : name.startsWith('viewer') ? ['shepherd-viewers'] : [];
+const webClients = webRedirect ? [{
+  client_id: 'shepherd-web',
+  client_secret: 'shepherd-web-secret',
+  grant_types: ['authorization_code'],
+  response_types: ['code'],
+  redirect_uris: [webRedirect],
+  token_endpoint_auth_method: 'client_secret_basic',
+}] : [];
 const provider = new Provider(issuer, {
-  scopes: ['openid', 'shepherd:viewer', 'shepherd:operator'],
-  clients: [{
+  scopes: ['openid', 'groups', 'shepherd:viewer', 'shepherd:operator'],
+  claims: { openid: ['sub'], groups: ['groups'] },
+  conformIdTokenClaims: false,
+  findAccount: (ctx, id) => ({
+    accountId: id,
+    claims: () => ({ sub: id, groups: groupsOf(id) }),
+  }),
+  pkce: { required: () => true },
+  clients: [...webClients, {
     client_id: 'ci-pipeline',
     client_secret: 'ci-pipeline-secret',
     grant_types: ['client_credentials'],

@@ -15,6 +15,12 @@ pub struct OidcProvider {
 impl OidcProvider {
     /// Starts it; fails the test, naming the fix, when it is not installed.
     pub fn start() -> OidcProvider {
+        Self::start_with(None)
+    }
+
+    /// Starts it; with `web_redirect`, it also knows the web UI's client `shepherd-web`
+    /// (secret `shepherd-web-secret`) with that redirect URI.
+    pub fn start_with(web_redirect: Option<&str>) -> OidcProvider {
         let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
         let dir = std::env::var("SHEPHERD_OIDC_PROVIDER_DIR")
             .unwrap_or_else(|_| format!("{home}/.cache/shepherd/oidc-provider"));
@@ -28,6 +34,7 @@ impl OidcProvider {
         let port = free_port().to_string();
         let child = Command::new("node")
             .args([script, &dir, &port])
+            .args(web_redirect)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()

@@ -1,0 +1,462 @@
+//! Web UI sign-in: the OpenID Connect authorization-code flow with PKCE against the operator
+//! API's identity provider, and the session it ends in.
+//!
+//! `/signin` sends the browser to the provider with a fresh `state`, `nonce` and PKCE
+//! verifier, kept meanwhile in a short-lived cookie (`SameSite=Lax`, so that it comes back with
+//! the provider's redirect). `/signin/callback` checks `state`, exchanges the code (with the
+//! verifier) for an ID token, verifies it (`oidc.rs`, for this client and this `nonce`), and
+//! records the sign-in in the BMDB as a token named `session.…` that acts as the signed-in
+//! identity, with the role its claims map to and a bounded lifetime. The browser holds that
+//! token in a `__Host-` cookie: HttpOnly, Secure, `SameSite=Strict`. Signing out revokes it, as
+//! an admin can with `shepherd tokens revoke`.
+//!
+//! Every page goes through [`require_session`]; a form that changes something must carry the
+//! session's CSRF token ([`WebUser::csrf`]), derived from the cookie's secret, which a page of
+//! another site can neither read nor guess.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Form, Query, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{Html, IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Router};
+use base64::engine::general_purpose::URL_SAFE_NO_PAD as B64;
+use base64::Engine;
+use maud::{html, DOCTYPE};
+use rand::RngCore;
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+use shepherd_bmdb::Bmdb;
+
+use super::auth::Authenticator;
+use super::oidc::OidcVerifier;
+use super::policy::Principal;
+
+/// The cookie that holds a sign-in's token. `__Host-`: the browser keeps it only if it is
+/// Secure, for `/`, and for this host alone.
+pub const SESSION_COOKIE: &str = "__Host-shepherd-session";
+/// The cookie that holds a sign-in in progress.
+const PENDING_COOKIE: &str = "__Host-shepherd-signin";
+/// How long a sign-in may take at the identity provider.
+const PENDING_LIFETIME: Duration = Duration::from_secs(600);
+/// The longest session a configuration may ask for.
+pub const MAX_LIFETIME: Duration = Duration::from_secs(7 * 24 * 3600);
+/// Largest answer read from the token endpoint.
+const MAX_TOKEN_ANSWER: usize = 64 << 10;
+
+/// How the web UI signs people in.
+#[derive(Debug, Clone)]
+pub struct SignInSettings {
+    /// The client id the identity provider knows the web UI by; ID tokens must be for it.
+    pub client_id: String,
+    /// Its secret, if the provider gave it one (client_secret_basic); else a public client.
+    pub client_secret: Option<String>,
+    /// Where browsers reach the web UI (`https://shepherd.example.com:8443`): the redirect
+    /// URI registered at the provider is this and `/signin/callback`.
+    pub public_url: String,
+    /// Scopes asked for besides `openid` (those that put the role claim into the ID token).
+    pub scopes: Vec<String>,
+    /// How long a sign-in lasts.
+    pub lifetime: Duration,
+}
+
+impl SignInSettings {
+    /// Checks what can be checked at start-up; the message names the setting.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.client_id.trim().is_empty() {
+            return Err("web-client-id: empty".into());
+        }
+        let url = reqwest::Url::parse(&self.public_url)
+            .map_err(|e| format!("web-url: {:?} is not a URL: {e}", self.public_url))?;
+        if url.scheme() != "https" || url.path() != "/" || url.query().is_some() {
+            return Err(format!(
+                "web-url: {} must be https://HOST[:PORT], where browsers reach the API listener",
+                self.public_url
+            ));
+        }
+        if self.lifetime.is_zero() || self.lifetime > MAX_LIFETIME {
+            return Err("web-session-lifetime: more than 0s and at most 7d".into());
+        }
+        Ok(())
+    }
+
+    fn redirect_uri(&self) -> String {
+        format!("{}/signin/callback", self.public_url.trim_end_matches('/'))
+    }
+}
+
+/// What the sign-in routes and the page guard share.
+pub struct SignIn {
+    settings: SignInSettings,
+    oidc: Arc<OidcVerifier>,
+    auth: Arc<Authenticator>,
+    db: Bmdb,
+}
+
+/// Who is signed in to the web UI, put into each page request by [`require_session`].
+#[derive(Debug, Clone)]
+pub struct WebUser {
+    /// Who, and what they may do.
+    pub principal: Principal,
+    /// The token a form must carry to change anything.
+    pub csrf: String,
+    /// The sign-in's token name (signing out revokes it).
+    token_name: String,
+}
+
+impl WebUser {
+    /// Whether `presented` is this session's CSRF token.
+    pub fn csrf_matches(&self, presented: &str) -> bool {
+        // Equal length and every byte compared: the comparison takes as long for a near miss.
+        let (a, b) = (self.csrf.as_bytes(), presented.as_bytes());
+        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    }
+}
+
+impl SignIn {
+    /// Sign-in for `settings` (validated) through `oidc`'s provider; sessions are checked by
+    /// `auth` and recorded in `db`.
+    pub fn new(
+        settings: SignInSettings,
+        oidc: Arc<OidcVerifier>,
+        auth: Arc<Authenticator>,
+        db: Bmdb,
+    ) -> Result<SignIn, String> {
+        settings.validate()?;
+        Ok(SignIn {
+            settings,
+            oidc,
+            auth,
+            db,
+        })
+    }
+}
+
+/// `/signin`, `/signin/callback` and `/account` (where one signs out).
+pub fn routes(signin: Arc<SignIn>) -> Router {
+    let account = Router::new()
+        .route("/account", get(account))
+        .route("/signout", post(sign_out))
+        .route_layer(axum::middleware::from_fn_with_state(
+            signin.clone(),
+            require_session,
+        ));
+    Router::new()
+        .route("/signin", get(start))
+        .route("/signin/callback", get(callback))
+        .merge(account)
+        .with_state(signin)
+}
+
+/// The CSRF token of the session whose secret is `secret`.
+fn csrf_of(secret: &str) -> String {
+    let digest = Sha256::new()
+        .chain_update(b"shepherd web csrf\0")
+        .chain_update(secret.as_bytes())
+        .finalize();
+    B64.encode(digest)
+}
+
+/// The value of cookie `name` in `headers`.
+fn cookie<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|pair| pair.trim().split_once('='))
+        .find(|(n, _)| *n == name)
+        .map(|(_, v)| v)
+}
+
+/// A `Set-Cookie` value: `name=value` for `max_age` (zero deletes it).
+fn set_cookie(name: &str, value: &str, max_age: Duration, same_site: &str) -> HeaderValue {
+    let text = format!(
+        "{name}={value}; Path=/; Max-Age={}; HttpOnly; Secure; SameSite={same_site}",
+        max_age.as_secs()
+    );
+    HeaderValue::from_str(&text).expect("cookie values are base64 or token text")
+}
+
+/// Random bytes as base64url.
+fn random_text(bytes: usize) -> String {
+    let mut buf = vec![0u8; bytes];
+    rand::rng().fill_bytes(&mut buf);
+    B64.encode(buf)
+}
+
+/// A path of this site to return to after signing in: relative, never to another host.
+fn local_path(next: Option<&str>) -> String {
+    match next {
+        Some(p) if p.starts_with('/') && !p.starts_with("//") && !p.contains('\\') => p.into(),
+        _ => "/machines".into(),
+    }
+}
+
+/// A small page of the sign-in flow (its errors, its hand-over).
+fn small_page(status: StatusCode, title: &str, body: maud::Markup) -> Response {
+    let page = html! {
+        (DOCTYPE)
+        html lang="en" { head { meta charset="utf-8"; title { (title) " · Shepherd" } }
+        body style="font-family:system-ui,sans-serif;margin:2rem" { h1 { (title) } (body) } }
+    };
+    (status, Html(page.into_string())).into_response()
+}
+
+/// A sign-in that cannot go on, said plainly, with a way to start again.
+fn failed(status: StatusCode, why: &str) -> Response {
+    tracing::warn!(why, "web sign-in failed");
+    small_page(
+        status,
+        "Sign-in failed",
+        html! { p.error { (why) } p { a href="/signin" { "Sign in again" } } },
+    )
+}
+
+#[derive(Deserialize)]
+struct StartQuery {
+    next: Option<String>,
+}
+
+/// `GET /signin`: off to the identity provider.
+async fn start(State(signin): State<Arc<SignIn>>, Query(q): Query<StartQuery>) -> Response {
+    let endpoints = match signin.oidc.endpoints().await {
+        Ok(endpoints) => endpoints,
+        Err(why) => {
+            let why = format!("the identity provider cannot be reached: {why}");
+            return failed(StatusCode::SERVICE_UNAVAILABLE, &why);
+        }
+    };
+    let (state, verifier, nonce) = (random_text(16), random_text(32), random_text(16));
+    let next = B64.encode(local_path(q.next.as_deref()));
+    let challenge = B64.encode(Sha256::digest(verifier.as_bytes()));
+    let mut scope = vec!["openid".to_string()];
+    scope.extend(signin.settings.scopes.iter().cloned());
+    let Ok(mut url) = reqwest::Url::parse(&endpoints.authorization) else {
+        let why = "the identity provider's authorization_endpoint is not a URL";
+        return failed(StatusCode::BAD_GATEWAY, why);
+    };
+    url.query_pairs_mut()
+        .append_pair("response_type", "code")
+        .append_pair("client_id", &signin.settings.client_id)
+        .append_pair("redirect_uri", &signin.settings.redirect_uri())
+        .append_pair("scope", &scope.join(" "))
+        .append_pair("state", &state)
+        .append_pair("nonce", &nonce)
+        .append_pair("code_challenge", &challenge)
+        .append_pair("code_challenge_method", "S256");
+    let pending = format!("{state}.{verifier}.{nonce}.{next}");
+    let mut response = Redirect::to(url.as_str()).into_response();
+    let cookie = set_cookie(PENDING_COOKIE, &pending, PENDING_LIFETIME, "Lax");
+    response.headers_mut().insert(header::SET_COOKIE, cookie);
+    response
+}
+
+#[derive(Deserialize)]
+struct CallbackQuery {
+    code: Option<String>,
+    state: Option<String>,
+    error: Option<String>,
+    error_description: Option<String>,
+}
+
+/// `GET /signin/callback`: the provider's answer; on success, a session.
+async fn callback(
+    State(signin): State<Arc<SignIn>>,
+    headers: HeaderMap,
+    Query(q): Query<CallbackQuery>,
+) -> Response {
+    if let Some(error) = &q.error {
+        let detail = q.error_description.as_deref().unwrap_or("");
+        let why = format!("the identity provider said {error}: {detail}");
+        return failed(StatusCode::UNAUTHORIZED, &why);
+    }
+    let pending = cookie(&headers, PENDING_COOKIE).unwrap_or("");
+    let parts: Vec<&str> = pending.split('.').collect();
+    let [state, verifier, nonce, next] = parts[..] else {
+        let why = "no sign-in was started in this browser (or it took over 10 minutes)";
+        return failed(StatusCode::BAD_REQUEST, why);
+    };
+    if q.state.as_deref() != Some(state) {
+        let why = "the answer is not for the sign-in this browser started (state)";
+        return failed(StatusCode::BAD_REQUEST, why);
+    }
+    let Some(code) = &q.code else {
+        return failed(
+            StatusCode::BAD_REQUEST,
+            "the identity provider sent no code",
+        );
+    };
+    let id_token = match exchange(&signin, code, verifier).await {
+        Ok(id_token) => id_token,
+        Err(why) => return failed(StatusCode::BAD_GATEWAY, &why),
+    };
+    let client_id = &signin.settings.client_id;
+    let who = match signin
+        .oidc
+        .verify_id_token(&id_token, client_id, nonce)
+        .await
+    {
+        Ok(who) => who,
+        Err(problem) => return failed(StatusCode::FORBIDDEN, &problem.detail),
+    };
+    let lifetime = signin.settings.lifetime;
+    let made = signin
+        .db
+        .create_web_session(&who.name, who.role, lifetime)
+        .await;
+    let secret = match made {
+        Ok((_, secret)) => secret,
+        Err(e) => return failed(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+    };
+    tracing::info!(who = %who.name, role = %who.role, "signed in to the web UI");
+    let next = B64
+        .decode(next)
+        .ok()
+        .and_then(|b| String::from_utf8(b).ok());
+    let next = local_path(next.as_deref());
+    // A page, not a redirect: the browser came here from the provider's site, so it would
+    // not send a `SameSite=Strict` cookie with a redirect's request; the page's own
+    // navigation is of this site.
+    let mut response = small_page(
+        StatusCode::OK,
+        "Signed in",
+        html! {
+            meta http-equiv="refresh" content={"0;url=" (next)};
+            p { "Signed in as " strong { (who.name) } " (" (who.role) "). "
+                a href=(next) { "Continue" } }
+        },
+    );
+    let session = set_cookie(SESSION_COOKIE, secret.reveal(), lifetime, "Strict");
+    let done = set_cookie(PENDING_COOKIE, "", Duration::ZERO, "Lax");
+    response.headers_mut().append(header::SET_COOKIE, session);
+    response.headers_mut().append(header::SET_COOKIE, done);
+    response
+}
+
+/// Exchanges `code` (with the PKCE `verifier`) for the sign-in's ID token.
+async fn exchange(signin: &SignIn, code: &str, verifier: &str) -> Result<String, String> {
+    let endpoints = signin.oidc.endpoints().await?;
+    let settings = &signin.settings;
+    let redirect_uri = settings.redirect_uri();
+    let form = [
+        ("grant_type", "authorization_code"),
+        ("code", code),
+        ("redirect_uri", &redirect_uri),
+        ("code_verifier", verifier),
+        ("client_id", &settings.client_id),
+    ];
+    let mut request = signin.oidc.http().post(&endpoints.token).form(&form);
+    if let Some(secret) = &settings.client_secret {
+        request = request.basic_auth(&settings.client_id, Some(secret));
+    }
+    let answer = request
+        .send()
+        .await
+        .map_err(|e| format!("the identity provider's token endpoint: {e}"))?;
+    let status = answer.status();
+    let body = answer
+        .bytes()
+        .await
+        .map_err(|e| format!("the identity provider's token endpoint: {e}"))?;
+    if body.len() > MAX_TOKEN_ANSWER {
+        return Err("the identity provider's token answer is too large".into());
+    }
+    let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    if !status.is_success() {
+        let error = json["error"].as_str().unwrap_or("an error");
+        let detail = json["error_description"].as_str().unwrap_or("");
+        return Err(format!(
+            "the identity provider refused the code ({status}): {error} {detail}"
+        ));
+    }
+    json["id_token"]
+        .as_str()
+        .map(str::to_string)
+        .ok_or_else(|| "the identity provider answered no id_token".into())
+}
+
+/// In front of every page: the signed-in user as a [`WebUser`], or off to sign in (a page
+/// read) or refused (a form sent without a session).
+pub async fn require_session(
+    State(signin): State<Arc<SignIn>>,
+    mut req: Request,
+    next: Next,
+) -> Response {
+    let secret = cookie(req.headers(), SESSION_COOKIE).map(str::to_string);
+    let session = match &secret {
+        Some(secret) => signin.auth.web_session(secret).await.ok(),
+        None => None,
+    };
+    let (Some(secret), Some((principal, token))) = (secret, session) else {
+        if req.method() == Method::GET || req.method() == Method::HEAD {
+            let here = req.uri().path_and_query().map_or("/", |p| p.as_str());
+            let next: String = url_encode(here);
+            return Redirect::to(&format!("/signin?next={next}")).into_response();
+        }
+        return failed(StatusCode::UNAUTHORIZED, "not signed in");
+    };
+    req.extensions_mut().insert(WebUser {
+        principal,
+        csrf: csrf_of(&secret),
+        token_name: token.name,
+    });
+    next.run(req).await
+}
+
+/// `s` as a query value.
+fn url_encode(s: &str) -> String {
+    reqwest::Url::parse_with_params("x:", [("v", s)])
+        .ok()
+        .and_then(|u| u.query().map(|q| q.trim_start_matches("v=").to_string()))
+        .unwrap_or_default()
+}
+
+/// `GET /account`: who is signed in, and the sign-out button.
+async fn account(Extension(user): Extension<WebUser>) -> Response {
+    small_page(
+        StatusCode::OK,
+        "Account",
+        html! {
+            p id="signed-in" { "Signed in as " strong { (user.principal.name) } " (" (user.principal.role) ")." }
+            form method="post" action="/signout" {
+                input type="hidden" name="csrf" value=(user.csrf);
+                button id="sign-out" type="submit" { "Sign out" }
+            }
+            p { a href="/machines" { "Back to machines" } }
+        },
+    )
+}
+
+/// A form that carries only the CSRF token.
+#[derive(Deserialize)]
+struct CsrfOnly {
+    csrf: String,
+}
+
+/// `POST /signout`: ends the sign-in (its token is revoked) and forgets the cookie.
+async fn sign_out(
+    State(signin): State<Arc<SignIn>>,
+    Extension(user): Extension<WebUser>,
+    Form(form): Form<CsrfOnly>,
+) -> Response {
+    if !user.csrf_matches(&form.csrf) {
+        return failed(StatusCode::FORBIDDEN, "the form is not from this session");
+    }
+    if let Err(e) = signin.db.revoke_api_token(&user.token_name).await {
+        return failed(StatusCode::SERVICE_UNAVAILABLE, &e.to_string());
+    }
+    signin.auth.forget_cached();
+    tracing::info!(who = %user.principal.name, "signed out of the web UI");
+    let mut response = small_page(
+        StatusCode::OK,
+        "Signed out",
+        html! { p id="signed-out" { "Signed out. " a href="/signin" { "Sign in again" } } },
+    );
+    let gone = set_cookie(SESSION_COOKIE, "", Duration::ZERO, "Strict");
+    response.headers_mut().insert(header::SET_COOKIE, gone);
+    response
+}
