@@ -1,6 +1,6 @@
 //! The operator API as the CLI's client: `shepherd machines …` and `shepherd tokens …` with
-//! `--api URL` talk to `/api/v1` over HTTPS with the token in `SHEPHERD_API_TOKEN`, instead of
-//! opening the BMDB. A refused request's problem detail becomes the command's one-line error.
+//! `--api URL` talk to `/api/v1` over HTTPS with the token in `SHEPHERD_API_TOKEN` (else the
+//! one `shepherd login` cached), instead of opening the BMDB. A refused request's problem detail becomes the command's one-line error.
 
 use std::path::Path;
 use std::time::Duration;
@@ -13,12 +13,15 @@ use serde_json::Value;
 #[derive(Debug, Clone, clap::Args)]
 pub struct ApiArgs {
     /// The operator API to use instead of the database (`https://shepherd.example:8443`);
-    /// the token comes from SHEPHERD_API_TOKEN.
+    /// the token comes from SHEPHERD_API_TOKEN, else from `shepherd login`'s cache.
     #[arg(long, global = true, env = "SHEPHERD_API")]
     pub api: Option<String>,
     /// A CA (PEM) to trust for the API's certificate, besides the system's.
     #[arg(long, global = true, env = "SHEPHERD_API_CA")]
     pub api_ca: Option<std::path::PathBuf>,
+    /// Where `shepherd login` cached its token.
+    #[command(flatten)]
+    pub cache: crate::login_cmd::TokenCache,
 }
 
 impl ApiArgs {
@@ -27,10 +30,21 @@ impl ApiArgs {
         let Some(base) = &self.api else {
             return Ok(None);
         };
-        let token = std::env::var("SHEPHERD_API_TOKEN")
+        let token = match std::env::var("SHEPHERD_API_TOKEN")
             .ok()
             .filter(|t| !t.trim().is_empty())
-            .context("--api needs a token in SHEPHERD_API_TOKEN")?;
+        {
+            Some(token) => token,
+            None => {
+                let cached = match &self.cache.path() {
+                    Some(file) => crate::login_cmd::cached_token(file)?,
+                    None => None,
+                };
+                cached.context(
+                    "--api needs a token: set SHEPHERD_API_TOKEN, or run shepherd login (none cached, or it expired)",
+                )?
+            }
+        };
         Ok(Some(ApiClient::new(
             base,
             self.api_ca.as_deref(),

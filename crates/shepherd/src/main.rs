@@ -16,6 +16,7 @@ mod flags;
 mod fleet;
 mod fleet_stats;
 mod inventory;
+mod login_cmd;
 mod machines_cmd;
 mod metrics_http;
 mod overview;
@@ -84,6 +85,9 @@ enum Command {
         #[command(subcommand)]
         command: tokens_cmd::TokensCommand,
     },
+    /// Sign in at the operator API's identity provider (in a browser) and cache the token
+    /// for `--api` commands.
+    Login(login_cmd::LoginArgs),
     /// Manage the Bare Metal Database itself.
     Bmdb {
         #[command(subcommand)]
@@ -170,6 +174,7 @@ async fn main() {
         } => machines_cmd::sessions(&cli.database).await,
         Command::Bmdb { command } => bmdb_cmd::run(&cli.database, command).await,
         Command::Tokens { api, command } => tokens_cmd::run(&cli.database, &api, command).await,
+        Command::Login(args) => login_cmd::run(args).await,
         Command::Config {
             command: ConfigCommand::Print { command },
         } => {

@@ -670,15 +670,40 @@ fn start_signed_in_server(url: &str, dir: &Path, issuer: &str, port: u16) -> (Gu
     spawn_announcing(&mut child, "shepherd server: metrics at ")
 }
 
+/// An identity provider and a `shepherd server` over `t` whose web UI signs people in
+/// through it; the UI's base URL and the URL of `/metrics`.
+fn signed_in_site(
+    t: &testing::TestDb,
+    dir: &Path,
+) -> (common::oidc::OidcProvider, Guard, String, String) {
+    let port = free_port();
+    let base = format!("https://127.0.0.1:{port}");
+    let idp = common::oidc::OidcProvider::start_with(Some(&format!("{base}/signin/callback")));
+    let (server, metrics) = start_signed_in_server(&t.url, dir, &idp.issuer, port);
+    (idp, server, base, metrics)
+}
+
 /// Signs in as `name` through the provider's login and consent forms, starting from `page`
 /// of the UI; returns once the browser is back on `page`.
 async fn sign_in(c: &Client, page: &str, issuer: &str, name: &str) {
-    c.goto(page).await.unwrap();
+    sign_in_until(c, page, issuer, name, &|url| url == page).await
+}
+
+/// Opens `start` and goes through the provider's login (as `name`) and consent forms until
+/// the browser is at a URL that is `done`.
+async fn sign_in_until(
+    c: &Client,
+    start: &str,
+    issuer: &str,
+    name: &str,
+    done: &dyn Fn(&str) -> bool,
+) {
+    c.goto(start).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut logged_in = false;
     loop {
         let url = c.current_url().await.unwrap().to_string();
-        if url == page {
+        if done(&url) {
             return;
         }
         assert!(Instant::now() < deadline, "sign-in stuck at {url}");
@@ -735,10 +760,7 @@ async fn recorded_actions(db: &Bmdb, id: Uuid) -> Vec<(String, String)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn signed_in_operators_act_from_the_machine_page_and_viewers_cannot() {
     let (dir, t, _seeded, _holder, machine) = seeded_site().await;
-    let port = free_port();
-    let base = format!("https://127.0.0.1:{port}");
-    let idp = common::oidc::OidcProvider::start_with(Some(&format!("{base}/signin/callback")));
-    let (_server, metrics) = start_signed_in_server(&t.url, dir.path(), &idp.issuer, port);
+    let (idp, _server, base, metrics) = signed_in_site(&t, dir.path());
     let ca = std::fs::read(dir.path().join("certs/ca.pem")).unwrap();
     let http = reqwest::Client::builder()
         .add_root_certificate(reqwest::Certificate::from_pem(&ca).unwrap())
@@ -912,4 +934,89 @@ async fn signed_in_operators_act_from_the_machine_page_and_viewers_cannot() {
     });
     let page = started.await.text().await.unwrap();
     assert!(page.contains("cannot be reached"), "{page}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shepherd_login_caches_a_token_the_cli_then_uses() {
+    let (dir, t, _seeded, _holder, machine) = seeded_site().await;
+    let (idp, _server, base, _metrics) = signed_in_site(&t, dir.path());
+    let token_file = dir.path().join("config/shepherd/token");
+
+    // `shepherd login` prints where to sign in; a browser does, and comes back to it.
+    let mut login = shepherd()
+        .args([
+            "login",
+            "--issuer",
+            &idp.issuer,
+            "--client-id",
+            "shepherd-cli",
+        ])
+        .args(["--resource", "urn:shepherd:api", "--token-file"])
+        .arg(&token_file)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Its stderr is read to the end by a thread: the rest of what it says, for the asserts.
+    let (url_tx, url_rx) = std::sync::mpsc::channel();
+    let stderr = std::io::BufReader::new(login.stderr.take().unwrap());
+    let said = std::thread::spawn(move || {
+        let mut all = String::new();
+        for line in std::io::BufRead::lines(stderr).map_while(Result::ok) {
+            if line.starts_with("http") {
+                let _ = url_tx.send(line.clone());
+            }
+            all.push_str(&line);
+            all.push('\n');
+        }
+        all
+    });
+    let url = url_rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("shepherd login prints a URL");
+    let (_driver, c) = browser(&dir.path().join("profile")).await;
+    let back = |url: &str| url.starts_with("http://127.0.0.1:") && url.contains("/callback?");
+    sign_in_until(&c, &url, &idp.issuer, "operator-carol", &back).await;
+    let status = common::wait_for("shepherd login to finish", 20, async || {
+        login.try_wait().unwrap()
+    })
+    .await;
+    let said = said.join().unwrap();
+    assert!(status.success(), "shepherd login: {status}: {said}");
+    assert!(said.contains("signed in"), "{said}");
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(&token_file).unwrap().permissions(),
+    );
+    assert_eq!(mode & 0o777, 0o600, "the cached token's file mode");
+
+    // The CLI uses the cached token: the action is recorded under the signed-in person.
+    let ca = dir.path().join("certs/ca.pem");
+    let machines = |token_file: &Path| {
+        let mut cmd = shepherd();
+        cmd.args(["machines", "--api", &base, "--api-ca"])
+            .arg(&ca)
+            .arg("--token-file")
+            .arg(token_file);
+        cmd
+    };
+    let id = machine.to_string();
+    common::succeeds(machines(&token_file).args([
+        "maintenance",
+        "on",
+        &id,
+        "--reason",
+        "from my laptop",
+    ]));
+    let who = format!("oidc:operator-carol@{}", idp.issuer);
+    assert_eq!(
+        recorded_actions(&t.db, machine).await,
+        vec![("maintenance-on".to_string(), who)]
+    );
+
+    // Without a cached token, the CLI says what to do.
+    let missing = machines(&dir.path().join("nothing"))
+        .args(["list"])
+        .output()
+        .unwrap();
+    common::refused(&missing, "shepherd login");
 }

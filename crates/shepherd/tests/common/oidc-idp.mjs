@@ -7,6 +7,8 @@
 // code flow with PKCE (the built-in login form takes any name and password). An account's
 // `groups` claim, in its ID token when the `groups` scope is asked for, follows its name:
 // `operator…` is in `shepherd-operators`, `viewer…` in `shepherd-viewers`, others in none.
+// A third client, `shepherd-cli`, is `shepherd login`'s: native and public (no secret), any
+// loopback port; its JWT access tokens (resource `urn:shepherd:api`) carry `groups` too.
 import { pathToFileURL } from 'node:url';
 import { join } from 'node:path';
 
@@ -26,6 +28,14 @@ const webClients = webRedirect ? [{
   redirect_uris: [webRedirect],
   token_endpoint_auth_method: 'client_secret_basic',
 }] : [];
+const cliClient = {
+  client_id: 'shepherd-cli',
+  application_type: 'native',
+  token_endpoint_auth_method: 'none',
+  grant_types: ['authorization_code'],
+  response_types: ['code'],
+  redirect_uris: ['http://127.0.0.1/callback'],
+};
 const provider = new Provider(issuer, {
   scopes: ['openid', 'groups', 'shepherd:viewer', 'shepherd:operator'],
   claims: { openid: ['sub'], groups: ['groups'] },
@@ -35,7 +45,8 @@ const provider = new Provider(issuer, {
     claims: () => ({ sub: id, groups: groupsOf(id) }),
   }),
   pkce: { required: () => true },
-  clients: [...webClients, {
+  extraTokenClaims: (ctx, token) => (token.accountId ? { groups: groupsOf(token.accountId) } : {}),
+  clients: [...webClients, cliClient, {
     client_id: 'ci-pipeline',
     client_secret: 'ci-pipeline-secret',
     grant_types: ['client_credentials'],
