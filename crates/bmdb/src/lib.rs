@@ -50,6 +50,7 @@ pub use session::{Session, SessionConfig, BATCH_WAIT, DEFAULT_SESSION_INTERVAL, 
 pub use sql::claims::ClaimStrategy;
 pub use sql::engine::{Tx, TxFuture};
 pub use sql::finish_tags::TagWrites;
+pub use sql::overview::RecentFailure;
 pub use sql::views::StatusCounts;
 pub use summary::{FleetCounts, Lifecycle, MachineSummary};
 pub use url::{DatabaseUrl, DEFAULT_DATABASE_URL};

@@ -2,6 +2,7 @@
 //! and series, whichever process writes first), work endings per minute, top failure causes.
 
 use shepherd_bmdb::*;
+use uuid::Uuid;
 
 async fn overview_reads(db: Bmdb) {
     let id = db
@@ -82,6 +83,21 @@ async fn overview_reads(db: Bmdb) {
         causes,
         [("refused".to_string(), 2), ("timed out".to_string(), 1)]
     );
+    // Per machine and cause, most recent first: what the page of one cause shape filters.
+    let failures = db
+        .read(|tx| Box::pin(async move { tx.recent_failures(chrono::Duration::days(1), 10).await }))
+        .await
+        .unwrap();
+    let per: Vec<(Uuid, &str, i64)> = failures
+        .iter()
+        .map(|f| (f.machine_id, f.cause.as_str(), f.failures))
+        .collect();
+    assert_eq!(
+        per,
+        [(id, "refused", 2), (id, "timed out", 1)],
+        "{failures:?}"
+    );
+    assert!(failures[0].last > failures[1].last);
     // The next refresh forgets snapshots older than eight days.
     let c = counts(9);
     db.transact(move |tx| {

@@ -15,6 +15,15 @@ pub struct CauseShape {
     pub example: String,
 }
 
+/// The web UI's page of the machines that failed with a cause of `shape`.
+pub fn machines_link(shape: &str) -> String {
+    let url = reqwest::Url::parse_with_params("http://ui/failures", [("shape", shape)]);
+    url.map_or_else(
+        |_| "/failures".into(),
+        |u| format!("/failures?{}", u.query().unwrap_or("")),
+    )
+}
+
 /// Groups `causes` (each with its failure count) by shape; the `limit` largest shapes, by
 /// failures, then shape.
 pub fn group(causes: &[(String, i64)], limit: usize) -> Vec<CauseShape> {

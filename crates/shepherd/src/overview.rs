@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 
 use chrono::{DateTime, Duration, Utc};
 use maud::{html, Markup, PreEscaped};
-use shepherd_bmdb::{Bmdb, FleetCounts, Process, WorkEvent};
+use shepherd_bmdb::{Bmdb, FleetCounts, Process, RecentFailure, WorkEvent};
 
 use crate::cause_shapes::{self, CauseShape};
 use crate::fleet_stats::HardwareByLocation;
@@ -262,6 +262,52 @@ pub fn minute_bars(o: &Overview) -> Markup {
     }
 }
 
+/// Failures read for the page of one cause shape: the most recent this many (machine, cause)
+/// pairs of the last day.
+const FAILURES_READ: i64 = 20_000;
+/// Machines listed on the page of one cause shape.
+const FAILURES_LISTED: usize = 1000;
+
+/// The machines that failed with a cause of `shape` in the last day, most recent first (at
+/// most [`FAILURES_LISTED`], among the [`FAILURES_READ`] most recent failures), and the time.
+pub async fn failures_of_shape(
+    db: &Bmdb,
+    shape: &str,
+) -> Result<(Vec<RecentFailure>, DateTime<Utc>), shepherd_bmdb::Error> {
+    let (failures, now) = db
+        .read(|tx| {
+            Box::pin(async move {
+                let failures = tx.recent_failures(CHART_SPAN, FAILURES_READ).await?;
+                Ok((failures, tx.now().await?))
+            })
+        })
+        .await?;
+    let matching = failures
+        .into_iter()
+        .filter(|f| cause_shapes::mask(&f.cause) == shape)
+        .take(FAILURES_LISTED)
+        .collect();
+    Ok((matching, now))
+}
+
+/// The page of one cause shape: its machines, with their causes as written.
+pub fn failures_body(shape: &str, failures: &[RecentFailure], now: DateTime<Utc>) -> Markup {
+    html! {
+        p { "Machines whose work failed in the last 24 hours with a cause of the shape " code { (shape) } "." }
+        @if failures.is_empty() { p.muted id="failures" { "None." } } @else {
+            table id="failures" { thead { tr { th { "Machine" } th { "Failures" } th { "Last" } th { "Cause" } } }
+                tbody { @for f in failures { tr data-machine=(f.machine_id) {
+                    td.mono { a href={"/machines/" (f.machine_id)} { (f.machine_id) } }
+                    td { (f.failures) }
+                    td { span title=(f.last.to_rfc3339()) { (f.last.format("%Y-%m-%d %H:%M:%S")) }
+                        " (" (humantime::format_duration(std::time::Duration::from_secs((now - f.last).num_seconds().max(0) as u64))) " ago)" }
+                    td.mono { (f.cause) }
+                } } } }
+            @if failures.len() == FAILURES_LISTED { p.muted { "The first " (FAILURES_LISTED) " machines." } }
+        }
+    }
+}
+
 /// The whole page body.
 pub fn body(o: &Overview) -> Markup {
     html! {
@@ -272,10 +318,11 @@ pub fn body(o: &Overview) -> Markup {
         h2 { "Top failure causes, last 24 hours" }
         @if o.causes.is_empty() { p.muted id="causes" { "No failures." } } @else {
             p.muted { "Causes of one shape (addresses, ids and numbers aside) count together." }
-            table id="causes" { thead { tr { th { "Failures" } th { "Cause" } } }
+            table id="causes" { thead { tr { th { "Failures" } th { "Cause" } th {} } }
                 tbody { @for c in &o.causes { tr data-shape=(c.shape) {
                     td { (c.failures) }
                     td.mono { (c.shape) @if c.example != c.shape { br; span.muted { "e.g. " (c.example) } } }
+                    td { a href=(cause_shapes::machines_link(&c.shape)) { "machines" } }
                 } } } }
         }
         h2 { "Hardware by provider and location" }

@@ -92,7 +92,8 @@ pub fn router(
         .route("/machines/{id}", get(machine))
         .route("/sessions", get(sessions))
         .route("/sessions/{id}", get(session))
-        .route("/tasks", get(tasks_page));
+        .route("/tasks", get(tasks_page))
+        .route("/failures", get(failures));
     let acting_db = db.clone();
     let look = Look {
         refresh: web.refresh.as_secs(),
@@ -168,6 +169,27 @@ fn opt(v: Option<&str>) -> Markup {
         Some(s) => html! { (s) },
         None => html! { span.muted { "–" } },
     }
+}
+
+/// Query of the page of one failure cause shape.
+#[derive(Debug, Deserialize)]
+struct FailuresQuery {
+    shape: Option<String>,
+}
+
+/// The machines that failed with a cause of one shape (linked from the overview).
+async fn failures(
+    State(ui): State<Arc<Ui>>,
+    Query(q): Query<FailuresQuery>,
+) -> Result<Html<String>, PageError> {
+    let Some(shape) = q.shape.filter(|s| !s.is_empty()) else {
+        return Err(bad_request(
+            "shape: which cause shape (the overview links each)".into(),
+        ));
+    };
+    let (failures, now) = crate::overview::failures_of_shape(&ui.db, &shape).await?;
+    let body = crate::overview::failures_body(&shape, &failures, now);
+    Ok(page("Machines by failure cause", ui.look, body))
 }
 
 /// Query of the machines list. Strings, so bad values get a page naming them rather than a

@@ -621,12 +621,24 @@ async fn overview_shows_the_fleet_at_a_glance() {
     assert_eq!(text(&c, "[data-total=failures]").await, "5");
     let causes = text(&c, "#causes tbody").await;
     let lines: Vec<&str> = causes.lines().collect();
-    assert_eq!(lines[0], "3 ssh: connection refused", "{causes}");
+    assert_eq!(lines[0], "3 ssh: connection refused machines", "{causes}");
     assert_eq!(lines.len(), 3, "{causes}");
     let rack2 = text(&c, "#hardware-totals tr[data-location='rack-2']").await;
     assert!(
         rack2.starts_with("Static rack-2 1 16 32 64.0 GiB"),
         "{rack2}"
+    );
+    // Each shape links to the machines that hit it.
+    let first = c.find(Locator::Css("#causes tbody tr:first-child a")).await;
+    click_and_wait(&c, first.unwrap()).await;
+    let hit = text(&c, &format!("#failures tr[data-machine='{box9}']")).await;
+    assert!(hit.contains("ssh: connection refused"), "{hit}");
+    assert_eq!(
+        c.find_all(Locator::Css("#failures tbody tr"))
+            .await
+            .unwrap()
+            .len(),
+        1
     );
     // The page is linked from every page's navigation.
     c.goto(&format!("{base}/machines")).await.unwrap();

@@ -3,8 +3,9 @@
 //! frequent failure causes, both from the work history by its time index.
 
 use chrono::{DateTime, Utc};
+use uuid::Uuid;
 
-use super::engine::{Arg, DbTime, Dialects, Result, Tx};
+use super::engine::{from_columns, Arg, DbTime, Dialects, Result, Tx};
 use crate::model::{Process, WorkEvent};
 use crate::summary::FleetCounts;
 
@@ -87,6 +88,25 @@ impl Tx {
             .collect())
     }
 
+    /// The machines that failed within `span`, with each cause they failed with: how often
+    /// and when last; the most recent first, at most `limit` rows (the page that lists the
+    /// machines of one cause shape filters these).
+    pub async fn recent_failures(
+        &mut self,
+        span: chrono::Duration,
+        limit: i64,
+    ) -> Result<Vec<RecentFailure>> {
+        let after = self.now().await? - span;
+        let sql = "SELECT machine_id, COALESCE(failed_cause, '') AS cause,
+                          count(*) AS failures, max(at) AS last
+                     FROM work_history
+                    WHERE at > $1 AND event = 'Failed'
+                    GROUP BY machine_id, failed_cause ORDER BY last DESC, machine_id LIMIT $2";
+        self.conn()
+            .rows(sql, &[Arg::Time(after), Arg::Int(limit)])
+            .await
+    }
+
     /// Test support: writes a fleet-count snapshot point at any time (a chart's history).
     #[cfg(feature = "testing")]
     pub async fn insert_fleet_snapshot_raw(
@@ -113,4 +133,21 @@ struct EndingsRow {
 
 super::engine::from_columns! {
     EndingsRow { minute: get, process: get, event: get, n: get }
+}
+
+from_columns! {
+    RecentFailure { machine_id: get, cause: get, failures: get, last: time }
+}
+
+/// A machine's failures with one cause, within a span.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecentFailure {
+    /// The machine.
+    pub machine_id: Uuid,
+    /// The cause, as written.
+    pub cause: String,
+    /// How often it failed so.
+    pub failures: i64,
+    /// When last.
+    pub last: DateTime<Utc>,
 }
