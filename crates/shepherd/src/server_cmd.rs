@@ -327,7 +327,8 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     let sign_in = match (&oidc, sign_in) {
         (Some(oidc), Some(settings)) => {
             let (oidc, auth, db) = (oidc.clone(), auth.clone(), db.clone());
-            let sign_in = crate::api::signin::SignIn::new(settings, oidc, auth, db);
+            let registry = &mut operator.registry;
+            let sign_in = crate::api::signin::SignIn::new(settings, oidc, auth, db, registry);
             Some(Arc::new(sign_in.map_err(anyhow::Error::msg)?))
         }
         _ => None,

@@ -883,6 +883,16 @@ async fn signed_in_operators_act_from_the_machine_page_and_viewers_cannot() {
         .await
         .unwrap();
     assert_eq!(answer.status(), 200);
+    let scraped = answer.text().await.unwrap();
+    let signins = |outcome: &str| {
+        let labels = format!("shepherd_web_signins_total{{outcome=\"{outcome}\"}}");
+        common::sample(&scraped, &labels).unwrap_or(0.0)
+    };
+    assert_eq!(signins("signed_in"), 1.0, "{scraped}");
+    assert!(
+        signins("refused") >= 1.0,
+        "the form without a session: {scraped}"
+    );
 
     // Signing out ends the session: its cookie no longer opens a page.
     c.goto(&format!("{base}/account")).await.unwrap();

@@ -234,14 +234,14 @@ impl ApiMetrics {
 /// Refused requests, logged at most once per interval with how many there were meanwhile:
 /// a client hammering with a bad token cannot flood the log. The credential is never logged.
 #[derive(Default)]
-struct DenialLog {
+pub(crate) struct DenialLog {
     state: Mutex<(Option<Instant>, u64)>,
 }
 
 impl DenialLog {
     const EVERY: Duration = Duration::from_secs(10);
 
-    fn note(&self, problem: &Problem, route: &str, peer: Option<&str>) {
+    pub(crate) fn note(&self, problem: &Problem, route: &str, peer: Option<&str>) {
         let mut state = self.state.lock().unwrap();
         state.1 += 1;
         if state.0.is_some_and(|at| at.elapsed() < Self::EVERY) {

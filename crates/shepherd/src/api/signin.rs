@@ -34,6 +34,12 @@ use shepherd_bmdb::Bmdb;
 use super::auth::Authenticator;
 use super::oidc::OidcVerifier;
 use super::policy::Principal;
+use super::problem::{Kind, Problem};
+use super::DenialLog;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
 
 /// The cookie that holds a sign-in's token. `__Host-`: the browser keeps it only if it is
 /// Secure, for `/`, and for this host alone.
@@ -94,6 +100,10 @@ pub struct SignIn {
     oidc: Arc<OidcVerifier>,
     auth: Arc<Authenticator>,
     db: Bmdb,
+    /// Refusals, logged at most every ten seconds.
+    denials: DenialLog,
+    /// Sign-ins by outcome.
+    outcomes: Family<OutcomeLabels, Counter>,
 }
 
 /// Who is signed in to the web UI, put into each page request by [`require_session`].
@@ -118,19 +128,29 @@ impl WebUser {
 
 impl SignIn {
     /// Sign-in for `settings` (validated) through `oidc`'s provider; sessions are checked by
-    /// `auth` and recorded in `db`.
+    /// `auth` and recorded in `db`; `shepherd_web_signins_total{outcome}` is registered in
+    /// `registry`.
     pub fn new(
         settings: SignInSettings,
         oidc: Arc<OidcVerifier>,
         auth: Arc<Authenticator>,
         db: Bmdb,
+        registry: &mut Registry,
     ) -> Result<SignIn, String> {
         settings.validate()?;
+        let outcomes = Family::default();
+        registry.register(
+            "shepherd_web_signins",
+            "Web UI sign-ins and sign-outs by outcome",
+            outcomes.clone(),
+        );
         Ok(SignIn {
             settings,
             oidc,
             auth,
             db,
+            denials: DenialLog::default(),
+            outcomes,
         })
     }
 }
@@ -206,14 +226,38 @@ fn small_page(status: StatusCode, title: &str, body: maud::Markup) -> Response {
     (status, Html(page.into_string())).into_response()
 }
 
-/// A sign-in that cannot go on, said plainly, with a way to start again.
-fn failed(status: StatusCode, why: &str) -> Response {
-    tracing::warn!(why, "web sign-in failed");
-    small_page(
-        status,
-        "Sign-in failed",
-        html! { p.error { (why) } p { a href="/signin" { "Sign in again" } } },
-    )
+impl SignIn {
+    /// A sign-in (or a form) that cannot go on: counted, logged at most every ten seconds
+    /// (never with a credential), and said plainly with a way to start again.
+    fn refuse(&self, status: StatusCode, why: &str) -> Response {
+        let outcome = if status.is_server_error() {
+            "unavailable"
+        } else {
+            "refused"
+        };
+        self.count(outcome);
+        let problem = Problem::new(Kind::Unauthenticated, why);
+        self.denials.note(&problem, "web sign-in", None);
+        small_page(
+            status,
+            "Sign-in failed",
+            html! { p.error { (why) } p { a href="/signin" { "Sign in again" } } },
+        )
+    }
+
+    fn count(&self, outcome: &'static str) {
+        self.outcomes
+            .get_or_create(&OutcomeLabels { outcome })
+            .inc();
+    }
+}
+
+/// Labels of `shepherd_web_signins_total`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    /// `signed_in`, `signed_out`, `refused` (the browser's or the provider's answer was not
+    /// good) or `unavailable` (the provider or the BMDB could not be reached).
+    outcome: &'static str,
 }
 
 #[derive(Deserialize)]
@@ -227,7 +271,7 @@ async fn start(State(signin): State<Arc<SignIn>>, Query(q): Query<StartQuery>) -
         Ok(endpoints) => endpoints,
         Err(why) => {
             let why = format!("the identity provider cannot be reached: {why}");
-            return failed(StatusCode::SERVICE_UNAVAILABLE, &why);
+            return signin.refuse(StatusCode::SERVICE_UNAVAILABLE, &why);
         }
     };
     let (state, verifier, nonce) = (random_text(16), random_text(32), random_text(16));
@@ -237,7 +281,7 @@ async fn start(State(signin): State<Arc<SignIn>>, Query(q): Query<StartQuery>) -
     scope.extend(signin.settings.scopes.iter().cloned());
     let Ok(mut url) = reqwest::Url::parse(&endpoints.authorization) else {
         let why = "the identity provider's authorization_endpoint is not a URL";
-        return failed(StatusCode::BAD_GATEWAY, why);
+        return signin.refuse(StatusCode::BAD_GATEWAY, why);
     };
     url.query_pairs_mut()
         .append_pair("response_type", "code")
@@ -272,27 +316,27 @@ async fn callback(
     if let Some(error) = &q.error {
         let detail = q.error_description.as_deref().unwrap_or("");
         let why = format!("the identity provider said {error}: {detail}");
-        return failed(StatusCode::UNAUTHORIZED, &why);
+        return signin.refuse(StatusCode::UNAUTHORIZED, &why);
     }
     let pending = cookie(&headers, PENDING_COOKIE).unwrap_or("");
     let parts: Vec<&str> = pending.split('.').collect();
     let [state, verifier, nonce, next] = parts[..] else {
         let why = "no sign-in was started in this browser (or it took over 10 minutes)";
-        return failed(StatusCode::BAD_REQUEST, why);
+        return signin.refuse(StatusCode::BAD_REQUEST, why);
     };
     if q.state.as_deref() != Some(state) {
         let why = "the answer is not for the sign-in this browser started (state)";
-        return failed(StatusCode::BAD_REQUEST, why);
+        return signin.refuse(StatusCode::BAD_REQUEST, why);
     }
     let Some(code) = &q.code else {
-        return failed(
+        return signin.refuse(
             StatusCode::BAD_REQUEST,
             "the identity provider sent no code",
         );
     };
     let id_token = match exchange(&signin, code, verifier).await {
         Ok(id_token) => id_token,
-        Err(why) => return failed(StatusCode::BAD_GATEWAY, &why),
+        Err(why) => return signin.refuse(StatusCode::BAD_GATEWAY, &why),
     };
     let client_id = &signin.settings.client_id;
     let who = match signin
@@ -301,7 +345,7 @@ async fn callback(
         .await
     {
         Ok(who) => who,
-        Err(problem) => return failed(StatusCode::FORBIDDEN, &problem.detail),
+        Err(problem) => return signin.refuse(StatusCode::FORBIDDEN, &problem.detail),
     };
     let lifetime = signin.settings.lifetime;
     let made = signin
@@ -310,9 +354,10 @@ async fn callback(
         .await;
     let secret = match made {
         Ok((_, secret)) => secret,
-        Err(e) => return failed(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+        Err(e) => return signin.refuse(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
     };
     tracing::info!(who = %who.name, role = %who.role, "signed in to the web UI");
+    signin.count("signed_in");
     let next = B64
         .decode(next)
         .ok()
@@ -397,7 +442,7 @@ pub async fn require_session(
             let next: String = url_encode(here);
             return Redirect::to(&format!("/signin?next={next}")).into_response();
         }
-        return failed(StatusCode::UNAUTHORIZED, "not signed in");
+        return signin.refuse(StatusCode::UNAUTHORIZED, "not signed in");
     };
     req.extensions_mut().insert(WebUser {
         principal,
@@ -444,13 +489,14 @@ async fn sign_out(
     Form(form): Form<CsrfOnly>,
 ) -> Response {
     if !user.csrf_matches(&form.csrf) {
-        return failed(StatusCode::FORBIDDEN, "the form is not from this session");
+        return signin.refuse(StatusCode::FORBIDDEN, "the form is not from this session");
     }
     if let Err(e) = signin.db.revoke_api_token(&user.token_name).await {
-        return failed(StatusCode::SERVICE_UNAVAILABLE, &e.to_string());
+        return signin.refuse(StatusCode::SERVICE_UNAVAILABLE, &e.to_string());
     }
     signin.auth.forget_cached();
     tracing::info!(who = %user.principal.name, "signed out of the web UI");
+    signin.count("signed_out");
     let mut response = small_page(
         StatusCode::OK,
         "Signed out",
