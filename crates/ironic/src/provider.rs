@@ -594,7 +594,7 @@ pub enum ConnectError {
     #[error(transparent)]
     Config(#[from] InvalidSetting),
     /// The API could not be used.
-    #[error("Ironic API: {0}")]
+    #[error("Ironic API")]
     Api(#[from] ApiError),
 }
 

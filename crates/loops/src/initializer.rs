@@ -94,7 +94,7 @@ impl InitializerConfig {
 pub enum ResponseError {
     /// The answer does not decode.
     #[error("agent response is not a TakeoverResponse: {0}")]
-    Undecodable(#[from] shepherd_proto::DecodeError),
+    Undecodable(shepherd_proto::DecodeError),
     /// The answer says nothing.
     #[error("agent response carries neither success nor error")]
     Empty,
@@ -260,7 +260,7 @@ impl<P: Provider> Initializer<P> {
 
 /// Checks the agent's answer: a success that echoes `sent` and carries an ed25519 public key.
 pub fn verify_response(sent: &TakeoverInit, stdout: &[u8]) -> Result<Vec<u8>, ResponseError> {
-    let response = TakeoverResponse::decode(stdout)?;
+    let response = TakeoverResponse::decode(stdout).map_err(ResponseError::Undecodable)?;
     match response.result {
         None => Err(ResponseError::Empty),
         Some(takeover_response::Result::Error(e)) => Err(ResponseError::Reported(e.message)),

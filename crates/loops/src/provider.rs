@@ -254,10 +254,10 @@ pub struct Recorded {
 pub enum ListError {
     /// The BMDB could not be read.
     #[error("reading the machines the BMDB records: {0}")]
-    Bmdb(#[from] shepherd_bmdb::Error),
+    Bmdb(shepherd_bmdb::Error),
     /// The provider could not list its machines.
     #[error("listing the provider's machines: {0}")]
-    Provider(#[from] ProviderError),
+    Provider(ProviderError),
 }
 
 impl ListError {
@@ -282,8 +282,12 @@ pub async fn listed_and_recorded<P: Provider + ?Sized>(
     let kind = provider.kind();
     let recorded = session
         .read(move |tx| Box::pin(async move { tx.provided_by(kind).await }))
-        .await?;
-    let listed = provider.list_machines().await?;
+        .await
+        .map_err(ListError::Bmdb)?;
+    let listed = provider
+        .list_machines()
+        .await
+        .map_err(ListError::Provider)?;
     Ok((listed, recorded))
 }
 

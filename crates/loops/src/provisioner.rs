@@ -23,7 +23,7 @@ pub enum ProvisionerError {
     List(#[from] ListError),
     /// The decommissioned machines could not be read.
     #[error("reading the decommissioned machines: {0}")]
-    Bmdb(#[from] shepherd_bmdb::Error),
+    Bmdb(shepherd_bmdb::Error),
     /// The provider and the BMDB disagree: nothing is created until they agree.
     #[error(transparent)]
     Reconcile(#[from] ReconcileError),
@@ -38,7 +38,7 @@ pub enum ProvisionerError {
     },
     /// The session's lease ended during the pass: nothing more is created or handed back.
     #[error("stopped the pass: {0}")]
-    LeaseLost(#[from] LeaseLost),
+    LeaseLost(LeaseLost),
 }
 
 /// Provisioner settings (SPEC §17 defaults).
@@ -119,7 +119,8 @@ impl<P: Provider> Provisioner<P> {
         let kind = self.provider.kind();
         let barred: BTreeMap<String, bool> = session
             .read(move |tx| Box::pin(async move { tx.decommissioned_ids(kind).await }))
-            .await?
+            .await
+            .map_err(ProvisionerError::Bmdb)?
             .into_iter()
             .collect();
         // Unused capacity whose reservation names a barred id is barred too: an Ironic node
@@ -143,7 +144,10 @@ impl<P: Provider> Provisioner<P> {
                 continue;
             };
             let undeploy = barred.get(id).copied().unwrap_or(false);
-            session.lease().left()?;
+            session
+                .lease()
+                .left()
+                .map_err(ProvisionerError::LeaseLost)?;
             match self.provider.hand_back(machine, undeploy).await {
                 Ok(HandBack::Kept) => {}
                 Ok(HandBack::Released) => {
@@ -170,7 +174,10 @@ impl<P: Provider> Provisioner<P> {
         for machine in &plan.create {
             self.creation.wait().await;
             // A creation started under a lease that ended would be another replica's to make.
-            session.lease().left()?;
+            session
+                .lease()
+                .left()
+                .map_err(ProvisionerError::LeaseLost)?;
             match self.provider.create_machine(session, machine).await {
                 Ok(r) if r.adopted => {
                     tracing::debug!(machine = %r.machine, provider_id = ?machine.id, "adopted a machine already recorded");

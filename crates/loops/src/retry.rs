@@ -56,8 +56,9 @@ impl RetryPolicy {
 
     /// Runs `attempt` until it succeeds, fails with an error `retry_if` refuses, or the
     /// attempts are used up, sleeping [`RetryPolicy::delay_after`] between attempts. Every
-    /// attempt is recorded in `metrics` under `call`; every retry is logged with `api` (the
-    /// API's name) and the error.
+    /// attempt is recorded in `metrics` under `call`; a retry is logged at debug level with
+    /// `api` (the API's name) and the error, since the caller reports the call's outcome once
+    /// (a start-up against an API that does not answer says one line, not one per attempt).
     pub async fn run<T, E: AttemptError, Fut: Future<Output = Result<T, E>>>(
         &self,
         metrics: &CallMetrics,
@@ -77,7 +78,7 @@ impl RetryPolicy {
             match metrics.time(call, classify, attempt()).await {
                 Err(e) if retry_if(&e) && n + 1 < attempts => {
                     let delay = self.delay_after(n, e.retry_after());
-                    tracing::warn!(api, call, attempt = n + 1, error = %e, ?delay, "API call failed; retrying");
+                    tracing::debug!(api, call, attempt = n + 1, error = %e, ?delay, "API call failed; retrying");
                     tokio::time::sleep(delay).await;
                     n += 1;
                 }

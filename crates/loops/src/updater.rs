@@ -29,7 +29,7 @@ pub enum UpdaterError {
     List(#[from] ListError),
     /// Writing the refreshed tags failed.
     #[error("writing the refreshed facts: {0}")]
-    Bmdb(#[from] shepherd_bmdb::Error),
+    Bmdb(shepherd_bmdb::Error),
     /// Most of the provider's machines vanished from its listing at once: more likely partial
     /// data than a mass deletion, so nothing is marked Missing.
     #[error("the provider no longer lists {vanishing} of {total} machines; refusing to mark them Missing (partial provider data?)")]
@@ -140,7 +140,8 @@ impl<P: Provider + ?Sized> Updater<P> {
                         Ok(())
                     })
                 })
-                .await?;
+                .await
+                .map_err(UpdaterError::Bmdb)?;
             for (_, tag, newly_missing) in batch {
                 if newly_missing {
                     if missing_examples.len() < LOGGED_EXAMPLES {

@@ -32,7 +32,7 @@ pub enum LoopbackError {
     #[error(transparent)]
     Limits(#[from] InvalidLimit),
     /// The serving task panicked.
-    #[error("the server task panicked: {0}")]
+    #[error("the server task ended abnormally")]
     Panicked(#[from] tokio::task::JoinError),
 }
 

@@ -41,10 +41,10 @@ pub enum TlsError {
     #[error("dev-certs: {0} is readable by group or others; chmod 600 it")]
     KeyReadable(PathBuf),
     /// rustls refused the certificate and key (they do not match, or are unsupported).
-    #[error("server certificate and key: {0}")]
+    #[error("server certificate and key")]
     Rustls(#[from] rustls::Error),
     /// Development certificates could not be made.
-    #[error("dev-certs: {0}")]
+    #[error("dev-certs: generating certificates")]
     Generate(#[from] rcgen::Error),
 }
 

@@ -739,6 +739,12 @@ fn ironic_settings_are_checked_at_start_up() {
     ] {
         refused(&run(&extra), want);
     }
+    // An Ironic that does not answer: retried, then one line, with its cause once.
+    let out = run(&["--ironic-url", &url]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    assert_eq!(lines[0].matches("cannot connect").count(), 1, "{err}");
     assert!(
         !dir.path().join("bmdb.sqlite").exists(),
         "the database was opened before the settings were checked"

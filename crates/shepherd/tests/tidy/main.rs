@@ -13,6 +13,7 @@
 //! - comments explain the code as it is rather than narrate its history;
 //! - nothing stray (logs, databases) is tracked.
 
+mod errors;
 mod graph;
 
 use std::collections::BTreeSet;
@@ -313,4 +314,17 @@ fn nothing_stray_is_tracked() {
         })
         .collect();
     assert!(stray.is_empty(), "stray files tracked: {stray:?}");
+}
+
+#[test]
+fn no_error_prints_the_cause_it_reports_as_its_source() {
+    let offending: Vec<String> = source_files()
+        .iter()
+        .flat_map(|f| errors::printing_their_source(f, &read(f)))
+        .collect();
+    assert!(
+        offending.is_empty(),
+        "errors whose message prints the field they report as source() (chains print it twice; \
+         drop it from the message, or report it only in the message): {offending:#?}"
+    );
 }
