@@ -92,8 +92,20 @@ pub struct EquinixProvider {
     penalty: PenaltyBox<String>,
 }
 
+/// `e` as the provider's error: unavailable for a transport failure, a 5xx or a 429 (after
+/// the client's retries), else the API's answer.
 fn api(e: ApiError) -> ProviderError {
-    ProviderError::Api(Box::new(e))
+    let unavailable = match &e {
+        ApiError::Transport(_) => true,
+        ApiError::Status { status, .. } => {
+            status.is_server_error() || *status == reqwest::StatusCode::TOO_MANY_REQUESTS
+        }
+        ApiError::NotFound | ApiError::Decode(_) => false,
+    };
+    match unavailable {
+        true => ProviderError::Unavailable(Box::new(e)),
+        false => ProviderError::Api(Box::new(e)),
+    }
 }
 
 /// Why the provider could not be set up.

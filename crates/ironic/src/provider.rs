@@ -52,7 +52,8 @@ pub const RESERVED_AT_KEY: &str = "shepherd_reserved_at";
 pub struct Selector {
     /// The node's `resource_class`.
     pub resource_class: Option<String>,
-    /// The node's `conductor_group`.
+    /// The node's `conductor_group`, lower-cased (as Ironic stores it) by
+    /// [`Selector::normalized`].
     pub conductor_group: Option<String>,
     /// The node's `owner`.
     pub owner: Option<String>,
@@ -61,6 +62,41 @@ pub struct Selector {
 }
 
 impl Selector {
+    /// The selector as Ironic compares it: the conductor group lower-cased; or which
+    /// setting holds a value Ironic would never match (its own limits: a conductor group of
+    /// letters, digits, `_`, `-` and `.`, at most 255; a resource class at most 80; an owner
+    /// at most 255).
+    pub fn normalized(mut self) -> Result<Selector, InvalidSetting> {
+        let bad = |setting: &str, problem: &str| Err(InvalidSetting::new(setting, problem));
+        if let Some(group) = &mut self.conductor_group {
+            let fine = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.');
+            if group.len() > 255 || !group.chars().all(fine) {
+                return bad(
+                    "ironic-conductor-group",
+                    "at most 255 letters, digits, '_', '-' or '.' (as Ironic accepts)",
+                );
+            }
+            *group = group.to_ascii_lowercase();
+        }
+        // (setting, value, longest Ironic accepts)
+        let lengths = [
+            ("ironic-resource-class", &self.resource_class, 80),
+            ("ironic-owner", &self.owner, 255),
+        ];
+        for (setting, value, max) in lengths {
+            if value
+                .as_ref()
+                .is_some_and(|v| v.is_empty() || v.len() > max)
+            {
+                return bad(
+                    setting,
+                    &format!("1 to {max} characters (as Ironic accepts)"),
+                );
+            }
+        }
+        Ok(self)
+    }
+
     /// The criteria Ironic filters on itself, as query parameters.
     fn query(&self) -> Vec<(&'static str, &str)> {
         let mut q = Vec::new();
@@ -68,6 +104,7 @@ impl Selector {
             q.push(("resource_class", v.as_str()));
         }
         if let Some(v) = &self.conductor_group {
+            // Ironic keeps conductor groups lower-cased and filters on them as stored.
             q.push(("conductor_group", v.as_str()));
         }
         if let Some(v) = &self.owner {
@@ -81,8 +118,13 @@ impl Selector {
         let same = |want: &Option<String>, have: &Option<String>| {
             want.as_ref().is_none_or(|w| have.as_deref() == Some(w))
         };
+        let same_group = self.conductor_group.as_ref().is_none_or(|w| {
+            node.conductor_group
+                .as_deref()
+                .is_some_and(|h| h.eq_ignore_ascii_case(w))
+        });
         same(&self.resource_class, &node.resource_class)
-            && same(&self.conductor_group, &node.conductor_group)
+            && same_group
             && same(&self.owner, &node.owner)
             && self.extra.as_ref().is_none_or(|(k, v)| {
                 node.field(&format!("extra.{k}")).as_deref() == Some(v.as_str())
@@ -225,6 +267,10 @@ impl From<IronicError> for ProviderError {
                 node,
                 ..
             } => ProviderError::NotFound(node),
+            IronicError::Api {
+                error: ApiError::Unavailable { .. } | ApiError::Connect(_) | ApiError::Transport(_),
+                ..
+            } => ProviderError::Unavailable(Box::new(e)),
             e => ProviderError::Api(Box::new(e)),
         }
     }
@@ -794,6 +840,45 @@ mod tests {
             .query(),
             vec![("owner", "p1")]
         );
+    }
+
+    #[test]
+    fn conductor_groups_match_in_any_case_and_bad_values_fail_at_start_up() {
+        let n = node(serde_json::json!({"uuid": "u", "conductor_group": "rack-a"}));
+        let given = Selector {
+            conductor_group: Some("Rack-A".into()),
+            ..Default::default()
+        };
+        assert!(given.matches(&n), "matched as given");
+        let sent = given.normalized().unwrap();
+        assert_eq!(sent.query(), vec![("conductor_group", "rack-a")]);
+        assert!(sent.matches(&n));
+        for (bad, setting) in [
+            (
+                Selector {
+                    conductor_group: Some("rack a".into()),
+                    ..Default::default()
+                },
+                "ironic-conductor-group",
+            ),
+            (
+                Selector {
+                    resource_class: Some("x".repeat(81)),
+                    ..Default::default()
+                },
+                "ironic-resource-class",
+            ),
+            (
+                Selector {
+                    owner: Some(String::new()),
+                    ..Default::default()
+                },
+                "ironic-owner",
+            ),
+        ] {
+            let e = bad.normalized().unwrap_err();
+            assert!(e.to_string().contains(setting), "{e}");
+        }
     }
 
     #[test]

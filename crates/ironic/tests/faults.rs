@@ -115,7 +115,9 @@ async fn the_api_down_at_start_up_fails_clearly_and_down_mid_run_changes_nothing
         matches!(err, ConnectError::Api(ApiError::Connect(_))),
         "{err}"
     );
-    assert!(err.to_string().contains("cannot connect"), "{err}");
+    // With its causes, as `shepherd run` prints it.
+    let err = anyhow::Error::from(err);
+    assert!(format!("{err:#}").contains("cannot connect"), "{err:#}");
     assert!(started.elapsed() < Duration::from_secs(10));
 
     let mut ironic = IronicServer::start(TestAuth::None).await;

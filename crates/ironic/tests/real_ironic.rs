@@ -362,8 +362,15 @@ async fn credentials_are_checked_at_start_up_and_the_password_is_never_shown() {
         matches!(err, ConnectError::Api(ApiError::Unauthorized { .. })),
         "{err}"
     );
-    assert!(err.to_string().contains("refused the credentials"), "{err}");
-    assert!(!err.to_string().contains("battery"), "{err}");
+    // With its causes, as `shepherd run` prints it.
+    let said = format!("{:#}", anyhow::Error::from(err));
+    assert!(said.contains("refused the credentials"), "{said}");
+    assert_eq!(
+        said.matches("refused the credentials").count(),
+        1,
+        "said once: {said}"
+    );
+    assert!(!said.contains("battery"), "{said}");
     assert!(started.elapsed() < Duration::from_secs(5), "not retried");
     let none = Client::new(&ironic.url(), Auth::None, quick_retries(), metrics).unwrap();
     assert!(IronicProvider::connect(none, config("site-a"))

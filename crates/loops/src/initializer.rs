@@ -213,7 +213,8 @@ const NO_ADDRESS_BACKOFF: (Duration, Duration) =
     (Duration::from_secs(30), Duration::from_secs(5 * 60));
 
 /// How a failed takeover ends, given the configured `backoff`. A BMDB outage is not the
-/// machine's fault: the work is released as it is. A machine without an address, or still
+/// machine's fault: the work is released as it is; nor is a provider whose API is
+/// unavailable: released, and the worker waits before its next claim. A machine without an address, or still
 /// provisioning, is asked again soon; one whose lease ended is fenced (canceled, counted); one presenting another host key than the pinned one
 /// (at connect, or pinned meanwhile by another takeover), or failed at its provider, waits
 /// the longest backoff (an operator must look); anything else, a BMDB error about the data
@@ -222,6 +223,7 @@ pub fn takeover_policy(backoff: Backoff, error: &TakeoverFailure) -> OnError {
     match error {
         TakeoverFailure::LeaseLost(_) => OnError::Fenced,
         TakeoverFailure::Bmdb(e) if e.is_transient() => OnError::Cancel,
+        TakeoverFailure::Lookup(l) if l.error.is_unavailable() => OnError::Wait,
         TakeoverFailure::HostKeyMismatch(_)
         | TakeoverFailure::HostKeyPinnedMeanwhile { .. }
         | TakeoverFailure::FailedAtProvider(_) => {
@@ -396,6 +398,7 @@ impl<P: Provider + 'static> MachineTask for Initializer<P> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::provider::ProviderError;
     use crate::transport::Step;
     use shepherd_proto::agent::{TakeoverError, TakeoverSuccess};
     use shepherd_ssh::SshError;
@@ -433,6 +436,18 @@ mod tests {
             policy(shepherd_bmdb::Error::SessionExpired.into()),
             OnError::Cancel
         );
+        // A provider that cannot be reached is nobody's fault: released, and the loop waits;
+        // a provider that answered about the machine is the machine's.
+        let lookup = |error| {
+            TakeoverFailure::Lookup(crate::provider::LookupFailed {
+                provider_id: "node-1".into(),
+                error,
+            })
+        };
+        let down = ProviderError::Unavailable("connection refused".into());
+        assert_eq!(policy(lookup(down)), OnError::Wait);
+        let refused = ProviderError::Api("refused (HTTP 400)".into());
+        assert_eq!(policy(lookup(refused)), OnError::Backoff(configured));
         let longest = OnError::Backoff(Backoff::constant(configured.maximum));
         let mismatch = TakeoverFailure::from(TransportError::at(
             Step::Connect,

@@ -92,6 +92,11 @@ pub enum ProviderError {
     /// The provider's API failed or refused; the provider's own typed error.
     #[error(transparent)]
     Api(Box<dyn std::error::Error + Send + Sync>),
+    /// The provider's API could not be reached or answered that it cannot serve now
+    /// (connection refused, a timeout, 5xx, 429), after the client's retries; the provider's
+    /// own typed error. No machine is at fault: loops stop and wait instead of charging it.
+    #[error(transparent)]
+    Unavailable(Box<dyn std::error::Error + Send + Sync>),
     /// The provider's answer lacks what Shepherd needs of it (an id, a reservation).
     #[error("the provider's answer lacks {0}")]
     Incomplete(&'static str),
@@ -118,6 +123,12 @@ impl ProviderError {
     /// since every further machine it created would be one more the BMDB cannot record.
     pub fn is_bmdb_failure(&self) -> bool {
         matches!(self, ProviderError::Record(RecordError::Bmdb { error, .. }) if error.is_transient())
+    }
+
+    /// Whether the provider's API is unavailable (see [`ProviderError::Unavailable`]): the
+    /// failure says nothing about the machine, and the next machine would fail alike.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, ProviderError::Unavailable(_))
     }
 }
 

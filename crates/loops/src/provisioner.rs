@@ -36,6 +36,15 @@ pub enum ProvisionerError {
         /// The failure.
         error: ProviderError,
     },
+    /// The provider's API became unavailable during the pass: the rest of the pass would fail
+    /// alike, so it stops, and the next pass tries again.
+    #[error("stopped the pass after {created} machine(s): the provider is unavailable: {error}")]
+    ProviderUnavailable {
+        /// Machines created before the failure.
+        created: usize,
+        /// The failure.
+        error: ProviderError,
+    },
     /// The session's lease ended during the pass: nothing more is created or handed back.
     #[error("stopped the pass: {0}")]
     LeaseLost(LeaseLost),
@@ -58,7 +67,7 @@ impl PassError for ProvisionerError {
             ProvisionerError::List(e) => e.is_bmdb_unavailable(),
             ProvisionerError::Bmdb(e) => e.is_transient(),
             ProvisionerError::BmdbFailed { .. } | ProvisionerError::LeaseLost(_) => true,
-            ProvisionerError::Reconcile(_) => false,
+            ProvisionerError::Reconcile(_) | ProvisionerError::ProviderUnavailable { .. } => false,
         }
     }
 }
@@ -190,6 +199,13 @@ impl<P: Provider> Provisioner<P> {
                 Err(ProviderError::Taken(what)) => {
                     tracing::debug!(%what, "another client took an unused machine first; skipping it");
                     report.taken += 1;
+                }
+                Err(e) if e.is_unavailable() => {
+                    report.failed += 1;
+                    return Err(ProvisionerError::ProviderUnavailable {
+                        created: report.created,
+                        error: e,
+                    });
                 }
                 Err(e) if e.is_bmdb_failure() => {
                     // Every further creation would be one more machine the BMDB cannot

@@ -237,12 +237,15 @@ impl<P: RecovererProvider + 'static> MachineTask for Recoverer<P> {
     }
 
     /// A BMDB outage before the reboot is not the machine's fault: the work is released as it
-    /// is. Once the machine may have been rebooted, every failure backs off, so that a BMDB
-    /// that comes back does not reboot it again at once.
+    /// is; nor is a provider whose API is unavailable for the lookup: released, and the worker
+    /// waits. Once the machine may have been rebooted (a reboot request that failed may have
+    /// arrived), every failure backs off, so that a BMDB or a provider that comes back does
+    /// not reboot it again at once.
     fn error_policy(&self, error: &RecoveryError) -> OnError {
         match error {
             RecoveryError::LeaseLost(_) => OnError::Fenced,
             RecoveryError::Read(e) if e.is_transient() => OnError::Cancel,
+            RecoveryError::Lookup(l) if l.error.is_unavailable() => OnError::Wait,
             _ => OnError::Backoff(self.backoff),
         }
     }

@@ -29,6 +29,11 @@ pub enum OnError {
     /// Release the machine without a verdict and without a backoff: the failure was not the
     /// machine's (the BMDB was unreachable, a lock was lost), so it may be claimed again.
     Cancel,
+    /// Release the machine like [`OnError::Cancel`], and have this worker wait before it
+    /// claims again, longer after each such failure in a row (100 ms doubling to 10 s):
+    /// something every machine needs (the provider's API) is unavailable, so the next
+    /// machine would fail alike and its failure would say nothing about it either.
+    Wait,
     /// The session's lease ended before a side effect could start, or cut one off
     /// ([`shepherd_bmdb::Lease`]): the work is canceled with the cause "lease lost" and counted
     /// in `shepherd_work_fenced_total`.
@@ -141,7 +146,7 @@ async fn end_failed<T: MachineTask>(work: &mut Work, lease: &Lease, task: &T, fa
     let cause = format!("{failure:#}");
     let ended = match task.error_policy(failure) {
         OnError::Backoff(backoff) => write(work, lease, Ending::Fail(&backoff, &cause)).await,
-        OnError::Cancel => write(work, lease, Ending::Cancel(&cause)).await,
+        OnError::Cancel | OnError::Wait => write(work, lease, Ending::Cancel(&cause)).await,
         OnError::Fenced => work.fenced().await,
     };
     if let Err(e) = ended {
@@ -218,7 +223,6 @@ async fn worker<T: MachineTask>(
         let retrieval = task.retrieval();
         match s.work(retrieval.process(), retrieval).await {
             Ok(Claim::Work(work)) => {
-                errors.succeeded();
                 let machine = work.machine_id();
                 // The task records the provider id once it has read the machine's tags. At the
                 // highest level so that the context is there whatever level the logs are
@@ -247,8 +251,20 @@ async fn worker<T: MachineTask>(
                 if let Some(previous) = ending.take() {
                     written(previous).await;
                 }
+                let waits = matches!(&outcome, Processed::Done(Err(e)) if task.error_policy(e) == OnError::Wait);
                 let end = end_work(work, lease, task.clone(), outcome).instrument(span);
                 ending = Some(tokio::spawn(end));
+                if !waits {
+                    errors.succeeded();
+                } else {
+                    let wait = errors.failed();
+                    tracing::debug!(
+                        worker = n,
+                        ?wait,
+                        "a dependency of every machine is unavailable; waiting"
+                    );
+                    tokio::select! { _ = cancel.cancelled() => { session = Some(s); break }, _ = tokio::time::sleep(wait) => {} }
+                }
             }
             Ok(Claim::NothingToDo) | Ok(Claim::Conflict) => errors.succeeded(),
             Err(BmdbError::SessionExpired) => {

@@ -5,7 +5,7 @@
 //! ends.
 
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -26,11 +26,20 @@ struct Task {
     collect_own_session_once: Mutex<bool>,
     /// Machines processed so far (counted before their endings are written).
     processed: Arc<AtomicUsize>,
+    /// While set, every machine fails as if its provider could not be reached.
+    provider_down: Arc<AtomicBool>,
+    /// Machines that failed so.
+    failed_for_the_provider: Arc<AtomicUsize>,
 }
 
 #[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-struct TaskError(#[from] Error);
+enum TaskError {
+    #[error("{0}")]
+    Bmdb(#[from] Error),
+    /// What a provider whose API cannot be reached makes of every machine.
+    #[error("the provider is unavailable")]
+    ProviderDown,
+}
 
 #[async_trait]
 impl MachineTask for Task {
@@ -50,6 +59,10 @@ impl MachineTask for Task {
         if self.hang {
             std::future::pending::<()>().await;
         }
+        if self.provider_down.load(Ordering::SeqCst) {
+            self.failed_for_the_provider.fetch_add(1, Ordering::SeqCst);
+            return Err(TaskError::ProviderDown);
+        }
         let collect = std::mem::take(&mut *self.collect_own_session_once.lock().unwrap());
         if collect {
             let id = session.id();
@@ -62,7 +75,10 @@ impl MachineTask for Task {
         Ok(TagWrites::none().agent_started([1; 32]))
     }
 
-    fn error_policy(&self, _: &TaskError) -> OnError {
+    fn error_policy(&self, e: &TaskError) -> OnError {
+        if let TaskError::ProviderDown = e {
+            return OnError::Wait;
+        }
         OnError::Backoff(Backoff::exponential(
             Duration::from_secs(600),
             Duration::from_secs(600),
@@ -77,6 +93,8 @@ impl Task {
             hang,
             collect_own_session_once: Mutex::new(collect_own_session_once),
             processed: Arc::new(AtomicUsize::new(0)),
+            provider_down: Arc::new(AtomicBool::new(false)),
+            failed_for_the_provider: Arc::new(AtomicUsize::new(0)),
         }
     }
 }
@@ -171,6 +189,39 @@ async fn an_expired_session_is_replaced_and_the_loop_goes_on(db: Bmdb) {
     );
 }
 
+/// While every machine fails because the provider cannot be reached, the workers release each
+/// (Canceled, no backoff, no Failed) and wait longer after each such failure instead of
+/// claiming at their full rate; once the provider answers, every machine is taken over.
+async fn a_provider_that_cannot_be_reached_is_waited_for_not_charged(db: Bmdb) {
+    let task = Task::new(false, false);
+    let (down, failed) = (
+        task.provider_down.clone(),
+        task.failed_for_the_provider.clone(),
+    );
+    down.store(true, Ordering::SeqCst);
+    let started = std::time::Instant::now();
+    run_until(&db, 5, task, "every machine taken over", async || {
+        // The provider is down for 1.6 s: the workers' waits (0.1, 0.2, 0.4, 0.8 s) leave
+        // each about five attempts; at the claim rate (1 ms) there would be hundreds.
+        if started.elapsed() > Duration::from_millis(1600) {
+            down.store(false, Ordering::SeqCst);
+        }
+        let n = db.status_counts().await.unwrap().agent_started;
+        when(n == 5, n)
+    })
+    .await;
+    let attempts = failed.load(Ordering::SeqCst);
+    assert!(
+        (1..=14).contains(&attempts),
+        "{attempts} attempts while the provider was down"
+    );
+    let events: Vec<WorkEvent> = all_history(&db).await.iter().map(|e| e.event).collect();
+    assert!(!events.contains(&WorkEvent::Failed), "{events:?}");
+    let canceled = events.iter().filter(|e| **e == WorkEvent::Canceled).count();
+    assert_eq!(canceled, attempts, "{events:?}");
+    assert!(db.status_counts().await.unwrap().backoffs.is_empty());
+}
+
 /// A worker writes its last ending while it claims its next machine; a loop cancelled just
 /// after its workers processed the last machines still finishes every one of them (none is
 /// canceled by its session's closing) before it ends.
@@ -209,4 +260,5 @@ shepherd_bmdb::conformance_tests!(
     cancellation_mid_processing_is_canceled_not_failed,
     an_expired_session_is_replaced_and_the_loop_goes_on,
     a_loop_cancelled_after_processing_writes_every_ending,
+    a_provider_that_cannot_be_reached_is_waited_for_not_charged,
 );

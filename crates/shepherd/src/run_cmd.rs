@@ -574,7 +574,8 @@ impl IronicArgs {
             conductor_group: self.ironic_conductor_group.clone(),
             owner: self.ironic_owner.clone(),
             extra: self.ironic_extra.clone(),
-        };
+        }
+        .normalized()?;
         config.image = match (&self.ironic_image, &self.ironic_image_checksum) {
             (Some(url), checksum) => Some(shepherd_ironic::Image {
                 url: url.clone(),

@@ -99,6 +99,7 @@ async fn two_replicas_take_every_node_over_and_deploy_each_exactly_once() {
             let endpoint = "bmaas.test:443";
             ChildGuard(Some(
                 ironic_run(&db_url, &ironic, &key_path, &agent, &target, endpoint)
+                    .args(["--ironic-deploy-wait", "3s"])
                     .args(["--ssh-user", &this_user()])
                     .stderr(std::fs::File::create(log).unwrap())
                     .spawn()
@@ -246,6 +247,7 @@ async fn a_silent_agent_on_a_redfish_node_is_rebooted_through_ironic_and_taken_o
         &target,
         &format!("localhost:{port}"),
     )
+    .args(["--ironic-deploy-wait", "3s"])
     .args(["--ssh-user", &this_user()])
     .args(["--ironic-reboot-wait", "1s"])
     .arg(format!(
@@ -319,5 +321,130 @@ async fn a_silent_agent_on_a_redfish_node_is_rebooted_through_ironic_and_taken_o
     let _ = Command::new("pkill")
         .args(["-f", &format!("^{target}")])
         .status();
+    db.close().await;
+}
+
+/// Ironic stopped while its new nodes wait for their takeovers: the takeovers that look their
+/// node up meanwhile are released (Canceled, naming the cause), nobody is charged a backoff or
+/// a Failed entry, and once Ironic is back every node is taken over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ironic_outage_mid_takeover_charges_no_machine() {
+    const NODES: usize = 6;
+    let dir = tempfile::tempdir().unwrap();
+    let db_url = format!("sqlite:{}", dir.path().join("bmdb.sqlite").display());
+    let key_path = dir.path().join("id_ed25519");
+    let key = shepherd_ssh::load_or_generate_key(&key_path).unwrap();
+    let sshd = Sshd::start(&[key.public_key()]);
+    let mut ironic = IronicServer::start(TestAuth::Basic {
+        user: "shepherd".into(),
+        password: PASSWORD.into(),
+    })
+    .await;
+    let nodes = ironic
+        .fake_nodes(NODES, |_| json!({"ssh_address": sshd.addr()}))
+        .await;
+    let agent = shepherd_loops::testing::test_agent_path();
+    let target = dir.path().join("agent").display().to_string();
+    let log = dir.path().join("run.log");
+    let replica = ChildGuard(Some(
+        ironic_run(
+            &db_url,
+            &ironic,
+            &key_path,
+            &agent,
+            &target,
+            "bmaas.test:443",
+        )
+        // Long enough for every deploy to finish before the first takeover looks its node
+        // up: Ironic is stopped between the two (a conductor killed mid-deploy fails the
+        // deploy on its return, which is Ironic's verdict, not the outage's).
+        .args(["--ironic-deploy-wait", "12s"])
+        .args(["--ssh-user", &this_user()])
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap(),
+    ));
+    let db = wait_for("the BMDB", 30, async || {
+        Bmdb::open_with(&db_url, &OpenOptions::default()).await.ok()
+    })
+    .await;
+    // Every node reserved and deployed; the takeovers wait `--ironic-deploy-wait` (12 s) from
+    // each node's creation, so Ironic stops before any of them looked its node up.
+    wait_for("every node recorded", 60, async || {
+        let n = testing::provided_by(&db, Provider::Ironic).await.len();
+        (n == NODES).then_some(())
+    })
+    .await;
+    for id in &nodes {
+        ironic.wait_for_state(id, "active").await;
+    }
+    assert!(
+        started(&db).await.is_empty(),
+        "a takeover came before the outage"
+    );
+    ironic.stop();
+    let outage = wait_for("takeovers meeting the outage", 30, async || {
+        let canceled: Vec<String> = testing::all_history(&db)
+            .await
+            .into_iter()
+            .filter(|e| e.event == WorkEvent::Canceled)
+            .filter_map(|e| e.cause)
+            .collect();
+        (!canceled.is_empty()).then_some(canceled)
+    })
+    .await;
+    assert!(
+        outage.iter().all(|c| c.contains("cannot connect")),
+        "{outage:?}"
+    );
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    ironic.restart().await;
+    let back = std::time::Instant::now();
+    for _ in 0..240 {
+        if started(&db).await.len() == NODES {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+    let taken = started(&db).await.len();
+    assert_eq!(
+        taken,
+        NODES,
+        "taken over {:?} after Ironic came back; history: {:#?}; log: {}",
+        back.elapsed(),
+        testing::all_history(&db).await,
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+
+    let history = testing::all_history(&db).await;
+    let failed: Vec<_> = history
+        .iter()
+        .filter(|e| e.event == WorkEvent::Failed)
+        .collect();
+    // A deploy Ironic had not finished yet is the one failure allowed (as above).
+    assert!(
+        failed.iter().all(|e| e
+            .cause
+            .as_deref()
+            .unwrap_or("")
+            .contains("still provisioning")),
+        "{failed:?}"
+    );
+    // Backoffs: at most one per machine whose deploy was still running, none for the outage.
+    let still_deploying: BTreeSet<_> = failed.iter().map(|e| e.machine_id).collect();
+    let backoffs: i64 = db
+        .status_counts()
+        .await
+        .unwrap()
+        .backoffs
+        .iter()
+        .map(|(_, n)| n)
+        .sum();
+    assert!(
+        backoffs <= still_deploying.len() as i64,
+        "{backoffs} backoffs, {failed:?}"
+    );
+    let out = replica.terminate();
+    assert!(out.status.success(), "the replica failed to stop cleanly");
     db.close().await;
 }

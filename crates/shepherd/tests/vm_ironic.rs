@@ -77,6 +77,7 @@ async fn a_vm_behind_ironic_is_rebooted_through_ironic_when_its_agent_dies_and_t
         "/root/agent",
         SERVER_IN_GUEST,
     )
+    .args(["--ironic-deploy-wait", "3s"])
     .arg(format!("--agent-ca={}", certs.join("ca.pem").display()))
     .args(["--ssh-user", "root", "--ssh-exec-timeout", "120s"])
     .args(["--recovery-heartbeat-older-than", "10s"])

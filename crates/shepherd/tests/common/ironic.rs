@@ -29,7 +29,6 @@ pub fn ironic_run(
         .args(["--ironic-deployment", "e2e"])
         .args(["--ironic-resource-class", "shepherd-test"])
         .args(["--ironic-address-from-inventory", "false"])
-        .args(["--ironic-deploy-wait", "3s"])
         .arg(format!("--ssh-key={}", key.display()))
         .args(["--ssh-connect-timeout", "10s"])
         .arg(format!("--agent-executable={}", agent.display()))
