@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use shepherd_bmdb::ProviderFacts;
 
 /// The node fields every read asks for (`?fields=`), so that listings stay small.
-pub const NODE_FIELDS: &str = "uuid,name,provision_state,provision_updated_at,target_provision_state,maintenance,maintenance_reason,instance_uuid,extra,resource_class,conductor_group,owner,last_error,power_state,properties,driver";
+pub const NODE_FIELDS: &str = "uuid,name,provision_state,provision_updated_at,target_provision_state,maintenance,maintenance_reason,instance_uuid,extra,resource_class,conductor_group,owner,last_error,power_state,properties,driver,deploy_interface";
 
 /// An API microversion, `major.minor`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -95,6 +95,9 @@ pub struct Node {
     /// The hardware type (`redfish`, `ipmi`, `fake-hardware`, …).
     #[serde(default)]
     pub driver: Option<String>,
+    /// How Ironic deploys it (`direct`, `ramdisk`, `fake`, …).
+    #[serde(default)]
+    pub deploy_interface: Option<String>,
 }
 
 impl Node {

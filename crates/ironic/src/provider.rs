@@ -321,6 +321,10 @@ impl IronicProvider {
         config.validate()?;
         let version = client.negotiate().await?;
         tracing::info!(url = client.root(), %version, pinned = %crate::client::PINNED_VERSION, deployment = config.deployment, "Ironic API reached");
+        if config.image.is_none() {
+            let nodes = client.list_nodes(&config.selector.query()).await?;
+            needs_no_image(&config.selector, &nodes)?;
+        }
         let refused = PenaltyBox::new(config.refused_penalty);
         Ok(IronicProvider {
             client,
@@ -563,11 +567,14 @@ impl IronicProvider {
     async fn deploy(&self, node: &Node) -> Result<(), ProviderError> {
         let uuid = node.uuid.as_str();
         let hostname = node.name.clone().unwrap_or_else(|| uuid.to_string());
+        // cloud-init tells instances apart by this: the instance's id (ours, set when the
+        // node was reserved), so that a redeploy is a new instance, not the node's.
+        let instance = node.instance_uuid.as_deref().unwrap_or(uuid);
         let body = serde_json::json!({
             "target": "active",
             "configdrive": {
                 "meta_data": {
-                    "uuid": uuid,
+                    "uuid": instance,
                     "name": hostname,
                     "hostname": hostname,
                     "public_keys": { "shepherd": self.config.ssh_public_key },
@@ -631,6 +638,35 @@ fn inventory_address(inventory: &serde_json::Value) -> Option<String> {
         })
     };
     pick("ipv4_address").or_else(|| pick("ipv6_address"))
+}
+
+/// Deploy interfaces that write an image, and fail without one.
+const WRITES_AN_IMAGE: &[&str] = &["direct", "ansible", "anaconda"];
+
+/// Refuses a start without `--ironic-image` when an `available` node the selector matches
+/// deploys with an interface that writes an image: every deploy of it would be refused.
+fn needs_no_image(selector: &Selector, nodes: &[Node]) -> Result<(), InvalidSetting> {
+    let needing: Vec<&Node> = nodes
+        .iter()
+        .filter(|n| n.state() == "available" && selector.matches(n))
+        .filter(|n| {
+            n.deploy_interface
+                .as_deref()
+                .is_some_and(|d| WRITES_AN_IMAGE.contains(&d))
+        })
+        .collect();
+    let Some(first) = needing.first() else {
+        return Ok(());
+    };
+    Err(InvalidSetting::new(
+        "ironic-image",
+        format!(
+            "{} available node(s) the selector matches deploy with {:?} (node {}), which writes an image: give --ironic-image and --ironic-image-checksum",
+            needing.len(),
+            first.deploy_interface.as_deref().unwrap_or(""),
+            first.uuid
+        ),
+    ))
 }
 
 /// Why the provider could not start.

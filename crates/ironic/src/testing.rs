@@ -124,7 +124,7 @@ impl IronicServer {
         let config = format!(
             "[DEFAULT]\n{auth_lines}\
              enabled_hardware_types = fake-hardware,redfish\n\
-             enabled_deploy_interfaces = fake,ramdisk\n\
+             enabled_deploy_interfaces = fake,ramdisk,direct\n\
              enabled_boot_interfaces = fake,pxe,redfish-virtual-media\n\
              enabled_power_interfaces = fake,redfish\n\
              enabled_management_interfaces = fake,redfish\n\

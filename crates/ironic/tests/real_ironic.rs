@@ -88,6 +88,11 @@ async fn available_nodes_are_reserved_deployed_once_with_our_key_and_recorded() 
             shepherd_ironic::testing::TEST_KEY,
             "the config drive Ironic stored for {id} carries Shepherd's key: {stored}"
         );
+        // The instance's id, not the node's: a redeploy is a new instance to cloud-init.
+        assert_eq!(
+            stored["configdrive"]["meta_data"]["uuid"], node["instance_uuid"],
+            "{stored}"
+        );
     }
     let other_node = ironic.node(&other).await;
     assert_eq!(other_node["provision_state"], "available");
@@ -443,4 +448,41 @@ async fn decommissioned_nodes_are_released_and_torn_down_only_when_asked() {
     operator.close().await.unwrap();
     s.close().await.unwrap();
     t.cleanup().await;
+}
+
+/// A node on Ironic's `direct` deploy interface writes an image, so a start without
+/// `--ironic-image` is refused at once, naming the flag; with an image it starts.
+#[tokio::test]
+async fn a_direct_deploy_node_without_an_image_is_refused_at_start_up() {
+    let ironic = IronicServer::start(TestAuth::None).await;
+    let client = || {
+        let metrics = Arc::new(CallMetrics::default());
+        Client::new(&ironic.url(), Auth::None, quick_retries(), metrics).unwrap()
+    };
+    // One node as the fake deploy leaves it, one on `direct`.
+    let nodes = ironic.fake_nodes(2, |_| json!({})).await;
+    let direct = json!([{"op": "replace", "path": "/deploy_interface", "value": "direct"}]);
+    let path = format!("/v1/nodes/{}", nodes[1]);
+    let (status, node) = ironic
+        .send_json(reqwest::Method::PATCH, &path, direct)
+        .await;
+    assert_eq!(status, 200, "{node}");
+    let refused = IronicProvider::connect(client(), config("site-a")).await;
+    let err = refused
+        .err()
+        .expect("started without an image for a direct-deploy node");
+    let said = format!("{:#}", anyhow::Error::from(err));
+    assert!(said.contains("ironic-image"), "{said}");
+    assert!(
+        said.contains(&nodes[1]) && said.contains("\"direct\""),
+        "{said}"
+    );
+    let mut with_image = config("site-a");
+    with_image.image = Some(shepherd_ironic::Image {
+        url: "http://127.0.0.1:1/image.raw".into(),
+        checksum: "0123456789abcdef0123456789abcdef".into(),
+    });
+    IronicProvider::connect(client(), with_image)
+        .await
+        .expect("with an image it starts");
 }
