@@ -486,3 +486,32 @@ async fn a_direct_deploy_node_without_an_image_is_refused_at_start_up() {
         .await
         .expect("with an image it starts");
 }
+
+/// An operator deletes one of the nodes Shepherd holds: the provisioner's passes go on
+/// bringing the other nodes in (the deleted one counted missing) instead of halting.
+#[tokio::test]
+async fn a_held_node_deleted_at_ironic_stops_nothing_else() {
+    let ironic = IronicServer::start(TestAuth::None).await;
+    let held = ironic.fake_nodes(3, |_| json!({})).await;
+    let p = provider(&ironic, config("site-a")).await;
+    let t = testing::sqlite().await;
+    let s = session(&t.db).await;
+    let r = provisioner(p.clone(), 50).iterate(&s).await.unwrap();
+    assert_eq!(r.created, 3, "{r:?}");
+    ironic.wait_for_state(&held[0], "active").await;
+    ironic.set_maintenance(&held[0], true, "retired").await;
+    let path = format!("/v1/nodes/{}", held[0]);
+    let (status, body) = ironic
+        .send_json(reqwest::Method::DELETE, &path, json!(null))
+        .await;
+    assert_eq!(status, 204, "deleting {}: {body}", held[0]);
+    let fresh = ironic.fake_nodes(2, |_| json!({})).await;
+    let r = provisioner(p.clone(), 50).iterate(&s).await.unwrap();
+    assert_eq!((r.created, r.missing, r.managed), (2, 1, 2), "{r:?}");
+    let recorded = recorded(&t.db).await;
+    for id in &fresh {
+        assert!(recorded.contains_key(id), "{id} brought in: {recorded:?}");
+    }
+    s.close().await.unwrap();
+    t.cleanup().await;
+}

@@ -99,6 +99,9 @@ pub struct IterationReport {
     pub decommissioned: usize,
     /// Decommissioned machines handed back to the provider in this pass.
     pub handed_back: usize,
+    /// Machines the BMDB records that the provider no longer lists (within
+    /// `--provisioner-max-missing`): the pass went on without them.
+    pub missing: usize,
 }
 
 /// The provisioner for one provider.
@@ -143,8 +146,16 @@ impl<P: Provider> Provisioner<P> {
         let mut report = IterationReport {
             managed: plan.managed,
             decommissioned: decommissioned.len(),
+            missing: plan.missing.len(),
             ..Default::default()
         };
+        if !plan.missing.is_empty() {
+            tracing::warn!(
+                missing = plan.missing.len(),
+                examples = %crate::bounded::first_few(&plan.missing),
+                "machines the BMDB records are gone from the provider; provisioning the others goes on (the updater marks them Missing; `shepherd machines decommission ID` retires them)"
+            );
+        }
         for machine in decommissioned
             .iter()
             .filter(|m| m.availability != Availability::KnownUnused)
@@ -230,14 +241,15 @@ impl std::fmt::Display for IterationReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} managed; {} created, {} adopted, {} failed, {} taken by others; {} decommissioned, {} handed back",
+            "{} managed; {} created, {} adopted, {} failed, {} taken by others; {} decommissioned, {} handed back; {} missing",
             self.managed,
             self.created,
             self.adopted,
             self.failed,
             self.taken,
             self.decommissioned,
-            self.handed_back
+            self.handed_back,
+            self.missing
         )
     }
 }

@@ -12,14 +12,19 @@ pub struct Limits {
     pub max_machines: usize,
     /// Bring at most this many machines in per iteration.
     pub chunk_size: usize,
+    /// How many machines the BMDB records may be missing at the provider while the pass
+    /// still acts on the others.
+    pub max_missing: MissingAllowance,
 }
 
 impl Limits {
-    /// At most `max_machines` managed (0: no limit), `chunk_size` brought in per iteration.
+    /// At most `max_machines` managed (0: no limit), `chunk_size` brought in per iteration,
+    /// and the default allowance of missing machines.
     pub fn new(max_machines: usize, chunk_size: usize) -> Limits {
         Limits {
             max_machines,
             chunk_size,
+            max_missing: MissingAllowance::default(),
         }
     }
 }
@@ -27,9 +32,56 @@ impl Limits {
 impl Default for Limits {
     /// SPEC §17: at most 50 machines, 20 per iteration.
     fn default() -> Self {
-        Limits {
-            max_machines: 50,
-            chunk_size: 20,
+        Limits::new(50, 20)
+    }
+}
+
+/// How many of the machines the BMDB records for a provider may be missing from its listing
+/// before the pass takes the listing for broken and refuses to act. A machine removed at the
+/// provider on purpose (deleted, undeployed by an operator) is one of a few; a listing that
+/// is empty, truncated or of the wrong project misses many at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MissingAllowance {
+    /// At most this share of the recorded machines, in percent (and always one).
+    Percent(u32),
+    /// At most this many.
+    Count(usize),
+}
+
+impl Default for MissingAllowance {
+    /// 10 %, and always one.
+    fn default() -> Self {
+        MissingAllowance::Percent(10)
+    }
+}
+
+impl MissingAllowance {
+    /// Whether `missing` of `recorded` machines may be missing.
+    pub fn allows(self, missing: usize, recorded: usize) -> bool {
+        let most = match self {
+            MissingAllowance::Percent(p) => (recorded * p as usize / 100).max(1),
+            MissingAllowance::Count(n) => n,
+        };
+        missing <= most
+    }
+}
+
+impl std::str::FromStr for MissingAllowance {
+    type Err = String;
+
+    /// `10%` (a share of the recorded machines) or `5` (a count).
+    fn from_str(text: &str) -> Result<Self, String> {
+        let bad = || format!("{text:?}: a share like 10% or a count like 5");
+        match text.strip_suffix('%') {
+            Some(p) => match p.trim().parse::<u32>() {
+                Ok(p) if p <= 100 => Ok(MissingAllowance::Percent(p)),
+                _ => Err(bad()),
+            },
+            None => text
+                .trim()
+                .parse()
+                .map(MissingAllowance::Count)
+                .map_err(|_| bad()),
         }
     }
 }
@@ -41,6 +93,9 @@ pub struct Plan {
     pub managed: usize,
     /// Unused machines to create, in provider order, already cut to the limits.
     pub create: Vec<ProviderMachine>,
+    /// Provider ids the BMDB records that the provider no longer lists (within the
+    /// allowance): removed at the provider; the updater marks them Missing.
+    pub missing: Vec<String>,
 }
 
 /// Why a reconciliation refused to act.
@@ -52,14 +107,27 @@ pub enum ReconcileError {
         /// The machine's address, to find it.
         addr: Option<String>,
     },
-    /// The provider's and the BMDB's views disagree; acting on either could destroy or leak
-    /// machines, so nothing is done until an operator looks.
+    /// The provider lists machines as ours that the BMDB does not record; acting could leak
+    /// or duplicate machines, so nothing is done until an operator looks.
     #[error(
         "provider and BMDB disagree on {} machine(s), refusing to act: {}",
         .0.len(),
         crate::bounded::first_few(.0)
     )]
     Discrepancy(Vec<String>),
+    /// More machines the BMDB records are missing at the provider than the allowance, or the
+    /// listing is empty: the listing looks broken, so nothing is done.
+    #[error(
+        "{} of {recorded} machine(s) the BMDB records are missing at the provider, more than --provisioner-max-missing allows: the listing looks broken, refusing to act ({}); if they were removed on purpose, run `shepherd machines decommission ID` for each, or raise --provisioner-max-missing",
+        .missing.len(),
+        crate::bounded::first_few(.missing)
+    )]
+    TooManyMissing {
+        /// The provider ids missing.
+        missing: Vec<String>,
+        /// Machines the BMDB records for the provider.
+        recorded: usize,
+    },
 }
 
 /// Decides which unused machines to bring in. `in_bmdb` holds the provider ids the BMDB
@@ -102,19 +170,24 @@ pub fn reconcile(
         }
     }
 
-    let mut problems = vec![];
-    for id in used.difference(in_bmdb) {
-        problems.push(format!(
-            "provider machine {id} is ours but missing from the BMDB"
-        ));
-    }
-    for id in in_bmdb.difference(&used) {
-        if !failed.contains(id) {
-            problems.push(format!("BMDB machine {id} is missing at the provider"));
-        }
-    }
+    let problems: Vec<String> = used
+        .difference(in_bmdb)
+        .map(|id| format!("provider machine {id} is ours but missing from the BMDB"))
+        .collect();
     if !problems.is_empty() {
         return Err(ReconcileError::Discrepancy(problems));
+    }
+    let missing: Vec<String> = in_bmdb
+        .difference(&used)
+        .filter(|id| !failed.contains(*id))
+        .cloned()
+        .collect();
+    let empty_listing = in_provider.is_empty() && !in_bmdb.is_empty();
+    if empty_listing || !limits.max_missing.allows(missing.len(), in_bmdb.len()) {
+        return Err(ReconcileError::TooManyMissing {
+            missing,
+            recorded: in_bmdb.len(),
+        });
     }
 
     let managed = used.len();
@@ -126,6 +199,7 @@ pub fn reconcile(
     Ok(Plan {
         managed,
         create: unused,
+        missing,
     })
 }
 
@@ -156,15 +230,7 @@ mod tests {
             m("b", PossiblyUsed),
             m("c", PossiblyUsed),
         ];
-        let plan = reconcile(
-            &provider,
-            &bmdb(&["b"]),
-            Limits {
-                max_machines: 0,
-                chunk_size: 10,
-            },
-        )
-        .unwrap();
+        let plan = reconcile(&provider, &bmdb(&["b"]), Limits::new(0, 10)).unwrap();
         assert_eq!(plan.managed, 1);
         assert_eq!(ids(&plan), vec!["a", "c"]);
     }
@@ -207,15 +273,9 @@ mod tests {
             matches!(&e, ReconcileError::Discrepancy(p) if p.len() == 1 && p[0].contains("provider machine a")),
             "{e}"
         );
-        // In the BMDB but gone from the provider.
-        let e = reconcile(&[m("n", KnownUnused)], &bmdb(&["gone"]), Limits::default()).unwrap_err();
-        assert!(
-            e.to_string().contains("BMDB machine gone is missing"),
-            "{e}"
-        );
-        // Both at once are all reported.
+        // Both at once: the leak is refused whatever else is missing.
         let e = reconcile(&[m("a", KnownUsed)], &bmdb(&["gone"]), Limits::default()).unwrap_err();
-        assert!(matches!(e, ReconcileError::Discrepancy(p) if p.len() == 2));
+        assert!(matches!(e, ReconcileError::Discrepancy(p) if p.len() == 1));
         // A used machine without an id cannot be checked at all.
         let mut bad = m("a", KnownUsed);
         bad.id = Some(String::new());
@@ -223,6 +283,49 @@ mod tests {
             reconcile(&[bad], &bmdb(&[]), Limits::default()),
             Err(ReconcileError::UsedWithoutId { .. })
         ));
+    }
+
+    #[test]
+    fn a_few_missing_machines_do_not_stop_the_others_and_many_do() {
+        let recorded: Vec<String> = (0..20).map(|i| format!("m{i}")).collect();
+        let refs: Vec<&str> = recorded.iter().map(String::as_str).collect();
+        let listed = |n: usize| {
+            let mut l: Vec<_> = refs[n..].iter().map(|id| m(id, KnownUsed)).collect();
+            l.push(m("new", KnownUnused));
+            l
+        };
+        // One gone (deleted at the provider on purpose): reported, and "new" is brought in.
+        let plan = reconcile(&listed(1), &bmdb(&refs), Limits::new(0, 10)).unwrap();
+        assert_eq!(
+            (plan.missing.clone(), ids(&plan)),
+            (vec!["m0".to_string()], vec!["new"])
+        );
+        // Two of twenty is 10 %: still within the default.
+        let plan = reconcile(&listed(2), &bmdb(&refs), Limits::new(0, 10)).unwrap();
+        assert_eq!(plan.missing.len(), 2);
+        // Four of twenty (20 %) looks like a broken listing: nothing is done, and the message
+        // names the remedy.
+        let e = reconcile(&listed(4), &bmdb(&refs), Limits::new(0, 10)).unwrap_err();
+        assert!(
+            matches!(&e, ReconcileError::TooManyMissing { missing, recorded: 20 } if missing.len() == 4),
+            "{e}"
+        );
+        assert!(
+            e.to_string().contains("shepherd machines decommission"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("--provisioner-max-missing"), "{e}");
+        // An empty listing is refused even for one recorded machine.
+        let e = reconcile(&[], &bmdb(&["m0"]), Limits::default()).unwrap_err();
+        assert!(matches!(e, ReconcileError::TooManyMissing { .. }), "{e}");
+        // The allowance is configurable as a share or a count.
+        let mut limits = Limits::new(0, 10);
+        limits.max_missing = "5".parse().unwrap();
+        assert!(reconcile(&listed(4), &bmdb(&refs), limits).is_ok());
+        limits.max_missing = "0".parse().unwrap();
+        assert!(reconcile(&listed(1), &bmdb(&refs), limits).is_err());
+        assert!("200%".parse::<MissingAllowance>().is_err());
+        assert!("ten".parse::<MissingAllowance>().is_err());
     }
 
     #[test]
@@ -270,15 +373,7 @@ mod tests {
             ((50, 20), 20), // defaults
         ];
         for ((max, chunk), want) in cases {
-            let plan = reconcile(
-                &all,
-                &in_bmdb,
-                Limits {
-                    max_machines: max,
-                    chunk_size: chunk,
-                },
-            )
-            .unwrap();
+            let plan = reconcile(&all, &in_bmdb, Limits::new(max, chunk)).unwrap();
             assert_eq!(plan.managed, 8);
             assert_eq!(plan.create.len(), want, "max {max} chunk {chunk}");
             assert_eq!(

@@ -138,10 +138,7 @@ fn fast() -> RateSpec {
 /// with no pacing to wait for.
 fn unpaced(max_machines: usize, chunk_size: usize) -> ProvisionerConfig {
     ProvisionerConfig {
-        limits: Limits {
-            max_machines,
-            chunk_size,
-        },
+        limits: Limits::new(max_machines, chunk_size),
         reconcile_rate: fast(),
         creation_rate: fast(),
     }
@@ -344,8 +341,10 @@ async fn failed_creations_do_not_stop_the_others(db: Bmdb) {
     assert_eq!(provided_ids(&db).await, vec!["dummy-000", "dummy-003"]);
 }
 
-async fn discrepancy_means_no_action(db: Bmdb) {
-    // The BMDB knows a machine the provider does not list.
+/// A machine the BMDB records that the provider no longer lists: with nothing listed at all
+/// the listing looks broken and nothing is done; with other machines listed, it is one
+/// machine removed at the provider, and the pass goes on without it.
+async fn a_missing_machine_stops_nothing_but_an_empty_listing_stops_all(db: Bmdb) {
     db.transact(|tx| {
         Box::pin(async move {
             let id = tx.create_machine().await?;
@@ -355,21 +354,26 @@ async fn discrepancy_means_no_action(db: Bmdb) {
     })
     .await
     .unwrap();
-    let p = Provisioner::new(
-        Arc::new(Dummy::with_capacity(5)),
-        ProvisionerConfig {
-            reconcile_rate: fast(),
-            creation_rate: fast(),
-            ..Default::default()
-        },
-    );
+    let provisioner = |capacity| {
+        Provisioner::new(
+            Arc::new(Dummy::with_capacity(capacity)),
+            ProvisionerConfig {
+                reconcile_rate: fast(),
+                creation_rate: fast(),
+                ..Default::default()
+            },
+        )
+    };
     let s = testing::session(&db, Processor::ShepherdProvisioner).await;
-    let err = p.iterate(&s).await.unwrap_err().to_string();
+    let err = provisioner(0).iterate(&s).await.unwrap_err().to_string();
     assert!(
-        err.contains("BMDB machine ghost is missing at the provider"),
+        err.contains("listing looks broken") && err.contains("ghost"),
         "{err}"
     );
     assert_eq!(provided_ids(&db).await, vec!["ghost"]);
+    let r = provisioner(3).iterate(&s).await.unwrap();
+    assert_eq!((r.created, r.missing), (3, 1), "{r:?}");
+    assert_eq!(provided_ids(&db).await.len(), 4);
 }
 
 /// Machines provided by the dummy, with agent state: (provider id, started minutes ago,
@@ -689,6 +693,6 @@ shepherd_bmdb::conformance_tests!(
     the_updater_refreshes_machines_in_maintenance,
     initializer_starts_the_agent_on_all_provided,
     failed_creations_do_not_stop_the_others,
-    discrepancy_means_no_action,
+    a_missing_machine_stops_nothing_but_an_empty_listing_stops_all,
     recoverer_reboots_silent_machines,
 );

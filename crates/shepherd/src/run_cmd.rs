@@ -203,6 +203,12 @@ pub struct ProvisionerArgs {
         default_value = "5s,1"
     )]
     pub provisioner_creation_rate: RateSpec,
+    /// Provisioner: how many machines the BMDB records may be gone from the provider's
+    /// listing while the others are still provisioned, as a share of them (`10%`, and
+    /// always one) or a count (`5`); more, or an empty listing, looks like a broken listing
+    /// and stops every pass.
+    #[arg(long, env = "SHEPHERD_PROVISIONER_MAX_MISSING", default_value = "10%")]
+    pub provisioner_max_missing: shepherd_loops::reconcile::MissingAllowance,
 }
 
 impl ProvisionerArgs {
@@ -210,8 +216,10 @@ impl ProvisionerArgs {
         if self.provisioner_chunk_size == 0 {
             bail!("provisioner-chunk-size: must be at least 1");
         }
+        let mut limits = Limits::new(self.provisioner_max_machines, self.provisioner_chunk_size);
+        limits.max_missing = self.provisioner_max_missing;
         Ok(ProvisionerConfig {
-            limits: Limits::new(self.provisioner_max_machines, self.provisioner_chunk_size),
+            limits,
             reconcile_rate: self.provisioner_reconcile_rate,
             creation_rate: self.provisioner_creation_rate,
         })
