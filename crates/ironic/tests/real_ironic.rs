@@ -488,7 +488,8 @@ async fn a_direct_deploy_node_without_an_image_is_refused_at_start_up() {
 }
 
 /// An operator deletes one of the nodes Shepherd holds: the provisioner's passes go on
-/// bringing the other nodes in (the deleted one counted missing) instead of halting.
+/// bringing the other nodes in (the deleted one counted missing) instead of halting. Two
+/// deleted of five is more than the default allowance: the pass refuses, naming the remedy.
 #[tokio::test]
 async fn a_held_node_deleted_at_ironic_stops_nothing_else() {
     let ironic = IronicServer::start(TestAuth::None).await;
@@ -508,10 +509,42 @@ async fn a_held_node_deleted_at_ironic_stops_nothing_else() {
     let fresh = ironic.fake_nodes(2, |_| json!({})).await;
     let r = provisioner(p.clone(), 50).iterate(&s).await.unwrap();
     assert_eq!((r.created, r.missing, r.managed), (2, 1, 2), "{r:?}");
-    let recorded = recorded(&t.db).await;
+    let recorded_now = recorded(&t.db).await;
     for id in &fresh {
-        assert!(recorded.contains_key(id), "{id} brought in: {recorded:?}");
+        assert!(
+            recorded_now.contains_key(id),
+            "{id} brought in: {recorded_now:?}"
+        );
     }
+    // An operator deletes a second node: two of five recorded machines missing at once is
+    // more than the default allows (10 %, and always one): the listing looks broken, nothing
+    // is done.
+    ironic.set_maintenance(&held[1], true, "retired").await;
+    let path = format!("/v1/nodes/{}", held[1]);
+    let (status, body) = ironic
+        .send_json(reqwest::Method::DELETE, &path, json!(null))
+        .await;
+    assert_eq!(status, 204, "deleting {}: {body}", held[1]);
+    let last = ironic.fake_nodes(1, |_| json!({})).await;
+    let err = provisioner(p.clone(), 50).iterate(&s).await.err();
+    let err = err.expect("two of five missing refused").to_string();
+    assert!(
+        err.contains("2 of 5") && err.contains("decommission"),
+        "{err}"
+    );
+    assert!(!recorded(&t.db).await.contains_key(&last[0]));
+    // With an allowance of two (`--provisioner-max-missing 2`) the pass goes on.
+    let mut limits = shepherd_loops::reconcile::Limits::new(0, 50);
+    limits.max_missing = "2".parse().unwrap();
+    let unpaced = RateSpec::new(Duration::from_millis(1), 1000);
+    let config = shepherd_loops::provisioner::ProvisionerConfig {
+        limits,
+        reconcile_rate: unpaced,
+        creation_rate: unpaced,
+    };
+    let allowing_two = shepherd_loops::provisioner::Provisioner::new(p.clone(), config);
+    let r = allowing_two.iterate(&s).await.unwrap();
+    assert_eq!((r.created, r.missing), (1, 2), "{r:?}");
     s.close().await.unwrap();
     t.cleanup().await;
 }
