@@ -487,6 +487,17 @@ async fn a_direct_deploy_node_without_an_image_is_refused_at_start_up() {
         .expect("with an image it starts");
 }
 
+/// Deletes node `id` from Ironic, as an operator would (maintenance first: Ironic deletes a
+/// deployed node only then).
+async fn delete_node(ironic: &IronicServer, id: &str) {
+    ironic.set_maintenance(id, true, "retired").await;
+    let path = format!("/v1/nodes/{id}");
+    let (status, body) = ironic
+        .send_json(reqwest::Method::DELETE, &path, json!(null))
+        .await;
+    assert_eq!(status, 204, "deleting {id}: {body}");
+}
+
 /// An operator deletes one of the nodes Shepherd holds: the provisioner's passes go on
 /// bringing the other nodes in (the deleted one counted missing) instead of halting. Two
 /// deleted of five is more than the default allowance: the pass refuses, naming the remedy.
@@ -500,12 +511,7 @@ async fn a_held_node_deleted_at_ironic_stops_nothing_else() {
     let r = provisioner(p.clone(), 50).iterate(&s).await.unwrap();
     assert_eq!(r.created, 3, "{r:?}");
     ironic.wait_for_state(&held[0], "active").await;
-    ironic.set_maintenance(&held[0], true, "retired").await;
-    let path = format!("/v1/nodes/{}", held[0]);
-    let (status, body) = ironic
-        .send_json(reqwest::Method::DELETE, &path, json!(null))
-        .await;
-    assert_eq!(status, 204, "deleting {}: {body}", held[0]);
+    delete_node(&ironic, &held[0]).await;
     let fresh = ironic.fake_nodes(2, |_| json!({})).await;
     let r = provisioner(p.clone(), 50).iterate(&s).await.unwrap();
     assert_eq!((r.created, r.missing, r.managed), (2, 1, 2), "{r:?}");
@@ -519,12 +525,7 @@ async fn a_held_node_deleted_at_ironic_stops_nothing_else() {
     // An operator deletes a second node: two of five recorded machines missing at once is
     // more than the default allows (10 %, and always one): the listing looks broken, nothing
     // is done.
-    ironic.set_maintenance(&held[1], true, "retired").await;
-    let path = format!("/v1/nodes/{}", held[1]);
-    let (status, body) = ironic
-        .send_json(reqwest::Method::DELETE, &path, json!(null))
-        .await;
-    assert_eq!(status, 204, "deleting {}: {body}", held[1]);
+    delete_node(&ironic, &held[1]).await;
     let last = ironic.fake_nodes(1, |_| json!({})).await;
     let err = provisioner(p.clone(), 50).iterate(&s).await.err();
     let err = err.expect("two of five missing refused").to_string();
