@@ -121,11 +121,55 @@ pub async fn run<T: MachineTask>(
                 cancel.clone(),
                 session.clone(),
             );
-            tokio::spawn(async move { worker(n, db, task, limiter, session, cancel).await })
+            tokio::spawn(supervised(n, db, task, limiter, session, cancel))
         })
         .collect();
     for w in workers {
         let _ = w.await;
+    }
+}
+
+/// Runs worker `n` until `cancel`, starting it again if it panics: a worker that died would
+/// leave the loop one worker short without a trace. The panic is logged with its message and
+/// the worker restarts after the error delays (100 ms doubling to 10 s, reset by a worker
+/// that ran a minute). The machine it held is released when its session expires.
+async fn supervised<T: MachineTask>(
+    n: usize,
+    db: Bmdb,
+    task: Arc<T>,
+    limiter: Arc<Limiter>,
+    session: SessionConfig,
+    cancel: CancellationToken,
+) {
+    let mut panics = Streak::new(ERROR_DELAYS);
+    loop {
+        let started = std::time::Instant::now();
+        let run = worker(
+            n,
+            db.clone(),
+            task.clone(),
+            limiter.clone(),
+            session.clone(),
+            cancel.clone(),
+        );
+        let Err(e) = tokio::spawn(run).await else {
+            return;
+        };
+        if !e.is_panic() || cancel.is_cancelled() {
+            return;
+        }
+        let payload = e.into_panic();
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic without a message".into());
+        if started.elapsed() > Duration::from_secs(60) {
+            panics.succeeded();
+        }
+        let wait = panics.failed();
+        tracing::error!(worker = n, panic = %message, ?wait, "a worker panicked; starting it again");
+        tokio::select! { _ = cancel.cancelled() => return, _ = tokio::time::sleep(wait) => {} }
     }
 }
 

@@ -30,6 +30,8 @@ struct Task {
     provider_down: Arc<AtomicBool>,
     /// Machines that failed so.
     failed_for_the_provider: Arc<AtomicUsize>,
+    /// Panic on the first machine (a bug in a loop).
+    panic_once: Mutex<bool>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -58,6 +60,9 @@ impl MachineTask for Task {
     ) -> Result<TagWrites, TaskError> {
         if self.hang {
             std::future::pending::<()>().await;
+        }
+        if std::mem::take(&mut *self.panic_once.lock().unwrap()) {
+            panic!("injected: a bug in the loop");
         }
         if self.provider_down.load(Ordering::SeqCst) {
             self.failed_for_the_provider.fetch_add(1, Ordering::SeqCst);
@@ -95,6 +100,7 @@ impl Task {
             processed: Arc::new(AtomicUsize::new(0)),
             provider_down: Arc::new(AtomicBool::new(false)),
             failed_for_the_provider: Arc::new(AtomicUsize::new(0)),
+            panic_once: Mutex::new(false),
         }
     }
 }
@@ -108,12 +114,24 @@ async fn run_until<T, D: std::fmt::Debug>(
     what: &str,
     done: impl AsyncFnMut() -> Result<T, D>,
 ) {
+    run_with(db, machines, task, config(), what, done).await
+}
+
+/// [`run_until`] with `config`.
+async fn run_with<T, D: std::fmt::Debug>(
+    db: &Bmdb,
+    machines: usize,
+    task: Task,
+    config: RunnerConfig,
+    what: &str,
+    done: impl AsyncFnMut() -> Result<T, D>,
+) {
     testing::provision(db, machines, Provider::Sim).await;
     let cancel = CancellationToken::new();
     let run = tokio::spawn(runner::run(
         db.clone(),
         Arc::new(task),
-        config(),
+        config,
         cancel.clone(),
     ));
     eventually(what, Duration::from_secs(30), done).await;
@@ -222,6 +240,29 @@ async fn a_provider_that_cannot_be_reached_is_waited_for_not_charged(db: Bmdb) {
     assert!(db.status_counts().await.unwrap().backoffs.is_empty());
 }
 
+/// A loop whose only worker panics on a machine (a bug) goes on: the worker is started again,
+/// and every machine is still taken over (the one it held once its session expired).
+async fn a_worker_that_panics_is_started_again(db: Bmdb) {
+    let task = Task::new(false, false);
+    *task.panic_once.lock().unwrap() = true;
+    let one_worker = RunnerConfig {
+        parallelism: 1,
+        ..config()
+    };
+    run_with(
+        &db,
+        3,
+        task,
+        one_worker,
+        "every machine taken over",
+        async || {
+            let started = db.status_counts().await.unwrap().agent_started;
+            when(started == 3, started)
+        },
+    )
+    .await;
+}
+
 /// A worker writes its last ending while it claims its next machine; a loop cancelled just
 /// after its workers processed the last machines still finishes every one of them (none is
 /// canceled by its session's closing) before it ends.
@@ -261,4 +302,5 @@ shepherd_bmdb::conformance_tests!(
     an_expired_session_is_replaced_and_the_loop_goes_on,
     a_loop_cancelled_after_processing_writes_every_ending,
     a_provider_that_cannot_be_reached_is_waited_for_not_charged,
+    a_worker_that_panics_is_started_again,
 );
