@@ -3,9 +3,10 @@
 //!
 //! Postgres comes from `SHEPHERD_TEST_POSTGRES` (default `postgres://postgres@127.0.0.1/test`);
 //! each test gets its own database, named after the test, so tests run in parallel and a failed
-//! test's database can be found and inspected. If Postgres is unreachable the
-//! Postgres variant prints a skip notice, unless `SHEPHERD_REQUIRE_POSTGRES=1`, which makes it
-//! fail (CI sets it).
+//! test's database can be found and inspected. If Postgres is unreachable the Postgres variant
+//! fails, naming the fix; only with `SHEPHERD_ALLOW_SKIP=1` does it print a skip notice and
+//! pass instead (`SHEPHERD_REQUIRE_POSTGRES=1`, which CI sets, overrides that). A pass that
+//! silently tested one backend must be asked for.
 
 mod blackhole;
 mod small_disk;
@@ -27,9 +28,19 @@ pub fn postgres_admin_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1/test".into())
 }
 
-/// Whether Postgres tests must run (CI) rather than skip.
+/// Whether Postgres tests must run rather than skip: unless skipping was asked for
+/// (`SHEPHERD_ALLOW_SKIP`), and always when `SHEPHERD_REQUIRE_POSTGRES` says so.
 pub fn postgres_required() -> bool {
-    std::env::var("SHEPHERD_REQUIRE_POSTGRES").is_ok_and(|v| v == "1")
+    let set = |name: &str| std::env::var(name).is_ok_and(|v| is_truthy(&v));
+    set("SHEPHERD_REQUIRE_POSTGRES") || !set("SHEPHERD_ALLOW_SKIP")
+}
+
+/// Whether an environment value means yes: `1`, `true`, `yes` or `on`, in any case.
+pub fn is_truthy(value: &str) -> bool {
+    matches!(
+        value.trim().to_ascii_lowercase().as_str(),
+        "1" | "true" | "yes" | "on"
+    )
 }
 
 /// A fresh, migrated database for one test.
@@ -110,7 +121,7 @@ pub async fn fresh_postgres_database() -> Option<String> {
         Ok(p) => p,
         Err(e) => {
             if postgres_required() {
-                panic!("Postgres is required (SHEPHERD_REQUIRE_POSTGRES=1) but unreachable at {admin}: {e}");
+                panic!("Postgres is unreachable at {admin}: {e}; start it (scripts/test-deps.sh), point SHEPHERD_TEST_POSTGRES at one, or set SHEPHERD_ALLOW_SKIP=1 to skip the Postgres variants");
             }
             eprintln!("SKIP: Postgres unreachable at {admin} ({e}); set SHEPHERD_TEST_POSTGRES or start Postgres");
             return None;
@@ -642,4 +653,17 @@ pub async fn make_a_pooled_connection_read_only(db: &Bmdb) {
     db.transact(|tx| Box::pin(async move { tx.make_connection_read_only().await }))
         .await
         .unwrap();
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn yes_is_said_many_ways_and_anything_else_is_no() {
+        for yes in ["1", "true", "TRUE", " yes ", "On"] {
+            assert!(super::is_truthy(yes), "{yes:?}");
+        }
+        for no in ["", "0", "false", "no", "off", "2", "y"] {
+            assert!(!super::is_truthy(no), "{no:?}");
+        }
+    }
 }
