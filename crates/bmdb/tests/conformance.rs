@@ -1,7 +1,7 @@
 //! One conformance suite for the BMDB, run against SQLite and Postgres (SPEC §2–§5).
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -351,25 +351,43 @@ async fn closing_a_session_releases_its_work(db: Bmdb) {
 }
 
 /// Rounds of a session closed while `racers` it started run: each round starts a session,
-/// the racers (tasks) against it, closes it after a random pause of up to 1.5 ms, and waits
-/// for the racers.
+/// the racers (tasks) against it, closes it after a pause, and waits for the racers; until
+/// both sides of the race were hit (see [`CLOSE_ROUNDS_MIN`]), or the test fails for not
+/// having exercised it.
 async fn close_during_rounds(
     db: &Bmdb,
     seed: u64,
     racers: impl AsyncFn(&Session) -> Vec<tokio::task::JoinHandle<()>>,
+    sides_hit: impl Fn() -> (bool, bool),
 ) {
-    const ROUNDS: usize = 25;
     let mut rng = StdRng::seed_from_u64(seed);
-    for _ in 0..ROUNDS {
+    for round in 0..CLOSE_ROUNDS_MAX {
         let s = session(db, "closing").await;
         let running = racers(&s).await;
-        tokio::time::sleep(Duration::from_micros(rng.random_range(0..1500))).await;
+        // Random at first; then, if one side of the race has not been hit yet, timed for it:
+        // the close at once (for the close to win), or late (for the racers to).
+        let delay = match (round >= CLOSE_ROUNDS_MIN, sides_hit()) {
+            (true, (true, false)) => 0,
+            (true, (false, true)) => 5000,
+            _ => rng.random_range(0..3000),
+        };
+        tokio::time::sleep(Duration::from_micros(delay)).await;
         s.close().await.unwrap();
         for r in running {
             r.await.unwrap();
         }
+        if round + 1 >= CLOSE_ROUNDS_MIN && sides_hit() == (true, true) {
+            return;
+        }
     }
+    panic!("{CLOSE_ROUNDS_MAX} rounds and the race still went one way only: it was not exercised");
 }
+
+/// Rounds of [`close_during_rounds`]: at least the first, at most the second (until both
+/// sides of the race were hit: `sides_hit` says whether the racers won at least once, and
+/// whether the close did).
+const CLOSE_ROUNDS_MIN: usize = 25;
+const CLOSE_ROUNDS_MAX: usize = 100;
 
 /// Every claim of each of `ids` has exactly one ending after its Started, and no work is held.
 async fn every_claim_ended_once(db: &Bmdb, ids: &[Uuid]) {
@@ -388,21 +406,32 @@ async fn every_claim_ended_once(db: &Bmdb, ids: &[Uuid]) {
 /// the work row, and whichever removes it writes the one ending in the machine's history —
 /// never both a Finished and the close's Canceled. Nothing is left held.
 async fn closing_a_session_while_its_work_ends_records_each_ending_once(db: Bmdb) {
-    let ids = testing::provision(&db, 8 * 25, Provider::Sim).await;
-    close_during_rounds(&db, 7, async |s| {
+    let ids = testing::provision(&db, 8 * CLOSE_ROUNDS_MAX, Provider::Sim).await;
+    // Finishes that won the race, and finishes the close beat: both must happen, or the
+    // check below proves nothing about the race.
+    let (finished, beaten) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let racers = async |s: &Session| {
         let mut enders = Vec::new();
         for _ in 0..8 {
             let mut w = claimed(s.work(Process::ShepherdAgentStart, START).await.unwrap());
+            let (finished, beaten) = (finished.clone(), beaten.clone());
             enders.push(tokio::spawn(async move {
                 // Either the finish or the close removes the work; a finish that lost the race
                 // says so (work lost, or session gone) and leaves nothing to cancel.
-                let _ = w.finish(TagWrites::none().agent_started(key(4))).await;
+                match w.finish(TagWrites::none().agent_started(key(4))).await {
+                    Ok(()) => finished.fetch_add(1, Ordering::SeqCst),
+                    Err(_) => beaten.fetch_add(1, Ordering::SeqCst),
+                };
                 std::mem::forget(w);
             }));
         }
         enders
-    })
-    .await;
+    };
+    let both = || {
+        let seen = |n: &AtomicUsize| n.load(Ordering::SeqCst) > 0;
+        (seen(&finished), seen(&beaten))
+    };
+    close_during_rounds(&db, 7, racers, both).await;
     every_claim_ended_once(&db, &ids).await;
 }
 
@@ -411,16 +440,32 @@ async fn closing_a_session_while_its_work_ends_records_each_ending_once(db: Bmdb
 /// with a Started and no ending, and nothing is left held.
 async fn closing_a_session_while_it_claims_leaves_no_claim_without_an_ending(db: Bmdb) {
     let ids = testing::provision(&db, 8, Provider::Sim).await;
-    close_during_rounds(&db, 9, async |s| {
-        let claim = |s: Session| async move {
-            if let Ok(Claim::Work(w)) = s.work(Process::ShepherdAgentStart, START).await {
-                // The close releases it, or has released it already.
-                std::mem::forget(w);
+    // Claims that committed before the close, and claims that found the session gone.
+    let (before, after) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let both = || {
+        let seen = |n: &AtomicUsize| n.load(Ordering::SeqCst) > 0;
+        (seen(&before), seen(&after))
+    };
+    let racers = async |s: &Session| {
+        let claim = |s: Session| {
+            let (before, after) = (before.clone(), after.clone());
+            async move {
+                match s.work(Process::ShepherdAgentStart, START).await {
+                    Ok(Claim::Work(w)) => {
+                        before.fetch_add(1, Ordering::SeqCst);
+                        // The close releases it, or has released it already.
+                        std::mem::forget(w);
+                    }
+                    Err(_) => {
+                        after.fetch_add(1, Ordering::SeqCst);
+                    }
+                    Ok(_) => {}
+                }
             }
         };
         (0..8).map(|_| tokio::spawn(claim(s.clone()))).collect()
-    })
-    .await;
+    };
+    close_during_rounds(&db, 9, racers, both).await;
     every_claim_ended_once(&db, &ids).await;
 }
 
