@@ -9,12 +9,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use base64::engine::general_purpose::URL_SAFE_NO_PAD as B64;
-use base64::Engine;
-use rand::RngCore;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::api::signin::{pkce_challenge, random_text};
 
 /// How long the person has to sign in.
 const SIGN_IN_WITHIN: Duration = Duration::from_secs(300);
@@ -86,12 +84,6 @@ pub fn cached_token(path: &std::path::Path) -> Result<Option<String>> {
     Ok((cached.expires_at > now).then_some(cached.access_token))
 }
 
-fn random_text(bytes: usize) -> String {
-    let mut buf = vec![0u8; bytes];
-    rand::rng().fill_bytes(&mut buf);
-    B64.encode(buf)
-}
-
 /// Runs `shepherd login`.
 pub async fn run(args: LoginArgs) -> Result<()> {
     let path = match args.cache.path() {
@@ -126,7 +118,7 @@ pub async fn run(args: LoginArgs) -> Result<()> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let redirect_uri = format!("http://{}/callback", listener.local_addr()?);
     let (state, verifier) = (random_text(16), random_text(32));
-    let challenge = B64.encode(Sha256::digest(verifier.as_bytes()));
+    let challenge = pkce_challenge(&verifier);
     let mut scope = vec!["openid".to_string()];
     scope.extend(args.scopes.iter().cloned());
     let mut url = reqwest::Url::parse(&authorize).context("authorization_endpoint")?;

@@ -201,11 +201,16 @@ fn set_cookie(name: &str, value: &str, max_age: Duration, same_site: &str) -> He
     HeaderValue::from_str(&text).expect("cookie values are base64 or token text")
 }
 
-/// Random bytes as base64url.
-fn random_text(bytes: usize) -> String {
+/// Random bytes as base64url (a `state`, a `nonce`, a PKCE verifier).
+pub fn random_text(bytes: usize) -> String {
     let mut buf = vec![0u8; bytes];
     rand::rng().fill_bytes(&mut buf);
     B64.encode(buf)
+}
+
+/// The PKCE S256 challenge of `verifier` (RFC 7636).
+pub fn pkce_challenge(verifier: &str) -> String {
+    B64.encode(Sha256::digest(verifier.as_bytes()))
 }
 
 /// A path of this site to return to after signing in: relative, never to another host.
@@ -276,7 +281,7 @@ async fn start(State(signin): State<Arc<SignIn>>, Query(q): Query<StartQuery>) -
     };
     let (state, verifier, nonce) = (random_text(16), random_text(32), random_text(16));
     let next = B64.encode(local_path(q.next.as_deref()));
-    let challenge = B64.encode(Sha256::digest(verifier.as_bytes()));
+    let challenge = pkce_challenge(&verifier);
     let mut scope = vec!["openid".to_string()];
     scope.extend(signin.settings.scopes.iter().cloned());
     let Ok(mut url) = reqwest::Url::parse(&endpoints.authorization) else {
