@@ -193,6 +193,8 @@ pub struct FleetCounts {
     pub maintenance: i64,
     /// Provider ids an operator decommissioned (and did not recommission).
     pub decommissioned: i64,
+    /// Provided machines the provider no longer lists (status `Missing`).
+    pub missing: i64,
 }
 
 impl FleetCounts {
@@ -210,6 +212,7 @@ impl FleetCounts {
             ("in work", sum(&self.work)),
             ("in backoff", sum(&self.backoffs)),
             ("maintenance", self.maintenance),
+            ("missing", self.missing),
         ]
     }
 }

@@ -1170,6 +1170,24 @@ async fn summaries_and_fleet_counts(db: Bmdb) {
     assert_eq!((c.pending_install, c.installed), (1, 1));
     assert_eq!(c.work, vec![(Process::ShepherdAgentStart, 1)]);
     assert_eq!(c.backoffs, vec![(Process::ShepherdAgentStart, 1)]);
+    assert_eq!(c.missing, 0);
+
+    // A provided machine the provider stopped listing counts as missing.
+    let listed = seeded
+        .iter()
+        .find(|m| m.provider_id.is_some())
+        .expect("a provided machine")
+        .id;
+    db.transact(move |tx| {
+        Box::pin(async move {
+            let mut p = tx.provided(listed).await?.expect("provided");
+            p.status = Some(ProviderStatus::Missing);
+            tx.set_provided(listed, &p).await
+        })
+    })
+    .await
+    .unwrap();
+    assert_eq!(fleet_counts(&db).await.missing, 1);
 
     // As upstream counts: an Error report of the current generation is installed (no longer
     // pending), and counted among the failed ones too.

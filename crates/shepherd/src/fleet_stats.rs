@@ -51,6 +51,7 @@ pub struct FleetStats {
     install_failed: Gauge,
     maintenance: Gauge,
     decommissioned: Gauge,
+    missing: Gauge,
     eligible: Family<ProcessLabel, Gauge>,
     work: Family<ProcessLabel, Gauge>,
     backoffs: Family<ProcessLabel, Gauge>,
@@ -149,6 +150,11 @@ impl FleetStats {
             "machines_decommissioned",
             "Provider ids an operator decommissioned (the provisioner leaves them alone)",
             self.decommissioned.clone(),
+        );
+        r.register(
+            "machines_missing",
+            "Provided machines their provider no longer lists (status Missing): their work stops until they come back or are decommissioned",
+            self.missing.clone(),
         );
         r.register(
             "machines_eligible",
@@ -291,6 +297,7 @@ impl FleetStats {
         self.install_failed.set(counts.install_failed);
         self.maintenance.set(counts.maintenance);
         self.decommissioned.set(counts.decommissioned);
+        self.missing.set(counts.missing);
         self.set_fixed_series(
             &counts.provided,
             &eligible.into_iter().collect::<Vec<_>>(),
@@ -492,11 +499,13 @@ mod tests {
                 ];
                 for (n, (started, beat, request, report)) in fleet.into_iter().enumerate() {
                     let id = tx.create_machine().await?;
-                    tx.set_provided(
-                        id,
-                        &shepherd_bmdb::Provided::new(Provider::Equinix, n.to_string()),
-                    )
-                    .await?;
+                    let mut provided =
+                        shepherd_bmdb::Provided::new(Provider::Equinix, n.to_string());
+                    if n == 0 {
+                        // The provider stopped listing it.
+                        provided.status = Some(shepherd_bmdb::ProviderStatus::Missing);
+                    }
+                    tx.set_provided(id, &provided).await?;
                     if let Some(m) = started {
                         tx.set_agent_started_at(id, Some(now - D::minutes(m)), &[n as u8 + 1; 32])
                             .await?;
@@ -522,6 +531,7 @@ mod tests {
             ),
             ("shepherd_fleet_machines_heartbeating", 3.0),
             ("shepherd_fleet_machines_stale", 1.0),
+            ("shepherd_fleet_machines_missing", 1.0),
             ("shepherd_fleet_machines_pending_install", 3.0),
             ("shepherd_fleet_machines_installed", 1.0),
             (

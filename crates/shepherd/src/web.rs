@@ -352,6 +352,14 @@ fn fleet_counts(c: &FleetCounts) -> Markup {
             span { "in backoff " strong data-count="backoffs" { (backoffs) } }
             span { "in maintenance " strong data-count="maintenance" { (c.maintenance) } }
             span { "decommissioned " strong data-count="decommissioned" { (c.decommissioned) } }
+            span { "missing " strong data-count="missing" { (c.missing) } }
+        }
+        @if c.missing > 0 {
+            p.warn id="missing" data-missing=(c.missing) {
+                (c.missing) " machine(s) are no longer listed by their provider: their work has stopped, and provisioning goes on while they stay within --provisioner-max-missing (10 % by default); beyond it every provisioner pass refuses to act. "
+                "If they were removed on purpose, retire each with " code { "shepherd machines decommission ID" } "; "
+                code { "shepherd machines list" } " shows their provider status."
+            }
         }
     }
 }

@@ -261,7 +261,11 @@ async fn taken_over_machine(db: &Bmdb) -> Uuid {
         let report = report.clone();
         Box::pin(async move {
             tx.set_heartbeat(id).await?;
-            tx.set_hardware_report(id, &report).await
+            tx.set_hardware_report(id, &report).await?;
+            // Then its provider stopped listing it.
+            let mut p = tx.provided(id).await?.expect("provided");
+            p.status = Some(ProviderStatus::Missing);
+            tx.set_provided(id, &p).await
         })
     })
     .await
@@ -295,6 +299,13 @@ async fn web_ui_shows_what_the_bmdb_holds() {
         want.len().to_string()
     );
     assert_eq!(text(&c, "[data-count=heartbeating]").await, "4");
+    assert_eq!(text(&c, "[data-count=missing]").await, "1");
+    let missing = text(&c, "#missing").await;
+    assert!(
+        missing.contains("shepherd machines decommission ID")
+            && missing.contains("--provisioner-max-missing"),
+        "the missing machines' notice names the remedies: {missing}"
+    );
     std::fs::write(shots.join("machines.png"), c.screenshot().await.unwrap()).unwrap();
 
     // Filter by state through the form.

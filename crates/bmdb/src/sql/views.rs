@@ -49,6 +49,7 @@ struct FleetRow {
     machines: i64,
     maintenance: i64,
     decommissioned: i64,
+    missing: i64,
     agent_started: i64,
     heartbeating: i64,
     stale: i64,
@@ -69,7 +70,7 @@ from_columns! {
         sessions_expired: get, history_entries: get,
     }
     FleetRow {
-        machines: get, maintenance: get, decommissioned: get, agent_started: get,
+        machines: get, maintenance: get, decommissioned: get, missing: get, agent_started: get,
         heartbeating: get, stale: get, pending_install: get, installed: get, install_failed: get,
     }
     ForeignKeyProblem { table: get, parent: get }
@@ -225,6 +226,8 @@ impl Tx {
             "SELECT (SELECT count(*) FROM machines) AS machines,
                     (SELECT count(*) FROM machine_maintenance) AS maintenance,
                     (SELECT count(*) FROM decommissioned) AS decommissioned,
+                    (SELECT count(*) FROM machine_provided
+                      WHERE status = 'Missing') AS missing,
                     (SELECT count(*) FROM machine_agent_started) AS agent_started,
                     (SELECT count(*) FROM machine_agent_heartbeat
                       WHERE heartbeat_at > {ago}) AS heartbeating,
@@ -252,6 +255,7 @@ impl Tx {
             backoffs,
             maintenance: row.maintenance,
             decommissioned: row.decommissioned,
+            missing: row.missing,
         })
     }
 
