@@ -100,6 +100,7 @@ fn kind_of(method: &str, path: &str) -> String {
     let shape = match parts.as_slice() {
         ["v1", "nodes", _, rest @ ..] if !rest.is_empty() => format!("node/{}", rest.join("/")),
         ["v1", "nodes", _] => "node".to_string(),
+        ["v1", "allocations", _] => "allocation".to_string(),
         other => other.join("/"),
     };
     format!("{method} {shape}")
@@ -281,8 +282,9 @@ fn settings(workers: usize, n: usize) -> FleetSettings {
     }
 }
 
-/// One replica over a fresh SQLite BMDB, until every node's agent heartbeats.
-async fn shepherd_replica(proxy: &FaultProxy, args: &Args) -> Result<Ours> {
+/// `replicas` replicas of one deployment over one fresh SQLite BMDB (each with its own
+/// provider, as separate processes would have), until every node's agent heartbeats.
+async fn shepherd_replicas(proxy: &FaultProxy, args: &Args, replicas: usize) -> Result<Ours> {
     let dir = tempfile::Builder::new()
         .prefix("shepherd-bench-ironic-")
         .tempdir()?;
@@ -309,28 +311,36 @@ async fn shepherd_replica(proxy: &FaultProxy, args: &Args) -> Result<Ours> {
             failures: Default::default(),
         }),
     );
-    let client = Client::new(
-        &proxy.url(),
-        shepherd_ironic::Auth::None,
-        RetryPolicy::default(),
-        Arc::new(CallMetrics::default()),
-    )?;
-    let mut config = IronicConfig::new("bench", KEY);
-    config.selector.resource_class = Some(RESOURCE_CLASS.into());
-    config.address_from_inventory = false;
-    // Fake deploys finish within a second or two here; real ones take minutes.
-    config.deploy_wait = Duration::from_secs(2);
-    let provider = Arc::new(IronicProvider::connect(client, config).await?);
+    let mut providers = Vec::new();
+    for _ in 0..replicas {
+        let client = Client::new(
+            &proxy.url(),
+            shepherd_ironic::Auth::None,
+            RetryPolicy::default(),
+            Arc::new(CallMetrics::default()),
+        )?;
+        let mut config = IronicConfig::new("bench", KEY);
+        config.selector.resource_class = Some(RESOURCE_CLASS.into());
+        config.address_from_inventory = false;
+        // Fake deploys finish within a second or two here; real ones take minutes.
+        config.deploy_wait = Duration::from_secs(2);
+        providers.push(Arc::new(IronicProvider::connect(client, config).await?));
+    }
 
     let cancel = CancellationToken::new();
     let started = Instant::now();
-    let loops = tokio::spawn(run_loops(
-        db.clone(),
-        provider,
-        fleet.clone(),
-        settings(args.workers, args.nodes),
-        cancel.clone(),
-    ));
+    let loops: Vec<_> = providers
+        .into_iter()
+        .map(|provider| {
+            tokio::spawn(run_loops(
+                db.clone(),
+                provider,
+                fleet.clone(),
+                settings(args.workers, args.nodes),
+                cancel.clone(),
+            ))
+        })
+        .collect();
     let n = args.nodes as i64;
     let mut last_progress = Instant::now();
     let outcome = loop {
@@ -360,13 +370,35 @@ async fn shepherd_replica(proxy: &FaultProxy, args: &Args) -> Result<Ours> {
         tokio::time::sleep(POLL).await;
     };
     cancel.cancel();
-    loops.await.context("the loops panicked")??;
+    for replica in loops {
+        replica.await.context("the loops panicked")??;
+    }
     fleet.stop_agents();
     server.close().await?;
     Ok(Ours {
         to_heartbeating: outcome?,
         takeovers: fleet.counters().takeovers,
     })
+}
+
+/// `replicas` replicas of ours on a fresh Ironic with the benchmark's nodes: what they did and
+/// the requests Ironic answered.
+async fn ours_on_a_fresh_ironic(args: &Args, replicas: usize) -> Result<(Ours, Calls)> {
+    let n = args.nodes;
+    eprintln!("ours, {replicas} replica(s): a fresh Ironic with {n} fake-hardware nodes");
+    let (_ironic, proxy, enrol) = ironic_with_nodes(n).await?;
+    eprintln!(
+        "  enrolled in {:.1} s; {} workers per replica",
+        enrol.as_secs_f64(),
+        args.workers
+    );
+    let ours = shepherd_replicas(&proxy, args, replicas).await?;
+    let calls = Calls::of(&proxy);
+    eprintln!(
+        "  all heartbeating in {:.1} s: {calls:?}",
+        ours.to_heartbeating.as_secs_f64()
+    );
+    Ok((ours, calls))
 }
 
 pub async fn run(args: Args) -> Result<()> {
@@ -390,35 +422,28 @@ pub async fn run(args: Args) -> Result<()> {
     drop(proxy);
     drop(ironic);
 
-    eprintln!("ours: a fresh Ironic with {n} fake-hardware nodes");
-    let (ironic, proxy, enrol) = ironic_with_nodes(n).await?;
-    eprintln!(
-        "  enrolled in {:.1} s; one replica, {} workers",
-        enrol.as_secs_f64(),
-        args.workers
-    );
-    let ours = shepherd_replica(&proxy, &args).await?;
-    let calls = Calls::of(&proxy);
-    eprintln!(
-        "  all heartbeating in {:.1} s: {calls:?}",
-        ours.to_heartbeating.as_secs_f64()
-    );
-    drop(proxy);
-    drop(ironic);
+    let (ours, calls) = ours_on_a_fresh_ironic(&args, 1).await?;
+    let (two, two_calls) = ours_on_a_fresh_ironic(&args, 2).await?;
 
-    let md = report(&args, direct, &direct_calls, &ours, &calls);
+    let md = report(
+        &args,
+        direct,
+        &direct_calls,
+        &[(&ours, &calls), (&two, &two_calls)],
+    );
     print!("{md}");
     std::fs::write(&args.out, &md)?;
     Ok(())
 }
 
+/// The report; `runs` are ours with one replica, then with two.
 fn report(
     args: &Args,
     direct: Duration,
     direct_calls: &Calls,
-    ours: &Ours,
-    calls: &Calls,
+    runs: &[(&Ours, &Calls); 2],
 ) -> String {
+    let [(ours, calls), (two, two_calls)] = *runs;
     let n = args.nodes;
     let per_node = |c: &Calls| c.per_node_total() as f64 / n as f64;
     let table = |c: &Calls| {
@@ -438,7 +463,7 @@ fn report(
     md += "# Ironic benchmark\n\n";
     md += &format!(
         "{n} nodes of Ironic's `fake-hardware` type in a standalone Ironic 39 (one all-in-one process, SQLite), from `available` to an agent heartbeating on every node. \
-         **Ours:** one replica (the loops `shepherd run` starts: provisioner passes every 2 s, {w} initializer workers, SQLite BMDB), the simulated transport ({t:?} per takeover, no sshd) and the real agent's heartbeat code on every machine against the BMaaS server over loopback TLS. \
+         **Ours:** one replica (the loops `shepherd run` starts: provisioner passes every 2 s, {w} initializer workers, SQLite BMDB) claiming nodes through Ironic's Allocation API, then, on another fresh Ironic, two replicas of one deployment on one BMDB racing for the same nodes; the simulated transport ({t:?} per takeover, no sshd) and the real agent's heartbeat code on every machine against the BMaaS server over loopback TLS. \
          **Baseline:** the least a client can do to deploy the same nodes: per node one reservation PATCH and one deploy PUT with a config drive, {w} at a time, then a node listing every {p:?} until every node is `active` (no takeover, no agent). \
          Each side gets a fresh Ironic; every request goes through a counting proxy. Both share the machine (2 cores) with Ironic.\n\n",
         w = args.workers,
@@ -452,11 +477,18 @@ fn report(
         ours.takeovers
     );
     md += &format!(
+        "| ours, two replicas: enrolled → heartbeating | {:.1} s | {} |\n",
+        two.to_heartbeating.as_secs_f64(),
+        two.takeovers
+    );
+    md += &format!(
         "| baseline: enrolled → active | {:.1} s | – |\n\n",
         direct.as_secs_f64()
     );
-    md += "Requests Ironic answered, ours:\n\n| request | count | per node |\n|---|---|---|\n";
+    md += "Requests Ironic answered, ours (one replica):\n\n| request | count | per node |\n|---|---|---|\n";
     md += &table(calls);
+    md += "\nRequests Ironic answered, ours (two replicas):\n\n| request | count | per node |\n|---|---|---|\n";
+    md += &table(two_calls);
     md +=
         "\nRequests Ironic answered, baseline:\n\n| request | count | per node |\n|---|---|---|\n";
     md += &table(direct_calls);
@@ -471,6 +503,14 @@ fn report(
         ours.to_heartbeating.as_secs_f64() / direct.as_secs_f64()
     );
     md += &format!("ironic_api_calls_per_node = {:.2}\n", per_node(calls));
+    md += &format!(
+        "ironic_api_calls_per_node_two_replicas = {:.2}\n",
+        per_node(two_calls)
+    );
+    md += &format!(
+        "ironic_1000_nodes_to_heartbeating_two_replicas_s = {:.1}\n",
+        two.to_heartbeating.as_secs_f64()
+    );
     md += &format!(
         "ironic_api_calls_per_node_with_listings = {:.2}\n",
         (calls.per_node_total() + calls.lists) as f64 / n as f64
@@ -494,5 +534,7 @@ mod tests {
             "PUT node/states/provision"
         );
         assert_eq!(kind_of("GET", "/v1/"), "GET v1");
+        assert_eq!(kind_of("POST", "/v1/allocations"), "POST v1/allocations");
+        assert_eq!(kind_of("GET", "/v1/allocations/abc"), "GET allocation");
     }
 }

@@ -17,7 +17,10 @@ use shepherd_loops::retry::AttemptError;
 pub use shepherd_loops::retry::RetryPolicy;
 use shepherd_loops::settings::InvalidSetting;
 
-use crate::model::{ApiVersion, ErrorBody, Node, NodeList, PatchOp, NODE_FIELDS};
+use crate::model::{
+    Allocation, ApiVersion, ErrorBody, Node, NodeList, PatchOp, Port, PortList, ALLOCATION_FIELDS,
+    NODE_FIELDS,
+};
 
 /// The microversion every request asks for. 1.81 is the oldest that has everything the
 /// provider uses: the config drive as JSON (1.56), node owners (1.50), conductor groups (1.46)
@@ -272,12 +275,26 @@ impl Client {
     /// Every node matching `filters` (Ironic's own query parameters), with the fields the
     /// provider reads, page by page.
     pub async fn list_nodes(&self, filters: &[(&str, &str)]) -> Result<Vec<Node>, ApiError> {
+        self.list_nodes_with(filters, "").await
+    }
+
+    /// [`Self::list_nodes`] with `more` fields (comma-separated) read too, such as
+    /// `instance_info` at start-up (too large to read on every pass).
+    pub async fn list_nodes_with(
+        &self,
+        filters: &[(&str, &str)],
+        more: &str,
+    ) -> Result<Vec<Node>, ApiError> {
+        let fields = match more {
+            "" => NODE_FIELDS.to_string(),
+            more => format!("{NODE_FIELDS},{more}"),
+        };
         let query = {
             let mut query = url::form_urlencoded::Serializer::new(String::new());
             for (k, v) in filters {
                 query.append_pair(k, v);
             }
-            query.append_pair("fields", NODE_FIELDS);
+            query.append_pair("fields", &fields);
             query.append_pair("limit", &PAGE_LIMIT.to_string());
             query.finish()
         };
@@ -322,8 +339,8 @@ impl Client {
     ) -> Result<Node, ApiError> {
         let body = serde_json::to_value(ops).map_err(|e| ApiError::Decode(e.to_string()))?;
         let path = format!("/v1/nodes/{}", segment(id));
-        let _: serde_json::Value = self
-            .api
+        // The answer is the whole node, the fields the provider reads among them.
+        self.api
             .call(
                 call,
                 Method::PATCH,
@@ -331,9 +348,70 @@ impl Client {
                 Some(body),
                 ApiError::not_applied,
             )
+            .await
+    }
+
+    /// Creates an allocation (`body` as Ironic takes it: `name`, `resource_class`,
+    /// `candidate_nodes`, `traits`, `owner`, `extra`). Ironic answers at once, usually still
+    /// `allocating`; a conductor picks the node in the background. Retried only when the
+    /// request was certainly not applied (a name already taken is a conflict, not a retry).
+    pub async fn create_allocation(&self, body: serde_json::Value) -> Result<Allocation, ApiError> {
+        self.api
+            .call(
+                "create_allocation",
+                Method::POST,
+                "/v1/allocations",
+                Some(body),
+                ApiError::not_applied,
+            )
+            .await
+    }
+
+    /// The ports of node `id` (at most a page: a node has a handful).
+    pub async fn list_ports(&self, id: &str) -> Result<Vec<Port>, ApiError> {
+        let path = format!(
+            "/v1/ports?node={}&fields=uuid,address&limit={PAGE_LIMIT}",
+            segment(id)
+        );
+        let page: PortList = self
+            .api
+            .call("list_ports", Method::GET, &path, None, ApiError::transient)
             .await?;
-        // The PATCH answer carries every field; read the ones the provider uses.
-        self.get_node(id).await
+        Ok(page.ports)
+    }
+
+    /// One allocation, by id or name.
+    pub async fn get_allocation(&self, id: &str) -> Result<Allocation, ApiError> {
+        let path = format!("/v1/allocations/{}?fields={ALLOCATION_FIELDS}", segment(id));
+        self.api
+            .call(
+                "get_allocation",
+                Method::GET,
+                &path,
+                None,
+                ApiError::transient,
+            )
+            .await
+    }
+
+    /// Deletes an allocation, which frees its node (Ironic refuses while the node is deployed
+    /// and not in maintenance). One already gone is success.
+    pub async fn delete_allocation(&self, id: &str) -> Result<(), ApiError> {
+        let path = format!("/v1/allocations/{}", segment(id));
+        match self
+            .api
+            .call::<serde_json::Value, ApiError>(
+                "delete_allocation",
+                Method::DELETE,
+                &path,
+                None,
+                ApiError::not_applied,
+            )
+            .await
+        {
+            Ok(_) | Err(ApiError::NotFound { .. }) => Ok(()),
+            Err(e) => Err(e),
+        }
     }
 
     /// Requests a provision state change (`active`, `deleted`, …) with `body` (its `target`

@@ -4,8 +4,13 @@
 use serde::{Deserialize, Serialize};
 use shepherd_bmdb::ProviderFacts;
 
-/// The node fields every read asks for (`?fields=`), so that listings stay small.
-pub const NODE_FIELDS: &str = "uuid,name,provision_state,provision_updated_at,target_provision_state,maintenance,maintenance_reason,instance_uuid,extra,resource_class,conductor_group,owner,last_error,power_state,properties,driver,deploy_interface";
+/// The node fields every read asks for (`?fields=`), so that listings stay small. Not
+/// `allocation_uuid`: Ironic 39 answers a listing that asks for it with a 500; a node held by
+/// an allocation has the allocation's id as its `instance_uuid`.
+pub const NODE_FIELDS: &str = "uuid,name,provision_state,provision_updated_at,target_provision_state,maintenance,maintenance_reason,instance_uuid,extra,resource_class,conductor_group,owner,last_error,power_state,properties,driver,deploy_interface,traits";
+
+/// The allocation fields every read asks for.
+pub const ALLOCATION_FIELDS: &str = "uuid,name,state,node_uuid,last_error,created_at";
 
 /// An API microversion, `major.minor`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -98,6 +103,56 @@ pub struct Node {
     /// How Ironic deploys it (`direct`, `ramdisk`, `fake`, …).
     #[serde(default)]
     pub deploy_interface: Option<String>,
+    /// What the deploy uses (`image_source`, …); read only at start-up (see
+    /// [`crate::Client::list_nodes_with`]), empty otherwise.
+    #[serde(default)]
+    pub instance_info: serde_json::Map<String, serde_json::Value>,
+    /// The node's traits (`CUSTOM_GPU`, `HW_CPU_X86_AVX2`, …).
+    #[serde(default, deserialize_with = "null_as_empty")]
+    pub traits: Vec<String>,
+}
+
+/// `null` read as an empty list (Ironic sends `null` for a node without traits).
+fn null_as_empty<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    Ok(Option::<Vec<String>>::deserialize(d)?.unwrap_or_default())
+}
+
+/// A port of a node (`/v1/ports`): one of its network interfaces.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct Port {
+    /// The port's id.
+    pub uuid: String,
+    /// Its MAC address.
+    pub address: String,
+}
+
+/// A page of `GET /v1/ports`.
+#[derive(Debug, Deserialize)]
+pub struct PortList {
+    /// The ports.
+    pub ports: Vec<Port>,
+}
+
+/// An allocation (`/v1/allocations`): Ironic's reservation of one node for one instance. Its
+/// id becomes the node's `instance_uuid`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct Allocation {
+    /// The allocation's id.
+    pub uuid: String,
+    /// Its unique name.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// `allocating`, `active` or `error`.
+    pub state: String,
+    /// The node it holds, once `active`.
+    #[serde(default)]
+    pub node_uuid: Option<String>,
+    /// Why it is in `error`.
+    #[serde(default)]
+    pub last_error: Option<String>,
+    /// When it was created.
+    #[serde(default)]
+    pub created_at: Option<chrono::DateTime<chrono::FixedOffset>>,
 }
 
 impl Node {

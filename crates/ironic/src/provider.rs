@@ -22,7 +22,7 @@
 //!   cleans it and makes it `available` again, for other clients: the decommission bars it
 //!   from this deployment).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -37,7 +37,7 @@ use shepherd_loops::provider::{
 use shepherd_loops::settings::InvalidSetting;
 
 use crate::client::{ApiError, Client, Conflict};
-use crate::model::{Node, PatchOp};
+use crate::model::{Allocation, Node, PatchOp};
 
 /// The `extra` key that names the deployment that reserved a node.
 pub const DEPLOYMENT_KEY: &str = "shepherd_deployment";
@@ -59,6 +59,9 @@ pub struct Selector {
     pub owner: Option<String>,
     /// A key of the node's `extra` and the text it must hold.
     pub extra: Option<(String, String)>,
+    /// Traits the node must have (`--ironic-trait`, repeatable); also asked of Ironic in each
+    /// allocation, so it schedules by them.
+    pub traits: Vec<String>,
 }
 
 impl Selector {
@@ -77,6 +80,19 @@ impl Selector {
                 );
             }
             *group = group.to_ascii_lowercase();
+        }
+        // Ironic's trait names: upper-case letters, digits and '_', at most 255.
+        let trait_name = |t: &String| {
+            !t.is_empty()
+                && t.len() <= 255
+                && t.chars()
+                    .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
+        };
+        if let Some(t) = self.traits.iter().find(|t| !trait_name(t)) {
+            return bad(
+                "ironic-trait",
+                &format!("{t:?}: a trait is 1 to 255 upper-case letters, digits or '_' (CUSTOM_GPU, HW_CPU_X86_AVX2)"),
+            );
         }
         // (setting, value, longest Ironic accepts)
         let lengths = [
@@ -129,6 +145,7 @@ impl Selector {
             && self.extra.as_ref().is_none_or(|(k, v)| {
                 node.field(&format!("extra.{k}")).as_deref() == Some(v.as_str())
             })
+            && self.traits.iter().all(|t| node.traits.contains(t))
     }
 }
 
@@ -151,6 +168,12 @@ pub struct IronicConfig {
     pub selector: Selector,
     /// The image to deploy; `None` leaves it to the deploy interface's defaults.
     pub image: Option<Image>,
+    /// Put `network_data` into each config drive, from the node's ports (DHCP on each), for
+    /// images whose cloud-init configures the network from it (`--ironic-network-data`).
+    pub network_data: bool,
+    /// Deploy the image the operator set in each node's `instance_info` (`image_source`),
+    /// instead of one image for all (`--ironic-image-from-node`); Shepherd never touches it.
+    pub image_from_node: bool,
     /// Shepherd's SSH public key (OpenSSH line), put into each node's config drive.
     pub ssh_public_key: String,
     /// The node field holding the address to reach it over SSH (`host` or `host:port`).
@@ -180,6 +203,8 @@ impl IronicConfig {
             deployment: deployment.into(),
             selector: Selector::default(),
             image: None,
+            image_from_node: false,
+            network_data: false,
             ssh_public_key: ssh_public_key.trim().into(),
             address_field: Some("extra.ssh_address".into()),
             address_from_inventory: true,
@@ -210,6 +235,12 @@ impl IronicConfig {
             return bad(
                 "ssh-key",
                 "the SSH public key is not an OpenSSH public key line",
+            );
+        }
+        if self.image.is_some() && self.image_from_node {
+            return bad(
+                "ironic-image-from-node",
+                "deploys the image each node names; it excludes --ironic-image",
             );
         }
         if let Some(image) = &self.image {
@@ -254,6 +285,22 @@ pub enum IronicError {
         /// Ironic's maintenance reason.
         reason: String,
     },
+    /// An allocation was still not placed when the provider stopped waiting.
+    #[error("Ironic did not place the allocation of node {node} within {waited:?}")]
+    AllocationStuck {
+        /// The node.
+        node: String,
+        /// How long it waited.
+        waited: Duration,
+    },
+    /// Ironic failed to process the allocations of a node on its own, every attempt.
+    #[error("Ironic failed to process the allocation of node {node}: {last_error}")]
+    AllocationFailed {
+        /// The node.
+        node: String,
+        /// Ironic's `last_error` of the last attempt.
+        last_error: String,
+    },
     /// A node the provider was asked to adopt is not ours (any more).
     #[error("node {0} is not reserved by this deployment")]
     NotOurs(String),
@@ -271,6 +318,9 @@ impl From<IronicError> for ProviderError {
                 error: ApiError::Unavailable { .. } | ApiError::Connect(_) | ApiError::Transport(_),
                 ..
             } => ProviderError::Unavailable(Box::new(e)),
+            e @ (IronicError::AllocationStuck { .. } | IronicError::AllocationFailed { .. }) => {
+                ProviderError::Unavailable(Box::new(e))
+            }
             e => ProviderError::Api(Box::new(e)),
         }
     }
@@ -312,6 +362,8 @@ pub struct IronicProvider {
     inventory_addresses: Mutex<HashMap<String, String>>,
     /// Nodes whose reservation or deploy Ironic refused, skipped for a while.
     refused: PenaltyBox<String>,
+    /// Allocations found to be another client's (see [`Self::partial_claim`]).
+    foreign_allocations: Mutex<HashSet<String>>,
 }
 
 impl IronicProvider {
@@ -322,8 +374,10 @@ impl IronicProvider {
         let version = client.negotiate().await?;
         tracing::info!(url = client.root(), %version, pinned = %crate::client::PINNED_VERSION, deployment = config.deployment, "Ironic API reached");
         if config.image.is_none() {
-            let nodes = client.list_nodes(&config.selector.query()).await?;
-            needs_no_image(&config.selector, &nodes)?;
+            let nodes = client
+                .list_nodes_with(&config.selector.query(), "instance_info")
+                .await?;
+            needs_no_image(&config.selector, &nodes, config.image_from_node)?;
         }
         let refused = PenaltyBox::new(config.refused_penalty);
         Ok(IronicProvider {
@@ -331,6 +385,7 @@ impl IronicProvider {
             config,
             inventory_addresses: Mutex::new(HashMap::new()),
             refused,
+            foreign_allocations: Mutex::new(HashSet::new()),
         })
     }
 
@@ -351,9 +406,13 @@ impl IronicProvider {
                 == Some(self.config.deployment.as_str())
     }
 
+    /// Whether `node` is free to take: `available`, not in maintenance, no instance, its
+    /// power state known (Ironic allocates no node without one: its BMC was never reached),
+    /// matching the selector and not skipped.
     fn unused(&self, node: &Node) -> bool {
         node.state() == "available"
             && !node.maintenance
+            && node.power_state.is_some()
             && node.instance_uuid.is_none()
             && self.config.selector.matches(node)
             && !self.refused.is_penalized(&node.uuid)
@@ -423,6 +482,8 @@ impl IronicProvider {
         m.status = Some(status);
         m.location = node.conductor_group.clone().filter(|g| !g.is_empty());
         m.facts = node.facts();
+        // The claim: a node claimed again later (after an undeploy) is a new machine.
+        m.reservation = node.instance_uuid.clone();
         if m.failed {
             let cause = node.last_error.as_deref().unwrap_or(if timed_out {
                 "the deploy did not finish within ironic-deploy-timeout"
@@ -438,13 +499,28 @@ impl IronicProvider {
         m
     }
 
-    /// Reserves `node` for this deployment: one patch that sets a fresh `instance_uuid`, our
-    /// deployment id and the image. When the answer is lost, the node is read to learn whether
-    /// the patch took.
-    async fn reserve(&self, uuid: &str) -> Result<Node, ProviderError> {
-        let instance = uuid::Uuid::new_v4().to_string();
+    /// Reserves node `uuid` for this deployment. A node with a resource class (every node
+    /// Ironic can schedule has one) is claimed through an allocation ([`Self::allocate`]),
+    /// then marked as ours with one patch ([`Self::mark`]). A node without one cannot be
+    /// allocated, and is reserved as before allocations: one patch that sets a fresh
+    /// `instance_uuid` with the marks.
+    async fn reserve(
+        &self,
+        uuid: &str,
+        resource_class: Option<&str>,
+    ) -> Result<Node, ProviderError> {
+        match resource_class.filter(|rc| !rc.is_empty()) {
+            Some(rc) => {
+                self.allocate(uuid, rc).await?;
+                Ok(self.mark(uuid).await?)
+            }
+            None => self.reserve_by_instance_uuid(uuid).await,
+        }
+    }
+
+    /// The patch that marks a node as this deployment's: our id, when, and the image.
+    fn mark_ops(&self) -> Vec<PatchOp> {
         let mut ops = vec![
-            PatchOp::add("/instance_uuid", instance.clone()),
             PatchOp::add(
                 format!("/extra/{DEPLOYMENT_KEY}"),
                 self.config.deployment.clone(),
@@ -464,6 +540,212 @@ impl IronicProvider {
                 image.checksum.clone(),
             ));
         }
+        ops
+    }
+
+    /// Marks an allocated node as ours. If this fails the node stays allocated under our
+    /// allocation's name, and a later listing finds it as a claim cut short
+    /// ([`Self::partial_claim`]) and adopts it.
+    async fn mark(&self, uuid: &str) -> Result<Node, IronicError> {
+        self.client
+            .patch_node("mark_node", uuid, &self.mark_ops())
+            .await
+            .map_err(api("mark_node", uuid))
+    }
+
+    /// Claims node `uuid` through Ironic's Allocation API: an allocation named after this
+    /// deployment and the node ([`allocation_name`]), with the node as its only candidate, the
+    /// node's resource class, the selector's traits and owner. Replicas racing for the node
+    /// race on that name: the loser gets a conflict, never a second allocation. Waits until
+    /// the conductor has placed it; one that ends in `error` (the node was taken or changed
+    /// since it was listed) is deleted and the node skipped for a while.
+    async fn allocate(
+        &self,
+        uuid: &str,
+        resource_class: &str,
+    ) -> Result<Allocation, ProviderError> {
+        let name = allocation_name(&self.config.deployment, uuid);
+        let mut body = serde_json::json!({
+            "name": name,
+            "resource_class": resource_class,
+            "candidate_nodes": [uuid],
+            "extra": { DEPLOYMENT_KEY: self.config.deployment },
+        });
+        if !self.config.selector.traits.is_empty() {
+            body["traits"] = serde_json::json!(self.config.selector.traits);
+        }
+        if let Some(owner) = &self.config.selector.owner {
+            body["owner"] = serde_json::json!(owner);
+        }
+        let mut attempt = 1;
+        loop {
+            let created = match self.client.create_allocation(body.clone()).await {
+                Ok(a) => a,
+                Err(ApiError::Conflict { message, .. }) => {
+                    return Err(self.name_taken(&name, &message).await);
+                }
+                Err(e) if !e.not_applied() && e.transient() => {
+                    // It may have been made; if so, a later listing finds it by its name.
+                    return Err(ProviderError::Taken(format!(
+                        "allocating node {uuid} answered with an error ({e}); if the allocation was made, a later pass adopts the node"
+                    )));
+                }
+                Err(e) => {
+                    if matches!(e, ApiError::Refused { .. }) {
+                        self.refused.penalize(uuid.to_string());
+                    }
+                    return Err(api("create_allocation", uuid)(e).into());
+                }
+            };
+            let placed = self.placed(created, uuid).await?;
+            if placed.state == "active" && placed.node_uuid.as_deref() == Some(uuid) {
+                return Ok(placed);
+            }
+            if let Err(e) = self.client.delete_allocation(&placed.uuid).await {
+                tracing::warn!(node = uuid, allocation = placed.uuid, error = %e, "deleting a failed allocation failed; the next claim of the node deletes it");
+            }
+            let last_error = placed.last_error.unwrap_or_else(|| "no last_error".into());
+            if !last_error.starts_with(IRONIC_FAULT) {
+                // The node was taken or changed since it was listed.
+                self.refused.penalize(uuid.to_string());
+                return Err(ProviderError::Taken(format!(
+                    "Ironic could not allocate node {uuid}: {last_error}"
+                )));
+            }
+            // Ironic failed on its own (its database was busy, say): not the node's fault.
+            if attempt == ALLOCATION_ATTEMPTS {
+                return Err(IronicError::AllocationFailed {
+                    node: uuid.to_string(),
+                    last_error,
+                }
+                .into());
+            }
+            tracing::debug!(
+                node = uuid,
+                attempt,
+                last_error,
+                "Ironic failed to process an allocation; trying again"
+            );
+            let pause = 100 * attempt as u64;
+            tokio::time::sleep(Duration::from_millis(pause + rand::random_range(0..pause))).await;
+            attempt += 1;
+        }
+    }
+
+    /// The allocation once the conductor has placed it (`active` or `error`), read every
+    /// 100 ms doubling to 2 s. One still `allocating` after [`ALLOCATION_WAIT`] is deleted
+    /// (the conductor is stuck or gone): Ironic is not answering, which is not the node's
+    /// fault.
+    async fn placed(
+        &self,
+        mut allocation: Allocation,
+        uuid: &str,
+    ) -> Result<Allocation, IronicError> {
+        let started = std::time::Instant::now();
+        let mut pause = Duration::from_millis(100);
+        while allocation.state == "allocating" {
+            if started.elapsed() > ALLOCATION_WAIT {
+                if let Err(e) = self.client.delete_allocation(&allocation.uuid).await {
+                    tracing::warn!(node = uuid, allocation = allocation.uuid, error = %e, "deleting an allocation that never finished failed");
+                }
+                return Err(IronicError::AllocationStuck {
+                    node: uuid.to_string(),
+                    waited: ALLOCATION_WAIT,
+                });
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(2));
+            allocation = self
+                .client
+                .get_allocation(&allocation.uuid)
+                .await
+                .map_err(api("get_allocation", uuid))?;
+        }
+        Ok(allocation)
+    }
+
+    /// Why an allocation name of ours was taken: another replica of this deployment is
+    /// claiming the node (taken), or an earlier claim's allocation failed and was left behind
+    /// (deleted now, so that the node can be claimed again on a later pass).
+    async fn name_taken(&self, name: &str, message: &str) -> ProviderError {
+        match self.client.get_allocation(name).await {
+            Ok(a) if a.state == "error" => {
+                if let Err(e) = self.client.delete_allocation(&a.uuid).await {
+                    tracing::warn!(allocation = name, error = %e, "deleting a failed allocation failed");
+                }
+                ProviderError::Taken(format!(
+                    "allocation {name} had failed ({}); deleted, the node is claimed again on a later pass",
+                    a.last_error.as_deref().unwrap_or("no last_error")
+                ))
+            }
+            _ => ProviderError::Taken(format!(
+                "allocation {name} exists: another replica of this deployment is claiming the node ({message})"
+            )),
+        }
+    }
+
+    /// Whether `node`, held by an allocation but without any deployment's marks, is a claim
+    /// of ours cut short (a replica stopped between allocating and marking it): its
+    /// allocation carries our name for it. Allocations found foreign are remembered, so each
+    /// costs one read per process.
+    async fn partial_claim(&self, node: &Node) -> Result<Option<Allocation>, ApiError> {
+        // A node held by an allocation has the allocation's id as its instance.
+        let Some(id) = node.instance_uuid.as_deref() else {
+            return Ok(None);
+        };
+        if node.extra.contains_key(DEPLOYMENT_KEY)
+            || self.foreign_allocations.lock().unwrap().contains(id)
+        {
+            return Ok(None);
+        }
+        let ours = allocation_name(&self.config.deployment, &node.uuid);
+        match self.client.get_allocation(id).await {
+            Ok(a) if a.name.as_deref() == Some(ours.as_str()) => Ok(Some(a)),
+            Ok(_) | Err(ApiError::NotFound { .. }) => {
+                self.foreign_allocations
+                    .lock()
+                    .unwrap()
+                    .insert(id.to_string());
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Marks a node whose claim of ours was cut short after its allocation, once the claim is
+    /// older than the orphan grace (until then, another replica may still be marking it).
+    async fn finish_partial_claim(&self, node: &Node) -> Result<Node, ProviderError> {
+        let id = node.uuid.as_str();
+        let Some(allocation) = self
+            .partial_claim(node)
+            .await
+            .map_err(api("get_allocation", id))?
+        else {
+            return Err(IronicError::NotOurs(id.to_string()).into());
+        };
+        let age = allocation
+            .created_at
+            .and_then(|t| chrono::Utc::now().signed_duration_since(t).to_std().ok());
+        if age.is_none_or(|age| age < self.config.orphan_grace) {
+            return Err(ProviderError::Taken(format!(
+                "node {id} was allocated by this deployment moments ago; another replica is still claiming it"
+            )));
+        }
+        tracing::warn!(
+            node = id,
+            allocation = allocation.uuid,
+            "adopting a node this deployment allocated but never marked"
+        );
+        Ok(self.mark(id).await?)
+    }
+
+    /// Reserves `node` without an allocation: one patch that sets a fresh `instance_uuid`
+    /// with our marks. When the answer is lost, the node is read to learn whether the patch
+    /// took.
+    async fn reserve_by_instance_uuid(&self, uuid: &str) -> Result<Node, ProviderError> {
+        let instance = uuid::Uuid::new_v4().to_string();
+        let mut ops = vec![PatchOp::add("/instance_uuid", instance.clone())];
+        ops.extend(self.mark_ops());
         match self.client.patch_node("reserve_node", uuid, &ops).await {
             Ok(node) => Ok(node),
             // Reserved by another client, or already deploying for one: no longer available.
@@ -508,14 +790,14 @@ impl IronicProvider {
         }
     }
 
-    /// Gives `node` back: removes our `instance_uuid` and marks (and the image).
+    /// Gives `node` back: removes our marks (and the image) and its `instance_uuid`, which
+    /// also ends its allocation. Ironic refuses to end the allocation of a node deployed (or
+    /// failed) outside maintenance: that one keeps its allocation until it is torn down
+    /// (which ends it), and without our marks it is no longer ours.
     async fn release(&self, node: &Node) -> Result<(), ApiError> {
         let uuid = node.uuid.as_str();
         let node_has_reserved_at = node.extra.contains_key(RESERVED_AT_KEY);
-        let mut ops = vec![
-            PatchOp::remove("/instance_uuid"),
-            PatchOp::remove(format!("/extra/{DEPLOYMENT_KEY}")),
-        ];
+        let mut ops = vec![PatchOp::remove(format!("/extra/{DEPLOYMENT_KEY}"))];
         if node_has_reserved_at {
             ops.push(PatchOp::remove(format!("/extra/{RESERVED_AT_KEY}")));
         }
@@ -523,7 +805,31 @@ impl IronicProvider {
             ops.push(PatchOp::remove("/instance_info/image_source"));
             ops.push(PatchOp::remove("/instance_info/image_checksum"));
         }
-        self.client.patch_node("release_node", uuid, &ops).await?;
+        let mut with_instance = vec![PatchOp::remove("/instance_uuid")];
+        with_instance.extend(ops.iter().cloned());
+        match self
+            .client
+            .patch_node("release_node", uuid, &with_instance)
+            .await
+        {
+            // The node's instance is an allocation Ironic will not end in this state.
+            Err(ApiError::Conflict { message, .. })
+                if message.contains("allocation") && !FREEABLE_STATES.contains(&node.state()) =>
+            {
+                tracing::info!(node = uuid, state = node.state(), "the node keeps its allocation until it is torn down; releasing it by removing our marks");
+                self.client.patch_node("release_node", uuid, &ops).await?;
+                // No longer a claim of ours to adopt, although the allocation has our name.
+                if let Some(allocation) = &node.instance_uuid {
+                    self.foreign_allocations
+                        .lock()
+                        .unwrap()
+                        .insert(allocation.clone());
+                }
+            }
+            other => {
+                other?;
+            }
+        }
         Ok(())
     }
 
@@ -570,7 +876,7 @@ impl IronicProvider {
         // cloud-init tells instances apart by this: the instance's id (ours, set when the
         // node was reserved), so that a redeploy is a new instance, not the node's.
         let instance = node.instance_uuid.as_deref().unwrap_or(uuid);
-        let body = serde_json::json!({
+        let mut body = serde_json::json!({
             "target": "active",
             "configdrive": {
                 "meta_data": {
@@ -581,6 +887,14 @@ impl IronicProvider {
                 }
             }
         });
+        if self.config.network_data {
+            let ports = self
+                .client
+                .list_ports(uuid)
+                .await
+                .map_err(api("list_ports", uuid))?;
+            body["configdrive"]["network_data"] = network_data(&ports);
+        }
         let error = match self
             .client
             .set_provision_state("deploy_node", uuid, body)
@@ -615,6 +929,33 @@ impl IronicProvider {
     }
 }
 
+/// Provision states in which Ironic lets an allocation end (outside maintenance).
+const FREEABLE_STATES: &[&str] = &[
+    "available",
+    "manageable",
+    "enroll",
+    "inspecting",
+    "inspect wait",
+];
+
+/// How Ironic's conductor begins the `last_error` of an allocation it failed to process on
+/// its own (an exception of its own, a busy database), as opposed to a node that no longer
+/// fits ("none of the requested nodes are available …").
+const IRONIC_FAULT: &str = "Unexpected exception during allocation";
+
+/// Allocations tried per claim when Ironic fails to process them on its own.
+const ALLOCATION_ATTEMPTS: u32 = 3;
+
+/// How long a new allocation may stay `allocating` before it is given up.
+const ALLOCATION_WAIT: Duration = Duration::from_secs(30);
+
+/// The allocation name of this deployment's claim of `node`: every replica of the deployment
+/// derives the same one, so that replicas racing for a node race on one name (allocation names
+/// are unique in Ironic), and `baremetal allocation list` shows whose claim it is.
+pub fn allocation_name(deployment: &str, node: &str) -> String {
+    format!("shepherd.{deployment}.{node}")
+}
+
 /// Whether a replica reserved `node` less than `within` ago. A node without the mark (reserved
 /// by hand, or by an older Shepherd) counts as reserved long ago; a mark in the future (clocks
 /// apart) counts as recent.
@@ -640,12 +981,35 @@ fn inventory_address(inventory: &serde_json::Value) -> Option<String> {
     pick("ipv4_address").or_else(|| pick("ipv6_address"))
 }
 
+/// The config drive's `network_data` (OpenStack's `network_data.json`) for a node's ports:
+/// one physical link per port, by its MAC address, each configured by DHCP (IPv4).
+fn network_data(ports: &[crate::model::Port]) -> serde_json::Value {
+    let mut links = Vec::new();
+    let mut networks = Vec::new();
+    for (i, port) in ports.iter().enumerate() {
+        let link = format!("port-{}", port.uuid);
+        networks.push(serde_json::json!({
+            "id": format!("network{i}"), "type": "ipv4_dhcp", "link": link, "network_id": port.uuid,
+        }));
+        links.push(serde_json::json!({
+            "id": link, "type": "phy", "ethernet_mac_address": port.address,
+        }));
+    }
+    serde_json::json!({ "links": links, "networks": networks, "services": [] })
+}
+
 /// Deploy interfaces that write an image, and fail without one.
 const WRITES_AN_IMAGE: &[&str] = &["direct", "ansible", "anaconda"];
 
 /// Refuses a start without `--ironic-image` when an `available` node the selector matches
-/// deploys with an interface that writes an image: every deploy of it would be refused.
-fn needs_no_image(selector: &Selector, nodes: &[Node]) -> Result<(), InvalidSetting> {
+/// deploys with an interface that writes an image: every deploy of it would be refused. With
+/// `from_node` (`--ironic-image-from-node`), only such nodes whose `instance_info` names no
+/// `image_source` are refused.
+fn needs_no_image(
+    selector: &Selector,
+    nodes: &[Node],
+    from_node: bool,
+) -> Result<(), InvalidSetting> {
     let needing: Vec<&Node> = nodes
         .iter()
         .filter(|n| n.state() == "available" && selector.matches(n))
@@ -654,16 +1018,22 @@ fn needs_no_image(selector: &Selector, nodes: &[Node]) -> Result<(), InvalidSett
                 .as_deref()
                 .is_some_and(|d| WRITES_AN_IMAGE.contains(&d))
         })
+        .filter(|n| !from_node || !n.instance_info.contains_key("image_source"))
         .collect();
     let Some(first) = needing.first() else {
         return Ok(());
     };
+    let (setting, remedy) = if from_node {
+        ("ironic-image-from-node", ", and name none in instance_info: set it (baremetal node set NODE --instance-info image_source=URL --instance-info image_checksum=SUM) or give --ironic-image")
+    } else {
+        ("ironic-image", ": give --ironic-image and --ironic-image-checksum, or --ironic-image-from-node to deploy the image each node's instance_info names")
+    };
+    let interface = first.deploy_interface.as_deref().unwrap_or("");
     Err(InvalidSetting::new(
-        "ironic-image",
+        setting,
         format!(
-            "{} available node(s) the selector matches deploy with {:?} (node {}), which writes an image: give --ironic-image and --ironic-image-checksum",
+            "{} available node(s) the selector matches deploy with {interface:?} (node {}), which writes an image{remedy}",
             needing.len(),
-            first.deploy_interface.as_deref().unwrap_or(""),
             first.uuid
         ),
     ))
@@ -700,6 +1070,15 @@ impl Provider for IronicProvider {
             if self.ours(node) {
                 let addr = self.known_address(node);
                 out.push(self.machine(node, Availability::PossiblyUsed, addr));
+            } else if node.instance_uuid.is_some() && self.config.selector.matches(node) {
+                match self.partial_claim(node).await {
+                    // Listed as possibly ours: the provisioner adopts it as an orphan.
+                    Ok(Some(_)) => out.push(self.machine(node, Availability::PossiblyUsed, None)),
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::debug!(node = node.uuid, error = %e, "could not read the allocation holding a node; looked at again next pass")
+                    }
+                }
             } else if self.unused(node) {
                 unused.push(ProviderMachine {
                     id: None,
@@ -748,14 +1127,15 @@ impl Provider for IronicProvider {
             // An orphan: reserved by this deployment, unknown to the BMDB.
             Some(id) => {
                 let node = self.read_node(id).await?;
-                if !self.ours(&node) {
-                    return Err(IronicError::NotOurs(id.to_string()).into());
-                }
-                if reserved_within(&node, self.config.orphan_grace) {
+                let node = if !self.ours(&node) {
+                    self.finish_partial_claim(&node).await?
+                } else if reserved_within(&node, self.config.orphan_grace) {
                     return Err(ProviderError::Taken(format!(
                         "node {id} was reserved by this deployment moments ago; another replica is still creating it"
                     )));
-                }
+                } else {
+                    node
+                };
                 tracing::warn!(
                     node = id,
                     state = node.state(),
@@ -770,7 +1150,9 @@ impl Provider for IronicProvider {
                 let uuid = unused.reservation.as_deref().ok_or_else(|| {
                     ProviderError::NotSupported("an unused Ironic machine without a node id")
                 })?;
-                let node = self.reserve(uuid).await?;
+                let node = self
+                    .reserve(uuid, unused.facts.get("resource_class"))
+                    .await?;
                 self.deploy(&node).await?;
                 node
             }
@@ -868,6 +1250,19 @@ mod tests {
         s.owner = None;
         s.extra = Some(("pool".into(), "other".into()));
         assert!(!s.matches(&n));
+        // Traits: every one asked for must be among the node's; null traits are none.
+        let gpu =
+            node(serde_json::json!({"uuid": "u", "traits": ["CUSTOM_GPU", "HW_CPU_X86_AVX2"]}));
+        let bare = node(serde_json::json!({"uuid": "u", "traits": null}));
+        let traits = |t: &[&str]| Selector {
+            traits: t.iter().map(|t| t.to_string()).collect(),
+            ..Default::default()
+        };
+        assert!(traits(&["CUSTOM_GPU"]).matches(&gpu));
+        assert!(traits(&["CUSTOM_GPU", "HW_CPU_X86_AVX2"]).matches(&gpu));
+        assert!(!traits(&["CUSTOM_GPU", "CUSTOM_FPGA"]).matches(&gpu));
+        assert!(!traits(&["CUSTOM_GPU"]).matches(&bare));
+        assert!(traits(&[]).matches(&bare));
         assert_eq!(
             Selector {
                 owner: Some("p1".into()),
@@ -911,10 +1306,33 @@ mod tests {
                 },
                 "ironic-owner",
             ),
+            (
+                Selector {
+                    traits: vec!["custom_gpu".into()],
+                    ..Default::default()
+                },
+                "ironic-trait",
+            ),
         ] {
             let e = bad.normalized().unwrap_err();
             assert!(e.to_string().contains(setting), "{e}");
         }
+    }
+
+    #[test]
+    fn allocation_names_are_one_per_deployment_and_node_and_valid_in_ironic() {
+        let name = allocation_name("site-a", "1be26c0b-03f2-4d2e-ae87-c02d7f33c123");
+        assert_eq!(name, "shepherd.site-a.1be26c0b-03f2-4d2e-ae87-c02d7f33c123");
+        assert_ne!(
+            name,
+            allocation_name("site-b", "1be26c0b-03f2-4d2e-ae87-c02d7f33c123")
+        );
+        // Ironic's logical names: RFC 3986 unreserved characters, at most 255.
+        let longest = allocation_name(&"d".repeat(64), &"n".repeat(36));
+        assert!(longest.len() <= 255);
+        assert!(longest
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_' | '~')));
     }
 
     #[test]

@@ -142,7 +142,7 @@ impl IronicServer {
              [api]\nhost_ip = 127.0.0.1\nport = {port}\napi_workers = 1\n\
              [dhcp]\ndhcp_provider = none\n\
              [conductor]\nautomated_clean = false\nsync_power_state_interval = 5\n\
-             [database]\nconnection = sqlite:///{d}/ironic.sqlite\n\
+             [database]\nconnection = sqlite:///{d}/ironic.sqlite?timeout=30\n\
              [oslo_concurrency]\nlock_path = {d}/locks\n\
              [pxe]\ntftp_root = {d}/tftp\ntftp_master_path = {d}/tftp/master\n\
              images_path = {d}/images\ninstance_master_path = {d}/images/master\n\
@@ -319,6 +319,15 @@ impl IronicServer {
         node["uuid"].as_str().unwrap().to_string()
     }
 
+    /// Adds a port (a network interface with MAC address `mac`) to node `id`.
+    pub async fn add_port(&self, id: &str, mac: &str) {
+        let body = json!({"node_uuid": id, "address": mac});
+        let (status, port) = self
+            .send_json(reqwest::Method::POST, "/v1/ports", body)
+            .await;
+        assert_eq!(status, 201, "adding port {mac} to {id}: {port}");
+    }
+
     /// Moves `nodes` through `target` (`manage`, `provide`, …) and waits until each is in
     /// `state`.
     pub async fn provision_all(&self, nodes: &[String], target: &str, state: &str) {
@@ -393,7 +402,44 @@ impl IronicServer {
             assert_eq!(status, 200, "setting the resource class of {id}: {node}");
             ids.push(id);
         }
+        self.power_off(&ids).await;
         ids
+    }
+
+    /// Powers `nodes` off and waits until Ironic records it: a power state, as a real node's
+    /// BMC reports one. Ironic allocates only nodes with one, and a fake node starts without.
+    pub async fn power_off(&self, nodes: &[String]) {
+        for id in nodes {
+            let (status, body) = self
+                .send_json(
+                    reqwest::Method::PUT,
+                    &format!("/v1/nodes/{id}/states/power"),
+                    json!({"target": "power off"}),
+                )
+                .await;
+            assert_eq!(status, 202, "powering {id} off: {body}");
+        }
+        let started = Instant::now();
+        loop {
+            let mut unpowered = 0;
+            for id in nodes {
+                let (_, node) = self
+                    .get(&format!("/v1/nodes/{id}?fields=power_state"))
+                    .await
+                    .unwrap();
+                if node["power_state"].as_str().is_none() {
+                    unpowered += 1;
+                }
+            }
+            if unpowered == 0 {
+                return;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "{unpowered} fake nodes still have no power state after 60 s"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// One node as the administrator sees it.

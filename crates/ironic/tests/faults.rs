@@ -158,14 +158,7 @@ async fn a_failed_deploy_is_a_failed_machine_with_ironics_last_error_and_a_refus
             "instance_info": {"kernel": "http://127.0.0.1:1/k", "ramdisk": "http://127.0.0.1:1/r"},
         }))
         .await;
-    let (status, body) = ironic
-        .send_json(
-            reqwest::Method::POST,
-            "/v1/ports",
-            json!({"node_uuid": failing, "address": "52:54:00:12:34:56"}),
-        )
-        .await;
-    assert_eq!(status, 201, "{body}");
+    ironic.add_port(&failing, "52:54:00:12:34:56").await;
     // A node whose deploy Ironic refuses outright (its boot interface cannot boot a ramdisk).
     let refused = ironic
         .enroll(json!({
@@ -176,6 +169,7 @@ async fn a_failed_deploy_is_a_failed_machine_with_ironics_last_error_and_a_refus
     let both = [failing.clone(), refused.clone()];
     ironic.provision_all(&both, "manage", "manageable").await;
     ironic.provision_all(&both, "provide", "available").await;
+    ironic.power_off(&both).await;
 
     let (p, t) = provider_and_bmdb(&ironic.url(), Duration::from_secs(10)).await;
     let s = session(&t.db).await;

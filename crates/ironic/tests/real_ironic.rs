@@ -278,13 +278,24 @@ async fn two_replicas_racing_for_the_same_nodes_deploy_each_node_once() {
             Err(e) => Some(e.to_string()),
         })
         .collect();
-    assert!(other.is_empty(), "no other failures: {other:?}");
+    assert!(
+        other.is_empty(),
+        "no other failures: {other:?}\n{}",
+        ironic.log_tail()
+    );
     assert_eq!(
         (created, taken),
         (12, 12),
         "each node created by one replica, refused to the other"
     );
     assert_eq!(recorded(&t.db).await.len(), 12);
+    // Each node held by one allocation, named after the deployment and the node.
+    let held = allocations(&ironic).await;
+    assert_eq!(held.len(), 12, "{held:?}");
+    for id in &nodes {
+        let name = shepherd_ironic::provider::allocation_name("site-a", id);
+        assert_eq!(held[&name]["node_uuid"], id.as_str());
+    }
     for id in &nodes {
         ironic.wait_for_state(id, "active").await;
         assert_eq!(ironic.deploys_started(id).await, 1, "node {id}");
@@ -414,8 +425,10 @@ async fn decommissioned_nodes_are_released_and_torn_down_only_when_asked() {
         .await
         .unwrap();
 
-    // Passes hand both back: the first only released (still deployed), the second torn
-    // down by Ironic and released; neither is taken again.
+    // Passes hand both back: the first only released (still deployed: our marks removed,
+    // while its allocation stays until the node is torn down, as Ironic will not end the
+    // allocation of an active node), the second torn down by Ironic, which ends its
+    // allocation; neither is taken again.
     let mut handed_back = 0;
     testing::eventually(
         "both nodes handed back",
@@ -427,7 +440,8 @@ async fn decommissioned_nodes_are_released_and_torn_down_only_when_asked() {
             let (kept, torn) = (ironic.node(&nodes[0]).await, ironic.node(&nodes[1]).await);
             let released =
                 |n: &serde_json::Value| n["instance_uuid"].is_null() && n["extra"] == json!({});
-            if released(&kept) && released(&torn) && torn["provision_state"] == "available" {
+            let unmarked = kept["extra"] == json!({});
+            if unmarked && released(&torn) && torn["provision_state"] == "available" {
                 Ok(())
             } else {
                 let brief = |n: &serde_json::Value| {
@@ -442,7 +456,24 @@ async fn decommissioned_nodes_are_released_and_torn_down_only_when_asked() {
     )
     .await;
     assert_eq!(handed_back, 2);
-    assert_eq!(ironic.node(&nodes[0]).await["provision_state"], "active");
+    let kept = ironic.node(&nodes[0]).await;
+    assert_eq!(kept["provision_state"], "active");
+    let name = shepherd_ironic::provider::allocation_name("site-a", &nodes[0]);
+    let (status, allocation) = ironic
+        .get(&format!("/v1/allocations/{name}"))
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{allocation}");
+    assert_eq!(
+        allocation["uuid"], kept["instance_uuid"],
+        "the active node keeps its allocation"
+    );
+    let name = shepherd_ironic::provider::allocation_name("site-a", &nodes[1]);
+    let (status, _) = ironic
+        .get(&format!("/v1/allocations/{name}"))
+        .await
+        .unwrap();
+    assert_eq!(status, 404, "tearing the node down ended its allocation");
     assert_eq!(ironic.deploys_started(&nodes[1]).await, 1);
     let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
     assert_eq!((r.created, r.decommissioned), (0, 1), "{r:?}");
@@ -487,6 +518,42 @@ async fn a_direct_deploy_node_without_an_image_is_refused_at_start_up() {
     IronicProvider::connect(client(), with_image)
         .await
         .expect("with an image it starts");
+
+    // --ironic-image-from-node: refused while the node names no image, naming the remedy;
+    // once the operator sets one in its instance_info it starts, and a claim leaves it be.
+    let mut from_node = config("site-a");
+    from_node.image_from_node = true;
+    let err = IronicProvider::connect(client(), from_node.clone())
+        .await
+        .err()
+        .expect("started for a direct-deploy node that names no image");
+    let said = format!("{:#}", anyhow::Error::from(err));
+    assert!(
+        said.contains("ironic-image-from-node") && said.contains("instance_info"),
+        "{said}"
+    );
+    let image = json!([
+        {"op": "add", "path": "/instance_info/image_source", "value": "http://127.0.0.1:1/node.raw"},
+        {"op": "add", "path": "/instance_info/image_checksum", "value": "fedcba9876543210fedcba9876543210"},
+    ]);
+    let (status, node) = ironic.send_json(reqwest::Method::PATCH, &path, image).await;
+    assert_eq!(status, 200, "{node}");
+    let p = Arc::new(
+        IronicProvider::connect(client(), from_node)
+            .await
+            .expect("with the node's own image it starts"),
+    );
+    let t = testing::sqlite().await;
+    let s = session(&t.db).await;
+    let r = provisioner(p, 10).iterate(&s).await.unwrap();
+    assert_eq!((r.created, r.failed), (2, 0), "{r:?}");
+    let node = ironic.node(&nodes[1]).await;
+    assert_eq!(
+        node["instance_info"]["image_source"], "http://127.0.0.1:1/node.raw",
+        "the node's own image is the one deployed: {node}"
+    );
+    s.close().await.unwrap();
+    t.cleanup().await;
 }
 
 /// Deletes node `id` from Ironic, as an operator would (maintenance first: Ironic deletes a
@@ -511,7 +578,7 @@ async fn a_held_node_deleted_at_ironic_stops_nothing_else() {
     let t = testing::sqlite().await;
     let s = session(&t.db).await;
     let r = provisioner(p.clone(), 50).iterate(&s).await.unwrap();
-    assert_eq!(r.created, 3, "{r:?}");
+    assert_eq!(r.created, 3, "{r:?}\n{}", ironic.log_tail());
     ironic.wait_for_state(&held[0], "active").await;
     delete_node(&ironic, &held[0]).await;
     let fresh = ironic.fake_nodes(2, |_| json!({})).await;
@@ -548,6 +615,307 @@ async fn a_held_node_deleted_at_ironic_stops_nothing_else() {
     let allowing_two = shepherd_loops::provisioner::Provisioner::new(p.clone(), config);
     let r = allowing_two.iterate(&s).await.unwrap();
     assert_eq!((r.created, r.missing), (1, 2), "{r:?}");
+    s.close().await.unwrap();
+    t.cleanup().await;
+}
+
+/// A provider whose calls are counted in the returned metrics.
+async fn counted_provider(
+    ironic: &IronicServer,
+    config: IronicConfig,
+) -> (Arc<IronicProvider>, Arc<CallMetrics>) {
+    let metrics = Arc::new(CallMetrics::default());
+    let client = Client::new(
+        &ironic.url(),
+        ironic.auth(),
+        quick_retries(),
+        metrics.clone(),
+    )
+    .unwrap();
+    let p = IronicProvider::connect(client, config).await.unwrap();
+    (Arc::new(p), metrics)
+}
+
+/// Every allocation Ironic holds, by name.
+async fn allocations(
+    ironic: &IronicServer,
+) -> std::collections::BTreeMap<String, serde_json::Value> {
+    let (status, body) = ironic.get("/v1/allocations").await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    body["allocations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            (
+                a["name"].as_str().unwrap_or_default().to_string(),
+                a.clone(),
+            )
+        })
+        .collect()
+}
+
+/// Creates an allocation as another client (or a replica that stopped) would, and waits until
+/// Ironic has placed it or failed it.
+async fn allocate_by_hand(ironic: &IronicServer, body: serde_json::Value) -> serde_json::Value {
+    let (status, created) = ironic
+        .send_json(reqwest::Method::POST, "/v1/allocations", body)
+        .await;
+    assert_eq!(status, 201, "{created}");
+    let id = created["uuid"].as_str().unwrap().to_string();
+    testing::eventually(
+        "the allocation placed",
+        Duration::from_secs(30),
+        async || {
+            let (_, a) = ironic.get(&format!("/v1/allocations/{id}")).await.unwrap();
+            if a["state"] == "allocating" {
+                Err(a)
+            } else {
+                Ok(a)
+            }
+        },
+    )
+    .await
+}
+
+/// Claims go through Ironic's Allocation API: an allocation per node, named after the
+/// deployment and the node, with the selector's traits, visible in Ironic; the node's instance
+/// is the allocation. A failed allocation of ours left behind is deleted and the node claimed
+/// on the next pass; nodes without the traits are not taken.
+#[tokio::test]
+async fn claims_go_through_named_allocations_with_traits_and_failed_ones_are_cleaned() {
+    let ironic = IronicServer::start(TestAuth::None).await;
+    let nodes = ironic.fake_nodes(3, |_| json!({})).await;
+    for id in &nodes[..2] {
+        let (status, body) = ironic
+            .send_json(
+                reqwest::Method::PUT,
+                &format!("/v1/nodes/{id}/traits/CUSTOM_GPU"),
+                json!(null),
+            )
+            .await;
+        assert_eq!(status, 204, "{body}");
+    }
+    // A claim of nodes[1] that failed earlier and was left behind under our name.
+    let leftover = allocate_by_hand(
+        &ironic,
+        json!({
+            "name": shepherd_ironic::provider::allocation_name("site-a", &nodes[1]),
+            "resource_class": "no-such-class",
+            "candidate_nodes": [nodes[1]],
+        }),
+    )
+    .await;
+    assert_eq!(leftover["state"], "error", "{leftover}");
+
+    let mut gpu = config("site-a");
+    gpu.selector.traits = vec!["CUSTOM_GPU".into()];
+    let (p, metrics) = counted_provider(&ironic, gpu).await;
+    let t = testing::sqlite().await;
+    let s = session(&t.db).await;
+    let mut passes = Vec::new();
+    for _ in 0..2 {
+        let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+        passes.push((r.created, r.taken, r.managed));
+    }
+    assert_eq!(
+        passes,
+        vec![(1, 1, 0), (1, 0, 1)],
+        "(created, taken, managed): first nodes[0] claimed and the failed allocation in nodes[1]'s way deleted, then nodes[1] claimed"
+    );
+
+    let held = allocations(&ironic).await;
+    assert_eq!(held.len(), 2, "{held:?}");
+    for id in &nodes[..2] {
+        let name = shepherd_ironic::provider::allocation_name("site-a", id);
+        let a = &held[&name];
+        assert_eq!(a["state"], "active", "{a}");
+        assert_eq!(a["node_uuid"], id.as_str(), "{a}");
+        assert_eq!(a["traits"], json!(["CUSTOM_GPU"]), "{a}");
+        assert_eq!(a["extra"]["shepherd_deployment"], "site-a", "{a}");
+        let node = ironic.node(id).await;
+        assert_eq!(
+            node["instance_uuid"], a["uuid"],
+            "the node's instance is the allocation"
+        );
+        assert_eq!(node["extra"]["shepherd_deployment"], "site-a");
+        ironic.wait_for_state(id, "active").await;
+        assert_eq!(ironic.deploys_started(id).await, 1);
+    }
+    let untouched = ironic.node(&nodes[2]).await;
+    assert!(
+        untouched["instance_uuid"].is_null(),
+        "a node without the trait is not taken"
+    );
+    // Requests: three allocations asked for (one refused by the leftover's name), and the
+    // nodes were never reserved by patching their instance.
+    use shepherd_loops::metrics::CallResult;
+    assert_eq!(
+        (
+            metrics.count("create_allocation", CallResult::Ok),
+            metrics.count("create_allocation", CallResult::Error)
+        ),
+        (2, 1)
+    );
+    assert_eq!(metrics.count("delete_allocation", CallResult::Ok), 1);
+    assert_eq!(metrics.count("reserve_node", CallResult::Ok), 0);
+    s.close().await.unwrap();
+    t.cleanup().await;
+}
+
+/// Across the change to allocations (a rolling upgrade): a node an older Shepherd reserved by
+/// patching its instance stays ours; a claim cut short after its allocation (the replica
+/// stopped before marking the node) is adopted and deployed once; another client's allocation
+/// is left alone.
+#[tokio::test]
+async fn reservations_from_before_allocations_and_claims_cut_short_are_adopted() {
+    let (ironic, nodes, t, s, p) = site(3, quick_retries()).await;
+    // nodes[0]: reserved and deployed by a Shepherd from before allocations; its BMDB row is
+    // lost, so it is an orphan too.
+    let ops = json!([
+        {"op": "add", "path": "/instance_uuid", "value": uuid_v4()},
+        {"op": "add", "path": "/extra/shepherd_deployment", "value": "site-a"},
+    ]);
+    let (status, body) = ironic
+        .send_json(
+            reqwest::Method::PATCH,
+            &format!("/v1/nodes/{}", nodes[0]),
+            ops,
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    ironic.provision_all(&nodes[..1], "active", "active").await;
+    // nodes[1]: allocated under our name, never marked. nodes[2]: another client's.
+    for (id, name) in [
+        (
+            &nodes[1],
+            shepherd_ironic::provider::allocation_name("site-a", &nodes[1]),
+        ),
+        (&nodes[2], "metalsmith-web-1".to_string()),
+    ] {
+        let a = allocate_by_hand(
+            &ironic,
+            json!({"name": name, "resource_class": "shepherd-test", "candidate_nodes": [id]}),
+        )
+        .await;
+        assert_eq!(a["state"], "active", "{a}");
+    }
+
+    let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    assert_eq!((r.created, r.failed), (2, 0), "{r:?}");
+    let mut want = vec![nodes[0].clone(), nodes[1].clone()];
+    want.sort();
+    assert_eq!(
+        recorded(&t.db).await.keys().cloned().collect::<Vec<_>>(),
+        want
+    );
+    ironic.wait_for_state(&nodes[1], "active").await;
+    assert_eq!(
+        ironic.deploys_started(&nodes[0]).await,
+        1,
+        "not deployed again"
+    );
+    assert_eq!(ironic.deploys_started(&nodes[1]).await, 1, "deployed once");
+    assert_eq!(
+        ironic.node(&nodes[1]).await["extra"]["shepherd_deployment"],
+        "site-a"
+    );
+    let foreign = ironic.node(&nodes[2]).await;
+    assert_eq!(
+        foreign["provision_state"], "available",
+        "another client's node left alone"
+    );
+    assert_eq!(foreign["extra"], json!({}));
+    // The old reservation is served like a new one: looked up, and handed back on request.
+    let m = p.get_machine(&nodes[0]).await.unwrap();
+    assert_eq!(m.status, Some(ProviderStatus::Running));
+    let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    assert_eq!((r.created, r.managed), (0, 2), "{r:?}");
+    s.close().await.unwrap();
+    t.cleanup().await;
+}
+
+/// The BMDB's machine of each node, by node id.
+async fn machine_of_node(db: &Bmdb) -> std::collections::BTreeMap<String, uuid::Uuid> {
+    testing::provided_by(db, Kind::Ironic)
+        .await
+        .into_iter()
+        .map(|(m, p)| (p.provider_id, m))
+        .collect()
+}
+
+/// An operator undeploys a node Shepherd holds (`baremetal node undeploy`): Ironic tears it
+/// down and ends its allocation. The machine counts missing and provisioning goes on; once the
+/// node is available again it is claimed as a new machine: the old machine is removed (its
+/// history kept), and the node deployed a second time, for a new instance.
+#[tokio::test]
+async fn an_undeployed_node_comes_back_as_a_new_machine() {
+    let (ironic, nodes, t, s, p) = site(3, quick_retries()).await;
+    let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    assert_eq!(r.created, 3, "{r:?}");
+    for id in &nodes {
+        ironic.wait_for_state(id, "active").await;
+    }
+    let before = machine_of_node(&t.db).await;
+    let first_instance = ironic.node(&nodes[0]).await["instance_uuid"].clone();
+    // `baremetal node undeploy`.
+    ironic
+        .provision_all(&nodes[..1], "deleted", "available")
+        .await;
+
+    let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    assert_eq!(
+        (r.created, r.managed, r.missing),
+        (1, 2, 1),
+        "the undeployed node counted missing, then claimed again: {r:?}"
+    );
+    let after = machine_of_node(&t.db).await;
+    assert_eq!(after.len(), 3);
+    assert_ne!(after[&nodes[0]], before[&nodes[0]], "a new machine");
+    for id in &nodes[1..] {
+        assert_eq!(after[id], before[id], "the others are unchanged");
+    }
+    let old = before[&nodes[0]];
+    let exists =
+        t.db.read(move |tx| Box::pin(async move { tx.machine_exists(old).await }))
+            .await
+            .unwrap();
+    assert!(!exists, "the machine of the former claim is removed");
+    ironic.wait_for_state(&nodes[0], "active").await;
+    assert_eq!(ironic.deploys_started(&nodes[0]).await, 2);
+    let node = ironic.node(&nodes[0]).await;
+    assert_ne!(node["instance_uuid"], first_instance, "a new instance");
+    let stored = ironic.stored_instance_info(&nodes[0]);
+    assert_eq!(
+        stored["configdrive"]["meta_data"]["uuid"],
+        node["instance_uuid"]
+    );
+    // Later passes see three machines of ours and nothing missing.
+    let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    assert_eq!((r.created, r.managed, r.missing), (0, 3, 0), "{r:?}");
+    s.close().await.unwrap();
+    t.cleanup().await;
+}
+
+/// With `--ironic-network-data`, each config drive carries `network_data` built from the
+/// node's ports: a link per MAC address, configured by DHCP.
+#[tokio::test]
+async fn network_data_comes_from_the_nodes_ports() {
+    let (ironic, nodes, t, s, _) = site(1, quick_retries()).await;
+    let mac = "52:54:00:ab:cd:01";
+    ironic.add_port(&nodes[0], mac).await;
+    let mut with_network = config("site-a");
+    with_network.network_data = true;
+    let r = provisioner(provider(&ironic, with_network).await, 10)
+        .iterate(&s)
+        .await
+        .unwrap();
+    assert_eq!(r.created, 1, "{r:?}");
+    let stored = ironic.stored_instance_info(&nodes[0]);
+    let network = &stored["configdrive"]["network_data"];
+    assert_eq!(network["links"][0]["ethernet_mac_address"], mac, "{stored}");
+    assert_eq!(network["networks"][0]["type"], "ipv4_dhcp", "{network}");
+    assert_eq!(network["networks"][0]["link"], network["links"][0]["id"]);
     s.close().await.unwrap();
     t.cleanup().await;
 }

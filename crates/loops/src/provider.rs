@@ -305,7 +305,9 @@ pub async fn listed_and_recorded<P: Provider + ?Sized>(
 /// Writes the `machines` row and `machine_provided` tag for a machine a provider just created,
 /// in one session transaction. If the provider id is already recorded, adopts that machine
 /// instead of failing, so a retried creation or two replicas racing over one inventory never
-/// duplicate a machine. The race (both saw no row, both inserted) ends in the loser's unique
+/// duplicate a machine — unless the machine carries a reservation and the recorded one another:
+/// then the provider id came back under a new claim, and the old machine is removed (its locks
+/// ended as Canceled with the cause, its history kept) before the new one is recorded. The race (both saw no row, both inserted) ends in the loser's unique
 /// violation, which is answered by reading the winner's row.
 pub async fn record_new_machine(
     session: &Session,
@@ -364,10 +366,25 @@ pub async fn record_deploying_machine(
                         .machine_by_provider_id(provided.provider, &provided.provider_id)
                         .await?
                     {
-                        return Ok(Insert::Recorded(Recorded {
-                            machine: existing,
-                            adopted: true,
-                        }));
+                        let recorded = tx.provided(existing).await?;
+                        let former = provided.reservation_id.is_some()
+                            && recorded.and_then(|p| p.reservation_id) != provided.reservation_id;
+                        if !former {
+                            return Ok(Insert::Recorded(Recorded {
+                                machine: existing,
+                                adopted: true,
+                            }));
+                        }
+                        // The provider id came back under a new claim (an Ironic node undeployed
+                        // and claimed again): the machine recorded for the old claim is gone for
+                        // good, and this is a new machine.
+                        let cause = format!(
+                            "provider id {} was claimed again under reservation {}; this machine of its former claim is removed",
+                            provided.provider_id,
+                            provided.reservation_id.as_deref().unwrap_or_default()
+                        );
+                        tx.remove_machine(existing, &cause).await?;
+                        tracing::warn!(machine = %existing, provider_id = provided.provider_id, "a provider id came back under a new claim: the machine of its former claim is removed, and a new one recorded");
                     }
                     let id = tx.create_machine().await?;
                     tx.set_provided(id, &provided).await?;

@@ -502,6 +502,14 @@ pub struct IronicArgs {
     /// Ironic: take only nodes whose `extra` holds this `KEY=VALUE`.
     #[arg(long, env = "SHEPHERD_IRONIC_EXTRA", value_parser = key_value)]
     pub ironic_extra: Option<(String, String)>,
+    /// Ironic: take only nodes with this trait (repeatable; every one required), and ask
+    /// for it in each allocation.
+    #[arg(
+        long = "ironic-trait",
+        env = "SHEPHERD_IRONIC_TRAITS",
+        value_delimiter = ','
+    )]
+    pub ironic_traits: Vec<String>,
     /// Ironic: URL of the image to deploy (`instance_info.image_source`); left out, the
     /// deploy interface's defaults apply.
     #[arg(long, env = "SHEPHERD_IRONIC_IMAGE")]
@@ -510,6 +518,14 @@ pub struct IronicArgs {
     /// `--ironic-image`.
     #[arg(long, env = "SHEPHERD_IRONIC_IMAGE_CHECKSUM")]
     pub ironic_image_checksum: Option<String>,
+    /// Ironic: deploy the image each node's `instance_info` names (`image_source`, set by the
+    /// operator), instead of one `--ironic-image` for all.
+    #[arg(long, env = "SHEPHERD_IRONIC_IMAGE_FROM_NODE")]
+    pub ironic_image_from_node: bool,
+    /// Ironic: put `network_data` into each config drive, from the node's ports (DHCP on
+    /// each), for images whose cloud-init configures the network from it.
+    #[arg(long, env = "SHEPHERD_IRONIC_NETWORK_DATA")]
+    pub ironic_network_data: bool,
     /// Ironic: the node field holding the SSH address (`host` or `host:port`), as a dotted
     /// path into `extra`, `properties`, or a top-level field.
     #[arg(
@@ -582,6 +598,7 @@ impl IronicArgs {
             conductor_group: self.ironic_conductor_group.clone(),
             owner: self.ironic_owner.clone(),
             extra: self.ironic_extra.clone(),
+            traits: self.ironic_traits.clone(),
         }
         .normalized()?;
         config.image = match (&self.ironic_image, &self.ironic_image_checksum) {
@@ -592,6 +609,8 @@ impl IronicArgs {
             (None, Some(_)) => bail!("ironic-image: is required with --ironic-image-checksum"),
             (None, None) => None,
         };
+        config.image_from_node = self.ironic_image_from_node;
+        config.network_data = self.ironic_network_data;
         config.address_field = Some(self.ironic_address_field.clone()).filter(|f| !f.is_empty());
         config.address_from_inventory = self.ironic_address_from_inventory;
         config.deploy_wait = self.ironic_deploy_wait;

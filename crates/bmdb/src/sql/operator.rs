@@ -118,10 +118,8 @@ impl Tx {
         self.conn().rows(sql, &[Arg::Uuid(id)]).await
     }
 
-    /// Removes the machine: claims are fenced off first, its provider id is barred (if it has
-    /// one, with whether the provider is to tear it down), every lock it holds ends as
-    /// Canceled with `cause`, and the machine row goes with every tag, lock and backoff (they
-    /// cascade). History is not tied to the row and stays.
+    /// Removes the machine: its provider id is barred (if it has one, with whether the
+    /// provider is to tear it down), then [`Self::remove_machine`].
     pub(crate) async fn decommission(
         &mut self,
         id: Uuid,
@@ -129,8 +127,6 @@ impl Tx {
         undeploy: bool,
         cause: &str,
     ) -> Result<()> {
-        self.fence_claims(id).await?;
-        let conn = self.conn();
         let bar = [
             Arg::Uuid(id),
             Arg::Text(&who.by),
@@ -138,7 +134,17 @@ impl Tx {
             Arg::Bool(undeploy),
             Arg::Now,
         ];
-        conn.execute(&DECOMMISSION, &bar).await?;
+        self.conn().execute(&DECOMMISSION, &bar).await?;
+        self.remove_machine(id, cause).await
+    }
+
+    /// Deletes machine `id`: claims are fenced off first, every lock it holds ends as
+    /// Canceled with `cause`, and the row goes with every tag, lock and backoff (they
+    /// cascade). History is not tied to the row and stays. Used by decommissioning, and when
+    /// a provider id comes back under a new claim (the old machine is gone for good).
+    pub async fn remove_machine(&mut self, id: Uuid, cause: &str) -> Result<()> {
+        self.fence_claims(id).await?;
+        let conn = self.conn();
         let cancel = [Arg::Uuid(id), Arg::Text(cause), Arg::Now];
         conn.execute(&CANCEL_MACHINE_WORK, &cancel).await?;
         let id = [Arg::Uuid(id)];
