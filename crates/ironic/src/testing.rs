@@ -406,40 +406,24 @@ impl IronicServer {
         ids
     }
 
-    /// Powers `nodes` off and waits until Ironic records it: a power state, as a real node's
-    /// BMC reports one. Ironic allocates only nodes with one, and a fake node starts without.
+    /// Records `nodes` as powered off, as a real node's BMC would report: Ironic allocates only
+    /// nodes with a power state, and a fake node starts without one. Written into Ironic's
+    /// database in one statement (the fake power interface reports what the database holds):
+    /// a power request per node through the API would cost a conductor task each, minutes
+    /// at 1,000 nodes.
     pub async fn power_off(&self, nodes: &[String]) {
-        for id in nodes {
-            let (status, body) = self
-                .send_json(
-                    reqwest::Method::PUT,
-                    &format!("/v1/nodes/{id}/states/power"),
-                    json!({"target": "power off"}),
-                )
-                .await;
-            assert_eq!(status, 202, "powering {id} off: {body}");
-        }
-        let started = Instant::now();
-        loop {
-            let mut unpowered = 0;
-            for id in nodes {
-                let (_, node) = self
-                    .get(&format!("/v1/nodes/{id}?fields=power_state"))
-                    .await
-                    .unwrap();
-                if node["power_state"].as_str().is_none() {
-                    unpowered += 1;
-                }
-            }
-            if unpowered == 0 {
-                return;
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(60),
-                "{unpowered} fake nodes still have no power state after 60 s"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        let db = self.dir.path().join("ironic.sqlite");
+        let ids = serde_json::to_string(nodes).expect("node ids as JSON");
+        let script = "import json,sqlite3,sys; c = sqlite3.connect(sys.argv[1], timeout=30); ids = json.loads(sys.argv[2]); \
+             c.executemany(\"update nodes set power_state = 'power off' where uuid = ?\", [(i,) for i in ids]); c.commit()";
+        succeeded(
+            "powering fake nodes off in Ironic's database",
+            Command::new(venv().join("bin/python"))
+                .args(["-c", script])
+                .arg(&db)
+                .arg(&ids)
+                .output(),
+        );
     }
 
     /// One node as the administrator sees it.
