@@ -28,6 +28,10 @@ use uuid::Uuid;
 const MACHINES: usize = 3;
 /// Each upload waits this long on the machine: a slow link, during which the fault comes.
 const UPLOAD_DELAY_MS: u64 = 3000;
+/// Each read of replica `a`'s BMCs waits this long before a power-cycle can follow: long
+/// enough that `a` cannot power-cycle every machine between the test seeing it read and the
+/// fault, even on a loaded CI machine (3 s was not always).
+const BMC_READ_DELAY_MS: u64 = 10_000;
 
 /// The deadlines the BMDB gave the sessions of one process, polled in the background.
 #[derive(Clone, Default)]
@@ -383,7 +387,7 @@ async fn fault_during_reboots(url: &str, kind: Kind) {
     let db = silent_static_machines(url, MACHINES).await;
     let (mut a_bmcs, mut b_bmcs) = (Vec::new(), Vec::new());
     for _ in 0..MACHINES {
-        let slow = Answer::SlowReads(Duration::from_millis(UPLOAD_DELAY_MS));
+        let slow = Answer::SlowReads(Duration::from_millis(BMC_READ_DELAY_MS));
         let script = Script::allowing(&["ForceRestart"]);
         a_bmcs.push(
             ScriptedBmc::start(Script {
