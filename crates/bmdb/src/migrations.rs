@@ -63,10 +63,13 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
     // Expand: a table and a nullable column. A binary of schema 3 to 6 neither reads nor
     // writes them.
     Migration::new(7, "api_tokens", 3, scripts!("0007_api_tokens.sql")),
+    // Expand: a table. A binary of schema 3 to 7 neither reads nor writes it (it keeps its
+    // own skips in memory).
+    Migration::new(8, "provider_skips", 3, scripts!("0008_provider_skips.sql")),
 ];
 
 /// The schema version this binary needs and writes.
-pub const SCHEMA_VERSION: i64 = 7;
+pub const SCHEMA_VERSION: i64 = 8;
 
 /// Which binaries may run on a database: its schema version, and the oldest binary schema
 /// that its newest migration declared compatible (SPEC: rolling upgrades).

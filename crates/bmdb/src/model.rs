@@ -643,6 +643,20 @@ pub struct ActionEntry {
     pub request_id: Option<String>,
 }
 
+/// A provider id its provider refused to make a machine of (Ironic refusing a node's deploy,
+/// say), skipped by every replica until `until`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProviderSkip {
+    /// The provider's id of the machine (or of the capacity it would have come from).
+    pub provider_id: String,
+    /// When provisioners may try it again.
+    pub until: DateTime<Utc>,
+    /// When it was refused.
+    pub at: DateTime<Utc>,
+    /// The provider's answer, bounded.
+    pub cause: String,
+}
+
 /// A provider id an operator decommissioned; the provisioner leaves it alone.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Decommissioned {

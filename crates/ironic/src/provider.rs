@@ -29,7 +29,6 @@ use std::time::Duration;
 use async_trait::async_trait;
 use rand::seq::SliceRandom;
 use shepherd_bmdb::{Provider as ProviderKind, ProviderStatus, Session};
-use shepherd_loops::penalty::PenaltyBox;
 use shepherd_loops::provider::{
     record_deploying_machine, Availability, HandBack, Provider, ProviderError, ProviderMachine,
     Recorded, Recoverer,
@@ -188,7 +187,8 @@ pub struct IronicConfig {
     pub deploy_timeout: Duration,
     /// How long a rebooted node is given before the initializer takes it over again.
     pub reboot_wait: Duration,
-    /// How long a node whose reservation or deploy was refused is skipped.
+    /// How long a node whose allocation, reservation or deploy Ironic refused is skipped (a
+    /// skip the provisioner records in the BMDB, so every replica honours it).
     pub refused_penalty: Duration,
     /// How long a node of ours that the BMDB does not know must have been left unchanged
     /// before it is adopted as an orphan: until then another replica of this deployment may
@@ -301,6 +301,15 @@ pub enum IronicError {
         /// Ironic's `last_error` of the last attempt.
         last_error: String,
     },
+    /// Ironic placed no node in an allocation of one candidate (the node was taken or
+    /// changed since it was listed).
+    #[error("Ironic could not allocate node {node}: {last_error}")]
+    NotAllocated {
+        /// The node.
+        node: String,
+        /// The allocation's `last_error`.
+        last_error: String,
+    },
     /// A node the provider was asked to adopt is not ours (any more).
     #[error("node {0} is not reserved by this deployment")]
     NotOurs(String),
@@ -360,8 +369,6 @@ pub struct IronicProvider {
     /// Addresses found in inspection inventories, by node: an inventory does not change while
     /// a node is deployed, and reading it is one call per node.
     inventory_addresses: Mutex<HashMap<String, String>>,
-    /// Nodes whose reservation or deploy Ironic refused, skipped for a while.
-    refused: PenaltyBox<String>,
     /// Allocations found to be another client's (see [`Self::partial_claim`]).
     foreign_allocations: Mutex<HashSet<String>>,
 }
@@ -369,8 +376,10 @@ pub struct IronicProvider {
 impl IronicProvider {
     /// Checks the settings and the API (its microversions and the credentials), so that a
     /// wrong URL, an old Ironic or a wrong password fail at start-up.
-    pub async fn connect(client: Client, config: IronicConfig) -> Result<Self, ConnectError> {
+    pub async fn connect(client: Client, mut config: IronicConfig) -> Result<Self, ConnectError> {
         config.validate()?;
+        // Compared and sent as Ironic stores them, whoever built the config.
+        config.selector = config.selector.normalized()?;
         let version = client.negotiate().await?;
         tracing::info!(url = client.root(), %version, pinned = %crate::client::PINNED_VERSION, deployment = config.deployment, "Ironic API reached");
         if config.image.is_none() {
@@ -379,12 +388,10 @@ impl IronicProvider {
                 .await?;
             needs_no_image(&config.selector, &nodes, config.image_from_node)?;
         }
-        let refused = PenaltyBox::new(config.refused_penalty);
         Ok(IronicProvider {
             client,
             config,
             inventory_addresses: Mutex::new(HashMap::new()),
-            refused,
             foreign_allocations: Mutex::new(HashSet::new()),
         })
     }
@@ -415,7 +422,6 @@ impl IronicProvider {
             && node.power_state.is_some()
             && node.instance_uuid.is_none()
             && self.config.selector.matches(node)
-            && !self.refused.is_penalized(&node.uuid)
     }
 
     fn deploy_timed_out(&self, node: &Node) -> bool {
@@ -590,12 +596,7 @@ impl IronicProvider {
                         "allocating node {uuid} answered with an error ({e}); if the allocation was made, a later pass adopts the node"
                     )));
                 }
-                Err(e) => {
-                    if matches!(e, ApiError::Refused { .. }) {
-                        self.refused.penalize(uuid.to_string());
-                    }
-                    return Err(api("create_allocation", uuid)(e).into());
-                }
+                Err(e) => return Err(self.refused_or(api("create_allocation", uuid)(e))),
             };
             let placed = self.placed(created, uuid).await?;
             if placed.state == "active" && placed.node_uuid.as_deref() == Some(uuid) {
@@ -607,10 +608,13 @@ impl IronicProvider {
             let last_error = placed.last_error.unwrap_or_else(|| "no last_error".into());
             if !last_error.starts_with(IRONIC_FAULT) {
                 // The node was taken or changed since it was listed.
-                self.refused.penalize(uuid.to_string());
-                return Err(ProviderError::Taken(format!(
-                    "Ironic could not allocate node {uuid}: {last_error}"
-                )));
+                return Err(self.refused(
+                    uuid,
+                    IronicError::NotAllocated {
+                        node: uuid.to_string(),
+                        last_error,
+                    },
+                ));
             }
             // Ironic failed on its own (its database was busy, say): not the node's fault.
             if attempt == ALLOCATION_ATTEMPTS {
@@ -776,17 +780,7 @@ impl IronicProvider {
                     .into())
                 }
             }
-            Err(e) => {
-                if matches!(e, ApiError::Refused { .. }) {
-                    self.refused.penalize(uuid.to_string());
-                }
-                Err(IronicError::Api {
-                    call: "reserve_node",
-                    node: uuid.into(),
-                    error: e,
-                }
-                .into())
-            }
+            Err(e) => Err(self.refused_or(api("reserve_node", uuid)(e))),
         }
     }
 
@@ -915,17 +909,34 @@ impl IronicProvider {
         if matches!(error, ApiError::Refused { .. }) {
             // Ironic will not deploy it as it is (a driver that does not validate, say): give
             // it back rather than hold a node that is not deploying.
-            self.refused.penalize(uuid.to_string());
             if let Err(e) = self.release(node).await {
                 tracing::warn!(node = uuid, error = %e, "releasing a node whose deploy was refused failed; it stays reserved and will be tried again as ours");
             }
         }
-        Err(IronicError::Api {
-            call: "deploy_node",
-            node: uuid.into(),
-            error,
+        Err(self.refused_or(api("deploy_node", uuid)(error)))
+    }
+
+    /// `error` as Ironic's refusal of node `uuid`: the provisioner skips the node for
+    /// [`IronicConfig::refused_penalty`], on every replica.
+    fn refused(&self, uuid: &str, error: IronicError) -> ProviderError {
+        ProviderError::Refused {
+            provider_id: uuid.to_string(),
+            skip_for: self.config.refused_penalty,
+            error: Box::new(error),
         }
-        .into())
+    }
+
+    /// [`Self::refused`] if Ironic refused a call on a node (a 4xx that is not a conflict
+    /// or a missing node), else the error as it maps.
+    fn refused_or(&self, error: IronicError) -> ProviderError {
+        match &error {
+            IronicError::Api {
+                error: ApiError::Refused { .. },
+                node,
+                ..
+            } => self.refused(&node.clone(), error),
+            _ => error.into(),
+        }
     }
 }
 

@@ -83,6 +83,16 @@ impl IronicServer {
     /// Starts Ironic with `auth`, its `fake-hardware` and `redfish` hardware types enabled,
     /// and waits until its API answers and its conductor serves `fake-hardware`.
     pub async fn start(auth: TestAuth) -> IronicServer {
+        Self::start_with(auth, "").await
+    }
+
+    /// [`IronicServer::start`] with its conductor in `conductor_group` (`""`: none): it serves
+    /// only the nodes of that group, as a conductor of one rack does.
+    pub async fn start_in_conductor_group(auth: TestAuth, conductor_group: &str) -> IronicServer {
+        Self::start_with(auth, conductor_group).await
+    }
+
+    async fn start_with(auth: TestAuth, conductor_group: &str) -> IronicServer {
         let venv = venv();
         let ironic = venv.join("bin/ironic");
         assert!(
@@ -142,6 +152,7 @@ impl IronicServer {
              [api]\nhost_ip = 127.0.0.1\nport = {port}\napi_workers = 1\n\
              [dhcp]\ndhcp_provider = none\n\
              [conductor]\nautomated_clean = false\nsync_power_state_interval = 5\n\
+             conductor_group = {conductor_group}\n\
              [database]\nconnection = sqlite:///{d}/ironic.sqlite?timeout=30\n\
              [oslo_concurrency]\nlock_path = {d}/locks\n\
              [pxe]\ntftp_root = {d}/tftp\ntftp_master_path = {d}/tftp/master\n\
@@ -319,6 +330,14 @@ impl IronicServer {
         node["uuid"].as_str().unwrap().to_string()
     }
 
+    /// Applies JSON patch `ops` to node `id` as the administrator; returns the node.
+    pub async fn patch_node(&self, id: &str, ops: Value) -> Value {
+        let path = format!("/v1/nodes/{id}");
+        let (status, node) = self.send_json(reqwest::Method::PATCH, &path, ops).await;
+        assert_eq!(status, 200, "patching node {id}: {node}");
+        node
+    }
+
     /// Adds a port (a network interface with MAC address `mac`) to node `id`.
     pub async fn add_port(&self, id: &str, mac: &str) {
         let body = json!({"node_uuid": id, "address": mac});
@@ -392,14 +411,11 @@ impl IronicServer {
             assert_eq!(status, 201, "enrolling a fake node: {node}");
             assert_eq!(node["provision_state"], "available", "{node}");
             let id = node["uuid"].as_str().unwrap().to_string();
-            let (status, node) = self
-                .send_json(
-                    reqwest::Method::PATCH,
-                    &format!("/v1/nodes/{id}"),
-                    json!([{"op": "add", "path": "/resource_class", "value": "shepherd-test"}]),
-                )
-                .await;
-            assert_eq!(status, 200, "setting the resource class of {id}: {node}");
+            self.patch_node(
+                &id,
+                json!([{"op": "add", "path": "/resource_class", "value": "shepherd-test"}]),
+            )
+            .await;
             ids.push(id);
         }
         self.power_off(&ids).await;
@@ -412,16 +428,29 @@ impl IronicServer {
     /// a power request per node through the API would cost a conductor task each, minutes
     /// at 1,000 nodes.
     pub async fn power_off(&self, nodes: &[String]) {
+        self.set_in_database(nodes, "power_state", "power off");
+    }
+
+    /// Sets column `column` of `nodes` to `value` in Ironic's database, in one statement, as
+    /// only Ironic itself could (a node moved to a conductor group no conductor serves, say).
+    pub fn set_in_database(&self, nodes: &[String], column: &str, value: &str) {
+        assert!(
+            column.chars().all(|c| c.is_ascii_lowercase() || c == '_'),
+            "a column name: {column}"
+        );
         let db = self.dir.path().join("ironic.sqlite");
         let ids = serde_json::to_string(nodes).expect("node ids as JSON");
-        let script = "import json,sqlite3,sys; c = sqlite3.connect(sys.argv[1], timeout=30); ids = json.loads(sys.argv[2]); \
-             c.executemany(\"update nodes set power_state = 'power off' where uuid = ?\", [(i,) for i in ids]); c.commit()";
+        let script = format!(
+            "import json,sqlite3,sys; c = sqlite3.connect(sys.argv[1], timeout=30); ids = json.loads(sys.argv[2]); \
+             c.executemany(\"update nodes set {column} = ? where uuid = ?\", [(sys.argv[3], i) for i in ids]); c.commit()"
+        );
         succeeded(
-            "powering fake nodes off in Ironic's database",
+            "writing nodes into Ironic's database",
             Command::new(venv().join("bin/python"))
-                .args(["-c", script])
+                .args(["-c", &script])
                 .arg(&db)
                 .arg(&ids)
+                .arg(value)
                 .output(),
         );
     }

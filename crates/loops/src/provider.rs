@@ -92,6 +92,19 @@ pub enum ProviderError {
     /// The provider's API failed or refused; the provider's own typed error.
     #[error(transparent)]
     Api(Box<dyn std::error::Error + Send + Sync>),
+    /// The provider refused to make a machine of this id as it stands (Ironic answering a
+    /// node's deploy with 400: a driver that does not validate, say): asking again soon would
+    /// be refused alike, so the provisioner records a skip of `skip_for` in the BMDB, which
+    /// every replica and a restarted one honour.
+    #[error("{error}")]
+    Refused {
+        /// The provider id refused.
+        provider_id: String,
+        /// How long to leave it alone.
+        skip_for: std::time::Duration,
+        /// The provider's own typed error.
+        error: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// The provider's API could not be reached or answered that it cannot serve now
     /// (connection refused, a timeout, 5xx, 429), after the client's retries; the provider's
     /// own typed error. No machine is at fault: loops stop and wait instead of charging it.

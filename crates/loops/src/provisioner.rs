@@ -12,6 +12,7 @@ use crate::limiter::{Limiter, RateSpec};
 use crate::periodic::{Pass, PassError};
 use crate::provider::{
     listed_and_recorded, Availability, HandBack, ListError, Provider, ProviderError,
+    ProviderMachine,
 };
 use crate::reconcile::{reconcile, Limits, ReconcileError};
 
@@ -21,8 +22,9 @@ pub enum ProvisionerError {
     /// The provider or the BMDB could not be read.
     #[error(transparent)]
     List(#[from] ListError),
-    /// The decommissioned machines could not be read.
-    #[error("reading the decommissioned machines: {0}")]
+    /// The provisioner's own records (decommissioned ids, skipped ids) could not be read or
+    /// written.
+    #[error("reading or writing the decommissioned and skipped provider ids: {0}")]
     Bmdb(shepherd_bmdb::Error),
     /// The provider and the BMDB disagree: nothing is created until they agree.
     #[error(transparent)]
@@ -102,6 +104,11 @@ pub struct IterationReport {
     /// Machines the BMDB records that the provider no longer lists (within
     /// `--provisioner-max-missing`): the pass went on without them.
     pub missing: usize,
+    /// Unused machines left alone because the provider refused them recently (a skip in
+    /// the BMDB, this replica's or another's).
+    pub skipped: usize,
+    /// Machines the provider refused to create in this pass; each is now skipped.
+    pub refused: usize,
 }
 
 /// The provisioner for one provider.
@@ -129,24 +136,36 @@ impl<P: Provider> Provisioner<P> {
         // A decommissioned machine is neither ours nor a candidate: the operator took it out
         // and only a recommission brings it back.
         let kind = self.provider.kind();
-        let barred: BTreeMap<String, bool> = session
-            .read(move |tx| Box::pin(async move { tx.decommissioned_ids(kind).await }))
+        let (barred, skips) = session
+            .read(move |tx| {
+                Box::pin(async move {
+                    let barred = tx.decommissioned_ids(kind).await?;
+                    Ok((barred, tx.skipped_provider_ids(kind).await?))
+                })
+            })
             .await
-            .map_err(ProvisionerError::Bmdb)?
-            .into_iter()
-            .collect();
+            .map_err(ProvisionerError::Bmdb)?;
+        let barred: BTreeMap<String, bool> = barred.into_iter().collect();
+        let skipped: BTreeSet<String> = skips.into_iter().map(|s| s.provider_id).collect();
         // Unused capacity whose reservation names a barred id is barred too: an Ironic node
         // handed back is listed as unused under its own id.
-        let (decommissioned, listed): (Vec<_>, Vec<_>) = listed.into_iter().partition(|m| {
-            m.valid_id()
-                .or(m.reservation.as_deref())
-                .is_some_and(|id| barred.contains_key(id))
+        let key =
+            |m: &ProviderMachine| m.valid_id().or(m.reservation.as_deref()).map(str::to_owned);
+        let (decommissioned, listed): (Vec<_>, Vec<_>) = listed
+            .into_iter()
+            .partition(|m| key(m).is_some_and(|id| barred.contains_key(&id)));
+        // A machine the provider refused lately is no candidate until its skip ends; one the
+        // BMDB records is ours whatever a skip says.
+        let (skipped, listed): (Vec<_>, Vec<_>) = listed.into_iter().partition(|m| {
+            m.availability != Availability::KnownUsed
+                && key(m).is_some_and(|id| skipped.contains(&id) && !in_bmdb.contains(&id))
         });
         let plan = reconcile(&listed, &in_bmdb, self.config.limits)?;
         let mut report = IterationReport {
             managed: plan.managed,
             decommissioned: decommissioned.len(),
             missing: plan.missing.len(),
+            skipped: skipped.len(),
             ..Default::default()
         };
         if !plan.missing.is_empty() {
@@ -211,6 +230,27 @@ impl<P: Provider> Provisioner<P> {
                     tracing::debug!(%what, "another client took an unused machine first; skipping it");
                     report.taken += 1;
                 }
+                Err(ProviderError::Refused {
+                    provider_id,
+                    skip_for,
+                    error,
+                }) => {
+                    tracing::warn!(provider_id, ?skip_for, %error, "the provider refused to create a machine; every replica skips it for a while");
+                    report.refused += 1;
+                    let until = chrono::Utc::now()
+                        + chrono::TimeDelta::from_std(skip_for)
+                            .unwrap_or_else(|_| chrono::TimeDelta::weeks(52));
+                    let cause = error.to_string();
+                    session
+                        .transact(|tx| {
+                            let (id, cause) = (provider_id.clone(), cause.clone());
+                            Box::pin(
+                                async move { tx.skip_provider_id(kind, &id, until, &cause).await },
+                            )
+                        })
+                        .await
+                        .map_err(ProvisionerError::Bmdb)?;
+                }
                 Err(e) if e.is_unavailable() => {
                     report.failed += 1;
                     return Err(ProvisionerError::ProviderUnavailable {
@@ -241,12 +281,14 @@ impl std::fmt::Display for IterationReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} managed; {} created, {} adopted, {} failed, {} taken by others; {} decommissioned, {} handed back; {} missing",
+            "{} managed; {} created, {} adopted, {} failed, {} taken by others, {} refused, {} skipped; {} decommissioned, {} handed back; {} missing",
             self.managed,
             self.created,
             self.adopted,
             self.failed,
             self.taken,
+            self.refused,
+            self.skipped,
             self.decommissioned,
             self.handed_back,
             self.missing

@@ -599,8 +599,7 @@ impl IronicArgs {
             owner: self.ironic_owner.clone(),
             extra: self.ironic_extra.clone(),
             traits: self.ironic_traits.clone(),
-        }
-        .normalized()?;
+        };
         config.image = match (&self.ironic_image, &self.ironic_image_checksum) {
             (Some(url), checksum) => Some(shepherd_ironic::Image {
                 url: url.clone(),

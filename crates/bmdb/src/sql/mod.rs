@@ -13,6 +13,7 @@
 //! - `views.rs` — operators' read-only views and counts;
 //! - `operator.rs` — operators' actions (maintenance, decommission) and their history;
 //! - `overview.rs` — fleet counts over time, work endings per minute, top failure causes;
+//! - `provider_skips.rs` — provider ids skipped after their provider refused them;
 //! - `retention.rs` — pruning old history in bounded batches;
 //! - `api_tokens.rs` — the operator API's local tokens.
 //!
@@ -30,6 +31,7 @@ pub(crate) mod engine;
 pub(crate) mod finish_tags;
 pub(crate) mod operator;
 pub(crate) mod overview;
+pub(crate) mod provider_skips;
 pub(crate) mod retention;
 pub(crate) mod schema;
 pub(crate) mod sessions;
