@@ -465,7 +465,10 @@ impl Transport for SimFleet {
             let after = run.timeout;
             return Err(TransportError::at(
                 Step::Run,
-                SshError::ExecTimeout { after },
+                SshError::ExecTimeout {
+                    after,
+                    killed: true,
+                },
             ));
         }
         tokio::time::sleep(took).await;
@@ -526,33 +529,9 @@ impl Transport for SimFleet {
                 (key, None)
             }
             Some(real) => {
-                let (pkcs8, public) = shepherd_agent::identity::generate()
+                let hardware = sim_hardware(&s.machines[i].id);
+                let (public, task) = start_real_agent(real, &init, hardware, silent)
                     .map_err(|e| local("generating a key", &e))?;
-                let config = shepherd_agent::heartbeat::AgentConfig {
-                    machine_id: init.machine_id.clone(),
-                    endpoint: real.endpoint.clone(),
-                    ca_der: real.ca_der.clone(),
-                    certificate_time: shepherd_agent::clock::CertificateTime::from_takeover(
-                        init.issued_at_unix_millis,
-                    ),
-                    pkcs8,
-                    heartbeat_interval: real.heartbeat_interval,
-                    between_heartbeats: real.between_heartbeats,
-                    reboot_command: "true".into(),
-                    hardware_report: sim_hardware(&s.machines[i].id),
-                    retry_max: Duration::from_secs(5),
-                    failures: shepherd_agent::heartbeat::FailureReport::Count(
-                        real.failures.clone(),
-                    ),
-                };
-                let task = (!silent).then(|| {
-                    let handle = tokio::spawn(async move {
-                        if let Err(e) = shepherd_agent::heartbeat::run_agent(config, None).await {
-                            tracing::warn!(error = %e, "sim agent stopped");
-                        }
-                    });
-                    AgentTask(handle.abort_handle())
-                });
                 (public, task)
             }
         };
@@ -578,6 +557,41 @@ impl Transport for SimFleet {
             stderr: Vec::new(),
         })
     }
+}
+
+/// Starts `real`'s agent heartbeat code for a machine taken over with `init` (unless the
+/// machine is `silent`): its public key, and the task that heartbeats.
+fn start_real_agent(
+    real: &RealAgents,
+    init: &TakeoverInit,
+    hardware: shepherd_proto::bmaas::AgentHardwareReport,
+    silent: bool,
+) -> Result<(Vec<u8>, Option<AgentTask>), shepherd_agent::identity::IdentityError> {
+    let (pkcs8, public) = shepherd_agent::identity::generate()?;
+    let config = shepherd_agent::heartbeat::AgentConfig {
+        machine_id: init.machine_id.clone(),
+        endpoint: real.endpoint.clone(),
+        ca_der: real.ca_der.clone(),
+        certificate_time: shepherd_agent::clock::CertificateTime::from_takeover(
+            init.issued_at_unix_millis,
+        ),
+        pkcs8,
+        heartbeat_interval: real.heartbeat_interval,
+        between_heartbeats: real.between_heartbeats,
+        reboot_command: "true".into(),
+        hardware_report: hardware,
+        retry_max: Duration::from_secs(5),
+        failures: shepherd_agent::heartbeat::FailureReport::Count(real.failures.clone()),
+    };
+    let task = (!silent).then(|| {
+        let handle = tokio::spawn(async move {
+            if let Err(e) = shepherd_agent::heartbeat::run_agent(config, None).await {
+                tracing::warn!(error = %e, "sim agent stopped");
+            }
+        });
+        AgentTask(handle.abort_handle())
+    });
+    Ok((public, task))
 }
 
 /// A plausible hardware report for a simulated machine.

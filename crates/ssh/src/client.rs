@@ -13,7 +13,11 @@ use russh_sftp::protocol::{FileAttributes, OpenFlags};
 use tokio::io::AsyncWriteExt;
 use tokio::sync::Semaphore;
 
+use crate::announce::{announcing, kill_group, shell_quote, PidLine};
 use crate::error::SshError;
+
+/// How long killing a timed-out command may take.
+const KILL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How we prove who we are.
 #[derive(Clone)]
@@ -263,11 +267,6 @@ fn with_port(addr: &str, default_port: u16) -> String {
 /// How long the remote `mv` that puts an upload into place may take.
 const RENAME_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Quotes `s` as one word for the remote shell (sshd runs commands through the user's shell).
-pub fn shell_quote(s: &str) -> String {
-    format!("'{}'", s.replace('\'', r"'\''"))
-}
-
 impl SshSession {
     /// The host key the machine presented, OpenSSH format without comment.
     pub fn host_key(&self) -> String {
@@ -338,7 +337,9 @@ impl SshSession {
 
     /// Runs `command` with `stdin` as its input and waits for it to end, at most `timeout`.
     /// The channel is closed explicitly on every path (a dropped channel stays open on the
-    /// server, keeping the command's session alive).
+    /// server, keeping the command's session alive). A command that overruns `timeout` is
+    /// killed on the machine first, with everything it started (module `announce` says how):
+    /// left running, it could still act after the caller gave up on it.
     pub async fn exec(
         &self,
         command: &str,
@@ -347,13 +348,15 @@ impl SshSession {
     ) -> Result<ExecOutput, SshError> {
         let mut channel = self.handle.channel_open_session().await?;
         let mut out = ExecOutput::default();
+        let mut announced = PidLine::default();
         let run = async {
-            channel.exec(true, command).await?;
+            channel.exec(true, announcing(command)).await?;
             channel.data(stdin).await?;
             channel.eof().await?;
             while let Some(msg) = channel.wait().await {
                 match msg {
                     ChannelMsg::Data { data } => {
+                        let data = announced.output(&data);
                         keep(&mut out.stdout, &data, self.max_stdout, &mut out.truncated)
                     }
                     ChannelMsg::ExtendedData { data, ext: 1 } => {
@@ -367,14 +370,58 @@ impl SshSession {
                     _ => {}
                 }
             }
+            let rest = announced.rest();
+            keep(&mut out.stdout, &rest, self.max_stdout, &mut out.truncated);
             Ok::<_, SshError>(())
         };
         let result = tokio::time::timeout(timeout, run).await;
+        let killed = match result {
+            Err(_) => self.kill_group(announced.pid()).await,
+            Ok(_) => false,
+        };
         let _ = channel.close().await;
         match result {
             Ok(Ok(())) => Ok(out),
             Ok(Err(e)) => Err(e),
-            Err(_) => Err(SshError::ExecTimeout { after: timeout }),
+            Err(_) => Err(SshError::ExecTimeout {
+                after: timeout,
+                killed,
+            }),
+        }
+    }
+
+    /// Kills process group `pid` (a timed-out command's) over a channel of its own, within
+    /// [`KILL_TIMEOUT`]; whether `kill` said it did. A command that never announced its pid
+    /// cannot be killed.
+    async fn kill_group(&self, pid: Option<u32>) -> bool {
+        let Some(pid) = pid else {
+            return false;
+        };
+        let kill = async {
+            let mut channel = self.handle.channel_open_session().await?;
+            channel.exec(true, kill_group(pid)).await?;
+            channel.eof().await?;
+            let mut status = None;
+            while let Some(msg) = channel.wait().await {
+                match msg {
+                    ChannelMsg::ExitStatus { exit_status } => status = Some(exit_status),
+                    ChannelMsg::Close => break,
+                    _ => {}
+                }
+            }
+            let _ = channel.close().await;
+            Ok::<_, russh::Error>(status == Some(0))
+        };
+        match tokio::time::timeout(KILL_TIMEOUT, kill).await {
+            Ok(Ok(killed)) => killed,
+            Ok(Err(e)) => {
+                tracing::warn!(pid, error = %e, "killing a timed-out command failed; it may still run on the machine");
+                false
+            }
+            Err(_) => {
+                tracing::warn!(pid, "killing a timed-out command did not finish in time; it may still run on the machine");
+                false
+            }
         }
     }
 

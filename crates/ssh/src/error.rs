@@ -51,10 +51,12 @@ pub enum SshError {
         message: String,
     },
     /// The remote command did not finish in time.
-    #[error("command did not finish within {after:?}")]
+    #[error("command did not finish within {after:?}{}", if *killed { "; killed on the machine" } else { "; it may still be running on the machine" })]
     ExecTimeout {
         /// The exec timeout.
         after: Duration,
+        /// Whether the command was killed on the machine afterwards.
+        killed: bool,
     },
 }
 

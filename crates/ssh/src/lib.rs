@@ -2,6 +2,7 @@
 //! kept on disk with strict permissions, connects bounded by a timeout and a cap on concurrent
 //! handshakes, host-key pinning, SFTP upload and command execution with bounded output.
 
+mod announce;
 mod client;
 mod error;
 mod key;
@@ -9,7 +10,8 @@ mod key;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use client::{shell_quote, Auth, ExecOutput, SshClient, SshConfig, SshSession, Staged};
+pub use announce::shell_quote;
+pub use client::{Auth, ExecOutput, SshClient, SshConfig, SshSession, Staged};
 pub use error::SshError;
 pub use key::{load_or_generate_key, public_key_openssh, KeyError};
 pub use russh::keys::ssh_key::LineEnding;

@@ -142,19 +142,34 @@ async fn unknown_client_key_is_rejected() {
     }
 }
 
+/// A command that overruns its timeout is ended on the machine, not only abandoned: its
+/// process (the remote shell, whose pid it wrote down) is gone soon after the timeout, long
+/// before its own 30 s would have ended it.
 #[tokio::test]
-async fn exec_timeout_closes_the_channel() {
+async fn exec_timeout_ends_the_remote_command_and_closes_the_channel() {
     let (key, sshd) = trusting_sshd();
     let session = client(&key).connect(&sshd.addr(), None).await.unwrap();
-    let marker = sshd.dir().join("still-running");
-    let cmd = format!("sleep 30; touch {}", marker.display());
+    let pid_file = sshd.dir().join("pid");
+    let cmd = format!("echo $$ > {}; sleep 30; echo done", pid_file.display());
     let started = Instant::now();
     let err = session
         .exec(&cmd, b"", Duration::from_millis(500))
         .await
         .unwrap_err();
     assert!(matches!(err, SshError::ExecTimeout { .. }), "{err}");
-    assert!(started.elapsed() < Duration::from_secs(10));
+    let pid = std::fs::read_to_string(&pid_file).unwrap();
+    let proc = std::path::PathBuf::from(format!("/proc/{}", pid.trim()));
+    // The sshd runs on this host as this user: its command's process is visible here.
+    while proc.exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the timed-out command (pid {}) is still running: {:?}; sshd said: {}",
+            pid.trim(),
+            std::fs::read_to_string(proc.join("stat")),
+            sshd.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     // The connection stays usable after a timed-out command.
     let out = session
         .exec("echo ok", b"", Duration::from_secs(10))
@@ -239,16 +254,30 @@ async fn an_upload_replaces_the_file_without_a_moment_without_it() {
     let watcher = {
         let (stop, target) = (stop.clone(), target.clone());
         std::thread::spawn(move || {
-            let mut missing = 0u32;
+            use std::os::unix::fs::PermissionsExt;
+            // (missing, incomplete or not executable, seen complete)
+            let mut seen = (0u32, 0u32, 0u32);
             let started = Instant::now();
             while !stop.load(std::sync::atomic::Ordering::Relaxed)
                 && started.elapsed() < Duration::from_secs(60)
             {
-                if std::fs::metadata(&target).is_err() {
-                    missing += 1;
+                let (Ok(meta), Ok(bytes)) = (std::fs::metadata(&target), std::fs::read(&target))
+                else {
+                    seen.0 += 1;
+                    continue;
+                };
+                let text = String::from_utf8_lossy(&bytes);
+                let version = text
+                    .strip_prefix("#!/bin/sh\necho v")
+                    .and_then(|rest| rest.strip_suffix('\n'));
+                let whole = version.is_some_and(|v| v.parse::<u32>().is_ok());
+                if whole && meta.permissions().mode() & 0o111 == 0o111 {
+                    seen.2 += 1;
+                } else {
+                    seen.1 += 1;
                 }
             }
-            missing
+            seen
         })
     };
     for i in 0..40 {
@@ -258,10 +287,12 @@ async fn an_upload_replaces_the_file_without_a_moment_without_it() {
             .unwrap();
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (missing, incomplete, complete) = watcher.join().unwrap();
     assert_eq!(
-        watcher.join().unwrap(),
-        0,
-        "the target was missing while uploads replaced it"
+        (missing, incomplete),
+        (0, 0),
+        "the target was missing or incomplete while uploads replaced it ({complete} reads were whole)"
     );
+    assert!(complete > 0, "the watcher read the file");
     assert_eq!(std::fs::read(&target).unwrap(), b"#!/bin/sh\necho v39\n");
 }
