@@ -83,7 +83,8 @@ impl EquinixConfig {
     }
 }
 
-/// The provider. Not called concurrently (SPEC §6), but safe if it is.
+/// The provider. Safe to call concurrently: the provisioner creates several machines at once
+/// with `--provisioner-parallelism`, while the machine loops look machines up.
 pub struct EquinixProvider {
     client: Client,
     config: EquinixConfig,

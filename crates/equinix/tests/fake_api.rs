@@ -93,6 +93,7 @@ fn provisioner(p: Arc<EquinixProvider>, max: usize, chunk: usize) -> Provisioner
             limits: Limits::new(max, chunk),
             reconcile_rate: RateSpec::new(Duration::from_millis(1), 1),
             creation_rate: RateSpec::new(Duration::from_millis(1), 100),
+            creation_parallelism: 1,
         },
     )
 }
@@ -477,6 +478,7 @@ async fn creations_wait_for_the_creation_rate() {
             limits: Limits::new(0, 10),
             reconcile_rate: RateSpec::new(Duration::from_millis(1), 1),
             creation_rate: RateSpec::new(Duration::from_secs(3600), 2),
+            creation_parallelism: 1,
         },
     );
     let stopped = tokio::time::timeout(Duration::from_secs(3), prov.iterate(&s)).await;

@@ -362,7 +362,8 @@ pub fn status_of(node: &Node, deploy_timed_out: bool) -> ProviderStatus {
     }
 }
 
-/// The provider. Not called concurrently (SPEC §6), but safe if it is.
+/// The provider. Safe to call concurrently: the provisioner creates several machines at once
+/// with `--provisioner-parallelism`, while the machine loops look machines up.
 pub struct IronicProvider {
     client: Client,
     config: IronicConfig,

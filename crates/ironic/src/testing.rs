@@ -634,6 +634,7 @@ pub fn provisioner(
             limits: shepherd_loops::reconcile::Limits::new(0, chunk),
             reconcile_rate: RateSpec::new(Duration::from_millis(1), 1),
             creation_rate: RateSpec::new(Duration::from_millis(1), 1000),
+            creation_parallelism: 1,
         },
     )
 }

@@ -604,6 +604,7 @@ async fn a_held_node_deleted_at_ironic_stops_nothing_else() {
         limits,
         reconcile_rate: unpaced,
         creation_rate: unpaced,
+        creation_parallelism: 1,
     };
     let allowing_two = shepherd_loops::provisioner::Provisioner::new(p.clone(), config);
     let r = allowing_two.iterate(&s).await.unwrap();

@@ -192,7 +192,9 @@ pub async fn look_up<P: Provider + ?Sized>(
         })
 }
 
-/// A source of machines. Providers are not called concurrently.
+/// A source of machines. Calls may overlap: the provisioner creates up to
+/// `creation_parallelism` machines at once (each a different one), while the machine loops
+/// look machines up and reboot them.
 #[async_trait]
 pub trait Provider: Send + Sync {
     /// Which provider this is, as recorded in `machine_provided`.

@@ -61,6 +61,11 @@ pub struct ProvisionerConfig {
     pub reconcile_rate: RateSpec,
     /// How fast to create machines at the provider (`5s,1`).
     pub creation_rate: RateSpec,
+    /// Most creations in flight at once (1). More fills a slow provider's pipeline (Ironic
+    /// places allocations and starts deploys in the background), at a price: when the BMDB
+    /// fails mid-pass, up to this many machines may have been created that it cannot record
+    /// (each adopted by a later pass).
+    pub creation_parallelism: usize,
 }
 
 impl PassError for ProvisionerError {
@@ -80,6 +85,7 @@ impl Default for ProvisionerConfig {
             limits: Limits::default(),
             reconcile_rate: RateSpec::new(Duration::from_secs(60), 1),
             creation_rate: RateSpec::new(Duration::from_secs(5), 1),
+            creation_parallelism: 1,
         }
     }
 }
@@ -175,6 +181,21 @@ impl<P: Provider> Provisioner<P> {
                 "machines the BMDB records are gone from the provider; provisioning the others goes on (the updater marks them Missing; `shepherd machines decommission ID` retires them)"
             );
         }
+        self.hand_back(session, &decommissioned, &barred, &mut report)
+            .await?;
+        self.create(session, &plan.create, &mut report).await?;
+        Ok(report)
+    }
+
+    /// Hands the machines an operator decommissioned back to the provider (torn down where
+    /// `barred` says so), each only while the session's lease holds.
+    async fn hand_back(
+        &self,
+        session: &Session,
+        decommissioned: &[ProviderMachine],
+        barred: &BTreeMap<String, bool>,
+        report: &mut IterationReport,
+    ) -> Result<(), ProvisionerError> {
         for machine in decommissioned
             .iter()
             .filter(|m| m.availability != Availability::KnownUnused)
@@ -210,70 +231,124 @@ impl<P: Provider> Provisioner<P> {
                 }
             }
         }
-        for machine in &plan.create {
-            self.creation.wait().await;
-            // A creation started under a lease that ended would be another replica's to make.
-            session
-                .lease()
-                .left()
-                .map_err(ProvisionerError::LeaseLost)?;
-            match self.provider.create_machine(session, machine).await {
-                Ok(r) if r.adopted => {
-                    tracing::debug!(machine = %r.machine, provider_id = ?machine.id, "adopted a machine already recorded");
-                    report.adopted += 1;
+        Ok(())
+    }
+
+    /// Creates `machines` at the provider, paced, up to `creation_parallelism` at a time, each
+    /// started only while the session's lease holds; starts no more after a failure that the
+    /// next machine would meet too (the provider or the BMDB unavailable, the lease gone), but
+    /// lets those in flight finish: a creation cut off halfway is an orphan to adopt later.
+    async fn create(
+        &self,
+        session: &Session,
+        machines: &[ProviderMachine],
+        report: &mut IterationReport,
+    ) -> Result<(), ProvisionerError> {
+        let parallelism = self.config.creation_parallelism.max(1);
+        let mut pending = machines.iter();
+        let mut in_flight = futures::stream::FuturesUnordered::new();
+        let mut stopped = None;
+        loop {
+            while stopped.is_none() && in_flight.len() < parallelism {
+                let Some(machine) = pending.next() else {
+                    break;
+                };
+                self.creation.wait().await;
+                // A creation started under a lease that ended would be another replica's.
+                if let Err(lost) = session.lease().left() {
+                    stopped = Some(ProvisionerError::LeaseLost(lost));
+                    break;
                 }
-                Ok(r) => {
-                    tracing::info!(machine = %r.machine, provider_id = ?machine.id, "brought a new machine in");
-                    report.created += 1;
-                }
-                Err(ProviderError::Taken(what)) => {
-                    tracing::debug!(%what, "another client took an unused machine first; skipping it");
-                    report.taken += 1;
-                }
-                Err(ProviderError::Refused {
-                    provider_id,
-                    skip_for,
-                    error,
-                }) => {
-                    tracing::warn!(provider_id, ?skip_for, %error, "the provider refused to create a machine; every replica skips it for a while");
-                    report.refused += 1;
-                    let until = chrono::Utc::now()
-                        + chrono::TimeDelta::from_std(skip_for)
-                            .unwrap_or_else(|_| chrono::TimeDelta::weeks(52));
-                    let cause = error.to_string();
-                    session
-                        .transact(|tx| {
-                            let (id, cause) = (provider_id.clone(), cause.clone());
-                            Box::pin(
-                                async move { tx.skip_provider_id(kind, &id, until, &cause).await },
-                            )
-                        })
-                        .await
-                        .map_err(ProvisionerError::Bmdb)?;
-                }
-                Err(e) if e.is_unavailable() => {
-                    report.failed += 1;
-                    return Err(ProvisionerError::ProviderUnavailable {
-                        created: report.created,
-                        error: e,
-                    });
-                }
-                Err(e) if e.is_bmdb_failure() => {
-                    // Every further creation would be one more machine the BMDB cannot
-                    // record: stop here. The one just created is adopted by a later pass.
-                    report.failed += 1;
-                    return Err(ProvisionerError::BmdbFailed {
-                        created: report.created,
-                        error: e,
-                    });
-                }
-                Err(e) => {
-                    tracing::warn!(provider_id = ?machine.id, addr = ?machine.addr, error = %e, "creating a machine failed; skipping it");
-                    report.failed += 1;
-                }
+                in_flight.push(async move {
+                    let result = self.provider.create_machine(session, machine).await;
+                    (machine, result)
+                });
+            }
+            let Some((machine, result)) = futures::StreamExt::next(&mut in_flight).await else {
+                break;
+            };
+            if let Err(stop) = self.created(session, machine, result, report).await {
+                stopped.get_or_insert(stop);
             }
         }
-        Ok(report)
+        stopped.map_or(Ok(()), Err)
+    }
+
+    /// Counts one creation's `result` in `report` (a refusal recorded as a skip in the BMDB);
+    /// an error if no further creation should start.
+    async fn created(
+        &self,
+        session: &Session,
+        machine: &ProviderMachine,
+        result: Result<crate::provider::Recorded, ProviderError>,
+        report: &mut IterationReport,
+    ) -> Result<(), ProvisionerError> {
+        match result {
+            Ok(r) if r.adopted => {
+                tracing::debug!(machine = %r.machine, provider_id = ?machine.id, "adopted a machine already recorded");
+                report.adopted += 1;
+            }
+            Ok(r) => {
+                tracing::info!(machine = %r.machine, provider_id = ?machine.id, "brought a new machine in");
+                report.created += 1;
+            }
+            Err(ProviderError::Taken(what)) => {
+                tracing::debug!(%what, "another client took an unused machine first; skipping it");
+                report.taken += 1;
+            }
+            Err(ProviderError::Refused {
+                provider_id,
+                skip_for,
+                error,
+            }) => {
+                tracing::warn!(provider_id, ?skip_for, %error, "the provider refused to create a machine; every replica skips it for a while");
+                report.refused += 1;
+                self.skip(session, &provider_id, skip_for, &error.to_string())
+                    .await?;
+            }
+            Err(e) if e.is_unavailable() => {
+                report.failed += 1;
+                return Err(ProvisionerError::ProviderUnavailable {
+                    created: report.created,
+                    error: e,
+                });
+            }
+            Err(e) if e.is_bmdb_failure() => {
+                // Every further creation would be one more machine the BMDB cannot record:
+                // stop here. The one just created is adopted by a later pass.
+                report.failed += 1;
+                return Err(ProvisionerError::BmdbFailed {
+                    created: report.created,
+                    error: e,
+                });
+            }
+            Err(e) => {
+                tracing::warn!(provider_id = ?machine.id, addr = ?machine.addr, error = %e, "creating a machine failed; skipping it");
+                report.failed += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Records in the BMDB that `provider_id` is skipped for `skip_for` because of `cause`.
+    async fn skip(
+        &self,
+        session: &Session,
+        provider_id: &str,
+        skip_for: Duration,
+        cause: &str,
+    ) -> Result<(), ProvisionerError> {
+        let kind = self.provider.kind();
+        let until = chrono::Utc::now()
+            + chrono::TimeDelta::from_std(skip_for)
+                .unwrap_or_else(|_| chrono::TimeDelta::weeks(52));
+        session
+            .transact(|tx| {
+                let (id, cause) = (provider_id.to_string(), cause.to_string());
+                Box::pin(async move { tx.skip_provider_id(kind, &id, until, &cause).await })
+            })
+            .await
+            .map_err(ProvisionerError::Bmdb)
     }
 }
 

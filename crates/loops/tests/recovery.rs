@@ -58,6 +58,7 @@ async fn take_over(db: &Bmdb, fleet: &Arc<SimFleet>) {
             limits: Limits::new(0, MACHINES),
             reconcile_rate: RateSpec::new(Duration::from_millis(50), 1),
             creation_rate: RateSpec::new(Duration::from_millis(1), 50),
+            creation_parallelism: 1,
         },
     );
     let work = tokio::spawn({

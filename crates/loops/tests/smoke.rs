@@ -37,6 +37,14 @@ struct Dummy {
     /// Once this id is created and recorded, the session's keep-alive stops and the creation
     /// returns only when its lease has ended, as after a pause or a partition.
     lose_lease_after: Option<String>,
+    /// How long each creation takes.
+    create_delay: Duration,
+    /// Creating this id finds the provider's API unavailable.
+    unavailable_on: Option<String>,
+    /// Creations begun, in flight now, and the most ever in flight at once.
+    begun: std::sync::atomic::AtomicUsize,
+    in_flight: std::sync::atomic::AtomicUsize,
+    most_in_flight: std::sync::atomic::AtomicUsize,
 }
 
 impl Dummy {
@@ -97,7 +105,16 @@ impl ProviderTrait for Dummy {
         session: &Session,
         unused: &ProviderMachine,
     ) -> Result<Recorded, ProviderError> {
+        use std::sync::atomic::Ordering::SeqCst;
         let id = unused.id.clone().unwrap();
+        self.begun.fetch_add(1, SeqCst);
+        let now = self.in_flight.fetch_add(1, SeqCst) + 1;
+        self.most_in_flight.fetch_max(now, SeqCst);
+        tokio::time::sleep(self.create_delay).await;
+        self.in_flight.fetch_sub(1, SeqCst);
+        if self.unavailable_on.as_ref() == Some(&id) {
+            return Err(ProviderError::Unavailable("injected outage".into()));
+        }
         if self.fail_create.contains(&id) {
             return Err(ProviderError::Api("injected creation failure".into()));
         }
@@ -141,6 +158,7 @@ fn unpaced(max_machines: usize, chunk_size: usize) -> ProvisionerConfig {
         limits: Limits::new(max_machines, chunk_size),
         reconcile_rate: fast(),
         creation_rate: fast(),
+        creation_parallelism: 1,
     }
 }
 
@@ -360,6 +378,7 @@ async fn a_missing_machine_stops_nothing_but_an_empty_listing_stops_all(db: Bmdb
             ProvisionerConfig {
                 reconcile_rate: fast(),
                 creation_rate: fast(),
+                creation_parallelism: 1,
                 ..Default::default()
             },
         )
@@ -684,7 +703,62 @@ async fn a_refused_commit_fails_the_work_with_its_cause(db: Bmdb) {
     assert!(started.is_none(), "nothing of the refused commit was kept");
 }
 
+/// 20 unused machines whose creations take 30 ms each (creating `unavailable_on` finds the
+/// provider unavailable), and a provisioner creating up to 4 at a time.
+fn four_at_a_time(unavailable_on: Option<&str>) -> (Arc<Dummy>, Provisioner<Dummy>) {
+    let mut d = Dummy::with_capacity(20);
+    d.create_delay = Duration::from_millis(30);
+    d.unavailable_on = unavailable_on.map(str::to_string);
+    let provider = Arc::new(d);
+    let mut config = unpaced(0, 20);
+    config.creation_parallelism = 4;
+    (provider.clone(), Provisioner::new(provider, config))
+}
+
+/// With `creation_parallelism` 4, creations overlap, never more than 4 at once, and each
+/// machine is created and recorded once.
+async fn creations_overlap_up_to_the_parallelism(db: Bmdb) {
+    use std::sync::atomic::Ordering::SeqCst;
+    let (provider, p) = four_at_a_time(None);
+    let s = testing::session(&db, Processor::ShepherdProvisioner).await;
+    let r = p.iterate(&s).await.unwrap();
+    assert_eq!((r.created, r.failed), (20, 0), "{r:?}");
+    assert_eq!(provider.most_in_flight.load(SeqCst), 4);
+    assert_eq!(provider.begun.load(SeqCst), 20);
+    let mut recorded = provided_ids(&db).await;
+    recorded.sort();
+    assert_eq!(recorded, provider.used());
+    s.close().await.unwrap();
+}
+
+/// Once a creation finds the provider unavailable, no new creation starts; those already in
+/// flight finish and are recorded (none is cut off halfway), and the pass reports the outage.
+async fn an_outage_stops_new_creations_and_those_in_flight_are_recorded(db: Bmdb) {
+    use std::sync::atomic::Ordering::SeqCst;
+    let (provider, p) = four_at_a_time(Some("dummy-005"));
+    let s = testing::session(&db, Processor::ShepherdProvisioner).await;
+    let err = p.iterate(&s).await.unwrap_err();
+    assert!(
+        matches!(err, ProvisionerError::ProviderUnavailable { .. }),
+        "{err}"
+    );
+    // dummy-005 is the sixth begun; at most three more were in flight when it failed.
+    let begun = provider.begun.load(SeqCst);
+    assert!((6..=9).contains(&begun), "{begun} creations begun");
+    let mut recorded = provided_ids(&db).await;
+    recorded.sort();
+    assert_eq!(
+        recorded,
+        provider.used(),
+        "every creation that ran is recorded"
+    );
+    assert_eq!(recorded.len(), begun - 1, "all but the failed one");
+    s.close().await.unwrap();
+}
+
 shepherd_bmdb::conformance_tests!(
+    creations_overlap_up_to_the_parallelism,
+    an_outage_stops_new_creations_and_those_in_flight_are_recorded,
     a_refused_commit_fails_the_work_with_its_cause,
     provisioner_stops_at_max,
     provisioner_stops_at_the_first_failure_of_the_bmdb,

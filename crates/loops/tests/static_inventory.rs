@@ -16,6 +16,7 @@ fn config() -> ProvisionerConfig {
         limits: Limits::new(0, 20),
         reconcile_rate: fast,
         creation_rate: fast,
+        creation_parallelism: 1,
     }
 }
 

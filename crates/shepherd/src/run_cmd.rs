@@ -203,6 +203,12 @@ pub struct ProvisionerArgs {
         default_value = "5s,1"
     )]
     pub provisioner_creation_rate: RateSpec,
+    /// Provisioner: most machine creations in flight at once. More fills a slow provider's
+    /// pipeline (Ironic places allocations and deploys in the background); if the BMDB fails
+    /// mid-pass, up to this many machines may have been created that it cannot yet record
+    /// (a later pass adopts each).
+    #[arg(long, env = "SHEPHERD_PROVISIONER_PARALLELISM", default_value_t = 1)]
+    pub provisioner_parallelism: usize,
     /// Provisioner: how many machines the BMDB records may be gone from the provider's
     /// listing while the others are still provisioned, as a share of them (`10%`, and
     /// always one) or a count (`5`); more, or an empty listing, looks like a broken listing
@@ -216,12 +222,16 @@ impl ProvisionerArgs {
         if self.provisioner_chunk_size == 0 {
             bail!("provisioner-chunk-size: must be at least 1");
         }
+        if !(1..=64).contains(&self.provisioner_parallelism) {
+            bail!("provisioner-parallelism: must be 1 to 64");
+        }
         let mut limits = Limits::new(self.provisioner_max_machines, self.provisioner_chunk_size);
         limits.max_missing = self.provisioner_max_missing;
         Ok(ProvisionerConfig {
             limits,
             reconcile_rate: self.provisioner_reconcile_rate,
             creation_rate: self.provisioner_creation_rate,
+            creation_parallelism: self.provisioner_parallelism,
         })
     }
 }
@@ -694,6 +704,61 @@ enum Chosen {
     Sim(Arc<SimFleet>),
 }
 
+/// The provider `--provider` chose, connected and checked (a broken static inventory, an
+/// unreachable API or refused credentials stop start-up here, with what was wrong), with the
+/// SSH transport its machines are taken over with.
+async fn choose(
+    args: &RunArgs,
+    ssh_metrics: &Arc<CallMetrics>,
+    equinix_metrics: &Arc<CallMetrics>,
+    ironic_metrics: &Arc<CallMetrics>,
+) -> Result<Chosen> {
+    let chosen = match args.source.provider {
+        ProviderChoice::Static => {
+            let url = args
+                .source
+                .static_inventory
+                .as_deref()
+                .context("static-inventory: is required with --provider static")?;
+            let provider = Arc::new(
+                StaticProvider::new(url, args.source.static_provider_type.into())
+                    .context("static-inventory")?
+                    .with_bmc_timing(args.bmc.bmc_timeout, args.bmc.bmc_reboot_wait),
+            );
+            let (transport, _) = args.ssh.transport(ssh_metrics)?;
+            // A broken inventory is a start-up error: nothing is written, no loop starts.
+            let inventory = provider.load_at_start().await.context("static-inventory")?;
+            if !inventory.has_bmcs() {
+                tracing::warn!(
+                    "no inventory entry names a BMC: machines cannot be rebooted until one does; the recoverer waits for it"
+                );
+            }
+            Chosen::Static(provider, transport)
+        }
+        ProviderChoice::Equinix => {
+            let (transport, public_key) = args.ssh.transport(ssh_metrics)?;
+            let (client, config) = args
+                .equinix
+                .client(public_key, Arc::clone(equinix_metrics))?;
+            let connected = EquinixProvider::connect(client, config).await;
+            Chosen::Equinix(Arc::new(connected.context("Equinix Metal")?), transport)
+        }
+        ProviderChoice::Ironic => {
+            let (transport, public_key) = args.ssh.transport(ssh_metrics)?;
+            let (client, config) = args.ironic.client(public_key, Arc::clone(ironic_metrics))?;
+            // An unreachable Ironic, one older than the pinned microversion, or refused
+            // credentials stop start-up here, with what was wrong.
+            let connected = IronicProvider::connect(client, config).await;
+            Chosen::Ironic(Arc::new(connected.context("OpenStack Ironic")?), transport)
+        }
+        ProviderChoice::Sim => Chosen::Sim(Arc::new(SimFleet::new(
+            args.sim.sim_machines,
+            args.sim.knobs(),
+        )?)),
+    };
+    Ok(chosen)
+}
+
 /// Runs `shepherd run` until SIGINT/SIGTERM.
 pub async fn run(database: &str, args: RunArgs) -> Result<()> {
     args.process
@@ -718,47 +783,7 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
     let equinix_metrics = Arc::new(CallMetrics::default());
     let ironic_metrics = Arc::new(CallMetrics::default());
     // Everything that can be checked without the database is checked before connecting.
-    let chosen = match args.source.provider {
-        ProviderChoice::Static => {
-            let url = args
-                .source
-                .static_inventory
-                .as_deref()
-                .context("static-inventory: is required with --provider static")?;
-            let provider = Arc::new(
-                StaticProvider::new(url, args.source.static_provider_type.into())
-                    .context("static-inventory")?
-                    .with_bmc_timing(args.bmc.bmc_timeout, args.bmc.bmc_reboot_wait),
-            );
-            let (transport, _) = args.ssh.transport(&ssh_metrics)?;
-            // A broken inventory is a start-up error: nothing is written, no loop starts.
-            let inventory = provider.load_at_start().await.context("static-inventory")?;
-            if !inventory.has_bmcs() {
-                tracing::warn!(
-                    "no inventory entry names a BMC: machines cannot be rebooted until one does; the recoverer waits for it"
-                );
-            }
-            Chosen::Static(provider, transport)
-        }
-        ProviderChoice::Equinix => {
-            let (transport, public_key) = args.ssh.transport(&ssh_metrics)?;
-            let (client, config) = args.equinix.client(public_key, equinix_metrics.clone())?;
-            let connected = EquinixProvider::connect(client, config).await;
-            Chosen::Equinix(Arc::new(connected.context("Equinix Metal")?), transport)
-        }
-        ProviderChoice::Ironic => {
-            let (transport, public_key) = args.ssh.transport(&ssh_metrics)?;
-            let (client, config) = args.ironic.client(public_key, ironic_metrics.clone())?;
-            // An unreachable Ironic, one older than the pinned microversion, or refused
-            // credentials stop start-up here, with what was wrong.
-            let connected = IronicProvider::connect(client, config).await;
-            Chosen::Ironic(Arc::new(connected.context("OpenStack Ironic")?), transport)
-        }
-        ProviderChoice::Sim => Chosen::Sim(Arc::new(SimFleet::new(
-            args.sim.sim_machines,
-            args.sim.knobs(),
-        )?)),
-    };
+    let chosen = choose(&args, &ssh_metrics, &equinix_metrics, &ironic_metrics).await?;
     let db = Bmdb::open_with(database, &OpenOptions::migrating(args.process.migrate)).await?;
     let cancel = shutdown_on_signals();
     let schema = tokio::spawn(crate::schema_watch::watch(

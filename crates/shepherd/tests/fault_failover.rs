@@ -491,6 +491,7 @@ async fn a_failover_mid_provisioning_costs_at_most_one_unrecorded_device_per_rep
                     limits: Limits::new(0, 20),
                     reconcile_rate: RateSpec::new(Duration::from_millis(200), 1),
                     creation_rate: RateSpec::new(Duration::from_millis(100), 1),
+                    creation_parallelism: 1,
                 },
             );
             let db = Bmdb::open(&url).await.unwrap();

@@ -25,6 +25,7 @@ async fn replica(db: Bmdb, fleet: Arc<SimFleet>, name: &str, cancel: Cancellatio
             limits: Limits::new(0, 50),
             reconcile_rate: RateSpec::new(Duration::from_millis(100), 1),
             creation_rate: RateSpec::new(Duration::from_millis(1), 50),
+            creation_parallelism: 1,
         },
     );
     let mut config = InitializerConfig::new(vec![0x7f], "bmaas.example:443");
@@ -132,6 +133,7 @@ fn unpaced() -> ProvisionerConfig {
         limits: Limits::new(0, MACHINES),
         reconcile_rate: RateSpec::new(Duration::from_millis(1), 1),
         creation_rate: RateSpec::new(Duration::from_millis(1), 1000),
+        creation_parallelism: 1,
     }
 }
 
