@@ -118,7 +118,7 @@ pub struct AgentConfig {
 /// Runs the agent until killed.
 pub async fn run(args: RunArgs) -> ExitCode {
     let result = async {
-        let st = state::load(&args.state)?;
+        let st = state::load(&args.state).map_err(|e| e.to_string())?;
         let init = st.init.clone().ok_or("state has no init message")?;
         let config = AgentConfig {
             machine_id: init.machine_id,
@@ -133,7 +133,9 @@ pub async fn run(args: RunArgs) -> ExitCode {
             retry_max: args.retry_max,
             failures: FailureReport::Print,
         };
-        run_agent(config, Some((args.state.clone(), st))).await
+        run_agent(config, Some((args.state.clone(), st)))
+            .await
+            .map_err(|e| e.to_string())
     };
     match result.await {
         Ok(()) => ExitCode::SUCCESS,
@@ -144,13 +146,35 @@ pub async fn run(args: RunArgs) -> ExitCode {
     }
 }
 
+/// Why the agent could not start heartbeating: its settings cannot make a connection. Once
+/// it heartbeats, nothing stops it; failures are retried.
+#[derive(Debug)]
+pub enum AgentError {
+    /// Its client certificate could not be made.
+    Identity(identity::IdentityError),
+    /// The endpoint or the TLS settings are unusable.
+    Settings(crate::connection::SettingsError),
+}
+
+impl std::fmt::Display for AgentError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AgentError::Identity(e) => e.fmt(f),
+            AgentError::Settings(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for AgentError {}
+
 /// Heartbeats forever. With `persist`, the highest installed generation is saved to the state
 /// file, so a restarted agent does not install the same request again.
 pub async fn run_agent(
     mut config: AgentConfig,
     mut persist: Option<(std::path::PathBuf, AgentState)>,
-) -> Result<(), String> {
-    let cert = identity::client_certificate(&config.pkcs8, &config.machine_id)?;
+) -> Result<(), AgentError> {
+    let cert = identity::client_certificate(&config.pkcs8, &config.machine_id)
+        .map_err(AgentError::Identity)?;
     let key = rustls_pki_types::PrivatePkcs8KeyDer::from(config.pkcs8.clone()).into();
     let connector = ServerConnector::checking_dates_at(
         &config.endpoint,
@@ -159,7 +183,7 @@ pub async fn run_agent(
         key,
         config.certificate_time,
     )
-    .map_err(|e| e.to_string())?;
+    .map_err(AgentError::Settings)?;
     let mut client = AgentClient::new(connector);
     let mut installed_generation = persist
         .as_ref()

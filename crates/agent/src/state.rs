@@ -32,13 +32,52 @@ pub fn save(path: &Path, state: &AgentState) -> std::io::Result<()> {
     std::fs::rename(&tmp, path)
 }
 
+/// Why the state file could not be read.
+#[derive(Debug)]
+pub enum StateError {
+    /// The file could not be read.
+    Read {
+        /// The state file.
+        path: PathBuf,
+        /// What reading it said.
+        error: std::io::Error,
+    },
+    /// The file is not an `AgentState`.
+    Decode {
+        /// The state file.
+        path: PathBuf,
+        /// What decoding it said.
+        error: shepherd_proto::DecodeError,
+    },
+}
+
+impl std::fmt::Display for StateError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StateError::Read { path, error } => {
+                write!(f, "reading state {}: {error}", path.display())
+            }
+            StateError::Decode { path, error } => {
+                write!(f, "decoding state {}: {error}", path.display())
+            }
+        }
+    }
+}
+
+impl std::error::Error for StateError {}
+
 /// Reads the state.
-pub fn load(path: &Path) -> Result<AgentState, String> {
+pub fn load(path: &Path) -> Result<AgentState, StateError> {
     use std::io::Read;
     let mut raw = Vec::new();
     std::fs::File::open(path)
         .and_then(|f| f.take(MAX_STATE_BYTES).read_to_end(&mut raw))
-        .map_err(|e| format!("reading state {}: {e}", path.display()))?;
-    AgentState::decode(raw.as_slice())
-        .map_err(|e| format!("decoding state {}: {e}", path.display()))
+        .map_err(|error| StateError::Read {
+            path: path.to_path_buf(),
+            error,
+        })?;
+    AgentState::decode(raw.as_slice()).map_err(|error| StateError::Decode {
+        path: path.to_path_buf(),
+        error,
+    })
 }

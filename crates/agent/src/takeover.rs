@@ -39,7 +39,7 @@ fn take_over() -> Result<(TakeoverInit, Vec<u8>, Vec<String>), String> {
         .filter(|seen| seen.machine_id == init.machine_id)
         .map_or(0, |seen| seen.claim_generation);
     shepherd_proto::check_fencing_token(seen, init.claim_generation).map_err(|e| e.to_string())?;
-    let (pkcs8, public) = identity::generate()?;
+    let (pkcs8, public) = identity::generate().map_err(|e| e.to_string())?;
     state::save(
         &path,
         &AgentState {

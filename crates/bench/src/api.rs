@@ -149,6 +149,124 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
+/// Starts `shepherd server` over the BMDB at `url` with its operator API (trusting `issuer`)
+/// and its web UI, certificates made under `dir`: the server, a client of the API, the API's
+/// base URL and the web UI's.
+fn start_server(
+    shepherd: &std::path::Path,
+    url: &str,
+    issuer: &str,
+    dir: &std::path::Path,
+) -> Result<(Killed, reqwest::Client, String, String)> {
+    let server = Command::new(&shepherd)
+        .args(["server", "--database", url, "--listen", "127.0.0.1:0"])
+        .args(["--http-listen", "127.0.0.1:0", "--web-refresh", "0s"])
+        .args([
+            "--api-listen",
+            "127.0.0.1:0",
+            "--api-rate",
+            "1000000",
+            "--api-burst",
+            "1000000",
+        ])
+        .args(["--oidc-issuer", issuer, "--oidc-audience", "shepherd"])
+        .args([
+            "--oidc-role-claim",
+            "scope",
+            "--oidc-role",
+            "shepherd:viewer=viewer",
+        ])
+        .arg("--dev-certs")
+        .arg(dir.join("certs"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let mut server = Killed(server);
+    let lines = announced(
+        &mut server.0,
+        &[
+            "shepherd server: operator API at https://",
+            "shepherd server: web UI at http://",
+        ],
+    )?;
+    let api_addr: std::net::SocketAddr = lines[0].trim_end_matches("/api/v1").parse()?;
+    let web = format!(
+        "http://{}",
+        lines[1].split('/').next().context("web address")?
+    );
+    let ca = std::fs::read(dir.join("certs/ca.pem"))?;
+    let api_client = reqwest::Client::builder()
+        .add_root_certificate(reqwest::Certificate::from_pem(&ca)?)
+        .resolve("localhost", api_addr)
+        .build()?;
+    let api = format!("https://localhost:{}/api/v1", api_addr.port());
+    Ok((server, api_client, api, web))
+}
+
+/// The times measured, per kind of request.
+struct Samples {
+    web_pages: Vec<Duration>,
+    api_pages: Vec<Duration>,
+    with_local: Vec<Duration>,
+    with_jwt: Vec<Duration>,
+    local_alongside: Vec<Duration>,
+    first_use: Vec<Duration>,
+}
+
+/// The report: a table of both sides and the figures' `key = value` lines.
+fn report(args: &Args, warm_up: usize, samples: Samples) -> String {
+    let Samples {
+        mut web_pages,
+        mut api_pages,
+        mut with_local,
+        mut with_jwt,
+        mut local_alongside,
+        mut first_use,
+    } = samples;
+
+    let (api_p99, web_p99) = (
+        quantile(&mut api_pages, 0.99),
+        quantile(&mut web_pages, 0.99),
+    );
+    let (jwt_p50, local_p50) = (quantile(&mut with_jwt, 0.5), quantile(&mut with_local, 0.5));
+    let auth_us = (jwt_p50.as_secs_f64() - local_p50.as_secs_f64()).max(0.0) * 1e6;
+    let (first_p50, alongside_p50) = (
+        quantile(&mut first_use, 0.5),
+        quantile(&mut local_alongside, 0.5),
+    );
+    let first_us = (first_p50.as_secs_f64() - alongside_p50.as_secs_f64()).max(0.0) * 1e6;
+    let ratio = ms(api_p99) / ms(web_p99).max(1e-9);
+    format!(
+        "# Operator API\n\n\
+         Run on {} with `shepherd-bench api` (2 cores; release build; loopback). `shepherd server`\n\
+         over a SQLite BMDB of {} machines; a real OpenID provider (oidc-provider under Node)\n\
+         issues the RS256 JWT. {} requests of each kind, in pairs whose order alternates, after a\n\
+         warm-up of {}.\n\n\
+         | What | Operator API | Baseline |\n|---|---|---|\n\
+         | p99 of a page of 100 machines | {:.2} ms (`/api/v1/machines?limit=100`, HTTPS, JWT) | {:.2} ms (web UI `/machines?limit=100`, plain HTTP) |\n\
+         | median of `/api/v1/whoami` | {:.0} µs with the JWT | {:.0} µs with a local token |\n\
+         | median of `/api/v1/whoami`, each token's first use | {:.0} µs with {} fresh JWTs | {:.0} µs with a local token |\n\n\
+         api_p99_vs_web = {ratio:.2}\n\
+         api_auth_us_per_request = {auth_us:.0}\n\
+         api_first_jwt_us = {first_us:.0}\n\
+         api_p99_ms = {:.2}\n\
+         web_p99_ms = {:.2}\n",
+        chrono::Utc::now().format("%Y-%m-%d %H:%M UTC"),
+        args.machines,
+        args.requests,
+        warm_up,
+        ms(api_p99),
+        ms(web_p99),
+        jwt_p50.as_secs_f64() * 1e6,
+        local_p50.as_secs_f64() * 1e6,
+        first_p50.as_secs_f64() * 1e6,
+        args.fresh_tokens,
+        alongside_p50.as_secs_f64() * 1e6,
+        ms(api_p99),
+        ms(web_p99),
+    )
+}
+
 /// Runs the benchmark and writes its report.
 pub async fn run(args: Args) -> Result<()> {
     let shepherd = crate::binaries::release_binary("shepherd")?;
@@ -174,49 +292,8 @@ pub async fn run(args: Args) -> Result<()> {
     let (_provider, issuer) = start_provider()?;
     let jwt = jwt(&issuer).await?;
     let dir = tempfile::tempdir()?;
-    let server = Command::new(&shepherd)
-        .args(["server", "--database", &t.url, "--listen", "127.0.0.1:0"])
-        .args(["--http-listen", "127.0.0.1:0", "--web-refresh", "0s"])
-        .args([
-            "--api-listen",
-            "127.0.0.1:0",
-            "--api-rate",
-            "1000000",
-            "--api-burst",
-            "1000000",
-        ])
-        .args(["--oidc-issuer", &issuer, "--oidc-audience", "shepherd"])
-        .args([
-            "--oidc-role-claim",
-            "scope",
-            "--oidc-role",
-            "shepherd:viewer=viewer",
-        ])
-        .arg("--dev-certs")
-        .arg(dir.path().join("certs"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()?;
-    let mut server = Killed(server);
-    let lines = announced(
-        &mut server.0,
-        &[
-            "shepherd server: operator API at https://",
-            "shepherd server: web UI at http://",
-        ],
-    )?;
-    let api_addr: std::net::SocketAddr = lines[0].trim_end_matches("/api/v1").parse()?;
-    let web = format!(
-        "http://{}",
-        lines[1].split('/').next().context("web address")?
-    );
-    let ca = std::fs::read(dir.path().join("certs/ca.pem"))?;
-    let api_client = reqwest::Client::builder()
-        .add_root_certificate(reqwest::Certificate::from_pem(&ca)?)
-        .resolve("localhost", api_addr)
-        .build()?;
+    let (server, api_client, api, web) = start_server(&shepherd, &t.url, &issuer, dir.path())?;
     let web_client = reqwest::Client::new();
-    let api = format!("https://localhost:{}/api/v1", api_addr.port());
 
     // Each pair is measured in both orders, alternately: the request that follows a heavier
     // one would otherwise be charged for it.
@@ -268,48 +345,15 @@ pub async fn run(args: Args) -> Result<()> {
     }
     drop(server);
     t.cleanup().await;
-
-    let (api_p99, web_p99) = (
-        quantile(&mut api_pages, 0.99),
-        quantile(&mut web_pages, 0.99),
-    );
-    let (jwt_p50, local_p50) = (quantile(&mut with_jwt, 0.5), quantile(&mut with_local, 0.5));
-    let auth_us = (jwt_p50.as_secs_f64() - local_p50.as_secs_f64()).max(0.0) * 1e6;
-    let (first_p50, alongside_p50) = (
-        quantile(&mut first_use, 0.5),
-        quantile(&mut local_alongside, 0.5),
-    );
-    let first_us = (first_p50.as_secs_f64() - alongside_p50.as_secs_f64()).max(0.0) * 1e6;
-    let ratio = ms(api_p99) / ms(web_p99).max(1e-9);
-    let md = format!(
-        "# Operator API\n\n\
-         Run on {} with `shepherd-bench api` (2 cores; release build; loopback). `shepherd server`\n\
-         over a SQLite BMDB of {} machines; a real OpenID provider (oidc-provider under Node)\n\
-         issues the RS256 JWT. {} requests of each kind, in pairs whose order alternates, after a\n\
-         warm-up of {}.\n\n\
-         | What | Operator API | Baseline |\n|---|---|---|\n\
-         | p99 of a page of 100 machines | {:.2} ms (`/api/v1/machines?limit=100`, HTTPS, JWT) | {:.2} ms (web UI `/machines?limit=100`, plain HTTP) |\n\
-         | median of `/api/v1/whoami` | {:.0} µs with the JWT | {:.0} µs with a local token |\n\
-         | median of `/api/v1/whoami`, each token's first use | {:.0} µs with {} fresh JWTs | {:.0} µs with a local token |\n\n\
-         api_p99_vs_web = {ratio:.2}\n\
-         api_auth_us_per_request = {auth_us:.0}\n\
-         api_first_jwt_us = {first_us:.0}\n\
-         api_p99_ms = {:.2}\n\
-         web_p99_ms = {:.2}\n",
-        chrono::Utc::now().format("%Y-%m-%d %H:%M UTC"),
-        args.machines,
-        args.requests,
-        warm_up,
-        ms(api_p99),
-        ms(web_p99),
-        jwt_p50.as_secs_f64() * 1e6,
-        local_p50.as_secs_f64() * 1e6,
-        first_p50.as_secs_f64() * 1e6,
-        args.fresh_tokens,
-        alongside_p50.as_secs_f64() * 1e6,
-        ms(api_p99),
-        ms(web_p99),
-    );
+    let samples = Samples {
+        web_pages,
+        api_pages,
+        with_local,
+        with_jwt,
+        local_alongside,
+        first_use,
+    };
+    let md = report(&args, warm_up, samples);
     eprint!("{md}");
     std::fs::write(&args.out, md).with_context(|| format!("writing {}", args.out.display()))?;
     Ok(())

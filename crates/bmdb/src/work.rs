@@ -234,14 +234,10 @@ impl Work {
         }
     }
 
-    /// Gives the work up without a verdict: releases the lock and writes Canceled history;
+    /// Gives the work up without a verdict: releases the lock and writes Canceled history
+    /// with `cause` (a shutdown, an outage, a lost lease: every Canceled entry says why);
     /// backoff is untouched. A no-op after the work already ended. Works on an expired session.
-    pub async fn cancel(&mut self) -> Result<(), Error> {
-        self.cancel_with(None).await
-    }
-
-    /// [`Work::cancel`], recording `cause` with the Canceled entry (a shutdown, an outage).
-    pub async fn cancel_because(&mut self, cause: &str) -> Result<(), Error> {
+    pub async fn cancel(&mut self, cause: &str) -> Result<(), Error> {
         self.cancel_with(Some(stored_cause(cause))).await
     }
 
@@ -254,7 +250,7 @@ impl Work {
             return Ok(());
         }
         self.session.db().metrics().work_fenced(self.process);
-        self.cancel_because(&crate::LeaseLost.to_string()).await
+        self.cancel(&crate::LeaseLost.to_string()).await
     }
 
     /// Gives up on writing this work's ending (the database could not be written, and the
@@ -313,6 +309,10 @@ async fn cancel(
     Ok(())
 }
 
+/// The cause recorded with work dropped without an ending: its worker panicked or was
+/// aborted mid-work.
+const DROPPED_CAUSE: &str = "dropped without an ending (its worker panicked or was aborted)";
+
 impl Drop for Work {
     fn drop(&mut self) {
         if self.state != State::Active {
@@ -322,7 +322,8 @@ impl Drop for Work {
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             let (session, machine, process) = (self.session.clone(), self.machine_id, self.process);
             rt.spawn(async move {
-                if let Err(e) = cancel(&session, machine, process, None).await {
+                let cause = Some(DROPPED_CAUSE.to_string());
+                if let Err(e) = cancel(&session, machine, process, cause).await {
                     tracing::warn!(%machine, error = %e, "canceling dropped work failed; its session is abandoned, so the database releases it when the session expires");
                     session.abandon();
                 }

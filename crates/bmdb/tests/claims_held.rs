@@ -30,7 +30,7 @@ async fn two_processes_hold_one_machine(db: Bmdb) {
             );
         }
     }
-    a.cancel().await.unwrap();
+    a.cancel("test").await.unwrap();
     let mut again = held(s2.work(Process::UnitTest1, ANY).await.unwrap());
     assert_eq!(again.machine_id(), m);
     again.finish(TagWrites::none()).await.unwrap();
@@ -75,7 +75,7 @@ async fn candidates_locked_elsewhere_are_a_conflict_on_postgres() {
     assert!(matches!(claim, Claim::Conflict), "{claim:?}");
     other.rollback().await.unwrap();
     held(s.work(Process::UnitTest1, ANY).await.unwrap())
-        .cancel()
+        .cancel("test")
         .await
         .unwrap();
     s.close().await.unwrap();

@@ -321,7 +321,7 @@ async fn session_expiry_releases_work(db: Bmdb) {
         ]
     );
     // Canceling the dead session's work later is a harmless no-op.
-    work.cancel().await.unwrap();
+    work.cancel("test").await.unwrap();
     assert_eq!(history(&db, ids[0]).await.len(), 4);
     b.close().await.unwrap();
     assert_eq!(expired(), 1, "a session closed by its owner did not expire");
@@ -493,8 +493,8 @@ async fn work_endings(db: Bmdb) {
             session_id: s.id()
         }]
     );
-    w.cancel().await.unwrap();
-    w.cancel().await.unwrap();
+    w.cancel("test").await.unwrap();
+    w.cancel("test").await.unwrap();
     assert!(matches!(
         w.finish(TagWrites::none()).await,
         Err(Error::WorkAlreadyDone("canceled"))
@@ -526,7 +526,7 @@ async fn work_endings(db: Bmdb) {
         w.fail(None, "late").await,
         Err(Error::WorkAlreadyDone("finished"))
     ));
-    w.cancel().await.unwrap();
+    w.cancel("test").await.unwrap();
     let events: Vec<_> = history(&db, id)
         .await
         .into_iter()
@@ -1569,7 +1569,7 @@ async fn a_session_whose_row_is_gone_claims_nothing(db: Bmdb) {
         [(work.machine_id(), Some(live.id()))],
         "only the live one claimed"
     );
-    work.cancel().await.unwrap();
+    work.cancel("test").await.unwrap();
     live.close().await.unwrap();
 }
 

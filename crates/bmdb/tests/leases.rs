@@ -108,7 +108,7 @@ async fn the_lock_is_read_again_before_a_reset(db: Bmdb) {
     let m = w.machine_id();
     assert!(s.still_holds(m, Process::ShepherdAgentStart).await.unwrap());
     assert!(!s.still_holds(m, Process::ShepherdRecovery).await.unwrap());
-    w.cancel().await.unwrap();
+    w.cancel("test").await.unwrap();
     assert!(!s.still_holds(m, Process::ShepherdAgentStart).await.unwrap());
     s.close().await.unwrap();
 }

@@ -28,17 +28,22 @@ impl std::fmt::Display for ApiVersion {
 }
 
 impl std::str::FromStr for ApiVersion {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let (major, minor) = s
-            .split_once('.')
-            .ok_or_else(|| format!("microversion {s:?} is not MAJOR.MINOR"))?;
-        Ok(ApiVersion {
-            major: major.parse().map_err(|_| format!("microversion {s:?}"))?,
-            minor: minor.parse().map_err(|_| format!("microversion {s:?}"))?,
-        })
+    type Err = BadMicroversion;
+    fn from_str(s: &str) -> Result<Self, BadMicroversion> {
+        let parsed = s.split_once('.').and_then(|(major, minor)| {
+            Some(ApiVersion {
+                major: major.parse().ok()?,
+                minor: minor.parse().ok()?,
+            })
+        });
+        parsed.ok_or_else(|| BadMicroversion(s.to_string()))
     }
 }
+
+/// A microversion that is not `MAJOR.MINOR`.
+#[derive(Debug, thiserror::Error)]
+#[error("microversion {0:?} is not MAJOR.MINOR")]
+pub struct BadMicroversion(String);
 
 impl ApiVersion {
     /// The range `GET /v1/` announces: `{"version": {"min_version": "1.1", "version": "1.115"}}`.

@@ -66,12 +66,17 @@ impl MissingAllowance {
     }
 }
 
+/// A `--provisioner-max-missing` that is neither a share nor a count.
+#[derive(Debug, thiserror::Error)]
+#[error("{0:?}: a share like 10% or a count like 5")]
+pub struct BadMissingAllowance(String);
+
 impl std::str::FromStr for MissingAllowance {
-    type Err = String;
+    type Err = BadMissingAllowance;
 
     /// `10%` (a share of the recorded machines) or `5` (a count).
-    fn from_str(text: &str) -> Result<Self, String> {
-        let bad = || format!("{text:?}: a share like 10% or a count like 5");
+    fn from_str(text: &str) -> Result<Self, BadMissingAllowance> {
+        let bad = || BadMissingAllowance(text.to_string());
         match text.strip_suffix('%') {
             Some(p) => match p.trim().parse::<u32>() {
                 Ok(p) if p <= 100 => Ok(MissingAllowance::Percent(p)),

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use shepherd_bmdb::{
-    Backoff, Bmdb, Claim, Error as BmdbError, Lease, Retrieval, Session, SessionConfig, TagWrites,
-    Work,
+    Backoff, Bmdb, Claim, Error as BmdbError, Lease, Processor, Retrieval, Session, SessionConfig,
+    TagWrites, Work,
 };
 use shepherd_retry::{Delays, Streak};
 use tokio_util::sync::CancellationToken;
@@ -50,8 +50,11 @@ enum Processed<T, E> {
     Fenced,
 }
 
-/// The cause recorded with work canceled because its loop shut down.
-const SHUTDOWN_CAUSE: &str = "shutting down";
+/// The cause recorded with work canceled because its loop shut down (a SIGTERM, say): it
+/// names the loop; the entry's session names the process and its host.
+fn shutdown_cause(processor: Processor) -> String {
+    format!("shutting down: {} stopped", processor.label())
+}
 
 /// What a control loop does with one machine.
 #[async_trait]
@@ -215,7 +218,7 @@ async fn write(work: &mut Work, lease: &Lease, ending: Ending<'_>) -> Result<(),
         let written = match ending {
             Ending::Finish(tags) => work.finish(tags.clone()).await,
             Ending::Fail(backoff, cause) => work.fail(Some(backoff), cause).await,
-            Ending::Cancel(cause) => work.cancel_because(cause).await,
+            Ending::Cancel(cause) => work.cancel(cause).await,
         };
         match written {
             Err(e @ (BmdbError::SessionExpired | BmdbError::WorkLost { .. })) => return Err(e),
@@ -354,7 +357,8 @@ async fn end_work<T: MachineTask>(
 ) {
     let failure = match outcome {
         Processed::Shutdown => {
-            if let Err(e) = work.cancel_because(SHUTDOWN_CAUSE).await {
+            let cause = shutdown_cause(task.retrieval().processor());
+            if let Err(e) = work.cancel(&cause).await {
                 tracing::warn!(error = %e, "canceling work failed");
             }
             None

@@ -25,6 +25,7 @@ use shepherd_sim::{
 use crate::flags::duration;
 use crate::fleet::shutdown_on_signals;
 use shepherd_loops::fleet::{run_loops, FleetSettings, LoopSettings};
+use tokio_util::sync::CancellationToken;
 
 /// Settings of the demo.
 #[derive(Debug, Clone, Args)]
@@ -148,6 +149,7 @@ fn settings(args: &DemoArgs) -> FleetSettings {
             limits: Limits::new(0, 100),
             reconcile_rate: fast(500, 1),
             creation_rate: fast(2, 20),
+            creation_parallelism: 4,
         },
         initializer,
         initializer_loop: LoopSettings {
@@ -221,18 +223,12 @@ async fn history_counts(db: &Bmdb) -> Result<BTreeMap<(Process, WorkEvent), u64>
     Ok(counts)
 }
 
-/// Runs the demo.
+/// Runs the demo: a simulated fleet with real agents against the real server, every loop,
+/// progress until every agent heartbeats, then a summary table.
 pub async fn run(args: DemoArgs) -> Result<()> {
     if args.machines == 0 {
         bail!("machines: must be at least 1");
     }
-    let knobs = SimKnobs {
-        connect_failure: args.connect_failure_rate,
-        bad_agent: args.bad_agent_rate,
-        silent_agent: args.silent_agent_rate,
-        takeover_time: args.takeover_time,
-        ..SimKnobs::default()
-    };
     let dir = tempfile::Builder::new()
         .prefix("shepherd-demo-")
         .tempdir()?;
@@ -246,61 +242,10 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         args.silent_agent_rate * 100.0
     );
     let cancel = shutdown_on_signals();
-
-    // The real BMaaS server on loopback TLS; every simulated machine's agent runs the real
-    // agent heartbeat code against it.
-    let mut limits = ServerLimits::for_loopback_fleet(args.machines);
-    let mut between_heartbeats = BetweenHeartbeats::Keep;
-    if !open_files_hold_every_connection(args.machines) {
-        // Both ends of every agent's connection live in this process: when the file limit
-        // cannot hold them all, the server closes a connection idle for half a heartbeat
-        // interval, so each agent connects for its heartbeat and fewer are open at once.
-        // The agents then close their connection after each heartbeat themselves, rather
-        // than hold both ends' buffers for the half interval until the server does.
-        limits.idle_timeout = agent_heartbeat_interval(args.machines) / 2;
-        between_heartbeats = BetweenHeartbeats::Close;
-    }
-    let server = LoopbackServer::start(&db, &dir.path().join("certs"), 4, limits).await?;
-    // The agents count their failed heartbeats for the summary rather than print them.
-    let heartbeat_failures = Arc::new(HeartbeatFailures::default());
-    let fleet = Arc::new(
-        SimFleet::new(args.machines, knobs)?.with_real_agents(RealAgents {
-            endpoint: server.endpoint(),
-            ca_der: server.ca_der().to_vec(),
-            heartbeat_interval: agent_heartbeat_interval(args.machines),
-            between_heartbeats,
-            failures: heartbeat_failures.clone(),
-        }),
-    );
+    let (server, fleet, heartbeat_failures) = start_fleet(&args, &db, dir.path()).await?;
     let settings = settings(&args);
-
-    // The operator's view: web UI and metrics, as `shepherd server` and `shepherd run` serve them.
     let provider_metrics = Arc::new(CallMetrics::default());
-    let (refresh, stats_interval) = (Duration::from_secs(2), Duration::from_secs(1));
-    let mut operator = crate::metrics_http::OperatorEndpoint::for_fleet(
-        &db,
-        &settings,
-        refresh,
-        stats_interval,
-        cancel.clone(),
-    );
-    let registry = &mut operator.registry;
-    provider_metrics.register(registry, "shepherd_provider", "Provider API");
-    let app = operator.router(db.clone());
-    let http = match crate::metrics_http::serve(
-        args.http_listen,
-        "http-listen",
-        app.clone(),
-        cancel.clone(),
-    )
-    .await
-    {
-        Ok(addr) => addr,
-        Err(_) => {
-            let any = std::net::SocketAddr::new(args.http_listen.ip(), 0);
-            crate::metrics_http::serve(any, "http-listen", app, cancel.clone()).await?
-        }
-    };
+    let http = serve_operator_view(&args, &db, &settings, &provider_metrics, &cancel).await?;
     eprintln!("  web UI: http://{http}/machines · metrics: http://{http}/metrics");
 
     let provider = Arc::new(InstrumentedProvider::new(fleet.clone(), provider_metrics));
@@ -312,33 +257,12 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         settings,
         cancel.clone(),
     ));
-
-    let mut bars = Bars::new(args.machines as u64);
-    let n = args.machines as i64;
-    let mut cancel_reason = "";
-    let converged = loop {
-        let counts = db.status_counts().await?;
-        bars.update(&counts, &fleet.counters(), started.elapsed());
-        if counts.heartbeating == n && counts.agent_started == n {
-            break true;
-        }
-        if cancel.is_cancelled() {
-            cancel_reason = "interrupted";
-            break false;
-        }
-        if started.elapsed() > args.timeout {
-            cancel_reason = "timed out";
-            break false;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
-    let elapsed = started.elapsed();
-    bars.finish();
-    if converged && args.stay {
+    let outcome = watch(&args, &db, &fleet, &cancel, started).await?;
+    if outcome.converged && args.stay {
         eprintln!(
             "converged in {:.1} s; the fleet keeps running and the web UI stays at \
              http://{http}/machines (Ctrl-C to stop)",
-            elapsed.as_secs_f64()
+            outcome.elapsed.as_secs_f64()
         );
         cancel.cancelled().await;
     }
@@ -347,8 +271,143 @@ pub async fn run(args: DemoArgs) -> Result<()> {
     loops.await??;
     server.close().await?;
 
+    print_table(summary(&db, &fleet, &heartbeat_failures, &outcome).await?);
+    db.close().await;
+    if args.keep {
+        let path = dir.keep();
+        println!("BMDB kept at {}", path.join("bmdb.sqlite").display());
+    }
+    if !outcome.converged {
+        bail!("the fleet did not converge (interrupted or timed out)");
+    }
+    Ok(())
+}
+
+/// The real BMaaS server on loopback TLS and the simulated fleet, every machine's agent
+/// running the real agent heartbeat code against it; the agents count their failed heartbeats
+/// for the summary rather than print them.
+async fn start_fleet(
+    args: &DemoArgs,
+    db: &Bmdb,
+    dir: &std::path::Path,
+) -> Result<(LoopbackServer, Arc<SimFleet>, Arc<HeartbeatFailures>)> {
+    let knobs = SimKnobs {
+        connect_failure: args.connect_failure_rate,
+        bad_agent: args.bad_agent_rate,
+        silent_agent: args.silent_agent_rate,
+        takeover_time: args.takeover_time,
+        ..SimKnobs::default()
+    };
+    let mut limits = ServerLimits::for_loopback_fleet(args.machines);
+    let mut between_heartbeats = BetweenHeartbeats::Keep;
+    if !open_files_hold_every_connection(args.machines) {
+        // Both ends of every agent's connection live in this process: when the file limit
+        // cannot hold them all, the server closes a connection idle for half a heartbeat
+        // interval, so each agent connects for its heartbeat and fewer are open at once.
+        // The agents then close their connection after each heartbeat themselves, rather
+        // than hold both ends' buffers for the half interval until the server does.
+        limits.idle_timeout = agent_heartbeat_interval(args.machines) / 2;
+        between_heartbeats = BetweenHeartbeats::Close;
+    }
+    let server = LoopbackServer::start(db, &dir.join("certs"), 4, limits).await?;
+    let heartbeat_failures = Arc::new(HeartbeatFailures::default());
+    let fleet = Arc::new(
+        SimFleet::new(args.machines, knobs)?.with_real_agents(RealAgents {
+            endpoint: server.endpoint(),
+            ca_der: server.ca_der().to_vec(),
+            heartbeat_interval: agent_heartbeat_interval(args.machines),
+            between_heartbeats,
+            failures: heartbeat_failures.clone(),
+        }),
+    );
+    Ok((server, fleet, heartbeat_failures))
+}
+
+/// The operator's view, web UI and metrics as `shepherd server` and `shepherd run` serve them,
+/// on `--http-listen` or, if that port is taken, a free one; its address.
+async fn serve_operator_view(
+    args: &DemoArgs,
+    db: &Bmdb,
+    settings: &FleetSettings,
+    provider_metrics: &CallMetrics,
+    cancel: &CancellationToken,
+) -> Result<std::net::SocketAddr> {
+    let (refresh, stats_interval) = (Duration::from_secs(2), Duration::from_secs(1));
+    let mut operator = crate::metrics_http::OperatorEndpoint::for_fleet(
+        db,
+        settings,
+        refresh,
+        stats_interval,
+        cancel.clone(),
+    );
+    let registry = &mut operator.registry;
+    provider_metrics.register(registry, "shepherd_provider", "Provider API");
+    let app = operator.router(db.clone());
+    let wanted =
+        crate::metrics_http::serve(args.http_listen, "http-listen", app.clone(), cancel.clone())
+            .await;
+    match wanted {
+        Ok(addr) => Ok(addr),
+        Err(_) => {
+            let any = std::net::SocketAddr::new(args.http_listen.ip(), 0);
+            Ok(crate::metrics_http::serve(any, "http-listen", app, cancel.clone()).await?)
+        }
+    }
+}
+
+/// How the demo's run ended.
+struct Outcome {
+    /// Every agent started and heartbeating.
+    converged: bool,
+    /// Why not, if not: "interrupted" or "timed out".
+    reason: &'static str,
+    /// How long it ran.
+    elapsed: Duration,
+}
+
+/// Shows progress until every agent heartbeats, the demo is interrupted or `--timeout` passes.
+async fn watch(
+    args: &DemoArgs,
+    db: &Bmdb,
+    fleet: &SimFleet,
+    cancel: &CancellationToken,
+    started: Instant,
+) -> Result<Outcome> {
+    let mut bars = Bars::new(args.machines as u64);
+    let n = args.machines as i64;
+    let (converged, reason) = loop {
+        let counts = db.status_counts().await?;
+        bars.update(&counts, &fleet.counters(), started.elapsed());
+        if counts.heartbeating == n && counts.agent_started == n {
+            break (true, "");
+        }
+        if cancel.is_cancelled() {
+            break (false, "interrupted");
+        }
+        if started.elapsed() > args.timeout {
+            break (false, "timed out");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let elapsed = started.elapsed();
+    bars.finish();
+    Ok(Outcome {
+        converged,
+        reason,
+        elapsed,
+    })
+}
+
+/// The summary's rows: what the BMDB recorded, what the simulation injected, how the agents'
+/// heartbeats went, and the time to converge.
+async fn summary(
+    db: &Bmdb,
+    fleet: &SimFleet,
+    heartbeat_failures: &HeartbeatFailures,
+    outcome: &Outcome,
+) -> Result<Vec<(String, String)>> {
     let counts = db.status_counts().await?;
-    let history = history_counts(&db).await?;
+    let history = history_counts(db).await?;
     let sim = fleet.counters();
     let reports = db
         .read(|tx| {
@@ -410,27 +469,22 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         "  no answer (connection failed)".into(),
         heartbeat_failures.no_answer().to_string(),
     ));
-    let converged_in = match (converged, cancel_reason) {
-        (true, _) => format!("{:.1} s", elapsed.as_secs_f64()),
-        (false, reason) => format!(
-            "did not converge: {reason} after {:.1} s",
-            elapsed.as_secs_f64()
-        ),
+    let secs = outcome.elapsed.as_secs_f64();
+    let converged_in = if outcome.converged {
+        format!("{secs:.1} s")
+    } else {
+        format!("did not converge: {} after {secs:.1} s", outcome.reason)
     };
     rows.push(("time to converge".into(), converged_in));
+    Ok(rows)
+}
+
+/// Prints `rows` as a two-column table.
+fn print_table(rows: Vec<(String, String)>) {
     let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
     println!("{:<width$}  value", "summary");
     println!("{:-<width$}  {:-<8}", "", "");
     for (k, v) in rows {
         println!("{k:<width$}  {v}");
     }
-    db.close().await;
-    if args.keep {
-        let path = dir.keep();
-        println!("BMDB kept at {}", path.join("bmdb.sqlite").display());
-    }
-    if !converged {
-        bail!("the fleet did not converge (interrupted or timed out)");
-    }
-    Ok(())
 }

@@ -214,6 +214,24 @@ impl ServerArgs {
         Ok(Some(settings))
     }
 
+    /// The server's certificate and key files: as given, or made under `--dev-certs` (whose
+    /// CA for the agents is printed).
+    fn tls_files(&self) -> Result<(PathBuf, PathBuf)> {
+        match (&self.tls_cert, &self.tls_key, &self.dev_certs) {
+            (Some(cert), Some(key), None) => Ok((cert.clone(), key.clone())),
+            (None, None, Some(dir)) => {
+                let certs = dev_certs(dir, &self.dev_cert_names)?;
+                eprintln!(
+                    "shepherd server: development CA for agents: {}",
+                    certs.ca_pem.display()
+                );
+                Ok((certs.cert_pem, certs.key_pem))
+            }
+            (None, None, None) => bail!("tls-cert and tls-key (or dev-certs) are required"),
+            _ => bail!("give either tls-cert and tls-key, or dev-certs"),
+        }
+    }
+
     /// The connection limits, checked; the message names the setting.
     pub fn limits(&self) -> Result<ServerLimits> {
         let limits = ServerLimits {
@@ -254,6 +272,49 @@ async fn serve_api(
     Ok(())
 }
 
+/// The operator API's routes, and with sign-in the web UI behind it (served over HTTPS).
+fn api_app(
+    args: &ServerArgs,
+    db: &Bmdb,
+    operator: &mut crate::metrics_http::OperatorEndpoint,
+    auth: &Arc<crate::api::auth::Authenticator>,
+    sign_in: Option<&Arc<crate::api::signin::SignIn>>,
+) -> axum::Router {
+    let settings = crate::api::ApiSettings {
+        rate: crate::api::RateSpec {
+            per_second: args.api_rate,
+            burst: args.api_burst,
+        },
+        ..crate::api::ApiSettings::default()
+    };
+    let stale_after = args.thresholds.thresholds().stale_after();
+    let tasks = operator.tasks.clone();
+    let registry = &mut operator.registry;
+    let mut app = crate::api::router(
+        db.clone(),
+        stale_after,
+        tasks,
+        settings,
+        auth.clone(),
+        registry,
+    );
+    if let Some(sign_in) = sign_in {
+        // People sign in: the web UI is served here, over HTTPS, behind sign-in.
+        let (web, stats) = (operator.web.clone(), operator.stats.clone());
+        let pages = crate::web::router(
+            db.clone(),
+            web,
+            stats,
+            operator.tasks.clone(),
+            Some(sign_in.clone()),
+        );
+        app = app
+            .merge(crate::api::signin::routes(sign_in.clone()))
+            .merge(pages);
+    }
+    app
+}
+
 /// Runs the server until SIGINT/SIGTERM.
 pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     let limits = args.limits()?;
@@ -268,19 +329,7 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     }
     let sign_in = args.sign_in_settings()?;
     crate::fds::raise_limit_for(limits.max_connections + limits.max_pending_handshakes);
-    let (cert, key) = match (&args.tls_cert, &args.tls_key, &args.dev_certs) {
-        (Some(cert), Some(key), None) => (cert.clone(), key.clone()),
-        (None, None, Some(dir)) => {
-            let certs = dev_certs(dir, &args.dev_cert_names)?;
-            eprintln!(
-                "shepherd server: development CA for agents: {}",
-                certs.ca_pem.display()
-            );
-            (certs.cert_pem, certs.key_pem)
-        }
-        (None, None, None) => bail!("tls-cert and tls-key (or dev-certs) are required"),
-        _ => bail!("give either tls-cert and tls-key, or dev-certs"),
-    };
+    let (cert, key) = args.tls_files()?;
     let tls = load_server_config(&cert, &key)?;
     let db = Bmdb::open_with(database, &OpenOptions::migrating(args.process.migrate)).await?;
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -334,38 +383,7 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
         _ => None,
     };
     if let Some(addr) = args.api_listen {
-        let settings = crate::api::ApiSettings {
-            rate: crate::api::RateSpec {
-                per_second: args.api_rate,
-                burst: args.api_burst,
-            },
-            ..crate::api::ApiSettings::default()
-        };
-        let stale_after = args.thresholds.thresholds().stale_after();
-        let tasks = operator.tasks.clone();
-        let registry = &mut operator.registry;
-        let mut app = crate::api::router(
-            db.clone(),
-            stale_after,
-            tasks,
-            settings,
-            auth.clone(),
-            registry,
-        );
-        if let Some(sign_in) = &sign_in {
-            // People sign in: the web UI is served here, over HTTPS, behind sign-in.
-            let (web, stats) = (operator.web.clone(), operator.stats.clone());
-            let pages = crate::web::router(
-                db.clone(),
-                web,
-                stats,
-                operator.tasks.clone(),
-                Some(sign_in.clone()),
-            );
-            app = app
-                .merge(crate::api::signin::routes(sign_in.clone()))
-                .merge(pages);
-        }
+        let app = api_app(&args, &db, &mut operator, &auth, sign_in.as_ref());
         let tls = Arc::new(load_https_config(&cert, &key)?);
         serve_api(addr, tls, app, cancel.clone()).await?;
     }

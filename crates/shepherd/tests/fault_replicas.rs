@@ -151,14 +151,22 @@ async fn sigterm_mid_work_leaves_nothing(url: &str) {
     assert!(c.work.iter().all(|(_, n)| *n == 0), "work left: {c:?}");
     let history = history::all(&db).await;
     history::exclusive_finishes(&history, Process::ShepherdAgentStart);
-    let canceled = history
+    let canceled: Vec<_> = history
         .iter()
         .filter(|h| h.event == WorkEvent::Canceled)
-        .count();
+        .collect();
     assert!(
-        canceled >= 2,
-        "work in flight was not recorded as Canceled: {canceled}"
+        canceled.len() >= 2,
+        "work in flight was not recorded as Canceled: {canceled:?}"
     );
+    // Each says why: the loop that shut down.
+    for h in &canceled {
+        let cause = h.cause.as_deref().unwrap_or_default();
+        assert!(
+            cause.contains("shutting down") && cause.contains("shepherd-initializer"),
+            "a Canceled entry without its cause: {h:?}"
+        );
+    }
     db.close().await;
 }
 

@@ -11,6 +11,8 @@
 //! - no file imports another that imports it back, directly or through a chain, re-exports
 //!   included (`graph.rs`), in any crate;
 //! - comments explain the code as it is rather than narrate its history;
+//! - no function outside tests is over 120 lines (a reader steps through functions, not
+//!   scrolls them);
 //! - nothing stray (logs, databases) is tracked.
 
 mod errors;
@@ -327,4 +329,58 @@ fn no_error_prints_the_cause_it_reports_as_its_source() {
         "errors whose message prints the field they report as source() (chains print it twice; \
          drop it from the message, or report it only in the message): {offending:#?}"
     );
+}
+
+/// Longest function (signature to closing brace) a source file may hold outside its tests.
+const LONGEST_FUNCTION: usize = 120;
+
+/// The functions of `text` (Rust source) longer than `longest` lines, outside `#[cfg(test)]`
+/// modules, as (first line, length). A function is a line opening with `fn` (after its
+/// visibility and `async`) up to the first line that holds only `}` at its indentation.
+fn long_functions(text: &str, longest: usize) -> Vec<(usize, usize)> {
+    let opens =
+        regex_lite::Regex::new(r"^(\s*)(pub(\([a-z]+\))? )?(const )?(async )?fn \w+").unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    let mut long = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        if line.trim_start().starts_with("#[cfg(test)]") {
+            break;
+        }
+        let Some(m) = opens.captures(line) else {
+            continue;
+        };
+        let close = format!("{}}}", &m[1]);
+        if let Some(end) = lines[i..].iter().position(|l| *l == close) {
+            if end + 1 > longest {
+                long.push((i + 1, end + 1));
+            }
+        }
+    }
+    long
+}
+
+#[test]
+fn no_function_outside_tests_is_over_120_lines() {
+    let mut offenders = Vec::new();
+    for f in source_files() {
+        for (line, length) in long_functions(&read(&f), LONGEST_FUNCTION) {
+            offenders.push(format!("{f}:{line}: {length} lines"));
+        }
+    }
+    assert!(
+        offenders.is_empty(),
+        "functions over {LONGEST_FUNCTION} lines (split them into steps a reader can follow):\n{}",
+        offenders.join("\n")
+    );
+    // The check itself finds a long function and passes over a short one and over tests.
+    let body = "    x();\n".repeat(LONGEST_FUNCTION);
+    let long = format!("pub async fn long() {{\n{body}}}\n");
+    assert_eq!(
+        long_functions(&long, LONGEST_FUNCTION),
+        vec![(1, LONGEST_FUNCTION + 2)]
+    );
+    let short = "fn short() {\n    x();\n}\n";
+    assert!(long_functions(short, LONGEST_FUNCTION).is_empty());
+    let in_tests = format!("#[cfg(test)]\nmod tests {{\n{long}}}\n");
+    assert!(long_functions(&in_tests, LONGEST_FUNCTION).is_empty());
 }
