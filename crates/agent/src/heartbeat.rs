@@ -40,7 +40,7 @@ pub enum FailureReport {
 /// code, and those that got no answer (the connection failed or the answer was too late).
 #[derive(Debug, Default)]
 pub struct HeartbeatFailures {
-    by_code: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
+    by_code: std::sync::Mutex<std::collections::HashMap<tonic::Code, u64>>,
     no_answer: AtomicU64,
 }
 
@@ -49,7 +49,7 @@ impl HeartbeatFailures {
         match error {
             HeartbeatError::Answered(status) => {
                 let mut by_code = self.by_code.lock().expect("failure tallies");
-                *by_code.entry(format!("{:?}", status.code())).or_default() += 1;
+                *by_code.entry(status.code()).or_default() += 1;
             }
             HeartbeatError::NoAnswer(_) => {
                 self.no_answer.fetch_add(1, Ordering::Relaxed);
@@ -57,9 +57,13 @@ impl HeartbeatFailures {
         }
     }
 
-    /// The failures the server answered so far, by code (`Unavailable`, `Unauthenticated` …).
-    pub fn by_code(&self) -> std::collections::BTreeMap<String, u64> {
-        self.by_code.lock().expect("failure tallies").clone()
+    /// The failures the server answered so far, by status code (`Unavailable`,
+    /// `Unauthenticated` …), in the codes' order.
+    pub fn by_code(&self) -> Vec<(tonic::Code, u64)> {
+        let by_code = self.by_code.lock().expect("failure tallies");
+        let mut counts: Vec<_> = by_code.iter().map(|(c, n)| (*c, *n)).collect();
+        counts.sort_by_key(|(code, _)| *code as i32);
+        counts
     }
 
     /// The heartbeats that got no answer so far.
@@ -69,7 +73,7 @@ impl HeartbeatFailures {
 
     /// All failures so far.
     pub fn total(&self) -> u64 {
-        self.by_code().values().sum::<u64>() + self.no_answer()
+        self.by_code().iter().map(|(_, n)| n).sum::<u64>() + self.no_answer()
     }
 }
 

@@ -158,7 +158,7 @@ fn start_server(
     issuer: &str,
     dir: &std::path::Path,
 ) -> Result<(Killed, reqwest::Client, String, String)> {
-    let server = Command::new(&shepherd)
+    let server = Command::new(shepherd)
         .args(["server", "--database", url, "--listen", "127.0.0.1:0"])
         .args(["--http-listen", "127.0.0.1:0", "--web-refresh", "0s"])
         .args([

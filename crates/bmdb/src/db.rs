@@ -204,7 +204,7 @@ impl Inner {
                 target: self.target.clone(),
                 cause: format!("timed out waiting for {what} (another transaction held it)"),
             },
-            e => Error::Database(e),
+            e => Error::Database(crate::error::DriverError(e)),
         }
     }
 
@@ -216,7 +216,7 @@ impl Inner {
             return self.explain_sqlite(e, "the SQLite pool");
         };
         if !matches!(e, sqlx::Error::PoolTimedOut) {
-            return Error::Database(e);
+            return Error::Database(crate::error::DriverError(e));
         }
         let mut cached = self.diagnosis.lock().await;
         let cause = match cached.as_ref() {
@@ -283,7 +283,7 @@ impl Bmdb {
         let target = parsed.display_target();
         let connect_err = |error| Error::Connect {
             target: target.clone(),
-            error,
+            error: crate::error::DriverError(error),
         };
         let failover = Arc::new(FailoverMark::default());
         let sqlite_path = match &parsed {

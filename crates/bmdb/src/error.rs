@@ -20,7 +20,7 @@ pub enum Error {
         /// Where we tried to connect (no password).
         target: String,
         /// The driver's error.
-        error: sqlx::Error,
+        error: DriverError,
     },
     /// The SQLite database file does not exist and we were not asked to create it.
     #[error("database file {0} does not exist; create it with `shepherd bmdb migrate`")]
@@ -110,9 +110,11 @@ pub enum Error {
         /// Why, as the driver or a direct connection attempt says.
         cause: String,
     },
-    /// A database error that was not retried or kept failing after retries.
+    /// A database error that was not retried or kept failing after retries; what it means is
+    /// told by [`Error::is_transient`], [`Error::is_failover`], [`Error::is_disk_full`],
+    /// [`Error::is_unique_violation`].
     #[error("database error: {0}")]
-    Database(sqlx::Error),
+    Database(DriverError),
     /// The batch this call was written in failed (see `group_commit.rs`); every member of the
     /// batch gets the batch's error.
     #[error("the batch this was written in failed: {0}")]
@@ -121,7 +123,18 @@ pub enum Error {
 
 impl From<sqlx::Error> for Error {
     fn from(e: sqlx::Error) -> Self {
-        Error::Database(e)
+        Error::Database(DriverError(e))
+    }
+}
+
+/// The database driver's error, as it said it; opaque, so that no caller depends on which
+/// driver the BMDB uses: [`Error`]'s methods say what it means.
+#[derive(Debug)]
+pub struct DriverError(pub(crate) sqlx::Error);
+
+impl std::fmt::Display for DriverError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
     }
 }
 
@@ -130,7 +143,7 @@ impl Error {
     /// SQLite busy/locked).
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::Database(e) => is_retryable_sqlx(e),
+            Error::Database(DriverError(e)) => is_retryable_sqlx(e),
             // Its members join the next batch.
             Error::BatchFailed(e) => e.is_retryable(),
             _ => false,
@@ -150,7 +163,7 @@ impl Error {
             | Error::SessionExpired
             | Error::WorkLost { .. } => true,
             Error::BatchFailed(e) => e.is_transient(),
-            Error::Database(e) => {
+            Error::Database(DriverError(e)) => {
                 is_disk_full_sqlx(e)
                     || is_retryable_sqlx(e)
                     || crate::failover::is_failover_sqlx(e)
@@ -173,7 +186,7 @@ impl Error {
         match self {
             Error::SessionExpired | Error::WorkLost { .. } => false,
             Error::BatchFailed(e) => e.is_outage(),
-            Error::Database(e) if is_retryable_sqlx(e) => false,
+            Error::Database(DriverError(e)) if is_retryable_sqlx(e) => false,
             e => e.is_transient(),
         }
     }
@@ -183,7 +196,7 @@ impl Error {
     /// [`Error::is_transient`] includes.
     pub fn is_failover(&self) -> bool {
         match self {
-            Error::Database(e) => crate::failover::is_failover_sqlx(e),
+            Error::Database(DriverError(e)) => crate::failover::is_failover_sqlx(e),
             Error::BatchFailed(e) => e.is_failover(),
             _ => false,
         }
@@ -194,7 +207,7 @@ impl Error {
     /// fault, so [`Error::is_transient`] includes it.
     pub fn is_disk_full(&self) -> bool {
         match self {
-            Error::Database(e) => is_disk_full_sqlx(e),
+            Error::Database(DriverError(e)) => is_disk_full_sqlx(e),
             Error::BatchFailed(e) => e.is_disk_full(),
             _ => false,
         }
@@ -203,7 +216,7 @@ impl Error {
     /// Whether a unique constraint refused the write (another writer got there first).
     pub fn is_unique_violation(&self) -> bool {
         match self {
-            Error::Database(e) => e
+            Error::Database(DriverError(e)) => e
                 .as_database_error()
                 .is_some_and(|db| db.is_unique_violation()),
             _ => false,

@@ -39,7 +39,7 @@ pub use api_tokens::{
 pub use backoff::{default_interval_seconds, Backoff};
 pub use db::{BackendKind, Bmdb, OpenOptions};
 pub use eligibility::{RecoveryThresholds, Retrieval};
-pub use error::Error;
+pub use error::{DriverError, Error};
 pub use lease::{Lease, LeaseLost};
 pub use metrics::{BmdbMetrics, ClaimSearch};
 pub use migrations::{SchemaWindow, SCHEMA_VERSION};

@@ -457,13 +457,18 @@ async fn summary(
     // One row per status the failed heartbeats were answered with; Unavailable (the server
     // could not write) always, since it should be 0.
     let mut by_code = heartbeat_failures.by_code();
-    by_code.entry("Unavailable".into()).or_insert(0);
+    if !by_code
+        .iter()
+        .any(|(code, _)| *code == tonic::Code::Unavailable)
+    {
+        by_code.push((tonic::Code::Unavailable, 0));
+    }
     let mut rows: Vec<(String, String)> =
         rows.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
     rows.extend(
         by_code
             .into_iter()
-            .map(|(code, n)| (format!("  answered {code}"), n.to_string())),
+            .map(|(code, n)| (format!("  answered {code:?}"), n.to_string())),
     );
     rows.push((
         "  no answer (connection failed)".into(),
