@@ -252,7 +252,7 @@ fn settings(workers: usize, n: usize) -> FleetSettings {
             limits: Limits::new(0, n),
             reconcile_rate: rate(2000, 1),
             creation_rate: rate(1, 1000),
-            creation_parallelism: 8,
+            creation_parallelism: 1,
         },
         initializer,
         initializer_loop: LoopSettings {
