@@ -708,8 +708,8 @@ async fn claims_go_through_named_allocations_with_traits_and_failed_ones_are_cle
     let t = testing::sqlite().await;
     let s = session(&t.db).await;
     // The first pass claims nodes[0] and deletes the failed allocation in nodes[1]'s way;
-    // a later one claims nodes[1]. (The test Ironic, on SQLite, sometimes answers a POST
-    // under load with an error: that claim counts as taken and a later pass makes it.)
+    // a later one claims nodes[1]. (The test Ironic, on SQLite, sometimes fails a POST or a
+    // DELETE under load: that claim counts as taken and a later pass makes it.)
     let mut passes = Vec::new();
     for _ in 0..5 {
         let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
@@ -763,7 +763,11 @@ async fn claims_go_through_named_allocations_with_traits_and_failed_ones_are_cle
     let (granted, refused) = calls("create_allocation");
     assert!((1..=passes.len() as u64).contains(&refused), "{said}");
     assert!((2..=6).contains(&granted), "{said}");
-    assert_eq!(calls("delete_allocation"), (1, 0), "{said}");
+    // The leftover is deleted once; a deletion the test Ironic failed is made again on a
+    // later pass (its name is still in the way).
+    let (deleted, not_deleted) = calls("delete_allocation");
+    assert_eq!(deleted, 1, "{said}");
+    assert!(not_deleted < passes.len() as u64, "{said}");
     assert_eq!(metrics.count("reserve_node", CallResult::Ok), 0);
     s.close().await.unwrap();
     t.cleanup().await;
