@@ -18,6 +18,14 @@ use shepherd_loops::metrics::CallMetrics;
 use shepherd_loops::provider::{Provider, ProviderError, ProviderMachine, Recoverer};
 use shepherd_loops::updater::Updater;
 
+/// Holds one test's turn: the tests of this file run one at a time. Each starts its own
+/// Ironic, whose conductor on SQLite fails work with "database is locked" when the machine
+/// is starved (an allocation left `allocating` for good), which says nothing of Shepherd.
+async fn one_at_a_time() -> tokio::sync::MutexGuard<'static, ()> {
+    static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    TURN.lock().await
+}
+
 fn quick_retries() -> RetryPolicy {
     let ms = Duration::from_millis;
     RetryPolicy::new(3, ms(50), ms(200), ms(20_000))
@@ -40,6 +48,7 @@ async fn session(db: &Bmdb) -> Session {
 
 #[tokio::test]
 async fn available_nodes_are_reserved_deployed_once_with_our_key_and_recorded() {
+    let _one = one_at_a_time().await;
     let ironic = IronicServer::start(TestAuth::None).await;
     let nodes = ironic
         .fake_nodes(
@@ -148,6 +157,7 @@ async fn available_nodes_are_reserved_deployed_once_with_our_key_and_recorded() 
 
 #[tokio::test]
 async fn orphans_are_adopted_without_a_second_deploy_and_other_clients_nodes_are_left_alone() {
+    let _one = one_at_a_time().await;
     let (ironic, nodes, t, s, p) = site(4, quick_retries()).await;
 
     // nodes[0]: reserved and deployed by this deployment, but its BMDB insert never happened.
@@ -241,6 +251,7 @@ fn uuid_v4() -> String {
 
 #[tokio::test]
 async fn two_replicas_racing_for_the_same_nodes_deploy_each_node_once() {
+    let _one = one_at_a_time().await;
     let ironic = IronicServer::start(TestAuth::None).await;
     let nodes = ironic.fake_nodes(12, |_| json!({})).await;
     let t = testing::sqlite().await;
@@ -305,6 +316,7 @@ async fn two_replicas_racing_for_the_same_nodes_deploy_each_node_once() {
 
 #[tokio::test]
 async fn maintenance_is_marked_and_never_power_cycled_and_reboots_go_through_ironic() {
+    let _one = one_at_a_time().await;
     let (ironic, nodes, t, s, p) = site(2, quick_retries()).await;
     provisioner(p.clone(), 10).iterate(&s).await.unwrap();
     for id in &nodes {
@@ -350,6 +362,7 @@ async fn maintenance_is_marked_and_never_power_cycled_and_reboots_go_through_iro
 
 #[tokio::test]
 async fn credentials_are_checked_at_start_up_and_the_password_is_never_shown() {
+    let _one = one_at_a_time().await;
     let ironic = IronicServer::start(TestAuth::Basic {
         user: "shepherd".into(),
         password: "correct horse".into(),
@@ -400,6 +413,7 @@ async fn credentials_are_checked_at_start_up_and_the_password_is_never_shown() {
 
 #[tokio::test]
 async fn decommissioned_nodes_are_released_and_torn_down_only_when_asked() {
+    let _one = one_at_a_time().await;
     let (ironic, nodes, t, s, p) = site(2, quick_retries()).await;
     let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
     assert_eq!(r.created, 2, "{r:?}");
@@ -485,6 +499,7 @@ async fn decommissioned_nodes_are_released_and_torn_down_only_when_asked() {
 /// `--ironic-image` is refused at once, naming the flag; with an image it starts.
 #[tokio::test]
 async fn a_direct_deploy_node_without_an_image_is_refused_at_start_up() {
+    let _one = one_at_a_time().await;
     let ironic = IronicServer::start(TestAuth::None).await;
     let client = || {
         let metrics = Arc::new(CallMetrics::default());
@@ -565,6 +580,7 @@ async fn delete_node(ironic: &IronicServer, id: &str) {
 /// deleted of five is more than the default allowance: the pass refuses, naming the remedy.
 #[tokio::test]
 async fn a_held_node_deleted_at_ironic_stops_nothing_else() {
+    let _one = one_at_a_time().await;
     let ironic = IronicServer::start(TestAuth::None).await;
     let held = ironic.fake_nodes(3, |_| json!({})).await;
     let p = provider(&ironic, config("site-a")).await;
@@ -678,6 +694,7 @@ async fn allocate_by_hand(ironic: &IronicServer, body: serde_json::Value) -> ser
 /// on the next pass; nodes without the traits are not taken.
 #[tokio::test]
 async fn claims_go_through_named_allocations_with_traits_and_failed_ones_are_cleaned() {
+    let _one = one_at_a_time().await;
     let ironic = IronicServer::start(TestAuth::None).await;
     let nodes = ironic.fake_nodes(3, |_| json!({})).await;
     for id in &nodes[..2] {
@@ -779,6 +796,7 @@ async fn claims_go_through_named_allocations_with_traits_and_failed_ones_are_cle
 /// is left alone.
 #[tokio::test]
 async fn reservations_from_before_allocations_and_claims_cut_short_are_adopted() {
+    let _one = one_at_a_time().await;
     let (ironic, nodes, t, s, p) = site(3, quick_retries()).await;
     // nodes[0]: reserved and deployed by a Shepherd from before allocations; its BMDB row is
     // lost, so it is an orphan too.
@@ -853,6 +871,7 @@ async fn machine_of_node(db: &Bmdb) -> std::collections::BTreeMap<String, uuid::
 /// history kept), and the node deployed a second time, for a new instance.
 #[tokio::test]
 async fn an_undeployed_node_comes_back_as_a_new_machine() {
+    let _one = one_at_a_time().await;
     let (ironic, nodes, t, s, p) = site(3, quick_retries()).await;
     let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
     assert_eq!(r.created, 3, "{r:?}");
@@ -904,6 +923,7 @@ async fn an_undeployed_node_comes_back_as_a_new_machine() {
 /// node's ports: a link per MAC address, configured by DHCP.
 #[tokio::test]
 async fn network_data_comes_from_the_nodes_ports() {
+    let _one = one_at_a_time().await;
     let (ironic, nodes, t, s, _) = site(1, quick_retries()).await;
     let mac = "52:54:00:ab:cd:01";
     ironic.add_port(&nodes[0], mac).await;
@@ -929,6 +949,7 @@ async fn network_data_comes_from_the_nodes_ports() {
 /// once the skip ends it is tried again.
 #[tokio::test]
 async fn a_refused_deploy_is_skipped_by_every_replica_and_after_a_restart() {
+    let _one = one_at_a_time().await;
     use shepherd_loops::metrics::CallResult;
     let (ironic, nodes, t, s, _) = site(2, quick_retries()).await;
     let ramdisk = json!([{"op": "replace", "path": "/deploy_interface", "value": "ramdisk"}]);
@@ -983,6 +1004,7 @@ async fn a_refused_deploy_is_skipped_by_every_replica_and_after_a_restart() {
 /// a conductor of that group, and a node of another group stays untouched.
 #[tokio::test]
 async fn a_conductor_group_given_in_another_case_matches() {
+    let _one = one_at_a_time().await;
     let ironic = IronicServer::start_in_conductor_group(TestAuth::None, "rack-a").await;
     let mut nodes = Vec::new();
     for i in 0..3 {
