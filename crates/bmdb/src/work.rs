@@ -238,7 +238,12 @@ impl Work {
     /// with `cause` (a shutdown, an outage, a lost lease: every Canceled entry says why);
     /// backoff is untouched. A no-op after the work already ended. Works on an expired session.
     pub async fn cancel(&mut self, cause: &str) -> Result<(), Error> {
-        self.cancel_with(Some(stored_cause(cause))).await
+        if self.state != State::Active {
+            return Ok(());
+        }
+        cancel(&self.session, self.machine_id, self.process, cause).await?;
+        self.state = State::Canceled;
+        Ok(())
     }
 
     /// Ends work whose session's lease ended before or during a side effect (`lease.rs`):
@@ -270,15 +275,6 @@ impl Work {
     pub fn is_active(&self) -> bool {
         self.state == State::Active
     }
-
-    async fn cancel_with(&mut self, cause: Option<String>) -> Result<(), Error> {
-        if self.state != State::Active {
-            return Ok(());
-        }
-        cancel(&self.session, self.machine_id, self.process, cause).await?;
-        self.state = State::Canceled;
-        Ok(())
-    }
 }
 
 /// Writes the ending of `session`'s work on `machine` for `process`.
@@ -297,12 +293,14 @@ async fn end(
     session.db().end_work(session.processor(), ending).await
 }
 
+/// Cancels `session`'s work on `machine` for `process`, recording `cause` (stored bounded).
 async fn cancel(
     session: &Session,
     machine: Uuid,
     process: Process,
-    cause: Option<String>,
+    cause: &str,
 ) -> Result<(), Error> {
+    let cause = Some(stored_cause(cause));
     if end(session, machine, process, EndingKind::Cancel(cause)).await? == EndOutcome::Done {
         session.record_work_end(process, WorkResult::Canceled);
     }
@@ -322,8 +320,7 @@ impl Drop for Work {
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             let (session, machine, process) = (self.session.clone(), self.machine_id, self.process);
             rt.spawn(async move {
-                let cause = Some(DROPPED_CAUSE.to_string());
-                if let Err(e) = cancel(&session, machine, process, cause).await {
+                if let Err(e) = cancel(&session, machine, process, DROPPED_CAUSE).await {
                     tracing::warn!(%machine, error = %e, "canceling dropped work failed; its session is abandoned, so the database releases it when the session expires");
                     session.abandon();
                 }

@@ -21,7 +21,7 @@ pub(crate) fn announcing(command: &str) -> String {
 }
 
 /// The command that kills process group `pid` with everything in it.
-pub(crate) fn kill_group(pid: u32) -> String {
+pub(crate) fn kill_group_command(pid: u32) -> String {
     format!("kill -s KILL -- -{pid}")
 }
 
@@ -134,6 +134,6 @@ mod tests {
             announcing("sleep 1; echo 'hi'"),
             r"echo $$; exec sh -c 'sleep 1; echo '\''hi'\'''"
         );
-        assert_eq!(kill_group(17), "kill -s KILL -- -17");
+        assert_eq!(kill_group_command(17), "kill -s KILL -- -17");
     }
 }

@@ -13,7 +13,7 @@ use russh_sftp::protocol::{FileAttributes, OpenFlags};
 use tokio::io::AsyncWriteExt;
 use tokio::sync::Semaphore;
 
-use crate::announce::{announcing, kill_group, shell_quote, PidLine};
+use crate::announce::{announcing, kill_group_command, shell_quote, PidLine};
 use crate::error::SshError;
 
 /// How long killing a timed-out command may take.
@@ -399,7 +399,7 @@ impl SshSession {
         };
         let kill = async {
             let mut channel = self.handle.channel_open_session().await?;
-            channel.exec(true, kill_group(pid)).await?;
+            channel.exec(true, kill_group_command(pid)).await?;
             channel.eof().await?;
             let mut status = None;
             while let Some(msg) = channel.wait().await {
