@@ -193,6 +193,17 @@ async fn agent_takes_over_heartbeats_and_installs(db: Bmdb) {
     server.close().await.unwrap();
 }
 
+/// Puts the agent binary `from` at `to` (the agent keeps its state next to itself) as a hard
+/// link. A copy would race with the other tests' spawns: a child forked while the copy's
+/// write handle is open holds it until it execs, and running the copy then fails with
+/// "Text file busy" (ETXTBSY). A link never opens the file for writing. Falls back to a
+/// copy only where the two paths are on different filesystems.
+fn place_agent(from: &Path, to: &Path) {
+    if std::fs::hard_link(from, to).is_err() {
+        std::fs::copy(from, to).unwrap();
+    }
+}
+
 /// Runs the agent as the Initializer does: `init` on its stdin, its answer on its stdout.
 fn take_over(mut agent: Command, init: &TakeoverInit) -> std::process::Output {
     let mut child = agent
@@ -213,7 +224,7 @@ shepherd_bmdb::conformance_tests!(agent_takes_over_heartbeats_and_installs);
 fn takeover_without_endpoint_is_an_error_response() {
     let dir = tempfile::tempdir().unwrap();
     let exe = dir.path().join("agent");
-    std::fs::copy(agent_path(), &exe).unwrap();
+    place_agent(&agent_path(), &exe);
     let init = TakeoverInit {
         machine_id: Uuid::new_v4().to_string(),
         ..Default::default()
@@ -232,7 +243,7 @@ async fn agent_for_a_new_machine(
     dir: &Path,
 ) -> (PathBuf, Uuid, TakeoverInit) {
     let exe = dir.join("agent");
-    std::fs::copy(agent_path(), &exe).unwrap();
+    place_agent(&agent_path(), &exe);
     let machine = db
         .transact(|tx| Box::pin(async move { tx.create_machine().await }))
         .await
@@ -368,7 +379,7 @@ fn takeovers_with_a_stale_fencing_token_are_refused() {
     ] {
         let dir = tempfile::tempdir().unwrap();
         let exe = dir.path().join("agent");
-        std::fs::copy(&binary, &exe).unwrap();
+        place_agent(&binary, &exe);
         let _background = AgentProcess(None);
         let takeover = |machine: &str, generation: u64| {
             let init = TakeoverInit {
