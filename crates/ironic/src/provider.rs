@@ -607,6 +607,13 @@ impl IronicProvider {
                 tracing::warn!(node = uuid, allocation = placed.uuid, error = %e, "deleting a failed allocation failed; the next claim of the node deletes it");
             }
             let last_error = placed.last_error.unwrap_or_else(|| "no last_error".into());
+            if last_error.contains(NODE_LOCKED) {
+                // Busy, not unfit: a conductor holds the node (a periodic task, an operation
+                // in flight) past Ironic's own retries. Not skipped; the next pass tries again.
+                return Err(ProviderError::Taken(format!(
+                    "node {uuid} is locked by an Ironic conductor ({last_error}); a later pass tries again"
+                )));
+            }
             if !last_error.starts_with(IRONIC_FAULT) {
                 // The node was taken or changed since it was listed.
                 return Err(self.refused(
@@ -954,6 +961,11 @@ const FREEABLE_STATES: &[&str] = &[
 /// its own (an exception of its own, a busy database), as opposed to a node that no longer
 /// fits ("none of the requested nodes are available …").
 const IRONIC_FAULT: &str = "Unexpected exception during allocation";
+
+/// What the `last_error` of an allocation says (after "Failed to process allocation …: ")
+/// when its every candidate stayed locked by a conductor through all of Ironic's own retries
+/// (`node_locked_retry_attempts`).
+const NODE_LOCKED: &str = "could not reserve any of";
 
 /// Allocations tried per claim when Ironic fails to process them on its own.
 const ALLOCATION_ATTEMPTS: u32 = 3;

@@ -428,12 +428,13 @@ impl IronicServer {
     /// a power request per node through the API would cost a conductor task each, minutes
     /// at 1,000 nodes.
     pub async fn power_off(&self, nodes: &[String]) {
-        self.set_in_database(nodes, "power_state", "power off");
+        self.set_in_database(nodes, "power_state", Some("power off"));
     }
 
-    /// Sets column `column` of `nodes` to `value` in Ironic's database, in one statement, as
-    /// only Ironic itself could (a node moved to a conductor group no conductor serves, say).
-    pub fn set_in_database(&self, nodes: &[String], column: &str, value: &str) {
+    /// Sets column `column` of `nodes` to `value` (`None`: NULL) in Ironic's database, in one
+    /// statement, as only Ironic itself could (a node moved to a conductor group no conductor
+    /// serves, a node locked by another conductor, say).
+    pub fn set_in_database(&self, nodes: &[String], column: &str, value: Option<&str>) {
         assert!(
             column.chars().all(|c| c.is_ascii_lowercase() || c == '_'),
             "a column name: {column}"
@@ -442,7 +443,8 @@ impl IronicServer {
         let ids = serde_json::to_string(nodes).expect("node ids as JSON");
         let script = format!(
             "import json,sqlite3,sys; c = sqlite3.connect(sys.argv[1], timeout=30); ids = json.loads(sys.argv[2]); \
-             c.executemany(\"update nodes set {column} = ? where uuid = ?\", [(sys.argv[3], i) for i in ids]); c.commit()"
+             v = json.loads(sys.argv[3]); \
+             c.executemany(\"update nodes set {column} = ? where uuid = ?\", [(v, i) for i in ids]); c.commit()"
         );
         succeeded(
             "writing nodes into Ironic's database",
@@ -450,7 +452,7 @@ impl IronicServer {
                 .args(["-c", &script])
                 .arg(&db)
                 .arg(&ids)
-                .arg(value)
+                .arg(serde_json::to_string(&value).expect("a value as JSON"))
                 .output(),
         );
     }

@@ -999,6 +999,30 @@ async fn a_refused_deploy_is_skipped_by_every_replica_and_after_a_restart() {
     t.cleanup().await;
 }
 
+/// A node another conductor holds locked (a periodic task, an operation in flight) makes
+/// Ironic's allocation fail with "could not reserve any of 1 suitable nodes" after Ironic's
+/// own retries: that is Ironic being busy, not the node being unfit, so the claim counts as
+/// taken for this pass and is not skipped; once the lock is gone the next pass deploys it.
+#[tokio::test]
+async fn a_node_locked_by_a_conductor_is_tried_again_next_pass_not_skipped() {
+    let _one = one_at_a_time().await;
+    let (ironic, nodes, t, s, p) = site(1, quick_retries()).await;
+    ironic.set_in_database(&nodes, "reservation", Some("another-conductor"));
+    let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    let skips =
+        t.db.read(|tx| Box::pin(async move { tx.skipped_provider_ids(Kind::Ironic).await }))
+            .await
+            .unwrap();
+    assert!(skips.is_empty(), "a locked node is not skipped: {skips:?}");
+    assert_eq!((r.created, r.refused, r.taken), (0, 0, 1), "{r:?}");
+
+    ironic.set_in_database(&nodes, "reservation", None);
+    let r = provisioner(p, 10).iterate(&s).await.unwrap();
+    assert_eq!((r.created, r.skipped), (1, 0), "{r:?}");
+    s.close().await.unwrap();
+    t.cleanup().await;
+}
+
 /// Ironic keeps conductor groups lower-cased (and finds no conductor for a node enrolled as
 /// `Rack-A`): `--ironic-conductor-group Rack-A` takes the nodes of group `rack-a`, served by
 /// a conductor of that group, and a node of another group stays untouched.
@@ -1023,7 +1047,7 @@ async fn a_conductor_group_given_in_another_case_matches() {
     ironic.power_off(&nodes).await;
     assert_eq!(ironic.node(&nodes[0]).await["conductor_group"], "rack-a");
     // The third moves to another rack (whose conductor is elsewhere).
-    ironic.set_in_database(&nodes[2..], "conductor_group", "rack-b");
+    ironic.set_in_database(&nodes[2..], "conductor_group", Some("rack-b"));
 
     let mut c = config("site-a");
     c.selector.conductor_group = Some("Rack-A".into());

@@ -57,6 +57,40 @@ async fn started(db: &Bmdb) -> BTreeMap<String, uuid::Uuid> {
     .unwrap()
 }
 
+/// Why not every node was taken over in time, for the failure message: how many were, a few
+/// of the rest, the skips the BMDB holds, and the replicas' last warnings and errors.
+async fn why_not_taken_over(
+    db: &Bmdb,
+    started: &BTreeMap<String, uuid::Uuid>,
+    nodes: &[String],
+    logs: &[std::path::PathBuf],
+) -> String {
+    let missing: Vec<_> = nodes.iter().filter(|n| !started.contains_key(*n)).collect();
+    let skips = db
+        .read(|tx| Box::pin(async move { tx.skipped_provider_ids(Provider::Ironic).await }))
+        .await;
+    let mut out = format!(
+        "timed out: {} of {} nodes taken over; not yet (first 5): {:?}; skips: {skips:?}",
+        started.len(),
+        nodes.len(),
+        &missing[..missing.len().min(5)]
+    );
+    for (i, log) in logs.iter().enumerate() {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        let worst: Vec<_> = text
+            .lines()
+            .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+            .collect();
+        let tail = &worst[worst.len().saturating_sub(15)..];
+        out += &format!(
+            "\nreplica {i}, last {} warnings:\n{}",
+            tail.len(),
+            tail.join("\n")
+        );
+    }
+    out
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_take_every_node_over_and_deploy_each_exactly_once() {
     const NODES: usize = 200;
@@ -113,7 +147,8 @@ async fn two_replicas_take_every_node_over_and_deploy_each_exactly_once() {
         .unwrap();
     // Uploading the (debug build of the) stand-in agent to four sshds on two cores paces this
     // at about a takeover a second.
-    let taken = wait_for("every node taken over", 480, async || {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(480);
+    let taken = loop {
         for (r, log) in replicas.iter_mut().zip(&logs) {
             if let Ok(Some(status)) = r.child().try_wait() {
                 panic!(
@@ -123,9 +158,14 @@ async fn two_replicas_take_every_node_over_and_deploy_each_exactly_once() {
             }
         }
         let s = started(&db).await;
-        (s.len() == NODES).then_some(s)
-    })
-    .await;
+        if s.len() == NODES {
+            break s;
+        }
+        if std::time::Instant::now() > deadline {
+            panic!("{}", why_not_taken_over(&db, &s, &nodes, &logs).await);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    };
 
     // Every node of Ironic's is a machine of Shepherd's, exactly once.
     assert_eq!(
