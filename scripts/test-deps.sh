@@ -122,11 +122,15 @@ ensure_ironic() {
   # one process, SQLite, no message queue) from a virtualenv of our own: PyPI's release is
   # pinned and current, and installs no system services, while Debian's ironic-api and
   # ironic-conductor (21.4, 2022) come with service units and database configuration prompts.
-  # bcrypt hashes the http_basic users' passwords.
+  # bcrypt hashes the http_basic users' passwords; psycopg2 lets an Ironic keep its database in
+  # Postgres, as production Ironics do (the benchmark's, one test's).
   local venv="${SHEPHERD_IRONIC_VENV:-$HOME/.cache/shepherd/ironic-venv}"
   if ! "$venv/bin/ironic-dbsync" --version >/dev/null 2>&1 || [ ! -x "$venv/bin/ironic" ]; then
     echo "test-deps: installing OpenStack Ironic into $venv"
-    new_venv "$venv" 'ironic==39.0.0' bcrypt
+    new_venv "$venv" 'ironic==39.0.0' bcrypt 'psycopg2-binary==2.9.10'
+  fi
+  if ! "$venv/bin/python" -c 'import psycopg2' >/dev/null 2>&1; then
+    "$venv/bin/pip" install -q 'psycopg2-binary==2.9.10'
   fi
   echo "test-deps: ironic $("$venv/bin/pip" show ironic 2>/dev/null | sed -n 's/^Version: //p')"
 }

@@ -41,6 +41,12 @@ pub struct Args {
     /// Initializer workers of the replica; also the baseline's requests in flight.
     #[arg(long, default_value_t = 32)]
     workers: usize,
+    /// Creations in flight per replica (`shepherd run --provisioner-parallelism`).
+    #[arg(long, default_value_t = 8)]
+    creation_parallelism: usize,
+    /// Where each fresh Ironic keeps its database.
+    #[arg(long, value_enum, default_value_t = IronicDatabase::Postgres)]
+    ironic_database: IronicDatabase,
     /// Time one simulated takeover takes (connect, upload, run).
     #[arg(long, default_value = "500ms", value_parser = humantime::parse_duration)]
     takeover_time: Duration,
@@ -50,6 +56,17 @@ pub struct Args {
     /// Where to write the report.
     #[arg(long, default_value = "bench/results/ironic.md")]
     out: PathBuf,
+}
+
+/// Where the benchmark's Ironics keep their databases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum IronicDatabase {
+    /// A fresh database on the test Postgres (`SHEPHERD_TEST_POSTGRES`), as production
+    /// Ironics keep theirs (Postgres or MySQL).
+    Postgres,
+    /// One SQLite file, as the tests' Ironic does: its conductor then waits on "database is
+    /// locked" when many allocations and deploys overlap.
+    Sqlite,
 }
 
 /// The resource class the benchmark's nodes carry and the replica selects.
@@ -109,8 +126,19 @@ fn kind_of(method: &str, path: &str) -> String {
 /// A fresh Ironic with `n` available fake-hardware nodes, each naming a simulated machine's
 /// address in `extra.ssh_address`, and a counting proxy in front of it (started after the
 /// enrolment, so that only the measured side's requests are counted).
-async fn ironic_with_nodes(n: usize) -> Result<(IronicServer, FaultProxy, Duration)> {
-    let ironic = IronicServer::start(TestAuth::None).await;
+async fn ironic_with_nodes(
+    n: usize,
+    database: IronicDatabase,
+) -> Result<(IronicServer, FaultProxy, Duration)> {
+    let ironic = match database {
+        IronicDatabase::Sqlite => IronicServer::start(TestAuth::None).await,
+        IronicDatabase::Postgres => {
+            let Some(url) = shepherd_bmdb::testing::fresh_postgres_database().await else {
+                bail!("no Postgres for Ironic's database (SHEPHERD_TEST_POSTGRES); or pass --ironic-database sqlite");
+            };
+            IronicServer::start_on_postgres(TestAuth::None, &url).await
+        }
+    };
     let started = Instant::now();
     let nodes = ironic
         .fake_nodes(n, |i| json!({ "ssh_address": SimFleet::address_of(i) }))
@@ -243,7 +271,7 @@ struct Ours {
 
 /// The loops of one replica, as `shepherd run --provider ironic` assembles them, with the
 /// pacing an operator of a fast site would choose (a pass every 2 s, creations unpaced).
-fn settings(workers: usize, n: usize) -> FleetSettings {
+fn settings(workers: usize, creation_parallelism: usize, n: usize) -> FleetSettings {
     let rate = |ms, burst| RateSpec::new(Duration::from_millis(ms), burst);
     let mut initializer = InitializerConfig::new(b"simulated agent".to_vec(), "unused");
     initializer.exec_timeout = Duration::from_secs(30);
@@ -252,7 +280,7 @@ fn settings(workers: usize, n: usize) -> FleetSettings {
             limits: Limits::new(0, n),
             reconcile_rate: rate(2000, 1),
             creation_rate: rate(1, 1000),
-            creation_parallelism: 1,
+            creation_parallelism,
         },
         initializer,
         initializer_loop: LoopSettings {
@@ -337,7 +365,7 @@ async fn shepherd_replicas(proxy: &FaultProxy, args: &Args, replicas: usize) -> 
                 db.clone(),
                 provider,
                 fleet.clone(),
-                settings(args.workers, args.nodes),
+                settings(args.workers, args.creation_parallelism, args.nodes),
                 cancel.clone(),
             ))
         })
@@ -387,7 +415,7 @@ async fn shepherd_replicas(proxy: &FaultProxy, args: &Args, replicas: usize) -> 
 async fn ours_on_a_fresh_ironic(args: &Args, replicas: usize) -> Result<(Ours, Calls)> {
     let n = args.nodes;
     eprintln!("ours, {replicas} replica(s): a fresh Ironic with {n} fake-hardware nodes");
-    let (_ironic, proxy, enrol) = ironic_with_nodes(n).await?;
+    let (_ironic, proxy, enrol) = ironic_with_nodes(n, args.ironic_database).await?;
     eprintln!(
         "  enrolled in {:.1} s; {} workers per replica",
         enrol.as_secs_f64(),
@@ -404,12 +432,12 @@ async fn ours_on_a_fresh_ironic(args: &Args, replicas: usize) -> Result<(Ours, C
 
 pub async fn run(args: Args) -> Result<()> {
     let n = args.nodes;
-    if n == 0 || args.workers == 0 {
-        bail!("nodes and workers: must be at least 1");
+    if n == 0 || args.workers == 0 || !(1..=64).contains(&args.creation_parallelism) {
+        bail!("nodes and workers: must be at least 1; creation parallelism: 1 to 64");
     }
 
     eprintln!("baseline: a fresh Ironic with {n} fake-hardware nodes");
-    let (ironic, proxy, enrol) = ironic_with_nodes(n).await?;
+    let (ironic, proxy, enrol) = ironic_with_nodes(n, args.ironic_database).await?;
     eprintln!(
         "  enrolled in {:.1} s; deploying directly",
         enrol.as_secs_f64()
@@ -463,11 +491,16 @@ fn report(
     let mut md = String::new();
     md += "# Ironic benchmark\n\n";
     md += &format!(
-        "{n} nodes of Ironic's `fake-hardware` type in a standalone Ironic 39 (one all-in-one process, SQLite), from `available` to an agent heartbeating on every node. \
-         **Ours:** one replica (the loops `shepherd run` starts: provisioner passes every 2 s, {w} initializer workers, SQLite BMDB) claiming nodes through Ironic's Allocation API, then, on another fresh Ironic, two replicas of one deployment on one BMDB racing for the same nodes; the simulated transport ({t:?} per takeover, no sshd) and the real agent's heartbeat code on every machine against the BMaaS server over loopback TLS. \
+        "{n} nodes of Ironic's `fake-hardware` type in a standalone Ironic 39 (one all-in-one process, its database on {db}), from `available` to an agent heartbeating on every node. \
+         **Ours:** one replica (the loops `shepherd run` starts: provisioner passes every 2 s, {c} creations in flight, {w} initializer workers, SQLite BMDB) claiming nodes through Ironic's Allocation API, then, on another fresh Ironic, two replicas of one deployment on one BMDB racing for the same nodes; the simulated transport ({t:?} per takeover, no sshd) and the real agent's heartbeat code on every machine against the BMaaS server over loopback TLS. \
          **Baseline:** the least a client can do to deploy the same nodes: per node one reservation PATCH and one deploy PUT with a config drive, {w} at a time, then a node listing every {p:?} until every node is `active` (no takeover, no agent). \
          Each side gets a fresh Ironic; every request goes through a counting proxy. Both share the machine (2 cores) with Ironic.\n\n",
         w = args.workers,
+        c = args.creation_parallelism,
+        db = match args.ironic_database {
+            IronicDatabase::Postgres => "Postgres",
+            IronicDatabase::Sqlite => "SQLite",
+        },
         t = args.takeover_time,
         p = POLL,
     );

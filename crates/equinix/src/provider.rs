@@ -389,6 +389,8 @@ impl Provider for EquinixProvider {
                     plan: Plan::default(),
                     facility: None,
                 });
+            // Listing reservations may have outlasted the lease: create nothing then.
+            session.lease().left()?;
             let d = self.create_device(&reservation).await?;
             self.consume_reservation(&reservation.id);
             let mut m = Self::machine(&d, Availability::KnownUsed);

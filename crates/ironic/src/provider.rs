@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use rand::seq::SliceRandom;
-use shepherd_bmdb::{Provider as ProviderKind, ProviderStatus, Session};
+use shepherd_bmdb::{Lease, Provider as ProviderKind, ProviderStatus, Session};
 use shepherd_loops::provider::{
     record_deploying_machine, Availability, HandBack, Provider, ProviderError, ProviderMachine,
     Recorded, Recoverer,
@@ -515,10 +515,14 @@ impl IronicProvider {
         &self,
         uuid: &str,
         resource_class: Option<&str>,
+        lease: &Lease,
     ) -> Result<Node, ProviderError> {
         match resource_class.filter(|rc| !rc.is_empty()) {
             Some(rc) => {
                 self.allocate(uuid, rc).await?;
+                // Placing an allocation can take seconds: mark nothing once the lease is gone
+                // (the allocated, unmarked node is a claim cut short, adopted later).
+                lease.left()?;
                 Ok(self.mark(uuid).await?)
             }
             None => self.reserve_by_instance_uuid(uuid).await,
@@ -1147,10 +1151,14 @@ impl Provider for IronicProvider {
         session: &Session,
         unused: &ProviderMachine,
     ) -> Result<Recorded, ProviderError> {
+        // Each step at Ironic is taken only while the lease holds; one cut short by its end
+        // leaves an orphan that a later pass (of whichever replica) adopts.
+        let lease = session.lease();
         let node = match unused.valid_id() {
             // An orphan: reserved by this deployment, unknown to the BMDB.
             Some(id) => {
                 let node = self.read_node(id).await?;
+                lease.left()?;
                 let node = if !self.ours(&node) {
                     self.finish_partial_claim(&node).await?
                 } else if reserved_within(&node, self.config.orphan_grace) {
@@ -1166,6 +1174,7 @@ impl Provider for IronicProvider {
                     "adopting a node this deployment reserved that the BMDB does not know"
                 );
                 if node.state() == "available" && !node.maintenance {
+                    lease.left()?;
                     self.deploy(&node).await?;
                 }
                 node
@@ -1175,8 +1184,9 @@ impl Provider for IronicProvider {
                     ProviderError::NotSupported("an unused Ironic machine without a node id")
                 })?;
                 let node = self
-                    .reserve(uuid, unused.facts.get("resource_class"))
+                    .reserve(uuid, unused.facts.get("resource_class"), &lease)
                     .await?;
+                lease.left()?;
                 self.deploy(&node).await?;
                 node
             }

@@ -46,6 +46,8 @@ pub struct IronicServer {
     auth: TestAuth,
     child: Option<Child>,
     http: reqwest::Client,
+    /// Ironic's database, as an SQLAlchemy URL (`[database] connection`).
+    database: String,
     /// How many fake nodes were enrolled, so that each gets a name of its own.
     fake_named: std::sync::atomic::AtomicUsize,
 }
@@ -83,16 +85,40 @@ impl IronicServer {
     /// Starts Ironic with `auth`, its `fake-hardware` and `redfish` hardware types enabled,
     /// and waits until its API answers and its conductor serves `fake-hardware`.
     pub async fn start(auth: TestAuth) -> IronicServer {
-        Self::start_with(auth, "").await
+        Self::start_with(auth, "", None).await
+    }
+
+    /// [`IronicServer::start`] with Ironic's database in the (empty) Postgres database
+    /// `postgres_url` (`postgres://user@host:port/name`) instead of SQLite, as production
+    /// Ironics keep theirs: its conductor then works on many nodes at once without
+    /// "database is locked".
+    pub async fn start_on_postgres(auth: TestAuth, postgres_url: &str) -> IronicServer {
+        let rest = postgres_url
+            .strip_prefix("postgres://")
+            .or_else(|| postgres_url.strip_prefix("postgresql://"))
+            .unwrap_or_else(|| panic!("not a postgres:// URL: {postgres_url}"));
+        // Without the BMDB driver's query parameters (`statement-cache-capacity`), which libpq
+        // refuses.
+        let database = format!(
+            "postgresql+psycopg2://{}",
+            rest.split('?').next().unwrap_or(rest)
+        );
+        Self::start_with(auth, "", Some(database)).await
     }
 
     /// [`IronicServer::start`] with its conductor in `conductor_group` (`""`: none): it serves
     /// only the nodes of that group, as a conductor of one rack does.
     pub async fn start_in_conductor_group(auth: TestAuth, conductor_group: &str) -> IronicServer {
-        Self::start_with(auth, conductor_group).await
+        Self::start_with(auth, conductor_group, None).await
     }
 
-    async fn start_with(auth: TestAuth, conductor_group: &str) -> IronicServer {
+    /// Ironic in `conductor_group`, on `database` (an SQLAlchemy URL; `None`: SQLite in its
+    /// directory).
+    async fn start_with(
+        auth: TestAuth,
+        conductor_group: &str,
+        database: Option<String>,
+    ) -> IronicServer {
         let venv = venv();
         let ironic = venv.join("bin/ironic");
         assert!(
@@ -131,6 +157,8 @@ impl IronicServer {
             }
         };
         let d = dir.path().display();
+        let database =
+            database.unwrap_or_else(|| format!("sqlite:///{d}/ironic.sqlite?timeout=30"));
         let config = format!(
             "[DEFAULT]\n{auth_lines}\
              enabled_hardware_types = fake-hardware,redfish\n\
@@ -153,7 +181,7 @@ impl IronicServer {
              [dhcp]\ndhcp_provider = none\n\
              [conductor]\nautomated_clean = false\nsync_power_state_interval = 5\n\
              conductor_group = {conductor_group}\n\
-             [database]\nconnection = sqlite:///{d}/ironic.sqlite?timeout=30\n\
+             [database]\nconnection = {database}\n\
              [oslo_concurrency]\nlock_path = {d}/locks\n\
              [pxe]\ntftp_root = {d}/tftp\ntftp_master_path = {d}/tftp/master\n\
              images_path = {d}/images\ninstance_master_path = {d}/images/master\n\
@@ -179,6 +207,7 @@ impl IronicServer {
                 .timeout(Duration::from_secs(30))
                 .build()
                 .unwrap(),
+            database,
             fake_named: Default::default(),
         };
         server.wait_ready().await;
@@ -439,18 +468,18 @@ impl IronicServer {
             column.chars().all(|c| c.is_ascii_lowercase() || c == '_'),
             "a column name: {column}"
         );
-        let db = self.dir.path().join("ironic.sqlite");
         let ids = serde_json::to_string(nodes).expect("node ids as JSON");
         let script = format!(
-            "import json,sqlite3,sys; c = sqlite3.connect(sys.argv[1], timeout=30); ids = json.loads(sys.argv[2]); \
-             v = json.loads(sys.argv[3]); \
-             c.executemany(\"update nodes set {column} = ? where uuid = ?\", [(v, i) for i in ids]); c.commit()"
+            "import json, sys\nfrom sqlalchemy import create_engine, text\n\
+             ids, v = json.loads(sys.argv[2]), json.loads(sys.argv[3])\n\
+             with create_engine(sys.argv[1]).begin() as c:\n    \
+             c.execute(text('update nodes set {column} = :v where uuid = :u'), [dict(v=v, u=i) for i in ids])\n"
         );
         succeeded(
             "writing nodes into Ironic's database",
             Command::new(venv().join("bin/python"))
                 .args(["-c", &script])
-                .arg(&db)
+                .arg(&self.database)
                 .arg(&ids)
                 .arg(serde_json::to_string(&value).expect("a value as JSON"))
                 .output(),
@@ -477,6 +506,13 @@ impl IronicServer {
             .unwrap_or_default()
     }
 
+    /// Waits until node `id` is `active` and asserts that Ironic started exactly one deploy of
+    /// it.
+    pub async fn assert_deployed_once(&self, id: &str) {
+        self.wait_for_state(id, "active").await;
+        assert_eq!(self.deploys_started(id).await, 1, "node {id} deployed once");
+    }
+
     /// How many deploys Ironic started for node `id`, from its history.
     pub async fn deploys_started(&self, id: &str) -> usize {
         self.history(id)
@@ -497,15 +533,17 @@ impl IronicServer {
     /// Every node's `instance_info` as Ironic stored it, by node uuid, in one read of
     /// Ironic's database.
     pub fn stored_instance_infos(&self) -> std::collections::HashMap<String, Value> {
-        let db = self.dir.path().join("ironic.sqlite");
         let out = succeeded(
             "reading Ironic's database",
             Command::new(venv().join("bin/python"))
                 .args([
                     "-c",
-                    "import json,sqlite3,sys; print(json.dumps({u: json.loads(i) if i else None for u, i in sqlite3.connect(sys.argv[1]).execute('select uuid, instance_info from nodes')}))",
+                    "import json, sys\nfrom sqlalchemy import create_engine, text\n\
+                     with create_engine(sys.argv[1]).connect() as c:\n    \
+                     rows = c.execute(text('select uuid, instance_info from nodes')).all()\n\
+                     print(json.dumps({u: json.loads(i) if i else None for u, i in rows}))\n",
                 ])
-                .arg(&db)
+                .arg(&self.database)
                 .output(),
         );
         serde_json::from_slice(&out.stdout).expect("Ironic's instance_info as JSON")
@@ -837,13 +875,21 @@ impl Drop for FaultProxy {
 }
 
 /// The output of a command that must have run and succeeded; otherwise panics saying `what`
-/// failed, with the command's stderr.
+/// failed, with its exit status and the ends of its stdout and stderr (Python's deprecation
+/// warnings come first, the error last).
 fn succeeded(what: &str, output: std::io::Result<std::process::Output>) -> std::process::Output {
     let output = output.unwrap_or_else(|e| panic!("{what}: {e}"));
+    let end = |bytes: &[u8]| {
+        let text = String::from_utf8_lossy(bytes);
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    };
     assert!(
         output.status.success(),
-        "{what}: {}",
-        String::from_utf8_lossy(&output.stderr)
+        "{what}: {}\nstdout:\n{}\nstderr:\n{}",
+        output.status,
+        end(&output.stdout),
+        end(&output.stderr)
     );
     output
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde_json::json;
 use shepherd_bmdb::{testing, Bmdb, Processor, Provider as Kind, ProviderStatus, Session};
 use shepherd_ironic::testing::{
-    provisioner, recorded, site, test_config, test_provider, IronicServer, TestAuth,
+    provisioner, recorded, site, test_config, test_provider, FaultProxy, IronicServer, TestAuth,
 };
 use shepherd_ironic::{
     ApiError, Auth, Client, ConnectError, IronicConfig, IronicProvider, RetryPolicy,
@@ -1020,6 +1020,113 @@ async fn a_node_locked_by_a_conductor_is_tried_again_next_pass_not_skipped() {
     let r = provisioner(p, 10).iterate(&s).await.unwrap();
     assert_eq!((r.created, r.skipped), (1, 0), "{r:?}");
     s.close().await.unwrap();
+    t.cleanup().await;
+}
+
+/// Production Ironics keep their database in Postgres (or MySQL), where the conductor works
+/// on many nodes at once: with four creations in flight, every node of an Ironic on Postgres
+/// is allocated and deployed exactly once, with our config drive.
+#[tokio::test]
+async fn an_ironic_on_postgres_takes_overlapping_creations() {
+    let _one = one_at_a_time().await;
+    let Some(url) = testing::fresh_postgres_database().await else {
+        return;
+    };
+    let ironic = IronicServer::start_on_postgres(TestAuth::None, &url).await;
+    let nodes = ironic.fake_nodes(8, |_| json!({})).await;
+    let p = provider(&ironic, config("site-a")).await;
+    let t = testing::sqlite().await;
+    let s = session(&t.db).await;
+    let four = shepherd_loops::provisioner::Provisioner::new(
+        p,
+        shepherd_loops::provisioner::ProvisionerConfig {
+            limits: shepherd_loops::reconcile::Limits::new(0, 10),
+            reconcile_rate: RateSpec::new(Duration::from_millis(1), 1),
+            creation_rate: RateSpec::new(Duration::from_millis(1), 1000),
+            creation_parallelism: 4,
+        },
+    );
+    testing::eventually("every node created", Duration::from_secs(60), async || {
+        four.iterate(&s).await.unwrap();
+        let recorded = recorded(&t.db).await;
+        testing::when(recorded.len() == nodes.len(), recorded.len())
+    })
+    .await;
+    let stored = ironic.stored_instance_infos();
+    for id in &nodes {
+        ironic.assert_deployed_once(id).await;
+        assert!(
+            stored[id]["configdrive"].is_object(),
+            "{id}: {}",
+            stored[id]
+        );
+    }
+    s.close().await.unwrap();
+    t.cleanup().await;
+}
+
+/// A creation whose session's lease ends while Ironic places its allocation takes no further
+/// step at Ironic: the node is neither marked nor deployed (another replica may own the work
+/// by now) and the pass stops. A later pass, under a live session, adopts the claim cut short
+/// and deploys the node exactly once.
+#[tokio::test]
+async fn a_creation_takes_no_step_at_ironic_after_its_lease_ends() {
+    let _one = one_at_a_time().await;
+    use shepherd_loops::provisioner::ProvisionerError;
+    use std::sync::atomic::Ordering::SeqCst;
+    let ironic = IronicServer::start(TestAuth::None).await;
+    let nodes = ironic.fake_nodes(1, |_| json!({})).await;
+    let proxy = FaultProxy::start(&ironic).await;
+    let p = test_provider(
+        &proxy.url(),
+        ironic.auth(),
+        quick_retries(),
+        config("site-a"),
+    )
+    .await
+    .unwrap();
+    let t = testing::sqlite().await;
+    let s = session(&t.db).await;
+    // Every request takes a while, so the lease can end while the allocation is placed.
+    proxy.faults.delay_ms.store(300, SeqCst);
+    let seen = |method: &str, path: &str| {
+        proxy
+            .faults
+            .seen
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|(m, p)| m == method && p.starts_with(path))
+    };
+    let end_the_lease = async {
+        testing::eventually(
+            "the allocation asked for",
+            Duration::from_secs(30),
+            async || testing::when(seen("POST", "/v1/allocations"), ()),
+        )
+        .await;
+        s.close().await.unwrap();
+    };
+    let first = provisioner(p.clone(), 10);
+    let (pass, ()) = tokio::join!(first.iterate(&s), end_the_lease);
+    assert!(
+        matches!(pass, Err(ProvisionerError::LeaseLost(_))),
+        "{pass:?}"
+    );
+    let node_path = format!("/v1/nodes/{}", nodes[0]);
+    assert!(!seen("PATCH", &node_path), "marked after the lease ended");
+    assert!(
+        !seen("PUT", &format!("{node_path}/states/provision")),
+        "deployed after the lease ended"
+    );
+    assert!(recorded(&t.db).await.is_empty());
+
+    proxy.faults.delay_ms.store(0, SeqCst);
+    let s2 = session(&t.db).await;
+    let r = provisioner(p, 10).iterate(&s2).await.unwrap();
+    assert_eq!((r.created, r.failed), (1, 0), "{r:?}");
+    ironic.assert_deployed_once(&nodes[0]).await;
+    s2.close().await.unwrap();
     t.cleanup().await;
 }
 

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use shepherd_bmdb::{
-    Process, Provided, Provider as ProviderKind, ProviderFacts, ProviderStatus, Session,
+    LeaseLost, Process, Provided, Provider as ProviderKind, ProviderFacts, ProviderStatus, Session,
 };
 use uuid::Uuid;
 
@@ -119,6 +119,11 @@ pub enum ProviderError {
     /// The machine's BMC could not be used or did not power-cycle it.
     #[error(transparent)]
     Bmc(Box<BmcError>),
+    /// The creating session's lease ended mid-creation: no further step was taken at the
+    /// provider (another replica may own the work now); what was done is an orphan a later
+    /// pass adopts.
+    #[error(transparent)]
+    LeaseLost(#[from] LeaseLost),
     /// The machine exists at the provider, but the BMDB did not record it.
     #[error(transparent)]
     Record(#[from] RecordError),

@@ -292,6 +292,10 @@ impl<P: Provider> Provisioner<P> {
                 tracing::info!(machine = %r.machine, provider_id = ?machine.id, "brought a new machine in");
                 report.created += 1;
             }
+            Err(ProviderError::LeaseLost(lost)) => {
+                report.failed += 1;
+                return Err(ProvisionerError::LeaseLost(lost));
+            }
             Err(ProviderError::Taken(what)) => {
                 tracing::debug!(%what, "another client took an unused machine first; skipping it");
                 report.taken += 1;

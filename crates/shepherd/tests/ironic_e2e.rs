@@ -179,12 +179,7 @@ async fn two_replicas_take_every_node_over_and_deploy_each_exactly_once() {
     // Ironic deployed each node exactly once, for this deployment, with our key.
     let stored = ironic.stored_instance_infos();
     for id in &nodes {
-        ironic.wait_for_state(id, "active").await;
-        assert_eq!(
-            ironic.deploys_started(id).await,
-            1,
-            "node {id} deployed once"
-        );
+        ironic.assert_deployed_once(id).await;
         let node = ironic.node(id).await;
         assert_eq!(node["extra"]["shepherd_deployment"], "e2e");
         let drive = stored[id]["configdrive"].clone();
