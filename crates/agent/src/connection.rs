@@ -264,6 +264,12 @@ impl AgentClient {
         self.connections
     }
 
+    /// Whether it holds a connection that has not ended (the server has not closed it, nor
+    /// has it failed).
+    pub fn is_connected(&self) -> bool {
+        self.connection.as_ref().is_some_and(|c| !c.is_closed())
+    }
+
     /// Closes the connection, if there is one, gracefully; the next heartbeat makes a new one.
     pub fn close(&mut self) {
         if let Some(connection) = self.connection.take() {

@@ -9,7 +9,7 @@ use shepherd_agent::connection::{AgentClient, HeartbeatError, ServerConnector};
 use shepherd_agent::identity;
 use shepherd_bmdb::{testing, Bmdb};
 use shepherd_proto::bmaas::HeartbeatRequest;
-use shepherd_server::{LoopbackServer, ServerLimits};
+use shepherd_server::{CloseReason, LoopbackServer, ServerLimits};
 use tonic::Code;
 
 /// The server closes connections idle this long.
@@ -63,7 +63,11 @@ async fn the_agent_client_reuses_its_connection_and_replaces_a_closed_one() {
 
     // Idle past the server's timeout: the server closes the connection, and the next
     // heartbeat goes over a new one.
-    tokio::time::sleep(IDLE * 3).await;
+    testing::eventually("the idle connection closed", IDLE * 10, async || {
+        let closed = server.connection_metrics().closes(CloseReason::Idle);
+        testing::when(closed == 1 && !client.is_connected(), closed)
+    })
+    .await;
     client.heartbeat(beat(&machine)).await.unwrap();
     assert_eq!(
         client.connections(),

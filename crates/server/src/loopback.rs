@@ -12,7 +12,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::serve::InvalidLimit;
 use crate::tls::TlsError;
-use crate::{dev_certs, load_server_config, serve, BmaasService, ServerLimits, SessionPool};
+use crate::{
+    dev_certs, load_server_config, serve_with_metrics, BmaasService, ConnectionMetrics,
+    ServerLimits, SessionPool,
+};
 
 /// Why a loopback server could not start, serve or stop.
 #[derive(Debug, thiserror::Error)]
@@ -47,6 +50,8 @@ pub struct LoopbackServer {
     tls: Arc<rustls::ServerConfig>,
     pool: Arc<SessionPool>,
     limits: ServerLimits,
+    /// Its connections, counted across restarts.
+    metrics: ConnectionMetrics,
     running: Option<(
         CancellationToken,
         JoinHandle<std::result::Result<(), InvalidLimit>>,
@@ -93,6 +98,7 @@ impl LoopbackServer {
             tls,
             pool,
             limits,
+            metrics: ConnectionMetrics::default(),
             running: None,
         };
         server.serve(listener);
@@ -101,14 +107,21 @@ impl LoopbackServer {
 
     fn serve(&mut self, listener: TcpListener) {
         let cancel = CancellationToken::new();
-        let task = tokio::spawn(serve(
+        let task = tokio::spawn(serve_with_metrics(
             listener,
             self.tls.clone(),
             BmaasService::new(self.pool.clone()),
             self.limits,
+            self.metrics.clone(),
             cancel.clone(),
         ));
         self.running = Some((cancel, task));
+    }
+
+    /// Its connections so far: rejections, closes, connections now (a test waits on these
+    /// instead of sleeping).
+    pub fn connection_metrics(&self) -> &ConnectionMetrics {
+        &self.metrics
     }
 
     /// The address agents are given: `localhost:PORT`, the name the certificate is valid for.
