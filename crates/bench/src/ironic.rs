@@ -304,6 +304,7 @@ fn settings(workers: usize, creation_parallelism: usize, n: usize) -> FleetSetti
         recovery_brake_metrics: Default::default(),
         recovery_repeat: Default::default(),
         recoverer_metrics: Default::default(),
+        provisioner_metrics: Default::default(),
         updater_rate: rate(5 * 60 * 1000, 1),
         session_interval: Duration::from_secs(5),
         history_retention: None,

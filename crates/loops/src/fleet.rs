@@ -9,7 +9,7 @@ use crate::initializer::{Initializer, InitializerConfig};
 use crate::limiter::RateSpec;
 use crate::periodic::{self, Pass};
 use crate::provider::Recoverer as RecovererProvider;
-use crate::provisioner::{Provisioner, ProvisionerConfig};
+use crate::provisioner::{Provisioner, ProvisionerConfig, ProvisionerMetrics};
 use crate::recoverer::{Recoverer, RecovererMetrics, RepeatPolicy};
 use crate::retention::HistoryPruner;
 use crate::runner::{self, MachineTask, RunnerConfig};
@@ -54,6 +54,8 @@ pub struct FleetSettings {
     pub recovery_repeat: RepeatPolicy,
     /// Where the recoverer's counters go (registered by the caller).
     pub recoverer_metrics: RecovererMetrics,
+    /// Where the provisioner's counters go (registered by the caller).
+    pub provisioner_metrics: ProvisionerMetrics,
     /// Pace of provider-fact refreshes (the updater).
     pub updater_rate: RateSpec,
     /// Session keep-alive interval.
@@ -126,7 +128,8 @@ pub async fn run_loops<P: RecovererProvider + 'static>(
     };
     let updater = Updater::new(provider.clone(), settings.updater_rate);
     let updating = periodic.run(updater, "updater");
-    let provisioner = Provisioner::new(provider.clone(), settings.provisioner);
+    let provisioner = Provisioner::new(provider.clone(), settings.provisioner)
+        .with_metrics(settings.provisioner_metrics.clone());
     let provisioning = periodic.run(provisioner, "provisioner");
     let initializing = settings.initializer_loop.run(
         db.clone(),

@@ -6,9 +6,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
 use shepherd_bmdb::{LeaseLost, Processor, Session};
 
 use crate::limiter::{Limiter, RateSpec};
+use crate::metrics::register_at_zero;
 use crate::periodic::{Pass, PassError};
 use crate::provider::{
     listed_and_recorded, Availability, HandBack, ListError, Provider, ProviderError,
@@ -117,11 +122,70 @@ pub struct IterationReport {
     pub refused: usize,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CreationLabels {
+    /// What became of one creation: one of [`CREATION_OUTCOMES`].
+    outcome: &'static str,
+}
+
+/// The outcomes of a creation, as `shepherd_provisioner_creations_total{outcome}` counts them.
+const CREATION_OUTCOMES: [&str; 7] = [
+    "created",
+    "adopted",
+    "taken",
+    "refused",
+    "unrecorded",
+    "fenced",
+    "failed",
+];
+
+/// The provisioner's counters. Cheap to clone; clones share values.
+#[derive(Debug, Clone, Default)]
+pub struct ProvisionerMetrics {
+    creations: Family<CreationLabels, Counter>,
+}
+
+impl ProvisionerMetrics {
+    /// Adds `shepherd_provisioner_creations_total{outcome}` to `registry`, every series at 0.
+    pub fn register(&self, registry: &mut Registry) {
+        register_at_zero(
+            registry,
+            "shepherd_provisioner_creations",
+            "Creations the provisioner started, by outcome: created and recorded; adopted (an orphan recorded); taken by another client first; refused (skipped for a while); unrecorded (made at the provider, not recorded in the BMDB: a later pass adopts it); fenced (the lease ended mid-creation); failed",
+            &self.creations,
+            CREATION_OUTCOMES.map(|outcome| CreationLabels { outcome }),
+        );
+    }
+
+    /// Creations so far that ended with `outcome` (one of those the metric's help names).
+    pub fn creations(&self, outcome: &'static str) -> u64 {
+        self.creations
+            .get_or_create(&CreationLabels { outcome })
+            .get()
+    }
+
+    fn count(&self, result: &Result<crate::provider::Recorded, ProviderError>) {
+        let outcome = match result {
+            Ok(r) if r.adopted => "adopted",
+            Ok(_) => "created",
+            Err(ProviderError::Taken(_)) => "taken",
+            Err(ProviderError::Refused { .. }) => "refused",
+            Err(ProviderError::Record(_)) => "unrecorded",
+            Err(ProviderError::LeaseLost(_)) => "fenced",
+            Err(_) => "failed",
+        };
+        self.creations
+            .get_or_create(&CreationLabels { outcome })
+            .inc();
+    }
+}
+
 /// The provisioner for one provider.
 pub struct Provisioner<P: Provider> {
     provider: Arc<P>,
     config: ProvisionerConfig,
     creation: Limiter,
+    metrics: ProvisionerMetrics,
 }
 
 impl<P: Provider> Provisioner<P> {
@@ -131,7 +195,13 @@ impl<P: Provider> Provisioner<P> {
             provider,
             creation: Limiter::new(config.creation_rate),
             config,
+            metrics: ProvisionerMetrics::default(),
         }
+    }
+
+    /// The provisioner, counting its creations into `metrics`.
+    pub fn with_metrics(self, metrics: ProvisionerMetrics) -> Self {
+        Provisioner { metrics, ..self }
     }
 
     /// One reconciliation (SPEC §7 steps 1–5). A discrepancy between the provider and the
@@ -283,6 +353,7 @@ impl<P: Provider> Provisioner<P> {
         result: Result<crate::provider::Recorded, ProviderError>,
         report: &mut IterationReport,
     ) -> Result<(), ProvisionerError> {
+        self.metrics.count(&result);
         match result {
             Ok(r) if r.adopted => {
                 tracing::debug!(machine = %r.machine, provider_id = ?machine.id, "adopted a machine already recorded");

@@ -12,7 +12,9 @@ use shepherd_loops::provider::{
     record_new_machine, Availability, Provider as ProviderTrait, ProviderError, ProviderMachine,
     Recorded, Recoverer as RecovererTrait,
 };
-use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig, ProvisionerError};
+use shepherd_loops::provisioner::{
+    Provisioner, ProvisionerConfig, ProvisionerError, ProvisionerMetrics,
+};
 use shepherd_loops::reconcile::Limits;
 use shepherd_loops::recoverer::Recoverer;
 use shepherd_loops::runner::{self, RunnerConfig};
@@ -222,9 +224,12 @@ async fn provisioner_stops_at_the_first_failure_of_the_bmdb(db: Bmdb) {
     dummy.fail_create.insert("dummy-000".into());
     dummy.expire_session_on = Some("dummy-002".into());
     let provider = Arc::new(dummy);
-    let p = Provisioner::new(provider.clone(), unpaced(0, 10));
+    let metrics = ProvisionerMetrics::default();
+    let p = Provisioner::new(provider.clone(), unpaced(0, 10)).with_metrics(metrics.clone());
     let s = testing::session(&db, Processor::ShepherdProvisioner).await;
     let err = p.iterate(&s).await.unwrap_err();
+    let counted = ["created", "failed", "unrecorded"].map(|o| metrics.creations(o));
+    assert_eq!(counted, [1, 1, 1], "created, failed, unrecorded");
     match &err {
         ProvisionerError::BmdbFailed { created: 1, error } => {
             assert!(error.is_bmdb_failure());

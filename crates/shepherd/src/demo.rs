@@ -180,6 +180,7 @@ fn settings(args: &DemoArgs) -> FleetSettings {
             give_up_after: 6,
         },
         recoverer_metrics: Default::default(),
+        provisioner_metrics: Default::default(),
         updater_rate: fast(2000, 1),
         session_interval: Duration::from_secs(5),
         history_retention: None,

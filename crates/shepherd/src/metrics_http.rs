@@ -91,6 +91,7 @@ impl OperatorEndpoint {
             .recovery_brake_metrics
             .register(&mut endpoint.registry);
         fleet.recoverer_metrics.register(&mut endpoint.registry);
+        fleet.provisioner_metrics.register(&mut endpoint.registry);
         endpoint
     }
 

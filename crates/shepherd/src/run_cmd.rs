@@ -672,6 +672,7 @@ impl RunArgs {
             recovery_brake_metrics: BrakeMetrics::default(),
             recovery_repeat: self.recoverer.repeat()?,
             recoverer_metrics: RecovererMetrics::default(),
+            provisioner_metrics: Default::default(),
             updater_rate: self.updater_rate,
             session_interval: self.session_interval,
             history_retention: self.history_retention.map(HistoryRetention::new),

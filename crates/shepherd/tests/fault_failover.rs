@@ -400,15 +400,16 @@ async fn failover_with(fault: Fault, machines: usize) -> Figures {
         &failed[..failed.len().min(3)]
     );
     let mut creations_while_unrecordable = 0;
-    for name in ["a", "b"] {
+    for (name, m) in ["a", "b"].into_iter().zip(&metrics) {
         let text = log(name).unwrap_or_default();
         assert!(
             !text.contains("disagree"),
             "replica {name} saw the provider and the BMDB disagree"
         );
-        // Each is one machine created at the provider that the BMDB did not record then.
-        let unrecorded = text.matches("a later pass adopts it").count();
-        creations_while_unrecordable = creations_while_unrecordable.max(unrecorded);
+        // Machines created at the provider that the BMDB did not record then.
+        let labels = [r#"outcome="unrecorded""#];
+        let unrecorded = counter(m, "shepherd_provisioner_creations_total", &labels).await;
+        creations_while_unrecordable = creations_while_unrecordable.max(unrecorded as usize);
     }
 
     // Every write the probe was told was committed is there.
