@@ -80,9 +80,15 @@ async fn wait_for<T>(what: &str, mut f: impl AsyncFnMut() -> Option<T>) -> T {
 }
 
 async fn agent_takes_over_heartbeats_and_installs(db: Bmdb) {
-    // The server, with development certificates the agent trusts through TakeoverInit.
+    // The server, with development certificates the agent trusts through TakeoverInit. It
+    // closes a connection that made no authorized request for half a second: the event that
+    // shows the agent tried before its key was on record.
     let dir = tempfile::tempdir().unwrap();
-    let server = LoopbackServer::start(&db, &dir.path().join("certs"), 2, ServerLimits::default())
+    let limits = ServerLimits {
+        unauthenticated_timeout: Duration::from_millis(500),
+        ..ServerLimits::default()
+    };
+    let server = LoopbackServer::start(&db, &dir.path().join("certs"), 2, limits)
         .await
         .unwrap();
     // The agent is copied where the Initializer would upload it, and run as it would run it.
@@ -107,8 +113,15 @@ async fn agent_takes_over_heartbeats_and_installs(db: Bmdb) {
         0o600
     );
 
-    // Nothing heartbeats until the Initializer records the key, then heartbeats arrive.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Nothing heartbeats until the Initializer records the key (the agent's connection is
+    // closed for making no authorized request), then heartbeats arrive.
+    wait_for("the agent's unauthorized connection closed", async || {
+        let closed = server
+            .connection_metrics()
+            .closes(CloseReason::Unauthenticated);
+        (closed >= 1).then_some(())
+    })
+    .await;
     let m = machine;
     assert!(db
         .read(move |tx| Box::pin(async move { tx.heartbeat(m).await }))
