@@ -685,13 +685,19 @@ impl IronicProvider {
     /// (deleted now, so that the node can be claimed again on a later pass).
     async fn name_taken(&self, name: &str, message: &str) -> ProviderError {
         match self.client.get_allocation(name).await {
-            Ok(a) if a.state == "error" => {
+            Ok(a) if a.state == "error" || stuck(&a) => {
+                if a.state != "error" {
+                    tracing::warn!(allocation = name, created_at = ?a.created_at, "deleting an allocation of ours that Ironic never finished");
+                }
                 if let Err(e) = self.client.delete_allocation(&a.uuid).await {
                     tracing::warn!(allocation = name, error = %e, "deleting a failed allocation failed");
                 }
+                let why = match a.state.as_str() {
+                    "error" => a.last_error.unwrap_or_else(|| "no last_error".into()),
+                    _ => format!("still allocating after {:?}", 2 * ALLOCATION_WAIT),
+                };
                 ProviderError::Taken(format!(
-                    "allocation {name} had failed ({}); deleted, the node is claimed again on a later pass",
-                    a.last_error.as_deref().unwrap_or("no last_error")
+                    "allocation {name} had failed ({why}); deleted, the node is claimed again on a later pass"
                 ))
             }
             _ => ProviderError::Taken(format!(
@@ -977,6 +983,17 @@ const ALLOCATION_ATTEMPTS: u32 = 3;
 /// How long a new allocation may stay `allocating` before it is given up.
 const ALLOCATION_WAIT: Duration = Duration::from_secs(30);
 
+/// Whether allocation `a` of ours is stuck `allocating`: created longer ago than twice
+/// [`ALLOCATION_WAIT`], so whichever replica made it has given up waiting (and failed to
+/// delete it, or Ironic's conductor lost it). Left alone, it would make every later claim of
+/// the node end as taken, for good.
+fn stuck(a: &Allocation) -> bool {
+    let age = a
+        .created_at
+        .and_then(|t| chrono::Utc::now().signed_duration_since(t).to_std().ok());
+    a.state == "allocating" && age.is_some_and(|age| age > 2 * ALLOCATION_WAIT)
+}
+
 /// The allocation name of this deployment's claim of `node`: every replica of the deployment
 /// derives the same one, so that replicas racing for a node race on one name (allocation names
 /// are unique in Ironic), and `baremetal allocation list` shows whose claim it is.
@@ -1154,6 +1171,7 @@ impl Provider for IronicProvider {
         // Each step at Ironic is taken only while the lease holds; one cut short by its end
         // leaves an orphan that a later pass (of whichever replica) adopts.
         let lease = session.lease();
+        lease.left()?;
         let node = match unused.valid_id() {
             // An orphan: reserved by this deployment, unknown to the BMDB.
             Some(id) => {

@@ -396,15 +396,27 @@ impl IronicServer {
 
     /// Waits (up to 60 s) until node `id` is in provision state `state`.
     pub async fn wait_for_state(&self, id: &str, state: &str) {
+        let path = format!("/v1/nodes/{id}");
+        self.wait_for_field(&path, "provision_state", state).await
+    }
+
+    /// Waits (up to 60 s) until allocation `name` is in state `state`.
+    pub async fn wait_for_allocation_state(&self, name: &str, state: &str) {
+        let path = format!("/v1/allocations/{name}");
+        self.wait_for_field(&path, "state", state).await
+    }
+
+    /// Waits (up to 60 s) until the resource at `path` has `want` in its field `field`.
+    async fn wait_for_field(&self, path: &str, field: &str, want: &str) {
         let started = Instant::now();
         loop {
-            let (_, node) = self.get(&format!("/v1/nodes/{id}")).await.unwrap();
-            if node["provision_state"] == state {
+            let (_, found) = self.get(path).await.unwrap();
+            if found[field] == want {
                 return;
             }
             assert!(
                 started.elapsed() < Duration::from_secs(60),
-                "node {id} did not reach {state}: {node}"
+                "{path} did not reach {field} {want}: {found}"
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -468,20 +480,25 @@ impl IronicServer {
             column.chars().all(|c| c.is_ascii_lowercase() || c == '_'),
             "a column name: {column}"
         );
-        let ids = serde_json::to_string(nodes).expect("node ids as JSON");
-        let script = format!(
-            "import json, sys\nfrom sqlalchemy import create_engine, text\n\
-             ids, v = json.loads(sys.argv[2]), json.loads(sys.argv[3])\n\
+        let rows: Vec<Value> = nodes.iter().map(|u| json!({"v": value, "u": u})).collect();
+        let update = format!("update nodes set {column} = :v where uuid = :u");
+        self.execute_in_database(&update, &Value::Array(rows));
+    }
+
+    /// Runs `statement` (SQL with `:name` parameters taken from `params`: an object, or a list
+    /// of objects for one execution each) in one transaction on Ironic's database, as only
+    /// Ironic itself could.
+    pub fn execute_in_database(&self, statement: &str, params: &Value) {
+        let script = "import json, sys\nfrom sqlalchemy import create_engine, text\n\
              with create_engine(sys.argv[1]).begin() as c:\n    \
-             c.execute(text('update nodes set {column} = :v where uuid = :u'), [dict(v=v, u=i) for i in ids])\n"
-        );
+             c.execute(text(sys.argv[2]), json.loads(sys.argv[3]))\n";
         succeeded(
-            "writing nodes into Ironic's database",
+            "writing into Ironic's database",
             Command::new(venv().join("bin/python"))
-                .args(["-c", &script])
+                .args(["-c", script])
                 .arg(&self.database)
-                .arg(&ids)
-                .arg(serde_json::to_string(&value).expect("a value as JSON"))
+                .arg(statement)
+                .arg(params.to_string())
                 .output(),
         );
     }

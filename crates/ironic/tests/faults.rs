@@ -14,7 +14,7 @@ use shepherd_ironic::testing::{
 };
 use shepherd_ironic::{ApiError, Auth, ConnectError, IronicProvider, RetryPolicy};
 use shepherd_loops::limiter::RateSpec;
-use shepherd_loops::provider::{Provider, Recoverer};
+use shepherd_loops::provider::{Provider, ProviderError, Recoverer};
 use shepherd_loops::updater::Updater;
 
 /// Attempts per request.
@@ -215,27 +215,36 @@ async fn a_node_reserved_and_deployed_whose_insert_failed_is_adopted_not_deploye
     let nodes = ironic.fake_nodes(2, |_| json!({})).await;
     let (p, t) = provider_and_bmdb(&ironic.url(), Duration::from_secs(10)).await;
 
-    // The session is gone when the provisioner records the machines: every insert fails
-    // after Ironic reserved and deployed the node.
+    // The session's row is gone (deleted behind its back, as another replica's garbage
+    // collection would after a partition) while its lease still holds here: Ironic reserves
+    // and deploys the first node, then its insert fails. That failure ends the lease here, so
+    // the second creation takes no step at Ironic.
     let s = session(&t.db).await;
     let listed = p.list_machines().await.unwrap();
-    s.close().await.unwrap();
-    for m in &listed {
-        let err = p.create_machine(&s, m).await.unwrap_err();
-        assert!(err.is_bmdb_failure(), "{err}");
-        assert!(err.to_string().contains("a later pass adopts it"), "{err}");
-    }
+    let id = s.id();
+    t.db.transact(move |tx| Box::pin(async move { tx.delete_session_raw(id).await }))
+        .await
+        .unwrap();
+    let err = p.create_machine(&s, &listed[0]).await.unwrap_err();
+    assert!(err.is_bmdb_failure(), "{err}");
+    assert!(err.to_string().contains("a later pass adopts it"), "{err}");
+    let fenced = p.create_machine(&s, &listed[1]).await.unwrap_err();
+    assert!(matches!(fenced, ProviderError::LeaseLost(_)), "{fenced}");
     assert!(recorded(&t.db).await.is_empty());
-    for id in &nodes {
-        ironic.wait_for_state(id, "active").await;
-    }
-    // The next pass, with a live session, adopts both: recorded, and deployed only once.
+    let first = listed[0].reservation.clone().unwrap();
+    ironic.wait_for_state(&first, "active").await;
+    let second = ironic
+        .node(nodes.iter().find(|n| **n != first).unwrap())
+        .await;
+    assert!(second["instance_uuid"].is_null(), "untouched: {second}");
+    // The next pass, with a live session, adopts the first and creates the second: both
+    // recorded, each deployed once.
     let s = session(&t.db).await;
     let r = provisioner(p.clone(), 50).iterate(&s).await.unwrap();
     assert_eq!((r.created, r.failed), (2, 0), "{r:?}");
     assert_eq!(recorded(&t.db).await.len(), 2);
     for id in &nodes {
-        assert_eq!(ironic.deploys_started(id).await, 1, "{id}");
+        ironic.assert_deployed_once(id).await;
     }
     s.close().await.unwrap();
     t.cleanup().await;

@@ -1130,6 +1130,43 @@ async fn a_creation_takes_no_step_at_ironic_after_its_lease_ends() {
     t.cleanup().await;
 }
 
+/// An allocation of ours that Ironic never finished (left `allocating`: its conductor died,
+/// or its database failed mid-way) and whose claimant gave up waiting is deleted by the next
+/// claim of the node, and the claim after it goes through: a lost allocation does not keep the
+/// node from being claimed for good.
+#[tokio::test]
+async fn an_allocation_of_ours_stuck_allocating_is_deleted_and_the_node_claimed() {
+    let _one = one_at_a_time().await;
+    let (ironic, nodes, t, s, p) = site(1, quick_retries()).await;
+    // An allocation of our name that fits no node ends in `error`; rewritten to
+    // `allocating`, made ten minutes ago, it is one that Ironic lost.
+    let name = shepherd_ironic::provider::allocation_name("site-a", &nodes[0]);
+    let body = json!({"name": name, "resource_class": "no-such-class"});
+    let (status, made) = ironic
+        .send_json(reqwest::Method::POST, "/v1/allocations", body)
+        .await;
+    assert_eq!(status, 201, "{made}");
+    ironic.wait_for_allocation_state(&name, "error").await;
+    let ten_minutes_ago = (chrono::Utc::now() - chrono::TimeDelta::minutes(10)).naive_utc();
+    ironic.execute_in_database(
+        "update allocations set state = 'allocating', created_at = :at where name = :name",
+        &json!({"at": ten_minutes_ago.to_string(), "name": name}),
+    );
+
+    let first = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    assert_eq!((first.created, first.taken), (0, 1), "{first:?}");
+    let (status, _) = ironic
+        .get(&format!("/v1/allocations/{name}"))
+        .await
+        .unwrap();
+    assert_eq!(status, 404, "the lost allocation is deleted");
+    let second = provisioner(p, 10).iterate(&s).await.unwrap();
+    assert_eq!(second.created, 1, "{second:?}");
+    ironic.assert_deployed_once(&nodes[0]).await;
+    s.close().await.unwrap();
+    t.cleanup().await;
+}
+
 /// Ironic keeps conductor groups lower-cased (and finds no conductor for a node enrolled as
 /// `Rack-A`): `--ironic-conductor-group Rack-A` takes the nodes of group `rack-a`, served by
 /// a conductor of that group, and a node of another group stays untouched.
