@@ -684,6 +684,15 @@ pub fn provisioner(
     provider: std::sync::Arc<crate::IronicProvider>,
     chunk: usize,
 ) -> shepherd_loops::provisioner::Provisioner<crate::IronicProvider> {
+    provisioner_with_parallelism(provider, chunk, 1)
+}
+
+/// [`provisioner`] with up to `parallelism` creations in flight.
+pub fn provisioner_with_parallelism(
+    provider: std::sync::Arc<crate::IronicProvider>,
+    chunk: usize,
+    parallelism: usize,
+) -> shepherd_loops::provisioner::Provisioner<crate::IronicProvider> {
     use shepherd_loops::limiter::RateSpec;
     shepherd_loops::provisioner::Provisioner::new(
         provider,
@@ -691,7 +700,7 @@ pub fn provisioner(
             limits: shepherd_loops::reconcile::Limits::new(0, chunk),
             reconcile_rate: RateSpec::new(Duration::from_millis(1), 1),
             creation_rate: RateSpec::new(Duration::from_millis(1), 1000),
-            creation_parallelism: 1,
+            creation_parallelism: parallelism,
         },
     )
 }

@@ -1037,15 +1037,7 @@ async fn an_ironic_on_postgres_takes_overlapping_creations() {
     let p = provider(&ironic, config("site-a")).await;
     let t = testing::sqlite().await;
     let s = session(&t.db).await;
-    let four = shepherd_loops::provisioner::Provisioner::new(
-        p,
-        shepherd_loops::provisioner::ProvisionerConfig {
-            limits: shepherd_loops::reconcile::Limits::new(0, 10),
-            reconcile_rate: RateSpec::new(Duration::from_millis(1), 1),
-            creation_rate: RateSpec::new(Duration::from_millis(1), 1000),
-            creation_parallelism: 4,
-        },
-    );
+    let four = shepherd_ironic::testing::provisioner_with_parallelism(p, 10, 4);
     testing::eventually("every node created", Duration::from_secs(60), async || {
         four.iterate(&s).await.unwrap();
         let recorded = recorded(&t.db).await;

@@ -16,7 +16,7 @@ pub use loopback::{LoopbackError, LoopbackServer};
 pub use metrics::{CloseReason, ConnectionMetrics, Rejection};
 pub use peer::{Authorized, Peer};
 pub use pool::SessionPool;
-pub use serve::{next_admitted, serve, serve_with_metrics, InvalidLimit, ServerLimits};
+pub use serve::{next_admitted, serve_with_metrics, InvalidLimit, ServerLimits};
 pub use service::{BmaasService, MAX_MESSAGE_BYTES};
 pub use tls::{
     dev_certs, load_https_config, load_server_config, peer_ed25519_key, DevCerts, TlsError,

@@ -231,25 +231,6 @@ impl Drop for InFlight {
 /// How long a closing connection may take to finish its requests before it is dropped.
 const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
-/// Serves `service` on `listener` with TLS until `shutdown`, with fresh metrics.
-pub async fn serve(
-    listener: TcpListener,
-    tls: Arc<rustls::ServerConfig>,
-    service: BmaasService,
-    limits: ServerLimits,
-    shutdown: CancellationToken,
-) -> Result<(), InvalidLimit> {
-    serve_with_metrics(
-        listener,
-        tls,
-        service,
-        limits,
-        ConnectionMetrics::default(),
-        shutdown,
-    )
-    .await
-}
-
 /// Serves `service` on `listener` with TLS until `shutdown`, counting connections into
 /// `metrics`. On shutdown every connection is asked to close (HTTP/2 GOAWAY) and given a few
 /// seconds to finish its requests.
