@@ -5,6 +5,7 @@
 
 pub mod client;
 pub mod model;
+mod placement;
 pub mod provider;
 
 #[cfg(feature = "testing")]

@@ -37,9 +37,17 @@ use shepherd_loops::settings::InvalidSetting;
 
 use crate::client::{ApiError, Client, Conflict};
 use crate::model::{Allocation, Node, PatchOp};
+use crate::placement::PlacementEstimate;
 
 /// The `extra` key that names the deployment that reserved a node.
 pub const DEPLOYMENT_KEY: &str = "shepherd_deployment";
+
+/// The `extra` key naming the claim our marks belong to: the `instance_uuid` the node has
+/// while we hold it (our allocation's id, or the instance we set). A node is ours only while
+/// the two agree, so marks written before an allocation was seen placed (see
+/// [`IronicProvider::settle`]) never make a node another client won ours. Marks from before
+/// this key lack it and count as agreeing.
+pub const CLAIM_KEY: &str = "shepherd_claim";
 
 /// The `extra` key holding when a replica reserved the node (RFC 3339, the replica's clock),
 /// so that another replica can tell a creation in progress from an orphan.
@@ -372,6 +380,19 @@ pub struct IronicProvider {
     inventory_addresses: Mutex<HashMap<String, String>>,
     /// Allocations found to be another client's (see [`Self::partial_claim`]).
     foreign_allocations: Mutex<HashSet<String>>,
+    /// How long Ironic has lately taken to place an allocation.
+    placement: PlacementEstimate,
+}
+
+/// Where [`IronicProvider::settle`] left a new allocation.
+enum Settled {
+    /// Placed on the node, which is marked as ours.
+    Marked(Box<Node>),
+    /// Placed (`active`) or failed (`error`); the node is not marked yet.
+    Placed(Allocation),
+    /// Deleted before it was seen placed: another replica found it failed and cleared it out
+    /// of the name's way (or an operator deleted it).
+    Vanished,
 }
 
 impl IronicProvider {
@@ -394,6 +415,7 @@ impl IronicProvider {
             config,
             inventory_addresses: Mutex::new(HashMap::new()),
             foreign_allocations: Mutex::new(HashSet::new()),
+            placement: PlacementEstimate::default(),
         })
     }
 
@@ -409,9 +431,7 @@ impl IronicProvider {
 
     /// Whether this deployment reserved `node`.
     pub fn ours(&self, node: &Node) -> bool {
-        node.instance_uuid.is_some()
-            && node.extra.get(DEPLOYMENT_KEY).and_then(|v| v.as_str())
-                == Some(self.config.deployment.as_str())
+        held_by(node, &self.config.deployment)
     }
 
     /// Whether `node` is free to take: `available`, not in maintenance, no instance, its
@@ -518,19 +538,13 @@ impl IronicProvider {
         lease: &Lease,
     ) -> Result<Node, ProviderError> {
         match resource_class.filter(|rc| !rc.is_empty()) {
-            Some(rc) => {
-                self.allocate(uuid, rc).await?;
-                // Placing an allocation can take seconds: mark nothing once the lease is gone
-                // (the allocated, unmarked node is a claim cut short, adopted later).
-                lease.left()?;
-                Ok(self.mark(uuid).await?)
-            }
+            Some(rc) => self.allocate(uuid, rc, lease).await,
             None => self.reserve_by_instance_uuid(uuid).await,
         }
     }
 
     /// The patch that marks a node as this deployment's: our id, when, and the image.
-    fn mark_ops(&self) -> Vec<PatchOp> {
+    fn mark_ops(&self, claim: &str) -> Vec<PatchOp> {
         let mut ops = vec![
             PatchOp::add(
                 format!("/extra/{DEPLOYMENT_KEY}"),
@@ -540,6 +554,7 @@ impl IronicProvider {
                 format!("/extra/{RESERVED_AT_KEY}"),
                 chrono::Utc::now().to_rfc3339(),
             ),
+            PatchOp::add(format!("/extra/{CLAIM_KEY}"), claim),
         ];
         if let Some(image) = &self.config.image {
             ops.push(PatchOp::add(
@@ -554,27 +569,43 @@ impl IronicProvider {
         ops
     }
 
-    /// Marks an allocated node as ours. If this fails the node stays allocated under our
-    /// allocation's name, and a later listing finds it as a claim cut short
-    /// ([`Self::partial_claim`]) and adopts it.
-    async fn mark(&self, uuid: &str) -> Result<Node, IronicError> {
+    /// Marks node `uuid`, allocated by `allocation`, as ours. If this fails the node stays
+    /// allocated under our allocation's name, and a later listing finds it as a claim cut
+    /// short ([`Self::partial_claim`]) and adopts it.
+    async fn mark(&self, uuid: &str, allocation: &str) -> Result<Node, IronicError> {
         self.client
-            .patch_node("mark_node", uuid, &self.mark_ops())
+            .patch_node("mark_node", uuid, &self.mark_ops(allocation))
             .await
             .map_err(api("mark_node", uuid))
+    }
+
+    /// Removes the marks [`Self::settle`] wrote before an allocation that then failed: the
+    /// node is not ours (and without the marks it is no longer listed as a claim of ours in
+    /// any way). Best effort: marks left behind name a claim the node does not hold, so they
+    /// make nothing ours.
+    async fn unmark(&self, uuid: &str) {
+        let ops: Vec<PatchOp> = [DEPLOYMENT_KEY, RESERVED_AT_KEY, CLAIM_KEY]
+            .iter()
+            .map(|key| PatchOp::remove(format!("/extra/{key}")))
+            .collect();
+        if let Err(e) = self.client.patch_node("unmark_node", uuid, &ops).await {
+            tracing::debug!(node = uuid, error = %e, "removing the marks of a failed claim failed; they name a claim the node does not hold");
+        }
     }
 
     /// Claims node `uuid` through Ironic's Allocation API: an allocation named after this
     /// deployment and the node ([`allocation_name`]), with the node as its only candidate, the
     /// node's resource class, the selector's traits and owner. Replicas racing for the node
     /// race on that name: the loser gets a conflict, never a second allocation. Waits until
-    /// the conductor has placed it; one that ends in `error` (the node was taken or changed
-    /// since it was listed) is deleted and the node skipped for a while.
+    /// the conductor has placed it ([`Self::settle`]) and returns the node marked as ours; an
+    /// allocation that ends in `error` (the node was taken or changed since it was listed) is
+    /// deleted and the node skipped for a while.
     async fn allocate(
         &self,
         uuid: &str,
         resource_class: &str,
-    ) -> Result<Allocation, ProviderError> {
+        lease: &Lease,
+    ) -> Result<Node, ProviderError> {
         let name = allocation_name(&self.config.deployment, uuid);
         let mut body = serde_json::json!({
             "name": name,
@@ -603,10 +634,23 @@ impl IronicProvider {
                 }
                 Err(e) => return Err(self.refused_or(api("create_allocation", uuid)(e))),
             };
-            let placed = self.placed(created, uuid).await?;
-            if placed.state == "active" && placed.node_uuid.as_deref() == Some(uuid) {
-                return Ok(placed);
-            }
+            let placed = match self.settle(created, uuid, lease).await? {
+                Settled::Marked(node) => return Ok(*node),
+                Settled::Placed(a)
+                    if a.state == "active" && a.node_uuid.as_deref() == Some(uuid) =>
+                {
+                    // Placing an allocation can take seconds: mark nothing once the lease is
+                    // gone (the allocated, unmarked node is a claim cut short, adopted later).
+                    lease.left()?;
+                    return Ok(self.mark(uuid, &a.uuid).await?);
+                }
+                Settled::Placed(failed) => failed,
+                Settled::Vanished => {
+                    return Err(ProviderError::Taken(format!(
+                        "allocation {name} was deleted before it was seen placed (another replica found it failed, or an operator deleted it); a later pass claims the node again"
+                    )));
+                }
+            };
             if let Err(e) = self.client.delete_allocation(&placed.uuid).await {
                 tracing::warn!(node = uuid, allocation = placed.uuid, error = %e, "deleting a failed allocation failed; the next claim of the node deletes it");
             }
@@ -648,17 +692,77 @@ impl IronicProvider {
         }
     }
 
-    /// The allocation once the conductor has placed it (`active` or `error`), read every
-    /// 100 ms doubling to 2 s. One still `allocating` after [`ALLOCATION_WAIT`] is deleted
-    /// (the conductor is stuck or gone): Ironic is not answering, which is not the node's
-    /// fault.
+    /// Waits until the conductor has placed `allocation` (just made, for node `uuid`), with
+    /// as few requests as it can. The first look comes after the placement time recent claims
+    /// took ([`PlacementEstimate`]). Where no image is to be written, that look is the marking
+    /// patch itself: its answer shows whether the node's instance is already the allocation
+    /// (placed, and marked, in one request). The marks name the allocation ([`CLAIM_KEY`]),
+    /// so that written on a node the allocation then does not get, they make nothing ours;
+    /// they are removed again when it fails. An image is written only once the node is held.
+    /// Later looks read the allocation ([`Self::placed`]).
+    async fn settle(
+        &self,
+        allocation: Allocation,
+        uuid: &str,
+        lease: &Lease,
+    ) -> Result<Settled, ProviderError> {
+        tokio::time::sleep(self.placement.first_look()).await;
+        let mut marked_early = false;
+        if self.config.image.is_none() {
+            lease.left()?;
+            let ops = self.mark_ops(&allocation.uuid);
+            match self.client.patch_node("mark_node", uuid, &ops).await {
+                Ok(node) if node.instance_uuid.as_deref() == Some(allocation.uuid.as_str()) => {
+                    self.placement.placed_at_first_look();
+                    return Ok(Settled::Marked(Box::new(node)));
+                }
+                Ok(_) => marked_early = true,
+                Err(e) => {
+                    tracing::debug!(node = uuid, error = %e, "marking a node before its allocation was placed failed; it is marked once placed");
+                    marked_early = !e.not_applied();
+                }
+            }
+        }
+        let (placed, looks) = match self.placed(allocation, uuid).await {
+            Ok(placed) => placed,
+            Err(e) => {
+                // Not seen placed: whatever became of the allocation, the marks go. (One
+                // placed after all is an allocated, unmarked node: a claim cut short, adopted.)
+                if marked_early {
+                    self.unmark(uuid).await;
+                }
+                return match e {
+                    IronicError::Api {
+                        error: ApiError::NotFound { .. },
+                        ..
+                    } => Ok(Settled::Vanished),
+                    e => Err(e.into()),
+                };
+            }
+        };
+        if looks <= 1 && !marked_early && self.config.image.is_some() {
+            self.placement.placed_at_first_look();
+        } else {
+            self.placement.placed_later();
+        }
+        if placed.state != "active" && marked_early {
+            self.unmark(uuid).await;
+        }
+        Ok(Settled::Placed(placed))
+    }
+
+    /// The allocation once the conductor has placed it (`active` or `error`), read at once,
+    /// then after 50 ms doubling to 2 s, and how many reads that took. One still `allocating`
+    /// after [`ALLOCATION_WAIT`] is deleted (the conductor is stuck or gone): Ironic is not
+    /// answering, which is not the node's fault.
     async fn placed(
         &self,
         mut allocation: Allocation,
         uuid: &str,
-    ) -> Result<Allocation, IronicError> {
+    ) -> Result<(Allocation, u32), IronicError> {
         let started = std::time::Instant::now();
-        let mut pause = Duration::from_millis(100);
+        let mut pause = Duration::ZERO;
+        let mut looks = 0;
         while allocation.state == "allocating" {
             if started.elapsed() > ALLOCATION_WAIT {
                 if let Err(e) = self.client.delete_allocation(&allocation.uuid).await {
@@ -670,14 +774,15 @@ impl IronicProvider {
                 });
             }
             tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_secs(2));
+            pause = (pause * 2).clamp(Duration::from_millis(50), Duration::from_secs(2));
+            looks += 1;
             allocation = self
                 .client
                 .get_allocation(&allocation.uuid)
                 .await
                 .map_err(api("get_allocation", uuid))?;
         }
-        Ok(allocation)
+        Ok((allocation, looks))
     }
 
     /// Why an allocation name of ours was taken: another replica of this deployment is
@@ -758,7 +863,7 @@ impl IronicProvider {
             allocation = allocation.uuid,
             "adopting a node this deployment allocated but never marked"
         );
-        Ok(self.mark(id).await?)
+        Ok(self.mark(id, &allocation.uuid).await?)
     }
 
     /// Reserves `node` without an allocation: one patch that sets a fresh `instance_uuid`
@@ -767,7 +872,7 @@ impl IronicProvider {
     async fn reserve_by_instance_uuid(&self, uuid: &str) -> Result<Node, ProviderError> {
         let instance = uuid::Uuid::new_v4().to_string();
         let mut ops = vec![PatchOp::add("/instance_uuid", instance.clone())];
-        ops.extend(self.mark_ops());
+        ops.extend(self.mark_ops(&instance));
         match self.client.patch_node("reserve_node", uuid, &ops).await {
             Ok(node) => Ok(node),
             // Reserved by another client, or already deploying for one: no longer available.
@@ -808,10 +913,11 @@ impl IronicProvider {
     /// (which ends it), and without our marks it is no longer ours.
     async fn release(&self, node: &Node) -> Result<(), ApiError> {
         let uuid = node.uuid.as_str();
-        let node_has_reserved_at = node.extra.contains_key(RESERVED_AT_KEY);
         let mut ops = vec![PatchOp::remove(format!("/extra/{DEPLOYMENT_KEY}"))];
-        if node_has_reserved_at {
-            ops.push(PatchOp::remove(format!("/extra/{RESERVED_AT_KEY}")));
+        for key in [RESERVED_AT_KEY, CLAIM_KEY] {
+            if node.extra.contains_key(key) {
+                ops.push(PatchOp::remove(format!("/extra/{key}")));
+            }
         }
         if self.config.image.is_some() {
             ops.push(PatchOp::remove("/instance_info/image_source"));
@@ -994,6 +1100,15 @@ fn stuck(a: &Allocation) -> bool {
     a.state == "allocating" && age.is_some_and(|age| age > 2 * ALLOCATION_WAIT)
 }
 
+/// Whether `deployment` holds `node`: the node has an instance, carries the deployment's
+/// mark, and its claim mark (if any) names that instance.
+fn held_by(node: &Node, deployment: &str) -> bool {
+    let extra = |key: &str| node.extra.get(key).and_then(|v| v.as_str());
+    node.instance_uuid.is_some()
+        && extra(DEPLOYMENT_KEY) == Some(deployment)
+        && extra(CLAIM_KEY).is_none_or(|claim| node.instance_uuid.as_deref() == Some(claim))
+}
+
 /// The allocation name of this deployment's claim of `node`: every replica of the deployment
 /// derives the same one, so that replicas racing for a node race on one name (allocation names
 /// are unique in Ironic), and `baremetal allocation list` shows whose claim it is.
@@ -1143,6 +1258,11 @@ impl Provider for IronicProvider {
         Ok(out)
     }
 
+    /// A node keeps its id: the machine made of it is known by the node's id.
+    fn id_once_created<'m>(&self, unused: &'m ProviderMachine) -> Option<&'m str> {
+        unused.valid_id().or(unused.reservation.as_deref())
+    }
+
     async fn get_machine(&self, id: &str) -> Result<ProviderMachine, ProviderError> {
         let node = self.read_node(id).await?;
         if !self.ours(&node) {
@@ -1283,6 +1403,31 @@ mod tests {
                 "{state} maintenance={maintenance} timed_out={timed_out}"
             );
         }
+    }
+
+    #[test]
+    fn a_node_is_held_only_while_its_claim_mark_names_its_instance() {
+        let marked = |instance: Option<&str>, claim: Option<&str>| {
+            let mut extra = serde_json::json!({ DEPLOYMENT_KEY: "site-a" });
+            if let Some(claim) = claim {
+                extra[CLAIM_KEY] = claim.into();
+            }
+            node(serde_json::json!({"uuid": "u", "instance_uuid": instance, "extra": extra}))
+        };
+        // (instance, claim mark) → held by site-a.
+        let cases = [
+            (Some("a1"), Some("a1"), true),
+            // Marks from before the claim mark.
+            (Some("a1"), None, true),
+            // Marked while our allocation was being placed; another client got the node.
+            (Some("b7"), Some("a1"), false),
+            (None, Some("a1"), false),
+        ];
+        for (instance, claim, held) in cases {
+            let n = marked(instance, claim);
+            assert_eq!(held_by(&n, "site-a"), held, "{instance:?} {claim:?}");
+        }
+        assert!(!held_by(&marked(Some("a1"), Some("a1")), "site-b"));
     }
 
     #[test]

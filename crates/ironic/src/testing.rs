@@ -776,6 +776,9 @@ pub struct Faults {
     pub node_locked: std::sync::atomic::AtomicU32,
     /// Every request waits this long (milliseconds) before it is forwarded.
     pub delay_ms: std::sync::atomic::AtomicU64,
+    /// A patch of a node is forwarded only once the node has an instance (its allocation is
+    /// placed), or after 30 s: a claim's first look then always finds its allocation placed.
+    pub hold_node_patches_until_placed: std::sync::atomic::AtomicBool,
     /// Requests seen: (method, path).
     pub seen: std::sync::Mutex<Vec<(String, String)>>,
 }
@@ -819,6 +822,21 @@ impl FaultProxy {
             let delay = faults.delay_ms.load(SeqCst);
             if delay > 0 {
                 tokio::time::sleep(Duration::from_millis(delay)).await;
+            }
+            let node_patch = method == axum::http::Method::PATCH
+                && path.starts_with("/v1/nodes/")
+                && path["/v1/nodes/".len()..].split('/').count() == 1;
+            if node_patch && faults.hold_node_patches_until_placed.load(SeqCst) {
+                let node = format!("{upstream}{path}");
+                let placed = async || {
+                    let n: serde_json::Value =
+                        http.get(&node).send().await.ok()?.json().await.ok()?;
+                    n["instance_uuid"].is_string().then_some(())
+                };
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+                while placed().await.is_none() && tokio::time::Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
             }
             let take = |counter: &std::sync::atomic::AtomicU32| {
                 counter

@@ -44,11 +44,14 @@ async fn unavailable_and_slow_answers_are_retried_within_bounds_and_nothing_is_c
     let ironic = IronicServer::start(TestAuth::None).await;
     let nodes = ironic.fake_nodes(3, |_| json!({})).await;
     let proxy = FaultProxy::start(&ironic).await;
-    // Attempts time out after 2 s: longer than Ironic answers here even while other tests
-    // start their Ironic, shorter than the slow answers below.
-    let p = provider_at(&proxy.url(), Duration::from_secs(2))
+    // Two providers of one proxy: `p` gives each attempt 30 s (no answer of a working Ironic
+    // takes that long, however busy the machine), `impatient` 250 ms, a twelfth of the slow
+    // answers below (3 s), so that every attempt of it times out.
+    const SLOW_ANSWER: Duration = Duration::from_secs(3);
+    let p = provider_at(&proxy.url(), Duration::from_secs(30))
         .await
         .unwrap();
+    let impatient = provider_at(&proxy.url(), SLOW_ANSWER / 12).await.unwrap();
     let t = testing::sqlite().await;
     let s = session(&t.db).await;
 
@@ -65,10 +68,13 @@ async fn unavailable_and_slow_answers_are_retried_within_bounds_and_nothing_is_c
     // Answers slower than the attempt timeout, every time: the pass fails after its bounded
     // attempts, and nothing changes at Ironic or in the BMDB.
     let more = ironic.fake_nodes(1, |_| json!({})).await;
-    proxy.faults.delay_ms.store(3000, SeqCst);
+    proxy
+        .faults
+        .delay_ms
+        .store(SLOW_ANSWER.as_millis() as u64, SeqCst);
     let listings = || proxy.seen("/v1/nodes?");
     let before = listings();
-    let err = provisioner(p.clone(), 50).iterate(&s).await.unwrap_err();
+    let err = provisioner(impatient, 50).iterate(&s).await.unwrap_err();
     assert!(format!("{err:#}").contains("transport"), "{err:#}");
     assert_eq!(
         listings() - before,

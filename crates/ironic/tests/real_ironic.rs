@@ -249,10 +249,18 @@ fn uuid_v4() -> String {
     uuid::Uuid::new_v4().to_string()
 }
 
+/// Two replicas of one deployment, each working through the same listing of 12 nodes at once:
+/// each node is created by one and refused to the other, allocated once and deployed once.
+/// Ironic keeps its database in Postgres here, as production Ironics do: the test Ironic on
+/// SQLite fails concurrent writes now and then ("database is locked"), which would fail claims
+/// for a reason that is the test setup's, not Shepherd's.
 #[tokio::test]
 async fn two_replicas_racing_for_the_same_nodes_deploy_each_node_once() {
     let _one = one_at_a_time().await;
-    let ironic = IronicServer::start(TestAuth::None).await;
+    let Some(url) = testing::fresh_postgres_database().await else {
+        return;
+    };
+    let ironic = IronicServer::start_on_postgres(TestAuth::None, &url).await;
     let nodes = ironic.fake_nodes(12, |_| json!({})).await;
     let t = testing::sqlite().await;
     let (a, b) = (
@@ -1057,6 +1065,28 @@ async fn an_ironic_on_postgres_takes_overlapping_creations() {
     t.cleanup().await;
 }
 
+/// A real Ironic with one node, a [`FaultProxy`] in front of it, a provider of deployment
+/// `site-a` through the proxy, and a fresh BMDB with a provisioner's session.
+async fn one_node_behind_a_proxy() -> (
+    IronicServer,
+    Vec<String>,
+    FaultProxy,
+    Arc<IronicProvider>,
+    testing::TestDb,
+    Session,
+) {
+    let ironic = IronicServer::start(TestAuth::None).await;
+    let nodes = ironic.fake_nodes(1, |_| json!({})).await;
+    let proxy = FaultProxy::start(&ironic).await;
+    let url = proxy.url();
+    let p = test_provider(&url, ironic.auth(), quick_retries(), config("site-a"))
+        .await
+        .unwrap();
+    let t = testing::sqlite().await;
+    let s = session(&t.db).await;
+    (ironic, nodes, proxy, p, t, s)
+}
+
 /// A creation whose session's lease ends while Ironic places its allocation takes no further
 /// step at Ironic: the node is neither marked nor deployed (another replica may own the work
 /// by now) and the pass stops. A later pass, under a live session, adopts the claim cut short
@@ -1066,19 +1096,7 @@ async fn a_creation_takes_no_step_at_ironic_after_its_lease_ends() {
     let _one = one_at_a_time().await;
     use shepherd_loops::provisioner::ProvisionerError;
     use std::sync::atomic::Ordering::SeqCst;
-    let ironic = IronicServer::start(TestAuth::None).await;
-    let nodes = ironic.fake_nodes(1, |_| json!({})).await;
-    let proxy = FaultProxy::start(&ironic).await;
-    let p = test_provider(
-        &proxy.url(),
-        ironic.auth(),
-        quick_retries(),
-        config("site-a"),
-    )
-    .await
-    .unwrap();
-    let t = testing::sqlite().await;
-    let s = session(&t.db).await;
+    let (ironic, nodes, proxy, p, t, s) = one_node_behind_a_proxy().await;
     // Every request takes a while, so the lease can end while the allocation is placed.
     proxy.faults.delay_ms.store(300, SeqCst);
     let seen = |method: &str, path: &str| {
@@ -1212,6 +1230,206 @@ async fn a_conductor_group_given_in_another_case_matches() {
     for id in &nodes[..2] {
         ironic.wait_for_state(id, "active").await;
     }
+    s.close().await.unwrap();
+    t.cleanup().await;
+}
+
+/// The requests the proxy forwarded for node `id`'s claim, as (method, path) with the node's
+/// id and any allocation's id left out, listings and the version document aside.
+fn claim_requests(proxy: &FaultProxy, id: &str) -> Vec<String> {
+    let seen = proxy.faults.seen.lock().unwrap().clone();
+    seen.into_iter()
+        .filter(|(_, path)| !path.starts_with("/v1/nodes?") && path != "/v1" && path != "/")
+        .map(|(method, path)| {
+            let path = path.replace(id, "N");
+            let path = match path.strip_prefix("/v1/allocations/") {
+                Some(_) => "/v1/allocations/A".to_string(),
+                None => path,
+            };
+            format!("{method} {path}")
+        })
+        .collect()
+}
+
+/// A claim whose allocation is placed by the time it first looks costs three requests: the
+/// allocation, one patch that marks the node (its answer shows the node's instance is the
+/// allocation: placed) and the deploy; no read of the allocation. The claim mark names the
+/// allocation.
+#[tokio::test]
+async fn a_claim_placed_by_its_first_look_is_one_allocation_one_patch_and_the_deploy() {
+    let _one = one_at_a_time().await;
+    use std::sync::atomic::Ordering::SeqCst;
+    let (ironic, nodes, proxy, p, t, s) = one_node_behind_a_proxy().await;
+    proxy
+        .faults
+        .hold_node_patches_until_placed
+        .store(true, SeqCst);
+    proxy.faults.seen.lock().unwrap().clear();
+    let r = provisioner(p, 10).iterate(&s).await.unwrap();
+    assert_eq!((r.created, r.failed), (1, 0), "{r:?}");
+    assert_eq!(
+        claim_requests(&proxy, &nodes[0]),
+        [
+            "POST /v1/allocations",
+            "PATCH /v1/nodes/N",
+            "PUT /v1/nodes/N/states/provision"
+        ]
+    );
+    let node = ironic.node(&nodes[0]).await;
+    assert_eq!(
+        node["extra"]["shepherd_claim"], node["instance_uuid"],
+        "{node}"
+    );
+    assert_eq!(node["extra"]["shepherd_deployment"], "site-a", "{node}");
+    ironic.assert_deployed_once(&nodes[0]).await;
+    s.close().await.unwrap();
+    t.cleanup().await;
+}
+
+/// A claim marks its node before it has seen its allocation placed; when the allocation then
+/// fails (here: Ironic finds no node of the class asked for), the marks are removed again and
+/// the node is neither ours nor deployed.
+#[tokio::test]
+async fn marks_written_before_an_allocation_that_fails_are_removed() {
+    let _one = one_at_a_time().await;
+    let (ironic, nodes, proxy, p, t, s) = one_node_behind_a_proxy().await;
+    let mut unused = p.list_machines().await.unwrap().remove(0);
+    assert!(unused.facts.insert("resource_class", "no-such-class"));
+    let created = p.create_machine(&s, &unused).await;
+    assert!(
+        matches!(created, Err(ProviderError::Refused { .. })),
+        "{created:?}"
+    );
+    // The marking patch, then the one that removes the marks.
+    let requests = claim_requests(&proxy, &nodes[0]);
+    let patches = requests.iter().filter(|r| *r == "PATCH /v1/nodes/N");
+    assert_eq!(patches.count(), 2, "{requests:?}");
+    let node = ironic.node(&nodes[0]).await;
+    let extra = node["extra"].as_object().unwrap();
+    assert!(extra.keys().all(|k| !k.starts_with("shepherd_")), "{node}");
+    assert!(node["instance_uuid"].is_null(), "{node}");
+    assert_eq!(ironic.deploys_started(&nodes[0]).await, 0);
+    s.close().await.unwrap();
+    t.cleanup().await;
+}
+
+/// A provider whose listing is taken before another replica's whole pass: what a replica sees
+/// when another creates machines while it works through its own (stale) listing.
+struct ListedBeforeAnotherPass {
+    inner: Arc<IronicProvider>,
+    other: shepherd_loops::provisioner::Provisioner<IronicProvider>,
+    other_session: Session,
+}
+
+#[async_trait::async_trait]
+impl Provider for ListedBeforeAnotherPass {
+    fn kind(&self) -> Kind {
+        self.inner.kind()
+    }
+
+    /// The subject of the test: the provisioner asks it before each creation.
+    fn id_once_created<'m>(&self, unused: &'m ProviderMachine) -> Option<&'m str> {
+        self.inner.id_once_created(unused)
+    }
+
+    async fn list_machines(&self) -> Result<Vec<ProviderMachine>, ProviderError> {
+        let listed = self.inner.list_machines().await?;
+        let r = self.other.iterate(&self.other_session).await.unwrap();
+        assert_eq!(r.created, 3, "{r:?}");
+        Ok(listed)
+    }
+
+    async fn create_machine(
+        &self,
+        session: &Session,
+        unused: &ProviderMachine,
+    ) -> Result<shepherd_loops::provider::Recorded, ProviderError> {
+        self.inner.create_machine(session, unused).await
+    }
+
+    async fn get_machine(&self, id: &str) -> Result<ProviderMachine, ProviderError> {
+        self.inner.get_machine(id).await
+    }
+}
+
+/// Two replicas: one works through a listing taken before the other created every node. Each
+/// candidate the BMDB has recorded since is passed over without a request to Ironic (no
+/// allocation refused on its name, no read of the winner's allocation).
+#[tokio::test]
+async fn candidates_recorded_since_the_listing_cost_ironic_nothing() {
+    let _one = one_at_a_time().await;
+    let (ironic, nodes, t, s, a) = site(3, quick_retries()).await;
+    let (b, b_calls) = counted_provider(&ironic, config("site-a")).await;
+    let stale = ListedBeforeAnotherPass {
+        inner: b,
+        other: provisioner(a, 10),
+        other_session: s,
+    };
+    let config = shepherd_loops::provisioner::ProvisionerConfig {
+        limits: shepherd_loops::reconcile::Limits::new(0, 10),
+        reconcile_rate: RateSpec::new(Duration::from_millis(1), 1),
+        creation_rate: RateSpec::new(Duration::from_millis(1), 1000),
+        creation_parallelism: 1,
+    };
+    let replica_b = shepherd_loops::provisioner::Provisioner::new(Arc::new(stale), config);
+    let s_b = session(&t.db).await;
+    let r = replica_b.iterate(&s_b).await.unwrap();
+    assert_eq!((r.created, r.taken, r.failed), (0, 3, 0), "{r:?}");
+    use shepherd_loops::metrics::CallResult;
+    for call in ["create_allocation", "get_allocation", "mark_node"] {
+        assert_eq!(b_calls.count(call, CallResult::Ok), 0, "{call}");
+        assert_eq!(b_calls.count(call, CallResult::Error), 0, "{call}");
+    }
+    for id in &nodes {
+        ironic.assert_deployed_once(id).await;
+    }
+    s_b.close().await.unwrap();
+    t.cleanup().await;
+}
+
+/// A claim whose allocation is deleted before the claim has seen it placed (another replica
+/// found it failed and cleared it out of the name's way, or an operator deleted it) counts as
+/// taken, leaves no marks behind, and the next pass claims the node.
+#[tokio::test]
+async fn an_allocation_deleted_while_its_claim_waits_is_claimed_again_next_pass() {
+    let _one = one_at_a_time().await;
+    use std::sync::atomic::Ordering::SeqCst;
+    let (ironic, nodes, proxy, p, t, s) = one_node_behind_a_proxy().await;
+    // Every request waits at the proxy, so the allocation is deleted (directly at Ironic)
+    // before the claim looks at it again.
+    proxy.faults.delay_ms.store(400, SeqCst);
+    let name = shepherd_ironic::provider::allocation_name("site-a", &nodes[0]);
+    let delete_it = async {
+        let placed = testing::eventually(
+            "the allocation placed",
+            Duration::from_secs(30),
+            async || {
+                let (status, a) = ironic
+                    .get(&format!("/v1/allocations/{name}"))
+                    .await
+                    .unwrap();
+                testing::when(status == 200 && a["state"] == "active", a)
+            },
+        )
+        .await;
+        let path = format!("/v1/allocations/{}", placed["uuid"].as_str().unwrap());
+        let (status, body) = ironic
+            .send_json(reqwest::Method::DELETE, &path, json!(null))
+            .await;
+        assert_eq!(status, 204, "{body}");
+    };
+    let first = provisioner(p.clone(), 10);
+    let (pass, ()) = tokio::join!(first.iterate(&s), delete_it);
+    let r = pass.unwrap();
+    assert_eq!((r.created, r.taken, r.failed), (0, 1, 0), "{r:?}");
+    let node = ironic.node(&nodes[0]).await;
+    let extra = node["extra"].as_object().unwrap();
+    assert!(extra.keys().all(|k| !k.starts_with("shepherd_")), "{node}");
+
+    proxy.faults.delay_ms.store(0, SeqCst);
+    let r = provisioner(p, 10).iterate(&s).await.unwrap();
+    assert_eq!((r.created, r.failed), (1, 0), "{r:?}");
+    ironic.assert_deployed_once(&nodes[0]).await;
     s.close().await.unwrap();
     t.cleanup().await;
 }

@@ -185,6 +185,10 @@ impl<P: Provider + ?Sized> Provider for InstrumentedProvider<P> {
         self.timed("get", self.inner.get_machine(id)).await
     }
 
+    fn id_once_created<'m>(&self, unused: &'m ProviderMachine) -> Option<&'m str> {
+        self.inner.id_once_created(unused)
+    }
+
     async fn create_machine(
         &self,
         session: &Session,

@@ -211,6 +211,14 @@ pub trait Provider: Send + Sync {
     /// One machine by provider id; [`ProviderError::NotFound`] if it does not exist.
     async fn get_machine(&self, id: &str) -> Result<ProviderMachine, ProviderError>;
 
+    /// The provider id `unused` will have once it is created, where the provider knows it
+    /// beforehand (an Ironic node keeps its own id); `None` (the default) where creating makes
+    /// a new id. The provisioner skips, without asking the provider, a candidate whose id the
+    /// BMDB has recorded since the listing (another replica created it meanwhile).
+    fn id_once_created<'m>(&self, _unused: &'m ProviderMachine) -> Option<&'m str> {
+        None
+    }
+
     /// Turns unused capacity into a machine of ours: creates it at the provider and records it
     /// in the BMDB (see [`record_new_machine`]) in one session transaction.
     async fn create_machine(

@@ -27,9 +27,9 @@ pub enum ProvisionerError {
     /// The provider or the BMDB could not be read.
     #[error(transparent)]
     List(#[from] ListError),
-    /// The provisioner's own records (decommissioned ids, skipped ids) could not be read or
-    /// written.
-    #[error("reading or writing the decommissioned and skipped provider ids: {0}")]
+    /// The provisioner's own records (decommissioned ids, skipped ids, candidates recorded
+    /// since the listing) could not be read or written.
+    #[error("reading or writing the decommissioned, skipped and recorded provider ids: {0}")]
     Bmdb(shepherd_bmdb::Error),
     /// The provider and the BMDB disagree: nothing is created until they agree.
     #[error(transparent)]
@@ -253,7 +253,8 @@ impl<P: Provider> Provisioner<P> {
         }
         self.hand_back(session, &decommissioned, &barred, &mut report)
             .await?;
-        self.create(session, &plan.create, &mut report).await?;
+        self.create(session, &plan.create, &in_bmdb, &mut report)
+            .await?;
         Ok(report)
     }
 
@@ -312,6 +313,7 @@ impl<P: Provider> Provisioner<P> {
         &self,
         session: &Session,
         machines: &[ProviderMachine],
+        in_bmdb: &BTreeSet<String>,
         report: &mut IterationReport,
     ) -> Result<(), ProvisionerError> {
         let parallelism = self.config.creation_parallelism.max(1);
@@ -329,6 +331,20 @@ impl<P: Provider> Provisioner<P> {
                     stopped = Some(ProvisionerError::LeaseLost(lost));
                     break;
                 }
+                match self.recorded_since_listed(session, machine, in_bmdb).await {
+                    Ok(false) => {}
+                    Ok(true) => {
+                        let taken = ProviderError::Taken(
+                            "another replica recorded it since the listing".into(),
+                        );
+                        self.created(session, machine, Err(taken), report).await?;
+                        continue;
+                    }
+                    Err(e) => {
+                        stopped = Some(ProvisionerError::Bmdb(e));
+                        break;
+                    }
+                }
                 in_flight.push(async move {
                     let result = self.provider.create_machine(session, machine).await;
                     (machine, result)
@@ -342,6 +358,33 @@ impl<P: Provider> Provisioner<P> {
             }
         }
         stopped.map_or(Ok(()), Err)
+    }
+
+    /// Whether the BMDB has recorded `machine` (by the id it will have once created) since
+    /// the pass read `in_bmdb`: another replica created it meanwhile. A pass works through a
+    /// listing that grows stale while it creates; this one indexed read per candidate spares
+    /// the provider a creation that would only conflict. An id recorded before (an Ironic
+    /// node undeployed and available again, to be claimed anew) is no reason to pass over.
+    async fn recorded_since_listed(
+        &self,
+        session: &Session,
+        machine: &ProviderMachine,
+        in_bmdb: &BTreeSet<String>,
+    ) -> Result<bool, shepherd_bmdb::Error> {
+        let Some(id) = self.provider.id_once_created(machine).map(str::to_owned) else {
+            return Ok(false);
+        };
+        if in_bmdb.contains(&id) {
+            return Ok(false);
+        }
+        let kind = self.provider.kind();
+        let recorded = session
+            .read(move |tx| {
+                let id = id.clone();
+                Box::pin(async move { tx.machine_by_provider_id(kind, &id).await })
+            })
+            .await?;
+        Ok(recorded.is_some())
     }
 
     /// Counts one creation's `result` in `report` (a refusal recorded as a skip in the BMDB);
