@@ -2,8 +2,9 @@
 //! Every file the repository tracks is in scope (`git ls-files`), not only `crates/`:
 //!
 //! - every Rust file opens with a `//!` comment;
-//! - every source file is named in ARCHITECTURE.md by a path that names it alone, and every
-//!   path the map names exists (a Rust file's path names exactly one file);
+//! - ARCHITECTURE.md is a map, not an inventory: at most 250 lines; every path it names exists
+//!   (a Rust file's path names exactly one file); every invariant it states names the tests
+//!   that hold it, and each of those tests exists;
 //! - no crate but the BMDB names `sqlx`, and inside it only `sql/` and the files that open
 //!   pools, classify errors and make test databases do;
 //! - no control loop imports another loop;
@@ -103,23 +104,78 @@ fn every_rust_file_opens_with_a_module_comment() {
     assert!(missing.is_empty(), "no `//!` comment first: {missing:?}");
 }
 
+/// The most lines ARCHITECTURE.md may have: a map a newcomer reads in one sitting.
+const MAP_LINES: usize = 250;
+
 #[test]
-fn every_source_file_is_named_by_a_path_that_names_it_alone() {
-    let (map, all) = (architecture_md(), tracked());
-    let named = named_paths(&map);
-    let missing: Vec<_> = source_files()
-        .into_iter()
-        .filter(|file| {
-            !named
-                .iter()
-                .any(|n| names(n, file) && all.iter().filter(|f| names(n, f)).count() == 1)
-        })
-        .collect();
+fn architecture_md_is_a_map_of_at_most_250_lines() {
+    let lines = architecture_md().lines().count();
     assert!(
-        missing.is_empty(),
-        "source files ARCHITECTURE.md does not name by a path of their own (a bare `testing.rs` \
-         names no file: write `loops/src/testing.rs`): {missing:?}"
+        lines <= MAP_LINES,
+        "ARCHITECTURE.md has {lines} lines; keep it a map of at most {MAP_LINES}"
     );
+}
+
+/// The bullets of ARCHITECTURE.md's "Invariants" section, each as one string.
+fn invariants(map: &str) -> Vec<String> {
+    let section = map
+        .split("\n## Invariants\n")
+        .nth(1)
+        .expect("ARCHITECTURE.md has an \"## Invariants\" section");
+    let section = section.split("\n## ").next().unwrap_or(section);
+    let mut bullets: Vec<String> = Vec::new();
+    for line in section.lines() {
+        if let Some(first) = line.strip_prefix("- ") {
+            bullets.push(first.to_string());
+        } else if let Some(last) = bullets.last_mut() {
+            last.push(' ');
+            last.push_str(line.trim());
+        }
+    }
+    bullets
+}
+
+/// Every function name defined in the tracked Rust files (`fn NAME`).
+fn defined_functions() -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    for file in rust_files() {
+        let text = read(&file);
+        for rest in text.split("fn ").skip(1) {
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            if !name.is_empty() {
+                names.insert(name);
+            }
+        }
+    }
+    names
+}
+
+#[test]
+fn every_invariant_names_tests_that_exist() {
+    let map = architecture_md();
+    let bullets = invariants(&map);
+    assert!(
+        bullets.len() >= 10,
+        "found only {} invariants",
+        bullets.len()
+    );
+    let defined = defined_functions();
+    for bullet in &bullets {
+        let held_by = bullet
+            .split_once("Held by")
+            .map(|(_, tests)| tests)
+            .unwrap_or_else(|| panic!("an invariant names no test (\"Held by `test`\"): {bullet}"));
+        let named: Vec<&str> = held_by.split('`').skip(1).step_by(2).collect();
+        assert!(!named.is_empty(), "an invariant names no test: {bullet}");
+        let missing: Vec<_> = named.iter().filter(|n| !defined.contains(**n)).collect();
+        assert!(
+            missing.is_empty(),
+            "an invariant names tests that do not exist, {missing:?}: {bullet}"
+        );
+    }
 }
 
 #[test]
