@@ -581,9 +581,13 @@ impl IronicProvider {
 
     /// Removes the marks [`Self::settle`] wrote before an allocation that then failed: the
     /// node is not ours (and without the marks it is no longer listed as a claim of ours in
-    /// any way). Best effort: marks left behind name a claim the node does not hold, so they
-    /// make nothing ours.
-    async fn unmark(&self, uuid: &str) {
+    /// any way). Best effort, and only while the lease holds: marks left behind name a claim
+    /// the node does not hold, so they make nothing ours.
+    async fn unmark(&self, uuid: &str, lease: &Lease) {
+        if lease.left().is_err() {
+            tracing::debug!(node = uuid, "the lease ended: the marks of a failed claim stay, naming a claim the node does not hold");
+            return;
+        }
         let ops: Vec<PatchOp> = [DEPLOYMENT_KEY, RESERVED_AT_KEY, CLAIM_KEY]
             .iter()
             .map(|key| PatchOp::remove(format!("/extra/{key}")))
@@ -729,7 +733,7 @@ impl IronicProvider {
                 // Not seen placed: whatever became of the allocation, the marks go. (One
                 // placed after all is an allocated, unmarked node: a claim cut short, adopted.)
                 if marked_early {
-                    self.unmark(uuid).await;
+                    self.unmark(uuid, lease).await;
                 }
                 return match e {
                     IronicError::Api {
@@ -746,7 +750,7 @@ impl IronicProvider {
             self.placement.placed_later();
         }
         if placed.state != "active" && marked_early {
-            self.unmark(uuid).await;
+            self.unmark(uuid, lease).await;
         }
         Ok(Settled::Placed(placed))
     }
