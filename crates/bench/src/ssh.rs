@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use futures::stream::{self, StreamExt};
 use shepherd_loops::initializer::verify_response;
-use shepherd_loops::transport::{AgentRun, SshTransport, Transport};
 use shepherd_proto::agent::TakeoverInit;
 use shepherd_proto::Message;
+use shepherd_provider::transport::{AgentRun, SshTransport, Transport};
 use shepherd_ssh::testing::{random_key, Sshd};
 use shepherd_ssh::{Auth, SshClient, SshConfig};
 

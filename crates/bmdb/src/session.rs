@@ -155,6 +155,19 @@ impl std::fmt::Debug for Session {
 }
 
 impl Bmdb {
+    /// The held session if it is still alive, else a new one (the old one expired): how a
+    /// long-running loop keeps working across a session's expiry.
+    pub async fn live_session(
+        &self,
+        config: &SessionConfig,
+        held: Option<Session>,
+    ) -> Result<Session, Error> {
+        match held.filter(|s| !s.is_expired()) {
+            Some(s) => Ok(s),
+            None => self.start_session(config.clone()).await,
+        }
+    }
+
     /// Starts a session and its background keep-alive.
     pub async fn start_session(&self, config: SessionConfig) -> Result<Session, Error> {
         let interval_secs = config.interval.as_secs().max(1)

@@ -12,11 +12,11 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use shepherd_bmdb::{Provider as ProviderKind, ProviderStatus, Session};
-use shepherd_loops::penalty::PenaltyBox;
-use shepherd_loops::provider::{
+use shepherd_provider::penalty::PenaltyBox;
+use shepherd_provider::settings::InvalidSetting;
+use shepherd_provider::{
     record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Recorded, Recoverer,
 };
-use shepherd_loops::settings::InvalidSetting;
 
 use crate::client::{ApiError, Client};
 use crate::model::*;

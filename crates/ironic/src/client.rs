@@ -11,11 +11,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use reqwest::{Method, StatusCode};
-use shepherd_loops::http_body::{Failure, JsonApi};
-use shepherd_loops::metrics::CallMetrics;
-use shepherd_loops::retry::AttemptError;
-pub use shepherd_loops::retry::RetryPolicy;
-use shepherd_loops::settings::InvalidSetting;
+use shepherd_provider::http_body::{Failure, JsonApi};
+use shepherd_provider::metrics::CallMetrics;
+use shepherd_provider::retry::AttemptError;
+pub use shepherd_provider::retry::RetryPolicy;
+use shepherd_provider::settings::InvalidSetting;
 
 use crate::model::{
     Allocation, ApiVersion, ErrorBody, Node, NodeList, PatchOp, Port, PortList, ALLOCATION_FIELDS,

@@ -29,11 +29,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 use rand::seq::SliceRandom;
 use shepherd_bmdb::{Lease, Provider as ProviderKind, ProviderStatus, Session};
-use shepherd_loops::provider::{
+use shepherd_provider::settings::InvalidSetting;
+use shepherd_provider::{
     record_deploying_machine, Availability, HandBack, Provider, ProviderError, ProviderMachine,
     Recorded, Recoverer,
 };
-use shepherd_loops::settings::InvalidSetting;
 
 use crate::client::{ApiError, Client, Conflict};
 use crate::model::{Allocation, Node, PatchOp};

@@ -14,7 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use shepherd_loops::testing::free_loopback_port;
+use shepherd_provider::testing::free_loopback_port;
 
 /// How long Ironic may take to answer and to register its conductor.
 const START_TIMEOUT: Duration = Duration::from_secs(90);
@@ -679,32 +679,6 @@ impl Drop for IronicServer {
     }
 }
 
-/// A provisioner over `provider` that creates up to `chunk` machines a pass, unpaced.
-pub fn provisioner(
-    provider: std::sync::Arc<crate::IronicProvider>,
-    chunk: usize,
-) -> shepherd_loops::provisioner::Provisioner<crate::IronicProvider> {
-    provisioner_with_parallelism(provider, chunk, 1)
-}
-
-/// [`provisioner`] with up to `parallelism` creations in flight.
-pub fn provisioner_with_parallelism(
-    provider: std::sync::Arc<crate::IronicProvider>,
-    chunk: usize,
-    parallelism: usize,
-) -> shepherd_loops::provisioner::Provisioner<crate::IronicProvider> {
-    use shepherd_loops::limiter::RateSpec;
-    shepherd_loops::provisioner::Provisioner::new(
-        provider,
-        shepherd_loops::provisioner::ProvisionerConfig {
-            limits: shepherd_loops::reconcile::Limits::new(0, chunk),
-            reconcile_rate: RateSpec::new(Duration::from_millis(1), 1),
-            creation_rate: RateSpec::new(Duration::from_millis(1), 1000),
-            creation_parallelism: parallelism,
-        },
-    )
-}
-
 /// The SSH public key the tests' deployments install.
 pub const TEST_KEY: &str = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBr2dFCaBHNnDyb0BdXhYrT4Hp4KHLrUeL2vE3GFmBCX shepherd@test";
 
@@ -725,7 +699,7 @@ pub async fn test_provider(
     retry: crate::RetryPolicy,
     config: crate::IronicConfig,
 ) -> Result<std::sync::Arc<crate::IronicProvider>, crate::ConnectError> {
-    let metrics = std::sync::Arc::new(shepherd_loops::metrics::CallMetrics::default());
+    let metrics = std::sync::Arc::new(shepherd_provider::metrics::CallMetrics::default());
     let client = crate::Client::new(url, auth, retry, metrics).expect("a client of a test URL");
     let provider = crate::IronicProvider::connect(client, config).await?;
     Ok(std::sync::Arc::new(provider))

@@ -24,7 +24,9 @@ use shepherd_bmdb::{Bmdb, Process, Provider, RecoveryThresholds, Retrieval};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::settings::InvalidSetting;
+use shepherd_provider::settings::InvalidSetting;
+
+use crate::tasks::{Outcome, TaskHandle};
 
 /// When the brake engages.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -287,13 +289,33 @@ impl Brake {
     }
 
     /// Evaluates the brake every interval, and whenever the reboots a count allowed are used
-    /// up, until `cancel`. A failed count keeps the brake engaged if it was, and allows no
-    /// more reboots until a count succeeds.
-    pub async fn run(self: Arc<Self>, db: Bmdb, cancel: CancellationToken) {
+    /// up, until `cancel`, reporting each count to `task`. A failed count keeps the brake
+    /// engaged if it was, and allows no more reboots until a count succeeds.
+    pub async fn run(self: Arc<Self>, db: Bmdb, task: TaskHandle, cancel: CancellationToken) {
         loop {
-            if let Err(e) = self.evaluate(&db).await {
-                self.reboots_left.store(0, Ordering::Relaxed);
-                tracing::warn!(error = %e, "counting machines for the recovery brake failed; no reboots until a count succeeds");
+            task.started();
+            match self.evaluate(&db).await {
+                Ok(r) => {
+                    let state = if self.engaged() {
+                        "engaged"
+                    } else {
+                        "released"
+                    };
+                    let summary = format!(
+                        "{state}: {} of {} machines silent, {} due",
+                        r.silent, r.machines, r.due
+                    );
+                    task.ended(Outcome::Succeeded, summary);
+                }
+                Err(e) => {
+                    self.reboots_left.store(0, Ordering::Relaxed);
+                    tracing::warn!(error = %e, "counting machines for the recovery brake failed; no reboots until a count succeeds");
+                    let outcome = match e.is_transient() {
+                        true => Outcome::Waited,
+                        false => Outcome::Failed,
+                    };
+                    task.ended(outcome, format!("counting failed: {e}"));
+                }
             }
             tokio::select! {
                 _ = cancel.cancelled() => return,

@@ -8,18 +8,18 @@ use crate::brake::{Brake, BrakeConfig, BrakeMetrics};
 use crate::initializer::{Initializer, InitializerConfig};
 use crate::limiter::RateSpec;
 use crate::periodic::{self, Pass};
-use crate::provider::Recoverer as RecovererProvider;
 use crate::provisioner::{Provisioner, ProvisionerConfig, ProvisionerMetrics};
 use crate::recoverer::{Recoverer, RecovererMetrics, RepeatPolicy};
 use crate::retention::HistoryPruner;
 use crate::runner::{self, MachineTask, RunnerConfig};
-use crate::settings::InvalidSetting;
-use crate::tasks::Tasks;
-use crate::transport::Transport;
+use crate::tasks::{TaskKind, Tasks};
 use crate::updater::Updater;
 use shepherd_bmdb::{
     Backoff, Bmdb, HistoryRetention, Processor, RecoveryThresholds, SessionConfig,
 };
+use shepherd_provider::settings::InvalidSetting;
+use shepherd_provider::transport::Transport;
+use shepherd_provider::Recoverer as RecovererProvider;
 use tokio_util::sync::CancellationToken;
 
 /// Settings of one runner-driven loop.
@@ -62,7 +62,7 @@ pub struct FleetSettings {
     pub session_interval: Duration,
     /// How long history is kept; `None` keeps it forever.
     pub history_retention: Option<HistoryRetention>,
-    /// Where the periodic loops report their passes (shared with the web UI and `/metrics`).
+    /// Where every loop reports its work (shared with the web UI, the API and `/metrics`).
     pub tasks: Tasks,
 }
 
@@ -71,39 +71,38 @@ fn session(processor: Processor, interval: Duration) -> SessionConfig {
     SessionConfig::new(processor.label(), processor).with_interval(interval)
 }
 
-impl LoopSettings {
-    /// Runs `task` over machines with these settings until `cancel`, in sessions of `processor`.
-    async fn run<T: MachineTask>(
-        &self,
-        db: Bmdb,
-        task: T,
-        processor: Processor,
-        interval: Duration,
-        cancel: CancellationToken,
-    ) {
-        let config = RunnerConfig {
-            parallelism: self.parallelism,
-            db_rate: self.db_rate,
-            session: session(processor, interval),
-        };
-        runner::run(db, Arc::new(task), config, cancel).await
-    }
-}
-
-/// What every periodic loop of one replica shares.
-struct PeriodicLoops<'a> {
+/// What every loop of one replica shares.
+struct Loops<'a> {
     db: &'a Bmdb,
     interval: Duration,
     tasks: &'a Tasks,
     cancel: &'a CancellationToken,
 }
 
-impl PeriodicLoops<'_> {
+impl Loops<'_> {
     /// Runs `pass` until cancellation, in sessions of its processor, reporting to task `name`.
-    async fn run<P: Pass>(&self, pass: P, name: &'static str) {
+    async fn periodic<P: Pass>(&self, pass: P, name: &'static str) {
         let session = session(P::PROCESSOR, self.interval);
         let task = self.tasks.task(name);
         periodic::run(&pass, self.db.clone(), session, task, self.cancel.clone()).await
+    }
+
+    /// Runs `task` over machines as `settings` say until cancellation, in sessions of
+    /// `processor`, reporting each machine's ending to task `name`.
+    async fn machines<T: MachineTask>(
+        &self,
+        settings: &LoopSettings,
+        task: T,
+        processor: Processor,
+        name: &'static str,
+    ) {
+        let config = RunnerConfig {
+            parallelism: settings.parallelism,
+            db_rate: settings.db_rate,
+            session: session(processor, self.interval),
+            status: self.tasks.task_of(name, TaskKind::Machines),
+        };
+        runner::run(self.db.clone(), Arc::new(task), config, self.cancel.clone()).await
     }
 }
 
@@ -118,50 +117,39 @@ pub async fn run_loops<P: RecovererProvider + 'static>(
     settings: FleetSettings,
     cancel: CancellationToken,
 ) -> Result<(), InvalidSetting> {
-    let interval = settings.session_interval;
     let initializer = Initializer::new(provider.clone(), transport, settings.initializer)?;
-    let periodic = PeriodicLoops {
+    let loops = Loops {
         db: &db,
-        interval,
+        interval: settings.session_interval,
         tasks: &settings.tasks,
         cancel: &cancel,
     };
     let updater = Updater::new(provider.clone(), settings.updater_rate);
-    let updating = periodic.run(updater, "updater");
+    let updating = loops.periodic(updater, "updater");
     let provisioner = Provisioner::new(provider.clone(), settings.provisioner)
         .with_metrics(settings.provisioner_metrics.clone());
-    let provisioning = periodic.run(provisioner, "provisioner");
-    let initializing = settings.initializer_loop.run(
-        db.clone(),
-        initializer,
-        Processor::ShepherdInitializer,
-        interval,
-        cancel.clone(),
-    );
+    let provisioning = loops.periodic(provisioner, "provisioner");
+    let init = Processor::ShepherdInitializer;
+    let initializing = loops.machines(&settings.initializer_loop, initializer, init, "initializer");
     let brake = Brake::new(
         settings.recovery_brake,
         provider.kind(),
         settings.recovery,
         settings.recovery_brake_metrics.clone(),
     );
-    let braking = brake.clone().run(db.clone(), cancel.clone());
+    let brake_task = settings.tasks.task("recovery-brake");
+    let braking = brake.clone().run(db.clone(), brake_task, cancel.clone());
     let recoverer = Recoverer::new(provider.clone(), settings.recovery)
         .with_backoff(settings.recoverer_backoff)
         .with_repeat_policy(settings.recovery_repeat)
         .with_metrics(settings.recoverer_metrics.clone())
         .with_brake(brake);
-    let recovering = settings.recoverer_loop.run(
-        db.clone(),
-        recoverer,
-        Processor::ShepherdRecoverer,
-        interval,
-        cancel.clone(),
-    );
+    let recover = Processor::ShepherdRecoverer;
+    let recovering = loops.machines(&settings.recoverer_loop, recoverer, recover, "recoverer");
     let pruning = async {
         if let Some(retention) = settings.history_retention {
-            periodic
-                .run(HistoryPruner::new(retention), "retention")
-                .await;
+            let pruner = HistoryPruner::new(retention);
+            loops.periodic(pruner, "retention").await;
         }
     };
     tokio::join!(

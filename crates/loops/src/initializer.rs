@@ -12,10 +12,10 @@ use shepherd_proto::agent::{takeover_response, TakeoverInit, TakeoverResponse};
 use shepherd_proto::Message;
 use uuid::Uuid;
 
-use crate::provider::{look_up, LookupFailed, Provider};
 use crate::runner::{MachineTask, OnError};
-use crate::settings::InvalidSetting;
-use crate::transport::{AgentRun, Transport, TransportError};
+use shepherd_provider::settings::InvalidSetting;
+use shepherd_provider::transport::{AgentRun, Transport, TransportError};
+use shepherd_provider::{look_up, LookupFailed, Provider};
 
 /// Most stderr shown in logs per takeover.
 const MAX_LOGGED_STDERR: usize = 2048;
@@ -199,7 +199,7 @@ impl From<TransportError> for TakeoverFailure {
             TransportError::LeaseLost { .. } => TakeoverFailure::LeaseLost(e),
             TransportError::Unreachable(_)
             | TransportError::TimedOut {
-                step: crate::transport::Step::Connect,
+                step: shepherd_provider::transport::Step::Connect,
                 ..
             } => TakeoverFailure::Unreachable(e),
             e => TakeoverFailure::Transport(e),
@@ -398,9 +398,9 @@ impl<P: Provider + 'static> MachineTask for Initializer<P> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::provider::ProviderError;
-    use crate::transport::Step;
     use shepherd_proto::agent::{TakeoverError, TakeoverSuccess};
+    use shepherd_provider::transport::Step;
+    use shepherd_provider::ProviderError;
     use shepherd_ssh::SshError;
 
     fn init() -> TakeoverInit {
@@ -439,7 +439,7 @@ mod tests {
         // A provider that cannot be reached is nobody's fault: released, and the loop waits;
         // a provider that answered about the machine is the machine's.
         let lookup = |error| {
-            TakeoverFailure::Lookup(crate::provider::LookupFailed {
+            TakeoverFailure::Lookup(shepherd_provider::LookupFailed {
                 provider_id: "node-1".into(),
                 error,
             })

@@ -2,13 +2,15 @@
 //! provisioner, the updater, history retention), as opposed to the per-machine runner. Every
 //! pass is reported to the loop's [`TaskHandle`]: its start, its end and how it ended.
 
+use std::panic::AssertUnwindSafe;
+
 use async_trait::async_trait;
+use futures::FutureExt;
 use shepherd_bmdb::{Bmdb, Processor, Session, SessionConfig};
 use tokio_util::sync::CancellationToken;
 
 use crate::limiter::{Limiter, RateSpec};
-use crate::runner::live_session;
-use crate::tasks::{Outcome, TaskHandle};
+use crate::tasks::{panic_message, Outcome, TaskHandle};
 
 /// One pass of a periodic loop.
 #[async_trait]
@@ -40,7 +42,9 @@ impl PassError for shepherd_bmdb::Error {
 
 /// Makes passes at `p`'s rate until `cancel`, keeping a session (re-created when it expires,
 /// its processor `P::PROCESSOR`) and closing it at the end; each pass is reported to `task`. A
-/// failed pass is logged and reported; the next one tries again.
+/// failed pass is logged and reported; the next one tries again. So is a pass that panicked
+/// (a defect): the task shows failed with the panic's message, and the next pass comes at the
+/// loop's rate, so that one bad pass neither ends the loop silently nor spins.
 pub async fn run<P: Pass>(
     p: &P,
     db: Bmdb,
@@ -62,7 +66,7 @@ pub async fn run<P: Pass>(
             _ = limiter.wait() => {}
         }
         task.started();
-        let s = match live_session(&db, &session_config, session.take()).await {
+        let s = match db.live_session(&session_config, session.take()).await {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!(error = %e, "{name} cannot start a session");
@@ -76,16 +80,21 @@ pub async fn run<P: Pass>(
                 session = Some(s);
                 break;
             }
-            r = p.pass(&s) => match r {
-                Ok(report) => task.ended(Outcome::Succeeded, report.to_string()),
-                Err(e) if e.bmdb_unavailable() => {
+            r = AssertUnwindSafe(p.pass(&s)).catch_unwind() => match r {
+                Err(payload) => {
+                    let message = panic_message(&*payload);
+                    tracing::error!(panic = %message, "{name} pass panicked; the next pass tries again");
+                    task.ended(Outcome::Panicked, message);
+                }
+                Ok(Ok(report)) => task.ended(Outcome::Succeeded, report.to_string()),
+                Ok(Err(e)) if e.bmdb_unavailable() => {
                     tracing::warn!(
                         error = %e,
                         "{name} pass stopped: the BMDB is unavailable; trying again next pass"
                     );
                     task.ended(Outcome::Waited, e.to_string());
                 }
-                Err(e) => {
+                Ok(Err(e)) => {
                     tracing::error!(error = %e, "{name} pass failed");
                     task.ended(Outcome::Failed, e.to_string());
                 }

@@ -13,13 +13,13 @@ use prometheus_client::registry::Registry;
 use shepherd_bmdb::{LeaseLost, Processor, Session};
 
 use crate::limiter::{Limiter, RateSpec};
-use crate::metrics::register_at_zero;
 use crate::periodic::{Pass, PassError};
-use crate::provider::{
+use crate::reconcile::{reconcile, Limits, ReconcileError};
+use shepherd_provider::metrics::register_at_zero;
+use shepherd_provider::{
     listed_and_recorded, Availability, HandBack, ListError, Provider, ProviderError,
     ProviderMachine,
 };
-use crate::reconcile::{reconcile, Limits, ReconcileError};
 
 /// Why a provisioner pass failed or stopped early.
 #[derive(Debug, thiserror::Error)]
@@ -164,7 +164,7 @@ impl ProvisionerMetrics {
             .get()
     }
 
-    fn count(&self, result: &Result<crate::provider::Recorded, ProviderError>) {
+    fn count(&self, result: &Result<shepherd_provider::Recorded, ProviderError>) {
         let outcome = match result {
             Ok(r) if r.adopted => "adopted",
             Ok(_) => "created",
@@ -393,7 +393,7 @@ impl<P: Provider> Provisioner<P> {
         &self,
         session: &Session,
         machine: &ProviderMachine,
-        result: Result<crate::provider::Recorded, ProviderError>,
+        result: Result<shepherd_provider::Recorded, ProviderError>,
         report: &mut IterationReport,
     ) -> Result<(), ProvisionerError> {
         self.metrics.count(&result);

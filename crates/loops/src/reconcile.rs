@@ -3,7 +3,7 @@
 
 use std::collections::BTreeSet;
 
-use crate::provider::{Availability, ProviderMachine};
+use shepherd_provider::{Availability, ProviderMachine};
 
 /// Limits of one reconciliation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -21,10 +21,10 @@ use shepherd_bmdb::{
 use uuid::Uuid;
 
 use crate::brake::Brake;
-use crate::metrics::register_at_zero;
-use crate::provider::{look_up, LookupFailed, ProviderError, Recoverer as RecovererProvider};
 use crate::runner::{MachineTask, OnError};
-use crate::settings::InvalidSetting;
+use shepherd_provider::metrics::register_at_zero;
+use shepherd_provider::settings::InvalidSetting;
+use shepherd_provider::{look_up, LookupFailed, ProviderError, Recoverer as RecovererProvider};
 
 /// Why a recovery failed; [`Recoverer`]'s error policy decides per kind.
 #[derive(Debug, thiserror::Error)]
@@ -361,11 +361,14 @@ mod tests {
     use super::*;
 
     /// A static provider over an inventory nobody reads.
-    fn inventory() -> Arc<crate::static_provider::StaticProvider> {
+    fn inventory() -> Arc<shepherd_provider::static_provider::StaticProvider> {
         let url = "file:///nonexistent/inventory.json";
         Arc::new(
-            crate::static_provider::StaticProvider::new(url, shepherd_bmdb::Provider::Static)
-                .unwrap(),
+            shepherd_provider::static_provider::StaticProvider::new(
+                url,
+                shepherd_bmdb::Provider::Static,
+            )
+            .unwrap(),
         )
     }
 

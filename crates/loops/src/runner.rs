@@ -19,6 +19,7 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::limiter::{Limiter, RateSpec};
+use crate::tasks::{panic_message, Outcome, TaskHandle, TaskKind, Tasks};
 
 /// How a loop ends work whose processing or finishing failed.
 #[derive(Debug, Clone, PartialEq)]
@@ -89,15 +90,19 @@ pub struct RunnerConfig {
     pub db_rate: RateSpec,
     /// Session settings (component name, interval).
     pub session: SessionConfig,
+    /// Where the loop reports each machine's ending and its workers' panics.
+    pub status: TaskHandle,
 }
 
 impl RunnerConfig {
     /// `parallelism` workers claiming at `db_rate`, their sessions as `session` says.
     pub fn new(parallelism: usize, db_rate: RateSpec, session: SessionConfig) -> Self {
+        let status = Tasks::default().task_of(session.processor.label(), TaskKind::Machines);
         RunnerConfig {
             parallelism,
             db_rate,
             session,
+            status,
         }
     }
 }
@@ -117,14 +122,15 @@ pub async fn run<T: MachineTask>(
     };
     let workers: Vec<_> = (0..config.parallelism.max(1))
         .map(|n| {
-            let (db, task, limiter, cancel, session) = (
-                db.clone(),
-                task.clone(),
-                limiter.clone(),
-                cancel.clone(),
-                session.clone(),
-            );
-            tokio::spawn(supervised(n, db, task, limiter, session, cancel))
+            let worker = Worker {
+                n,
+                db: db.clone(),
+                task: task.clone(),
+                limiter: limiter.clone(),
+                session: session.clone(),
+                status: config.status.clone(),
+            };
+            tokio::spawn(supervised(worker, cancel.clone()))
         })
         .collect();
     for w in workers {
@@ -132,73 +138,81 @@ pub async fn run<T: MachineTask>(
     }
 }
 
-/// Runs worker `n` until `cancel`, starting it again if it panics: a worker that died would
-/// leave the loop one worker short without a trace. The panic is logged with its message and
-/// the worker restarts after the error delays (100 ms doubling to 10 s, reset by a worker
-/// that ran a minute). The machine it held is released when its session expires.
-async fn supervised<T: MachineTask>(
+/// One worker of a machine loop: what it claims with and reports to.
+struct Worker<T> {
     n: usize,
     db: Bmdb,
     task: Arc<T>,
     limiter: Arc<Limiter>,
     session: SessionConfig,
-    cancel: CancellationToken,
-) {
+    status: TaskHandle,
+}
+
+impl<T> Clone for Worker<T> {
+    fn clone(&self) -> Self {
+        Worker {
+            n: self.n,
+            db: self.db.clone(),
+            task: self.task.clone(),
+            limiter: self.limiter.clone(),
+            session: self.session.clone(),
+            status: self.status.clone(),
+        }
+    }
+}
+
+/// Runs `worker` until `cancel`, starting it again if it panics: a worker that died would
+/// leave the loop one worker short without a trace. The panic is logged with its message,
+/// reported to the loop's task (which then shows failed), and the worker restarts after the
+/// error delays (100 ms doubling to 10 s, reset by a worker that ran a minute). The machine
+/// it held is released when its session expires.
+async fn supervised<T: MachineTask>(worker: Worker<T>, cancel: CancellationToken) {
     let mut panics = Streak::new(ERROR_DELAYS);
     loop {
         let started = std::time::Instant::now();
-        let run = worker(
-            n,
-            db.clone(),
-            task.clone(),
-            limiter.clone(),
-            session.clone(),
-            cancel.clone(),
-        );
-        let Err(e) = tokio::spawn(run).await else {
+        let Err(e) = tokio::spawn(work_loop(worker.clone(), cancel.clone())).await else {
             return;
         };
         if !e.is_panic() || cancel.is_cancelled() {
             return;
         }
-        let payload = e.into_panic();
-        let message = payload
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "a panic without a message".into());
+        let message = panic_message(&*e.into_panic());
         if started.elapsed() > Duration::from_secs(60) {
             panics.succeeded();
         }
         let wait = panics.failed();
+        let n = worker.n;
         tracing::error!(worker = n, panic = %message, ?wait, "a worker panicked; starting it again");
+        worker.status.ended(Outcome::Panicked, message);
         tokio::select! { _ = cancel.cancelled() => return, _ = tokio::time::sleep(wait) => {} }
     }
 }
 
-/// The held session if it is still alive, else a new one (the old one expired).
-pub async fn live_session(
-    db: &Bmdb,
-    config: &SessionConfig,
-    held: Option<Session>,
-) -> Result<Session, BmdbError> {
-    match held.filter(|s| !s.is_expired()) {
-        Some(s) => Ok(s),
-        None => db.start_session(config.clone()).await,
-    }
-}
-
 /// Ends `work` after `failure` as the task's error policy says.
-async fn end_failed<T: MachineTask>(work: &mut Work, lease: &Lease, task: &T, failure: &T::Error) {
+/// Returns how the task reports it: a backoff is the machine's failure; a release without a
+/// verdict (an outage, a lost lease) is a wait.
+async fn end_failed<T: MachineTask>(
+    work: &mut Work,
+    lease: &Lease,
+    task: &T,
+    failure: &T::Error,
+) -> Outcome {
     let cause = format!("{failure:#}");
-    let ended = match task.error_policy(failure) {
-        OnError::Backoff(backoff) => write(work, lease, Ending::Fail(&backoff, &cause)).await,
-        OnError::Cancel | OnError::Wait => write(work, lease, Ending::Cancel(&cause)).await,
-        OnError::Fenced => work.fenced().await,
+    let (ended, outcome) = match task.error_policy(failure) {
+        OnError::Backoff(backoff) => (
+            write(work, lease, Ending::Fail(&backoff, &cause)).await,
+            Outcome::Failed,
+        ),
+        OnError::Cancel | OnError::Wait => (
+            write(work, lease, Ending::Cancel(&cause)).await,
+            Outcome::Waited,
+        ),
+        OnError::Fenced => (work.fenced().await, Outcome::Waited),
     };
     if let Err(e) = ended {
         tracing::warn!(error = %e, "ending failed work failed");
     }
+    outcome
 }
 
 /// An ending the runner writes.
@@ -221,7 +235,7 @@ async fn write(work: &mut Work, lease: &Lease, ending: Ending<'_>) -> Result<(),
             Ending::Cancel(cause) => work.cancel(cause).await,
         };
         match written {
-            Err(e @ (BmdbError::SessionExpired | BmdbError::WorkLost { .. })) => return Err(e),
+            Err(e) if is_gone(&e) => return Err(e),
             Err(e) if e.is_transient() => {
                 let wait = errors.failed();
                 match lease.left() {
@@ -238,14 +252,15 @@ async fn write(work: &mut Work, lease: &Lease, ending: Ending<'_>) -> Result<(),
 /// from 100 ms, doubling, at most 10 s.
 const ERROR_DELAYS: Delays = Delays::new(Duration::from_millis(100), Duration::from_secs(10));
 
-async fn worker<T: MachineTask>(
-    n: usize,
-    db: Bmdb,
-    task: Arc<T>,
-    limiter: Arc<Limiter>,
-    session_config: SessionConfig,
-    cancel: CancellationToken,
-) {
+async fn work_loop<T: MachineTask>(worker: Worker<T>, cancel: CancellationToken) {
+    let Worker {
+        n,
+        db,
+        task,
+        limiter,
+        session: session_config,
+        status,
+    } = worker;
     let mut session: Option<Session> = None;
     let mut errors = Streak::new(ERROR_DELAYS);
     // The ending of the worker's last machine, written while the worker claims its next one.
@@ -257,9 +272,10 @@ async fn worker<T: MachineTask>(
             _ = limiter.wait() => {}
         }
         if !task.active(&db).await {
+            status.alive();
             continue;
         }
-        let s = match live_session(&db, &session_config, session.take()).await {
+        let s = match db.live_session(&session_config, session.take()).await {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!(worker = n, error = %e, "cannot start a session");
@@ -270,6 +286,7 @@ async fn worker<T: MachineTask>(
         let retrieval = task.retrieval();
         match s.work(retrieval.process(), retrieval).await {
             Ok(Claim::Work(work)) => {
+                status.started();
                 let machine = work.machine_id();
                 // The task records the provider id once it has read the machine's tags. At the
                 // highest level so that the context is there whatever level the logs are
@@ -299,7 +316,8 @@ async fn worker<T: MachineTask>(
                     written(previous).await;
                 }
                 let waits = matches!(&outcome, Processed::Done(Err(e)) if task.error_policy(e) == OnError::Wait);
-                let end = end_work(work, lease, task.clone(), outcome).instrument(span);
+                let end = end_work(work, lease, task.clone(), outcome, status.clone());
+                let end = end.instrument(span);
                 ending = Some(tokio::spawn(end));
                 if !waits {
                     errors.succeeded();
@@ -313,7 +331,10 @@ async fn worker<T: MachineTask>(
                     tokio::select! { _ = cancel.cancelled() => { session = Some(s); break }, _ = tokio::time::sleep(wait) => {} }
                 }
             }
-            Ok(Claim::NothingToDo) | Ok(Claim::Conflict) => errors.succeeded(),
+            Ok(Claim::NothingToDo) | Ok(Claim::Conflict) => {
+                status.alive();
+                errors.succeeded();
+            }
             Err(BmdbError::SessionExpired) => {
                 tracing::warn!(worker = n, "session expired; starting a new one");
                 continue;
@@ -354,50 +375,57 @@ async fn end_work<T: MachineTask>(
     lease: Lease,
     task: Arc<T>,
     outcome: Processed<TagWrites, T::Error>,
+    status: TaskHandle,
 ) {
-    let failure = match outcome {
+    let machine = work.machine_id();
+    let (failure, report) = match outcome {
         Processed::Shutdown => {
             let cause = shutdown_cause(task.retrieval().processor());
             if let Err(e) = work.cancel(&cause).await {
                 tracing::warn!(error = %e, "canceling work failed");
             }
-            None
+            (None, (Outcome::Waited, format!("{machine}: {cause}")))
         }
         Processed::Fenced => {
             tracing::warn!("the session's lease ended during processing; stopped");
             if let Err(e) = work.fenced().await {
                 tracing::warn!(error = %e, "canceling fenced work failed");
             }
-            None
+            (None, (Outcome::Waited, format!("{machine}: lease lost")))
         }
-        Processed::Done(Ok(tags)) => {
-            match write(&mut work, &lease, Ending::Finish(&tags)).await {
-                Ok(()) => None,
-                // The lock or the session is gone: there is nothing left to end.
-                Err(e @ (BmdbError::SessionExpired | BmdbError::WorkLost { .. })) => {
-                    tracing::warn!(error = %e, "finishing work failed");
-                    None
-                }
-                // Still unavailable when the lease ended: given up below.
-                Err(e) if e.is_transient() => {
-                    tracing::warn!(error = %e, "finishing work failed");
-                    None
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "finishing work failed");
-                    Some(T::Error::from(e))
-                }
+        Processed::Done(Ok(tags)) => match write(&mut work, &lease, Ending::Finish(&tags)).await {
+            Ok(()) => (None, (Outcome::Succeeded, format!("{machine}: finished"))),
+            // The lock or the session is gone: there is nothing left to end. Or still
+            // unavailable when the lease ended: given up below.
+            Err(e) if e.is_transient() || is_gone(&e) => {
+                tracing::warn!(error = %e, "finishing work failed");
+                let summary = format!("{machine}: finishing failed: {e}");
+                (None, (Outcome::Waited, summary))
             }
-        }
+            Err(e) => {
+                tracing::warn!(error = %e, "finishing work failed");
+                (Some(T::Error::from(e)), (Outcome::Failed, String::new()))
+            }
+        },
         Processed::Done(Err(e)) => {
             tracing::warn!(error = %format!("{e:#}"), "processing failed");
-            Some(e)
+            (Some(e), (Outcome::Failed, String::new()))
         }
     };
-    if let Some(failure) = failure {
-        end_failed(&mut work, &lease, &*task, &failure).await;
-    }
+    let (outcome, summary) = match failure {
+        Some(failure) => {
+            let outcome = end_failed(&mut work, &lease, &*task, &failure).await;
+            (outcome, format!("{machine}: {failure:#}"))
+        }
+        None => report,
+    };
+    status.ended(outcome, summary);
     if work.is_active() {
         work.give_up();
     }
+}
+
+/// Whether `e` says the work's lock or session is gone, so that nothing is left to end.
+fn is_gone(e: &BmdbError) -> bool {
+    matches!(e, BmdbError::SessionExpired | BmdbError::WorkLost { .. })
 }

@@ -1,15 +1,21 @@
-//! What a process's background tasks did last, as omicron's background tasks report it: each
-//! periodic task (the provisioner, the updater, history retention, the fleet statistics, the
-//! recovery brake) keeps a typed [`TaskStatus`] — when its last pass started and ended, how it
-//! ended, and a short summary of what it did or why it failed. The web UI's `/tasks` page
-//! shows them, and they are exported as metrics:
+//! What a process's background tasks did last, as omicron's background tasks report it. Every
+//! background activity is a task with a typed [`TaskStatus`]: the periodic loops (the
+//! provisioner, the updater, history retention, the fleet statistics), whose unit of work is a
+//! pass, and the machine loops (the initializer, the recoverer with its brake), whose unit is
+//! one machine's work. A status says when the last unit started and ended, how it ended, a
+//! short summary of what it did or why it failed, counts by outcome, and the last panic. The
+//! web UI's `/tasks` and `/tasks.json`, the operator API's `/api/v1/tasks` and `shepherd tasks`
+//! show them, and they are exported as metrics:
 //!
-//! - `shepherd_task_passes_total{task, outcome}`: passes by how they ended;
+//! - `shepherd_task_passes_total{task, outcome}`: units of work by how they ended (a panic is
+//!   the outcome `panicked`);
 //! - `shepherd_task_started_timestamp_seconds{task}`: when the task started in this process;
-//! - `shepherd_task_last_success_timestamp_seconds{task}`: when a pass last succeeded (absent
-//!   until one does);
+//! - `shepherd_task_last_success_timestamp_seconds{task}`: when the task last succeeded
+//!   (absent until it does); a machine loop that found nothing to claim counts as succeeding;
 //! - `shepherd_task_stale_after_seconds{task}`: how long without a success is too long
-//!   (`--task-stale-after`), which `deploy/prometheus/rules.yml` alerts on.
+//!   (`--task-stale-after`).
+//!
+//! `deploy/prometheus/shepherd-alerts.yml` alerts on a stale task and on a panic in any task.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -35,11 +41,19 @@ pub enum Outcome {
     Waited,
     /// The pass failed for a reason of its own (the provider, a refused discrepancy, bad data).
     Failed,
+    /// The code panicked: a defect. The pass or the worker is started again after a bounded
+    /// wait, and the task shows failed for its stale-after time.
+    Panicked,
 }
 
 impl Outcome {
     /// Every outcome, for series present at zero.
-    pub const ALL: [Outcome; 3] = [Outcome::Succeeded, Outcome::Waited, Outcome::Failed];
+    pub const ALL: [Outcome; 4] = [
+        Outcome::Succeeded,
+        Outcome::Waited,
+        Outcome::Failed,
+        Outcome::Panicked,
+    ];
 
     /// The metrics label and the word the web UI shows.
     pub fn label(self) -> &'static str {
@@ -47,8 +61,76 @@ impl Outcome {
             Outcome::Succeeded => "succeeded",
             Outcome::Waited => "waited",
             Outcome::Failed => "failed",
+            Outcome::Panicked => "panicked",
         }
     }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// What a task's unit of work is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TaskKind {
+    /// One pass at a time (the provisioner, the updater, retention, fleet statistics).
+    Periodic,
+    /// One machine's work per unit, by several workers (the initializer, the recoverer).
+    Machines,
+}
+
+impl TaskKind {
+    /// The word the web UI and the JSON show.
+    pub fn label(self) -> &'static str {
+        match self {
+            TaskKind::Periodic => "periodic",
+            TaskKind::Machines => "machines",
+        }
+    }
+}
+
+/// A task's state as an operator reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TaskState {
+    /// Its last unit succeeded, or it has done nothing wrong yet.
+    Ok,
+    /// Its last unit stopped for an outage (the BMDB, the provider): waiting it out.
+    Waiting,
+    /// Its last pass failed, or it panicked within its stale-after time. (A machine loop's
+    /// failed machine is the machine's failure, not the task's.)
+    Failed,
+    /// It has gone longer than its stale-after time without a success.
+    Stale,
+}
+
+impl TaskState {
+    /// The word the web UI, the JSON and `shepherd tasks` show.
+    pub fn label(self) -> &'static str {
+        match self {
+            TaskState::Ok => "ok",
+            TaskState::Waiting => "waiting",
+            TaskState::Failed => "failed",
+            TaskState::Stale => "stale",
+        }
+    }
+}
+
+/// A panic in a task: when, and its message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Panic {
+    /// When it happened.
+    pub at: DateTime<Utc>,
+    /// The panic's message.
+    pub message: String,
+}
+
+/// The message a panic carried (`panic!("…")` gives a `&str` or a `String`).
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
 }
 
 /// The status of one background task.
@@ -56,11 +138,16 @@ impl Outcome {
 pub struct TaskStatus {
     /// The task's name (`provisioner`, `fleet-statistics` …).
     pub name: &'static str,
+    /// Whether its unit of work is a pass or a machine.
+    pub kind: TaskKind,
     /// When the task started in this process.
     pub started: DateTime<Utc>,
-    /// Passes made so far.
+    /// Units of work (passes, or machines) ended so far.
     pub passes: u64,
-    /// Whether a pass is under way.
+    /// Units of work ended so far, by outcome (see [`TaskStatus::count`]).
+    pub by_outcome: [u64; Outcome::ALL.len()],
+    /// Whether a unit of work is under way (for a machine loop, the last one started has not
+    /// ended yet).
     pub running: bool,
     /// When the last pass started.
     pub last_start: Option<DateTime<Utc>>,
@@ -72,9 +159,42 @@ pub struct TaskStatus {
     pub last_summary: String,
     /// When a pass last succeeded.
     pub last_success: Option<DateTime<Utc>>,
+    /// The last panic, if the task ever panicked.
+    pub last_panic: Option<Panic>,
 }
 
 impl TaskStatus {
+    /// Units of work that ended with `outcome`.
+    pub fn count(&self, outcome: Outcome) -> u64 {
+        self.by_outcome[outcome.index()]
+    }
+
+    /// The task's state at `now`: failed if its last pass failed or it panicked within
+    /// `stale_after` (a panic stays visible after the restarted work goes on), else stale,
+    /// waiting or ok.
+    pub fn state(&self, now: DateTime<Utc>, stale_after: Duration) -> TaskState {
+        let recent_panic = self.last_panic.as_ref().is_some_and(|p| {
+            chrono::Duration::from_std(stale_after).is_ok_and(|d| now - p.at <= d)
+        });
+        // A machine loop's failed unit is a machine's failure (counted, and backed off), not
+        // the loop's; only a pass's failure is the task's own.
+        let failed = match self.kind {
+            TaskKind::Periodic => {
+                matches!(self.last_outcome, Some(Outcome::Failed | Outcome::Panicked))
+            }
+            TaskKind::Machines => self.last_outcome == Some(Outcome::Panicked),
+        };
+        if failed || recent_panic {
+            TaskState::Failed
+        } else if self.is_stale(now, stale_after) {
+            TaskState::Stale
+        } else if self.last_outcome == Some(Outcome::Waited) {
+            TaskState::Waiting
+        } else {
+            TaskState::Ok
+        }
+    }
+
     /// Whether the task has gone without a successful pass (counted from its start) for
     /// longer than `stale_after` at `now`.
     pub fn is_stale(&self, now: DateTime<Utc>, stale_after: Duration) -> bool {
@@ -157,9 +277,14 @@ impl Tasks {
         );
     }
 
-    /// Starts tracking task `name` (again, if it was tracked before) and returns the handle
-    /// its loop reports through.
+    /// Starts tracking periodic task `name` (again, if it was tracked before) and returns the
+    /// handle its loop reports through.
     pub fn task(&self, name: &'static str) -> TaskHandle {
+        self.task_of(name, TaskKind::Periodic)
+    }
+
+    /// Starts tracking task `name` whose units of work are `kind`, as [`Tasks::task`] does.
+    pub fn task_of(&self, name: &'static str, kind: TaskKind) -> TaskHandle {
         let now = Utc::now();
         let label = TaskLabel { task: name };
         self.metrics.started.get_or_create(&label).set(unix(now));
@@ -177,14 +302,17 @@ impl Tasks {
             name,
             TaskStatus {
                 name,
+                kind,
                 started: now,
                 passes: 0,
+                by_outcome: [0; Outcome::ALL.len()],
                 running: false,
                 last_start: None,
                 last_end: None,
                 last_outcome: None,
                 last_summary: String::new(),
                 last_success: None,
+                last_panic: None,
             },
         );
         TaskHandle {
@@ -243,8 +371,15 @@ impl TaskHandle {
         self.tasks.update(self.name, |s| {
             s.running = false;
             s.passes += 1;
+            s.by_outcome[outcome.index()] += 1;
             s.last_end = Some(now);
             s.last_outcome = Some(outcome);
+            if outcome == Outcome::Panicked {
+                s.last_panic = Some(Panic {
+                    at: now,
+                    message: summary.clone(),
+                });
+            }
             s.last_summary = summary;
             if outcome == Outcome::Succeeded {
                 s.last_success = Some(now);
@@ -259,11 +394,25 @@ impl TaskHandle {
             })
             .inc();
         if outcome == Outcome::Succeeded {
-            metrics
-                .last_success
-                .get_or_create(&TaskLabel { task: self.name })
-                .set(unix(now));
+            self.set_last_success(now);
         }
+    }
+
+    /// The task is turning without a unit of work to end: a machine loop's worker found
+    /// nothing to claim, or its brake holds it. It counts as a success for staleness, and
+    /// changes nothing else.
+    pub fn alive(&self) {
+        let now = Utc::now();
+        self.tasks.update(self.name, |s| s.last_success = Some(now));
+        self.set_last_success(now);
+    }
+
+    fn set_last_success(&self, now: DateTime<Utc>) {
+        self.tasks
+            .metrics
+            .last_success
+            .get_or_create(&TaskLabel { task: self.name })
+            .set(unix(now));
     }
 }
 
@@ -289,7 +438,43 @@ mod tests {
         t.ended(Outcome::Succeeded, "created 2");
         let s = tasks.statuses().pop().unwrap();
         assert_eq!((s.passes, s.last_outcome), (2, Some(Outcome::Succeeded)));
+        assert_eq!(
+            (s.count(Outcome::Failed), s.count(Outcome::Succeeded)),
+            (1, 1)
+        );
         assert!(s.last_success.is_some());
+    }
+
+    #[test]
+    fn a_panic_shows_failed_for_the_stale_after_time_though_work_goes_on() {
+        let stale_after = Duration::from_secs(60);
+        let tasks = Tasks::new(stale_after);
+        let t = tasks.task_of("initializer", TaskKind::Machines);
+        t.alive();
+        t.ended(Outcome::Failed, "m: connecting: refused");
+        let s = tasks.statuses().pop().unwrap();
+        assert_eq!(
+            s.state(Utc::now(), stale_after),
+            TaskState::Ok,
+            "a machine's failure is not the machine loop's"
+        );
+        t.ended(Outcome::Panicked, "index out of bounds");
+        t.ended(Outcome::Succeeded, "finished a machine");
+        let s = tasks.statuses().pop().unwrap();
+        let panic = s.last_panic.clone().unwrap();
+        assert_eq!(panic.message, "index out of bounds");
+        assert_eq!(
+            (s.count(Outcome::Panicked), s.count(Outcome::Failed)),
+            (1, 1)
+        );
+        assert_eq!(s.state(panic.at, stale_after), TaskState::Failed);
+        let later = panic.at + chrono::Duration::seconds(61);
+        t.alive();
+        assert_eq!(
+            tasks.statuses()[0].state(later, stale_after),
+            TaskState::Stale,
+            "61 s after the last success it is stale, and no longer failed for the panic"
+        );
     }
 
     #[test]

@@ -1,7 +1,5 @@
 //! Helpers for tests and benchmarks (feature `testing`).
 
-pub mod bmc;
-
 use std::path::PathBuf;
 
 pub use shepherd_ssh::testing::free_loopback_port;
@@ -40,6 +38,32 @@ fn built_binary(name: &str) -> PathBuf {
     path
 }
 
+/// A provisioner over `provider` that creates up to `chunk` machines a pass, one at a time,
+/// unpaced: how tests drive a provider through a pass.
+pub fn unpaced_provisioner<P: shepherd_provider::Provider>(
+    provider: std::sync::Arc<P>,
+    chunk: usize,
+) -> crate::provisioner::Provisioner<P> {
+    unpaced_parallel_provisioner(provider, chunk, 1)
+}
+
+/// [`unpaced_provisioner`] with up to `parallelism` creations in flight.
+pub fn unpaced_parallel_provisioner<P: shepherd_provider::Provider>(
+    provider: std::sync::Arc<P>,
+    chunk: usize,
+    parallelism: usize,
+) -> crate::provisioner::Provisioner<P> {
+    crate::provisioner::Provisioner::new(
+        provider,
+        crate::provisioner::ProvisionerConfig {
+            limits: crate::reconcile::Limits::new(0, chunk),
+            reconcile_rate: crate::limiter::RateSpec::new(std::time::Duration::from_millis(1), 1),
+            creation_rate: crate::limiter::RateSpec::new(std::time::Duration::from_millis(1), 1000),
+            creation_parallelism: parallelism,
+        },
+    )
+}
+
 /// Runs `task` in the background with `workers` workers claiming every 10 ms (at most `burst`
 /// at once), each on a session named after the loop's processor, until the returned token is
 /// canceled; the handle ends once every worker stopped.
@@ -67,14 +91,17 @@ pub fn spawn_loop<T: crate::runner::MachineTask>(
 pub struct LocalTestAgent;
 
 #[async_trait::async_trait]
-impl crate::transport::Transport for LocalTestAgent {
+impl shepherd_provider::transport::Transport for LocalTestAgent {
     async fn run_agent(
         &self,
-        run: crate::transport::AgentRun<'_>,
-    ) -> Result<crate::transport::AgentOutput, crate::transport::TransportError> {
+        run: shepherd_provider::transport::AgentRun<'_>,
+    ) -> Result<
+        shepherd_provider::transport::AgentOutput,
+        shepherd_provider::transport::TransportError,
+    > {
         use tokio::io::AsyncWriteExt;
         let failed = |e: std::io::Error| {
-            crate::transport::TransportError::Local(format!("the stand-in agent: {e}"))
+            shepherd_provider::transport::TransportError::Local(format!("the stand-in agent: {e}"))
         };
         let mut child = tokio::process::Command::new(test_agent_path())
             .stdin(std::process::Stdio::piped())
@@ -86,7 +113,7 @@ impl crate::transport::Transport for LocalTestAgent {
         stdin.write_all(run.stdin).await.map_err(failed)?;
         drop(stdin);
         let out = child.wait_with_output().await.map_err(failed)?;
-        Ok(crate::transport::AgentOutput {
+        Ok(shepherd_provider::transport::AgentOutput {
             host_key: String::new(),
             exit_status: out.status.code().map(|c| c as u32),
             stdout: out.stdout,

@@ -13,7 +13,7 @@ use uuid::Uuid;
 
 use crate::limiter::RateSpec;
 use crate::periodic::{Pass, PassError};
-use crate::provider::{listed_and_recorded, ListError, Provider, ProviderMachine};
+use shepherd_provider::{listed_and_recorded, ListError, Provider, ProviderMachine};
 
 /// Tags written per transaction.
 const BATCH: usize = 500;
@@ -194,8 +194,8 @@ impl<P: Provider + ?Sized> Pass for Updater<P> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::provider::Availability;
     use shepherd_bmdb::Provider as Kind;
+    use shepherd_provider::Availability;
 
     fn tag() -> Provided {
         let mut p = Provided::new(Kind::Equinix, "d1");

@@ -8,11 +8,11 @@ use std::time::Duration;
 use shepherd_bmdb::*;
 use shepherd_loops::initializer::{Initializer, InitializerConfig};
 use shepherd_loops::limiter::RateSpec;
-use shepherd_loops::provider::{record_new_machine, Availability, ProviderMachine};
 use shepherd_loops::runner::{run, RunnerConfig};
-use shepherd_loops::static_provider::StaticProvider;
 use shepherd_loops::testing::test_agent_path;
-use shepherd_loops::transport::SshTransport;
+use shepherd_provider::static_provider::StaticProvider;
+use shepherd_provider::transport::SshTransport;
+use shepherd_provider::{record_new_machine, Availability, ProviderMachine};
 use shepherd_ssh::testing::{random_key, Sshd};
 use shepherd_ssh::{Auth, SshClient, SshConfig};
 use tokio_util::sync::CancellationToken;
@@ -100,11 +100,11 @@ async fn run_until_ended(
     ends: usize,
 ) -> Vec<HistoryEntry> {
     let cancel = CancellationToken::new();
-    let config = RunnerConfig {
-        parallelism: 1,
-        db_rate: RateSpec::new(Duration::from_millis(10), 10),
-        session: SessionConfig::new("initializer-test", Processor::ShepherdInitializer),
-    };
+    let config = RunnerConfig::new(
+        1,
+        RateSpec::new(Duration::from_millis(10), 10),
+        SessionConfig::new("initializer-test", Processor::ShepherdInitializer),
+    );
     let runner = tokio::spawn(run(db.clone(), Arc::new(init), config, cancel.clone()));
     let history = testing::eventually("the work to end", Duration::from_secs(60), async || {
         let h = db

@@ -12,12 +12,12 @@ use async_trait::async_trait;
 use shepherd_bmdb::testing::{self, Blackhole};
 use shepherd_bmdb::*;
 use shepherd_loops::limiter::RateSpec;
-use shepherd_loops::provider::{
+use shepherd_loops::recoverer::Recoverer;
+use shepherd_loops::runner::{run, RunnerConfig};
+use shepherd_provider::{
     Availability, Provider as ProviderTrait, ProviderError, ProviderMachine, Recorded,
     Recoverer as RecovererTrait,
 };
-use shepherd_loops::recoverer::Recoverer;
-use shepherd_loops::runner::{run, RunnerConfig};
 use tokio_util::sync::CancellationToken;
 
 const MACHINES: usize = 3;

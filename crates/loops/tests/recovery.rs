@@ -34,11 +34,21 @@ fn thresholds() -> RecoveryThresholds {
 }
 
 fn runner(name: &str, processor: Processor) -> RunnerConfig {
-    RunnerConfig {
-        parallelism: 2,
-        db_rate: RateSpec::new(Duration::from_millis(5), 8),
-        session: SessionConfig::new(name, processor),
-    }
+    RunnerConfig::new(
+        2,
+        RateSpec::new(Duration::from_millis(5), 8),
+        SessionConfig::new(name, processor),
+    )
+}
+
+/// Runs `brake`'s counts in the background until `cancel`.
+fn spawn_brake(
+    brake: &Arc<Brake>,
+    db: &Bmdb,
+    cancel: &CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    let task = shepherd_loops::tasks::Tasks::default().task("recovery-brake");
+    tokio::spawn(brake.clone().run(db.clone(), task, cancel.clone()))
 }
 
 /// The initializer over the simulated fleet, run until `cancel`.
@@ -102,7 +112,7 @@ async fn recover_for(
 ) -> Arc<Brake> {
     let brake = Brake::new(config, Provider::Sim, thresholds(), BrakeMetrics::default());
     let cancel = CancellationToken::new();
-    let braking = tokio::spawn(brake.clone().run(db.clone(), cancel.clone()));
+    let braking = spawn_brake(&brake, db, &cancel);
     let recoverer = Recoverer::new(fleet.clone(), thresholds())
         .with_backoff(Backoff::exponential(
             Duration::from_secs(60),
@@ -238,7 +248,7 @@ async fn a_server_stopping_under_a_running_recoverer_costs_a_few_reboots_at_most
     };
     let b = Brake::new(config, Provider::Sim, thresholds(), BrakeMetrics::default());
     let cancel = CancellationToken::new();
-    let braking = tokio::spawn(b.clone().run(db.clone(), cancel.clone()));
+    let braking = spawn_brake(&b, &db, &cancel);
     let recovering = tokio::spawn(run(
         db.clone(),
         Arc::new(Recoverer::new(fleet.clone(), thresholds()).with_brake(b.clone())),
@@ -326,7 +336,11 @@ async fn initialize_and_recover(
         let (db, cancel, fleet) = (db.clone(), cancel.clone(), fleet.clone());
         async move {
             tokio::join!(
-                brake.run(db.clone(), cancel.clone()),
+                brake.run(
+                    db.clone(),
+                    shepherd_loops::tasks::Tasks::default().task("recovery-brake"),
+                    cancel.clone()
+                ),
                 initializing(db.clone(), &fleet, cancel.clone()),
                 run(
                     db,

@@ -15,6 +15,7 @@ use shepherd_bmdb::testing::{self, all_history, eventually, when};
 use shepherd_bmdb::*;
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::runner::{self, MachineTask, OnError, RunnerConfig};
+use shepherd_loops::tasks::{Outcome, TaskKind, TaskState, Tasks};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -140,12 +141,12 @@ async fn run_with<T, D: std::fmt::Debug>(
 }
 
 fn config() -> RunnerConfig {
-    RunnerConfig {
-        parallelism: 2,
-        db_rate: RateSpec::new(Duration::from_millis(1), 50),
-        session: SessionConfig::new("runner-test", Processor::ShepherdInitializer)
+    RunnerConfig::new(
+        2,
+        RateSpec::new(Duration::from_millis(1), 50),
+        SessionConfig::new("runner-test", Processor::ShepherdInitializer)
             .with_interval(Duration::from_secs(1)),
-    }
+    )
 }
 
 async fn cancellation_mid_processing_is_canceled_not_failed(db: Bmdb) {
@@ -256,12 +257,17 @@ async fn a_provider_that_cannot_be_reached_is_waited_for_not_charged(db: Bmdb) {
 }
 
 /// A loop whose only worker panics on a machine (a bug) goes on: the worker is started again,
-/// and every machine is still taken over (the one it held once its session expired).
+/// and every machine is still taken over (the one it held once its session expired). The
+/// loop's task shows the panic: failed, with its message, counted in the metrics.
 async fn a_worker_that_panics_is_started_again(db: Bmdb) {
     let task = Task::new(false, false);
     *task.panic_once.lock().unwrap() = true;
+    let tasks = Tasks::new(Duration::from_secs(3600));
+    let mut registry = prometheus_client::registry::Registry::default();
+    tasks.register(&mut registry);
     let one_worker = RunnerConfig {
         parallelism: 1,
+        status: tasks.task_of("initializer", TaskKind::Machines),
         ..config()
     };
     run_with(
@@ -276,6 +282,22 @@ async fn a_worker_that_panics_is_started_again(db: Bmdb) {
         },
     )
     .await;
+    let status = tasks.statuses().pop().unwrap();
+    assert_eq!(status.count(Outcome::Panicked), 1, "{status:?}");
+    assert_eq!(status.count(Outcome::Succeeded), 3, "{status:?}");
+    let panic = status.last_panic.clone().expect("the panic is shown");
+    assert_eq!(panic.message, "injected: a bug in the loop");
+    assert_eq!(
+        status.state(chrono::Utc::now(), tasks.stale_after()),
+        TaskState::Failed,
+        "failed for the panic though the restarted worker finished every machine"
+    );
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    assert!(
+        text.contains(r#"shepherd_task_passes_total{task="initializer",outcome="panicked"} 1"#),
+        "{text}"
+    );
 }
 
 /// A worker writes its last ending while it claims its next machine; a loop cancelled just

@@ -8,10 +8,6 @@ use async_trait::async_trait;
 use shepherd_bmdb::*;
 use shepherd_loops::initializer::{Initializer, InitializerConfig};
 use shepherd_loops::limiter::RateSpec;
-use shepherd_loops::provider::{
-    record_new_machine, Availability, Provider as ProviderTrait, ProviderError, ProviderMachine,
-    Recorded, Recoverer as RecovererTrait,
-};
 use shepherd_loops::provisioner::{
     Provisioner, ProvisionerConfig, ProvisionerError, ProvisionerMetrics,
 };
@@ -20,8 +16,12 @@ use shepherd_loops::recoverer::Recoverer;
 use shepherd_loops::runner::{self, RunnerConfig};
 use shepherd_loops::tasks::Tasks;
 use shepherd_loops::testing::LocalTestAgent;
-use shepherd_loops::transport::{AgentOutput, AgentRun, Transport, TransportError};
 use shepherd_loops::updater::Updater;
+use shepherd_provider::transport::{AgentOutput, AgentRun, Transport, TransportError};
+use shepherd_provider::{
+    record_new_machine, Availability, Provider as ProviderTrait, ProviderError, ProviderMachine,
+    Recorded, Recoverer as RecovererTrait,
+};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -469,11 +469,8 @@ async fn recoverer_reboots_silent_machines(db: Bmdb) {
         ),
     );
     let cancel = CancellationToken::new();
-    let config = RunnerConfig {
-        parallelism: 3,
-        db_rate: fast(),
-        session: SessionConfig::new("recoverer", Processor::ShepherdRecoverer),
-    };
+    let session = SessionConfig::new("recoverer", Processor::ShepherdRecoverer);
+    let config = RunnerConfig::new(3, fast(), session);
     let run = tokio::spawn(runner::run(db.clone(), task, config, cancel.clone()));
     for _ in 0..200 {
         let failed = db
@@ -558,11 +555,11 @@ fn start_initializer(
     let run = tokio::spawn(runner::run(
         db.clone(),
         Arc::new(init),
-        RunnerConfig {
+        RunnerConfig::new(
             parallelism,
-            db_rate: fast(),
-            session: SessionConfig::new("initializer", Processor::ShepherdInitializer),
-        },
+            fast(),
+            SessionConfig::new("initializer", Processor::ShepherdInitializer),
+        ),
         cancel.clone(),
     ));
     (cancel, run)

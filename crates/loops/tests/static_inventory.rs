@@ -7,7 +7,7 @@ use shepherd_bmdb::*;
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
 use shepherd_loops::reconcile::Limits;
-use shepherd_loops::static_provider::StaticProvider;
+use shepherd_provider::static_provider::StaticProvider;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn config() -> ProvisionerConfig {
@@ -172,7 +172,7 @@ async fn racing_replicas_adopt_instead_of_failing(db: Bmdb) {
 /// After a good start, a broken inventory keeps the last good one (and says so in the
 /// metrics), and whether the recoverer may act follows the last good inventory.
 async fn a_later_broken_inventory_keeps_the_last_good_one(_db: Bmdb) {
-    use shepherd_loops::provider::{Provider as _, Recoverer as _};
+    use shepherd_provider::{Provider as _, Recoverer as _};
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("inventory.json");
     std::fs::write(&path, r#"[{"ID": "m1", "Addr": "10.0.0.1"}]"#).unwrap();

@@ -14,9 +14,9 @@ use shepherd_bmdb::{
 };
 use shepherd_loops::initializer::InitializerConfig;
 use shepherd_loops::limiter::RateSpec;
-use shepherd_loops::metrics::{CallMetrics, InstrumentedProvider};
 use shepherd_loops::provisioner::ProvisionerConfig;
 use shepherd_loops::reconcile::Limits;
+use shepherd_provider::metrics::{CallMetrics, InstrumentedProvider};
 use shepherd_server::{LoopbackServer, ServerLimits};
 use shepherd_sim::{
     BetweenHeartbeats, HeartbeatFailures, RealAgents, SimCounters, SimFleet, SimKnobs,

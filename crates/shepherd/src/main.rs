@@ -23,6 +23,8 @@ mod overview;
 mod run_cmd;
 mod schema_watch;
 mod server_cmd;
+mod task_view;
+mod tasks_cmd;
 mod tokens_cmd;
 mod web;
 
@@ -85,6 +87,9 @@ enum Command {
         #[command(subcommand)]
         command: tokens_cmd::TokensCommand,
     },
+    /// A process's background tasks: state, last outcome, counts, last panic. Exits 1 if a
+    /// task is failed or stale.
+    Tasks(tasks_cmd::TasksArgs),
     /// Sign in at the operator API's identity provider (in a browser) and cache the token
     /// for `--api` commands.
     Login(login_cmd::LoginArgs),
@@ -175,6 +180,7 @@ async fn main() {
         Command::Bmdb { command } => bmdb_cmd::run(&cli.database, command).await,
         Command::Tokens { api, command } => tokens_cmd::run(&cli.database, &api, command).await,
         Command::Login(args) => login_cmd::run(args).await,
+        Command::Tasks(args) => tasks_cmd::run(args).await,
         Command::Config {
             command: ConfigCommand::Print { command },
         } => {

@@ -179,3 +179,116 @@ pub async fn serve(
     });
     Ok(bound)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shepherd_bmdb::{Processor, Session, SessionConfig};
+    use shepherd_loops::limiter::RateSpec;
+    use shepherd_loops::periodic::{self, Pass};
+
+    /// A periodic pass with a defect: it panics every time.
+    struct PanickingPass;
+
+    #[async_trait::async_trait]
+    impl Pass for PanickingPass {
+        const PROCESSOR: Processor = Processor::ShepherdProvisioner;
+        type Report = String;
+        type Error = shepherd_bmdb::Error;
+        fn rate(&self) -> RateSpec {
+            RateSpec::new(Duration::from_millis(50), 1)
+        }
+        async fn pass(&self, _: &Session) -> Result<String, shepherd_bmdb::Error> {
+            panic!("injected: a bug in the pass")
+        }
+    }
+
+    async fn get_text(url: &str) -> String {
+        let answer = reqwest::get(url).await.unwrap();
+        assert!(answer.status().is_success(), "{url}: {}", answer.status());
+        answer.text().await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_panicking_task_is_shown_failed_on_tasks_in_tasks_json_and_in_the_metrics() {
+        let t = shepherd_bmdb::testing::sqlite().await;
+        let cancel = CancellationToken::new();
+        let tasks = Tasks::new(Duration::from_secs(3600));
+        let web = WebSettings {
+            refresh: Duration::ZERO,
+            thresholds: Default::default(),
+            brake: None,
+        };
+        let endpoint = OperatorEndpoint::start(
+            &t.db,
+            web,
+            Duration::from_secs(60),
+            tasks.clone(),
+            cancel.clone(),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let app = endpoint.router(t.db.clone());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+
+        let session = SessionConfig::new("test", Processor::ShepherdProvisioner);
+        let handle = tasks.task("provisioner");
+        let (db, stop) = (t.db.clone(), cancel.clone());
+        let looping =
+            tokio::spawn(
+                async move { periodic::run(&PanickingPass, db, session, handle, stop).await },
+            );
+        shepherd_bmdb::testing::eventually(
+            "two panicked passes",
+            Duration::from_secs(10),
+            async || {
+                let s = tasks
+                    .statuses()
+                    .into_iter()
+                    .find(|s| s.name == "provisioner")
+                    .unwrap();
+                let n = s.count(shepherd_loops::tasks::Outcome::Panicked);
+                shepherd_bmdb::testing::when(n >= 2, n)
+            },
+        )
+        .await;
+        assert!(
+            !looping.is_finished(),
+            "the loop goes on after a panicked pass"
+        );
+
+        let json: serde_json::Value =
+            serde_json::from_str(&get_text(&format!("{base}/tasks.json")).await).unwrap();
+        let task = json["tasks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["name"] == "provisioner")
+            .unwrap();
+        assert_eq!(task["state"], "failed", "{task}");
+        assert_eq!(task["last_panic"]["message"], "injected: a bug in the pass");
+
+        let page = get_text(&format!("{base}/tasks")).await;
+        assert!(
+            page.contains(r#"data-task="provisioner" data-outcome="panicked" data-state="failed""#),
+            "{page}"
+        );
+        assert!(page.contains("injected: a bug in the pass"), "{page}");
+
+        let metrics = get_text(&format!("{base}/metrics")).await;
+        let panicked = metrics
+            .lines()
+            .find(|l| {
+                l.starts_with(
+                    r#"shepherd_task_passes_total{task="provisioner",outcome="panicked"}"#,
+                )
+            })
+            .unwrap_or_else(|| panic!("no panicked series in\n{metrics}"));
+        let n: f64 = panicked.rsplit(' ').next().unwrap().parse().unwrap();
+        assert!(n >= 2.0, "{panicked}");
+
+        cancel.cancel();
+        looping.await.unwrap();
+        t.cleanup().await;
+    }
+}

@@ -14,13 +14,13 @@ use shepherd_ironic::{Auth as IronicAuth, IronicConfig, IronicProvider};
 use shepherd_loops::brake::{BrakeConfig, BrakeMetrics};
 use shepherd_loops::initializer::InitializerConfig;
 use shepherd_loops::limiter::RateSpec;
-use shepherd_loops::metrics::{CallMetrics, InstrumentedProvider};
-use shepherd_loops::provider::Recoverer;
 use shepherd_loops::provisioner::ProvisionerConfig;
 use shepherd_loops::reconcile::Limits;
 use shepherd_loops::recoverer::{failed_reboot_backoff, RecovererMetrics, RepeatPolicy};
-use shepherd_loops::static_provider::StaticProvider;
-use shepherd_loops::transport::{SshTransport, Transport};
+use shepherd_provider::metrics::{CallMetrics, InstrumentedProvider};
+use shepherd_provider::static_provider::StaticProvider;
+use shepherd_provider::transport::{SshTransport, Transport};
+use shepherd_provider::Recoverer;
 use shepherd_sim::{SimFleet, SimKnobs};
 use shepherd_ssh::{load_or_generate_key, public_key_openssh, Auth, SshClient, SshConfig};
 

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use axum::extract::{Path, Query, State};
 use axum::response::{Html, Redirect};
 use axum::routing::get;
-use axum::{Extension, Router};
+use axum::{Extension, Json, Router};
 use chrono::{DateTime, Utc};
 use maud::{html, Markup};
 use serde::Deserialize;
@@ -93,6 +93,7 @@ pub fn router(
         .route("/sessions", get(sessions))
         .route("/sessions/{id}", get(session))
         .route("/tasks", get(tasks_page))
+        .route("/tasks.json", get(tasks_json))
         .route("/failures", get(failures));
     let acting_db = db.clone();
     let look = Look {
@@ -523,8 +524,9 @@ async fn sessions(State(ui): State<Arc<Ui>>) -> Result<Html<String>, PageError> 
     ))
 }
 
-/// This process's background tasks: when each last ran, how it ended and what it did; a task
-/// without a successful pass for longer than `--task-stale-after` is marked stale.
+/// This process's background tasks: when each last ran, how it ended and what it did, its
+/// state (failed after a failure or a recent panic; stale without a success for longer than
+/// `--task-stale-after`) and its last panic.
 async fn tasks_page(State(ui): State<Arc<Ui>>) -> Html<String> {
     let now = Utc::now();
     let stale_after = ui.tasks.stale_after();
@@ -534,13 +536,15 @@ async fn tasks_page(State(ui): State<Arc<Ui>>) -> Html<String> {
         ui.look,
         html! {
             p.muted { "The background tasks of this process. A task is stale after "
-                (humantime::format_duration(stale_after)) " without a successful pass." }
+                (humantime::format_duration(stale_after)) " without a success, and failed after a failure or a panic within that time. "
+                a href="/tasks.json" { "As JSON" } "." }
             @if statuses.is_empty() { p.muted { "No background tasks run in this process." } } @else {
-                table id="tasks" { thead { tr { th { "Task" } th { "Last pass" } th { "Outcome" } th { "What it did" } th { "Last success" } th { "Passes" } } }
+                table id="tasks" { thead { tr { th { "Task" } th { "State" } th { "Last end" } th { "Outcome" } th { "What it did" } th { "Last success" } th { "Done" } th { "Last panic" } } }
                     tbody { @for t in &statuses {
-                        @let stale = t.is_stale(now, stale_after);
-                        tr data-task=(t.name) data-outcome=(t.last_outcome.map_or("none", |o| o.label())) data-stale=(stale) {
-                            td { (t.name) @if stale { " " span.state.s-stale { "stale" } } }
+                        @let state = t.state(now, stale_after).label();
+                        tr data-task=(t.name) data-outcome=(t.last_outcome.map_or("none", |o| o.label())) data-state=(state) {
+                            td { (t.name) " " span.muted { (t.kind.label()) } }
+                            td { span class={"state s-" (state)} { (state) } }
                             td { @match (t.running, t.last_start) {
                                 (true, Some(start)) => { "running since " (time(start, now)) },
                                 (_, _) => @match t.last_end { Some(end) => (time(end, now)), None => span.muted { "not yet" } },
@@ -549,12 +553,18 @@ async fn tasks_page(State(ui): State<Arc<Ui>>) -> Html<String> {
                             td { (t.last_summary) }
                             td { @match t.last_success { Some(at) => (time(at, now)), None => span.muted { "never" } } }
                             td { (t.passes) }
+                            td { @match &t.last_panic { Some(p) => { (time(p.at, now)) ": " (p.message) }, None => span.muted { "none" } } }
                         }
                     } }
                 }
             }
         },
     )
+}
+
+/// `/tasks.json`: what `/tasks` shows, as `shepherd tasks --at` reads it.
+async fn tasks_json(State(ui): State<Arc<Ui>>) -> Json<serde_json::Value> {
+    Json(crate::task_view::tasks_json(&ui.tasks, Utc::now()))
 }
 
 fn deadline(s: &SessionInfo, now: DateTime<Utc>) -> Markup {

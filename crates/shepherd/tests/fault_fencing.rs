@@ -22,7 +22,7 @@ use common::ssh_fleet::{open_when_migrated, SideEffect, SshFleet};
 use common::{history, shepherd, signal, ChildGuard, Pace};
 use shepherd_bmdb::testing::{self, Blackhole};
 use shepherd_bmdb::{BackendKind, Bmdb, HistoryEntry, Process, Provided, Provider};
-use shepherd_loops::testing::bmc::{Answer, Script, ScriptedBmc};
+use shepherd_provider::testing::bmc::{Answer, Script, ScriptedBmc};
 use uuid::Uuid;
 
 const MACHINES: usize = 3;

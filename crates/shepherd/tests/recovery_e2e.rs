@@ -19,15 +19,15 @@ use shepherd_bmdb::*;
 use shepherd_loops::brake::{Brake, BrakeConfig, BrakeMetrics};
 use shepherd_loops::initializer::{Initializer, InitializerConfig};
 use shepherd_loops::limiter::RateSpec;
-use shepherd_loops::provider::{
+use shepherd_loops::recoverer::Recoverer;
+use shepherd_loops::runner::{run, RunnerConfig};
+use shepherd_loops::testing::agent_path;
+use shepherd_provider::static_provider::StaticProvider;
+use shepherd_provider::transport::SshTransport;
+use shepherd_provider::{
     record_new_machine, Availability, Provider as ProviderTrait, ProviderError, ProviderMachine,
     Recorded, Recoverer as RecovererTrait,
 };
-use shepherd_loops::recoverer::Recoverer;
-use shepherd_loops::runner::{run, RunnerConfig};
-use shepherd_loops::static_provider::StaticProvider;
-use shepherd_loops::testing::agent_path;
-use shepherd_loops::transport::SshTransport;
 use shepherd_server::*;
 use shepherd_ssh::testing::{random_key, Sshd};
 use shepherd_ssh::{Auth, SshClient, SshConfig};
@@ -170,10 +170,9 @@ fn run_loops(
     recoverer: Recoverer<RebootableStatic>,
     cancel: &CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
-    let runner = |name: &str, processor| RunnerConfig {
-        parallelism: 1,
-        db_rate: RateSpec::new(Duration::from_millis(100), 1),
-        session: SessionConfig::new(name, processor),
+    let runner = |name: &str, processor| {
+        let rate = RateSpec::new(Duration::from_millis(100), 1);
+        RunnerConfig::new(1, rate, SessionConfig::new(name, processor))
     };
     let (db, cancel) = (db.clone(), cancel.clone());
     let (ri, rr) = (
@@ -289,7 +288,11 @@ async fn a_stopped_server_brakes_recovery_until_it_is_back(db: Bmdb) {
         BrakeMetrics::default(),
     );
     let cancel = CancellationToken::new();
-    let braking = tokio::spawn(brake.clone().run(db.clone(), cancel.clone()));
+    let braking = tokio::spawn(brake.clone().run(
+        db.clone(),
+        shepherd_loops::tasks::Tasks::default().task("recovery-brake"),
+        cancel.clone(),
+    ));
     let recoverer = Recoverer::new(machine.provider.clone(), THRESHOLDS).with_brake(brake.clone());
     let loops = run_loops(&db, machine.initializer(&server), recoverer, &cancel);
 

@@ -12,9 +12,9 @@ use common::free_port;
 use common::sushy::{start_emulator, CertForm, Emulator, FakeSystem};
 use shepherd_bmdb::*;
 use shepherd_loops::recoverer::Recoverer;
-use shepherd_loops::redfish::{Bmc, BmcEntry};
-use shepherd_loops::static_provider::StaticProvider;
 use shepherd_loops::testing::spawn_loop;
+use shepherd_provider::redfish::{Bmc, BmcEntry};
+use shepherd_provider::static_provider::StaticProvider;
 
 const SYSTEM_A: &str = "8b5e2a5c-0000-4000-8000-00000000000a";
 const SYSTEM_B: &str = "8b5e2a5c-0000-4000-8000-00000000000b";

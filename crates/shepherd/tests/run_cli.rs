@@ -254,8 +254,19 @@ async fn run_until_then_terminate(
     c
 }
 
+/// `shepherd tasks --at base`: its output, after checking it exited 0 (no task failed or
+/// stale).
+fn tasks_at(base: &str) -> String {
+    let o = shepherd().args(["tasks", "--at", base]).output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(o.status.success(), "shepherd tasks: {}\n{out}", stderr(&o));
+    out
+}
+
+/// A converged `shepherd run` shows every loop as a task, none failed or stale, through
+/// `shepherd tasks` (its `/tasks.json`); then it shuts down cleanly.
 async fn sim_run_converges_and_shuts_down(url: &str) {
-    let child = shepherd()
+    let mut child = shepherd()
         .args([
             "run",
             "--provider",
@@ -285,12 +296,30 @@ async fn sim_run_converges_and_shuts_down(url: &str) {
             "1ms,8",
         ])
         .args(["--sim-takeover-time", "20ms"])
-        .stdout(Stdio::null())
+        .args(["--metrics-listen", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    let metrics = announced(&mut child, "shepherd run: metrics at ");
+    let base = metrics.strip_suffix("/metrics").unwrap().to_string();
     let c = run_until_then_terminate(child, url, |c| {
-        c.agent_started == 30 && c.heartbeating == 30
+        let converged = c.agent_started == 30 && c.heartbeating == 30;
+        if converged {
+            let tasks = tasks_at(&base);
+            for task in [
+                "provisioner",
+                "updater",
+                "initializer",
+                "recoverer",
+                "recovery-brake",
+                "fleet-statistics",
+            ] {
+                let line = tasks.lines().find(|l| l.starts_with(&format!("{task} ")));
+                assert!(line.is_some(), "{task} missing in\n{tasks}");
+            }
+        }
+        converged
     })
     .await;
     assert_eq!(c.provided, 30);
@@ -604,7 +633,7 @@ async fn deploy_examples_are_valid() {
     // The example's BMC password file and variable exist only on a real host, so only the
     // text is checked here (`run` also checks what the entries name at start-up).
     let inventory = std::fs::read(deploy.join("single-site-sqlite/inventory.json")).unwrap();
-    let entries = shepherd_loops::static_inventory::parse_inventory(&inventory).unwrap();
+    let entries = shepherd_provider::static_inventory::parse_inventory(&inventory).unwrap();
     assert_eq!(entries.len(), 3);
 }
 

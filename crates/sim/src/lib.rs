@@ -20,12 +20,11 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 pub use shepherd_agent::heartbeat::{BetweenHeartbeats, HeartbeatFailures};
-use shepherd_loops::provider::{
+use shepherd_provider::settings::InvalidSetting;
+use shepherd_provider::transport::{AgentOutput, AgentRun, Step, Transport, TransportError};
+use shepherd_provider::{
     record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Recorded, Recoverer,
 };
-use shepherd_loops::runner::live_session;
-use shepherd_loops::settings::InvalidSetting;
-use shepherd_loops::transport::{AgentOutput, AgentRun, Step, Transport, TransportError};
 use shepherd_ssh::SshError;
 
 /// A failure the simulated provider injected.
@@ -323,7 +322,7 @@ impl SimFleet {
             if due.is_empty() {
                 continue;
             }
-            let s = match live_session(&db, &config, session.take()).await {
+            let s = match db.live_session(&config, session.take()).await {
                 Ok(s) => s,
                 Err(e) => {
                     tracing::warn!(error = %e, "sim agents cannot start a session");
@@ -655,31 +654,5 @@ mod tests {
             fleet.get_machine("nope").await,
             Err(ProviderError::NotFound(_))
         ));
-    }
-
-    #[tokio::test]
-    async fn a_deployed_fleet_is_all_ours_and_agrees_with_a_bmdb_that_records_it() {
-        let knobs = SimKnobs {
-            deployed: true,
-            ..Default::default()
-        };
-        let fleet = SimFleet::new(100, knobs).unwrap();
-        let list = fleet.list_machines().await.unwrap();
-        assert!(list
-            .iter()
-            .all(|m| m.availability == Availability::PossiblyUsed));
-        // After a restart over a BMDB that records every machine: nothing to create, no
-        // discrepancy.
-        let recorded = list.iter().filter_map(|m| m.id.clone()).collect();
-        let plan =
-            shepherd_loops::reconcile::reconcile(&list, &recorded, Default::default()).unwrap();
-        assert_eq!((plan.managed, plan.create.len()), (100, 0));
-        // A fresh fleet over the same BMDB, not sharing it, disagrees with it: that is what
-        // the flag and `share_through` are for.
-        let fresh = SimFleet::new(100, SimKnobs::default()).unwrap();
-        let fresh = fresh.list_machines().await.unwrap();
-        assert!(
-            shepherd_loops::reconcile::reconcile(&fresh, &recorded, Default::default()).is_err()
-        );
     }
 }

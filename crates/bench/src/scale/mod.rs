@@ -24,9 +24,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use shepherd_bmdb::Provider as ProviderKind;
-use shepherd_loops::provider::Provider;
-use shepherd_loops::static_inventory::parse_inventory;
-use shepherd_loops::static_provider::StaticProvider;
+use shepherd_provider::static_inventory::parse_inventory;
+use shepherd_provider::static_provider::StaticProvider;
+use shepherd_provider::Provider;
 
 /// The parts of the benchmark.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

@@ -13,8 +13,8 @@ use anyhow::Result;
 use async_trait::async_trait;
 use shepherd_bmdb::{testing, Bmdb, Processor, Provider as ProviderKind, SessionConfig};
 use shepherd_loops::limiter::RateSpec;
-use shepherd_loops::provider::{Availability, Provider, ProviderError, ProviderMachine, Recorded};
 use shepherd_loops::updater::{refreshed, Updater};
+use shepherd_provider::{Availability, Provider, ProviderError, ProviderMachine, Recorded};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 

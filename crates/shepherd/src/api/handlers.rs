@@ -145,20 +145,10 @@ pub async fn overview(State(api): State<Arc<Api>>) -> Reply {
 
 /// `GET /api/v1/tasks`: this process's background tasks.
 pub async fn tasks(State(api): State<Arc<Api>>) -> Reply {
-    let now = chrono::Utc::now();
-    let stale_after = api.tasks.stale_after();
-    let tasks: Vec<Value> = api
-        .tasks
-        .statuses()
-        .iter()
-        .map(|t| {
-            json!({ "name": t.name, "running": t.running, "passes": t.passes,
-                    "last_outcome": t.last_outcome.map(|o| o.label()),
-                    "last_summary": t.last_summary, "last_success": t.last_success,
-                    "stale": t.is_stale(now, stale_after) })
-        })
-        .collect();
-    Ok(Json(json!({ "tasks": tasks })))
+    Ok(Json(crate::task_view::tasks_json(
+        &api.tasks,
+        chrono::Utc::now(),
+    )))
 }
 
 /// `GET /api/v1/whoami`: the identity the request proved.

@@ -61,7 +61,7 @@ code,.mono{font-family:ui-monospace,monospace;font-size:.85rem}
 .s-in-work{background:#dbeafe}.s-in-backoff{background:#fee2e2}.s-installed{background:#dcfce7}
 .s-installing{background:#fef9c3}.s-heartbeating{background:#d1fae5}.s-stale{background:#fed7aa}
 .s-agent-starting{background:#e0e7ff}.s-provided{background:#f3f4f6}.s-unprovided{background:#e5e7eb}
-.s-maintenance{background:#fde68a} .warn{background:#fffbeb;border-left:4px solid #f59e0b;padding:.4rem .8rem}
+.s-maintenance{background:#fde68a} .s-failed{background:#fecaca} .s-waiting{background:#e0e7ff} .s-ok{background:#dcfce7} .warn{background:#fffbeb;border-left:4px solid #f59e0b;padding:.4rem .8rem}
 .counts span{margin-right:1.2rem} form{margin:1rem 0} select,button{font-size:.9rem;padding:.2rem}
 dl{display:grid;grid-template-columns:max-content auto;gap:.3rem 1rem} dt{color:#666}
 .error{color:#b91c1c} .muted{color:#777} .pager a{margin-right:1rem}

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use shepherd_loops::testing::bmc::BmcCerts;
+use shepherd_provider::testing::bmc::BmcCerts;
 
 use super::free_port;
 

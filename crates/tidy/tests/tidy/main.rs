@@ -7,7 +7,7 @@
 //!   that hold it, and each of those tests exists;
 //! - no crate but the BMDB names `sqlx`, and inside it only `sql/` and the files that open
 //!   pools, classify errors and make test databases do;
-//! - no control loop imports another loop;
+//! - no control loop imports another loop, and no provider depends on the loops;
 //! - no library crate depends on `anyhow`;
 //! - no file imports another that imports it back, directly or through a chain, re-exports
 //!   included (`graph.rs`), in any crate;
@@ -291,6 +291,40 @@ fn no_library_crate_depends_on_anyhow() {
     assert!(
         offenders.is_empty(),
         "library crates return typed errors; anyhow is for binaries, tests and benchmarks: {offenders:?}"
+    );
+}
+
+/// Library crates that implement `Provider` (the provider crate itself aside).
+fn provider_crates() -> Vec<String> {
+    library_crates()
+        .into_iter()
+        .filter(|krate| krate != "crates/provider")
+        .filter(|krate| {
+            source_files()
+                .iter()
+                .filter(|f| f.starts_with(&format!("{krate}/src/")))
+                .any(|f| read(f).contains("impl Provider for"))
+        })
+        .collect()
+}
+
+#[test]
+fn providers_sit_below_the_loops() {
+    let providers = provider_crates();
+    for expected in ["crates/ironic", "crates/equinix", "crates/sim"] {
+        assert!(
+            providers.iter().any(|p| p == expected),
+            "{expected} implements Provider but was not found: {providers:?}"
+        );
+    }
+    let offenders: Vec<_> = providers
+        .iter()
+        .filter(|krate| read(&format!("{krate}/Cargo.toml")).contains("shepherd-loops"))
+        .collect();
+    assert!(
+        offenders.is_empty(),
+        "a provider depends on shepherd-provider, never on shepherd-loops, not even for its tests \
+         (tests that drive it through the loops live in crates/loops/tests): {offenders:?}"
     );
 }
 

@@ -18,14 +18,14 @@ use shepherd_retry::{Delays, Streak};
 
 use crate::causes::reqwest_causes;
 use crate::metrics::register_at_zero;
-use crate::provider::{
-    record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Recorded, Recoverer,
-};
 use crate::redfish::Bmc;
 use crate::settings::InvalidSetting;
 use crate::static_inventory::{
     check_local, parse_inventory, Inventory, InventoryEntry, InventoryError, InventoryProblem,
     MAX_INVENTORY_BYTES,
+};
+use crate::{
+    record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Recorded, Recoverer,
 };
 
 /// What identifies one version of the inventory without reading it: a file's length,

@@ -4,8 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use shepherd_loops::redfish::{Bmc, BmcEntry};
-use shepherd_loops::testing::bmc::{Answer, BmcCerts, Script, ScriptedBmc};
+use shepherd_provider::redfish::{Bmc, BmcEntry};
+use shepherd_provider::testing::bmc::{Answer, BmcCerts, Script, ScriptedBmc};
 
 fn file(dir: &Path, name: &str, text: &str) -> PathBuf {
     let path = dir.join(name);

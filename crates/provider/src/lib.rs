@@ -1,4 +1,23 @@
-//! Where machines come from and how they are power-cycled (SPEC §6).
+//! What Shepherd's loops reach the world through, below the loops so that a provider's author
+//! depends on this crate and not on the runner: where machines come from and how they are
+//! power-cycled (SPEC §6) — the [`Provider`] trait and its typed errors, here at the root —
+//! with the static, Redfish-backed provider; what every provider's client shares (the
+//! retried, counted JSON client, the retry policy, call metrics, the penalty box); and the
+//! [`transport::Transport`] that starts an agent on a machine.
+
+pub mod bmc_tls;
+pub mod causes;
+pub mod http_body;
+pub mod metrics;
+pub mod penalty;
+pub mod redfish;
+pub mod retry;
+pub mod settings;
+pub mod static_inventory;
+pub mod static_provider;
+#[cfg(feature = "testing")]
+pub mod testing;
+pub mod transport;
 
 use std::time::Duration;
 

@@ -8,15 +8,18 @@ use std::time::Duration;
 use serde_json::json;
 use shepherd_bmdb::{testing, Bmdb, Processor, Provider as Kind, ProviderStatus, Session};
 use shepherd_ironic::testing::{
-    provisioner, recorded, site, test_config, test_provider, FaultProxy, IronicServer, TestAuth,
+    recorded, site, test_config, test_provider, FaultProxy, IronicServer, TestAuth,
 };
 use shepherd_ironic::{
     ApiError, Auth, Client, ConnectError, IronicConfig, IronicProvider, RetryPolicy,
 };
 use shepherd_loops::limiter::RateSpec;
-use shepherd_loops::metrics::CallMetrics;
-use shepherd_loops::provider::{Provider, ProviderError, ProviderMachine, Recoverer};
+use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
+use shepherd_loops::reconcile::Limits;
+use shepherd_loops::testing::{unpaced_parallel_provisioner, unpaced_provisioner as provisioner};
 use shepherd_loops::updater::Updater;
+use shepherd_provider::metrics::CallMetrics;
+use shepherd_provider::{Provider, ProviderError, ProviderMachine, Recoverer};
 
 /// Holds one test's turn: the tests of this file run one at a time. Each starts its own
 /// Ironic, whose conductor on SQLite fails work with "database is locked" when the machine
@@ -407,7 +410,7 @@ async fn credentials_are_checked_at_start_up_and_the_password_is_never_shown() {
     assert!(!said.contains("battery"), "{said}");
     // Not retried: one attempt of the call Ironic refused (a retrying client would have made
     // `quick_retries`' three, whatever the time they took).
-    let refused = metrics.count("list_nodes", shepherd_loops::metrics::CallResult::Error);
+    let refused = metrics.count("list_nodes", shepherd_provider::metrics::CallResult::Error);
     assert_eq!(refused, 1, "a refused credential is not retried");
     let none = Client::new(&ironic.url(), Auth::None, quick_retries(), metrics).unwrap();
     assert!(IronicProvider::connect(none, config("site-a"))
@@ -621,16 +624,16 @@ async fn a_held_node_deleted_at_ironic_stops_nothing_else() {
     );
     assert!(!recorded(&t.db).await.contains_key(&last[0]));
     // With an allowance of two (`--provisioner-max-missing 2`) the pass goes on.
-    let mut limits = shepherd_loops::reconcile::Limits::new(0, 50);
+    let mut limits = Limits::new(0, 50);
     limits.max_missing = "2".parse().unwrap();
     let unpaced = RateSpec::new(Duration::from_millis(1), 1000);
-    let config = shepherd_loops::provisioner::ProvisionerConfig {
+    let config = ProvisionerConfig {
         limits,
         reconcile_rate: unpaced,
         creation_rate: unpaced,
         creation_parallelism: 1,
     };
-    let allowing_two = shepherd_loops::provisioner::Provisioner::new(p.clone(), config);
+    let allowing_two = Provisioner::new(p.clone(), config);
     let r = allowing_two.iterate(&s).await.unwrap();
     assert_eq!((r.created, r.missing), (1, 2), "{r:?}");
     s.close().await.unwrap();
@@ -743,7 +746,7 @@ async fn claims_go_through_named_allocations_with_traits_and_failed_ones_are_cle
             break;
         }
     }
-    use shepherd_loops::metrics::CallResult;
+    use shepherd_provider::metrics::CallResult;
     let calls = |call| {
         (
             metrics.count(call, CallResult::Ok),
@@ -958,7 +961,7 @@ async fn network_data_comes_from_the_nodes_ports() {
 #[tokio::test]
 async fn a_refused_deploy_is_skipped_by_every_replica_and_after_a_restart() {
     let _one = one_at_a_time().await;
-    use shepherd_loops::metrics::CallResult;
+    use shepherd_provider::metrics::CallResult;
     let (ironic, nodes, t, s, _) = site(2, quick_retries()).await;
     let ramdisk = json!([{"op": "replace", "path": "/deploy_interface", "value": "ramdisk"}]);
     ironic.patch_node(&nodes[1], ramdisk).await;
@@ -1045,7 +1048,7 @@ async fn an_ironic_on_postgres_takes_overlapping_creations() {
     let p = provider(&ironic, config("site-a")).await;
     let t = testing::sqlite().await;
     let s = session(&t.db).await;
-    let four = shepherd_ironic::testing::provisioner_with_parallelism(p, 10, 4);
+    let four = unpaced_parallel_provisioner(p, 10, 4);
     testing::eventually("every node created", Duration::from_secs(60), async || {
         four.iterate(&s).await.unwrap();
         let recorded = recorded(&t.db).await;
@@ -1317,7 +1320,7 @@ async fn marks_written_before_an_allocation_that_fails_are_removed() {
 /// when another creates machines while it works through its own (stale) listing.
 struct ListedBeforeAnotherPass {
     inner: Arc<IronicProvider>,
-    other: shepherd_loops::provisioner::Provisioner<IronicProvider>,
+    other: Provisioner<IronicProvider>,
     other_session: Session,
 }
 
@@ -1343,7 +1346,7 @@ impl Provider for ListedBeforeAnotherPass {
         &self,
         session: &Session,
         unused: &ProviderMachine,
-    ) -> Result<shepherd_loops::provider::Recorded, ProviderError> {
+    ) -> Result<shepherd_provider::Recorded, ProviderError> {
         self.inner.create_machine(session, unused).await
     }
 
@@ -1365,17 +1368,17 @@ async fn candidates_recorded_since_the_listing_cost_ironic_nothing() {
         other: provisioner(a, 10),
         other_session: s,
     };
-    let config = shepherd_loops::provisioner::ProvisionerConfig {
-        limits: shepherd_loops::reconcile::Limits::new(0, 10),
+    let config = ProvisionerConfig {
+        limits: Limits::new(0, 10),
         reconcile_rate: RateSpec::new(Duration::from_millis(1), 1),
         creation_rate: RateSpec::new(Duration::from_millis(1), 1000),
         creation_parallelism: 1,
     };
-    let replica_b = shepherd_loops::provisioner::Provisioner::new(Arc::new(stale), config);
+    let replica_b = Provisioner::new(Arc::new(stale), config);
     let s_b = session(&t.db).await;
     let r = replica_b.iterate(&s_b).await.unwrap();
     assert_eq!((r.created, r.taken, r.failed), (0, 3, 0), "{r:?}");
-    use shepherd_loops::metrics::CallResult;
+    use shepherd_provider::metrics::CallResult;
     for call in ["create_allocation", "get_allocation", "mark_node"] {
         assert_eq!(b_calls.count(call, CallResult::Ok), 0, "{call}");
         assert_eq!(b_calls.count(call, CallResult::Error), 0, "{call}");

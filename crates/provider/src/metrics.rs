@@ -13,7 +13,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use shepherd_bmdb::{Provider as ProviderKind, Session};
 
-use crate::provider::{HandBack, Provider, ProviderError, ProviderMachine, Recorded, Recoverer};
+use crate::{HandBack, Provider, ProviderError, ProviderMachine, Recorded, Recoverer};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CallLabels {

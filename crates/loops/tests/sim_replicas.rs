@@ -1,6 +1,7 @@
 //! Two shepherd replicas (separate BMDB handles and sessions; provisioner + 4 initializer
 //! workers each) over one simulated fleet of 200 machines, with injected connection
-//! failures: every machine is taken over exactly once, asserted from the work history.
+//! failures: every machine is taken over exactly once, asserted from the work history; and
+//! the simulated fleet agreeing with the provisioner's reconciliation.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -9,10 +10,10 @@ use std::time::Duration;
 use shepherd_bmdb::*;
 use shepherd_loops::initializer::{Initializer, InitializerConfig};
 use shepherd_loops::limiter::RateSpec;
-use shepherd_loops::provider::Provider as _;
 use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
-use shepherd_loops::reconcile::Limits;
+use shepherd_loops::reconcile::{reconcile, Limits};
 use shepherd_loops::runner::{run, RunnerConfig};
+use shepherd_provider::{Availability, Provider as _};
 use shepherd_sim::{SimFleet, SimKnobs};
 use tokio_util::sync::CancellationToken;
 
@@ -31,11 +32,11 @@ async fn replica(db: Bmdb, fleet: Arc<SimFleet>, name: &str, cancel: Cancellatio
     let mut config = InitializerConfig::new(vec![0x7f], "bmaas.example:443");
     config.backoff = Backoff::exponential(Duration::from_secs(1), Duration::from_secs(2), 1.2);
     let init = Initializer::new(fleet.clone(), fleet.clone(), config).unwrap();
-    let runner = RunnerConfig {
-        parallelism: 4,
-        db_rate: RateSpec::new(Duration::from_millis(5), 8),
-        session: SessionConfig::new(name, Processor::ShepherdInitializer),
-    };
+    let runner = RunnerConfig::new(
+        4,
+        RateSpec::new(Duration::from_millis(5), 8),
+        SessionConfig::new(name, Processor::ShepherdInitializer),
+    );
     tokio::join!(
         shepherd_loops::periodic::run(
             &provisioner,
@@ -212,4 +213,27 @@ async fn postgres() {
     };
     an_orphan_of_the_simulator_is_adopted(t.db.clone()).await;
     t.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_deployed_fleet_is_all_ours_and_agrees_with_a_bmdb_that_records_it() {
+    let knobs = SimKnobs {
+        deployed: true,
+        ..Default::default()
+    };
+    let fleet = SimFleet::new(100, knobs).unwrap();
+    let list = fleet.list_machines().await.unwrap();
+    assert!(list
+        .iter()
+        .all(|m| m.availability == Availability::PossiblyUsed));
+    // After a restart over a BMDB that records every machine: nothing to create, no
+    // discrepancy.
+    let recorded = list.iter().filter_map(|m| m.id.clone()).collect();
+    let plan = reconcile(&list, &recorded, Default::default()).unwrap();
+    assert_eq!((plan.managed, plan.create.len()), (100, 0));
+    // A fresh fleet over the same BMDB, not sharing it, disagrees with it: that is what
+    // the flag and `share_through` are for.
+    let fresh = SimFleet::new(100, SimKnobs::default()).unwrap();
+    let fresh = fresh.list_machines().await.unwrap();
+    assert!(reconcile(&fresh, &recorded, Default::default()).is_err());
 }

@@ -11,10 +11,10 @@ use shepherd_bmdb::{testing, Bmdb, Processor, Provider as Kind, Session};
 use shepherd_equinix::fake::{Failure, FakeEquinix};
 use shepherd_equinix::{Client, EquinixConfig, EquinixProvider, RetryPolicy};
 use shepherd_loops::limiter::RateSpec;
-use shepherd_loops::metrics::{CallMetrics, CallResult};
-use shepherd_loops::provider::{Availability, Provider, ProviderError, Recoverer};
 use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
 use shepherd_loops::reconcile::Limits;
+use shepherd_provider::metrics::{CallMetrics, CallResult};
+use shepherd_provider::{Availability, Provider, ProviderError, Recoverer};
 use uuid::Uuid;
 
 /// Milliseconds, for the retry policies of these tests.
@@ -227,7 +227,7 @@ async fn a_reservation_that_failed_is_skipped_for_its_penalty() {
     fake.fail_next("POST /projects/devices", Failure::Status(422));
     let r = provisioner(p.clone(), 0, 10).iterate(&s).await.unwrap();
     assert_eq!((r.created, r.failed), (2, 1));
-    let unused = |ms: Vec<shepherd_loops::provider::ProviderMachine>| {
+    let unused = |ms: Vec<shepherd_provider::ProviderMachine>| {
         ms.into_iter()
             .filter(|m| m.availability == Availability::KnownUnused)
             .count()

@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
-use shepherd_loops::redfish::Bmc;
-use shepherd_loops::testing::bmc::{BmcCerts, Script, ScriptedBmc};
+use shepherd_provider::redfish::Bmc;
+use shepherd_provider::testing::bmc::{BmcCerts, Script, ScriptedBmc};
 
 #[test]
 fn the_default_trust_is_the_systems_and_honours_ssl_cert_file() {

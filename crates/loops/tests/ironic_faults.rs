@@ -10,12 +10,13 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use shepherd_bmdb::{testing, Bmdb, Processor, ProviderStatus, Session};
 use shepherd_ironic::testing::{
-    provisioner, recorded, test_config, test_provider, FaultProxy, IronicServer, TestAuth,
+    recorded, test_config, test_provider, FaultProxy, IronicServer, TestAuth,
 };
 use shepherd_ironic::{ApiError, Auth, ConnectError, IronicProvider, RetryPolicy};
 use shepherd_loops::limiter::RateSpec;
-use shepherd_loops::provider::{Provider, ProviderError, Recoverer};
+use shepherd_loops::testing::unpaced_provisioner as provisioner;
 use shepherd_loops::updater::Updater;
+use shepherd_provider::{Provider, ProviderError, Recoverer};
 
 /// Attempts per request.
 const ATTEMPTS: u32 = 4;
@@ -221,7 +222,7 @@ async fn a_failed_deploy_is_a_failed_machine_with_ironics_last_error_and_a_refus
     let node = ironic.node(&refused).await;
     assert!(node["instance_uuid"].is_null(), "released: {node}");
     assert!(node["extra"].get("shepherd_deployment").is_none(), "{node}");
-    // (Its skip, shared by every replica: real_ironic.rs, a_refused_deploy_is_skipped….)
+    // (Its skip, shared by every replica: over_real_ironic.rs, a_refused_deploy_is_skipped….)
     s.close().await.unwrap();
     t.cleanup().await;
 }

@@ -1,0 +1,5 @@
+//! Helpers for tests and benchmarks (feature `testing`).
+
+pub mod bmc;
+
+pub use shepherd_ssh::testing::free_loopback_port;
