@@ -10,9 +10,11 @@ use shepherd_proto::bmaas::{
 };
 use shepherd_proto::shepherd::agent::AgentState;
 use shepherd_retry::{Delays, Streak};
+use tokio::sync::oneshot::Receiver;
 
 use crate::clock::CertificateTime;
 use crate::connection::{AgentClient, HeartbeatError, ServerConnector};
+use crate::install::InstallError;
 use crate::{hardware, identity, install, state, RunArgs};
 
 /// Default cap on the delay between failed heartbeats.
@@ -198,7 +200,7 @@ pub async fn run_agent(
     let mut installation_report: Option<OsInstallationReport> = None;
     // An installation runs beside the heartbeats, so a long download does not make the
     // machine look silent (and get it power-cycled mid-write by the recoverer).
-    let mut installing: Option<(i64, tokio::sync::oneshot::Receiver<Result<(), String>>)> = None;
+    let mut installing: Option<(i64, Receiver<Result<(), InstallError>>)> = None;
     let mut reboot_after_ack = false;
     let mut failures = Streak::new(retry_delays(config.retry_max));
     loop {
@@ -222,16 +224,19 @@ pub async fn run_agent(
                 }
                 if let Some(req) = response.installation_request {
                     if req.generation > installed_generation && installing.is_none() {
-                        let outcome: Result<(), String> = match req.r#type {
+                        let outcome = match req.r#type {
                             Some(os_installation_request::Type::Image(image)) => {
                                 installing = Some((req.generation, install::spawn(image)));
                                 Ok(())
                             }
-                            Some(os_installation_request::Type::Metropolis(_)) => Err(
-                                "Metropolis installation requests are not supported by this agent"
-                                    .into(),
-                            ),
-                            None => Err("installation request names no installation type".into()),
+                            Some(os_installation_request::Type::Metropolis(_)) => {
+                                Err(InstallError::Unsupported(
+                                    "Metropolis installation requests are not supported by this agent",
+                                ))
+                            }
+                            None => Err(InstallError::Unsupported(
+                                "installation request names no installation type",
+                            )),
                         };
                         if let Err(error) = outcome {
                             installation_report = Some(finish_installation(
@@ -261,7 +266,7 @@ pub async fn run_agent(
         // goes out at once, and the reboot follows the server's acknowledgement.
         let ended = match installing.as_mut() {
             Some((_, task)) => tokio::select! {
-                r = task => Some(r.unwrap_or_else(|_| Err("the installation thread ended without an outcome".into()))),
+                r = task => Some(r.unwrap_or_else(|_| Err(InstallError::NotRun("its thread ended without an outcome".into())))),
                 _ = tokio::time::sleep(wait) => None,
             },
             None => {
@@ -283,7 +288,7 @@ pub async fn run_agent(
 fn finish_installation(
     persist: &mut Option<(std::path::PathBuf, AgentState)>,
     generation: i64,
-    outcome: Result<(), String>,
+    outcome: Result<(), InstallError>,
 ) -> OsInstallationReport {
     if let Some((path, st)) = persist.as_mut() {
         st.installed_generation = generation;
@@ -295,9 +300,9 @@ fn finish_installation(
         generation,
         result: Some(match outcome {
             Ok(()) => os_installation_report::Result::Success(os_installation_report::Success {}),
-            Err(error) => {
-                os_installation_report::Result::Error(os_installation_report::Error { error })
-            }
+            Err(error) => os_installation_report::Result::Error(os_installation_report::Error {
+                error: error.to_string(),
+            }),
         }),
     }
 }

@@ -15,7 +15,8 @@ use shepherd_bmdb::{Provider as ProviderKind, ProviderStatus, Session};
 use shepherd_provider::penalty::PenaltyBox;
 use shepherd_provider::settings::InvalidSetting;
 use shepherd_provider::{
-    record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Recorded, Recoverer,
+    record_new_machine, ApiFailure, Availability, Provider, ProviderError, ProviderMachine,
+    Recorded, Recoverer,
 };
 
 use crate::client::{ApiError, Client};
@@ -104,8 +105,8 @@ fn api(e: ApiError) -> ProviderError {
         ApiError::NotFound | ApiError::Decode(_) => false,
     };
     match unavailable {
-        true => ProviderError::Unavailable(Box::new(e)),
-        false => ProviderError::Api(Box::new(e)),
+        true => ProviderError::Unavailable(ApiFailure::new(e)),
+        false => ProviderError::Api(ApiFailure::new(e)),
     }
 }
 
@@ -253,7 +254,7 @@ impl EquinixProvider {
                     }
                 }
                 self.penalty.penalize(reservation.id.clone());
-                Err(ProviderError::Api(Box::new(CreationFailed {
+                Err(ProviderError::Api(ApiFailure::new(CreationFailed {
                     reservation: reservation.id.clone(),
                     error: e,
                     skipped_for: self.config.reservation_penalty,

@@ -31,8 +31,8 @@ use rand::seq::SliceRandom;
 use shepherd_bmdb::{Lease, Provider as ProviderKind, ProviderStatus, Session};
 use shepherd_provider::settings::InvalidSetting;
 use shepherd_provider::{
-    record_deploying_machine, Availability, HandBack, Provider, ProviderError, ProviderMachine,
-    Recorded, Recoverer,
+    record_deploying_machine, ApiFailure, Availability, HandBack, Provider, ProviderError,
+    ProviderMachine, Recorded, Recoverer,
 };
 
 use crate::client::{ApiError, Client, Conflict};
@@ -334,11 +334,11 @@ impl From<IronicError> for ProviderError {
             IronicError::Api {
                 error: ApiError::Unavailable { .. } | ApiError::Connect(_) | ApiError::Transport(_),
                 ..
-            } => ProviderError::Unavailable(Box::new(e)),
+            } => ProviderError::Unavailable(ApiFailure::new(e)),
             e @ (IronicError::AllocationStuck { .. } | IronicError::AllocationFailed { .. }) => {
-                ProviderError::Unavailable(Box::new(e))
+                ProviderError::Unavailable(ApiFailure::new(e))
             }
-            e => ProviderError::Api(Box::new(e)),
+            e => ProviderError::Api(ApiFailure::new(e)),
         }
     }
 }
@@ -1050,7 +1050,7 @@ impl IronicProvider {
         ProviderError::Refused {
             provider_id: uuid.to_string(),
             skip_for: self.config.refused_penalty,
-            error: Box::new(error),
+            error: ApiFailure::new(error),
         }
     }
 

@@ -11,7 +11,7 @@ use shepherd_ironic::testing::{
     recorded, site, test_config, test_provider, FaultProxy, IronicServer, TestAuth,
 };
 use shepherd_ironic::{
-    ApiError, Auth, Client, ConnectError, IronicConfig, IronicProvider, RetryPolicy,
+    ApiError, Auth, Client, ConnectError, IronicConfig, IronicError, IronicProvider, RetryPolicy,
 };
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
@@ -1299,9 +1299,16 @@ async fn marks_written_before_an_allocation_that_fails_are_removed() {
     let mut unused = p.list_machines().await.unwrap().remove(0);
     assert!(unused.facts.insert("resource_class", "no-such-class"));
     let created = p.create_machine(&s, &unused).await;
+    let Err(ProviderError::Refused { error, .. }) = &created else {
+        panic!("{created:?}");
+    };
+    // Ironic's own typed error, behind the trait.
     assert!(
-        matches!(created, Err(ProviderError::Refused { .. })),
-        "{created:?}"
+        matches!(
+            error.downcast_ref::<IronicError>(),
+            Some(IronicError::NotAllocated { .. })
+        ),
+        "{error:?}"
     );
     // The marking patch, then the one that removes the marks.
     let requests = claim_requests(&proxy, &nodes[0]);

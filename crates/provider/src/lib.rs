@@ -110,7 +110,7 @@ pub enum ProviderError {
     Taken(String),
     /// The provider's API failed or refused; the provider's own typed error.
     #[error(transparent)]
-    Api(Box<dyn std::error::Error + Send + Sync>),
+    Api(ApiFailure),
     /// The provider refused to make a machine of this id as it stands (Ironic answering a
     /// node's deploy with 400: a driver that does not validate, say): asking again soon would
     /// be refused alike, so the provisioner records a skip of `skip_for` in the BMDB, which
@@ -122,13 +122,13 @@ pub enum ProviderError {
         /// How long to leave it alone.
         skip_for: std::time::Duration,
         /// The provider's own typed error.
-        error: Box<dyn std::error::Error + Send + Sync>,
+        error: ApiFailure,
     },
     /// The provider's API could not be reached or answered that it cannot serve now
     /// (connection refused, a timeout, 5xx, 429), after the client's retries; the provider's
     /// own typed error. No machine is at fault: loops stop and wait instead of charging it.
     #[error(transparent)]
-    Unavailable(Box<dyn std::error::Error + Send + Sync>),
+    Unavailable(ApiFailure),
     /// The provider's answer lacks what Shepherd needs of it (an id, a reservation).
     #[error("the provider's answer lacks {0}")]
     Incomplete(&'static str),
@@ -146,6 +146,49 @@ pub enum ProviderError {
     /// The machine exists at the provider, but the BMDB did not record it.
     #[error(transparent)]
     Record(#[from] RecordError),
+}
+
+/// A provider's own typed error (Ironic's `ApiError`, Equinix's, the simulator's), carried
+/// behind the trait as `std::io::Error` carries an OS or custom error: the loops decide by the
+/// [`ProviderError`] variant it sits in, never by the provider's type, and code that knows the
+/// provider gets its type back with [`ApiFailure::downcast_ref`]. It displays as, and has the
+/// source of, the error it carries.
+#[derive(Debug)]
+pub struct ApiFailure(Box<dyn std::error::Error + Send + Sync>);
+
+impl ApiFailure {
+    /// Carries `error`, the provider's own.
+    pub fn new(error: impl std::error::Error + Send + Sync + 'static) -> Self {
+        ApiFailure(Box::new(error))
+    }
+
+    /// The provider's error, if it is an `E`.
+    pub fn downcast_ref<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        self.0.downcast_ref::<E>()
+    }
+}
+
+impl std::fmt::Display for ApiFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl std::error::Error for ApiFailure {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+/// A failure described by a sentence alone: test providers and injected faults.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Described(pub String);
+
+impl From<&str> for ApiFailure {
+    fn from(sentence: &str) -> Self {
+        ApiFailure::new(Described(sentence.to_string()))
+    }
 }
 
 impl From<BmcError> for ProviderError {

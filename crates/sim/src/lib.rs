@@ -23,7 +23,8 @@ pub use shepherd_agent::heartbeat::{BetweenHeartbeats, HeartbeatFailures};
 use shepherd_provider::settings::InvalidSetting;
 use shepherd_provider::transport::{AgentOutput, AgentRun, Step, Transport, TransportError};
 use shepherd_provider::{
-    record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Recorded, Recoverer,
+    record_new_machine, ApiFailure, Availability, Provider, ProviderError, ProviderMachine,
+    Recorded, Recoverer,
 };
 use shepherd_ssh::SshError;
 
@@ -379,7 +380,7 @@ impl Provider for SimFleet {
                 .read(|tx| Box::pin(async move { tx.provided_by(ProviderKind::Sim).await }))
                 .await
                 // The BMDB is this simulated provider's own store: its failure is the API's.
-                .map_err(|e| ProviderError::Api(Box::new(e)))?;
+                .map_err(|e| ProviderError::Api(ApiFailure::new(e)))?;
             let mut s = self.state.lock().unwrap();
             for (_, p) in recorded {
                 if let Some(&i) = s.by_id.get(&p.provider_id) {
@@ -416,9 +417,9 @@ impl Provider for SimFleet {
             .ok_or(ProviderError::Incomplete("an id of the unused machine"))?
             .to_string();
         if self.roll(self.knobs.create_failure) {
-            return Err(ProviderError::Api(Box::new(SimulatedFailure(format!(
-                "creating {id}"
-            )))));
+            return Err(ProviderError::Api(ApiFailure::new(SimulatedFailure(
+                format!("creating {id}"),
+            ))));
         }
         let view = {
             let mut s = self.state.lock().unwrap();

@@ -8,7 +8,8 @@
 //! - no crate but the BMDB names `sqlx`, and inside it only `sql/` and the files that open
 //!   pools, classify errors and make test databases do;
 //! - no control loop imports another loop, and no provider depends on the loops;
-//! - no library crate depends on `anyhow`;
+//! - no library crate depends on `anyhow`, returns `Result<_, String>` from a public function
+//!   or carries a `Box<dyn …>` in a public enum;
 //! - no file imports another that imports it back, directly or through a chain, re-exports
 //!   included (`graph.rs`), in any crate;
 //! - comments explain the code as it is rather than narrate its history;
@@ -16,6 +17,7 @@
 //!   scrolls them);
 //! - nothing stray (logs, databases) is tracked.
 
+mod api_types;
 mod errors;
 mod graph;
 
@@ -406,6 +408,23 @@ fn nothing_stray_is_tracked() {
         })
         .collect();
     assert!(stray.is_empty(), "stray files tracked: {stray:?}");
+}
+
+#[test]
+fn no_library_says_what_went_wrong_in_a_string_or_a_box() {
+    let offending: Vec<String> = library_crates()
+        .iter()
+        .flat_map(|krate| {
+            source_files().into_iter().filter(move |f| {
+                f.starts_with(&format!("{krate}/src/")) && !f.ends_with("/main.rs")
+            })
+        })
+        .flat_map(|f| api_types::stringly_or_boxed(&f, &read(&f)))
+        .collect();
+    assert!(
+        offending.is_empty(),
+        "a library's public API returns Result<_, String> or carries Box<dyn …> in an enum: {offending:?}"
+    );
 }
 
 #[test]
