@@ -25,18 +25,38 @@ use uuid::Uuid;
 /// Machines of the tests' fleet (the figures run uses 3,000).
 const MACHINES: usize = 600;
 
-/// A sim replica on `url`: 16 initializer workers, 1 s takeovers, sessions every 2 s.
+/// The replicas' session interval: a session lost in the failover is replaced within it.
+const SESSION_INTERVAL: Duration = Duration::from_secs(2);
+/// How long a simulated takeover takes.
+const TAKEOVER: Duration = Duration::from_secs(1);
+/// The BMDB's longest wait between two attempts of a transaction (`transaction.rs`).
+const TRANSACTION_RETRY_CAP: Duration = Duration::from_millis(500);
+/// What this 2-core machine adds: process scheduling, the history read that observes it.
+const MARGIN: Duration = Duration::from_millis(1500);
+
+/// How soon after HAProxy reaches the new primary each replica must commit again: a worker
+/// may have to replace its session, then take a machine over, and retry the transaction that
+/// records it once; beyond that is only the margin. (5 s with these settings.)
+fn commit_again_within() -> Duration {
+    SESSION_INTERVAL + TAKEOVER + TRANSACTION_RETRY_CAP + MARGIN
+}
+
+/// A sim replica on `url`: 16 initializer workers, [`TAKEOVER`]s, sessions every
+/// [`SESSION_INTERVAL`].
 fn replica(url: &str, server: &str, dir: &std::path::Path, name: &str, machines: usize) -> Child {
+    let interval = format!("{}ms", SESSION_INTERVAL.as_millis());
     let pace = Pace {
         workers: 16,
         claim_rate: "10ms,16",
         reconcile_rate: "1s,1",
         creation_rate: "10ms,10",
         chunk_size: 50,
+        session_interval: &interval,
         endpoint: server,
         ..Pace::default()
     };
-    sim_replica(url, machines, "1s", pace)
+    let takeover = format!("{}ms", TAKEOVER.as_millis());
+    sim_replica(url, machines, &takeover, pace)
         .args(["--sim-heartbeat-interval", "5s"])
         .stdout(Stdio::piped())
         .stderr(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap())
@@ -331,8 +351,9 @@ async fn failover_with(fault: Fault, machines: usize) -> Figures {
     for (name, after) in &resumed {
         eprintln!("replica {name} committed again {after:?} after the route");
         assert!(
-            *after <= Duration::from_secs(5),
-            "replica {name} took {after:?} to commit again"
+            *after <= commit_again_within(),
+            "replica {name} took {after:?} to commit again (limit {:?})",
+            commit_again_within()
         );
     }
 
