@@ -26,9 +26,9 @@ run() {
   rm -f "$log"
 }
 run -p shepherd --test fault_fencing
-run -p shepherd-loops --test recoverer_fencing
-run -p shepherd-bmdb --test leases a_replica_cut_off_inside_a_transaction_stalls_no_one
-run -p shepherd-server --test agent_e2e agents_with_wrong_clocks_heartbeat
+run -p shepherd-loops --test it recoverer_fencing::
+run -p shepherd-bmdb --test it leases::a_replica_cut_off_inside_a_transaction_stalls_no_one
+run -p shepherd-server --test it agent_e2e::agents_with_wrong_clocks_heartbeat
 run -p shepherd --test fault_disk_full
 
 # The worst value of every key printed, summing a figure's kinds (`_partition`, `_pause`).
@@ -67,9 +67,9 @@ kinds.
   power-cycle three silent machines through scripted Redfish BMCs (one set per replica, reads
   answered after 3 s, every request logged); replica a is partitioned (Postgres) or paused (both
   engines) while it reads a BMC, until b has reset every machine. Also
-  (\`crates/loops/tests/recoverer_fencing.rs\`) two recoverers in one process, one
+  (\`crates/loops/tests/it/recoverer_fencing.rs\`) two recoverers in one process, one
   partitioned while its provider looks a machine up.
-- Stalled replica (\`crates/bmdb/tests/leases.rs\`): a replica cut off between its keep-alive's
+- Stalled replica (\`crates/bmdb/tests/it/leases.rs\`): a replica cut off between its keep-alive's
   UPDATE and COMMIT, its session row locked; the time from its lease's end to the other
   replica's claim of its machine, with the session interval ${interval} s.
 - Wrong clocks (\`crates/server/tests/agent_e2e.rs\`): real agents under libfaketime at

@@ -30,6 +30,7 @@ async fn alive_in_database(db: &Bmdb, session: &Session) -> bool {
 /// With its keep-alive stopped (a pause, a partition), a session's lease is seen lost while
 /// the database still counts the session alive: no other replica can have its machines yet.
 async fn a_lease_ends_before_the_database_lets_go(db: Bmdb) {
+    let _turn = crate::alone().await;
     let s = session_every(&db, Processor::ShepherdInitializer, Duration::from_secs(1)).await;
     let lease = s.lease();
     assert!(lease.left().unwrap() <= Duration::from_secs(1));
@@ -50,6 +51,7 @@ async fn a_lease_ends_before_the_database_lets_go(db: Bmdb) {
 /// A healthy session renews early: over several intervals its lease never ends and never
 /// gets near its deadline.
 async fn a_healthy_lease_never_nears_its_deadline(db: Bmdb) {
+    let _turn = crate::alone().await;
     let s = session_every(&db, Processor::ShepherdInitializer, Duration::from_secs(1)).await;
     let lease = s.lease();
     let watched = Instant::now();
@@ -75,6 +77,7 @@ async fn a_healthy_lease_never_nears_its_deadline(db: Bmdb) {
 /// Fenced work is canceled with the cause "lease lost", counted per process, and charges the
 /// machine no backoff.
 async fn fenced_work_is_canceled_with_its_cause(db: Bmdb) {
+    let _turn = crate::alone().await;
     let m = testing::provision(&db, 1, Provider::Sim).await[0];
     let s = testing::session(&db, Processor::ShepherdInitializer).await;
     let mut w = held(s.work(Process::ShepherdAgentStart, START).await.unwrap());
@@ -102,6 +105,7 @@ async fn fenced_work_is_canceled_with_its_cause(db: Bmdb) {
 /// The re-check before a BMC reset: true while the session holds the work, false once the
 /// work ended or the session is gone.
 async fn the_lock_is_read_again_before_a_reset(db: Bmdb) {
+    let _turn = crate::alone().await;
     testing::provision(&db, 1, Provider::Sim).await;
     let s = testing::session(&db, Processor::ShepherdRecoverer).await;
     let mut w = held(s.work(Process::ShepherdAgentStart, START).await.unwrap());
@@ -125,6 +129,7 @@ shepherd_bmdb::conformance_tests!(
 /// transaction ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_collector_skips_a_session_another_transaction_holds() {
+    let _turn = crate::alone().await;
     let Some(t) = testing::postgres().await else {
         return;
     };
@@ -162,6 +167,7 @@ async fn the_collector_skips_a_session_another_transaction_holds() {
 /// one's machine within three session intervals of its lease's end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_replica_cut_off_inside_a_transaction_stalls_no_one() {
+    let _turn = crate::alone().await;
     let Some(t) = testing::postgres().await else {
         return;
     };
@@ -278,6 +284,7 @@ impl std::io::Write for LogSink {
 /// lock is free.
 #[tokio::test(flavor = "current_thread")]
 async fn a_stopped_sqlite_writer_is_named_and_the_others_leases_end_on_time() {
+    let _turn = crate::alone().await;
     use sqlx::{Connection, Executor};
     let (logs, _guard) = capture_logs();
     let t = testing::sqlite().await;

@@ -35,7 +35,7 @@ async fn a_failed_runs_database_is_named_after_the_test_and_dropped_by_the_next_
     };
     let first = database_of(&first);
     assert!(
-        first.starts_with("st_test_databases_a_failed_runs_database_is_named"),
+        first.starts_with("st_it_test_databases__a_failed_runs_database_is_named"),
         "{first}"
     );
     assert!(exists(&first).await);

@@ -42,6 +42,7 @@ async fn session(db: &Bmdb) -> Session {
 
 #[tokio::test]
 async fn unavailable_and_slow_answers_are_retried_within_bounds_and_nothing_is_created_meanwhile() {
+    let _turn = crate::beside_each_other().await;
     let ironic = IronicServer::start(TestAuth::None).await;
     let nodes = ironic.fake_nodes(3, |_| json!({})).await;
     let proxy = FaultProxy::start(&ironic).await;
@@ -112,6 +113,7 @@ async fn unavailable_and_slow_answers_are_retried_within_bounds_and_nothing_is_c
 
 #[tokio::test]
 async fn the_api_down_at_start_up_fails_clearly_and_down_mid_run_changes_nothing() {
+    let _turn = crate::beside_each_other().await;
     // Nobody listens: start-up fails after its bounded attempts, saying so.
     let closed = format!(
         "127.0.0.1:{}",
@@ -158,6 +160,7 @@ async fn the_api_down_at_start_up_fails_clearly_and_down_mid_run_changes_nothing
 #[tokio::test]
 async fn a_failed_deploy_is_a_failed_machine_with_ironics_last_error_and_a_refused_one_is_released()
 {
+    let _turn = crate::beside_each_other().await;
     let ironic = IronicServer::start(TestAuth::None).await;
     // A node whose deploy Ironic starts and then fails: a ramdisk deploy over PXE whose
     // kernel cannot be fetched.
@@ -229,6 +232,7 @@ async fn a_failed_deploy_is_a_failed_machine_with_ironics_last_error_and_a_refus
 
 #[tokio::test]
 async fn a_node_reserved_and_deployed_whose_insert_failed_is_adopted_not_deployed_again() {
+    let _turn = crate::beside_each_other().await;
     let ironic = IronicServer::start(TestAuth::None).await;
     let nodes = ironic.fake_nodes(2, |_| json!({})).await;
     let (p, t) = provider_and_bmdb(&ironic.url(), Duration::from_secs(10)).await;

@@ -21,12 +21,12 @@ use shepherd_loops::updater::Updater;
 use shepherd_provider::metrics::CallMetrics;
 use shepherd_provider::{Provider, ProviderError, ProviderMachine, Recoverer};
 
-/// Holds one test's turn: the tests of this file run one at a time. Each starts its own
+/// Holds one test's turn: the tests of this file run one at a time, and with no other
+/// turn-taking test of the crate ([`crate::alone`]). Each starts its own
 /// Ironic, whose conductor on SQLite fails work with "database is locked" when the machine
 /// is starved (an allocation left `allocating` for good), which says nothing of Shepherd.
-async fn one_at_a_time() -> tokio::sync::MutexGuard<'static, ()> {
-    static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-    TURN.lock().await
+async fn one_at_a_time() -> tokio::sync::RwLockWriteGuard<'static, ()> {
+    crate::alone().await
 }
 
 fn quick_retries() -> RetryPolicy {

@@ -82,6 +82,7 @@ fn recoverer(db: Bmdb, name: &'static str, calls: &Calls, cancel: &CancellationT
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_partitioned_recoverer_resets_nothing_after_its_lease() {
+    let _turn = crate::alone().await;
     let Some(t) = testing::postgres().await else {
         return;
     };

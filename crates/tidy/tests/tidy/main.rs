@@ -15,6 +15,7 @@
 //! - comments explain the code as it is rather than narrate its history;
 //! - no function outside tests is over 120 lines (a reader steps through functions, not
 //!   scrolls them);
+//! - each crate's integration tests are one binary (`tests/it/main.rs`), linked once;
 //! - nothing stray (logs, databases) is tracked.
 
 mod api_types;
@@ -352,7 +353,7 @@ fn no_file_imports_one_that_imports_it_back() {
     let root = workspace();
     let mut found = Vec::new();
     let roots = crate_roots();
-    assert!(roots.len() > 30, "found only {} crate roots", roots.len());
+    assert!(roots.len() > 20, "found only {} crate roots", roots.len());
     for krate in roots {
         for cycle in graph::cycles(&graph::Crate::read(&krate).edges()) {
             let files: Vec<String> = cycle
@@ -424,6 +425,49 @@ fn no_library_says_what_went_wrong_in_a_string_or_a_box() {
     assert!(
         offending.is_empty(),
         "a library's public API returns Result<_, String> or carries Box<dyn …> in an enum: {offending:?}"
+    );
+}
+
+/// The integration-test binaries of `krate`: each `tests/*.rs`, and each `tests/*/main.rs`.
+fn test_binaries(krate: &str) -> Vec<String> {
+    let prefix = format!("{krate}/tests/");
+    tracked()
+        .into_iter()
+        .filter(|f| {
+            f.strip_prefix(&prefix).is_some_and(|rest| {
+                let parts: Vec<&str> = rest.split('/').collect();
+                matches!(parts.as_slice(), [file] if file.ends_with(".rs"))
+                    || matches!(parts.as_slice(), [_, "main.rs"])
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn integration_tests_are_one_binary_per_crate() {
+    // A test that sets a process-wide variable needs a process of its own.
+    let own_process = ["crates/provider/tests/bmc_system_trust.rs"];
+    // Not yet merged: as one binary its heavy tests (VMs, Patroni, Ironic) queued behind one
+    // another for 1,228 s, and a deploy-wait tuned for running alone was missed.
+    let not_yet = ["crates/shepherd"];
+    let crates: BTreeSet<String> = tracked()
+        .iter()
+        .filter_map(|f| f.strip_suffix("/Cargo.toml"))
+        .filter(|c| c.starts_with("crates/") && !not_yet.contains(c))
+        .map(String::from)
+        .collect();
+    let offenders: Vec<Vec<String>> = crates
+        .iter()
+        .map(|krate| {
+            let mut binaries = test_binaries(krate);
+            binaries.retain(|b| !own_process.contains(&b.as_str()));
+            binaries
+        })
+        .filter(|binaries| binaries.len() > 1)
+        .collect();
+    assert!(
+        offenders.is_empty(),
+        "each crate links its integration tests once (tests/it/main.rs with a module per concern): {offenders:?}"
     );
 }
 

@@ -1,40 +1,40 @@
 //! One conformance suite for the BMDB, run against SQLite and Postgres (SPEC §2–§5), by
 //! concern as `sql/` is: each module runs its tests on both engines. Here: what they share.
-use std::collections::{BTreeSet, HashMap};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
 use chrono::Utc;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use shepherd_bmdb::*;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 use uuid::Uuid;
-pub const START: Retrieval = Retrieval::AgentStart {
+const START: Retrieval = Retrieval::AgentStart {
     provider: Provider::Sim,
 };
-pub fn key(byte: u8) -> Vec<u8> {
+fn key(byte: u8) -> Vec<u8> {
     vec![byte; AGENT_KEY_LEN]
 }
-pub async fn session(db: &Bmdb, name: &str) -> Session {
+async fn session(db: &Bmdb, name: &str) -> Session {
     db.start_session(SessionConfig::new(name, Processor::ShepherdInitializer))
         .await
         .expect("start session")
 }
 /// Long enough after a [`doomed_session`]'s keep-alive stopped for it to have expired.
-pub const PAST_EXPIRY: Duration = Duration::from_millis(2200);
+const PAST_EXPIRY: Duration = Duration::from_millis(2200);
 /// A session with a one-second interval, which expires two seconds after its keep-alive
 /// stops.
-pub async fn doomed_session(db: &Bmdb) -> Session {
+async fn doomed_session(db: &Bmdb) -> Session {
     testing::session_every(db, Processor::ShepherdInitializer, Duration::from_secs(1)).await
 }
-pub fn claimed(c: Claim) -> Work {
+fn claimed(c: Claim) -> Work {
     match c {
         Claim::Work(w) => w,
         other => panic!("expected work, got {other:?}"),
     }
 }
 /// The fleet counts at the default thresholds.
-pub async fn fleet_counts(db: &Bmdb) -> FleetCounts {
+async fn fleet_counts(db: &Bmdb) -> FleetCounts {
     db.read(|tx| {
         Box::pin(async move {
             tx.fleet_counts(RecoveryThresholds::default().stale_after())
@@ -44,14 +44,14 @@ pub async fn fleet_counts(db: &Bmdb) -> FleetCounts {
     .await
     .unwrap()
 }
-pub async fn history(db: &Bmdb, id: Uuid) -> Vec<HistoryEntry> {
+async fn history(db: &Bmdb, id: Uuid) -> Vec<HistoryEntry> {
     db.read(|tx| Box::pin(async move { tx.machine_history(id).await }))
         .await
         .unwrap()
 }
 /// Starts the agent of every machine in `ids` except those in `keep`, making them ineligible
 /// for agent start.
-pub async fn start_all_but(db: &Bmdb, ids: &[Uuid], keep: &BTreeSet<Uuid>) {
+async fn start_all_but(db: &Bmdb, ids: &[Uuid], keep: &BTreeSet<Uuid>) {
     let started: Vec<Uuid> = ids
         .iter()
         .copied()
@@ -70,7 +70,7 @@ pub async fn start_all_but(db: &Bmdb, ids: &[Uuid], keep: &BTreeSet<Uuid>) {
     .unwrap();
 }
 /// Claims one machine for agent start and finishes it with its agent started.
-pub async fn claim_and_start(s: &Session) -> Uuid {
+async fn claim_and_start(s: &Session) -> Uuid {
     let mut w = claimed(s.work(Process::ShepherdAgentStart, START).await.unwrap());
     let id = w.machine_id();
     w.finish(TagWrites::none().agent_started(key(4)))
@@ -78,7 +78,7 @@ pub async fn claim_and_start(s: &Session) -> Uuid {
         .unwrap();
     id
 }
-pub async fn count_start(db: &Bmdb) -> i64 {
+async fn count_start(db: &Bmdb) -> i64 {
     db.read(|tx| {
         Box::pin(async move { tx.count_eligible(Process::ShepherdAgentStart, &START).await })
     })
@@ -86,7 +86,7 @@ pub async fn count_start(db: &Bmdb) -> i64 {
     .unwrap()
 }
 /// Every claim of each of `ids` has exactly one ending after its Started, and no work is held.
-pub async fn every_claim_ended_once(db: &Bmdb, ids: &[Uuid]) {
+async fn every_claim_ended_once(db: &Bmdb, ids: &[Uuid]) {
     for id in ids {
         let events: Vec<WorkEvent> = history(db, *id).await.iter().map(|e| e.event).collect();
         let alternates = events.chunks(2).all(|pair| {
@@ -104,4 +104,3 @@ mod endings;
 mod provider_skips;
 mod sessions;
 mod tags;
-

@@ -33,6 +33,4 @@ async fn provider_skips_are_shared_until_they_end(db: Bmdb) {
     assert_eq!(skipped(Provider::Static).await.unwrap().len(), 1);
 }
 
-shepherd_bmdb::conformance_tests!(
-    provider_skips_are_shared_until_they_end,
-);
+shepherd_bmdb::conformance_tests!(provider_skips_are_shared_until_they_end,);
