@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/test-deps.sh
-cargo test -p shepherd --test fault_failover -- --ignored --exact failover_figures --nocapture
+cargo test -p shepherd --test it -- --ignored --exact solo::fault_failover::failover_figures --nocapture

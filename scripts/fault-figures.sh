@@ -25,11 +25,11 @@ run() {
   grep -oE '[a-z_0-9]+ = [0-9.]+' "$log" | tee -a "$out"
   rm -f "$log"
 }
-run -p shepherd --test fault_fencing
+run -p shepherd --test it solo::fault_fencing::
 run -p shepherd-loops --test it recoverer_fencing::
 run -p shepherd-bmdb --test it leases::a_replica_cut_off_inside_a_transaction_stalls_no_one
 run -p shepherd-server --test it agent_e2e::agents_with_wrong_clocks_heartbeat
-run -p shepherd --test fault_disk_full
+run -p shepherd --test it solo::fault_disk_full::
 
 # The worst value of every key printed, summing a figure's kinds (`_partition`, `_pause`).
 worst() {
@@ -58,7 +58,7 @@ Run on $(date -u '+%Y-%m-%d %H:%M UTC') with \`scripts/fault-figures.sh\` (2 cor
 runs, on loopback). Worst case over the runs of each figure; counts are summed over the fault
 kinds.
 
-- Fencing (\`crates/shepherd/tests/fault_fencing.rs\`): two \`shepherd run\` replicas over three
+- Fencing (\`crates/shepherd/tests/it/solo/fault_fencing.rs\`): two \`shepherd run\` replicas over three
   real sshds whose uploads take 3 s, session interval 2 s; replica a is cut off from Postgres by
   a silent partition, or paused with SIGSTOP (on Postgres and on SQLite), in the middle of an
   upload, until replica b has taken over every machine. Side effects are the commands the
@@ -75,7 +75,7 @@ kinds.
 - Wrong clocks (\`crates/server/tests/agent_e2e.rs\`): real agents under libfaketime at
   2000-01-01, -2 days and +1 year, and one with the right clock, against a server certificate
   valid from today for 90 days; the share that heartbeats.
-- Full disk (\`crates/shepherd/tests/fault_disk_full.rs\`): \`shepherd demo\` (300 machines, no
+- Full disk (\`crates/shepherd/tests/it/solo/fault_disk_full.rs\`): \`shepherd demo\` (300 machines, no
   injected failures) with its SQLite BMDB on a 64 MiB tmpfs, filled while takeovers run and
   freed 3 s after the demo told the cause; the first commit after space returned, and the
   machines with a Failed entry, a reboot or a failure backoff.

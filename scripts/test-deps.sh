@@ -138,7 +138,7 @@ ensure_ironic() {
 ensure_oidc_provider() {
   # The operator API's tests sign in against a real OpenID provider: panva's oidc-provider
   # (OpenID Certified) under Node, installed from npm into a directory of our own
-  # (crates/shepherd/tests/common/oidc-idp.mjs runs it). Node from Debian if there is none.
+  # (crates/shepherd/tests/it/common/oidc-idp.mjs runs it). Node from Debian if there is none.
   local dir="${SHEPHERD_OIDC_PROVIDER_DIR:-$HOME/.cache/shepherd/oidc-provider}"
   if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
     echo "test-deps: installing Node.js"

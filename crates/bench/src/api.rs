@@ -73,7 +73,7 @@ fn start_provider() -> Result<(Killed, String)> {
         .unwrap_or_else(|_| format!("{home}/.cache/shepherd/oidc-provider"));
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../shepherd/tests/common/oidc-idp.mjs"
+        "/../shepherd/tests/it/common/oidc-idp.mjs"
     );
     let port = shepherd_loops::testing::free_loopback_port().to_string();
     let child = Command::new("node")

@@ -447,13 +447,10 @@ fn test_binaries(krate: &str) -> Vec<String> {
 fn integration_tests_are_one_binary_per_crate() {
     // A test that sets a process-wide variable needs a process of its own.
     let own_process = ["crates/provider/tests/bmc_system_trust.rs"];
-    // Not yet merged: as one binary its heavy tests (VMs, Patroni, Ironic) queued behind one
-    // another for 1,228 s, and a deploy-wait tuned for running alone was missed.
-    let not_yet = ["crates/shepherd"];
     let crates: BTreeSet<String> = tracked()
         .iter()
         .filter_map(|f| f.strip_suffix("/Cargo.toml"))
-        .filter(|c| c.starts_with("crates/") && !not_yet.contains(c))
+        .filter(|c| c.starts_with("crates/"))
         .map(String::from)
         .collect();
     let offenders: Vec<Vec<String>> = crates
@@ -468,6 +465,24 @@ fn integration_tests_are_one_binary_per_crate() {
     assert!(
         offenders.is_empty(),
         "each crate links its integration tests once (tests/it/main.rs with a module per concern): {offenders:?}"
+    );
+}
+
+/// `scripts/test.sh` keeps every test whose name holds `solo::` out of its first run and then
+/// runs only the `shepherd` crate's `solo::` modules, so a test elsewhere whose path held
+/// `solo::` (a module, or a test function ending in `solo` that a macro makes a module of)
+/// would run nowhere.
+#[test]
+fn tests_named_solo_live_only_in_the_shepherd_crate() {
+    let named = regex_lite::Regex::new(r"\b(mod|fn)\s+[a-z0-9_]*solo\b").unwrap();
+    let offenders: Vec<String> = rust_files()
+        .into_iter()
+        .filter(|f| f != "crates/shepherd/tests/it/main.rs")
+        .filter(|f| named.is_match(&read(f)))
+        .collect();
+    assert!(
+        offenders.is_empty(),
+        "`scripts/test.sh` would skip these files' `solo` tests everywhere: {offenders:?}"
     );
 }
 

@@ -2,7 +2,7 @@
 //! installed PostgreSQL, data and socket in a private directory, listening on a private
 //! loopback port. As root (CI), the server runs as the `postgres` user, as initdb requires.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -143,11 +143,6 @@ impl PrivatePostgres {
             "pg_ctl",
             &["-D", &self.data(), "-m", "immediate", "-w", "stop"],
         );
-    }
-
-    /// The cluster's directory.
-    pub fn dir(&self) -> &Path {
-        self.dir.path()
     }
 }
 

@@ -8,7 +8,7 @@
 //!   engages and nothing is rebooted; the server comes back on the same address, the agent
 //!   heartbeats again and the brake releases by itself.
 
-mod common;
+use crate::common;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

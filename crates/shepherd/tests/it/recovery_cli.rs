@@ -4,7 +4,7 @@
 //! - with the brake out of the way, each machine is rebooted `--recovery-give-up-after` times
 //!   in a row, backing off in between, then left alone; the web UI and metrics show it.
 
-mod common;
+use crate::common;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};

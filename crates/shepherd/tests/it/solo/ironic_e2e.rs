@@ -6,7 +6,7 @@
 //! on an Ironic node heartbeats through `shepherd server`, and when it goes silent its node is
 //! rebooted through Ironic and taken over again.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::Command;

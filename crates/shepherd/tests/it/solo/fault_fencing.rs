@@ -10,7 +10,7 @@
 //!
 //! The figures are printed as `fence_*` lines for `scripts/fault-figures.sh`.
 
-mod common;
+use crate::common;
 
 use std::collections::{HashMap, HashSet};
 use std::process::Stdio;

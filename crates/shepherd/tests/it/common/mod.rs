@@ -1,5 +1,4 @@
 //! Helpers shared by the CLI integration tests.
-#![allow(dead_code)] // each test binary uses its own subset
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command};

@@ -5,7 +5,7 @@
 //! authorized request must be closed after the unauthenticated timeout, an agent's after the
 //! idle timeout. Bounds come from the configured timeouts with generous margins.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -3,7 +3,7 @@
 //! this build's schema compatible, and stops cleanly — its work canceled, its sessions closed,
 //! a message naming both versions — once a migration no longer admits it.
 
-mod common;
+use crate::common;
 
 use std::process::Stdio;
 use std::time::{Duration, Instant};

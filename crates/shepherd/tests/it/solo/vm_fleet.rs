@@ -5,7 +5,7 @@
 //! first with network boot into the base system as the fallback, and gets an OS installed. The VMs reach nothing but their forwarded sshd
 //! and the server (QEMU's user-mode network, `restrict=on`), so all traffic stays on this host.
 
-mod common;
+use crate::common;
 
 use std::process::Stdio;
 use std::time::{Duration, Instant};

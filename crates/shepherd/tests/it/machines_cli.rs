@@ -1,7 +1,7 @@
 //! `shepherd machines list/show/history` and `shepherd sessions list` over a BMDB seeded with a
 //! machine in every lifecycle state.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::process::{Command, Output};

@@ -10,7 +10,7 @@
 //! each replica commits again within 5 s of HAProxy reaching the new primary; no replica sees
 //! the provider and the BMDB disagree; and everything exits cleanly.
 
-mod common;
+use crate::common;
 
 use std::collections::{HashMap, HashSet};
 use std::process::{Child, Stdio};
@@ -156,7 +156,7 @@ async fn failover_figures() {
          inserts a row through HAProxy every 100 ms; the rows it was told were committed are \
          counted again at the end; the creations are the most one replica made that the BMDB \
          could not record. Method: `scripts/failover-figures.sh` \
-         (`crates/shepherd/tests/fault_failover.rs`, `failover_figures`).\n\n\
+         (`crates/shepherd/tests/it/solo/fault_failover.rs`, `failover_figures`).\n\n\
          failover_writes_unavailable_s = {:.1}\n\
          failover_resume_after_route_s = {:.2}\n\
          failover_lost_acknowledged = {}\n\

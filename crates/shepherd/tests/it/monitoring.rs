@@ -2,7 +2,7 @@
 //! and their unit tests (`promtool test rules`), and the rules and the Grafana dashboard name
 //! only metrics that `shepherd run` and `shepherd server` really export.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};

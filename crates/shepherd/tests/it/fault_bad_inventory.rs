@@ -2,7 +2,7 @@
 //! with one line naming the setting and the problem, and writes nothing (not even the
 //! database file it was asked to create). An http(s) inventory gets a few attempts first.
 
-mod common;
+use crate::common;
 
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};

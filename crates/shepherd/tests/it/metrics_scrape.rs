@@ -2,7 +2,7 @@
 //! text-format parser: the SPEC §16 counters carry the right labels and agree with the work
 //! history, the provider counters with what was created, the fleet gauges with the BMDB.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::process::{Child, Stdio};

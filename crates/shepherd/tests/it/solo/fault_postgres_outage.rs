@@ -4,7 +4,7 @@
 //! starts it again. Both processes recover without a restart, the logs name the cause
 //! (connection refused), and the history shows nothing lost or duplicated.
 
-mod common;
+use crate::common;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

@@ -3,7 +3,7 @@
 //! is left at the schema it had, never half-migrated; the next `bmdb migrate` finishes the
 //! job, and the database is whole.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader};
 use std::process::Stdio;

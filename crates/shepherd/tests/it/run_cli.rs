@@ -2,7 +2,7 @@
 //! start-up errors naming the setting, the sim and static providers (the latter over a real
 //! sshd), and graceful shutdown on SIGTERM.
 
-mod common;
+use crate::common;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;

@@ -8,9 +8,9 @@
 //! - malformed JSON, unknown fields, huge pages and oversized bodies get one clear 4xx and
 //!   change nothing; requests are counted by route and result.
 
-mod common;
+use crate::common;
 
-#[path = "../src/api/policy.rs"]
+#[path = "../../src/api/policy.rs"]
 #[allow(dead_code)]
 mod policy;
 
@@ -859,7 +859,7 @@ async fn the_openapi_document_is_committed_and_complete() {
     assert!(
         on_disk == text,
         "docs/openapi.json differs from what the server serves; \
-         run SHEPHERD_UPDATE_OPENAPI=1 cargo test -p shepherd --test api openapi"
+         run SHEPHERD_UPDATE_OPENAPI=1 cargo test -p shepherd --test it api::openapi"
     );
     let mut documented: Vec<(String, String)> = Vec::new();
     for (path, item) in served["paths"].as_object().unwrap() {

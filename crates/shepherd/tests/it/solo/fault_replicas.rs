@@ -5,7 +5,7 @@
 //! - SIGTERM mid-work on both backends: no work rows and no sessions are left, and the work
 //!   in flight is recorded as Canceled.
 
-mod common;
+use crate::common;
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};

@@ -5,7 +5,7 @@
 //! with the first commit within seconds of it, no machine got a Failed entry or a backoff for
 //! it, and the database is whole. Mounting needs root, as CI runs.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader};
 use std::process::Stdio;

@@ -297,11 +297,6 @@ impl Vm {
         );
         String::from_utf8(out.stdout).unwrap()
     }
-
-    /// Sends one QMP command (`system_reset`, `quit`, …) and returns QEMU's answer.
-    pub fn qmp(&self, command: &str) -> String {
-        qmp(&self.qmp, command)
-    }
 }
 
 impl Drop for Vm {

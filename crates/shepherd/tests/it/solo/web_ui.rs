@@ -3,7 +3,7 @@
 //! filtered, paged and opened, and the rendered DOM must show what the database holds.
 //! Screenshots land in `target/web-ui/` for people to look at.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -3,7 +3,7 @@
 //! SSH, its heartbeats and hardware report arrive through TLS, and both processes shut down
 //! cleanly on SIGTERM.
 
-mod common;
+use crate::common;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};

@@ -30,7 +30,7 @@ impl OidcProvider {
             "{} is missing: run scripts/test-deps.sh (installs Node and oidc-provider)",
             package.display()
         );
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/common/oidc-idp.mjs");
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/it/common/oidc-idp.mjs");
         let port = free_port().to_string();
         let child = Command::new("node")
             .args([script, &dir, &port])

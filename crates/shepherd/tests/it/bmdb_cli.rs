@@ -178,7 +178,7 @@ async fn status_reports_counts_on_postgres() {
     assert!(out.contains("machines:        1"), "{out}");
     assert!(
         out.starts_with(
-            "database:        postgres://postgres@127.0.0.1:5432/st_bmdb_cli_status_reports"
+            "database:        postgres://postgres@127.0.0.1:5432/st_it_bmdb_cli__status_reports"
         ),
         "{out}"
     );

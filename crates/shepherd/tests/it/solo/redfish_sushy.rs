@@ -3,7 +3,7 @@
 //! and an unreachable BMC fail with clear causes, and the recoverer drives it all through the
 //! static provider with backoff on failure.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

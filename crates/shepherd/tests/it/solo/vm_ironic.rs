@@ -8,7 +8,7 @@
 //! The VM reaches nothing but its forwarded sshd and the server (QEMU's user-mode network,
 //! `restrict=on`), so all traffic stays on this host.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::time::Duration;
