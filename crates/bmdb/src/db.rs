@@ -11,6 +11,7 @@ use sqlx::sqlite::{
 };
 use sqlx::{ConnectOptions, Connection};
 
+use crate::batch_reports::{BatchReporter, HeartbeatBatchReports};
 use crate::batches::{ClaimBatches, EndingBatches, MAX_CLAIM_BATCH, MAX_ENDING_BATCH};
 use crate::claim_hints::ClaimHints;
 use crate::disk_full::DiskFullWarning;
@@ -89,6 +90,8 @@ pub(crate) struct Inner {
     pub(crate) endings: EndingBatches,
     /// What the transaction runner remembers of the errors it saw.
     pub(crate) seen: SeenErrors,
+    /// Where the sessions' heartbeat batches are reported, if anywhere.
+    pub(crate) heartbeat_reports: BatchReporter,
     target: String,
     /// The last diagnosis of an unreachable database, and when it was made.
     diagnosis: tokio::sync::Mutex<Option<(std::time::Instant, String)>>,
@@ -352,6 +355,7 @@ impl Bmdb {
                     disk_full: DiskFullWarning::new(sqlite_path),
                     outage: Default::default(),
                 },
+                heartbeat_reports: BatchReporter::default(),
                 target,
                 diagnosis: tokio::sync::Mutex::new(None),
                 collecting: Default::default(),
@@ -375,6 +379,12 @@ impl Bmdb {
     /// Counters of this handle's sessions, transactions and work.
     pub fn metrics(&self) -> &BmdbMetrics {
         &self.inner.metrics
+    }
+
+    /// Reports every heartbeat batch this handle's sessions write to `reports` (the BMaaS
+    /// server's task status); false if a receiver was set already, which stays.
+    pub fn report_heartbeat_batches_to(&self, reports: Arc<dyn HeartbeatBatchReports>) -> bool {
+        self.inner.heartbeat_reports.set(reports)
     }
 
     /// The schema version stored in the database (0 if never migrated).

@@ -6,6 +6,7 @@
 
 mod api_tokens;
 mod backoff;
+mod batch_reports;
 mod batches;
 mod claim_batch;
 mod claim_hints;
@@ -37,6 +38,7 @@ pub use api_tokens::{
     MAX_LISTED as MAX_API_TOKENS_LISTED, SESSION_PREFIX, TOKEN_PREFIX,
 };
 pub use backoff::{default_interval_seconds, Backoff};
+pub use batch_reports::HeartbeatBatchReports;
 pub use db::{BackendKind, Bmdb, OpenOptions};
 pub use eligibility::{RecoveryThresholds, Retrieval};
 pub use error::{DriverError, Error};

@@ -342,7 +342,10 @@ impl Session {
                 let session = self.clone();
                 tokio::spawn(async move {
                     let batch = session.inner.heartbeats.gather(leader).await;
+                    let reports = &session.inner.db.inner.heartbeat_reports;
+                    reports.started();
                     let written = session.write_heartbeats(batch.items()).await;
+                    reports.ended(batch.items().len(), &written);
                     batch.answer(written);
                 });
             }

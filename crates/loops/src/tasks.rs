@@ -1,8 +1,8 @@
 //! What a process's background tasks did last, as omicron's background tasks report it. Every
 //! background activity is a task with a typed [`TaskStatus`]: the periodic loops (the
 //! provisioner, the updater, history retention, the fleet statistics), whose unit of work is a
-//! pass, and the machine loops (the initializer, the recoverer with its brake), whose unit is
-//! one machine's work. A status says when the last unit started and ended, how it ended, a
+//! pass, the machine loops (the initializer, the recoverer with its brake), whose unit is
+//! one machine's work, and the BMaaS server's heartbeat group commit, whose unit is a batch. A status says when the last unit started and ended, how it ended, a
 //! short summary of what it did or why it failed, counts by outcome, and the last panic. The
 //! web UI's `/tasks` and `/tasks.json`, the operator API's `/api/v1/tasks` and `shepherd tasks`
 //! show them, and they are exported as metrics:
@@ -77,6 +77,10 @@ pub enum TaskKind {
     Periodic,
     /// One machine's work per unit, by several workers (the initializer, the recoverer).
     Machines,
+    /// One batch of concurrent callers' writes per unit (the BMaaS server's heartbeat group
+    /// commit): driven by its callers, not by a timer. Without callers (no agent heartbeats
+    /// yet) it has nothing to do, so it is never stale; its state is its last batch's.
+    Batches,
 }
 
 impl TaskKind {
@@ -85,6 +89,7 @@ impl TaskKind {
         match self {
             TaskKind::Periodic => "periodic",
             TaskKind::Machines => "machines",
+            TaskKind::Batches => "batches",
         }
     }
 }
@@ -179,7 +184,7 @@ impl TaskStatus {
         // A machine loop's failed unit is a machine's failure (counted, and backed off), not
         // the loop's; only a pass's failure is the task's own.
         let failed = match self.kind {
-            TaskKind::Periodic => {
+            TaskKind::Periodic | TaskKind::Batches => {
                 matches!(self.last_outcome, Some(Outcome::Failed | Outcome::Panicked))
             }
             TaskKind::Machines => self.last_outcome == Some(Outcome::Panicked),
@@ -198,6 +203,9 @@ impl TaskStatus {
     /// Whether the task has gone without a successful pass (counted from its start) for
     /// longer than `stale_after` at `now`.
     pub fn is_stale(&self, now: DateTime<Utc>, stale_after: Duration) -> bool {
+        if self.kind == TaskKind::Batches {
+            return false;
+        }
         let since = self.last_success.unwrap_or(self.started);
         chrono::Duration::from_std(stale_after).is_ok_and(|d| now - since > d)
     }
@@ -288,10 +296,13 @@ impl Tasks {
         let now = Utc::now();
         let label = TaskLabel { task: name };
         self.metrics.started.get_or_create(&label).set(unix(now));
-        self.metrics
-            .stale_after
-            .get_or_create(&label)
-            .set(self.stale_after.as_secs_f64());
+        // No stale-after series for a task that is never stale, so the alert leaves it out.
+        if kind != TaskKind::Batches {
+            self.metrics
+                .stale_after
+                .get_or_create(&label)
+                .set(self.stale_after.as_secs_f64());
+        }
         for outcome in Outcome::ALL {
             let _ = self.metrics.passes.get_or_create(&PassLabels {
                 task: name,
@@ -416,6 +427,33 @@ impl TaskHandle {
     }
 }
 
+/// The heartbeat group commit reports each batch to its task: a written batch succeeded; one
+/// that could not be written waited if the BMDB was unavailable or the session gone (the
+/// agents retry), and failed otherwise.
+impl shepherd_bmdb::HeartbeatBatchReports for TaskHandle {
+    fn started(&self) {
+        TaskHandle::started(self);
+    }
+
+    fn written(&self, members: usize) {
+        self.ended(
+            Outcome::Succeeded,
+            format!("{members} heartbeats written in one transaction"),
+        );
+    }
+
+    fn failed(&self, members: usize, error: &shepherd_bmdb::Error) {
+        let outcome = match error.is_transient() {
+            true => Outcome::Waited,
+            false => Outcome::Failed,
+        };
+        self.ended(
+            outcome,
+            format!("{members} heartbeats not written: {error}"),
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -474,6 +512,48 @@ mod tests {
             tasks.statuses()[0].state(later, stale_after),
             TaskState::Stale,
             "61 s after the last success it is stale, and no longer failed for the panic"
+        );
+    }
+
+    #[test]
+    fn heartbeat_batches_are_units_of_their_task_and_only_a_batch_of_its_own_fails_it() {
+        use shepherd_bmdb::{Error, HeartbeatBatchReports};
+        let stale_after = Duration::from_secs(60);
+        let tasks = Tasks::new(stale_after);
+        let t = tasks.task_of("heartbeat-batches", TaskKind::Batches);
+        HeartbeatBatchReports::started(&t);
+        assert!(tasks.statuses()[0].running);
+        t.written(12);
+        let s = tasks.statuses().pop().unwrap();
+        assert_eq!(
+            (s.kind.label(), s.count(Outcome::Succeeded)),
+            ("batches", 1)
+        );
+        assert_eq!(s.last_summary, "12 heartbeats written in one transaction");
+        assert_eq!(s.state(Utc::now(), stale_after), TaskState::Ok);
+        let outage = Error::Unavailable {
+            target: "db".into(),
+            cause: "refused".into(),
+        };
+        t.failed(3, &outage);
+        let s = tasks.statuses().pop().unwrap();
+        assert_eq!(s.state(Utc::now(), stale_after), TaskState::Waiting);
+        assert!(
+            s.last_summary.starts_with("3 heartbeats not written: "),
+            "{}",
+            s.last_summary
+        );
+        t.failed(2, &Error::WorkAlreadyDone("a defect"));
+        let s = tasks.statuses().pop().unwrap();
+        assert_eq!(s.state(Utc::now(), stale_after), TaskState::Failed);
+        assert_eq!(
+            (s.count(Outcome::Waited), s.count(Outcome::Failed), s.passes),
+            (1, 1, 3)
+        );
+        let next_day = s.started + chrono::Duration::days(1);
+        assert!(
+            !s.is_stale(next_day, stale_after),
+            "no heartbeats is nothing to do"
         );
     }
 

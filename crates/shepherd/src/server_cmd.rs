@@ -362,6 +362,11 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
         args.process.tasks(),
         cancel.clone(),
     );
+    let heartbeat_batches = operator.tasks.task_of(
+        "heartbeat-batches",
+        shepherd_loops::tasks::TaskKind::Batches,
+    );
+    db.report_heartbeat_batches_to(Arc::new(heartbeat_batches));
     let connections = ConnectionMetrics::default();
     connections.register(&mut operator.registry);
     let auth = Arc::new(crate::api::auth::Authenticator::new(

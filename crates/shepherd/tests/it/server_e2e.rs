@@ -1,16 +1,16 @@
 //! End to end through the CLI: `shepherd server` and `shepherd run` (static provider) as
 //! processes, a real sshd, and the real agent binary: the initializer starts the agent over
 //! SSH, its heartbeats and hardware report arrive through TLS, and both processes shut down
-//! cleanly on SIGTERM.
+//! cleanly on SIGTERM. The server's heartbeat group commit is one of its tasks.
 
 use crate::common;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{shepherd, ChildGuard};
+use common::{shepherd, ChildGuard, TestAgent};
 use shepherd_bmdb::Bmdb;
-use shepherd_proto::bmaas::AgentHardwareReport;
+use shepherd_proto::bmaas::{AgentHardwareReport, HeartbeatRequest};
 use shepherd_proto::Message;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -126,4 +126,84 @@ fn server_needs_certificates() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr)
         .contains("tls-cert and tls-key (or dev-certs) are required"));
+}
+
+/// The server's heartbeat group commit is a task: agents' bare heartbeats land in batches,
+/// each reported, and `/tasks.json` on the server's web listener shows the task with what
+/// its last batch wrote.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeat_batches_are_a_task_of_the_server() {
+    const AGENTS: usize = 6;
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("bmdb.sqlite").display());
+    let (server, lines) = common::started_server(
+        &url,
+        dir.path(),
+        &[],
+        &[
+            "shepherd server: listening on ",
+            "shepherd server: web UI at http://",
+        ],
+    );
+    let addr = lines[0].trim().to_string();
+    let web = lines[1].split('/').next().unwrap().to_string();
+    let ca = std::fs::read(dir.path().join("certs/ca.pem")).unwrap();
+    let db = Bmdb::open(&url).await.unwrap();
+    let mut beats = Vec::new();
+    for _ in 0..AGENTS {
+        let agent = TestAgent::new();
+        let machine = agent.machine(&db).await;
+        let mut client = agent.client(&addr, &ca, Duration::from_secs(10));
+        beats.push(async move {
+            for _ in 0..3 {
+                client
+                    .heartbeat(HeartbeatRequest {
+                        machine_id: machine.to_string(),
+                        ..Default::default()
+                    })
+                    .await
+                    .expect("a bare heartbeat is accepted");
+            }
+        });
+    }
+    futures::future::join_all(beats).await;
+
+    let tasks: serde_json::Value = reqwest::get(format!("http://{web}/tasks.json"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let task = tasks["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "heartbeat-batches")
+        .unwrap_or_else(|| panic!("no heartbeat-batches task: {tasks}"))
+        .clone();
+    assert_eq!(task["kind"], "batches", "{task}");
+    assert_eq!(task["state"], "ok", "{task}");
+    assert_eq!(task["last_outcome"], "succeeded", "{task}");
+    let written = task["by_outcome"]["succeeded"].as_u64().unwrap();
+    // Each agent waits for its answer before its next heartbeat, so there are at least three
+    // batches, and at most one per heartbeat.
+    assert!(
+        (3..=3 * AGENTS as u64).contains(&written),
+        "{written} batches for {} heartbeats: {task}",
+        3 * AGENTS
+    );
+    assert!(
+        task["last_summary"]
+            .as_str()
+            .unwrap()
+            .ends_with("heartbeats written in one transaction"),
+        "{task}"
+    );
+    let out = server.terminate();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    db.close().await;
 }
