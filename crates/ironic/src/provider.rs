@@ -625,10 +625,13 @@ impl IronicProvider {
         }
         let mut attempt = 1;
         loop {
+            // Each attempt claims the node anew: none once the lease is gone (the work may be
+            // another replica's by now).
+            lease.left()?;
             let created = match self.client.create_allocation(body.clone()).await {
                 Ok(a) => a,
                 Err(ApiError::Conflict { message, .. }) => {
-                    return Err(self.name_taken(&name, &message).await);
+                    return Err(self.name_taken(&name, &message, lease).await);
                 }
                 Err(e) if !e.not_applied() && e.transient() => {
                     // It may have been made; if so, a later listing finds it by its name.
@@ -655,6 +658,8 @@ impl IronicProvider {
                     )));
                 }
             };
+            // A failed allocation left behind is deleted by the node's next claim.
+            lease.left()?;
             if let Err(e) = self.client.delete_allocation(&placed.uuid).await {
                 tracing::warn!(node = uuid, allocation = placed.uuid, error = %e, "deleting a failed allocation failed; the next claim of the node deletes it");
             }
@@ -727,7 +732,7 @@ impl IronicProvider {
                 }
             }
         }
-        let (placed, looks) = match self.placed(allocation, uuid).await {
+        let (placed, looks) = match self.placed(allocation, uuid, lease).await {
             Ok(placed) => placed,
             Err(e) => {
                 // Not seen placed: whatever became of the allocation, the marks go. (One
@@ -758,18 +763,22 @@ impl IronicProvider {
     /// The allocation once the conductor has placed it (`active` or `error`), read at once,
     /// then after 50 ms doubling to 2 s, and how many reads that took. One still `allocating`
     /// after [`ALLOCATION_WAIT`] is deleted (the conductor is stuck or gone): Ironic is not
-    /// answering, which is not the node's fault.
+    /// answering, which is not the node's fault), while the lease holds; left for the node's
+    /// next claim otherwise.
     async fn placed(
         &self,
         mut allocation: Allocation,
         uuid: &str,
+        lease: &Lease,
     ) -> Result<(Allocation, u32), IronicError> {
         let started = std::time::Instant::now();
         let mut pause = Duration::ZERO;
         let mut looks = 0;
         while allocation.state == "allocating" {
             if started.elapsed() > ALLOCATION_WAIT {
-                if let Err(e) = self.client.delete_allocation(&allocation.uuid).await {
+                if lease.left().is_err() {
+                    tracing::debug!(node = uuid, allocation = allocation.uuid, "the lease ended: an allocation that never finished stays for the node's next claim");
+                } else if let Err(e) = self.client.delete_allocation(&allocation.uuid).await {
                     tracing::warn!(node = uuid, allocation = allocation.uuid, error = %e, "deleting an allocation that never finished failed");
                 }
                 return Err(IronicError::AllocationStuck {
@@ -791,10 +800,14 @@ impl IronicProvider {
 
     /// Why an allocation name of ours was taken: another replica of this deployment is
     /// claiming the node (taken), or an earlier claim's allocation failed and was left behind
-    /// (deleted now, so that the node can be claimed again on a later pass).
-    async fn name_taken(&self, name: &str, message: &str) -> ProviderError {
+    /// (deleted now while the lease holds, so that the node can be claimed again on a later
+    /// pass).
+    async fn name_taken(&self, name: &str, message: &str, lease: &Lease) -> ProviderError {
         match self.client.get_allocation(name).await {
             Ok(a) if a.state == "error" || stuck(&a) => {
+                if let Err(lost) = lease.left() {
+                    return lost.into();
+                }
                 if a.state != "error" {
                     tracing::warn!(allocation = name, created_at = ?a.created_at, "deleting an allocation of ours that Ironic never finished");
                 }

@@ -750,6 +750,10 @@ pub struct Faults {
     pub node_locked: std::sync::atomic::AtomicU32,
     /// Every request waits this long (milliseconds) before it is forwarded.
     pub delay_ms: std::sync::atomic::AtomicU64,
+    /// The next this many reads of one allocation (`GET /v1/allocations/ID`) show it failed
+    /// by Ironic itself (`error`, "Unexpected exception during allocation"), whatever Ironic
+    /// answered: a fault a claim tries again after.
+    pub allocations_failed_by_ironic: std::sync::atomic::AtomicU32,
     /// A patch of a node is forwarded only once the node has an instance (its allocation is
     /// placed), or after 30 s: a claim's first look then always finds its allocation placed.
     pub hold_node_patches_until_placed: std::sync::atomic::AtomicBool,
@@ -837,6 +841,8 @@ impl FaultProxy {
                     serde_json::json!({"error_message": fault.to_string()}).to_string(),
                 );
             }
+            let allocation_read =
+                method == axum::http::Method::GET && path.starts_with("/v1/allocations/");
             let method = reqwest::Method::from_bytes(method.as_str().as_bytes()).unwrap();
             let mut req = http
                 .request(method, format!("{upstream}{path}"))
@@ -855,7 +861,18 @@ impl FaultProxy {
                 Ok(resp) => {
                     let status = resp.status().as_u16();
                     let bytes = resp.bytes().await.unwrap_or_default();
-                    reply(status, String::from_utf8_lossy(&bytes).into_owned())
+                    let mut body = String::from_utf8_lossy(&bytes).into_owned();
+                    if status == 200
+                        && allocation_read
+                        && take(&faults.allocations_failed_by_ironic)
+                    {
+                        let mut a: serde_json::Value = serde_json::from_str(&body).unwrap();
+                        a["state"] = "error".into();
+                        a["node_uuid"] = serde_json::Value::Null;
+                        a["last_error"] = "Unexpected exception during allocation: injected".into();
+                        body = a.to_string();
+                    }
+                    reply(status, body)
                 }
                 Err(e) => reply(502, format!("{{\"error_message\": \"proxy: {e}\"}}")),
             }

@@ -1143,6 +1143,70 @@ async fn a_creation_takes_no_step_at_ironic_after_its_lease_ends() {
     t.cleanup().await;
 }
 
+/// A claim whose allocation Ironic failed on its own tries again with a new allocation, but
+/// only while its lease holds: once the lease ends after the failure, no second allocation is
+/// asked for (the node may be another replica's claim by now), and the pass stops. A later
+/// pass, under a live session, deploys the node exactly once.
+#[tokio::test]
+async fn a_claim_tries_no_new_allocation_after_its_lease_ends() {
+    let _one = one_at_a_time().await;
+    use shepherd_loops::provisioner::ProvisionerError;
+    use std::sync::atomic::Ordering::SeqCst;
+    let (ironic, nodes, proxy, _, t, s) = one_node_behind_a_proxy().await;
+    // With an image to write, a claim marks the node only once its allocation is placed, so
+    // it reads the allocation: the read the fault answers.
+    let mut with_image = config("site-a");
+    with_image.image = Some(shepherd_ironic::Image {
+        url: "http://127.0.0.1:1/image.raw".into(),
+        checksum: "0123456789abcdef0123456789abcdef".into(),
+    });
+    let p = test_provider(&proxy.url(), ironic.auth(), quick_retries(), with_image)
+        .await
+        .unwrap();
+    // The first read of the allocation shows it failed by Ironic itself, which a claim tries
+    // again after; every request takes a while, so the lease ends before the next attempt.
+    proxy.faults.allocations_failed_by_ironic.store(1, SeqCst);
+    proxy.faults.delay_ms.store(300, SeqCst);
+    let allocations_asked = || {
+        let seen = proxy.faults.seen.lock().unwrap();
+        seen.iter()
+            .filter(|(m, p)| m == "POST" && p.starts_with("/v1/allocations"))
+            .count()
+    };
+    let end_the_lease = async {
+        testing::eventually(
+            "the allocation shown failed by Ironic",
+            Duration::from_secs(30),
+            async || {
+                let served = proxy.faults.allocations_failed_by_ironic.load(SeqCst) == 0;
+                testing::when(served, ())
+            },
+        )
+        .await;
+        s.close().await.unwrap();
+    };
+    let first = provisioner(p.clone(), 10);
+    let (pass, ()) = tokio::join!(first.iterate(&s), end_the_lease);
+    assert!(
+        matches!(pass, Err(ProvisionerError::LeaseLost(_))),
+        "{pass:?}"
+    );
+    assert_eq!(
+        allocations_asked(),
+        1,
+        "a new allocation was asked for after the lease ended"
+    );
+    assert!(recorded(&t.db).await.is_empty());
+
+    proxy.faults.delay_ms.store(0, SeqCst);
+    let s2 = session(&t.db).await;
+    let r = provisioner(p, 10).iterate(&s2).await.unwrap();
+    assert_eq!((r.created, r.failed), (1, 0), "{r:?}");
+    ironic.assert_deployed_once(&nodes[0]).await;
+    s2.close().await.unwrap();
+    t.cleanup().await;
+}
+
 /// An allocation of ours that Ironic never finished (left `allocating`: its conductor died,
 /// or its database failed mid-way) and whose claimant gave up waiting is deleted by the next
 /// claim of the node, and the claim after it goes through: a lost allocation does not keep the
