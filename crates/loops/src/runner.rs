@@ -148,6 +148,8 @@ struct Worker<T> {
     status: TaskHandle,
 }
 
+// By hand: `derive(Clone)` would ask `T: Clone`, which sharing the task through an `Arc`
+// does not need.
 impl<T> Clone for Worker<T> {
     fn clone(&self) -> Self {
         Worker {
@@ -364,6 +366,13 @@ async fn written(ending: tokio::task::JoinHandle<()>) {
     }
 }
 
+/// How a machine's processing came out, before its work is ended: reported to the loop's task
+/// as it is, or a failure the task's error policy decides on (and that decision reported).
+enum Ended<E> {
+    Reported(Outcome, String),
+    Failed(E),
+}
+
 /// Ends a claimed machine's work after its processing: finished with its tags, canceled if
 /// the loop was cancelled first, fenced if the lease ended first, or as the task's error
 /// policy says.
@@ -378,46 +387,46 @@ async fn end_work<T: MachineTask>(
     status: TaskHandle,
 ) {
     let machine = work.machine_id();
-    let (failure, report) = match outcome {
+    let ended = match outcome {
         Processed::Shutdown => {
             let cause = shutdown_cause(task.retrieval().processor());
             if let Err(e) = work.cancel(&cause).await {
                 tracing::warn!(error = %e, "canceling work failed");
             }
-            (None, (Outcome::Waited, format!("{machine}: {cause}")))
+            Ended::Reported(Outcome::Waited, format!("{machine}: {cause}"))
         }
         Processed::Fenced => {
             tracing::warn!("the session's lease ended during processing; stopped");
             if let Err(e) = work.fenced().await {
                 tracing::warn!(error = %e, "canceling fenced work failed");
             }
-            (None, (Outcome::Waited, format!("{machine}: lease lost")))
+            Ended::Reported(Outcome::Waited, format!("{machine}: lease lost"))
         }
         Processed::Done(Ok(tags)) => match write(&mut work, &lease, Ending::Finish(&tags)).await {
-            Ok(()) => (None, (Outcome::Succeeded, format!("{machine}: finished"))),
+            Ok(()) => Ended::Reported(Outcome::Succeeded, format!("{machine}: finished")),
             // The lock or the session is gone: there is nothing left to end. Or still
             // unavailable when the lease ended: given up below.
             Err(e) if e.is_transient() || is_gone(&e) => {
                 tracing::warn!(error = %e, "finishing work failed");
                 let summary = format!("{machine}: finishing failed: {e}");
-                (None, (Outcome::Waited, summary))
+                Ended::Reported(Outcome::Waited, summary)
             }
             Err(e) => {
                 tracing::warn!(error = %e, "finishing work failed");
-                (Some(T::Error::from(e)), (Outcome::Failed, String::new()))
+                Ended::Failed(T::Error::from(e))
             }
         },
         Processed::Done(Err(e)) => {
             tracing::warn!(error = %format!("{e:#}"), "processing failed");
-            (Some(e), (Outcome::Failed, String::new()))
+            Ended::Failed(e)
         }
     };
-    let (outcome, summary) = match failure {
-        Some(failure) => {
+    let (outcome, summary) = match ended {
+        Ended::Failed(failure) => {
             let outcome = end_failed(&mut work, &lease, &*task, &failure).await;
             (outcome, format!("{machine}: {failure:#}"))
         }
-        None => report,
+        Ended::Reported(outcome, summary) => (outcome, summary),
     };
     status.ended(outcome, summary);
     if work.is_active() {
