@@ -6,6 +6,7 @@
 use crate::common;
 
 use std::collections::BTreeMap;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -21,11 +22,15 @@ use uuid::Uuid;
 const CHROMIUM: &str = "/usr/bin/chromium";
 const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
 
-/// Kills the child on drop, so a failed assertion leaves no processes behind.
+/// Kills the child and its process group on drop, so neither a failed assertion nor a passing
+/// test leaves processes behind: chromedriver killed alone leaves the Chromium it started
+/// running, orphaned. The child must lead its own group ([`CommandExt::process_group`]).
 struct Guard(Child);
 
 impl Drop for Guard {
     fn drop(&mut self) {
+        let group = format!("-{}", self.0.id());
+        let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
@@ -80,6 +85,7 @@ async fn browser(profile: &Path) -> (Guard, Client) {
     let port = free_port();
     let driver = Guard(
         Command::new(CHROMEDRIVER)
+            .process_group(0)
             .arg(format!("--port={port}"))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
