@@ -111,6 +111,15 @@ pub async fn postgres() -> Option<TestDb> {
 /// test fails; a passing test drops it in [`TestDb::cleanup`], a failing one leaves it to be
 /// inspected, and the next run of the same test drops it first.
 pub async fn fresh_postgres_database() -> Option<String> {
+    fresh_postgres_databases(1)
+        .await
+        .map(|mut urls| urls.remove(0))
+}
+
+/// [`fresh_postgres_database`] for a test that needs `count` databases (the BMDB and a
+/// service's own, such as Ironic's): all are made at once, because making one drops the
+/// test's others that nobody is connected to yet, as leftovers of an earlier run.
+pub async fn fresh_postgres_databases(count: usize) -> Option<Vec<String>> {
     let admin = postgres_admin_url();
     let pool = match PgPoolOptions::new()
         .max_connections(1)
@@ -129,14 +138,30 @@ pub async fn fresh_postgres_database() -> Option<String> {
     };
     let prefix = test_database_prefix();
     drop_leftovers(&pool, &prefix).await;
-    let name = format!(
-        "{prefix}_{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..8]
-    );
+    let mut urls = Vec::with_capacity(count);
+    for _ in 0..count {
+        let name = format!(
+            "{prefix}_{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        );
+        create_database(&pool, &name).await;
+        eprintln!("test database: {name} (kept if the test fails)");
+        let opts = PgConnectOptions::from_str(&admin)
+            .expect("admin URL")
+            .database(&name);
+        urls.push(opts.to_url_lossy().to_string());
+    }
+    pool.close().await;
+    Some(urls)
+}
+
+/// Creates database `name`, trying again a few times: concurrent `CREATE DATABASE`s copying
+/// the same template can fail with "source database is being accessed by other users".
+async fn create_database(pool: &sqlx::PgPool, name: &str) {
     let mut last_err = None;
     for _ in 0..5 {
         match sqlx::query(&format!("CREATE DATABASE \"{name}\""))
-            .execute(&pool)
+            .execute(pool)
             .await
         {
             Ok(_) => {
@@ -152,12 +177,6 @@ pub async fn fresh_postgres_database() -> Option<String> {
     if let Some(e) = last_err {
         panic!("cannot create test database {name}: {e}");
     }
-    pool.close().await;
-    eprintln!("test database: {name} (kept if the test fails)");
-    let opts = PgConnectOptions::from_str(&admin)
-        .expect("admin URL")
-        .database(&name);
-    Some(opts.to_url_lossy().to_string())
 }
 
 /// `st_` + the test binary + the test's name (libtest names each test's thread after it),
