@@ -111,15 +111,13 @@ pub async fn postgres() -> Option<TestDb> {
 /// test fails; a passing test drops it in [`TestDb::cleanup`], a failing one leaves it to be
 /// inspected, and the next run of the same test drops it first.
 pub async fn fresh_postgres_database() -> Option<String> {
-    fresh_postgres_databases(1)
-        .await
-        .map(|mut urls| urls.remove(0))
+    fresh_postgres_databases::<1>().await.map(|[url]| url)
 }
 
-/// [`fresh_postgres_database`] for a test that needs `count` databases (the BMDB and a
+/// [`fresh_postgres_database`] for a test that needs `N` databases (the BMDB and a
 /// service's own, such as Ironic's): all are made at once, because making one drops the
 /// test's others that nobody is connected to yet, as leftovers of an earlier run.
-pub async fn fresh_postgres_databases(count: usize) -> Option<Vec<String>> {
+pub async fn fresh_postgres_databases<const N: usize>() -> Option<[String; N]> {
     let admin = postgres_admin_url();
     let pool = match PgPoolOptions::new()
         .max_connections(1)
@@ -138,8 +136,8 @@ pub async fn fresh_postgres_databases(count: usize) -> Option<Vec<String>> {
     };
     let prefix = test_database_prefix();
     drop_leftovers(&pool, &prefix).await;
-    let mut urls = Vec::with_capacity(count);
-    for _ in 0..count {
+    let mut urls = Vec::with_capacity(N);
+    for _ in 0..N {
         let name = format!(
             "{prefix}_{}",
             &uuid::Uuid::new_v4().simple().to_string()[..8]
@@ -152,7 +150,7 @@ pub async fn fresh_postgres_databases(count: usize) -> Option<Vec<String>> {
         urls.push(opts.to_url_lossy().to_string());
     }
     pool.close().await;
-    Some(urls)
+    Some(urls.try_into().expect("N urls"))
 }
 
 /// Creates database `name`, trying again a few times: concurrent `CREATE DATABASE`s copying
