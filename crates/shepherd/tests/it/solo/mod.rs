@@ -1,7 +1,8 @@
 //! Tests that need the machine to themselves: a Patroni cluster, QEMU VMs, OpenStack Ironic,
 //! Chromium, a private Postgres, or faults whose limits are derived from the replicas' timing.
-//! `scripts/test.sh` lists the modules here and runs each in a `cargo test` of its own
-//! (`cargo test -p shepherd --test it solo::vm_fleet::`); the first invocation skips them all.
+//! `scripts/test.sh` skips them all in its first run, then lists the modules here and runs the
+//! test binary once for each (`cargo test -p shepherd --test it solo::vm_fleet::` by hand):
+//! those it names as mostly waiting two at a time, beside each other only, the rest alone.
 
 mod fault_disk_full;
 mod fault_failover;

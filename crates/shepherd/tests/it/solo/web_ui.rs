@@ -29,8 +29,12 @@ struct Guard(Child);
 
 impl Drop for Guard {
     fn drop(&mut self) {
+        // The group may have ended already, which is no error: say nothing of it.
         let group = format!("-{}", self.0.id());
-        let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &group])
+            .stderr(Stdio::null())
+            .status();
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
