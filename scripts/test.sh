@@ -4,8 +4,9 @@
 #
 # With no arguments, the tests under `solo::` (clusters, VMs, Ironic, a browser: see
 # crates/shepherd/tests/it/solo/mod.rs) are kept out of the first run. Their modules then run
-# each in a run of its own: those that mostly wait two at a time, the others one at a time. Arguments are passed
-# to one `cargo test --workspace --all-targets` as they are (for instance `-- run_cli::`).
+# each in a run of its own: those that mostly wait two at a time, the others one at a time.
+# Arguments are passed to one `cargo test --workspace --all-targets` as they are (for instance
+# `-- run_cli::`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/test-deps.sh
@@ -37,8 +38,8 @@ if [ -z "$modules" ]; then
   exit 1
 fi
 # Modules whose tests mostly wait (for a failover's timeouts, an outage's end, idle peers to
-# be closed): measured alone on CI, each kept the 2 cores less than 40 % busy. They run two at a
-# time, longest first, beside each other but never beside the busy modules that follow.
+# be closed): measured alone on CI, each kept the 2 cores less than 40 % busy. They run two at
+# a time, longest first, beside each other but never beside the busy modules that follow.
 waiting="fault_failover fault_replicas fault_postgres_outage fault_hostile_peers recovery_e2e
   fault_disk_full redfish_sushy rolling_upgrade"
 # One module's tests, its output shown whole once it ends (two run at a time).
