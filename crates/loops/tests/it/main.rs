@@ -1,7 +1,7 @@
 //! The integration tests of the loops, one test binary for the crate: each module was once a
-//! binary of its own. Tests that race leases against the clock take a turn [`alone`]; tests
-//! that start real Ironics take one [`beside_each_other`]: they may run together (each has its
-//! own Ironic), but never beside a test racing the clock.
+//! binary of its own. Tests that start real Ironics or race leases against the clock take a
+//! turn ([`alone`], or [`beside_each_other`] for the fault tests that start several Ironics at
+//! once by design), so that they meet no such test they did not meet as binaries of their own.
 
 mod initializer_sshd;
 mod ironic_faults;

@@ -1,10 +1,6 @@
 //! The Ironic provider against a real, standalone Ironic on loopback (fake-hardware nodes):
 //! reservation, deploy with a config drive, orphans adopted without a second deploy, nodes of
 //! other clients left alone, maintenance, reboot, refused credentials.
-//!
-//! Each test starts its own Ironic and takes a turn [`crate::beside_each_other`]: two run at
-//! once (as many as the harness runs on this 2-core machine), never beside a test racing the
-//! clock.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,6 +20,14 @@ use shepherd_loops::testing::{unpaced_parallel_provisioner, unpaced_provisioner 
 use shepherd_loops::updater::Updater;
 use shepherd_provider::metrics::CallMetrics;
 use shepherd_provider::{Provider, ProviderError, ProviderMachine, Recoverer};
+
+/// Holds one test's turn: the tests of this file run one at a time, and with no other
+/// turn-taking test of the crate ([`crate::alone`]). Each starts its own
+/// Ironic, whose conductor on SQLite fails work with "database is locked" when the machine
+/// is starved (an allocation left `allocating` for good), which says nothing of Shepherd.
+async fn one_at_a_time() -> tokio::sync::RwLockWriteGuard<'static, ()> {
+    crate::alone().await
+}
 
 fn quick_retries() -> RetryPolicy {
     let ms = Duration::from_millis;
@@ -47,7 +51,7 @@ async fn session(db: &Bmdb) -> Session {
 
 #[tokio::test]
 async fn available_nodes_are_reserved_deployed_once_with_our_key_and_recorded() {
-    let _turn = crate::beside_each_other().await;
+    let _one = one_at_a_time().await;
     let ironic = IronicServer::start(TestAuth::None).await;
     let nodes = ironic
         .fake_nodes(
@@ -156,7 +160,7 @@ async fn available_nodes_are_reserved_deployed_once_with_our_key_and_recorded() 
 
 #[tokio::test]
 async fn orphans_are_adopted_without_a_second_deploy_and_other_clients_nodes_are_left_alone() {
-    let _turn = crate::beside_each_other().await;
+    let _one = one_at_a_time().await;
     let (ironic, nodes, t, s, p) = site(4, quick_retries()).await;
 
     // nodes[0]: reserved and deployed by this deployment, but its BMDB insert never happened.
@@ -255,7 +259,7 @@ fn uuid_v4() -> String {
 /// for a reason that is the test setup's, not Shepherd's.
 #[tokio::test]
 async fn two_replicas_racing_for_the_same_nodes_deploy_each_node_once() {
-    let _turn = crate::beside_each_other().await;
+    let _one = one_at_a_time().await;
     let Some(url) = testing::fresh_postgres_database().await else {
         return;
     };
@@ -323,7 +327,7 @@ async fn two_replicas_racing_for_the_same_nodes_deploy_each_node_once() {
 
 #[tokio::test]
 async fn maintenance_is_marked_and_never_power_cycled_and_reboots_go_through_ironic() {
-    let _turn = crate::beside_each_other().await;
+    let _one = one_at_a_time().await;
     let (ironic, nodes, t, s, p) = site(2, quick_retries()).await;
     provisioner(p.clone(), 10).iterate(&s).await.unwrap();
     for id in &nodes {
@@ -369,7 +373,7 @@ async fn maintenance_is_marked_and_never_power_cycled_and_reboots_go_through_iro
 
 #[tokio::test]
 async fn credentials_are_checked_at_start_up_and_the_password_is_never_shown() {
-    let _turn = crate::beside_each_other().await;
+    let _one = one_at_a_time().await;
     let ironic = IronicServer::start(TestAuth::Basic {
         user: "shepherd".into(),
         password: "correct horse".into(),
@@ -420,7 +424,7 @@ async fn credentials_are_checked_at_start_up_and_the_password_is_never_shown() {
 
 #[tokio::test]
 async fn decommissioned_nodes_are_released_and_torn_down_only_when_asked() {
-    let _turn = crate::beside_each_other().await;
+    let _one = one_at_a_time().await;
     let (ironic, nodes, t, s, p) = site(2, quick_retries()).await;
     let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
     assert_eq!(r.created, 2, "{r:?}");
@@ -506,7 +510,7 @@ async fn decommissioned_nodes_are_released_and_torn_down_only_when_asked() {
 /// `--ironic-image` is refused at once, naming the flag; with an image it starts.
 #[tokio::test]
 async fn a_direct_deploy_node_without_an_image_is_refused_at_start_up() {
-    let _turn = crate::beside_each_other().await;
+    let _one = one_at_a_time().await;
     let ironic = IronicServer::start(TestAuth::None).await;
     let client = || {
         let metrics = Arc::new(CallMetrics::default());
@@ -587,7 +591,7 @@ async fn delete_node(ironic: &IronicServer, id: &str) {
 /// deleted of five is more than the default allowance: the pass refuses, naming the remedy.
 #[tokio::test]
 async fn a_held_node_deleted_at_ironic_stops_nothing_else() {
-    let _turn = crate::beside_each_other().await;
+    let _one = one_at_a_time().await;
     let ironic = IronicServer::start(TestAuth::None).await;
     let held = ironic.fake_nodes(3, |_| json!({})).await;
     let p = provider(&ironic, config("site-a")).await;
@@ -701,7 +705,7 @@ async fn allocate_by_hand(ironic: &IronicServer, body: serde_json::Value) -> ser
 /// on the next pass; nodes without the traits are not taken.
 #[tokio::test]
 async fn claims_go_through_named_allocations_with_traits_and_failed_ones_are_cleaned() {
-    let _turn = crate::beside_each_other().await;
+    let _one = one_at_a_time().await;
     let ironic = IronicServer::start(TestAuth::None).await;
     let nodes = ironic.fake_nodes(3, |_| json!({})).await;
     for id in &nodes[..2] {
@@ -809,7 +813,7 @@ async fn claims_go_through_named_allocations_with_traits_and_failed_ones_are_cle
 /// is left alone.
 #[tokio::test]
 async fn reservations_from_before_allocations_and_claims_cut_short_are_adopted() {
-    let _turn = crate::beside_each_other().await;
+    let _one = one_at_a_time().await;
     let (ironic, nodes, t, s, p) = site(3, quick_retries()).await;
     // nodes[0]: reserved and deployed by a Shepherd from before allocations; its BMDB row is
     // lost, so it is an orphan too.
@@ -884,7 +888,7 @@ async fn machine_of_node(db: &Bmdb) -> std::collections::BTreeMap<String, uuid::
 /// history kept), and the node deployed a second time, for a new instance.
 #[tokio::test]
 async fn an_undeployed_node_comes_back_as_a_new_machine() {
-    let _turn = crate::beside_each_other().await;
+    let _one = one_at_a_time().await;
     let (ironic, nodes, t, s, p) = site(3, quick_retries()).await;
     let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
     assert_eq!(r.created, 3, "{r:?}");
@@ -936,7 +940,7 @@ async fn an_undeployed_node_comes_back_as_a_new_machine() {
 /// node's ports: a link per MAC address, configured by DHCP.
 #[tokio::test]
 async fn network_data_comes_from_the_nodes_ports() {
-    let _turn = crate::beside_each_other().await;
+    let _one = one_at_a_time().await;
     let (ironic, nodes, t, s, _) = site(1, quick_retries()).await;
     let mac = "52:54:00:ab:cd:01";
     ironic.add_port(&nodes[0], mac).await;
@@ -962,7 +966,7 @@ async fn network_data_comes_from_the_nodes_ports() {
 /// once the skip ends it is tried again.
 #[tokio::test]
 async fn a_refused_deploy_is_skipped_by_every_replica_and_after_a_restart() {
-    let _turn = crate::beside_each_other().await;
+    let _one = one_at_a_time().await;
     use shepherd_provider::metrics::CallResult;
     let (ironic, nodes, t, s, _) = site(2, quick_retries()).await;
     let ramdisk = json!([{"op": "replace", "path": "/deploy_interface", "value": "ramdisk"}]);
@@ -1018,7 +1022,7 @@ async fn a_refused_deploy_is_skipped_by_every_replica_and_after_a_restart() {
 /// taken for this pass and is not skipped; once the lock is gone the next pass deploys it.
 #[tokio::test]
 async fn a_node_locked_by_a_conductor_is_tried_again_next_pass_not_skipped() {
-    let _turn = crate::beside_each_other().await;
+    let _one = one_at_a_time().await;
     let (ironic, nodes, t, s, p) = site(1, quick_retries()).await;
     ironic.set_in_database(&nodes, "reservation", Some("another-conductor"));
     let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
@@ -1041,7 +1045,7 @@ async fn a_node_locked_by_a_conductor_is_tried_again_next_pass_not_skipped() {
 /// is allocated and deployed exactly once, with our config drive.
 #[tokio::test]
 async fn an_ironic_on_postgres_takes_overlapping_creations() {
-    let _turn = crate::beside_each_other().await;
+    let _one = one_at_a_time().await;
     let Some(url) = testing::fresh_postgres_database().await else {
         return;
     };
@@ -1098,7 +1102,7 @@ async fn one_node_behind_a_proxy() -> (
 /// and deploys the node exactly once.
 #[tokio::test]
 async fn a_creation_takes_no_step_at_ironic_after_its_lease_ends() {
-    let _turn = crate::beside_each_other().await;
+    let _one = one_at_a_time().await;
     use shepherd_loops::provisioner::ProvisionerError;
     use std::sync::atomic::Ordering::SeqCst;
     let (ironic, nodes, proxy, p, t, s) = one_node_behind_a_proxy().await;
@@ -1151,7 +1155,7 @@ async fn a_creation_takes_no_step_at_ironic_after_its_lease_ends() {
 /// pass, under a live session, deploys the node exactly once.
 #[tokio::test]
 async fn a_claim_tries_no_new_allocation_after_its_lease_ends() {
-    let _turn = crate::beside_each_other().await;
+    let _one = one_at_a_time().await;
     use shepherd_loops::provisioner::ProvisionerError;
     use std::sync::atomic::Ordering::SeqCst;
     let (ironic, nodes, proxy, _, t, s) = one_node_behind_a_proxy().await;
@@ -1215,7 +1219,7 @@ async fn a_claim_tries_no_new_allocation_after_its_lease_ends() {
 /// node from being claimed for good.
 #[tokio::test]
 async fn an_allocation_of_ours_stuck_allocating_is_deleted_and_the_node_claimed() {
-    let _turn = crate::beside_each_other().await;
+    let _one = one_at_a_time().await;
     let (ironic, nodes, t, s, p) = site(1, quick_retries()).await;
     // An allocation of our name that fits no node ends in `error`; rewritten to
     // `allocating`, made ten minutes ago, it is one that Ironic lost.
@@ -1251,7 +1255,7 @@ async fn an_allocation_of_ours_stuck_allocating_is_deleted_and_the_node_claimed(
 /// a conductor of that group, and a node of another group stays untouched.
 #[tokio::test]
 async fn a_conductor_group_given_in_another_case_matches() {
-    let _turn = crate::beside_each_other().await;
+    let _one = one_at_a_time().await;
     let ironic = IronicServer::start_in_conductor_group(TestAuth::None, "rack-a").await;
     let mut nodes = Vec::new();
     for i in 0..3 {
@@ -1326,7 +1330,7 @@ fn claim_requests(proxy: &FaultProxy, id: &str) -> Vec<String> {
 /// allocation.
 #[tokio::test]
 async fn a_claim_placed_by_its_first_look_is_one_allocation_one_patch_and_the_deploy() {
-    let _turn = crate::beside_each_other().await;
+    let _one = one_at_a_time().await;
     use std::sync::atomic::Ordering::SeqCst;
     let (ironic, nodes, proxy, p, t, s) = one_node_behind_a_proxy().await;
     proxy
@@ -1360,7 +1364,7 @@ async fn a_claim_placed_by_its_first_look_is_one_allocation_one_patch_and_the_de
 /// the node is neither ours nor deployed.
 #[tokio::test]
 async fn marks_written_before_an_allocation_that_fails_are_removed() {
-    let _turn = crate::beside_each_other().await;
+    let _one = one_at_a_time().await;
     let (ironic, nodes, proxy, p, t, s) = one_node_behind_a_proxy().await;
     let mut unused = p.list_machines().await.unwrap().remove(0);
     assert!(unused.facts.insert("resource_class", "no-such-class"));
@@ -1433,7 +1437,7 @@ impl Provider for ListedBeforeAnotherPass {
 /// allocation refused on its name, no read of the winner's allocation).
 #[tokio::test]
 async fn candidates_recorded_since_the_listing_cost_ironic_nothing() {
-    let _turn = crate::beside_each_other().await;
+    let _one = one_at_a_time().await;
     let (ironic, nodes, t, s, a) = site(3, quick_retries()).await;
     let (b, b_calls) = counted_provider(&ironic, config("site-a")).await;
     let stale = ListedBeforeAnotherPass {
@@ -1468,7 +1472,7 @@ async fn candidates_recorded_since_the_listing_cost_ironic_nothing() {
 /// taken, leaves no marks behind, and the next pass claims the node.
 #[tokio::test]
 async fn an_allocation_deleted_while_its_claim_waits_is_claimed_again_next_pass() {
-    let _turn = crate::beside_each_other().await;
+    let _one = one_at_a_time().await;
     use std::sync::atomic::Ordering::SeqCst;
     let (ironic, nodes, proxy, p, t, s) = one_node_behind_a_proxy().await;
     // Every request waits at the proxy, so the allocation is deleted (directly at Ironic)
