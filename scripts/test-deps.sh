@@ -6,7 +6,9 @@
 # chromedriver for the web UI tests; the sushy-tools Redfish emulator in a virtualenv under
 # ~/.cache/shepherd (SHEPHERD_SUSHY_VENV); OpenStack Ironic in a virtualenv under ~/.cache/shepherd
 # (SHEPHERD_IRONIC_VENV); QEMU and the tools that build the VM tests' guest
-# image, and the image itself (scripts/vm-image.sh, cached under ~/.cache/shepherd/vm).
+# image, and the image itself (scripts/vm-image.sh, cached under ~/.cache/shepherd/vm);
+# libvirt (virtlogd and libvirtd, started here and stopped by `test-deps.sh stop-libvirt` when
+# this script started them) and Shepherd's live image (scripts/live-image.sh).
 set -euo pipefail
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
@@ -108,13 +110,102 @@ new_venv() {
 }
 
 ensure_sushy() {
-  # The Redfish tests run the sushy-tools emulator (fake driver) from a virtualenv of our own.
+  # The Redfish tests run the sushy-tools emulator from a virtualenv of our own: its fake
+  # driver, and its libvirt driver for the bare-metal tests' VMs. The virtualenv is made from
+  # Debian's Python with the system's packages visible, for Debian's python3-libvirt (the
+  # Python first on PATH may be another, without it).
   local venv="${SHEPHERD_SUSHY_VENV:-$HOME/.cache/shepherd/sushy-venv}"
-  if ! "$venv/bin/sushy-emulator" --help >/dev/null 2>&1; then
+  if ! "$venv/bin/sushy-emulator" --help >/dev/null 2>&1 || ! "$venv/bin/python" -c 'import libvirt' >/dev/null 2>&1; then
     echo "test-deps: installing sushy-tools into $venv"
-    new_venv "$venv" 'sushy-tools==2.2.0' bcrypt
+    rm -rf "$venv"
+    mkdir -p "$(dirname "$venv")"
+    /usr/bin/python3 -m venv --system-site-packages "$venv"
+    "$venv/bin/pip" install -q 'sushy-tools==2.2.0' bcrypt
   fi
   echo "test-deps: sushy-tools $("$venv/bin/pip" show sushy-tools 2>/dev/null | sed -n 's/^Version: //p')"
+}
+
+# Where ensure_libvirt notes that it started the daemons, so that `stop-libvirt` stops only
+# what it started.
+libvirt_mark=/run/shepherd-test-deps-libvirt
+
+ensure_libvirt() {
+  # The bare-metal tests boot VMs with blank disks through sushy-tools' libvirt driver, as
+  # Ironic's and Metal3's CI do: Debian's libvirt run without systemd (virtlogd, libvirtd),
+  # with the user its QEMU driver expects, a `default` storage pool (virtual media lands
+  # there), and QEMU run as root so that it opens the disks in the tests' own scratch
+  # directories. Guests run under TCG. Also xorriso, GRUB's EFI image and OVMF (the live
+  # image's build, its UEFI boot).
+  local missing=0 tool
+  for tool in libvirtd virtlogd virsh xorriso grub-mkstandalone; do
+    command -v "$tool" >/dev/null 2>&1 || missing=1
+  done
+  /usr/bin/python3 -c 'import libvirt' >/dev/null 2>&1 || missing=1
+  [ -f /usr/lib/ISOLINUX/isohdpfx.bin ] && [ -f /usr/share/OVMF/OVMF_CODE_4M.fd ] || missing=1
+  if [ "$missing" = 1 ]; then
+    echo "test-deps: installing libvirt, python3-libvirt, xorriso, isolinux, GRUB's EFI image and OVMF"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive RUNLEVEL=1 apt-get install -y -qq --no-install-recommends \
+      libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients \
+      python3-libvirt xorriso isolinux syslinux-common grub-efi-amd64-bin grub-common mtools \
+      dosfstools ovmf >/dev/null
+  fi
+  # The QEMU driver's defaults name the user libvirt-qemu and the group libvirt-qemu (for
+  # swtpm) even when qemu.conf runs QEMU as root; without them it does not start.
+  getent group kvm >/dev/null || as_root groupadd -r kvm
+  getent group libvirt-qemu >/dev/null || as_root groupadd -r libvirt-qemu
+  id libvirt-qemu >/dev/null 2>&1 || as_root useradd -r -g kvm -d /var/lib/libvirt -s /usr/sbin/nologin libvirt-qemu
+  as_root mkdir -p /var/log/libvirt /var/run/libvirt /var/lib/libvirt/images
+  # Without its seccomp sandbox, which forbids QEMU to spawn processes: the guests reach
+  # `shepherd server` and the tests' image servers through user-mode networking's guestfwd,
+  # which spawns a socat per connection.
+  local configured=0
+  if ! grep -q '^user = "root"' /etc/libvirt/qemu.conf 2>/dev/null; then
+    printf 'user = "root"\ngroup = "root"\n' | as_root tee -a /etc/libvirt/qemu.conf >/dev/null
+    configured=1
+  fi
+  if ! grep -q '^seccomp_sandbox = 0' /etc/libvirt/qemu.conf 2>/dev/null; then
+    printf 'seccomp_sandbox = 0\n' | as_root tee -a /etc/libvirt/qemu.conf >/dev/null
+    configured=1
+  fi
+  if [ "$configured" = 1 ] && [ -f "$libvirt_mark" ]; then
+    as_root pkill -x libvirtd 2>/dev/null || true
+    for _ in $(seq 1 20); do pgrep -x libvirtd >/dev/null || break; sleep 0.5; done
+  fi
+  if ! virsh -c qemu:///system version >/dev/null 2>&1; then
+    echo "test-deps: starting virtlogd and libvirtd"
+    pgrep -x virtlogd >/dev/null || as_root virtlogd -d
+    pgrep -x libvirtd >/dev/null || as_root libvirtd -d
+    as_root touch "$libvirt_mark"
+    for _ in $(seq 1 30); do virsh -c qemu:///system version >/dev/null 2>&1 && break; sleep 1; done
+  fi
+  virsh -c qemu:///system version >/dev/null 2>&1 || { echo "test-deps: libvirtd does not answer on qemu:///system" >&2; exit 1; }
+  if ! virsh -c qemu:///system pool-info default >/dev/null 2>&1; then
+    virsh -c qemu:///system pool-define-as default dir --target /var/lib/libvirt/images >/dev/null
+  fi
+  if ! virsh -c qemu:///system pool-info default 2>/dev/null | grep -q running; then
+    virsh -c qemu:///system pool-start default >/dev/null 2>&1 || true
+  fi
+  virsh -c qemu:///system pool-info default 2>/dev/null | grep -q running \
+    || { echo "test-deps: libvirt's storage pool default does not run" >&2; exit 1; }
+  echo "test-deps: $(virsh -c qemu:///system version 2>/dev/null | sed -n 's/^Running hypervisor: //p'), libvirt $(virsh -c qemu:///system version 2>/dev/null | sed -n 's/^Using library: libvirt //p')"
+}
+
+stop_libvirt() {
+  # Stops the daemons ensure_libvirt started, and nothing it found running.
+  [ -f "$libvirt_mark" ] || return 0
+  as_root pkill -x libvirtd 2>/dev/null || true
+  as_root pkill -x virtlogd 2>/dev/null || true
+  for _ in $(seq 1 20); do pgrep -x libvirtd >/dev/null || pgrep -x virtlogd >/dev/null || break; sleep 0.5; done
+  as_root rm -f "$libvirt_mark"
+  echo "test-deps: stopped libvirtd and virtlogd"
+}
+
+ensure_live_image() {
+  # Shepherd's live image for bare machines, and the OS image its tests install
+  # (scripts/live-image.sh, cached under ~/.cache/shepherd/live).
+  as_root env HOME="$HOME" SHEPHERD_LIVE_DIR="${SHEPHERD_LIVE_DIR:-$HOME/.cache/shepherd/live}" \
+    "$(dirname "$0")/live-image.sh" | sed 's/^/test-deps: /'
 }
 
 ensure_ironic() {
@@ -176,9 +267,19 @@ ensure_vm() {
     "$(dirname "$0")/vm-image.sh" | sed 's/^/test-deps: /'
 }
 
-# `test-deps.sh vm` sets up only what the VMs need (scripts/vm-fleet.sh).
+# `test-deps.sh vm` sets up only what the VMs need (scripts/vm-fleet.sh); `vm bare` also what
+# bare VMs need; `stop-libvirt` stops the daemons an earlier run started.
 if [ "${1:-}" = vm ]; then
   ensure_vm
+  if [ "${2:-}" = bare ]; then
+    ensure_sushy
+    ensure_libvirt
+    ensure_live_image
+  fi
+  exit 0
+fi
+if [ "${1:-}" = stop-libvirt ]; then
+  stop_libvirt
   exit 0
 fi
 ensure_postgres
@@ -190,4 +291,6 @@ ensure_sushy
 ensure_ironic
 ensure_oidc_provider
 ensure_vm
+ensure_libvirt
+ensure_live_image
 echo "test-deps: ready"

@@ -10,6 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/test-deps.sh
+# libvirtd and virtlogd run only while the tests do, when test-deps started them.
+trap './scripts/test-deps.sh stop-libvirt' EXIT
 export SHEPHERD_REQUIRE_POSTGRES="${SHEPHERD_REQUIRE_POSTGRES:-1}"
 # Tests start the workspace's binaries (the agents, `shepherd`) from the target directory;
 # they are built here, never from inside a test. Every target is built in one go: built alone,
@@ -17,7 +19,8 @@ export SHEPHERD_REQUIRE_POSTGRES="${SHEPHERD_REQUIRE_POSTGRES:-1}"
 # when tests are built too), and `cargo test` would then build them all a second time.
 cargo build --workspace --all-targets
 if [ $# -gt 0 ]; then
-  exec cargo test --workspace --all-targets "$@"
+  cargo test --workspace --all-targets "$@"
+  exit
 fi
 cargo test --workspace --all-targets -- --skip solo::
 # The `shepherd` crate's test binary as that run built it. It is run directly, from the crate's

@@ -202,6 +202,9 @@ pub async fn run_agent(
     // machine look silent (and get it power-cycled mid-write by the recoverer).
     let mut installing: Option<(i64, Receiver<Result<(), InstallError>>)> = None;
     let mut reboot_after_ack = false;
+    // Whether the running installation reboots the machine once reported (Shepherd's bare
+    // machines are booted from their disk by their BMC instead).
+    let mut reboot_when_installed = true;
     let mut failures = Streak::new(retry_delays(config.retry_max));
     loop {
         let request = HeartbeatRequest {
@@ -226,6 +229,7 @@ pub async fn run_agent(
                     if req.generation > installed_generation && installing.is_none() {
                         let outcome = match req.r#type {
                             Some(os_installation_request::Type::Image(image)) => {
+                                reboot_when_installed = !image.no_reboot;
                                 installing = Some((req.generation, install::spawn(image)));
                                 Ok(())
                             }
@@ -276,7 +280,7 @@ pub async fn run_agent(
         };
         if let Some(outcome) = ended {
             let (generation, _) = installing.take().expect("an installation was running");
-            reboot_after_ack = outcome.is_ok();
+            reboot_after_ack = outcome.is_ok() && reboot_when_installed;
             installation_report = Some(finish_installation(&mut persist, generation, outcome));
             installed_generation = generation;
         }

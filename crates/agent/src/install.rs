@@ -31,7 +31,7 @@ pub enum InstallError {
     /// The device could not be opened, written or flushed.
     #[error("{doing} {device}: {error}")]
     Device {
-        /// `opening`, `writing` or `flushing`.
+        /// `reading`, `opening`, `writing` or `flushing`.
         doing: &'static str,
         /// The target device.
         device: String,
@@ -47,6 +47,25 @@ pub enum InstallError {
         written: u64,
         /// The requested checksum.
         want: String,
+    },
+    /// The device holds something (a partition table, a file system, data) and the request
+    /// does not allow overwriting it. Nothing was written.
+    #[error("{device} holds {holds}; it is overwritten only if the installation allows a wipe (the inventory entry's Bare.Wipe, or an operator's reimage --wipe)")]
+    NotBlank {
+        /// The target device.
+        device: String,
+        /// What it holds.
+        holds: String,
+    },
+    /// The image is larger than the device. Nothing was written.
+    #[error("the image is {image} bytes and {device} only {size}")]
+    TooSmall {
+        /// The target device.
+        device: String,
+        /// Its size.
+        size: u64,
+        /// The image's size, as its server announced it.
+        image: u64,
     },
     /// The installation's thread or runtime could not run it to the end.
     #[error("the installation could not run: {0}")]
@@ -121,10 +140,35 @@ pub async fn install(image: &ImageInstallationRequest) -> Result<(), InstallErro
             error,
         }
     };
+    let size = device_size(&image.target_device).map_err(device_error("reading"))?;
+    if !image.wipe_allowed {
+        let holds = tokio::task::spawn_blocking({
+            let device = image.target_device.clone();
+            move || what_it_holds(std::path::Path::new(&device))
+        })
+        .await
+        .map_err(|e| InstallError::NotRun(format!("checking the device: {e}")))?
+        .map_err(device_error("reading"))?;
+        if let Some(holds) = holds {
+            return Err(InstallError::NotBlank {
+                device: image.target_device.clone(),
+                holds,
+            });
+        }
+    }
     let response = reqwest::get(&image.url)
         .await
         .and_then(|r| r.error_for_status())
         .map_err(download("fetching"))?;
+    if let (Some(size), Some(len)) = (size, response.content_length()) {
+        if len > size {
+            return Err(InstallError::TooSmall {
+                device: image.target_device.clone(),
+                size,
+                image: len,
+            });
+        }
+    }
     let mut device = tokio::fs::OpenOptions::new()
         .write(true)
         .truncate(true)
@@ -156,6 +200,81 @@ pub async fn install(image: &ImageInstallationRequest) -> Result<(), InstallErro
     Ok(())
 }
 
+/// How far a device's ends are read to tell whether it is blank.
+const CHECKED_BYTES: u64 = 1 << 20;
+
+/// The size of `device` if it is a block device (a regular file, as tests use, grows as it is
+/// written); `None` otherwise, or if it does not exist yet.
+fn device_size(device: &str) -> std::io::Result<Option<u64>> {
+    use std::io::Seek;
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::metadata(device) {
+        Ok(m) if m.file_type().is_block_device() => {
+            let mut f = std::fs::File::open(device)?;
+            Ok(Some(f.seek(std::io::SeekFrom::End(0))?))
+        }
+        Ok(_) => Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// What `device` holds, or `None` if it is blank: its first and last MiB all zeros (or it does
+/// not exist yet). Recognises partition tables and the common file systems by their
+/// signatures, to say what would be overwritten; anything else that is not zeros is "data".
+pub fn what_it_holds(device: &std::path::Path) -> std::io::Result<Option<String>> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = match std::fs::File::open(device) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let size = f.seek(SeekFrom::End(0))?;
+    let mut head = vec![0u8; CHECKED_BYTES.min(size) as usize];
+    f.seek(SeekFrom::Start(0))?;
+    f.read_exact(&mut head)?;
+    let tail_len = CHECKED_BYTES.min(size.saturating_sub(head.len() as u64));
+    let mut tail = vec![0u8; tail_len as usize];
+    f.seek(SeekFrom::Start(size - tail_len))?;
+    f.read_exact(&mut tail)?;
+    if head.iter().chain(&tail).all(|b| *b == 0) {
+        return Ok(None);
+    }
+    Ok(Some(
+        signature(&head, &tail)
+            .unwrap_or("data (its first or last MiB is not blank)")
+            .to_string(),
+    ))
+}
+
+/// The partition table or file system whose signature `head` (a device's first bytes) or
+/// `tail` (its last) carries.
+fn signature(head: &[u8], tail: &[u8]) -> Option<&'static str> {
+    let at = |offset: usize, magic: &[u8]| head.get(offset..offset + magic.len()) == Some(magic);
+    let signatures: [(usize, &[u8], &str); 12] = [
+        (512, b"EFI PART", "a GPT partition table"),
+        (4096, b"EFI PART", "a GPT partition table"),
+        (0, b"LUKS\xba\xbe", "a LUKS encrypted volume"),
+        (0, b"XFSB", "an XFS file system"),
+        (1080, &[0x53, 0xef], "an ext2/3/4 file system"),
+        (65600, b"_BHRfS_M", "a btrfs file system"),
+        (32769, b"CD001", "an ISO 9660 file system"),
+        (536, b"LVM2 001", "an LVM physical volume"),
+        (4086, b"SWAPSPACE2", "a swap area"),
+        (4096, &[0xfc, 0x4e, 0x2b, 0xa9], "a Linux RAID member"),
+        (82, b"FAT32", "a FAT file system"),
+        (54, b"FAT", "a FAT file system"),
+    ];
+    if let Some((_, _, what)) = signatures.iter().find(|(o, m, _)| at(*o, m)) {
+        return Some(what);
+    }
+    if at(510, &[0x55, 0xaa]) {
+        return Some("an MBR partition table");
+    }
+    let last_sector = tail.len().checked_sub(512).and_then(|s| tail.get(s..s + 8));
+    (last_sector == Some(b"EFI PART")).then_some("a GPT partition table (its backup header)")
+}
+
 /// Runs the reboot action (a shell command, so tests can observe instead of rebooting).
 pub async fn reboot(command: &str) {
     match tokio::process::Command::new("sh")
@@ -167,5 +286,125 @@ pub async fn reboot(command: &str) {
         Ok(s) if s.success() => {}
         Ok(s) => eprintln!("shepherd-agent: reboot command {command:?} exited with {s}"),
         Err(e) => eprintln!("shepherd-agent: running reboot command {command:?}: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    /// A disk image of 4 MiB of zeros with `bytes` written at `offset`.
+    fn disk(dir: &std::path::Path, name: &str, offset: usize, bytes: &[u8]) -> std::path::PathBuf {
+        let mut data = vec![0u8; 4 << 20];
+        data[offset..offset + bytes.len()].copy_from_slice(bytes);
+        let path = dir.join(name);
+        std::fs::write(&path, data).unwrap();
+        path
+    }
+
+    #[test]
+    fn a_device_is_blank_only_if_its_ends_are_zeros_and_what_it_holds_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let holds = |name, offset, bytes: &[u8]| {
+            what_it_holds(&disk(dir.path(), name, offset, bytes)).unwrap()
+        };
+        assert_eq!(holds("blank", 0, &[]), None);
+        assert_eq!(
+            what_it_holds(&dir.path().join("absent")).unwrap(),
+            None,
+            "a target that does not exist yet is blank"
+        );
+        assert_eq!(
+            holds("mbr", 510, &[0x55, 0xaa]).as_deref(),
+            Some("an MBR partition table")
+        );
+        assert_eq!(
+            holds("gpt", 512, b"EFI PART").as_deref(),
+            Some("a GPT partition table")
+        );
+        assert_eq!(
+            holds("ext4", 1080, &[0x53, 0xef]).as_deref(),
+            Some("an ext2/3/4 file system")
+        );
+        assert_eq!(
+            holds("xfs", 0, b"XFSB").as_deref(),
+            Some("an XFS file system")
+        );
+        assert_eq!(
+            holds("backup-gpt", (4 << 20) - 512, b"EFI PART").as_deref(),
+            Some("a GPT partition table (its backup header)")
+        );
+        assert_eq!(
+            holds("junk", 100, b"x").as_deref(),
+            Some("data (its first or last MiB is not blank)")
+        );
+        assert_eq!(
+            holds("middle", 2 << 20, b"x"),
+            None,
+            "only the ends are read"
+        );
+    }
+
+    /// Serves `body` over plain HTTP on loopback to any number of requests; counts them.
+    fn serve(body: Vec<u8>) -> (String, Arc<AtomicUsize>) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/image.raw", listener.local_addr().unwrap());
+        let served = Arc::new(AtomicUsize::new(0));
+        let count = served.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { return };
+                count.fetch_add(1, Ordering::SeqCst);
+                let mut request = [0u8; 4096];
+                let _ = conn.read(&mut request);
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                    body.len()
+                );
+                let _ = conn.write_all(head.as_bytes());
+                let _ = conn.write_all(&body);
+            }
+        });
+        (url, served)
+    }
+
+    fn sha256_hex(bytes: &[u8]) -> String {
+        Sha256::digest(bytes)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_disk_that_holds_a_partition_table_is_written_only_with_permission() {
+        let dir = tempfile::tempdir().unwrap();
+        let image = vec![7u8; 64 << 10];
+        let (url, served) = serve(image.clone());
+        let target = disk(dir.path(), "disk", 510, &[0x55, 0xaa]);
+        let before = std::fs::read(&target).unwrap();
+        let mut request = ImageInstallationRequest {
+            url,
+            sha256: sha256_hex(&image),
+            target_device: target.display().to_string(),
+            ..Default::default()
+        };
+        let err = install(&request).await.unwrap_err().to_string();
+        assert!(
+            err.contains("holds an MBR partition table") && err.contains("wipe"),
+            "{err}"
+        );
+        assert_eq!(std::fs::read(&target).unwrap(), before, "untouched");
+        assert_eq!(
+            served.load(Ordering::SeqCst),
+            0,
+            "the image was not even fetched"
+        );
+
+        request.wipe_allowed = true;
+        install(&request).await.unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), image);
     }
 }

@@ -309,6 +309,7 @@ fn settings(workers: usize, creation_parallelism: usize, n: usize) -> FleetSetti
         session_interval: Duration::from_secs(5),
         history_retention: None,
         tasks: Default::default(),
+        bare: None,
     }
 }
 

@@ -32,6 +32,30 @@ impl RecoveryThresholds {
     }
 }
 
+/// How long each wait of a bare machine may last before the bare-metal loop acts on it: the
+/// live environment's takeover, the installation, the installed OS's first heartbeat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BareTimeouts {
+    /// From the power-on into the live environment to its agent's takeover.
+    pub live_boot: Duration,
+    /// From the installation request to the agent's report.
+    pub install: Duration,
+    /// From the boot of the installed OS to its agent's first heartbeat.
+    pub disk_boot: Duration,
+}
+
+impl Default for BareTimeouts {
+    /// 15 minutes for a live boot (a server's firmware alone may take five), an hour for an
+    /// installation, 30 minutes for the installed OS.
+    fn default() -> Self {
+        BareTimeouts {
+            live_boot: Duration::from_secs(15 * 60),
+            install: Duration::from_secs(3600),
+            disk_boot: Duration::from_secs(30 * 60),
+        }
+    }
+}
+
 /// A rule selecting machines in a state a process can act on.
 ///
 /// Every rule also requires, for the claiming process: no active work of any process in its
@@ -53,6 +77,16 @@ pub enum Retrieval {
         /// When an agent counts as lost.
         thresholds: RecoveryThresholds,
     },
+    /// Provided by `provider`, bare, and at a step the bare-metal loop takes: a phase that
+    /// is its own to finish (`Bare`, `Inserting`, `StartingLive`, `Ejecting`, `StartingDisk`), or a wait that
+    /// ended (the live environment taken over, the installation reported, the installed OS
+    /// heartbeating) or ran out (see [`BareTimeouts`]).
+    BareMetal {
+        /// Only machines of this provider.
+        provider: Provider,
+        /// When a wait runs out.
+        timeouts: BareTimeouts,
+    },
 }
 
 impl Retrieval {
@@ -62,6 +96,7 @@ impl Retrieval {
         match self {
             Retrieval::AgentStart { .. } => crate::Process::ShepherdAgentStart,
             Retrieval::AgentRecovery { .. } => crate::Process::ShepherdRecovery,
+            Retrieval::BareMetal { .. } => crate::Process::ShepherdBareMetal,
         }
     }
 
@@ -70,15 +105,16 @@ impl Retrieval {
         match self {
             Retrieval::AgentStart { .. } => crate::Processor::ShepherdInitializer,
             Retrieval::AgentRecovery { .. } => crate::Processor::ShepherdRecoverer,
+            Retrieval::BareMetal { .. } => crate::Processor::ShepherdBareMetal,
         }
     }
 
     /// The provider the rule is scoped to.
     pub fn provider(&self) -> Provider {
         match self {
-            Retrieval::AgentStart { provider } | Retrieval::AgentRecovery { provider, .. } => {
-                *provider
-            }
+            Retrieval::AgentStart { provider }
+            | Retrieval::AgentRecovery { provider, .. }
+            | Retrieval::BareMetal { provider, .. } => *provider,
         }
     }
 }

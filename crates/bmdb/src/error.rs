@@ -94,6 +94,17 @@ pub enum Error {
         /// The key the caller saw.
         presented: String,
     },
+    /// A bare machine's phase was not the one the bare-metal loop read when it went to move it
+    /// on (an operator reimaged it, or it was moved on meanwhile); nothing was written.
+    #[error("bare machine {machine} is {} now, not {expected}", found.unwrap_or("no longer bare"))]
+    BarePhaseMoved {
+        /// The machine.
+        machine: uuid::Uuid,
+        /// The phase the loop read (`BarePhase::as_str`).
+        expected: &'static str,
+        /// The phase found, if the machine is still bare.
+        found: Option<&'static str>,
+    },
     /// The machine a transaction wrote about is gone (deleted meanwhile, e.g. decommissioned).
     #[error("machine {0} is gone")]
     MachineGone(uuid::Uuid),

@@ -6,6 +6,7 @@
 
 mod api_tokens;
 mod backoff;
+mod bare_metal;
 mod batch_reports;
 mod batches;
 mod claim_batch;
@@ -38,9 +39,12 @@ pub use api_tokens::{
     MAX_LISTED as MAX_API_TOKENS_LISTED, SESSION_PREFIX, TOKEN_PREFIX,
 };
 pub use backoff::{default_interval_seconds, Backoff};
+pub use bare_metal::{
+    BareHistoryEntry, BareMetal, BarePhase, ForgetSystem, MediaGrant, PhaseWrites, MAX_DETAIL_LEN,
+};
 pub use batch_reports::HeartbeatBatchReports;
 pub use db::{BackendKind, Bmdb, OpenOptions};
-pub use eligibility::{RecoveryThresholds, Retrieval};
+pub use eligibility::{BareTimeouts, RecoveryThresholds, Retrieval};
 pub use error::{DriverError, Error};
 pub use lease::{Lease, LeaseLost};
 pub use metrics::{BmdbMetrics, ClaimSearch};

@@ -53,6 +53,7 @@ macro_rules! text_enum {
         }
     };
 }
+pub(crate) use text_enum;
 
 text_enum! {
     /// A kind of work that can hold a per-machine lock.
@@ -67,20 +68,25 @@ text_enum! {
         ShepherdAgentStart,
         /// The Recoverer rebooting a machine whose agent is not heartbeating.
         ShepherdRecovery,
+        /// The bare-metal loop driving a bare machine's BMC: virtual media, boot, power.
+        ShepherdBareMetal,
     }
 }
 
 impl Process {
     /// Processes that must never run at the same time on one machine as `self`.
     ///
-    /// Agent start and recovery both take a machine over by SSH or power control, so they
-    /// (and the legacy access process) exclude each other.
+    /// Agent start, recovery and the bare-metal steps all take a machine over by SSH or power
+    /// control, so they (and the legacy access process) exclude each other.
     pub fn exclusion_set(self) -> &'static [Process] {
         use Process::*;
         match self {
-            ShepherdAccess | ShepherdAgentStart | ShepherdRecovery => {
-                &[ShepherdAccess, ShepherdAgentStart, ShepherdRecovery]
-            }
+            ShepherdAccess | ShepherdAgentStart | ShepherdRecovery | ShepherdBareMetal => &[
+                ShepherdAccess,
+                ShepherdAgentStart,
+                ShepherdRecovery,
+                ShepherdBareMetal,
+            ],
             UnitTest1 => &[UnitTest1],
             UnitTest2 => &[UnitTest2],
         }
@@ -137,6 +143,8 @@ text_enum! {
         Recommission,
         /// Asked the machine's agent to install an OS.
         Install,
+        /// Sent the machine back to its live environment to install its OS again.
+        Reimage,
     }
 }
 
@@ -151,6 +159,7 @@ impl OperatorAction {
             OperatorAction::Decommission => "decommission",
             OperatorAction::Recommission => "recommission",
             OperatorAction::Install => "install",
+            OperatorAction::Reimage => "reimage",
         }
     }
 }
@@ -174,6 +183,8 @@ text_enum! {
         ShepherdOperator,
         /// Shown as `shepherd-retention`: history retention.
         ShepherdRetention,
+        /// Shown as `shepherd-bare-metal`: the bare-metal loop.
+        ShepherdBareMetal,
         /// Shown as `unknown`.
         Unknown,
     }
@@ -191,6 +202,7 @@ impl Processor {
             Processor::ScruffyStats => "scruffy-stats",
             Processor::ShepherdOperator => "shepherd-operator",
             Processor::ShepherdRetention => "shepherd-retention",
+            Processor::ShepherdBareMetal => "shepherd-bare-metal",
             Processor::Unknown => "unknown",
         }
     }

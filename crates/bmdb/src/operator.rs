@@ -214,6 +214,46 @@ impl Session {
         .await
     }
 
+    /// Sends a machine that came bare back to its live environment to install its OS again:
+    /// its bare-metal way starts over (phase `Bare`, no attempt made), its agent, heartbeat,
+    /// pinned host key and installation are forgotten, and the bare-metal loop boots it from
+    /// its BMC's virtual media once it claims it. With `wipe`, the agent may overwrite a disk
+    /// that holds a partition table or a file system (it will: the installed OS), and the
+    /// operator is recorded as who allowed it. A machine never recorded bare is refused with
+    /// [`Error::InvalidArgument`]: only its inventory entry can make it bare.
+    pub async fn reimage(
+        &self,
+        machine: Uuid,
+        who: &Operator,
+        wipe: bool,
+    ) -> Result<ActionOutcome<()>, Error> {
+        on_existing_machine(self, machine, who, move |tx, act| {
+            Box::pin(async move {
+                if tx.bare_metal(act.machine).await?.is_none() {
+                    return Err(Error::InvalidArgument {
+                        what: "machine",
+                        problem: format!(
+                            "{} was not recorded bare: only a machine whose inventory entry says \"Bare\" when it is recorded can be reimaged",
+                            act.machine
+                        ),
+                    });
+                }
+                let allowed = wipe.then(|| format!("{} (reimage: {})", act.who.by, act.who.reason));
+                let detail = format!(
+                    "reimaged by {}: {}; the disk {} be overwritten",
+                    act.who.by,
+                    act.who.reason,
+                    if wipe { "may" } else { "may not (unless the inventory entry allows it)" }
+                );
+                tx.record_bare(act.machine, allowed.as_deref(), &detail, None)
+                    .await?;
+                act.record(tx, OperatorAction::Reimage, None).await?;
+                Ok(ActionOutcome::Done(()))
+            })
+        })
+        .await
+    }
+
     /// Removes the machine from the BMDB: its tags, locks (each ended as Canceled) and
     /// backoffs go, its history stays, and its provider id is barred so the provisioner does
     /// not bring it back until [`Session::recommission`]. The provisioner hands the machine

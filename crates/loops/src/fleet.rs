@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::bare_metal::{BareMetalLoop, BareMetrics, BareSettings};
 use crate::brake::{Brake, BrakeConfig, BrakeMetrics};
 use crate::initializer::{Initializer, InitializerConfig};
 use crate::limiter::RateSpec;
@@ -64,6 +65,19 @@ pub struct FleetSettings {
     pub history_retention: Option<HistoryRetention>,
     /// Where every loop reports its work (shared with the web UI, the API and `/metrics`).
     pub tasks: Tasks,
+    /// The bare-metal loop, for a provider whose machines may come bare; `None`: no such loop.
+    pub bare: Option<BareMetalSettings>,
+}
+
+/// The bare-metal loop's settings, runner and counters.
+#[derive(Debug, Clone)]
+pub struct BareMetalSettings {
+    /// What the loop needs to know.
+    pub settings: BareSettings,
+    /// Its runner.
+    pub runner: LoopSettings,
+    /// Where its counters go (registered by the caller).
+    pub metrics: BareMetrics,
 }
 
 /// A session of `processor`'s loop, named by its label.
@@ -108,8 +122,8 @@ impl Loops<'_> {
 
 /// Runs the provisioner, the updater, the initializer and the recoverer with its brake over
 /// `provider` (which also reboots machines), taking machines over through `transport`, and
-/// history retention if it is set, until `cancel`; returns once every loop canceled its work
-/// and closed its sessions.
+/// history retention and the bare-metal loop if they are set, until `cancel`; returns once
+/// every loop canceled its work and closed its sessions.
 pub async fn run_loops<P: RecovererProvider + 'static>(
     db: Bmdb,
     provider: Arc<P>,
@@ -152,13 +166,28 @@ pub async fn run_loops<P: RecovererProvider + 'static>(
             loops.periodic(pruner, "retention").await;
         }
     };
+    let bare = match &settings.bare {
+        Some(b) => Some((
+            BareMetalLoop::new(provider.clone(), b.settings.clone())?
+                .with_metrics(b.metrics.clone()),
+            b.runner,
+        )),
+        None => None,
+    };
+    let bare_metal = async {
+        if let Some((bare, runner)) = bare {
+            let processor = Processor::ShepherdBareMetal;
+            loops.machines(&runner, bare, processor, "bare-metal").await;
+        }
+    };
     tokio::join!(
         provisioning,
         initializing,
         recovering,
         braking,
         updating,
-        pruning
+        pruning,
+        bare_metal
     );
     Ok(())
 }

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use shepherd_bmdb::{
-    Backoff, Provided, ProviderStatus, Retrieval, Session, SshHostKey, TagWrites, AGENT_KEY_LEN,
+    Backoff, BarePhase, Provided, ProviderStatus, Retrieval, Session, SshHostKey, TagWrites,
+    AGENT_KEY_LEN,
 };
 use shepherd_proto::agent::{takeover_response, TakeoverInit, TakeoverResponse};
 use shepherd_proto::Message;
@@ -14,7 +15,7 @@ use uuid::Uuid;
 
 use crate::runner::{MachineTask, OnError};
 use shepherd_provider::settings::InvalidSetting;
-use shepherd_provider::transport::{AgentRun, Transport, TransportError};
+use shepherd_provider::transport::{AgentRun, Step, Transport, TransportError};
 use shepherd_provider::{look_up, LookupFailed, Provider};
 
 /// Most stderr shown in logs per takeover.
@@ -167,6 +168,11 @@ pub enum TakeoverFailure {
     /// booting.
     #[error(transparent)]
     Unreachable(TransportError),
+    /// No SSH session could be had with a bare machine that its BMC just booted (into its
+    /// live environment or its installed OS): it is asked again soon, while the bare-metal
+    /// loop bounds how long it may take.
+    #[error("still booting: {0}")]
+    Booting(TransportError),
     /// Uploading or running the agent failed.
     #[error(transparent)]
     Transport(TransportError),
@@ -212,6 +218,10 @@ impl From<TransportError> for TakeoverFailure {
 const NO_ADDRESS_BACKOFF: (Duration, Duration) =
     (Duration::from_secs(30), Duration::from_secs(5 * 60));
 
+/// The backoff of a bare machine its BMC booted that does not answer SSH yet: from 5 s, ×1.5,
+/// at most a minute (the bare-metal loop gives up on it after its own timeout).
+const BOOTING_BACKOFF: (Duration, Duration) = (Duration::from_secs(5), Duration::from_secs(60));
+
 /// How a failed takeover ends, given the configured `backoff`. A BMDB outage is not the
 /// machine's fault: the work is released as it is; nor is a provider whose API is
 /// unavailable: released, and the worker waits before its next claim. A machine without an address, or still
@@ -232,6 +242,10 @@ pub fn takeover_policy(backoff: Backoff, error: &TakeoverFailure) -> OnError {
         TakeoverFailure::NoAddress | TakeoverFailure::NotReady => OnError::Backoff(
             Backoff::exponential(NO_ADDRESS_BACKOFF.0, NO_ADDRESS_BACKOFF.1, 2.0)
                 .with_jitter(backoff.jitter),
+        ),
+        TakeoverFailure::Booting(_) => OnError::Backoff(
+            Backoff::exponential(BOOTING_BACKOFF.0, BOOTING_BACKOFF.1, 1.5)
+                .with_jitter(backoff.jitter.max(0.1)),
         ),
         _ => OnError::Backoff(backoff),
     }
@@ -284,6 +298,8 @@ pub fn verify_response(sent: &TakeoverInit, stdout: &[u8]) -> Result<Vec<u8>, Re
 /// What the BMDB knows of a machine a takeover starts from, read in one transaction.
 struct Known {
     provided: Option<Provided>,
+    /// Its bare-metal phase, if it came bare.
+    bare: Option<BarePhase>,
     /// The host key pinned at an earlier takeover.
     pinned: Option<SshHostKey>,
     /// The work's fencing token (`Tx::claim_generation`), sent in the `TakeoverInit`.
@@ -321,6 +337,11 @@ impl<P: Provider + 'static> MachineTask for Initializer<P> {
         takeover_policy(self.config.backoff, error)
     }
 
+    /// A bare machine that is still booting.
+    fn is_expected(&self, error: &TakeoverFailure) -> bool {
+        matches!(error, TakeoverFailure::Booting(_))
+    }
+
     async fn process_machine(
         &self,
         session: &Session,
@@ -331,6 +352,7 @@ impl<P: Provider + 'static> MachineTask for Initializer<P> {
                 Box::pin(async move {
                     Ok(Known {
                         provided: tx.provided(machine).await?,
+                        bare: tx.bare_metal(machine).await?.map(|b| b.phase),
                         pinned: tx.ssh_host_key(machine).await?,
                         generation: tx.claim_generation(machine).await?,
                     })
@@ -338,6 +360,7 @@ impl<P: Provider + 'static> MachineTask for Initializer<P> {
             })
             .await?;
         let (pinned, generation) = (known.pinned, known.generation);
+        let booting = matches!(known.bare, Some(BarePhase::LiveBoot | BarePhase::DiskBoot));
         let provided = known.provided.ok_or(TakeoverFailure::NotProvided)?;
         tracing::Span::current().record("provider_id", provided.provider_id.as_str());
         let at_provider = look_up(&*self.provider, &provided.provider_id).await?;
@@ -375,7 +398,21 @@ impl<P: Provider + 'static> MachineTask for Initializer<P> {
                 timeout: self.config.exec_timeout,
                 lease: &session.lease(),
             })
-            .await?;
+            .await
+            .map_err(|e| match e {
+                // A machine that boots may refuse, reset or drop connections until its sshd
+                // is up: any failure to connect is its boot.
+                e @ (TransportError::Unreachable(_)
+                | TransportError::TimedOut {
+                    step: Step::Connect,
+                    ..
+                }
+                | TransportError::Failed {
+                    step: Step::Connect,
+                    ..
+                }) if booting => TakeoverFailure::Booting(e),
+                e => TakeoverFailure::from(e),
+            })?;
         let stderr = trimmed_stderr(&output.stderr);
         if !stderr.is_empty() {
             tracing::info!(%addr, stderr = %stderr, "agent stderr");
@@ -493,6 +530,19 @@ mod tests {
             "{refused}"
         );
         assert_eq!(policy(refused), OnError::Backoff(configured));
+        // A bare machine its BMC just booted is asked again within seconds, not minutes.
+        let booting = TakeoverFailure::Booting(TransportError::at(
+            Step::Connect,
+            SshError::Connect {
+                addr: "192.0.2.1:22".into(),
+                error: std::io::ErrorKind::ConnectionReset.into(),
+            },
+        ));
+        let OnError::Backoff(soon) = policy(booting) else {
+            panic!("a booting machine backs off");
+        };
+        assert!(soon.initial <= Duration::from_secs(5), "{soon:?}");
+        assert!(soon.maximum <= Duration::from_secs(60), "{soon:?}");
         let upload = TakeoverFailure::from(TransportError::at(
             Step::Upload,
             SshError::Sftp {

@@ -1,10 +1,11 @@
 //! Shepherd's control loops over the BMDB (SPEC §6–§10): the provisioner and the updater (one
-//! pass at a time); the per-machine runner with the initializer and the recoverer on it, and
-//! the recovery brake; and what they share: the rate limiter, the background tasks' status
+//! pass at a time); the per-machine runner with the initializer, the recoverer and the bare-metal loop
+//! on it, and the recovery brake; and what they share: the rate limiter, the background tasks' status
 //! and bounded log lists. What the loops reach the world through (providers, the transport
 //! to a machine, call metrics) is the `shepherd-provider` crate below this one; the
 //! simulated fleet is the `shepherd-sim` crate.
 
+pub mod bare_metal;
 pub mod bounded;
 pub mod brake;
 pub mod fleet;

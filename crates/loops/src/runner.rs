@@ -79,6 +79,12 @@ pub trait MachineTask: Send + Sync + 'static {
     ) -> Result<TagWrites, Self::Error>;
     /// How to end the work after `error`.
     fn error_policy(&self, error: &Self::Error) -> OnError;
+    /// Whether `error` is an expected stage of a machine's way rather than a fault (a machine
+    /// its BMC just booted that does not answer yet): logged at debug, not as a warning. Its
+    /// work ends as [`MachineTask::error_policy`] says all the same.
+    fn is_expected(&self, _error: &Self::Error) -> bool {
+        false
+    }
 }
 
 /// Runner settings (SPEC §17 defaults: one worker, `250ms,8`, 5 s sessions).
@@ -417,7 +423,11 @@ async fn end_work<T: MachineTask>(
             }
         },
         Processed::Done(Err(e)) => {
-            tracing::warn!(error = %format!("{e:#}"), "processing failed");
+            if task.is_expected(&e) {
+                tracing::debug!(error = %format!("{e:#}"), "not yet");
+            } else {
+                tracing::warn!(error = %format!("{e:#}"), "processing failed");
+            }
             Ended::Failed(e)
         }
     };

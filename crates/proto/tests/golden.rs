@@ -117,6 +117,7 @@ fn heartbeat_messages() {
                         url: "u".into(),
                         sha256: "s".into(),
                         target_device: "d".into(),
+                        ..Default::default()
                     },
                 )),
             }),

@@ -5,6 +5,7 @@
 //! retried, counted JSON client, the retry policy, call metrics, the penalty box); and the
 //! [`transport::Transport`] that starts an agent on a machine.
 
+pub mod bare;
 pub mod bmc_tls;
 pub mod causes;
 pub mod http_body;
@@ -18,6 +19,7 @@ pub mod static_provider;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod transport;
+pub mod virtual_media;
 
 use std::time::Duration;
 
@@ -338,6 +340,22 @@ pub trait Recoverer: Provider {
     async fn reinstall(&self, _machine: &ProviderMachine) -> Result<(), ProviderError> {
         Err(ProviderError::NotSupported("reinstall"))
     }
+
+    /// For a machine that came bare (SPEC §21): what goes onto it and a client of the BMC
+    /// that boots it. Providers without bare machines refuse ([`ProviderError::NotSupported`],
+    /// the default).
+    async fn bare_plan(&self, _machine: &ProviderMachine) -> Result<BarePlan, ProviderError> {
+        Err(ProviderError::NotSupported("bare machines"))
+    }
+}
+
+/// What [`Recoverer::bare_plan`] gives the bare-metal loop for one machine.
+#[derive(Debug)]
+pub struct BarePlan {
+    /// A client of its BMC.
+    pub bmc: redfish::Bmc,
+    /// What its inventory entry says of the image, the disk and the network.
+    pub entry: bare::BareEntry,
 }
 
 /// A machine written into the BMDB by [`record_new_machine`].
@@ -404,7 +422,18 @@ pub async fn record_new_machine(
     kind: ProviderKind,
     machine: &ProviderMachine,
 ) -> Result<Recorded, RecordError> {
-    record_deploying_machine(session, kind, machine, Duration::ZERO).await
+    record_machine(session, kind, machine, &Recording::default()).await
+}
+
+/// How [`record_machine`] records a new machine besides its provided tag.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Recording {
+    /// The initializer waits this long before its first takeover attempt (the provider is
+    /// deploying the machine); zero: no wait.
+    pub deploy_wait: Duration,
+    /// The machine comes bare (SPEC §21): it is recorded at the start of its bare-metal way,
+    /// with this in its history.
+    pub bare: Option<String>,
 }
 
 /// What the recording transaction found.
@@ -423,6 +452,24 @@ pub async fn record_deploying_machine(
     machine: &ProviderMachine,
     deploy_wait: Duration,
 ) -> Result<Recorded, RecordError> {
+    let recording = Recording {
+        deploy_wait,
+        bare: None,
+    };
+    record_machine(session, kind, machine, &recording).await
+}
+
+/// [`record_new_machine`] as `recording` says: with a first wait of the initializer, or at the
+/// start of a bare machine's way, in the same transaction. An adopted machine is left as it is.
+pub async fn record_machine(
+    session: &Session,
+    kind: ProviderKind,
+    machine: &ProviderMachine,
+    recording: &Recording,
+) -> Result<Recorded, RecordError> {
+    let deploy_wait = recording.deploy_wait;
+    let bare = recording.bare.clone();
+    let session_id = session.id();
     let id = machine
         .valid_id()
         .ok_or(RecordError::NoValidId)?
@@ -444,7 +491,7 @@ pub async fn record_deploying_machine(
         .transact({
             let provided = provided.clone();
             move |tx| {
-                let provided = provided.clone();
+                let (provided, bare) = (provided.clone(), bare.clone());
                 Box::pin(async move {
                     if tx
                         .is_decommissioned(provided.provider, &provided.provider_id)
@@ -478,6 +525,9 @@ pub async fn record_deploying_machine(
                     }
                     let id = tx.create_machine().await?;
                     tx.set_provided(id, &provided).await?;
+                    if let Some(detail) = &bare {
+                        tx.record_bare(id, None, detail, Some(session_id)).await?;
+                    }
                     if let Ok(wait) = chrono::TimeDelta::from_std(deploy_wait) {
                         if !wait.is_zero() {
                             let cause = format!(

@@ -225,6 +225,10 @@ impl<P: Recoverer + ?Sized> Recoverer for InstrumentedProvider<P> {
     async fn reinstall(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
         self.timed("reinstall", self.inner.reinstall(machine)).await
     }
+
+    async fn bare_plan(&self, machine: &ProviderMachine) -> Result<crate::BarePlan, ProviderError> {
+        self.inner.bare_plan(machine).await
+    }
 }
 
 #[cfg(test)]

@@ -99,6 +99,37 @@ pub enum BmcError {
         /// What it allows (empty: it offers no `ComputerSystem.Reset` at all).
         allowed: Vec<String>,
     },
+    /// The BMC offers no virtual CD for the system: neither the system nor its managers list
+    /// virtual media with a CD or DVD device. A configuration error: asking again will not help.
+    #[error("BMC {base}: {path} has no virtual CD (no VirtualMedia device with MediaTypes CD or DVD under the system or its managers)")]
+    NoVirtualMedia {
+        /// The BMC.
+        base: String,
+        /// The system.
+        path: String,
+    },
+    /// The virtual CD offers no action to insert or eject media.
+    #[error("BMC {base}: {path} offers no {action} action")]
+    NoMediaAction {
+        /// The BMC.
+        base: String,
+        /// The virtual media device.
+        path: String,
+        /// `VirtualMedia.InsertMedia` or `VirtualMedia.EjectMedia`.
+        action: &'static str,
+    },
+    /// The system offers no reset that powers it on or off.
+    #[error("BMC {base}: {path} allows no {want} (only {allowed:?})")]
+    NoPowerChange {
+        /// The BMC.
+        base: String,
+        /// The system.
+        path: String,
+        /// `On` or `ForceOff`.
+        want: &'static str,
+        /// What it allows.
+        allowed: Vec<String>,
+    },
     /// The system did not reach the power state asked for in time.
     #[error("BMC {base}: {path} still reports power {state:?} {after:?} after asking for {want}")]
     PowerUnchanged {
@@ -237,36 +268,36 @@ impl BmcEntry {
 }
 
 #[derive(Deserialize)]
-struct Collection {
+pub(crate) struct Collection {
     #[serde(rename = "Members", default)]
-    members: Vec<OdataId>,
+    pub(crate) members: Vec<OdataId>,
 }
 
 #[derive(Deserialize)]
-struct OdataId {
+pub(crate) struct OdataId {
     #[serde(rename = "@odata.id")]
-    id: String,
+    pub(crate) id: String,
 }
 
 #[derive(Deserialize)]
-struct ResetAction {
-    target: String,
+pub(crate) struct ResetAction {
+    pub(crate) target: String,
     #[serde(rename = "ResetType@Redfish.AllowableValues", default)]
-    allowed: Vec<String>,
+    pub(crate) allowed: Vec<String>,
 }
 
 #[derive(Deserialize, Default)]
-struct Actions {
+pub(crate) struct Actions {
     #[serde(rename = "#ComputerSystem.Reset")]
-    reset: Option<ResetAction>,
+    pub(crate) reset: Option<ResetAction>,
 }
 
 #[derive(Deserialize)]
-struct System {
+pub(crate) struct System {
     #[serde(rename = "Actions", default)]
-    actions: Actions,
+    pub(crate) actions: Actions,
     #[serde(rename = "PowerState", default)]
-    power_state: Option<String>,
+    pub(crate) power_state: Option<String>,
 }
 
 /// A session with one BMC.
@@ -357,6 +388,11 @@ impl Bmc {
         })
     }
 
+    /// The BMC's base URL (no credentials), for messages.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
     fn unreachable(&self, e: reqwest::Error) -> BmcError {
         BmcError::Unreachable {
             base: self.base.clone(),
@@ -364,7 +400,7 @@ impl Bmc {
         }
     }
 
-    async fn request(
+    pub(crate) async fn request(
         &self,
         method: reqwest::Method,
         path: &str,
@@ -408,7 +444,10 @@ impl Bmc {
         Ok(bytes)
     }
 
-    async fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T, BmcError> {
+    pub(crate) async fn get<T: serde::de::DeserializeOwned>(
+        &self,
+        path: &str,
+    ) -> Result<T, BmcError> {
         let bytes = self.request(reqwest::Method::GET, path, None).await?;
         serde_json::from_slice(&bytes).map_err(|error| BmcError::Undecodable {
             base: self.base.clone(),
@@ -474,7 +513,11 @@ impl Bmc {
     }
 
     /// Polls the system's power state until it is `want`, for at most the request timeout.
-    async fn wait_for_power(&self, path: &str, want: &'static str) -> Result<(), BmcError> {
+    pub(crate) async fn wait_for_power(
+        &self,
+        path: &str,
+        want: &'static str,
+    ) -> Result<(), BmcError> {
         let deadline = tokio::time::Instant::now() + self.timeout;
         loop {
             let state = self.get::<System>(path).await?.power_state;

@@ -8,6 +8,7 @@ use std::collections::{BTreeSet, HashMap};
 use serde::Deserialize;
 use shepherd_bmdb::MAX_PROVIDER_ID_LEN;
 
+use crate::bare::BareEntry;
 use crate::redfish::{BmcEntry, BmcError};
 use crate::settings::InvalidSetting;
 
@@ -41,6 +42,16 @@ pub enum InventoryProblem {
         index: usize,
         /// The ID.
         id: String,
+    },
+    /// An entry's `Bare` is wrong, or it has no BMC to boot it by.
+    #[error("entry {index} ({id}): {error}")]
+    Bare {
+        /// Its place in the list.
+        index: usize,
+        /// Its ID.
+        id: String,
+        /// What is wrong.
+        error: InvalidSetting,
     },
     /// An entry's BMC is wrong, or names a password or a CA that is not there.
     #[error("entry {index} ({id}): {error}")]
@@ -110,6 +121,9 @@ pub struct InventoryEntry {
     /// The machine's BMC, for power control by the recoverer (Redfish).
     #[serde(rename = "BMC")]
     pub bmc: Option<BmcEntry>,
+    /// The machine comes bare: its BMC boots it into Shepherd's live environment, which
+    /// installs this OS image (SPEC §21). Needs `BMC`.
+    pub bare: Option<BareEntry>,
 }
 
 /// Parses and validates an inventory: every entry needs a non-empty id of at most 128 bytes,
@@ -138,6 +152,20 @@ pub fn parse_inventory(bytes: &[u8]) -> Result<Vec<InventoryEntry>, InventoryPro
                 id: id(),
                 error: Box::new(e.into()),
             })?;
+        }
+        if let Some(bare) = &e.bare {
+            let bare_problem = |error| InventoryProblem::Bare {
+                index,
+                id: id(),
+                error,
+            };
+            if e.bmc.is_none() {
+                return Err(bare_problem(InvalidSetting::new(
+                    "Bare",
+                    "needs a BMC to boot the machine by",
+                )));
+            }
+            bare.validate().map_err(bare_problem)?;
         }
     }
     Ok(entries)
@@ -173,6 +201,11 @@ impl Inventory {
     /// Whether any entry names a BMC (the recoverer has work only then).
     pub fn has_bmcs(&self) -> bool {
         self.entries.iter().any(|e| e.bmc.is_some())
+    }
+
+    /// Whether any entry comes bare (the bare-metal loop and its media server are needed).
+    pub fn has_bare(&self) -> bool {
+        self.entries.iter().any(|e| e.bare.is_some())
     }
 }
 

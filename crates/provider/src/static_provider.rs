@@ -25,7 +25,8 @@ use crate::static_inventory::{
     MAX_INVENTORY_BYTES,
 };
 use crate::{
-    record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Recorded, Recoverer,
+    record_machine, Availability, BarePlan, Provider, ProviderError, ProviderMachine, Recorded,
+    Recording, Recoverer,
 };
 
 /// What identifies one version of the inventory without reading it: a file's length,
@@ -178,6 +179,13 @@ impl StaticProvider {
                 Err(_) => tokio::time::sleep(failures.failed()).await,
             }
         }
+    }
+
+    /// Whether the last good inventory has an entry that comes bare (false before one was
+    /// read).
+    pub async fn has_bare(&self) -> bool {
+        let cache = self.cache.lock().await;
+        cache.good.as_ref().is_some_and(|(inv, _)| inv.has_bare())
     }
 
     /// Whether the last good inventory names any BMC (false before one was read).
@@ -365,12 +373,33 @@ impl Provider for StaticProvider {
             .ok_or_else(|| ProviderError::NotFound(id.to_string()))
     }
 
+    /// Records the machine; one whose entry says `Bare` is recorded at the start of its
+    /// bare-metal way (SPEC §21), which the bare-metal loop takes from there.
     async fn create_machine(
         &self,
         session: &Session,
         unused: &ProviderMachine,
     ) -> Result<Recorded, ProviderError> {
-        Ok(record_new_machine(session, self.kind, unused).await?)
+        let id = unused.required_id()?;
+        let inv = self.refresh(LOOKUP_MAX_AGE).await?;
+        let bare = inv.get(id).and_then(|e| e.bare.as_ref()).map(|b| {
+            format!(
+                "recorded bare: {} (sha256 {}) goes onto {}, which {}",
+                b.image_url,
+                b.image_sha256,
+                b.disk,
+                if b.wipe {
+                    "the inventory entry allows to overwrite"
+                } else {
+                    "is written only if it holds no partition table or file system"
+                }
+            )
+        });
+        let recording = Recording {
+            deploy_wait: Duration::ZERO,
+            bare,
+        };
+        Ok(record_machine(session, self.kind, unused, &recording).await?)
     }
 }
 
@@ -403,6 +432,24 @@ impl Recoverer for StaticProvider {
 
     fn reboot_wait(&self) -> Duration {
         self.reboot_wait
+    }
+
+    /// The entry's `Bare` and a client of its BMC.
+    async fn bare_plan(&self, machine: &ProviderMachine) -> Result<BarePlan, ProviderError> {
+        let id = machine.required_id()?;
+        let inv = self.refresh(LOOKUP_MAX_AGE).await?;
+        let entry = inv
+            .get(id)
+            .ok_or_else(|| ProviderError::NotFound(id.to_string()))?;
+        let (Some(bmc), Some(bare)) = (&entry.bmc, &entry.bare) else {
+            return Err(ProviderError::NotSupported(
+                "the inventory entry no longer says Bare with a BMC",
+            ));
+        };
+        Ok(BarePlan {
+            bmc: Bmc::new(bmc, self.bmc_timeout)?,
+            entry: bare.clone(),
+        })
     }
 }
 

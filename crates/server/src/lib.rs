@@ -3,6 +3,7 @@
 //! tag, and heartbeats, hardware reports and installation reports land in the BMDB.
 
 pub mod admission;
+pub mod https;
 pub mod loopback;
 pub mod metrics;
 pub mod peer;

@@ -16,11 +16,19 @@ pub struct InstallImage {
     pub sha256: String,
     /// The block device it is written to.
     pub device: String,
+    /// The device may be overwritten although it holds a partition table or a file system
+    /// (without it the agent writes only a blank device).
+    pub wipe: bool,
 }
 
 impl InstallImage {
     /// The image, checked; the message names the bad field.
-    pub fn new(url: String, sha256: String, device: String) -> Result<Self, ActionError> {
+    pub fn new(
+        url: String,
+        sha256: String,
+        device: String,
+        wipe: bool,
+    ) -> Result<Self, ActionError> {
         let invalid = |m: String| Err(ActionError::Invalid(m));
         if !(url.starts_with("https://") || url.starts_with("http://")) {
             return invalid(format!("image: {url:?} is not an http(s) URL"));
@@ -36,6 +44,7 @@ impl InstallImage {
             url,
             sha256,
             device,
+            wipe,
         })
     }
 
@@ -45,6 +54,8 @@ impl InstallImage {
             url: self.url.clone(),
             sha256: self.sha256.clone(),
             target_device: self.device.clone(),
+            wipe_allowed: self.wipe,
+            no_reboot: false,
         };
         proto::OsInstallationRequest {
             generation,
@@ -77,6 +88,11 @@ pub enum MachineAction {
     Recommission,
     /// Ask its agent to install an OS image.
     Install(InstallImage),
+    /// Send a machine that came bare back to its live environment to install its OS again.
+    Reimage {
+        /// Its disk may be overwritten although it holds an OS (it does, once installed).
+        wipe: bool,
+    },
 }
 
 impl MachineAction {
@@ -84,7 +100,9 @@ impl MachineAction {
     pub fn needs_reason(&self) -> bool {
         matches!(
             self,
-            MachineAction::MaintenanceOn | MachineAction::Decommission { .. }
+            MachineAction::MaintenanceOn
+                | MachineAction::Decommission { .. }
+                | MachineAction::Reimage { .. }
         )
     }
 }
@@ -107,8 +125,10 @@ pub fn api_request(action: &MachineAction) -> (&'static str, serde_json::Value) 
         MachineAction::Recommission => ("recommission", json!({})),
         MachineAction::Install(image) => (
             "install",
-            json!({"image": image.url, "sha256": image.sha256, "device": image.device}),
+            json!({"image": image.url, "sha256": image.sha256, "device": image.device,
+                   "wipe": image.wipe}),
         ),
+        MachineAction::Reimage { wipe } => ("reimage", json!({ "wipe": wipe })),
     }
 }
 
@@ -164,7 +184,15 @@ pub async fn perform(
     let performed = perform_in(&session, id, action, who).await;
     // The action committed or failed on its own; a session that cannot close expires.
     let _ = session.close().await;
-    match performed? {
+    let performed = match performed {
+        // What the BMDB refused as invalid is the request's fault (reimaging a machine that
+        // never came bare): nothing was written.
+        Err(shepherd_bmdb::Error::InvalidArgument { what, problem }) => {
+            return Err(ActionError::Invalid(format!("{what}: {problem}")))
+        }
+        other => other?,
+    };
+    match performed {
         Some(p) => Ok(p),
         None if recommission => Err(ActionError::NoSuchMachine(format!(
             "machine {id} is not decommissioned"
@@ -236,14 +264,31 @@ async fn perform_in(
             )
         }),
         MachineAction::Install(image) => {
+            let wipe = image.wipe;
             let request = move |generation| image.request(generation);
             told(s.request_installation(id, who, request).await?, "", |g| {
                 format!(
                     "installation request generation {g} recorded; the agent receives it \
-                     with its next heartbeat"
+                     with its next heartbeat{}",
+                    if wipe {
+                        " (and may overwrite a device that holds data)"
+                    } else {
+                        " (and writes only a blank device)"
+                    }
                 )
             })
         }
+        MachineAction::Reimage { wipe } => told(s.reimage(id, who, wipe).await?, "", |()| {
+            format!(
+                "reimaging: the bare-metal loop boots it into its live environment and installs \
+                 its inventory entry's image{}",
+                if wipe {
+                    ", overwriting its disk"
+                } else {
+                    " (onto a blank disk only, unless the entry says Wipe)"
+                }
+            )
+        }),
     })
 }
 

@@ -185,6 +185,7 @@ fn settings(args: &DemoArgs) -> FleetSettings {
         session_interval: Duration::from_secs(5),
         history_retention: None,
         tasks: Default::default(),
+        bare: None,
     }
 }
 

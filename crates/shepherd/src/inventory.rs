@@ -5,9 +5,9 @@ use anyhow::Result;
 use chrono::{DateTime, Utc};
 use serde_json::{json, Value};
 use shepherd_bmdb::{
-    ActionEntry, ActiveWork, AgentStarted, BackoffEntry, Bmdb, Decommissioned, HistoryEntry,
-    Lifecycle, MachineSummary, Maintenance, OsInstallationReport, OsInstallationRequest, Provider,
-    Recovery, SessionInfo, SshHostKey,
+    ActionEntry, ActiveWork, AgentStarted, BackoffEntry, BareHistoryEntry, BareMetal, Bmdb,
+    Decommissioned, HistoryEntry, Lifecycle, MachineSummary, Maintenance, OsInstallationReport,
+    OsInstallationRequest, Provider, Recovery, SessionInfo, SshHostKey,
 };
 use shepherd_proto::agent::{cpu, EfiSupport};
 use shepherd_proto::bmaas::{os_installation_request, AgentHardwareReport};
@@ -129,6 +129,10 @@ pub struct Detail {
     pub maintenance: Option<Maintenance>,
     /// What operators did to it, oldest first.
     pub actions: Vec<ActionEntry>,
+    /// Where it stands on its way from a BMC to its installed OS, if it came bare.
+    pub bare: Option<BareMetal>,
+    /// The steps of that way, oldest first (the last [`MAX_BARE_STEPS`]).
+    pub bare_steps: Vec<BareHistoryEntry>,
     /// When the states were derived (the database's clock).
     pub now: DateTime<Utc>,
     /// How old a last heartbeat must be to count as stale.
@@ -141,6 +145,10 @@ impl Detail {
         self.summary.lifecycle(self.now, self.stale_after)
     }
 }
+
+/// Most bare-metal steps shown of one machine: a machine reimaged a hundred times shows its
+/// first hundred-odd steps and says so by their count.
+pub const MAX_BARE_STEPS: i64 = 500;
 
 /// Loads one machine; `None` if it does not exist.
 pub async fn detail(db: &Bmdb, id: Uuid, stale_after: chrono::Duration) -> Result<Option<Detail>> {
@@ -172,6 +180,8 @@ pub async fn detail(db: &Bmdb, id: Uuid, stale_after: chrono::Duration) -> Resul
                     history: tx.machine_history(id).await?,
                     maintenance: tx.maintenance(id).await?,
                     actions: tx.machine_actions(id).await?,
+                    bare: tx.bare_metal(id).await?,
+                    bare_steps: tx.bare_history(id, MAX_BARE_STEPS).await?,
                     now,
                     stale_after,
                 }))
@@ -320,7 +330,29 @@ pub fn detail_json(d: &Detail) -> Value {
                "event": h.event.to_string(), "cause": h.cause})
     });
     v["operator_actions"] = each(&d.actions, action_json);
+    v["bare_metal"] = json!(d.bare.as_ref().map(|b| json!({
+        "phase": b.phase.to_string(),
+        "since": b.phase_at.to_rfc3339(),
+        "attempts": b.attempts,
+        "wipe_allowed_by": b.wipe_by,
+    })));
+    v["bare_steps"] = Value::Array(bare_steps_json(&d.bare_steps, d.now));
     v
+}
+
+/// A bare machine's steps as JSON, each with the seconds spent in the phase it entered (until
+/// the next step, or until `now` for the last).
+pub fn bare_steps_json(steps: &[BareHistoryEntry], now: DateTime<Utc>) -> Vec<Value> {
+    steps
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let until = steps.get(i + 1).map_or(now, |next| next.at);
+            let seconds = (until - s.at).num_milliseconds() as f64 / 1000.0;
+            json!({"at": s.at.to_rfc3339(), "phase": s.phase.to_string(),
+                   "seconds": seconds, "detail": s.detail})
+        })
+        .collect()
 }
 
 /// One entry of the operators' history as JSON.

@@ -127,6 +127,24 @@ pub enum MachinesCommand {
         /// Block device (or file) the agent writes the image to.
         #[arg(long)]
         device: String,
+        /// The device may be overwritten although it holds a partition table or a file system
+        /// (without it the agent writes only a blank device and reports what it found).
+        #[arg(long)]
+        wipe: bool,
+        /// Who asks, and why (recorded in the machine's operators' history).
+        #[command(flatten)]
+        who: WhoArgs,
+    },
+    /// Sends a machine that came bare back to its live environment: its BMC boots it from the
+    /// live image and its inventory entry's OS image is installed again (admin). Needs a
+    /// reason.
+    Reimage {
+        /// Machine id.
+        id: Uuid,
+        /// Its disk may be overwritten although it holds an OS (it does, once installed);
+        /// recorded as who allowed the wipe.
+        #[arg(long)]
+        wipe: bool,
         /// Who asks, and why (recorded in the machine's operators' history).
         #[command(flatten)]
         who: WhoArgs,
@@ -425,11 +443,13 @@ async fn run_on(source: &Source, command: MachinesCommand) -> Result<()> {
             image,
             sha256,
             device,
+            wipe,
             who,
         } => {
-            let image = InstallImage::new(image, sha256, device)?;
+            let image = InstallImage::new(image, sha256, device, wipe)?;
             (id, MachineAction::Install(image), who)
         }
+        MachinesCommand::Reimage { id, wipe, who } => (id, MachineAction::Reimage { wipe }, who),
     };
     let (id, action, who) = action;
     let message = source.act(id, action, &who).await?;
@@ -449,9 +469,10 @@ fn print_detail(v: &Value, hardware: &[(String, String)]) {
                     println!("  {label:<20} {line}");
                 }
             }
-            ("history" | "operator_actions" | "backoffs" | "work", Value::Array(rows))
-                if !rows.is_empty() =>
-            {
+            (
+                "history" | "operator_actions" | "backoffs" | "work" | "bare_steps",
+                Value::Array(rows),
+            ) if !rows.is_empty() => {
                 let mut columns: Vec<&str> = Vec::new();
                 for row in rows.iter().filter_map(Value::as_object) {
                     for key in row.keys() {

@@ -6,6 +6,7 @@
 mod actions;
 mod api;
 mod api_client;
+mod bare_flags;
 mod bmdb_cmd;
 mod cause_shapes;
 mod config_cmd;

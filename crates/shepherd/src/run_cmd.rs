@@ -98,6 +98,9 @@ pub struct RunArgs {
     /// BMCs of a static inventory.
     #[command(flatten)]
     pub bmc: BmcArgs,
+    /// Machines of a static inventory that come bare.
+    #[command(flatten)]
+    pub bare: crate::bare_flags::BareArgs,
     /// Where `/metrics` (Prometheus text format) and the web UI are served; port 0 picks a
     /// free port.
     #[arg(
@@ -677,6 +680,7 @@ impl RunArgs {
             session_interval: self.session_interval,
             history_retention: self.history_retention.map(HistoryRetention::new),
             tasks: self.process.tasks(),
+            bare: None,
         })
     }
 }
@@ -699,7 +703,8 @@ pub(crate) fn pem_to_der(pem: &str) -> Result<Vec<u8>> {
 
 /// The provider (and how to reach its machines) chosen at start-up.
 enum Chosen {
-    Static(Arc<StaticProvider>, Arc<SshTransport>),
+    /// With the SSH key's public half, for the live environment of bare machines.
+    Static(Arc<StaticProvider>, Arc<SshTransport>, Option<String>),
     Equinix(Arc<EquinixProvider>, Arc<SshTransport>),
     Ironic(Arc<IronicProvider>, Arc<SshTransport>),
     Sim(Arc<SimFleet>),
@@ -726,7 +731,7 @@ async fn choose(
                     .context("static-inventory")?
                     .with_bmc_timing(args.bmc.bmc_timeout, args.bmc.bmc_reboot_wait),
             );
-            let (transport, _) = args.ssh.transport(ssh_metrics)?;
+            let (transport, public_key) = args.ssh.transport(ssh_metrics)?;
             // A broken inventory is a start-up error: nothing is written, no loop starts.
             let inventory = provider.load_at_start().await.context("static-inventory")?;
             if !inventory.has_bmcs() {
@@ -734,7 +739,7 @@ async fn choose(
                     "no inventory entry names a BMC: machines cannot be rebooted until one does; the recoverer waits for it"
                 );
             }
-            Chosen::Static(provider, transport)
+            Chosen::Static(provider, transport, public_key)
         }
         ProviderChoice::Equinix => {
             let (transport, public_key) = args.ssh.transport(ssh_metrics)?;
@@ -778,7 +783,7 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
         (None, ProviderChoice::Sim) => b"simulated agent".to_vec(),
         (None, _) => bail!("agent-executable: is required"),
     };
-    let settings = args.settings(agent, ca)?;
+    let mut settings = args.settings(agent, ca)?;
     let provider_metrics = Arc::new(CallMetrics::default());
     let ssh_metrics = Arc::new(CallMetrics::default());
     let equinix_metrics = Arc::new(CallMetrics::default());
@@ -805,8 +810,14 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
     ssh_metrics.register(registry, "shepherd_ssh", "SSH");
     equinix_metrics.register(registry, "shepherd_equinix_api", "Equinix Metal API");
     ironic_metrics.register(registry, "shepherd_ironic_api", "OpenStack Ironic API");
-    if let Chosen::Static(provider, _) = &chosen {
+    let mut bare = None;
+    if let Chosen::Static(provider, _, public_key) = &chosen {
         provider.metrics().register(registry);
+        let needed = provider.has_bare().await;
+        bare = args
+            .bare
+            .prepare(needed, public_key.clone(), &db, registry)
+            .await?;
     }
     let app = operator.router(db.clone());
     let metrics =
@@ -818,6 +829,11 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
     crate::fleet::announce(&format!(
         "shepherd run: web UI at http://{metrics}/machines"
     ));
+    let media = bare.map(|bare| {
+        let (loop_settings, serving) = bare.start(cancel.clone());
+        settings.bare = Some(loop_settings);
+        serving
+    });
     let loops = Loops {
         db: db.clone(),
         metrics: provider_metrics,
@@ -827,7 +843,7 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
     let result = match chosen {
         // Machines of a static inventory are power-cycled through the BMCs their entries
         // name; the recoverer claims nothing while the last good inventory names none.
-        Chosen::Static(provider, transport) => loops.run(provider, transport).await,
+        Chosen::Static(provider, transport, _) => loops.run(provider, transport).await,
         Chosen::Equinix(provider, transport) => loops.run(provider, transport).await,
         Chosen::Ironic(provider, transport) => loops.run(provider, transport).await,
         Chosen::Sim(fleet) => {
@@ -838,6 +854,9 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
             r
         }
     };
+    if let Some(media) = media {
+        let _ = media.await;
+    }
     db.close().await;
     // A schema that moved past this binary is why the loops stopped: say so and fail.
     if let Ok(Err(e)) = schema.await {

@@ -265,9 +265,9 @@ async fn serve_api(
         "shepherd server: operator API at https://{}/api/v1",
         listener.local_addr()?
     ));
-    let limits = crate::api::listener::ApiLimits::default();
-    tokio::spawn(crate::api::listener::serve(
-        listener, tls, app, limits, cancel,
+    let limits = shepherd_server::https::HttpsLimits::default();
+    tokio::spawn(shepherd_server::https::serve(
+        "API", listener, tls, app, limits, cancel,
     ));
     Ok(())
 }

@@ -375,7 +375,8 @@ async fn machine(
     let Some(d) = inventory::detail(&ui.db, id, ui.stale_after).await? else {
         return Err(not_found(format!("machine {id} does not exist")));
     };
-    let buttons = user.map(|Extension(user)| actions::buttons(id, &user));
+    let bare = d.bare.is_some();
+    let buttons = user.map(|Extension(user)| actions::buttons(id, &user, bare));
     // A page with forms does not reload itself under a reason being typed.
     let look = match &buttons {
         Some(b) if !b.0.is_empty() => Look {
@@ -441,6 +442,7 @@ fn machine_body(d: &Detail) -> Markup {
                 None => span.muted { "none" },
             } }
         }
+        (bare_metal(d))
         h2 { "Recovery" }
         @match &d.recovery {
             None => p.muted id="recovery" { "Never rebooted by the recoverer." },
@@ -489,6 +491,30 @@ fn machine_body(d: &Detail) -> Markup {
                     td.mono { (opt(a.request_id.as_deref())) }
                 } } } }
         }
+    }
+}
+
+/// A bare machine's way from its BMC to its installed OS: where it stands, and each step with
+/// the time it spent in the phase it entered.
+fn bare_metal(d: &Detail) -> Markup {
+    let Some(b) = &d.bare else {
+        return html! {};
+    };
+    let steps = inventory::bare_steps_json(&d.bare_steps, d.now);
+    html! {
+        h2 { "Bare metal" }
+        p id="bare-metal" {
+            "Phase " strong data-field="bare_phase" { (b.phase.to_string()) } " since " (time(b.phase_at, d.now))
+            ", live boot " (b.attempts) "."
+            @if let Some(who) = &b.wipe_by { " Its disk may be overwritten: allowed by " (who) "." }
+        }
+        table id="bare-steps" { thead { tr { th { "At" } th { "Phase entered" } th { "Time in it" } th { "What was done or found" } } }
+            tbody { @for (s, j) in d.bare_steps.iter().zip(&steps) { tr data-phase=(s.phase.to_string()) {
+                td { span title=(s.at.to_rfc3339()) { (s.at.format("%Y-%m-%d %H:%M:%S%.3f")) } }
+                td { (s.phase.to_string()) }
+                td { (format!("{:.1} s", j["seconds"].as_f64().unwrap_or_default())) }
+                td.mono { (s.detail) }
+            } } } }
     }
 }
 

@@ -19,6 +19,7 @@ use crate::claim_hints::{ClaimHints, HintKey};
 use crate::eligibility::{exclusion_list, Retrieval};
 use crate::metrics::{BmdbMetrics, ClaimSearch};
 use crate::model::{Process, Processor, Provider};
+use crate::BarePhase;
 
 /// What a claim found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,7 +113,10 @@ pub(crate) fn eligibility(
              AND NOT EXISTS (SELECT 1 FROM machine_os_installation_request r
                              JOIN machine_os_installation_report o ON o.machine_id = r.machine_id
                              WHERE r.machine_id = p.machine_id AND o.generation = r.generation{fence})
-             AND {common}"
+             AND NOT EXISTS (SELECT 1 FROM machine_bare_metal bm WHERE bm.machine_id = p.machine_id
+                             AND bm.phase NOT IN ({takeover}){fence})
+             AND {common}",
+            takeover = phase_list(&BarePhase::TAKEOVER),
         ),
         Retrieval::AgentRecovery { .. } => format!(
             "NOT EXISTS (SELECT 1 FROM machine_os_installation_request r
@@ -124,11 +128,39 @@ pub(crate) fn eligibility(
                      AND NOT EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id{fence}))
                  OR EXISTS (SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id
                             AND h.heartbeat_at < {went_silent}{fence})){fence})
+             AND NOT EXISTS (SELECT 1 FROM machine_bare_metal bm WHERE bm.machine_id = p.machine_id
+                             AND bm.phase <> 'Done'{fence})
              AND {common}",
             never_beat = ago(0),
             went_silent = ago(1),
         ),
+        Retrieval::BareMetal { .. } => format!(
+            "EXISTS (SELECT 1 FROM machine_bare_metal bm WHERE bm.machine_id = p.machine_id AND (
+                    bm.phase IN ('Bare', 'Inserting', 'StartingLive', 'Ejecting', 'StartingDisk')
+                 OR (bm.phase = 'LiveBoot' AND (bm.phase_at < {live_boot} OR EXISTS (
+                        SELECT 1 FROM machine_agent_started s WHERE s.machine_id = p.machine_id{fence})))
+                 OR (bm.phase = 'Installing' AND (bm.phase_at < {install} OR EXISTS (
+                        SELECT 1 FROM machine_os_installation_report o WHERE o.machine_id = p.machine_id
+                        AND o.generation = bm.install_generation{fence})))
+                 OR (bm.phase = 'DiskBoot' AND (bm.phase_at < {disk_boot} OR EXISTS (
+                        SELECT 1 FROM machine_agent_heartbeat h WHERE h.machine_id = p.machine_id{fence}))))
+                 {fence})
+             AND {common}",
+            live_boot = ago(0),
+            install = ago(1),
+            disk_boot = ago(2),
+        ),
     }
+}
+
+/// SQL list literal of bare phases, e.g. `'LiveBoot', 'Done'`: values of a closed
+/// enumeration, inlined like [`exclusion_list`]'s.
+fn phase_list(phases: &[BarePhase]) -> String {
+    phases
+        .iter()
+        .map(|p| format!("'{}'", p.as_str()))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 type PgQueryAs<'q, O> = QueryAs<'q, Postgres, O, PgArguments>;
@@ -136,11 +168,22 @@ type SqliteQueryAs<'q, O> = QueryAs<'q, Sqlite, O, SqliteArguments<'q>>;
 
 /// Binds a Postgres eligibility condition's parameters (see [`Flavor::Postgres`]).
 fn bind_pg<'q, O>(q: PgQueryAs<'q, O>, retrieval: &Retrieval) -> PgQueryAs<'q, O> {
+    thresholds(retrieval)
+        .into_iter()
+        .fold(q, |q, span| q.bind(span.as_secs_f64()))
+}
+
+/// The spans an eligibility condition reaches back by, in parameter order.
+fn thresholds(retrieval: &Retrieval) -> Vec<std::time::Duration> {
     match retrieval {
-        Retrieval::AgentStart { .. } => q,
-        Retrieval::AgentRecovery { thresholds, .. } => q
-            .bind(thresholds.no_heartbeat_after_start.as_secs_f64())
-            .bind(thresholds.heartbeat_older_than.as_secs_f64()),
+        Retrieval::AgentStart { .. } => vec![],
+        Retrieval::AgentRecovery { thresholds, .. } => vec![
+            thresholds.no_heartbeat_after_start,
+            thresholds.heartbeat_older_than,
+        ],
+        Retrieval::BareMetal { timeouts, .. } => {
+            vec![timeouts.live_boot, timeouts.install, timeouts.disk_boot]
+        }
     }
 }
 
@@ -150,13 +193,9 @@ fn bind_sqlite<'q, O>(
     now: i64,
     retrieval: &Retrieval,
 ) -> SqliteQueryAs<'q, O> {
-    let q = q.bind(now);
-    match retrieval {
-        Retrieval::AgentStart { .. } => q,
-        Retrieval::AgentRecovery { thresholds, .. } => q
-            .bind(secs_us(thresholds.no_heartbeat_after_start.as_secs_f64()))
-            .bind(secs_us(thresholds.heartbeat_older_than.as_secs_f64())),
-    }
+    thresholds(retrieval)
+        .into_iter()
+        .fold(q.bind(now), |q, span| q.bind(secs_us(span.as_secs_f64())))
 }
 
 impl Tx {
@@ -345,12 +384,35 @@ const LAST_INTERVAL: &str =
     "SELECT last_interval_seconds FROM work_backoff WHERE machine_id = $1 AND process = $2";
 
 /// SQLite's candidate search: the first eligible machine at (`>=`) or before (`<`) `$1`.
+/// For the bare-metal rule it walks only the bare machines on their way (see [`claim_sql`]);
+/// `CROSS JOIN` is how SQLite is told which table to walk.
 pub(crate) fn sqlite_candidate_sql(process: Process, retrieval: &Retrieval, op: &str) -> String {
-    format!(
-        "SELECT p.machine_id FROM machine_provided p WHERE p.machine_id {op} $1 AND {}
-         ORDER BY p.machine_id LIMIT 1",
-        eligibility(process, retrieval, 2, Flavor::Sqlite)
-    )
+    let cond = eligibility(process, retrieval, 2, Flavor::Sqlite);
+    match retrieval {
+        Retrieval::BareMetal { .. } => format!(
+            "SELECT p.machine_id FROM machine_bare_metal way
+               CROSS JOIN machine_provided p ON p.machine_id = way.machine_id
+              WHERE {open} AND way.machine_id {op} $1 AND {cond}
+              ORDER BY way.machine_id LIMIT 1",
+            open = open_bare("way"),
+        ),
+        _ => format!(
+            "SELECT p.machine_id FROM machine_provided p WHERE p.machine_id {op} $1 AND {cond}
+             ORDER BY p.machine_id LIMIT 1"
+        ),
+    }
+}
+
+/// The condition that `alias`'s bare machine is on its way, written exactly as the partial
+/// index `machine_bare_metal_open` is (SQLite uses a partial index only for a query that
+/// repeats its condition).
+fn open_bare(alias: &str) -> String {
+    let open: Vec<BarePhase> = BarePhase::ALL
+        .iter()
+        .copied()
+        .filter(|p| p.is_open())
+        .collect();
+    format!("{alias}.phase IN ({})", phase_list(&open))
 }
 
 /// The first eligible machine at or after a random id, wrapping around. Starting at a random
@@ -623,18 +685,12 @@ impl Requests {
     }
 }
 
-/// The text of one claim statement (see [`claim_statement`]). Parameters: `$1` the sessions
-/// of the requests, in order, `$2` the start point or the given ids, `$3` the candidate
-/// limit, then the eligibility thresholds from `$4`.
-pub(crate) fn claim_sql(
-    process: Process,
-    retrieval: &Retrieval,
-    search: &Search,
-    requests: Requests,
-) -> String {
+/// The candidates a claim statement considers for `search` (see [`claim_sql`]): parameters
+/// `$2` (the start point or the given ids), `$3` (the limit), the thresholds from `$4`.
+fn candidates_sql(process: Process, retrieval: &Retrieval, search: &Search) -> String {
     let provider = retrieval.provider().as_str();
     let probe = Flavor::Postgres(Shape::Probe);
-    let candidates = match search {
+    match search {
         Search::Given(_) => {
             let cond = eligibility(process, retrieval, 4, probe);
             format!(
@@ -651,18 +707,50 @@ pub(crate) fn claim_sql(
                  WHERE {cond} ORDER BY p.machine_id LIMIT $3"
             )
         }
-        Search::Everywhere(_) => {
-            let cond = eligibility(process, retrieval, 4, Flavor::Postgres(Shape::Join));
-            format!(
-                "(SELECT p.machine_id FROM machine_provided p
-                  WHERE p.machine_id >= $2 AND {cond} ORDER BY p.machine_id LIMIT $3)
-                 UNION ALL
-                 (SELECT p.machine_id FROM machine_provided p
-                  WHERE p.machine_id < $2 AND {cond} ORDER BY p.machine_id LIMIT $3)
-                 LIMIT $3"
-            )
-        }
-    };
+        Search::Everywhere(_) => match retrieval {
+            // Few bare machines are on their way at any time, and any number may be done: the
+            // search walks the open ones (a partial index), each looked up by id and probed.
+            // The lateral lookup is fenced so that it stays a probe per open machine rather
+            // than a join that reads the whole fleet.
+            Retrieval::BareMetal { .. } => {
+                let cond = eligibility(process, retrieval, 4, probe);
+                let half = |op: &str| {
+                    format!(
+                        "SELECT p.machine_id FROM machine_bare_metal way,
+                           LATERAL (SELECT machine_id, provider FROM machine_provided
+                                    WHERE machine_id = way.machine_id OFFSET 0) p
+                          WHERE {open} AND way.machine_id {op} $2 AND {cond}
+                          ORDER BY way.machine_id LIMIT $3",
+                        open = open_bare("way"),
+                    )
+                };
+                format!("({}) UNION ALL ({}) LIMIT $3", half(">="), half("<"))
+            }
+            _ => {
+                let cond = eligibility(process, retrieval, 4, Flavor::Postgres(Shape::Join));
+                format!(
+                    "(SELECT p.machine_id FROM machine_provided p
+                      WHERE p.machine_id >= $2 AND {cond} ORDER BY p.machine_id LIMIT $3)
+                     UNION ALL
+                     (SELECT p.machine_id FROM machine_provided p
+                      WHERE p.machine_id < $2 AND {cond} ORDER BY p.machine_id LIMIT $3)
+                     LIMIT $3"
+                )
+            }
+        },
+    }
+}
+
+/// The text of one claim statement (see [`claim_statement`]). Parameters: `$1` the sessions
+/// of the requests, in order, `$2` the start point or the given ids, `$3` the candidate
+/// limit, then the eligibility thresholds from `$4`.
+pub(crate) fn claim_sql(
+    process: Process,
+    retrieval: &Retrieval,
+    search: &Search,
+    requests: Requests,
+) -> String {
+    let candidates = candidates_sql(process, retrieval, search);
     let leftovers = match search {
         Search::Window(_) => "NULL::uuid[]",
         Search::Given(_) | Search::Everywhere(_) => {

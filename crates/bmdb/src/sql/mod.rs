@@ -15,7 +15,8 @@
 //! - `overview.rs` — fleet counts over time, work endings per minute, top failure causes;
 //! - `provider_skips.rs` — provider ids skipped after their provider refused them;
 //! - `retention.rs` — pruning old history in bounded batches;
-//! - `api_tokens.rs` — the operator API's local tokens.
+//! - `api_tokens.rs` — the operator API's local tokens;
+//! - `bare_metal.rs` — bare machines' phases, their steps' history and the media server's lookup.
 //!
 //! This is the one door to the database: `Tx`'s connection is private to `engine.rs`, so the
 //! rest of the crate can only call these methods, and no other crate names `sqlx` (tidy
@@ -25,6 +26,7 @@
 //! data-modifying CTEs, SQLite's `PRAGMA`s) are the arms of one `match` on the engine.
 
 pub(crate) mod api_tokens;
+pub(crate) mod bare_metal;
 pub(crate) mod claims;
 pub(crate) mod endings;
 pub(crate) mod engine;

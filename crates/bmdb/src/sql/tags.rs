@@ -80,6 +80,8 @@ enum TagTable {
     AgentStarted,
     AgentHeartbeat,
     SshHostKey,
+    OsInstallationRequest,
+    OsInstallationReport,
 }
 
 impl TagTable {
@@ -88,6 +90,8 @@ impl TagTable {
             TagTable::AgentStarted => "machine_agent_started",
             TagTable::AgentHeartbeat => "machine_agent_heartbeat",
             TagTable::SshHostKey => "machine_ssh_host_key",
+            TagTable::OsInstallationRequest => "machine_os_installation_request",
+            TagTable::OsInstallationReport => "machine_os_installation_report",
         }
     }
 }
@@ -407,6 +411,14 @@ impl Tx {
     /// Forgets the pinned SSH host key (an operator re-keyed the machine on purpose).
     pub async fn delete_ssh_host_key(&mut self, id: Uuid) -> Result<bool> {
         self.delete_tag(TagTable::SshHostKey, id).await
+    }
+
+    /// Deletes the machine's installation request and report (the installation is done or
+    /// undone); true if there was either.
+    pub async fn delete_os_installation(&mut self, id: Uuid) -> Result<bool> {
+        let request = self.delete_tag(TagTable::OsInstallationRequest, id).await?;
+        let report = self.delete_tag(TagTable::OsInstallationReport, id).await?;
+        Ok(request || report)
     }
 
     /// Deletes one machine's row of a tag; true if there was one.

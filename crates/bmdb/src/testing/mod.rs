@@ -404,7 +404,7 @@ pub fn claim_statements(provider: crate::Provider) -> Vec<(String, String)> {
         .collect()
 }
 
-fn loop_rules(provider: crate::Provider) -> [(&'static str, crate::Process, crate::Retrieval); 2] {
+fn loop_rules(provider: crate::Provider) -> [(&'static str, crate::Process, crate::Retrieval); 3] {
     [
         (
             "start",
@@ -417,6 +417,14 @@ fn loop_rules(provider: crate::Provider) -> [(&'static str, crate::Process, crat
             crate::Retrieval::AgentRecovery {
                 provider,
                 thresholds: crate::RecoveryThresholds::default(),
+            },
+        ),
+        (
+            "bare metal",
+            crate::Process::ShepherdBareMetal,
+            crate::Retrieval::BareMetal {
+                provider,
+                timeouts: crate::BareTimeouts::default(),
             },
         ),
     ]

@@ -45,10 +45,18 @@ async fn seed_fleet(url: &str) {
          SELECT machine_id, CASE WHEN get_byte(uuid_send(machine_id), 1) < 16
                                  THEN now() - interval '1 hour' ELSE now() END
            FROM machine_agent_started",
+        // Half the fleet came bare: almost all of it is done, a few machines are on their way.
+        "INSERT INTO machine_bare_metal (machine_id, phase, phase_at, install_generation)
+         SELECT machine_id,
+                CASE WHEN get_byte(uuid_send(machine_id), 4) < 4 THEN
+                     (ARRAY['Bare', 'LiveBoot', 'Installing', 'DiskBoot'])[1 + get_byte(uuid_send(machine_id), 5) % 4]
+                     ELSE 'Done' END,
+                now() - interval '5 minutes', 1
+           FROM machines WHERE get_byte(uuid_send(machine_id), 3) < 128",
         // A few machines in backoff for each process.
         "INSERT INTO work_backoff (machine_id, process, until, cause, last_interval_seconds)
          SELECT machine_id, p, now() + interval '1 hour', 'seeded', 60
-           FROM machines, unnest(ARRAY['ShepherdAgentStart', 'ShepherdRecovery']) AS p
+           FROM machines, unnest(ARRAY['ShepherdAgentStart', 'ShepherdRecovery', 'ShepherdBareMetal']) AS p
           WHERE get_byte(uuid_send(machine_id), 2) < 8",
         "ANALYZE",
     ] {
@@ -66,12 +74,13 @@ async fn seed_fleet(url: &str) {
 }
 
 /// Tables whose every row a claim must never read: the fleet-sized ones.
-const FLEET_TABLES: [&str; 5] = [
+const FLEET_TABLES: [&str; 6] = [
     "machines",
     "machine_provided",
     "machine_agent_started",
     "machine_agent_heartbeat",
     "work_backoff",
+    "machine_bare_metal",
 ];
 
 /// Rows a window or hinted search may touch in one plan step: its window of 64 index entries,
@@ -111,8 +120,8 @@ async fn claims_use_the_indexes_on_postgres() {
         .expect("explain");
     assert_eq!(
         plans.len(),
-        12,
-        "three searches, for a batch and for a lone request, for each of two rules"
+        18,
+        "three searches, for a batch and for a lone request, for each of three rules"
     );
     for (name, plan) in &plans {
         let plan = plan.join("\n");

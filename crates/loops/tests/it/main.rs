@@ -3,6 +3,7 @@
 //! turn ([`alone`], or [`beside_each_other`] for the fault tests that start several Ironics at
 //! once by design), so that they meet no such test they did not meet as binaries of their own.
 
+mod bare_metal;
 mod initializer_sshd;
 mod ironic_faults;
 mod over_fake_equinix;

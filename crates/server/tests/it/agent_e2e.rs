@@ -158,7 +158,9 @@ async fn agent_takes_over_heartbeats_and_installs(db: Bmdb) {
     })
     .await;
 
-    // Installation: generation 1 is a corrupted image (checksum mismatch), generation 2 good.
+    // Installation: generation 1 is a corrupted image (checksum mismatch); generation 2, the
+    // good image, is refused, since the disk holds what generation 1 wrote; generation 3 allows
+    // the wipe and installs it.
     let image: Vec<u8> = (0..3_000_000u32).map(|i| (i * 7 % 251) as u8).collect();
     let sha: String = Sha256::digest(&image)
         .iter()
@@ -168,9 +170,10 @@ async fn agent_takes_over_heartbeats_and_installs(db: Bmdb) {
     corrupted[1234] ^= 0xff;
     let base = http_server(vec![("/good.img", image.clone()), ("/bad.img", corrupted)]).await;
     let disk = dir.path().join("disk");
-    for (generation, path, want) in [
-        (1, "/bad.img", InstallationResult::Error),
-        (2, "/good.img", InstallationResult::Success),
+    for (generation, path, wipe_allowed, want) in [
+        (1, "/bad.img", false, InstallationResult::Error),
+        (2, "/good.img", false, InstallationResult::Error),
+        (3, "/good.img", true, InstallationResult::Success),
     ] {
         let raw = OsInstallationRequest {
             generation,
@@ -179,6 +182,8 @@ async fn agent_takes_over_heartbeats_and_installs(db: Bmdb) {
                     url: format!("{base}{path}"),
                     sha256: sha.clone(),
                     target_device: disk.display().to_string(),
+                    wipe_allowed,
+                    ..Default::default()
                 },
             )),
         }
@@ -193,8 +198,11 @@ async fn agent_takes_over_heartbeats_and_installs(db: Bmdb) {
         let decoded = OsInstallationReport::decode(stored.report_raw.as_slice()).unwrap();
         if want == InstallationResult::Error {
             match decoded.result {
-                Some(os_installation_report::Result::Error(e)) => {
+                Some(os_installation_report::Result::Error(e)) if generation == 1 => {
                     assert!(e.error.contains("checksum mismatch"), "{}", e.error)
+                }
+                Some(os_installation_report::Result::Error(e)) => {
+                    assert!(e.error.contains("holds data"), "{}", e.error)
                 }
                 other => panic!("{other:?}"),
             }

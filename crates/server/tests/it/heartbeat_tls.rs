@@ -297,6 +297,7 @@ async fn installation_requests_until_reported(db: Bmdb) {
                 url: "https://images.example/os.img".into(),
                 sha256: "00".repeat(32),
                 target_device: "/dev/sda".into(),
+                ..Default::default()
             },
         )),
     };

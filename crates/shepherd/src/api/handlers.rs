@@ -305,15 +305,36 @@ pub struct InstallBody {
     sha256: String,
     /// The block device it is written to.
     device: String,
+    /// The device may be overwritten although it holds a partition table or a file system.
+    #[serde(default)]
+    wipe: bool,
     /// Why, for the machine's history.
     reason: Option<String>,
 }
 
 impl ActionBody for InstallBody {
     fn action(self) -> Result<(MachineAction, Option<String>), Problem> {
-        let image = InstallImage::new(self.image, self.sha256, self.device)
+        let image = InstallImage::new(self.image, self.sha256, self.device, self.wipe)
             .map_err(|e| invalid(e.to_string()))?;
         Ok((MachineAction::Install(image), self.reason))
+    }
+}
+
+/// `…/reimage`: sends a machine that came bare back to its live environment.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReimageBody {
+    /// Its disk may be overwritten although it holds an OS.
+    #[serde(default)]
+    wipe: bool,
+    /// Why, for the machine's history (required).
+    reason: Option<String>,
+}
+
+impl ActionBody for ReimageBody {
+    fn action(self) -> Result<(MachineAction, Option<String>), Problem> {
+        let wipe = self.wipe;
+        Ok((MachineAction::Reimage { wipe }, self.reason))
     }
 }
 

@@ -2,12 +2,11 @@
 //! by `shepherd server --api-listen`. Every request proves an identity (`auth.rs`), which the
 //! one policy table (`policy.rs`) allows or refuses; every action is recorded in the
 //! operators' history with that identity and the request's id. Errors are problem details
-//! (`problem.rs`). The listener's bounds are in `listener.rs`.
+//! (`problem.rs`). The listener's bounds are in `shepherd_server::https`.
 
 pub mod auth;
 mod extract;
 pub mod handlers;
-pub mod listener;
 pub mod oidc;
 mod openapi;
 pub mod policy;
@@ -121,6 +120,7 @@ pub fn router(
         )
         .route("/install", post(h::action::<h::InstallBody>))
         .route("/decommission", post(h::action::<h::DecommissionBody>))
+        .route("/reimage", post(h::action::<h::ReimageBody>))
         .route(
             "/recommission",
             post(h::action::<h::Because<h::Recommission>>),

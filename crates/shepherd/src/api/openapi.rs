@@ -17,7 +17,7 @@ use utoipa::openapi::{
 use utoipa::{IntoParams, PartialSchema};
 
 use super::handlers::{
-    DecommissionBody, InstallBody, ListQuery, MaintenanceBody, NewTokenBody, RetryBody,
+    DecommissionBody, InstallBody, ListQuery, MaintenanceBody, NewTokenBody, ReimageBody, RetryBody,
 };
 use super::policy::{Rule, POLICY};
 use super::problem::ProblemBody;
@@ -74,6 +74,10 @@ fn describe(rule: &Rule) -> Option<Described> {
         ("POST", "/api/v1/machines/{id}/recommission") => {
             ("Lifts a decommissioning's bar", Some(reason_only()))
         }
+        ("POST", "/api/v1/machines/{id}/reimage") => (
+            "Sends a machine that came bare back to its live environment to install its OS again",
+            Some(ReimageBody::schema()),
+        ),
         ("GET", "/api/v1/tokens") => ("Every API token (never a secret)", None),
         ("POST", "/api/v1/tokens") => (
             "Makes an API token; its secret is in the answer only",

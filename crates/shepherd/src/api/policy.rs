@@ -20,8 +20,8 @@ const fn rule(method: &'static str, path: &'static str, role: Role) -> Rule {
     Rule { method, path, role }
 }
 
-/// The policy. Reads are for viewers; actions on machines for operators; tokens and taking
-/// machines out of the BMDB (decommission and its undo) for admins.
+/// The policy. Reads are for viewers; actions on machines for operators; tokens, taking
+/// machines out of the BMDB (decommission and its undo) and reimaging them for admins.
 #[rustfmt::skip] // a table: one rule per line
 pub const POLICY: &[Rule] = &[
     rule("GET", "/api/v1/machines", Role::Viewer),
@@ -38,6 +38,7 @@ pub const POLICY: &[Rule] = &[
     rule("POST", "/api/v1/machines/{id}/install", Role::Operator),
     rule("POST", "/api/v1/machines/{id}/decommission", Role::Admin),
     rule("POST", "/api/v1/machines/{id}/recommission", Role::Admin),
+    rule("POST", "/api/v1/machines/{id}/reimage", Role::Admin),
     rule("GET", "/api/v1/tokens", Role::Admin),
     rule("POST", "/api/v1/tokens", Role::Admin),
     rule("DELETE", "/api/v1/tokens/{name}", Role::Admin),

@@ -43,6 +43,11 @@ const OFFERED: &[(&str, &str, MachineAction)] = &[
         "Decommission",
         MachineAction::Decommission { undeploy: false },
     ),
+    (
+        "reimage",
+        "Reimage (wipes its disk)",
+        MachineAction::Reimage { wipe: true },
+    ),
 ];
 
 /// The least role `action` needs: the policy's rule for its API route; admin if it has none.
@@ -52,11 +57,13 @@ fn needs(action: &MachineAction) -> Role {
     policy::required(&Method::POST, &path).unwrap_or(Role::Admin)
 }
 
-/// The forms `user` may use on machine `id` (none for a viewer).
-pub fn buttons(id: Uuid, user: &WebUser) -> Markup {
+/// The forms `user` may use on machine `id` (none for a viewer); reimaging only for a machine
+/// that came `bare`.
+pub fn buttons(id: Uuid, user: &WebUser, bare: bool) -> Markup {
     let allowed: Vec<_> = OFFERED
         .iter()
         .filter(|(_, _, action)| user.principal.role >= needs(action))
+        .filter(|(_, _, action)| bare || !matches!(action, MachineAction::Reimage { .. }))
         .collect();
     html! {
         @if !allowed.is_empty() {

@@ -123,6 +123,8 @@ struct Fleet {
     report: Option<(i64, InstallationResult)>,
     work: Option<Process>,
     backoff: Option<(Process, bool)>,
+    /// Phase, minutes since it was entered, installation generation asked for.
+    bare: Option<(BarePhase, i64, Option<i64>)>,
 }
 fn model_eligible(m: &Fleet, process: Process, retrieval: &Retrieval) -> bool {
     if m.provider != retrieval.provider() {
@@ -138,10 +140,12 @@ fn model_eligible(m: &Fleet, process: Process, retrieval: &Retrieval) -> bool {
         m.report
             .is_some_and(|(g, r)| g == req && (!need_success || r == InstallationResult::Success))
     };
+    let bare_phase = m.bare.map(|(phase, _, _)| phase);
     match retrieval {
         Retrieval::AgentStart { .. } => {
             m.started_min_ago.is_none()
                 && !m.request_gen.is_some_and(|g| report_gen_matches(g, false))
+                && bare_phase.is_none_or(|p| BarePhase::TAKEOVER.contains(&p))
         }
         Retrieval::AgentRecovery { thresholds, .. } => {
             let Some(started) = m.started_min_ago else {
@@ -150,11 +154,33 @@ fn model_eligible(m: &Fleet, process: Process, retrieval: &Retrieval) -> bool {
             if m.request_gen.is_some_and(|g| report_gen_matches(g, true)) {
                 return false;
             }
+            if bare_phase.is_some_and(|p| p != BarePhase::Done) {
+                return false;
+            }
             let start_limit = thresholds.no_heartbeat_after_start.as_secs() as i64 / 60;
             let hb_limit = thresholds.heartbeat_older_than.as_secs() as i64 / 60;
             match m.heartbeat_min_ago {
                 None => started > start_limit,
                 Some(hb) => hb > hb_limit,
+            }
+        }
+        Retrieval::BareMetal { timeouts, .. } => {
+            let Some((phase, min_ago, generation)) = m.bare else {
+                return false;
+            };
+            let past = |limit: Duration| min_ago > limit.as_secs() as i64 / 60;
+            match phase {
+                BarePhase::Bare
+                | BarePhase::Inserting
+                | BarePhase::StartingLive
+                | BarePhase::Ejecting
+                | BarePhase::StartingDisk => true,
+                BarePhase::LiveBoot => past(timeouts.live_boot) || m.started_min_ago.is_some(),
+                BarePhase::Installing => {
+                    past(timeouts.install) || m.report.is_some_and(|(g, _)| Some(g) == generation)
+                }
+                BarePhase::DiskBoot => past(timeouts.disk_boot) || m.heartbeat_min_ago.is_some(),
+                BarePhase::Done | BarePhase::Failed => false,
             }
         }
     }
@@ -168,6 +194,7 @@ async fn eligibility_matches_model(db: Bmdb) {
         Process::ShepherdAgentStart,
         Process::ShepherdRecovery,
         Process::ShepherdAccess,
+        Process::ShepherdBareMetal,
         Process::UnitTest1,
     ];
     let mut fleet = vec![];
@@ -201,6 +228,11 @@ async fn eligibility_matches_model(db: Bmdb) {
                     Process::ShepherdRecovery
                 };
                 (p, pick(&mut rng, 0.5))
+            }),
+            bare: pick(&mut rng, 0.3).then(|| {
+                let phase = BarePhase::ALL[rng.random_range(0..BarePhase::ALL.len())];
+                let generation = pick(&mut rng, 0.7).then(|| rng.random_range(1..3));
+                (phase, [1, 20, 45, 120][rng.random_range(0..4)], generation)
             }),
         });
     }
@@ -245,6 +277,10 @@ async fn eligibility_matches_model(db: Bmdb) {
                     }
                     if let Some(p) = m.work {
                         tx.insert_work_raw(m.id, sid, p).await?;
+                    }
+                    if let Some((phase, min, generation)) = m.bare {
+                        tx.set_bare_metal_raw(m.id, phase, ago(min), generation)
+                            .await?;
                     }
                     if let Some((p, active)) = m.backoff {
                         let until = if active {
@@ -304,6 +340,24 @@ async fn eligibility_matches_model(db: Bmdb) {
             Retrieval::AgentRecovery {
                 provider: Provider::Sim,
                 thresholds: short,
+            },
+        ),
+        (
+            Process::ShepherdBareMetal,
+            Retrieval::BareMetal {
+                provider: Provider::Sim,
+                timeouts: BareTimeouts::default(),
+            },
+        ),
+        (
+            Process::ShepherdBareMetal,
+            Retrieval::BareMetal {
+                provider: Provider::Static,
+                timeouts: BareTimeouts {
+                    live_boot: Duration::from_secs(10 * 60),
+                    install: Duration::from_secs(30 * 60),
+                    disk_boot: Duration::from_secs(60 * 60),
+                },
             },
         ),
     ];

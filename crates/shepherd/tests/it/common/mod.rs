@@ -198,6 +198,7 @@ pub fn sample(text: &str, name_and_labels: &str) -> Option<f64> {
 
 pub mod history;
 pub mod ironic;
+pub mod libvirt;
 pub mod oidc;
 pub mod patroni;
 pub mod private_postgres;

@@ -1,5 +1,5 @@
-//! The sushy-tools Redfish emulator (fake driver, HTTPS, basic auth), installed by
-//! `scripts/test-deps.sh` into a virtualenv.
+//! The sushy-tools Redfish emulator (its fake driver, or its libvirt driver; HTTPS, basic
+//! auth), installed by `scripts/test-deps.sh` into a virtualenv.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -36,6 +36,8 @@ pub struct Emulator {
     pub ca: PathBuf,
     /// The file holding the BMC password of user `admin`.
     pub password_file: PathBuf,
+    /// Its log (standard error).
+    pub log: PathBuf,
 }
 
 impl Drop for Emulator {
@@ -98,6 +100,42 @@ pub fn start_emulator(
     systems: &[FakeSystem<'_>],
     notify: Option<&str>,
 ) -> Emulator {
+    let systems: Vec<String> = systems
+        .iter()
+        .map(|s| {
+            format!(
+                "{{'uuid': '{}', 'name': '{}', 'power_state': 'On', 'external_notifier': {}, 'nics': [{{'mac': '00:5c:52:31:3a:9c', 'ip': '172.22.0.100'}}]}}",
+                s.uuid,
+                s.name,
+                if notify.is_some() { "True" } else { "False" }
+            )
+        })
+        .collect();
+    let driver = format!(
+        "SUSHY_EMULATOR_FAKE_DRIVER = True\n\
+         SUSHY_EMULATOR_FAKE_SYSTEMS = [{}]\n\
+         EXTERNAL_NOTIFICATION_URL = '{}'\n",
+        systems.join(", "),
+        notify.unwrap_or("http://127.0.0.1:9"),
+    );
+    start(dir, form, &driver, &["--fake"])
+}
+
+/// sushy-emulator with its libvirt driver on `qemu:///system`, showing only the domains of
+/// `uuids` (the test's own), HTTPS with a certificate of `form` and basic auth as
+/// [`start_emulator`]. Its log says what it did with each system's virtual media.
+pub fn start_libvirt_emulator(dir: &Path, form: CertForm, uuids: &[String]) -> Emulator {
+    let allowed: Vec<String> = uuids.iter().map(|u| format!("'{u}'")).collect();
+    let driver = format!(
+        "SUSHY_EMULATOR_LIBVIRT_URI = 'qemu:///system'\n\
+         SUSHY_EMULATOR_ALLOWED_INSTANCES = [{}]\n",
+        allowed.join(", ")
+    );
+    start(dir, form, &driver, &[])
+}
+
+/// Starts the emulator with `driver`'s configuration lines and `args`.
+fn start(dir: &Path, form: CertForm, driver: &str, args: &[&str]) -> Emulator {
     let bin = emulator_binary();
     let python = bin.parent().unwrap().join("python");
     let password = "bmc-secret-42";
@@ -116,17 +154,6 @@ pub fn start_emulator(
     std::fs::write(&password_file, format!("{password}\n")).unwrap();
     let (cert_pem, key_pem, ca) = bmc_certs(dir, form);
     let port = free_port();
-    let systems: Vec<String> = systems
-        .iter()
-        .map(|s| {
-            format!(
-                "{{'uuid': '{}', 'name': '{}', 'power_state': 'On', 'external_notifier': {}, 'nics': [{{'mac': '00:5c:52:31:3a:9c', 'ip': '172.22.0.100'}}]}}",
-                s.uuid,
-                s.name,
-                if notify.is_some() { "True" } else { "False" }
-            )
-        })
-        .collect();
     let config = dir.join("emulator.conf");
     std::fs::create_dir_all(dir.join("state")).unwrap();
     std::fs::write(
@@ -134,15 +161,11 @@ pub fn start_emulator(
         format!(
             "SUSHY_EMULATOR_LISTEN_IP = '127.0.0.1'\n\
              SUSHY_EMULATOR_LISTEN_PORT = {port}\n\
-             SUSHY_EMULATOR_FAKE_DRIVER = True\n\
-             SUSHY_EMULATOR_FAKE_SYSTEMS = [{}]\n\
-             EXTERNAL_NOTIFICATION_URL = '{}'\n\
+             {driver}\
              SUSHY_EMULATOR_AUTH_FILE = '{}'\n\
              SUSHY_EMULATOR_SSL_CERT = '{}'\n\
              SUSHY_EMULATOR_SSL_KEY = '{}'\n\
              SUSHY_EMULATOR_STATE_DIR = '{}'\n",
-            systems.join(", "),
-            notify.unwrap_or("http://127.0.0.1:9"),
             htpasswd.display(),
             cert_pem.display(),
             key_pem.display(),
@@ -154,7 +177,7 @@ pub fn start_emulator(
     let mut child = Command::new(&bin)
         .args(["--config"])
         .arg(&config)
-        .arg("--fake")
+        .args(args)
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
@@ -175,5 +198,6 @@ pub fn start_emulator(
         url: format!("https://127.0.0.1:{port}"),
         ca,
         password_file,
+        log,
     }
 }

@@ -46,33 +46,56 @@ impl GuestImage {
     /// The image `scripts/vm-image.sh` built (the test fails, never skips, without it); the
     /// key is copied into `dir`.
     pub fn locate(dir: &Path) -> GuestImage {
-        use std::os::unix::fs::PermissionsExt;
-        let vm_dir = std::env::var_os("SHEPHERD_VM_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| {
-                PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-                    .join(".cache/shepherd/vm")
-            });
-        let disk = vm_dir.join("guest.img");
-        assert!(
-            disk.exists(),
-            "{} is missing: run scripts/test-deps.sh (it builds the guest image)",
-            disk.display()
-        );
-        let key = dir.join("vm_id_ed25519");
-        std::fs::copy(vm_dir.join("id_ed25519"), &key).unwrap();
-        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o400)).unwrap();
-        let installable_sha256 = std::fs::read_to_string(vm_dir.join("installable.img.sha256"))
-            .unwrap()
-            .trim()
-            .to_string();
+        let built = Built::locate("SHEPHERD_VM_DIR", "vm", "guest.img", "the guest image");
         GuestImage {
-            disk,
-            tftp: vm_dir.join("tftp"),
-            installable: vm_dir.join("installable.img"),
-            installable_sha256,
-            key,
+            disk: built.path("guest.img"),
+            tftp: built.path("tftp"),
+            installable: built.path("installable.img"),
+            installable_sha256: built.sha256_of("installable.img"),
+            key: built.private_key("id_ed25519", &dir.join("vm_id_ed25519")),
         }
+    }
+}
+
+/// A directory of images `scripts/test-deps.sh` built and cached (`~/.cache/shepherd/NAME`,
+/// or the directory an environment variable names).
+pub struct Built(PathBuf);
+
+impl Built {
+    /// The directory, which must hold `file` (the test fails, never skips, without it: it is
+    /// `what` test-deps builds).
+    pub fn locate(env: &str, name: &str, file: &str, what: &str) -> Built {
+        let dir = std::env::var_os(env).map(PathBuf::from).unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                .join(".cache/shepherd")
+                .join(name)
+        });
+        let needed = dir.join(file);
+        assert!(
+            needed.exists(),
+            "{} is missing: run scripts/test-deps.sh (it builds {what})",
+            needed.display()
+        );
+        Built(dir)
+    }
+
+    /// A file in it.
+    pub fn path(&self, file: &str) -> PathBuf {
+        self.0.join(file)
+    }
+
+    /// The sha256 written beside `file` (`FILE.sha256`).
+    pub fn sha256_of(&self, file: &str) -> String {
+        let text = std::fs::read_to_string(self.0.join(format!("{file}.sha256"))).unwrap();
+        text.trim().to_string()
+    }
+
+    /// A copy of the private key `file` at `to`, mode 0400 as `shepherd run` wants it.
+    pub fn private_key(&self, file: &str, to: &Path) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::copy(self.0.join(file), to).unwrap();
+        std::fs::set_permissions(to, std::fs::Permissions::from_mode(0o400)).unwrap();
+        to.to_path_buf()
     }
 }
 
@@ -307,7 +330,7 @@ impl Drop for Vm {
 }
 
 /// Whether an sshd greets on the loopback `port` within a few seconds.
-fn ssh_greets(port: u16) -> bool {
+pub fn ssh_greets(port: u16) -> bool {
     let Ok(mut conn) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
         return false;
     };
@@ -411,13 +434,22 @@ pub async fn power_follower(
 pub async fn image_server(
     image: &GuestImage,
 ) -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    file_server(&image.installable, "/installable.img").await
+}
+
+/// Serves the file at `path` as `route` over plain HTTP on a free loopback port (returned, to
+/// forward to [`IMAGES_IN_GUEST`]); counts the downloads.
+pub async fn file_server(
+    path: &Path,
+    route: &'static str,
+) -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
-    let bytes = axum::body::Bytes::from(std::fs::read(&image.installable).unwrap());
+    let bytes = axum::body::Bytes::from(std::fs::read(path).unwrap());
     let downloads = Arc::new(AtomicUsize::new(0));
     let counted = downloads.clone();
     let app = axum::Router::new().route(
-        "/installable.img",
+        route,
         axum::routing::get(move || {
             counted.fetch_add(1, Ordering::Relaxed);
             let bytes = bytes.clone();
@@ -428,6 +460,25 @@ pub async fn image_server(
     let port = listener.local_addr().unwrap().port();
     tokio::spawn(async move { axum::serve(listener, app).await });
     (port, downloads)
+}
+
+/// `shepherd run` over the static inventory at `inventory` on BMDB `url`, taking guests over
+/// as root with `key` and starting agents that heartbeat to [`SERVER_IN_GUEST`], trusting the
+/// CA of [`server_for_guests`]' certificates in `certs`.
+pub fn run_for_guests(url: &str, inventory: &Path, certs: &Path, key: &Path) -> Command {
+    let mut run = super::shepherd();
+    run.args(["run", "--provider", "static", "--database", url])
+        .arg("--static-inventory")
+        .arg(format!("file://{}", inventory.display()))
+        .arg("--agent-executable")
+        .arg(shepherd_loops::testing::agent_path())
+        .args(["--agent-endpoint", SERVER_IN_GUEST])
+        .arg("--agent-ca")
+        .arg(certs.join("ca.pem"))
+        .arg("--ssh-key")
+        .arg(key)
+        .args(["--ssh-user", "root", "--ssh-exec-timeout", "120s"]);
+    run
 }
 
 /// `shepherd server` on BMDB `url`, listening on loopback `port` (what the guests reach as

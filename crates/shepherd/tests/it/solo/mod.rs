@@ -4,6 +4,7 @@
 //! test binary once for each (`cargo test -p shepherd --test it solo::vm_fleet::` by hand):
 //! those it names as mostly waiting two at a time, beside each other only, the rest alone.
 
+mod bare_metal_e2e;
 mod fault_disk_full;
 mod fault_failover;
 mod fault_fencing;

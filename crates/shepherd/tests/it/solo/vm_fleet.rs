@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use common::sushy::{start_emulator, CertForm, FakeSystem};
 use common::vm::{
-    image_server, power_follower, server_for_guests, vm_site, GuestImage, Vm, VmSpec,
-    IMAGES_IN_GUEST, SERVER_IN_GUEST, TARGET_DISK_BYTES,
+    image_server, power_follower, run_for_guests, server_for_guests, vm_site, GuestImage, Vm,
+    VmSpec, IMAGES_IN_GUEST, TARGET_DISK_BYTES,
 };
 use common::{shepherd, wait_for, ChildGuard};
 use serde_json::Value;
@@ -113,18 +113,7 @@ async fn a_vm_fleet_is_taken_over_installed_recovered_and_pins_host_keys() {
     std::fs::write(&inventory, serde_json::to_string(&entries).unwrap()).unwrap();
     let run_log = dir.path().join("run.log");
     let _run = ChildGuard(Some(
-        shepherd()
-            .args(["run", "--provider", "static", "--database", &t.url])
-            .arg("--static-inventory")
-            .arg(format!("file://{}", inventory.display()))
-            .arg("--agent-executable")
-            .arg(shepherd_loops::testing::agent_path())
-            .args(["--agent-endpoint", SERVER_IN_GUEST])
-            .arg("--agent-ca")
-            .arg(certs.join("ca.pem"))
-            .arg("--ssh-key")
-            .arg(&image.key)
-            .args(["--ssh-user", "root", "--ssh-exec-timeout", "120s"])
+        run_for_guests(&t.url, &inventory, &certs, &image.key)
             .args(["--initializer-parallelism", &VMS.to_string()])
             .args(["--initializer-db-rate", "100ms,8"])
             .args(["--provisioner-reconcile-rate", "1s,1"])

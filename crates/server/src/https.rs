@@ -1,19 +1,20 @@
-//! The operator API's listener: HTTPS (HTTP/1.1) with the bounds every Shepherd listener has.
-//! Admission caps handshakes and connections in all and per peer (the agent server's
-//! `Admission`, with counters of its own); a TLS handshake, a request's headers and a request
-//! must each finish in time; headers and bodies are bounded in size.
+//! An HTTPS (HTTP/1.1) listener for an axum router with the bounds every Shepherd listener has:
+//! the operator API's and the bare-metal media server's. Admission caps handshakes and
+//! connections in all and per peer (the agent server's `Admission`, with counters of its own);
+//! a TLS handshake, a request's headers and a request must each finish in time; headers and
+//! bodies are bounded in size.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::admission::{Admission, AdmissionCaps};
+use crate::{next_admitted, ConnectionMetrics};
 use axum::extract::ConnectInfo;
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
-use shepherd_server::admission::{Admission, AdmissionCaps};
-use shepherd_server::{next_admitted, ConnectionMetrics};
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
@@ -22,7 +23,7 @@ use tower::Service;
 
 /// The listener's bounds.
 #[derive(Debug, Clone, Copy)]
-pub struct ApiLimits {
+pub struct HttpsLimits {
     /// Connections and handshakes in progress, in all and per peer.
     pub caps: AdmissionCaps,
     /// A TLS handshake must finish within this.
@@ -33,9 +34,9 @@ pub struct ApiLimits {
     pub max_head_bytes: usize,
 }
 
-impl Default for ApiLimits {
+impl Default for HttpsLimits {
     fn default() -> Self {
-        ApiLimits {
+        HttpsLimits {
             caps: AdmissionCaps {
                 pending_handshakes: 256,
                 pending_handshakes_per_peer: 16,
@@ -50,12 +51,14 @@ impl Default for ApiLimits {
 }
 
 /// Serves `app` on `listener` over TLS (`tls`, which must offer `http/1.1`) until `shutdown`;
-/// each request carries its peer's address as `ConnectInfo`.
+/// each request carries its peer's address as `ConnectInfo`. `name` names the listener in
+/// its log lines (`API`, `media`).
 pub async fn serve(
+    name: &'static str,
     listener: TcpListener,
     tls: Arc<rustls::ServerConfig>,
     app: Router,
-    limits: ApiLimits,
+    limits: HttpsLimits,
     shutdown: CancellationToken,
 ) {
     let acceptor = TlsAcceptor::from(tls);
@@ -68,19 +71,19 @@ pub async fn serve(
             let stream = match handshake.await {
                 Ok(Ok(stream)) => stream,
                 Ok(Err(e)) => {
-                    tracing::debug!(%peer, error = %e, "API: TLS handshake failed");
+                    tracing::debug!(%peer, error = %e, "{name}: TLS handshake failed");
                     return;
                 }
                 Err(_) => {
-                    tracing::debug!(%peer, "API: TLS handshake timed out");
+                    tracing::debug!(%peer, "{name}: TLS handshake timed out");
                     return;
                 }
             };
             let Ok(_connection) = ticket.establish() else {
-                tracing::debug!(%peer, "API: no connection slot for this peer; connection dropped");
+                tracing::debug!(%peer, "{name}: no connection slot for this peer; connection dropped");
                 return;
             };
-            serve_connection(stream, peer, app, limits, shutdown).await;
+            serve_connection(name, stream, peer, app, limits, shutdown).await;
         });
     }
     drop(listener);
@@ -90,10 +93,11 @@ pub async fn serve(
 
 /// Serves one connection until the peer closes it, a timeout, or shutdown.
 async fn serve_connection(
+    name: &'static str,
     stream: tokio_rustls::server::TlsStream<tokio::net::TcpStream>,
     peer: SocketAddr,
     app: Router,
-    limits: ApiLimits,
+    limits: HttpsLimits,
     shutdown: CancellationToken,
 ) {
     let svc = tower::service_fn(move |mut req: axum::http::Request<hyper::body::Incoming>| {
@@ -113,7 +117,7 @@ async fn serve_connection(
     tokio::select! {
         served = conn.as_mut() => {
             if let Err(e) = served {
-                tracing::debug!(%peer, error = %e, "API: connection ended with an error");
+                tracing::debug!(%peer, error = %e, "{name}: connection ended with an error");
             }
         }
         _ = shutdown.cancelled() => {

@@ -1,0 +1,771 @@
+//! The bare-metal loop against scripted BMCs (SPEC §21): each fault that sushy-tools cannot
+//! make, asserted from the BMDB's history and the BMC's log of what it was asked. A BMC
+//! without virtual media fails its machine once; a BMC that cannot fetch the image, answers
+//! 5xx or hangs backs its machine off with its answer; a live environment that never answers
+//! is powered off, ejected and booted again, then given up on; a failed installation and an
+//! installed OS that never heartbeats fail the machine with their cause; an eject that fails is
+//! tried again; and a replica killed at each BMC step leaves the next replica nothing to do
+//! twice. The machine's side (its initializer's takeover, its agent's report and heartbeat) is
+//! played by the test from what the BMC did.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use shepherd_bmdb::testing::{self, TestDb};
+use shepherd_bmdb::*;
+use shepherd_loops::bare_metal::{BareMetalLoop, BareSettings};
+use shepherd_loops::limiter::RateSpec;
+use shepherd_loops::runner::{run, RunnerConfig};
+use shepherd_proto::bmaas as proto;
+use shepherd_proto::Message;
+use shepherd_provider::static_provider::StaticProvider;
+use shepherd_provider::{Availability, Provider as _, ProviderMachine};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+/// What the scripted BMC does besides working.
+#[derive(Debug, Clone, Default)]
+struct Knobs {
+    /// It offers no virtual media at all.
+    no_virtual_media: bool,
+    /// Requests of these actions get this status and body (`insert`, `eject`, `boot`,
+    /// `power`, `read`).
+    fail: Vec<(&'static str, u16, &'static str)>,
+    /// The `n`th request of this action (`insert`, `eject`, `boot`, `power`) is carried out
+    /// and never answered.
+    hang_at: Option<(&'static str, usize)>,
+}
+
+/// The scripted BMC's system: power, virtual CD, boot override, what it booted from, and a
+/// log of every action carried out.
+#[derive(Debug, Default)]
+struct Bmc {
+    power_on: bool,
+    image: Option<String>,
+    boot: Option<String>,
+    booted_from: Option<&'static str>,
+    log: Vec<String>,
+    knobs: Knobs,
+}
+
+type Shared = Arc<Mutex<Bmc>>;
+
+const SYSTEM: &str = "/redfish/v1/Systems/1";
+const CD: &str = "/redfish/v1/Systems/1/VirtualMedia/Cd";
+
+impl Bmc {
+    /// The failure scripted for `action`, if any.
+    fn failure(&self, action: &str) -> Option<(StatusCode, String)> {
+        let (_, status, body) = self.knobs.fail.iter().find(|f| f.0 == action)?;
+        Some((StatusCode::from_u16(*status).unwrap(), body.to_string()))
+    }
+
+    /// Powers on: the system boots from its CD when it holds an image and the boot override
+    /// says so, else from its disk.
+    fn boot(&mut self) {
+        self.power_on = true;
+        let cd = self.image.is_some() && self.boot.as_deref() == Some("Cd");
+        self.booted_from = Some(if cd { "Cd" } else { "Hdd" });
+    }
+}
+
+/// Carries out `action` unless it is scripted to fail; then hangs if it is scripted to.
+async fn act(
+    bmc: &Shared,
+    action: &'static str,
+    apply: impl FnOnce(&mut Bmc),
+) -> (StatusCode, String) {
+    let hang = {
+        let mut b = bmc.lock().unwrap();
+        if let Some(failure) = b.failure(action) {
+            return failure;
+        }
+        apply(&mut b);
+        let done = b.log.iter().filter(|l| l.starts_with(action)).count();
+        b.knobs.hang_at == Some((action, done))
+    };
+    if hang {
+        std::future::pending::<()>().await;
+    }
+    (StatusCode::NO_CONTENT, String::new())
+}
+
+async fn system(State(bmc): State<Shared>) -> (StatusCode, Json<Value>) {
+    let b = bmc.lock().unwrap();
+    if let Some((status, body)) = b.failure("read") {
+        return (status, Json(json!({ "error": body })));
+    }
+    let mut system = json!({
+        "PowerState": if b.power_on { "On" } else { "Off" },
+        "Actions": {"#ComputerSystem.Reset": {
+            "target": format!("{SYSTEM}/Actions/ComputerSystem.Reset"),
+            "ResetType@Redfish.AllowableValues": ["On", "ForceOff", "ForceRestart"],
+        }},
+    });
+    if !b.knobs.no_virtual_media {
+        system["VirtualMedia"] = json!({ "@odata.id": format!("{SYSTEM}/VirtualMedia") });
+    }
+    (StatusCode::OK, Json(system))
+}
+
+async fn media_collection() -> Json<Value> {
+    Json(json!({ "Members": [{ "@odata.id": CD }] }))
+}
+
+async fn cd(State(bmc): State<Shared>) -> Json<Value> {
+    let b = bmc.lock().unwrap();
+    Json(json!({
+        "MediaTypes": ["CD", "DVD"],
+        "Image": b.image.clone().unwrap_or_default(),
+        "Inserted": b.image.is_some(),
+        "Actions": {
+            "#VirtualMedia.InsertMedia": { "target": format!("{CD}/Actions/VirtualMedia.InsertMedia") },
+            "#VirtualMedia.EjectMedia": { "target": format!("{CD}/Actions/VirtualMedia.EjectMedia") },
+        },
+    }))
+}
+
+async fn insert(State(bmc): State<Shared>, Json(body): Json<Value>) -> (StatusCode, String) {
+    let url = body["Image"].as_str().unwrap_or_default().to_string();
+    act(&bmc, "insert", |b| {
+        b.log.push("insert".into());
+        b.image = Some(url);
+    })
+    .await
+}
+
+async fn eject(State(bmc): State<Shared>) -> (StatusCode, String) {
+    act(&bmc, "eject", |b| {
+        b.log.push("eject".into());
+        b.image = None;
+    })
+    .await
+}
+
+async fn patch(State(bmc): State<Shared>, Json(body): Json<Value>) -> (StatusCode, String) {
+    let target = body["Boot"]["BootSourceOverrideTarget"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    act(&bmc, "boot", |b| {
+        b.log.push(format!("boot {target}"));
+        b.boot = Some(target);
+    })
+    .await
+}
+
+async fn reset(State(bmc): State<Shared>, Json(body): Json<Value>) -> (StatusCode, String) {
+    let reset = body["ResetType"].as_str().unwrap_or_default().to_string();
+    act(&bmc, "power", |b| {
+        b.log.push(format!("power {reset}"));
+        match reset.as_str() {
+            "ForceOff" => {
+                b.power_on = false;
+                b.booted_from = None;
+            }
+            _ => b.boot(),
+        }
+    })
+    .await
+}
+
+/// Starts a scripted BMC with `knobs` on a free loopback port; its URL and state.
+async fn start_bmc(knobs: Knobs) -> (String, Shared) {
+    let bmc: Shared = Arc::new(Mutex::new(Bmc {
+        knobs,
+        ..Bmc::default()
+    }));
+    let app = Router::new()
+        .route(SYSTEM, get(system).patch(patch))
+        .route(
+            &format!("{SYSTEM}/Actions/ComputerSystem.Reset"),
+            post(reset),
+        )
+        .route(&format!("{SYSTEM}/VirtualMedia"), get(media_collection))
+        .route(CD, get(cd))
+        .route(
+            &format!("{CD}/Actions/VirtualMedia.InsertMedia"),
+            post(insert),
+        )
+        .route(
+            &format!("{CD}/Actions/VirtualMedia.EjectMedia"),
+            post(eject),
+        )
+        .with_state(bmc.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, bmc)
+}
+
+/// How the machine behind the BMC behaves.
+#[derive(Debug, Clone, Copy)]
+struct Machine {
+    /// Its live environment is taken over once it booted from the CD.
+    live_answers: bool,
+    /// Its agent's report: `None` a success, else this error.
+    install_error: Option<&'static str>,
+    /// Its installed OS heartbeats once it booted from its disk.
+    installed_heartbeats: bool,
+}
+
+const WORKING: Machine = Machine {
+    live_answers: true,
+    install_error: None,
+    installed_heartbeats: true,
+};
+
+/// One bare machine of a static inventory whose BMC is scripted: the BMDB, the provider, the
+/// machine's id and its BMC.
+struct Site {
+    t: TestDb,
+    provider: Arc<StaticProvider>,
+    machine: Uuid,
+    bmc: Shared,
+    _dir: tempfile::TempDir,
+}
+
+/// The loop's settings for these tests: short waits, two live boots.
+fn settings(live_boot: Duration) -> BareSettings {
+    let mut s = BareSettings::new(
+        "https://media.test:8443".parse().unwrap(),
+        vec!["ssh-ed25519 AAAA shepherd".into()],
+    );
+    s.timeouts = BareTimeouts {
+        live_boot,
+        install: Duration::from_secs(30),
+        disk_boot: Duration::from_secs(3),
+    };
+    s.live_boot_attempts = 2;
+    s.backoff = Backoff::exponential(Duration::from_secs(1), Duration::from_secs(1), 1.0);
+    s.boot_wait = Duration::ZERO;
+    s
+}
+
+/// A site with one machine whose BMC behaves as `knobs` say, recorded bare.
+async fn site(knobs: Knobs) -> Site {
+    let t = testing::sqlite().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (url, bmc) = start_bmc(knobs).await;
+    let password = dir.path().join("bmc-password");
+    std::fs::write(&password, "x\n").unwrap();
+    let inventory = dir.path().join("inventory.json");
+    let entry = json!([{"ID": "r1-u01", "Addr": "127.0.0.1:9",
+        "BMC": {"URL": url, "System": SYSTEM, "Username": "admin", "PasswordFile": password},
+        "Bare": {"ImageURL": "https://images.test/os.img", "ImageSHA256": "a".repeat(64), "Disk": "/dev/vda"}}]);
+    std::fs::write(&inventory, entry.to_string()).unwrap();
+    let url = format!("file://{}", inventory.display());
+    let provider = StaticProvider::new(&url, Provider::Static)
+        .unwrap()
+        .with_bmc_timing(Duration::from_secs(2), Duration::ZERO);
+    provider.load_at_start().await.unwrap();
+    let provider = Arc::new(provider);
+    let session =
+        t.db.start_session(SessionConfig::new(
+            "provisioner",
+            Processor::ShepherdProvisioner,
+        ))
+        .await
+        .unwrap();
+    let unused = ProviderMachine::new("r1-u01", None, Availability::PossiblyUsed);
+    let machine = provider
+        .create_machine(&session, &unused)
+        .await
+        .unwrap()
+        .machine;
+    session.close().await.unwrap();
+    Site {
+        t,
+        provider,
+        machine,
+        bmc,
+        _dir: dir,
+    }
+}
+
+impl Site {
+    /// Runs a replica of the bare-metal loop with `settings` until the token is cancelled.
+    fn replica(&self, settings: BareSettings) -> (CancellationToken, tokio::task::JoinHandle<()>) {
+        let task = BareMetalLoop::new(self.provider.clone(), settings).unwrap();
+        let session = SessionConfig::new("bare", Processor::ShepherdBareMetal)
+            .with_interval(Duration::from_secs(1));
+        let config = RunnerConfig::new(1, RateSpec::new(Duration::from_millis(20), 4), session);
+        let cancel = CancellationToken::new();
+        let running = tokio::spawn(run(
+            self.t.db.clone(),
+            Arc::new(task),
+            config,
+            cancel.clone(),
+        ));
+        (cancel, running)
+    }
+
+    /// Plays the machine: takes its live environment over, reports the installation and
+    /// heartbeats from its installed OS, as `m` says, from what its BMC booted.
+    fn play(&self, m: Machine) -> CancellationToken {
+        let stop = CancellationToken::new();
+        let (db, bmc, machine, until) = (
+            self.t.db.clone(),
+            self.bmc.clone(),
+            self.machine,
+            stop.clone(),
+        );
+        tokio::spawn(async move {
+            while !until.is_cancelled() {
+                let booted = {
+                    let b = bmc.lock().unwrap();
+                    b.power_on.then_some(b.booted_from).flatten()
+                };
+                let _ = db
+                    .transact(move |tx| {
+                        Box::pin(async move { act_as_machine(tx, machine, booted, m).await })
+                    })
+                    .await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        });
+        stop
+    }
+
+    async fn phase(&self) -> Option<BarePhase> {
+        let m = self.machine;
+        let bare = self
+            .t
+            .db
+            .read(move |tx| Box::pin(async move { tx.bare_metal(m).await }))
+            .await
+            .unwrap();
+        bare.map(|b| b.phase)
+    }
+
+    /// Waits until the machine is in `phase`.
+    async fn reaches(&self, phase: BarePhase) {
+        testing::eventually("the machine's phase", Duration::from_secs(30), async || {
+            let now = self.phase().await;
+            let log = self.bmc.lock().unwrap().log.clone();
+            testing::when(now == Some(phase), (now, log))
+        })
+        .await;
+    }
+
+    async fn steps(&self) -> Vec<BareHistoryEntry> {
+        let m = self.machine;
+        self.t
+            .db
+            .read(move |tx| Box::pin(async move { tx.bare_history(m, 100).await }))
+            .await
+            .unwrap()
+    }
+
+    async fn failures(&self) -> Vec<String> {
+        let m = self.machine;
+        let history = self
+            .t
+            .db
+            .read(move |tx| Box::pin(async move { tx.machine_history(m).await }))
+            .await
+            .unwrap();
+        history
+            .into_iter()
+            .filter(|h| h.process == Process::ShepherdBareMetal && h.event == WorkEvent::Failed)
+            .filter_map(|h| h.cause)
+            .collect()
+    }
+
+    /// The cause of the first failed step, once there is one.
+    async fn first_failure(&self) -> String {
+        testing::eventually("a failed step", Duration::from_secs(30), async || {
+            let failures = self.failures().await;
+            testing::when(!failures.is_empty(), failures)
+        })
+        .await
+        .remove(0)
+    }
+
+    fn log(&self) -> Vec<String> {
+        self.bmc.lock().unwrap().log.clone()
+    }
+}
+
+/// One look of the machine at itself: what a real machine's initializer and agent would have
+/// written by now.
+async fn act_as_machine(
+    tx: &mut Tx,
+    machine: Uuid,
+    booted: Option<&'static str>,
+    m: Machine,
+) -> Result<(), Error> {
+    let Some(bare) = tx.bare_metal(machine).await? else {
+        return Ok(());
+    };
+    let started = tx.agent_started(machine).await?.is_some();
+    match (bare.phase, booted) {
+        (BarePhase::LiveBoot, Some("Cd")) if m.live_answers && !started => {
+            tx.set_agent_started(machine, &[7; AGENT_KEY_LEN]).await?;
+        }
+        (BarePhase::Installing, Some("Cd")) => {
+            let Some(request) = tx.os_installation_request(machine).await? else {
+                return Ok(());
+            };
+            if tx.os_installation_report(machine).await?.is_some() {
+                return Ok(());
+            }
+            let (result, raw) = match m.install_error {
+                None => (
+                    InstallationResult::Success,
+                    proto::os_installation_report::Result::Success(Default::default()),
+                ),
+                Some(e) => (
+                    InstallationResult::Error,
+                    proto::os_installation_report::Result::Error(
+                        proto::os_installation_report::Error { error: e.into() },
+                    ),
+                ),
+            };
+            let report_raw = proto::OsInstallationReport {
+                generation: request.generation,
+                result: Some(raw),
+            }
+            .encode_to_vec();
+            let report = OsInstallationReport {
+                generation: request.generation,
+                result,
+                report_raw,
+            };
+            tx.set_os_installation_report(machine, &report).await?;
+        }
+        (BarePhase::DiskBoot, Some("Hdd")) if m.installed_heartbeats => {
+            tx.set_agent_started(machine, &[8; AGENT_KEY_LEN]).await?;
+            tx.set_heartbeat(machine).await?;
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+fn phases(steps: &[BareHistoryEntry]) -> Vec<BarePhase> {
+    steps.iter().map(|s| s.phase).collect()
+}
+
+use BarePhase::*;
+
+/// Every phase but Failed, each once, in the order they are declared: a machine's whole way.
+fn the_way() -> Vec<BarePhase> {
+    BarePhase::ALL
+        .iter()
+        .copied()
+        .filter(|p| *p != Failed)
+        .collect()
+}
+
+/// Every BMC action of a machine's way, each once, in order.
+const ITS_ACTIONS: [&str; 7] = [
+    "insert",
+    "boot Cd",
+    "power On",
+    "power ForceOff",
+    "eject",
+    "boot Hdd",
+    "power On",
+];
+
+#[tokio::test]
+async fn a_bare_machine_goes_its_way_and_each_bmc_step_is_taken_once() {
+    let s = site(Knobs::default()).await;
+    let _machine = s.play(WORKING);
+    let (stop, _) = s.replica(settings(Duration::from_secs(30)));
+    s.reaches(Done).await;
+    stop.cancel();
+    assert_eq!(phases(&s.steps().await), the_way());
+    assert_eq!(s.log(), ITS_ACTIONS);
+    let b = s.bmc.lock().unwrap();
+    assert!(
+        b.image.is_none() && b.power_on && b.booted_from == Some("Hdd"),
+        "{b:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_bmc_without_virtual_media_fails_its_machine_once_with_what_it_lacks() {
+    let s = site(Knobs {
+        no_virtual_media: true,
+        ..Knobs::default()
+    })
+    .await;
+    let (stop, _) = s.replica(settings(Duration::from_secs(30)));
+    s.reaches(Failed).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.cancel();
+    let steps = s.steps().await;
+    assert_eq!(phases(&steps), [Bare, Inserting, Failed]);
+    let cause = &steps[2].detail;
+    assert!(
+        cause.contains("has no virtual CD") && cause.contains("reimage"),
+        "{cause}"
+    );
+    assert!(
+        s.log().is_empty(),
+        "nothing was done but reads: {:?}",
+        s.log()
+    );
+    assert!(
+        s.failures().await.is_empty(),
+        "said once, not retried: {:?}",
+        s.failures().await
+    );
+}
+
+#[tokio::test]
+async fn a_bmc_that_cannot_fetch_the_image_backs_its_machine_off_with_its_answer() {
+    let knobs = Knobs {
+        fail: vec![(
+            "insert",
+            500,
+            "Cannot download virtual media: got error 404 from the server",
+        )],
+        ..Knobs::default()
+    };
+    let s = site(knobs).await;
+    let _machine = s.play(WORKING);
+    let (stop, _) = s.replica(settings(Duration::from_secs(30)));
+    let cause = s.first_failure().await;
+    assert!(
+        cause.contains("insert the live image")
+            && cause.contains("500")
+            && cause.contains("Cannot download virtual media"),
+        "{cause}"
+    );
+    assert_eq!(s.phase().await, Some(Inserting), "it stays where it was");
+    // Once the BMC can fetch it, the machine goes on from where it was.
+    s.bmc.lock().unwrap().knobs.fail.clear();
+    s.reaches(Done).await;
+    stop.cancel();
+    assert_eq!(phases(&s.steps().await), the_way());
+    assert_eq!(s.log(), ITS_ACTIONS);
+}
+
+#[tokio::test]
+async fn a_live_environment_that_never_answers_is_booted_again_then_given_up_on() {
+    let s = site(Knobs::default()).await;
+    let _machine = s.play(Machine {
+        live_answers: false,
+        ..WORKING
+    });
+    let (stop, _) = s.replica(settings(Duration::from_secs(2)));
+    s.reaches(Failed).await;
+    stop.cancel();
+    let steps = s.steps().await;
+    assert_eq!(
+        phases(&steps),
+        [
+            Bare,
+            Inserting,
+            StartingLive,
+            LiveBoot,
+            Bare,
+            Inserting,
+            StartingLive,
+            LiveBoot,
+            Failed
+        ]
+    );
+    assert!(
+        steps[4]
+            .detail
+            .contains("did not answer SSH within 2s (live boot 1 of 2)"),
+        "{}",
+        steps[4].detail
+    );
+    assert!(
+        steps[8]
+            .detail
+            .contains("did not answer SSH within 2s, 2 times"),
+        "{}",
+        steps[8].detail
+    );
+    let each = ["insert", "boot Cd", "power On", "power ForceOff", "eject"];
+    assert_eq!(
+        s.log(),
+        [each, each].concat(),
+        "powered off and ejected after each"
+    );
+    let b = s.bmc.lock().unwrap();
+    assert!(
+        !b.power_on && b.image.is_none(),
+        "left off and empty: {b:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_failed_installation_fails_the_machine_with_the_agents_cause() {
+    let s = site(Knobs::default()).await;
+    let error = "/dev/vda holds an MBR partition table; it is overwritten only if the installation allows a wipe";
+    let _machine = s.play(Machine {
+        install_error: Some(error),
+        ..WORKING
+    });
+    let (stop, _) = s.replica(settings(Duration::from_secs(30)));
+    s.reaches(Failed).await;
+    stop.cancel();
+    let steps = s.steps().await;
+    assert_eq!(
+        phases(&steps),
+        [Bare, Inserting, StartingLive, LiveBoot, Installing, Failed]
+    );
+    assert!(
+        steps[5]
+            .detail
+            .contains(&format!("the installation failed: {error}")),
+        "{}",
+        steps[5].detail
+    );
+    assert_eq!(
+        s.log(),
+        ["insert", "boot Cd", "power On", "power ForceOff", "eject"]
+    );
+}
+
+#[tokio::test]
+async fn an_eject_that_fails_is_tried_again_and_done_once() {
+    let knobs = Knobs {
+        fail: vec![("eject", 503, "Service Unavailable")],
+        ..Knobs::default()
+    };
+    let s = site(knobs).await;
+    let _machine = s.play(WORKING);
+    let (stop, _) = s.replica(settings(Duration::from_secs(30)));
+    let cause = s.first_failure().await;
+    assert!(
+        cause.contains("eject the live image") && cause.contains("503"),
+        "{cause}"
+    );
+    assert_eq!(s.phase().await, Some(Ejecting));
+    s.bmc.lock().unwrap().knobs.fail.clear();
+    s.reaches(Done).await;
+    stop.cancel();
+    assert_eq!(phases(&s.steps().await), the_way());
+    assert_eq!(s.log().iter().filter(|a| *a == "eject").count(), 1);
+}
+
+#[tokio::test]
+async fn an_installed_os_that_never_heartbeats_fails_its_machine_with_a_clear_cause() {
+    let s = site(Knobs::default()).await;
+    let _machine = s.play(Machine {
+        installed_heartbeats: false,
+        ..WORKING
+    });
+    let (stop, _) = s.replica(settings(Duration::from_secs(30)));
+    s.reaches(Failed).await;
+    stop.cancel();
+    let steps = s.steps().await;
+    let failed = steps.last().unwrap();
+    assert!(
+        failed
+            .detail
+            .contains("its installed OS did not heartbeat within 3s"),
+        "{}",
+        failed.detail
+    );
+    assert_eq!(phases(&steps)[..8], the_way()[..8]);
+}
+
+#[tokio::test]
+async fn a_bmc_that_fails_or_hangs_backs_its_machine_off_with_its_answer() {
+    let knobs = Knobs {
+        fail: vec![("read", 500, "Internal Server Error")],
+        ..Knobs::default()
+    };
+    let s = site(knobs).await;
+    let (stop, _) = s.replica(settings(Duration::from_secs(30)));
+    let cause = s.first_failure().await;
+    assert!(
+        cause.contains("500") && cause.contains("Internal Server Error"),
+        "{cause}"
+    );
+    stop.cancel();
+    assert_eq!(
+        s.phase().await,
+        Some(Inserting),
+        "not failed: it is tried again"
+    );
+
+    let s = site(Knobs {
+        hang_at: Some(("power", 1)),
+        ..Knobs::default()
+    })
+    .await;
+    let (stop, _) = s.replica(settings(Duration::from_secs(30)));
+    testing::eventually(
+        "a step that timed out",
+        Duration::from_secs(30),
+        async || {
+            let failures = s.failures().await;
+            testing::when(!failures.is_empty(), failures)
+        },
+    )
+    .await;
+    stop.cancel();
+    let cause = s.failures().await.remove(0);
+    assert!(
+        cause.contains("power on") && cause.contains("timed out"),
+        "{cause}"
+    );
+}
+
+/// A replica is stopped at each BMC step, right after the BMC carried it out and before it
+/// could answer (its work canceled where it stood, as a replica killed there leaves it once
+/// its session expires: the phase entered, the step's outcome unrecorded); another replica
+/// takes the machine over: every step is still taken once (a one-time boot override may be set
+/// twice: setting it again changes nothing). (A replica killed with SIGKILL
+/// while its machines boot is in the end-to-end test, `solo::bare_metal_e2e`.)
+#[tokio::test]
+async fn a_replica_stopped_at_each_bmc_step_leaves_nothing_done_twice() {
+    let steps = [
+        ("insert", 1),
+        ("boot", 1),
+        ("power", 1),
+        ("power", 2),
+        ("eject", 1),
+        ("boot", 2),
+        ("power", 3),
+    ];
+    for (step, nth) in steps {
+        let s = site(Knobs {
+            hang_at: Some((step, nth)),
+            ..Knobs::default()
+        })
+        .await;
+        let _machine = s.play(WORKING);
+        let settings = settings(Duration::from_secs(30));
+        let (a, _) = s.replica(settings.clone());
+        testing::eventually(
+            "replica a at its step",
+            Duration::from_secs(30),
+            async || {
+                let log = s.log();
+                let n = log.iter().filter(|l| l.starts_with(step)).count();
+                testing::when(n >= nth, log)
+            },
+        )
+        .await;
+        a.cancel();
+        s.bmc.lock().unwrap().knobs.hang_at = None;
+        let (stop, _) = s.replica(settings);
+        s.reaches(Done).await;
+        stop.cancel();
+        assert_eq!(
+            phases(&s.steps().await),
+            the_way(),
+            "stopped at {step} {nth}"
+        );
+        // A boot override set again is the same setting; every other step is taken once.
+        let mut log = s.log();
+        log.dedup();
+        assert_eq!(log, ITS_ACTIONS, "stopped at {step} {nth}: {:?}", s.log());
+    }
+}

@@ -1,0 +1,409 @@
+//! Machines that come bare (SPEC §21): what an inventory entry's `Bare` says (the OS image to
+//! install, the disk, whether it may be overwritten, the live environment's network), checked
+//! when the inventory is read, and the config drive each machine's live environment reads:
+//! OpenStack's config-2 layout (`meta_data.json` with the SSH keys and the agent's settings,
+//! `network_data.json`), which the media server splices into the live image.
+
+use std::net::Ipv4Addr;
+
+use serde::Deserialize;
+
+use crate::settings::InvalidSetting;
+
+/// Longest text a config drive file may have: the live image's slots are 16 KiB.
+pub const MAX_CONFIG_FILE_BYTES: usize = 16 << 10;
+
+/// An inventory entry's `Bare`: the machine has a Redfish BMC and nothing else yet, and this
+/// is what goes onto it.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "PascalCase")]
+pub struct BareEntry {
+    /// The raw OS image to write onto the disk, as the machine reaches it (http or https).
+    #[serde(rename = "ImageURL")]
+    pub image_url: String,
+    /// Its sha256, 64 hex digits: the agent checks every byte it wrote against it.
+    #[serde(rename = "ImageSHA256")]
+    pub image_sha256: String,
+    /// The disk the image goes onto, as the live environment's kernel names it (`/dev/sda`,
+    /// `/dev/nvme0n1`).
+    pub disk: String,
+    /// Whether the disk may be overwritten although it holds a partition table or a file
+    /// system (without it, and without an operator's reimage that allows it, the agent
+    /// refuses to write such a disk).
+    #[serde(default)]
+    pub wipe: bool,
+    /// The live environment's network: a static address on a BMC network without DHCP.
+    /// Left out, every NIC asks DHCP.
+    pub network: Option<BareNetwork>,
+}
+
+/// A static IPv4 network for the live environment.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "PascalCase")]
+pub struct BareNetwork {
+    /// Address and prefix, `10.0.0.7/24`.
+    pub address: String,
+    /// The default route's gateway.
+    pub gateway: Option<String>,
+    /// Name servers.
+    #[serde(rename = "DNS", default)]
+    pub dns: Vec<String>,
+    /// The NIC to configure, by MAC address; left out, the first NIC with a link.
+    #[serde(rename = "MAC")]
+    pub mac: Option<String>,
+}
+
+impl BareEntry {
+    /// Checks the entry without fetching anything.
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
+        let bad =
+            |field: &str, problem: String| InvalidSetting::new(format!("Bare.{field}"), problem);
+        let url = url::Url::parse(&self.image_url)
+            .map_err(|e| bad("ImageURL", format!("{:?}: {e}", self.image_url)))?;
+        if !matches!(url.scheme(), "http" | "https") {
+            return Err(bad("ImageURL", "must be http(s)".into()));
+        }
+        let sha = &self.image_sha256;
+        if sha.len() != 64 || !sha.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(bad("ImageSHA256", format!("{sha:?} is not 64 hex digits")));
+        }
+        let name = self.disk.strip_prefix("/dev/").unwrap_or_default();
+        if name.is_empty()
+            || !name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"/_-.:".contains(&b))
+            || name.contains("..")
+        {
+            return Err(bad(
+                "Disk",
+                format!(
+                    "{:?} is not a device path like /dev/sda or /dev/nvme0n1",
+                    self.disk
+                ),
+            ));
+        }
+        if let Some(n) = &self.network {
+            n.parsed()
+                .map_err(|(field, problem)| bad(&format!("Network.{field}"), problem))?;
+        }
+        Ok(())
+    }
+}
+
+/// A [`BareNetwork`] checked: address, prefix length, gateway, name servers, MAC.
+struct ParsedNetwork {
+    address: Ipv4Addr,
+    prefix: u8,
+    gateway: Option<Ipv4Addr>,
+    dns: Vec<Ipv4Addr>,
+    mac: Option<String>,
+}
+
+impl BareNetwork {
+    fn parsed(&self) -> Result<ParsedNetwork, (&'static str, String)> {
+        let (addr, prefix) = self.address.split_once('/').ok_or((
+            "Address",
+            format!("{:?} is not ADDRESS/PREFIX", self.address),
+        ))?;
+        let address: Ipv4Addr = addr
+            .parse()
+            .map_err(|_| ("Address", format!("{addr:?} is not an IPv4 address")))?;
+        let prefix: u8 = prefix
+            .parse()
+            .ok()
+            .filter(|p| (1..=32).contains(p))
+            .ok_or(("Address", format!("prefix {prefix:?} is not 1 to 32")))?;
+        let ip = |field, text: &str| {
+            text.parse::<Ipv4Addr>()
+                .map_err(|_| (field, format!("{text:?} is not an IPv4 address")))
+        };
+        let gateway = self
+            .gateway
+            .as_deref()
+            .map(|g| ip("Gateway", g))
+            .transpose()?;
+        let dns = self
+            .dns
+            .iter()
+            .map(|d| ip("DNS", d))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mac = match &self.mac {
+            None => None,
+            Some(m) => {
+                let lower = m.to_ascii_lowercase();
+                let octets: Vec<&str> = lower.split(':').collect();
+                if octets.len() != 6
+                    || !octets
+                        .iter()
+                        .all(|o| o.len() == 2 && o.bytes().all(|b| b.is_ascii_hexdigit()))
+                {
+                    return Err((
+                        "MAC",
+                        format!("{m:?} is not a MAC address like 52:54:00:12:34:56"),
+                    ));
+                }
+                Some(lower)
+            }
+        };
+        Ok(ParsedNetwork {
+            address,
+            prefix,
+            gateway,
+            dns,
+            mac,
+        })
+    }
+}
+
+/// The netmask of an IPv4 prefix length.
+fn netmask(prefix: u8) -> Ipv4Addr {
+    Ipv4Addr::from(u32::MAX.checked_shl(32 - u32::from(prefix)).unwrap_or(0))
+}
+
+/// What a machine's live environment is told, besides its network.
+#[derive(Debug, Clone)]
+pub struct LiveFacts<'a> {
+    /// The machine's BMDB id (the config drive's `uuid`).
+    pub machine: uuid::Uuid,
+    /// Its host name in the live environment.
+    pub hostname: &'a str,
+    /// The SSH public keys root accepts (Shepherd's), OpenSSH lines.
+    pub public_keys: &'a [String],
+    /// The agent's settings, as `SHEPHERD_*` variables of the SSH sessions that start it.
+    pub agent_env: &'a [(String, String)],
+}
+
+/// Why a config drive could not be made.
+#[derive(Debug, thiserror::Error)]
+#[error("the config drive's {file} is {bytes} bytes, more than the live image's {MAX_CONFIG_FILE_BYTES}-byte slot")]
+pub struct ConfigTooLarge {
+    /// Which file.
+    pub file: &'static str,
+    /// Its size.
+    pub bytes: usize,
+}
+
+/// The config drive of a machine: a JSON object of its files by name (`meta_data.json`,
+/// `network_data.json`), each a JSON text in OpenStack's config-2 format.
+pub fn config_drive(facts: &LiveFacts<'_>, entry: &BareEntry) -> Result<String, ConfigTooLarge> {
+    let keys: serde_json::Map<String, serde_json::Value> = facts
+        .public_keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| (format!("shepherd-{i}"), serde_json::Value::from(k.as_str())))
+        .collect();
+    let meta: serde_json::Map<String, serde_json::Value> = facts
+        .agent_env
+        .iter()
+        .map(|(k, v)| (k.clone(), serde_json::Value::from(v.as_str())))
+        .collect();
+    let meta_data = serde_json::json!({
+        "uuid": facts.machine.to_string(),
+        "hostname": facts.hostname,
+        "name": facts.hostname,
+        "public_keys": keys,
+        "meta": meta,
+    });
+    let network_data = network_data(entry.network.as_ref());
+    let mut files = serde_json::Map::new();
+    for (file, value) in [
+        ("meta_data.json", meta_data),
+        ("network_data.json", network_data),
+    ] {
+        let text = value.to_string();
+        if text.len() > MAX_CONFIG_FILE_BYTES {
+            return Err(ConfigTooLarge {
+                file,
+                bytes: text.len(),
+            });
+        }
+        files.insert(file.to_string(), serde_json::Value::from(text));
+    }
+    Ok(serde_json::Value::Object(files).to_string())
+}
+
+/// `network_data.json`: nothing (DHCP on every NIC), or the static network on one link.
+fn network_data(network: Option<&BareNetwork>) -> serde_json::Value {
+    let Some(parsed) = network.and_then(|n| n.parsed().ok()) else {
+        return serde_json::json!({ "links": [], "networks": [], "services": [] });
+    };
+    let mut link = serde_json::json!({ "id": "bare0", "type": "phy" });
+    if let Some(mac) = &parsed.mac {
+        link["ethernet_mac_address"] = mac.as_str().into();
+    }
+    let routes: Vec<serde_json::Value> = parsed
+        .gateway
+        .iter()
+        .map(|g| serde_json::json!({ "network": "0.0.0.0", "netmask": "0.0.0.0", "gateway": g.to_string() }))
+        .collect();
+    let services: Vec<serde_json::Value> = parsed
+        .dns
+        .iter()
+        .map(|d| serde_json::json!({ "type": "dns", "address": d.to_string() }))
+        .collect();
+    serde_json::json!({
+        "links": [link],
+        "networks": [{
+            "id": "bare0-ipv4", "link": "bare0", "type": "ipv4",
+            "ip_address": parsed.address.to_string(),
+            "netmask": netmask(parsed.prefix).to_string(),
+            "routes": routes,
+        }],
+        "services": services,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry() -> BareEntry {
+        BareEntry {
+            image_url: "https://images.example/debian.img".into(),
+            image_sha256: "a".repeat(64),
+            disk: "/dev/nvme0n1".into(),
+            wipe: false,
+            network: None,
+        }
+    }
+
+    #[test]
+    fn entries_are_checked_field_by_field() {
+        entry().validate().unwrap();
+        let cases: Vec<(BareEntry, &str)> = vec![
+            (
+                BareEntry {
+                    image_url: "ftp://x/y".into(),
+                    ..entry()
+                },
+                "Bare.ImageURL: must be http(s)",
+            ),
+            (
+                BareEntry {
+                    image_url: "nope".into(),
+                    ..entry()
+                },
+                "Bare.ImageURL",
+            ),
+            (
+                BareEntry {
+                    image_sha256: "abc".into(),
+                    ..entry()
+                },
+                "Bare.ImageSHA256",
+            ),
+            (
+                BareEntry {
+                    disk: "sda".into(),
+                    ..entry()
+                },
+                "Bare.Disk",
+            ),
+            (
+                BareEntry {
+                    disk: "/dev/../etc/passwd".into(),
+                    ..entry()
+                },
+                "Bare.Disk",
+            ),
+            (
+                BareEntry {
+                    disk: "/dev/sda; rm -rf /".into(),
+                    ..entry()
+                },
+                "Bare.Disk",
+            ),
+        ];
+        let net = |address: &str, gateway: Option<&str>, mac: Option<&str>| BareEntry {
+            network: Some(BareNetwork {
+                address: address.into(),
+                gateway: gateway.map(Into::into),
+                dns: vec![],
+                mac: mac.map(Into::into),
+            }),
+            ..entry()
+        };
+        let cases = cases.into_iter().chain([
+            (net("10.0.0.7", None, None), "Bare.Network.Address"),
+            (net("10.0.0.7/33", None, None), "Bare.Network.Address"),
+            (net("fe80::1/64", None, None), "Bare.Network.Address"),
+            (net("10.0.0.7/24", Some("gw"), None), "Bare.Network.Gateway"),
+            (
+                net("10.0.0.7/24", None, Some("52:54:00")),
+                "Bare.Network.MAC",
+            ),
+        ]);
+        for (bad, want) in cases {
+            let text = bad.validate().unwrap_err().to_string();
+            assert!(text.contains(want), "want {want:?} in {text:?}");
+        }
+        net("10.0.0.7/24", Some("10.0.0.1"), Some("52:54:00:AB:cd:01"))
+            .validate()
+            .unwrap();
+    }
+
+    #[test]
+    fn the_config_drive_says_keys_network_and_agent_settings() {
+        let keys = vec!["ssh-ed25519 AAAA shepherd".to_string()];
+        let env = vec![(
+            "SHEPHERD_AGENT_HEARTBEAT_INTERVAL".to_string(),
+            "2s".to_string(),
+        )];
+        let facts = LiveFacts {
+            machine: uuid::Uuid::nil(),
+            hostname: "r1-u07",
+            public_keys: &keys,
+            agent_env: &env,
+        };
+        let files: serde_json::Value =
+            serde_json::from_str(&config_drive(&facts, &entry()).unwrap()).unwrap();
+        let meta: serde_json::Value =
+            serde_json::from_str(files["meta_data.json"].as_str().unwrap()).unwrap();
+        assert_eq!(
+            meta["public_keys"]["shepherd-0"],
+            "ssh-ed25519 AAAA shepherd"
+        );
+        assert_eq!(meta["meta"]["SHEPHERD_AGENT_HEARTBEAT_INTERVAL"], "2s");
+        assert_eq!(meta["hostname"], "r1-u07");
+        let dhcp: serde_json::Value =
+            serde_json::from_str(files["network_data.json"].as_str().unwrap()).unwrap();
+        assert_eq!(
+            dhcp["networks"],
+            serde_json::json!([]),
+            "no network: DHCP everywhere"
+        );
+
+        let fixed = BareEntry {
+            network: Some(BareNetwork {
+                address: "10.0.0.7/22".into(),
+                gateway: Some("10.0.0.1".into()),
+                dns: vec!["10.0.0.2".into()],
+                mac: Some("52:54:00:AB:CD:01".into()),
+            }),
+            ..entry()
+        };
+        let files: serde_json::Value =
+            serde_json::from_str(&config_drive(&facts, &fixed).unwrap()).unwrap();
+        let net: serde_json::Value =
+            serde_json::from_str(files["network_data.json"].as_str().unwrap()).unwrap();
+        assert_eq!(net["links"][0]["ethernet_mac_address"], "52:54:00:ab:cd:01");
+        assert_eq!(net["networks"][0]["type"], "ipv4");
+        assert_eq!(net["networks"][0]["ip_address"], "10.0.0.7");
+        assert_eq!(net["networks"][0]["netmask"], "255.255.252.0");
+        assert_eq!(net["networks"][0]["routes"][0]["gateway"], "10.0.0.1");
+        assert_eq!(net["services"][0]["address"], "10.0.0.2");
+
+        let many: Vec<String> = (0..200)
+            .map(|i| format!("ssh-ed25519 {}", "A".repeat(80 + i)))
+            .collect();
+        let facts = LiveFacts {
+            public_keys: &many,
+            ..facts
+        };
+        let err = config_drive(&facts, &entry()).unwrap_err().to_string();
+        assert!(
+            err.contains("meta_data.json") && err.contains("slot"),
+            "{err}"
+        );
+    }
+}

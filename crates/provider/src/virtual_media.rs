@@ -1,0 +1,247 @@
+//! What the bare-metal loop asks of a BMC besides a power cycle (SPEC §21): its virtual CD
+//! (under the system, as Redfish 1.x BMCs put it, else under the system's managers, as older
+//! ones do), inserting and ejecting an image, a one-time boot override, and powering the
+//! system on or off with the new state confirmed. Each call is one step the loop fences by its
+//! lease; the BMC's answer is the cause when one fails.
+
+use serde::Deserialize;
+
+use crate::redfish::{Bmc, BmcError, Collection, OdataId, System};
+
+/// A system's virtual CD and what is in it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VirtualCd {
+    /// Its Redfish path.
+    pub path: String,
+    /// The image URL it holds, if any.
+    pub image: Option<String>,
+    /// Whether the image is inserted.
+    pub inserted: bool,
+    insert: Option<String>,
+    eject: Option<String>,
+}
+
+impl VirtualCd {
+    /// Whether it holds `url`, inserted.
+    pub fn holds(&self, url: &str) -> bool {
+        self.inserted && self.image.as_deref() == Some(url)
+    }
+
+    /// Whether it holds any image.
+    pub fn is_empty(&self) -> bool {
+        !self.inserted || self.image.as_deref().is_none_or(str::is_empty)
+    }
+}
+
+/// Where the system boots from next, once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BootTarget {
+    /// Its virtual CD.
+    Cd,
+    /// Its disk.
+    Hdd,
+}
+
+impl BootTarget {
+    fn redfish(self) -> &'static str {
+        match self {
+            BootTarget::Cd => "Cd",
+            BootTarget::Hdd => "Hdd",
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct SystemLinks {
+    #[serde(rename = "VirtualMedia")]
+    virtual_media: Option<OdataId>,
+    #[serde(rename = "Links", default)]
+    links: ManagedBy,
+}
+
+#[derive(Deserialize, Default)]
+struct ManagedBy {
+    #[serde(rename = "ManagedBy", default)]
+    managed_by: Vec<OdataId>,
+}
+
+#[derive(Deserialize)]
+struct Manager {
+    #[serde(rename = "VirtualMedia")]
+    virtual_media: Option<OdataId>,
+}
+
+#[derive(Deserialize)]
+struct Target {
+    target: String,
+}
+
+#[derive(Deserialize, Default)]
+struct MediaActions {
+    #[serde(rename = "#VirtualMedia.InsertMedia")]
+    insert: Option<Target>,
+    #[serde(rename = "#VirtualMedia.EjectMedia")]
+    eject: Option<Target>,
+}
+
+#[derive(Deserialize)]
+struct Media {
+    #[serde(rename = "MediaTypes", default)]
+    media_types: Vec<String>,
+    #[serde(rename = "Image", default)]
+    image: Option<String>,
+    #[serde(rename = "Inserted", default)]
+    inserted: Option<bool>,
+    #[serde(rename = "Actions", default)]
+    actions: MediaActions,
+}
+
+impl BmcError {
+    /// Whether the failure is the configuration's (the inventory entry, the credentials, what
+    /// the BMC offers): trying again changes nothing until an operator does. Else it is the
+    /// BMC's answer of the moment (unreachable, a timeout, an error status), which the
+    /// machine backs off on.
+    pub fn is_configuration(&self) -> bool {
+        matches!(
+            self,
+            BmcError::Entry(_)
+                | BmcError::Trust(_)
+                | BmcError::Client { .. }
+                | BmcError::CredentialsRefused { .. }
+                | BmcError::WhichSystem { .. }
+                | BmcError::NoPowerCycle { .. }
+                | BmcError::NoVirtualMedia { .. }
+                | BmcError::NoMediaAction { .. }
+                | BmcError::NoPowerChange { .. }
+        )
+    }
+}
+
+impl Bmc {
+    /// The system's virtual CD: the first virtual media device whose media types include a
+    /// CD or a DVD, under the system or else under the managers that manage it.
+    pub async fn virtual_cd(&self) -> Result<VirtualCd, BmcError> {
+        let system = self.system_path().await?;
+        let links: SystemLinks = self.get(&system).await?;
+        let mut collections: Vec<String> = links.virtual_media.map(|m| m.id).into_iter().collect();
+        if collections.is_empty() {
+            for manager in &links.links.managed_by {
+                let manager: Manager = self.get(&manager.id).await?;
+                collections.extend(manager.virtual_media.map(|m| m.id));
+            }
+        }
+        for collection in collections {
+            let devices: Collection = self.get(&collection).await?;
+            for device in devices.members {
+                let media: Media = self.get(&device.id).await?;
+                let cd = media
+                    .media_types
+                    .iter()
+                    .any(|t| t.eq_ignore_ascii_case("CD") || t.eq_ignore_ascii_case("DVD"));
+                if cd {
+                    return Ok(VirtualCd {
+                        path: device.id,
+                        image: media.image.filter(|i| !i.is_empty()),
+                        inserted: media.inserted.unwrap_or(false),
+                        insert: media.actions.insert.map(|t| t.target),
+                        eject: media.actions.eject.map(|t| t.target),
+                    });
+                }
+            }
+        }
+        Err(BmcError::NoVirtualMedia {
+            base: self.base().to_string(),
+            path: system,
+        })
+    }
+
+    /// Inserts the image at `url` into `cd`, write-protected (the BMC fetches it from there).
+    pub async fn insert_media(&self, cd: &VirtualCd, url: &str) -> Result<(), BmcError> {
+        let target = self.media_action(cd, cd.insert.as_deref(), "VirtualMedia.InsertMedia")?;
+        let body = serde_json::json!({ "Image": url, "Inserted": true, "WriteProtected": true });
+        self.request(reqwest::Method::POST, target, Some(body))
+            .await
+            .map(drop)
+    }
+
+    /// Ejects whatever `cd` holds.
+    pub async fn eject_media(&self, cd: &VirtualCd) -> Result<(), BmcError> {
+        let target = self.media_action(cd, cd.eject.as_deref(), "VirtualMedia.EjectMedia")?;
+        self.request(reqwest::Method::POST, target, Some(serde_json::json!({})))
+            .await
+            .map(drop)
+    }
+
+    fn media_action<'a>(
+        &self,
+        cd: &VirtualCd,
+        target: Option<&'a str>,
+        action: &'static str,
+    ) -> Result<&'a str, BmcError> {
+        target.ok_or_else(|| BmcError::NoMediaAction {
+            base: self.base().to_string(),
+            path: cd.path.clone(),
+            action,
+        })
+    }
+
+    /// Has the system boot from `target` at its next boot, once.
+    pub async fn boot_once(&self, target: BootTarget) -> Result<(), BmcError> {
+        let system = self.system_path().await?;
+        let body = serde_json::json!({ "Boot": {
+            "BootSourceOverrideTarget": target.redfish(),
+            "BootSourceOverrideEnabled": "Once",
+        }});
+        self.request(reqwest::Method::PATCH, &system, Some(body))
+            .await
+            .map(drop)
+    }
+
+    /// Starts the system: powers it on if it is off (and waits until it reports On), else
+    /// power-cycles it ([`Bmc::reset`]), so that it boots either way. Returns what was done.
+    pub async fn power_on(&self) -> Result<&'static str, BmcError> {
+        let path = self.system_path().await?;
+        let system: System = self.get(&path).await?;
+        if system.power_state.as_deref() != Some("Off") {
+            return self.reset().await;
+        }
+        self.power(&path, system, "On", "On").await?;
+        Ok("On")
+    }
+
+    /// Stops the system at once (`ForceOff`, waiting until it reports Off), unless it is off.
+    /// Returns what was done.
+    pub async fn power_off(&self) -> Result<&'static str, BmcError> {
+        let path = self.system_path().await?;
+        let system: System = self.get(&path).await?;
+        if system.power_state.as_deref() == Some("Off") {
+            return Ok("nothing: it was off");
+        }
+        self.power(&path, system, "ForceOff", "Off").await?;
+        Ok("ForceOff")
+    }
+
+    /// Posts reset type `reset` and waits until the system reports `want`.
+    async fn power(
+        &self,
+        path: &str,
+        system: System,
+        reset: &'static str,
+        want: &'static str,
+    ) -> Result<(), BmcError> {
+        let refused = |allowed: Vec<String>| BmcError::NoPowerChange {
+            base: self.base().to_string(),
+            path: path.to_string(),
+            want: reset,
+            allowed,
+        };
+        let action = system.actions.reset.ok_or_else(|| refused(vec![]))?;
+        if !action.allowed.is_empty() && !action.allowed.iter().any(|a| a == reset) {
+            return Err(refused(action.allowed));
+        }
+        let body = serde_json::json!({ "ResetType": reset });
+        self.request(reqwest::Method::POST, &action.target, Some(body))
+            .await?;
+        self.wait_for_power(path, want).await
+    }
+}

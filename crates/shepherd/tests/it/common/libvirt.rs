@@ -1,0 +1,171 @@
+//! libvirt domains for the bare-metal tests: machines with blank disks and nothing else, which
+//! sushy-tools' libvirt driver turns into Redfish systems (power, boot override, virtual
+//! media), as Ironic's and Metal3's CI do. Started by `scripts/test-deps.sh`; guests run
+//! under TCG, with QEMU's user-mode network (`restrict=on`): they reach nothing but their
+//! forwarded sshd, `shepherd server` and the test's image server, so all traffic stays on this
+//! host.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use super::vm::{IMAGES_IN_GUEST, SERVER_IN_GUEST};
+
+/// libvirt's URI the tests and sushy-tools use.
+const URI: &str = "qemu:///system";
+
+/// Runs `virsh` with `args`; its stdout, or a panic with its stderr.
+pub fn virsh(args: &[&str]) -> String {
+    let out = Command::new("virsh")
+        .args(["-c", URI])
+        .args(args)
+        .output()
+        .expect("virsh is missing: run scripts/test-deps.sh");
+    assert!(
+        out.status.success(),
+        "virsh {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// How a domain is made.
+pub struct DomainSpec {
+    /// Its index, for its name and MAC address.
+    pub index: u8,
+    /// The size of its blank disk (`/dev/vda` in the guest).
+    pub disk_bytes: u64,
+    /// Memory in MiB.
+    pub memory_mib: u32,
+    /// The loopback port of `shepherd server`, forwarded to [`SERVER_IN_GUEST`].
+    pub server_port: u16,
+    /// The loopback port of the test's image server, forwarded to [`IMAGES_IN_GUEST`].
+    pub images_port: u16,
+}
+
+/// A defined (not started) domain with a blank disk and an empty SATA bus for virtual media;
+/// destroyed and undefined on drop, with the virtual media sushy-tools put into libvirt's
+/// `default` pool for it.
+pub struct Domain {
+    /// Its name (`shepherd-test-PID-N`).
+    pub name: String,
+    /// Its UUID: its Redfish system id.
+    pub uuid: String,
+    /// Its disk.
+    pub disk: PathBuf,
+    /// Its serial console's log.
+    pub serial: PathBuf,
+    /// The loopback port forwarded to its sshd.
+    pub ssh_port: u16,
+    /// Its NIC's MAC address.
+    pub mac: String,
+}
+
+impl Domain {
+    /// Defines a domain in `dir` as `spec` says.
+    pub fn define(dir: &Path, spec: &DomainSpec) -> Domain {
+        let name = format!("shepherd-test-{}-{}", std::process::id(), spec.index);
+        let uuid = uuid::Uuid::new_v4().to_string();
+        let disk = dir.join(format!("{name}.img"));
+        std::fs::File::create(&disk)
+            .unwrap()
+            .set_len(spec.disk_bytes)
+            .unwrap();
+        let serial = dir.join(format!("{name}.serial"));
+        let ssh_port = super::free_port();
+        let mac = format!("52:54:00:5e:01:{:02x}", spec.index);
+        let netdev = format!(
+            "user,id=n0,restrict=on,hostfwd=tcp:127.0.0.1:{ssh_port}-:22,\
+             guestfwd=tcp:{SERVER_IN_GUEST}-cmd:socat STDIO TCP:127.0.0.1:{},\
+             guestfwd=tcp:{IMAGES_IN_GUEST}-cmd:socat STDIO TCP:127.0.0.1:{}",
+            spec.server_port, spec.images_port
+        );
+        // The NIC is QEMU's own (libvirt's user networking forwards no ports), on a PCI slot
+        // libvirt leaves free; there is no display.
+        let xml = format!(
+            "<domain type='qemu' xmlns:qemu='http://libvirt.org/schemas/domain/qemu/1.0'>
+  <name>{name}</name>
+  <uuid>{uuid}</uuid>
+  <memory unit='MiB'>{memory}</memory>
+  <vcpu>1</vcpu>
+  <os><type arch='x86_64' machine='q35'>hvm</type><boot dev='hd'/></os>
+  <features><acpi/></features>
+  <cpu mode='custom'><model>qemu64</model></cpu>
+  <devices>
+    <emulator>/usr/bin/qemu-system-x86_64</emulator>
+    <disk type='file' device='disk'>
+      <driver name='qemu' type='raw'/><source file='{disk}'/><target dev='vda' bus='virtio'/>
+    </disk>
+    <controller type='sata' index='0'/>
+    <serial type='file'><source path='{serial}' append='on'/><target port='0'/></serial>
+    <console type='file'><source path='{serial}' append='on'/><target type='serial' port='0'/></console>
+    <video><model type='none'/></video>
+  </devices>
+  <qemu:commandline>
+    <qemu:arg value='-netdev'/>
+    <qemu:arg value='{netdev}'/>
+    <qemu:arg value='-device'/>
+    <qemu:arg value='virtio-net-pci,netdev=n0,mac={mac},bus=pcie.0,addr=0x1c'/>
+  </qemu:commandline>
+</domain>",
+            memory = spec.memory_mib,
+            disk = disk.display(),
+            serial = serial.display(),
+        );
+        let file = dir.join(format!("{name}.xml"));
+        std::fs::write(&file, xml).unwrap();
+        virsh(&["define", file.to_str().unwrap()]);
+        Domain {
+            name,
+            uuid,
+            disk,
+            serial,
+            ssh_port,
+            mac,
+        }
+    }
+
+    /// Its definition as libvirt has it now (`virsh dumpxml --inactive`).
+    pub fn xml(&self) -> String {
+        virsh(&["dumpxml", "--inactive", &self.name])
+    }
+
+    /// Whether it runs.
+    pub fn is_running(&self) -> bool {
+        virsh(&["domstate", &self.name]).trim() == "running"
+    }
+
+    /// What its serial console printed so far, over every boot.
+    pub fn serial_log(&self) -> String {
+        String::from_utf8_lossy(&std::fs::read(&self.serial).unwrap_or_default()).into_owned()
+    }
+
+    /// `127.0.0.1:PORT` of its sshd.
+    pub fn ssh_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.ssh_port)
+    }
+}
+
+impl Drop for Domain {
+    fn drop(&mut self) {
+        let quiet = |args: &[&str]| {
+            let _ = Command::new("virsh").args(["-c", URI]).args(args).output();
+        };
+        quiet(&["destroy", &self.name]);
+        quiet(&["undefine", &self.name]);
+        // sushy-tools names each image it puts into the pool after the domain's UUID.
+        if let Ok(out) = Command::new("virsh")
+            .args(["-c", URI, "vol-list", "default"])
+            .output()
+        {
+            for line in String::from_utf8_lossy(&out.stdout).lines() {
+                if let Some(vol) = line
+                    .split_whitespace()
+                    .next()
+                    .filter(|v| v.contains(&self.uuid))
+                {
+                    quiet(&["vol-delete", "--pool", "default", vol]);
+                }
+            }
+        }
+    }
+}

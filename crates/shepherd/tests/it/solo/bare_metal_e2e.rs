@@ -1,0 +1,444 @@
+//! Servers with nothing but a BMC (SPEC §21): two libvirt domains with blank disks, behind
+//! sushy-tools' libvirt driver (Redfish power, boot override and virtual media, as Ironic's and
+//! Metal3's CI use it), go from powered off with empty disks to heartbeating from the OS
+//! installed on their disks, driven by two `shepherd run` replicas on Postgres and the real
+//! `shepherd server`, with Shepherd's own live image (`scripts/live-image.sh`). One replica is
+//! killed while the machines boot their live environment; the other carries on, and each
+//! machine is still inserted, powered on, asked to install and installed exactly once.
+//!
+//! Asserted from the domains themselves: the disk holds the image (its sha256), the last boot
+//! was from the disk, and the virtual CD is empty. A third domain's disk holds a partition
+//! table, and its inventory entry does not allow a wipe: its agent refuses to write it, the
+//! disk is untouched (its sha256 before and after), and the machine fails with that cause,
+//! powered off with its CD empty. With `SHEPHERD_BARE_FIGURES` set, no replica is killed, and
+//! the run's figures are printed as `key = value` lines (`scripts/bare-figures.sh` writes them
+//! to bench/results/baremetal.md).
+
+use crate::common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use common::libvirt::{Domain, DomainSpec};
+use common::sushy::{start_libvirt_emulator, CertForm};
+use common::vm::{file_server, run_for_guests, server_for_guests, Built, IMAGES_IN_GUEST};
+use common::{free_port, ChildGuard};
+use shepherd_bmdb::{testing, BareHistoryEntry, BarePhase, Bmdb, Provider};
+use uuid::Uuid;
+
+/// Machines that get their OS installed.
+const MACHINES: u8 = 2;
+/// The index of the domain whose disk holds a partition table.
+const PARTITIONED: u8 = MACHINES + 1;
+
+/// What `scripts/live-image.sh` built: the live image, the OS image the tests install, its
+/// sha256, and the key that OS lets in (copied with mode 0400, as `shepherd run` wants it).
+struct LiveBuild {
+    iso: PathBuf,
+    target: PathBuf,
+    target_sha256: String,
+    key: PathBuf,
+}
+
+impl LiveBuild {
+    fn locate(dir: &Path) -> LiveBuild {
+        let built = Built::locate("SHEPHERD_LIVE_DIR", "live", "live.iso", "the live image");
+        LiveBuild {
+            iso: built.path("live.iso"),
+            target: built.path("target.img"),
+            target_sha256: built.sha256_of("target.img"),
+            key: built.private_key("test_id_ed25519", &dir.join("id_ed25519")),
+        }
+    }
+}
+
+/// `shepherd run` over `inventory` on `url`, serving live images on loopback `media_port`
+/// with the certificate in `certs`, its log in `log`.
+fn replica(
+    url: &str,
+    inventory: &Path,
+    build: &LiveBuild,
+    certs: &Path,
+    media_port: u16,
+    log: &Path,
+) -> ChildGuard {
+    ChildGuard(Some(
+        run_for_guests(url, inventory, certs, &build.key)
+            // Three guests emulated on two cores take seconds over a key exchange.
+            .args(["--ssh-connect-timeout", "15s"])
+            .args(["--session-interval", "2s"])
+            .args([
+                "--initializer-parallelism",
+                "2",
+                "--initializer-db-rate",
+                "200ms,4",
+            ])
+            .args(["--provisioner-reconcile-rate", "1s,1"])
+            .arg("--bare-live-image")
+            .arg(&build.iso)
+            .args(["--bare-media-listen", &format!("127.0.0.1:{media_port}")])
+            .args([
+                "--bare-media-url",
+                &format!("https://127.0.0.1:{media_port}"),
+            ])
+            .arg("--bare-media-cert")
+            .arg(certs.join("media/server.pem"))
+            .arg("--bare-media-key")
+            .arg(certs.join("media/server.key"))
+            .args(["--bare-boot-wait", "10s", "--bare-db-rate", "200ms,4"])
+            .args([
+                "--bare-live-boot-timeout",
+                "6m",
+                "--bare-install-timeout",
+                "6m",
+            ])
+            .args(["--bare-disk-boot-timeout", "6m"])
+            .args(["--bare-agent-env", "SHEPHERD_AGENT_HEARTBEAT_INTERVAL=2s"])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(log).unwrap())
+            .spawn()
+            .unwrap(),
+    ))
+}
+
+/// The machine recorded for `domain`, once the provisioner has recorded it.
+async fn machine_of(db: &Bmdb, domain: &Domain) -> Option<Uuid> {
+    let id = domain.name.clone();
+    db.read(move |tx| {
+        let id = id.clone();
+        Box::pin(async move { tx.machine_by_provider_id(Provider::Static, &id).await })
+    })
+    .await
+    .unwrap()
+}
+
+/// The machine's bare-metal steps.
+async fn steps(db: &Bmdb, machine: Uuid) -> Vec<BareHistoryEntry> {
+    db.read(move |tx| Box::pin(async move { tx.bare_history(machine, 1000).await }))
+        .await
+        .unwrap()
+}
+
+/// When, in seconds since the Unix epoch, each domain's sshd began to greet after each time
+/// it stopped: polled from a thread of its own until `stop`.
+fn watch_sshd(ports: Vec<u16>, stop: Arc<Mutex<bool>>) -> Arc<Mutex<BTreeMap<u16, Vec<f64>>>> {
+    let seen = Arc::new(Mutex::new(BTreeMap::<u16, Vec<f64>>::new()));
+    let record = seen.clone();
+    std::thread::spawn(move || {
+        let mut up: BTreeMap<u16, bool> = BTreeMap::new();
+        while !*stop.lock().unwrap() {
+            for &port in &ports {
+                let greets = common::vm::ssh_greets(port);
+                let was = up.insert(port, greets).unwrap_or(false);
+                if greets && !was {
+                    let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH);
+                    let now = now.unwrap().as_secs_f64();
+                    record.lock().unwrap().entry(port).or_default().push(now);
+                }
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    });
+    seen
+}
+
+fn at(entry: &BareHistoryEntry) -> f64 {
+    entry.at.timestamp_micros() as f64 / 1e6
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() {
+    let figures = std::env::var_os("SHEPHERD_BARE_FIGURES").is_some();
+    let dir = tempfile::tempdir().unwrap();
+    let build = LiveBuild::locate(dir.path());
+    let Some(t) = testing::postgres().await else {
+        return;
+    };
+    let server_port = free_port();
+    let (images_port, downloads) = file_server(&build.target, "/target.img").await;
+    let domains: Vec<Domain> = (1..=PARTITIONED)
+        .map(|index| {
+            Domain::define(
+                dir.path(),
+                &DomainSpec {
+                    index,
+                    disk_bytes: 256 << 20,
+                    memory_mib: 512,
+                    server_port,
+                    images_port,
+                },
+            )
+        })
+        .collect();
+    let partitioned = &domains[usize::from(PARTITIONED) - 1];
+    write_partition_table(&partitioned.disk);
+    let partitioned_sha256 = sha256_hex(&std::fs::read(&partitioned.disk).unwrap());
+    let uuids: Vec<String> = domains.iter().map(|d| d.uuid.clone()).collect();
+    let bmc = start_libvirt_emulator(dir.path(), CertForm::SelfSigned, &uuids);
+    let _server = server_for_guests(&t.url, server_port, dir.path());
+    let certs = dir.path().join("certs");
+    shepherd_server::dev_certs(&certs.join("media"), &["127.0.0.1".to_string()]).unwrap();
+    let inventory = dir.path().join("inventory.json");
+    let entries: Vec<serde_json::Value> = domains
+        .iter()
+        .map(|d| {
+            serde_json::json!({"ID": d.name, "Addr": d.ssh_addr(), "Location": "libvirt",
+                "BMC": {"URL": bmc.url, "Username": "admin", "PasswordFile": bmc.password_file,
+                        "CA": bmc.ca, "System": format!("/redfish/v1/Systems/{}", d.uuid)},
+                "Bare": {"ImageURL": format!("http://{}/target.img", IMAGES_IN_GUEST.trim_end_matches(":80")),
+                         "ImageSHA256": build.target_sha256, "Disk": "/dev/vda"}})
+        })
+        .collect();
+    std::fs::write(&inventory, serde_json::to_string(&entries).unwrap()).unwrap();
+    let stop = Arc::new(Mutex::new(false));
+    let greetings = watch_sshd(domains.iter().map(|d| d.ssh_port).collect(), stop.clone());
+
+    let logs: Vec<PathBuf> = ["run-a.log", "run-b.log"]
+        .iter()
+        .map(|n| dir.path().join(n))
+        .collect();
+    let mut a = Some(replica(
+        &t.url,
+        &inventory,
+        &build,
+        &certs,
+        free_port(),
+        &logs[0],
+    ));
+    let _b = replica(&t.url, &inventory, &build, &certs, free_port(), &logs[1]);
+    let db = t.db.clone();
+    let tail = || {
+        let mut text = String::new();
+        for log in &logs {
+            let log = std::fs::read_to_string(log).unwrap_or_default();
+            let lines: Vec<&str> = log.lines().rev().take(15).collect();
+            text += &lines.into_iter().rev().collect::<Vec<_>>().join("\n");
+            text += "\n---\n";
+        }
+        text
+    };
+
+    // Replica A is killed once a machine boots its live environment.
+    if !figures {
+        testing::eventually_every(
+            "a machine to boot its live environment",
+            Duration::from_secs(300),
+            Duration::from_millis(500),
+            async || {
+                let mut phases = vec![];
+                for d in &domains {
+                    if let Some(m) = machine_of(&db, d).await {
+                        let bare = db
+                            .read(move |tx| Box::pin(async move { tx.bare_metal(m).await }))
+                            .await
+                            .unwrap();
+                        phases.push(bare.map(|b| b.phase));
+                    }
+                }
+                let booting = phases.contains(&Some(BarePhase::LiveBoot));
+                testing::when(booting, (phases, tail()))
+            },
+        )
+        .await;
+        drop(a.take());
+    }
+
+    // Both reach heartbeating from their installed OS, and the partitioned one fails; the
+    // first heartbeat of each after its disk boot is noted as it comes.
+    let mut heartbeat_at: BTreeMap<Uuid, f64> = BTreeMap::new();
+    testing::eventually_every(
+        "both machines to heartbeat from their installed OS, and the third to fail",
+        Duration::from_secs(900),
+        Duration::from_millis(250),
+        async || {
+            let mut done = 0;
+            let mut seen = vec![];
+            let mut refused = false;
+            if let Some(m) = machine_of(&db, partitioned).await {
+                let bare = db
+                    .read(move |tx| Box::pin(async move { tx.bare_metal(m).await }))
+                    .await
+                    .unwrap();
+                refused = bare.is_some_and(|b| b.phase == BarePhase::Failed);
+            }
+            for d in &domains[..usize::from(MACHINES)] {
+                let Some(m) = machine_of(&db, d).await else {
+                    continue;
+                };
+                let (bare, beat) = db
+                    .read(move |tx| {
+                        Box::pin(
+                            async move { Ok((tx.bare_metal(m).await?, tx.heartbeat(m).await?)) },
+                        )
+                    })
+                    .await
+                    .unwrap();
+                let phase = bare.map(|b| b.phase);
+                if matches!(phase, Some(BarePhase::DiskBoot | BarePhase::Done)) && beat.is_some() {
+                    let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH);
+                    heartbeat_at.entry(m).or_insert(now.unwrap().as_secs_f64());
+                }
+                done += usize::from(phase == Some(BarePhase::Done));
+                assert_ne!(phase, Some(BarePhase::Failed), "{}", tail());
+                seen.push(phase);
+            }
+            testing::when(done == usize::from(MACHINES) && refused, (seen, tail()))
+        },
+    )
+    .await;
+    *stop.lock().unwrap() = true;
+
+    let emulator_log = std::fs::read_to_string(&bmc.log).unwrap_or_default();
+    let mut parts = vec![];
+    for d in &domains[..usize::from(MACHINES)] {
+        let m = machine_of(&db, d).await.unwrap();
+        let steps = steps(&db, m).await;
+        let phases: Vec<BarePhase> = steps.iter().map(|s| s.phase).collect();
+        let the_way: Vec<BarePhase> = BarePhase::ALL
+            .iter()
+            .copied()
+            .filter(|p| *p != BarePhase::Failed)
+            .collect();
+        assert_eq!(
+            phases, the_way,
+            "{}: each step once, in order: {steps:#?}",
+            d.name
+        );
+        // The BMC was asked to insert the live image once.
+        let insert = format!(
+            "POST /redfish/v1/Systems/{}/VirtualMedia/Cd/Actions/VirtualMedia.InsertMedia",
+            d.uuid
+        );
+        let inserts = emulator_log.lines().filter(|l| l.contains(&insert)).count();
+        assert_eq!(inserts, 1, "{}: {emulator_log}", d.name);
+        // The disk holds the image.
+        let target = std::fs::read(&build.target).unwrap();
+        let disk = std::fs::read(&d.disk).unwrap();
+        let written = sha256_hex(&disk[..target.len()]);
+        assert_eq!(
+            written, build.target_sha256,
+            "{}: the disk holds the image",
+            d.name
+        );
+        // The last boot was from the disk, and the virtual CD is empty.
+        let serial = d.serial_log();
+        let last_boot = serial
+            .lines()
+            .rfind(|l| l.contains(": starting (kernel"))
+            .unwrap_or_default()
+            .to_string();
+        assert!(
+            last_boot.starts_with("shepherd installed OS"),
+            "{}: the last boot: {last_boot:?}\n{serial}",
+            d.name
+        );
+        assert_eq!(
+            serial
+                .matches("shepherd live environment: starting")
+                .count(),
+            1,
+            "{serial}"
+        );
+        let xml = d.xml();
+        assert!(
+            !xml.contains("device='cdrom'"),
+            "{}: the CD is not empty: {xml}",
+            d.name
+        );
+        assert!(d.is_running(), "{}", d.name);
+        // The installed OS's agent reported the machine's hardware: its NIC.
+        let shown = common::machine_json(&t.url, m);
+        let macs: Vec<&str> = shown["hardware_report"]["nics"]
+            .as_array()
+            .map(|nics| nics.iter().filter_map(|n| n["mac"].as_str()).collect())
+            .unwrap_or_default();
+        assert_eq!(macs, [d.mac.as_str()], "{}: {shown}", d.name);
+
+        use BarePhase::*;
+        let entered = |phase| at(steps.iter().find(|s| s.phase == phase).unwrap());
+        let greeted = greetings
+            .lock()
+            .unwrap()
+            .get(&d.ssh_port)
+            .cloned()
+            .unwrap_or_default();
+        let first_greeting_after = |t: f64| greeted.iter().copied().find(|g| *g >= t).unwrap();
+        let heartbeat = heartbeat_at[&m];
+        parts.push([
+            heartbeat - entered(Bare),
+            first_greeting_after(entered(LiveBoot)) - entered(LiveBoot),
+            entered(Ejecting) - entered(Installing),
+            heartbeat - entered(DiskBoot),
+        ]);
+    }
+    // Each machine downloaded the image once: it was asked to install it once. The agent on
+    // the partitioned disk refused before it fetched anything.
+    assert_eq!(
+        downloads.load(std::sync::atomic::Ordering::Relaxed),
+        usize::from(MACHINES)
+    );
+    let m = machine_of(&db, partitioned).await.unwrap();
+    let steps = steps(&db, m).await;
+    let failed = steps.last().unwrap();
+    assert_eq!(failed.phase, BarePhase::Failed, "{steps:#?}");
+    assert!(
+        failed
+            .detail
+            .contains("/dev/vda holds an MBR partition table")
+            && failed.detail.contains("wipe"),
+        "a clear cause: {steps:#?}"
+    );
+    assert!(
+        !steps.iter().any(|s| s.phase == BarePhase::Ejecting),
+        "{steps:#?}"
+    );
+    assert!(!partitioned.is_running(), "it is left off");
+    assert!(
+        !partitioned.xml().contains("device='cdrom'"),
+        "its CD is empty"
+    );
+    assert_eq!(
+        sha256_hex(&std::fs::read(&partitioned.disk).unwrap()),
+        partitioned_sha256,
+        "its disk is untouched"
+    );
+    if figures {
+        let mean = |i: usize| parts.iter().map(|p| p[i]).sum::<f64>() / parts.len() as f64;
+        let (total, live, install, disk) = (mean(0), mean(1), mean(2), mean(3));
+        println!("bare_to_heartbeating_s = {total:.1}");
+        println!("live_boot_to_ssh_s = {live:.1}");
+        println!("install_s = {install:.1}");
+        println!("disk_boot_to_heartbeat_s = {disk:.1}");
+        println!(
+            "bare_overhead_ratio = {:.2}",
+            total / (live + install + disk)
+        );
+        let mb = std::fs::metadata(&build.iso).unwrap().len() as f64 / 1e6;
+        println!("live_image_mb = {mb:.1}");
+    }
+}
+
+/// Writes an MBR with one Linux partition at `disk`'s start, as a disk with an OS has.
+fn write_partition_table(disk: &Path) {
+    use std::io::{Seek, SeekFrom, Write};
+    let mut mbr = [0u8; 512];
+    // Partition 1: type 0x83, from sector 2048, 65536 sectors.
+    mbr[446 + 4] = 0x83;
+    mbr[446 + 8..446 + 12].copy_from_slice(&2048u32.to_le_bytes());
+    mbr[446 + 12..446 + 16].copy_from_slice(&65536u32.to_le_bytes());
+    mbr[510..].copy_from_slice(&[0x55, 0xaa]);
+    let mut f = std::fs::OpenOptions::new().write(true).open(disk).unwrap();
+    f.seek(SeekFrom::Start(0)).unwrap();
+    f.write_all(&mbr).unwrap();
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
