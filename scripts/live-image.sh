@@ -29,38 +29,13 @@
 set -euo pipefail
 
 out="${SHEPHERD_LIVE_DIR:-$HOME/.cache/shepherd/live}"
-mirror=http://deb.debian.org/debian
-say() { echo "live image: $*"; }
-mkdir -p "$out"
-work="$(mktemp -d "$out/build.XXXXXX")"
-trap 'rm -rf "$work"' EXIT
-if ! curl -fsS --max-time 30 -o "$work/InRelease" "$mirror/dists/bookworm/InRelease"; then
-    if [[ -f "$out/live.iso" ]]; then
-        say "$out/live.iso (cached; the Debian archive is out of reach, so it was not checked)"
-        exit 0
-    fi
-    say "cannot reach $mirror and no image is cached" >&2
-    exit 1
-fi
-stamp="$(cat "$0" "$work/InRelease" | sha256sum | cut -c1-16)"
-if [[ -f "$out/live.iso" && -f "$out/target.img" && "$(cat "$out/stamp" 2>/dev/null)" == "$stamp" ]]; then
-    say "$out/live.iso (cached)"
-    exit 0
-fi
-SOURCE_DATE_EPOCH="$(date -d "$(sed -n 's/^Date: //p' "$work/InRelease")" +%s)"
-export SOURCE_DATE_EPOCH
+. "$(dirname "$0")/debian-build.sh"
+debian_build "$out" "live image" live.iso target.img
 
-say "bootstrapping Debian bookworm (minbase) into $work/root"
 root="$work/root"
-mmdebstrap --quiet --variant=minbase --mode=root \
-    --include=linux-image-amd64,openssh-server,openssh-sftp-server,busybox-static,jq,kmod,cpio,xz-utils \
-    --dpkgopt='path-exclude=/usr/share/doc/*' \
-    --dpkgopt='path-exclude=/usr/share/man/*' \
-    --dpkgopt='path-exclude=/usr/share/locale/*' \
-    --dpkgopt='path-exclude=/usr/share/info/*' \
-    --essential-hook='mkdir -p "$1/etc/initramfs-tools/conf.d"; echo MODULES=list > "$1/etc/initramfs-tools/conf.d/modules"' \
-    bookworm "$root" "$mirror"
-chroot "$root" dpkg-query -W -f '${Package} ${Version}\n' > "$work/packages.txt"
+debian_bootstrap "$root" \
+    linux-image-amd64,openssh-server,openssh-sftp-server,busybox-static,jq,kmod,cpio,xz-utils \
+    'mkdir -p "$1/etc/initramfs-tools/conf.d"; echo MODULES=list > "$1/etc/initramfs-tools/conf.d/modules"'
 kernel="$(ls "$root"/boot/vmlinuz-* | head -1)"
 kver="${kernel##*/vmlinuz-}"
 

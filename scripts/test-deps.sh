@@ -183,11 +183,16 @@ ensure_libvirt() {
   if ! virsh -c qemu:///system pool-info default >/dev/null 2>&1; then
     virsh -c qemu:///system pool-define-as default dir --target /var/lib/libvirt/images >/dev/null
   fi
-  if ! virsh -c qemu:///system pool-info default 2>/dev/null | grep -q running; then
-    virsh -c qemu:///system pool-start default >/dev/null 2>&1 || true
-  fi
-  virsh -c qemu:///system pool-info default 2>/dev/null | grep -q running \
-    || { echo "test-deps: libvirt's storage pool default does not run" >&2; exit 1; }
+  # A libvirtd that just started may still be bringing its pools up.
+  local pool_runs=0
+  for _ in $(seq 1 10); do
+    if virsh -c qemu:///system pool-info default 2>/dev/null | grep -q '^State: *running'; then
+      pool_runs=1
+      break
+    fi
+    virsh -c qemu:///system pool-start default >/dev/null 2>&1 || sleep 1
+  done
+  [ "$pool_runs" = 1 ] || { echo "test-deps: libvirt's storage pool default does not run" >&2; exit 1; }
   echo "test-deps: $(virsh -c qemu:///system version 2>/dev/null | sed -n 's/^Running hypervisor: //p'), libvirt $(virsh -c qemu:///system version 2>/dev/null | sed -n 's/^Using library: libvirt //p')"
 }
 

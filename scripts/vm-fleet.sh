@@ -77,26 +77,10 @@ bare_fleet() {
         uuid="$(cat /proc/sys/kernel/random/uuid)"
         ssh_port="$(free_port)"
         truncate -s 256M "$work/$name.img"
-        cat >"$work/$name.xml" <<XML
-<domain type='qemu' xmlns:qemu='http://libvirt.org/schemas/domain/qemu/1.0'>
-  <name>$name</name><uuid>$uuid</uuid><memory unit='MiB'>512</memory><vcpu>1</vcpu>
-  <os><type arch='x86_64' machine='q35'>hvm</type><boot dev='hd'/></os>
-  <features><acpi/></features><cpu mode='custom'><model>qemu64</model></cpu>
-  <devices>
-    <emulator>/usr/bin/qemu-system-x86_64</emulator>
-    <disk type='file' device='disk'><driver name='qemu' type='raw'/><source file='$work/$name.img'/><target dev='vda' bus='virtio'/></disk>
-    <controller type='sata' index='0'/>
-    <serial type='file'><source path='$work/$name.serial' append='on'/><target port='0'/></serial>
-    <video><model type='none'/></video>
-  </devices>
-  <qemu:commandline>
-    <qemu:arg value='-netdev'/>
-    <qemu:arg value='user,id=n0,restrict=on,hostfwd=tcp:127.0.0.1:$ssh_port-:22,guestfwd=tcp:10.0.2.100:4443-cmd:socat STDIO TCP:127.0.0.1:$server_port,guestfwd=tcp:10.0.2.101:80-cmd:socat STDIO TCP:127.0.0.1:$images_port'/>
-    <qemu:arg value='-device'/>
-    <qemu:arg value='virtio-net-pci,netdev=n0,mac=52:54:00:5e:02:$(printf %02x "$i"),bus=pcie.0,addr=0x1c'/>
-  </qemu:commandline>
-</domain>
-XML
+        sed -e "s|@NAME@|$name|; s|@UUID@|$uuid|; s|@MEMORY_MIB@|512|; s|@DISK@|$work/$name.img|" \
+            -e "s|@SERIAL@|$work/$name.serial|g; s|@MAC@|52:54:00:5e:02:$(printf %02x "$i")|" \
+            -e "s|@NETDEV@|user,id=n0,restrict=on,hostfwd=tcp:127.0.0.1:$ssh_port-:22,guestfwd=tcp:10.0.2.100:4443-cmd:socat STDIO TCP:127.0.0.1:$server_port,guestfwd=tcp:10.0.2.101:80-cmd:socat STDIO TCP:127.0.0.1:$images_port|" \
+            scripts/bare-domain.xml >"$work/$name.xml"
         virsh -c qemu:///system define "$work/$name.xml" >/dev/null
         domains+=("$name")
         uuids+=("'$uuid'")

@@ -20,43 +20,17 @@
 set -euo pipefail
 
 out="${SHEPHERD_VM_DIR:-$HOME/.cache/shepherd/vm}"
-mirror=http://deb.debian.org/debian
-say() { echo "guest image: $*"; }
-mkdir -p "$out"
-work="$(mktemp -d "$out/build.XXXXXX")"
-trap 'rm -rf "$work"' EXIT
-if ! curl -fsS --max-time 30 -o "$work/InRelease" "$mirror/dists/bookworm/InRelease"; then
-    if [[ -f "$out/guest.img" ]]; then
-        say "$out/guest.img (cached; the Debian archive is out of reach, so it was not checked)"
-        exit 0
-    fi
-    say "cannot reach $mirror and no image is cached" >&2
-    exit 1
-fi
-stamp="$(cat "$0" "$work/InRelease" | sha256sum | cut -c1-16)"
-if [[ -f "$out/guest.img" && "$(cat "$out/stamp" 2>/dev/null)" == "$stamp" ]]; then
-    say "$out/guest.img (cached)"
-    exit 0
-fi
-SOURCE_DATE_EPOCH="$(date -d "$(sed -n 's/^Date: //p' "$work/InRelease")" +%s)"
-export SOURCE_DATE_EPOCH
+. "$(dirname "$0")/debian-build.sh"
+debian_build "$out" "guest image" guest.img
 # mke2fs stamps its superblocks and inodes with this time instead of the clock.
 export E2FSPROGS_FAKE_TIME="$SOURCE_DATE_EPOCH"
 
 [[ -f "$out/id_ed25519" ]] || ssh-keygen -q -t ed25519 -N '' -C shepherd-vm-tests -f "$out/id_ed25519"
 
-say "bootstrapping Debian bookworm (minbase) into $work/root"
 root="$work/root"
-mmdebstrap --quiet --variant=minbase --mode=root \
-    --include=systemd-sysv,udev,openssh-server,linux-image-cloud-amd64,initramfs-tools,curl,ca-certificates,iproute2,busybox-static \
-    --dpkgopt='path-exclude=/usr/share/doc/*' \
-    --dpkgopt='path-exclude=/usr/share/man/*' \
-    --dpkgopt='path-exclude=/usr/share/locale/*' \
-    --dpkgopt='path-include=/usr/share/locale/locale.alias' \
-    --dpkgopt='path-exclude=/usr/share/info/*' \
-    --essential-hook='mkdir -p "$1/etc/initramfs-tools/conf.d"; echo MODULES=list > "$1/etc/initramfs-tools/conf.d/modules"; printf "%s\n" virtio_pci virtio_blk virtio_net ext4 > "$1/etc/initramfs-tools/modules"' \
-    bookworm "$root" "$mirror"
-chroot "$root" dpkg-query -W -f '${Package} ${Version}\n' > "$work/packages.txt"
+debian_bootstrap "$root" \
+    systemd-sysv,udev,openssh-server,linux-image-cloud-amd64,initramfs-tools,curl,ca-certificates,iproute2,busybox-static \
+    'mkdir -p "$1/etc/initramfs-tools/conf.d"; echo MODULES=list > "$1/etc/initramfs-tools/conf.d/modules"; printf "%s\n" virtio_pci virtio_blk virtio_net ext4 > "$1/etc/initramfs-tools/modules"'
 
 say "configuring"
 echo shepherd-guest > "$root/etc/hostname"

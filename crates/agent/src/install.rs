@@ -308,44 +308,33 @@ mod tests {
     #[test]
     fn a_device_is_blank_only_if_its_ends_are_zeros_and_what_it_holds_is_named() {
         let dir = tempfile::tempdir().unwrap();
-        let holds = |name, offset, bytes: &[u8]| {
+        let holds = |name: &str, offset, bytes: &[u8]| {
             what_it_holds(&disk(dir.path(), name, offset, bytes)).unwrap()
         };
-        assert_eq!(holds("blank", 0, &[]), None);
         assert_eq!(
             what_it_holds(&dir.path().join("absent")).unwrap(),
             None,
             "a target that does not exist yet is blank"
         );
-        assert_eq!(
-            holds("mbr", 510, &[0x55, 0xaa]).as_deref(),
-            Some("an MBR partition table")
-        );
-        assert_eq!(
-            holds("gpt", 512, b"EFI PART").as_deref(),
-            Some("a GPT partition table")
-        );
-        assert_eq!(
-            holds("ext4", 1080, &[0x53, 0xef]).as_deref(),
-            Some("an ext2/3/4 file system")
-        );
-        assert_eq!(
-            holds("xfs", 0, b"XFSB").as_deref(),
-            Some("an XFS file system")
-        );
-        assert_eq!(
-            holds("backup-gpt", (4 << 20) - 512, b"EFI PART").as_deref(),
-            Some("a GPT partition table (its backup header)")
-        );
-        assert_eq!(
-            holds("junk", 100, b"x").as_deref(),
-            Some("data (its first or last MiB is not blank)")
-        );
-        assert_eq!(
-            holds("middle", 2 << 20, b"x"),
-            None,
-            "only the ends are read"
-        );
+        // What is written where, and what the disk is then said to hold; only the ends are read.
+        let cases: [(usize, &[u8], Option<&str>); 8] = [
+            (0, &[], None),
+            (510, &[0x55, 0xaa], Some("an MBR partition table")),
+            (512, b"EFI PART", Some("a GPT partition table")),
+            (1080, &[0x53, 0xef], Some("an ext2/3/4 file system")),
+            (0, b"XFSB", Some("an XFS file system")),
+            (
+                (4 << 20) - 512,
+                b"EFI PART",
+                Some("a GPT partition table (its backup header)"),
+            ),
+            (100, b"x", Some("data (its first or last MiB is not blank)")),
+            (2 << 20, b"x", None),
+        ];
+        for (i, (offset, bytes, want)) in cases.into_iter().enumerate() {
+            let got = holds(&format!("disk{i}"), offset, bytes);
+            assert_eq!(got.as_deref(), want, "bytes {bytes:?} at {offset}");
+        }
     }
 
     /// Serves `body` over plain HTTP on loopback to any number of requests; counts them.

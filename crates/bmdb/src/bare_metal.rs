@@ -132,13 +132,15 @@ impl MediaGrant {
 pub struct BareHistoryEntry {
     /// Ordering key.
     pub id: i64,
+    /// When, in the database's clock: the time spent in the phase before is the time between
+    /// this entry and the one before it.
+    pub at: DateTime<Utc>,
     /// The machine.
     pub machine_id: Uuid,
-    /// When (the database's clock).
-    pub at: DateTime<Utc>,
     /// The phase entered.
     pub phase: BarePhase,
-    /// The session that moved it, if a loop did.
+    /// The session that moved it, if a loop did (none when the provisioner recorded it or an
+    /// operator reimaged it).
     pub session_id: Option<Uuid>,
     /// What was done or found.
     pub detail: String,

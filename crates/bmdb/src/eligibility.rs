@@ -36,7 +36,8 @@ impl RecoveryThresholds {
 /// live environment's takeover, the installation, the installed OS's first heartbeat.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct BareTimeouts {
-    /// From the power-on into the live environment to its agent's takeover.
+    /// From the power-on into the live environment to its agent's takeover: the server's
+    /// firmware, the live image's boot over the BMC's virtual media, the takeover.
     pub live_boot: Duration,
     /// From the installation request to the agent's report.
     pub install: Duration,
@@ -44,15 +45,19 @@ pub struct BareTimeouts {
     pub disk_boot: Duration,
 }
 
-impl Default for BareTimeouts {
+impl BareTimeouts {
     /// 15 minutes for a live boot (a server's firmware alone may take five), an hour for an
     /// installation, 30 minutes for the installed OS.
+    pub const DEFAULT: BareTimeouts = BareTimeouts {
+        live_boot: Duration::from_secs(15 * 60),
+        install: Duration::from_secs(3600),
+        disk_boot: Duration::from_secs(30 * 60),
+    };
+}
+
+impl Default for BareTimeouts {
     fn default() -> Self {
-        BareTimeouts {
-            live_boot: Duration::from_secs(15 * 60),
-            install: Duration::from_secs(3600),
-            disk_boot: Duration::from_secs(30 * 60),
-        }
+        BareTimeouts::DEFAULT
     }
 }
 

@@ -228,28 +228,7 @@ impl Session {
         wipe: bool,
     ) -> Result<ActionOutcome<()>, Error> {
         on_existing_machine(self, machine, who, move |tx, act| {
-            Box::pin(async move {
-                if tx.bare_metal(act.machine).await?.is_none() {
-                    return Err(Error::InvalidArgument {
-                        what: "machine",
-                        problem: format!(
-                            "{} was not recorded bare: only a machine whose inventory entry says \"Bare\" when it is recorded can be reimaged",
-                            act.machine
-                        ),
-                    });
-                }
-                let allowed = wipe.then(|| format!("{} (reimage: {})", act.who.by, act.who.reason));
-                let detail = format!(
-                    "reimaged by {}: {}; the disk {} be overwritten",
-                    act.who.by,
-                    act.who.reason,
-                    if wipe { "may" } else { "may not (unless the inventory entry allows it)" }
-                );
-                tx.record_bare(act.machine, allowed.as_deref(), &detail, None)
-                    .await?;
-                act.record(tx, OperatorAction::Reimage, None).await?;
-                Ok(ActionOutcome::Done(()))
-            })
+            Box::pin(reimage(tx, act, wipe))
         })
         .await
     }
@@ -304,4 +283,30 @@ impl Session {
         })
         .await
     }
+}
+
+/// [`Session::reimage`]'s transaction, once the machine was found.
+async fn reimage(tx: &mut Tx, act: Act, wipe: bool) -> Result<ActionOutcome<()>, Error> {
+    if tx.bare_metal(act.machine).await?.is_none() {
+        let problem = format!(
+            "{} was not recorded bare: only a machine whose inventory entry says \"Bare\" when it is recorded can be reimaged",
+            act.machine
+        );
+        return Err(Error::InvalidArgument {
+            what: "machine",
+            problem,
+        });
+    }
+    let (by, reason) = (&act.who.by, &act.who.reason);
+    let allowed = wipe.then(|| format!("{by} (reimage: {reason})"));
+    let disk = if wipe {
+        "may"
+    } else {
+        "may not (unless the inventory entry allows it)"
+    };
+    let detail = format!("reimaged by {by}: {reason}; the disk {disk} be overwritten");
+    tx.record_bare(act.machine, allowed.as_deref(), &detail, None)
+        .await?;
+    act.record(tx, OperatorAction::Reimage, None).await?;
+    Ok(ActionOutcome::Done(()))
 }

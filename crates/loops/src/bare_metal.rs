@@ -27,7 +27,7 @@ use prometheus_client::registry::Registry;
 use shepherd_bmdb::{
     Backoff, BareMetal, BarePhase, BareTimeouts, ForgetSystem, Lease, LeaseLost, MediaGrant,
     OsInstallationReport, OsInstallationRequest, PhaseWrites, Process, Provided, Retrieval,
-    Session, TagWrites,
+    Session, TagWrites, Tx,
 };
 use shepherd_proto::bmaas as proto;
 use shepherd_proto::Message;
@@ -83,35 +83,44 @@ impl BareSettings {
 
     /// The start-up checks; the message names the setting.
     pub fn validate(&self) -> Result<(), InvalidSetting> {
-        if self.media_url.scheme() != "https" {
-            return Err(InvalidSetting::new(
+        let zero = "must be more than zero";
+        let wrong = [
+            (
+                self.media_url.scheme() != "https",
                 "bare-media-url",
                 "must be https:// (BMCs fetch the live image over TLS)",
-            ));
-        }
-        if self.public_keys.is_empty() {
-            return Err(InvalidSetting::new(
+            ),
+            (
+                self.public_keys.is_empty(),
                 "ssh-key",
                 "bare machines need a key: its public half is what their live environment lets in",
-            ));
-        }
-        if self.live_boot_attempts < 1 {
-            return Err(InvalidSetting::new(
+            ),
+            (
+                self.live_boot_attempts < 1,
                 "bare-live-boot-attempts",
                 "must be at least 1",
-            ));
+            ),
+            (self.media_ttl.is_zero(), "bare-media-ttl", zero),
+            (
+                self.timeouts.live_boot.is_zero(),
+                "bare-live-boot-timeout",
+                zero,
+            ),
+            (
+                self.timeouts.install.is_zero(),
+                "bare-install-timeout",
+                zero,
+            ),
+            (
+                self.timeouts.disk_boot.is_zero(),
+                "bare-disk-boot-timeout",
+                zero,
+            ),
+        ];
+        match wrong.into_iter().find(|(is_wrong, _, _)| *is_wrong) {
+            Some((_, setting, problem)) => Err(InvalidSetting::new(setting, problem)),
+            None => Ok(()),
         }
-        for (name, d) in [
-            ("bare-media-ttl", self.media_ttl),
-            ("bare-live-boot-timeout", self.timeouts.live_boot),
-            ("bare-install-timeout", self.timeouts.install),
-            ("bare-disk-boot-timeout", self.timeouts.disk_boot),
-        ] {
-            if d.is_zero() {
-                return Err(InvalidSetting::new(name, "must be more than zero"));
-            }
-        }
-        Ok(())
     }
 
     /// The URL of `machine`'s live image with secret `token`.
@@ -280,6 +289,31 @@ struct Known {
     report: Option<OsInstallationReport>,
 }
 
+impl Known {
+    /// What the BMDB knows of `machine`, read in one transaction of `session`.
+    async fn of(session: &Session, machine: Uuid) -> Result<Known, shepherd_bmdb::Error> {
+        session
+            .read(move |tx| Box::pin(Known::read(tx, machine)))
+            .await
+    }
+
+    async fn read(tx: &mut Tx, machine: Uuid) -> Result<Known, shepherd_bmdb::Error> {
+        let (provided, bare) = (tx.provided(machine).await?, tx.bare_metal(machine).await?);
+        let agent_started = tx.agent_started(machine).await?.is_some();
+        let heartbeat = tx.heartbeat(machine).await?.is_some();
+        let request = tx.os_installation_request(machine).await?;
+        let report = tx.os_installation_report(machine).await?;
+        Ok(Known {
+            provided,
+            bare,
+            agent_started,
+            heartbeat,
+            request,
+            report,
+        })
+    }
+}
+
 /// One claimed machine on its way: where it is, what the BMDB knows, and how to act on it.
 struct Step<'a, P: Recoverer> {
     lp: &'a BareMetalLoop<P>,
@@ -288,6 +322,12 @@ struct Step<'a, P: Recoverer> {
     lease: Lease,
     /// Its phase as last read or entered.
     phase: BarePhase,
+    /// Its provided tag.
+    provided: Provided,
+    /// Its bare-metal tag as read.
+    bare: BareMetal,
+    /// The rest of what was read.
+    known: Known,
 }
 
 impl<P: Recoverer> Step<'_, P> {
@@ -383,13 +423,6 @@ impl<P: Recoverer> Step<'_, P> {
 impl<P: Recoverer + 'static> MachineTask for BareMetalLoop<P> {
     type Error = BareError;
 
-    fn retrieval(&self) -> Retrieval {
-        Retrieval::BareMetal {
-            provider: self.provider.kind(),
-            timeouts: self.settings.timeouts,
-        }
-    }
-
     /// A lost lease is fenced; the BMDB failing, or the machine's phase moved by someone
     /// else, releases the machine; a provider that cannot be reached makes the worker wait;
     /// a BMC's answer backs the machine off (configuration errors never get here: the
@@ -404,25 +437,19 @@ impl<P: Recoverer + 'static> MachineTask for BareMetalLoop<P> {
         }
     }
 
+    /// Machines at a step of their own, or whose wait ended or ran out.
+    fn retrieval(&self) -> Retrieval {
+        let timeouts = self.settings.timeouts;
+        let provider = self.provider.kind();
+        Retrieval::BareMetal { provider, timeouts }
+    }
+
     async fn process_machine(
         &self,
         session: &Session,
         machine: Uuid,
     ) -> Result<TagWrites, BareError> {
-        let known = session
-            .read(move |tx| {
-                Box::pin(async move {
-                    Ok(Known {
-                        provided: tx.provided(machine).await?,
-                        bare: tx.bare_metal(machine).await?,
-                        agent_started: tx.agent_started(machine).await?.is_some(),
-                        heartbeat: tx.heartbeat(machine).await?.is_some(),
-                        request: tx.os_installation_request(machine).await?,
-                        report: tx.os_installation_report(machine).await?,
-                    })
-                })
-            })
-            .await?;
+        let known = Known::of(session, machine).await?;
         let (Some(provided), Some(bare)) = (known.provided.clone(), known.bare.clone()) else {
             return Err(BareError::NotBare);
         };
@@ -433,8 +460,11 @@ impl<P: Recoverer + 'static> MachineTask for BareMetalLoop<P> {
             machine,
             lease: session.lease(),
             phase: bare.phase,
+            provided,
+            bare,
+            known,
         };
-        match self.advance(&mut step, &provided, &bare, &known).await {
+        match self.advance(&mut step).await {
             Ok(tags) => Ok(tags),
             Err(error) => {
                 self.metrics.failed(&error);
@@ -444,7 +474,7 @@ impl<P: Recoverer + 'static> MachineTask for BareMetalLoop<P> {
                 // Said once: the machine is failed with the cause, and left alone until an
                 // operator fixes what is wrong and reimages it.
                 let cause = format!("{error:#}");
-                tracing::warn!(%machine, provider_id = provided.provider_id, %cause, "a bare machine cannot go on: failed until an operator reimages it");
+                tracing::warn!(%machine, provider_id = step.provided.provider_id, %cause, "a bare machine cannot go on: failed until an operator reimages it");
                 let detail = format!("{cause}; fix it, then `shepherd machines reimage {machine}`");
                 step.enter(BarePhase::Failed, PhaseWrites::default(), detail)
                     .await?;
@@ -457,24 +487,18 @@ impl<P: Recoverer + 'static> MachineTask for BareMetalLoop<P> {
 impl<P: Recoverer + 'static> BareMetalLoop<P> {
     /// Takes the step the machine's phase calls for, then the steps that follow at once, until
     /// one leaves the machine waiting (for a boot, its agent, a retry) or done.
-    async fn advance(
-        &self,
-        step: &mut Step<'_, P>,
-        provided: &Provided,
-        bare: &BareMetal,
-        known: &Known,
-    ) -> Result<TagWrites, BareError> {
-        let at_provider = look_up(&*self.provider, &provided.provider_id).await?;
+    async fn advance(&self, step: &mut Step<'_, P>) -> Result<TagWrites, BareError> {
+        let at_provider = look_up(&*self.provider, &step.provided.provider_id).await?;
         let plan = self
             .provider
             .bare_plan(&at_provider)
             .await
             .map_err(BareError::Plan)?;
-        let mut token = bare.media_token.clone();
+        let mut token = step.bare.media_token.clone();
         loop {
             let waits = match step.phase {
                 BarePhase::Bare => {
-                    token = Some(self.grant(step, provided, bare, &plan).await?);
+                    token = Some(self.grant(step, &plan).await?);
                     None
                 }
                 BarePhase::Inserting => {
@@ -482,15 +506,9 @@ impl<P: Recoverer + 'static> BareMetalLoop<P> {
                     self.insert(step, &plan, token).await?;
                     None
                 }
-                BarePhase::StartingLive => {
-                    let on = step.start(&plan.bmc, BootTarget::Cd).await?;
-                    let detail = format!("one-time boot from the virtual CD; {on}");
-                    step.enter(BarePhase::LiveBoot, PhaseWrites::default(), detail)
-                        .await?;
-                    Some(self.takeover_wait("its live environment is booting"))
-                }
-                BarePhase::LiveBoot if known.agent_started => {
-                    let (request, detail) = self.installation(bare, &plan, known);
+                BarePhase::StartingLive => Some(self.boot(step, &plan, BootTarget::Cd).await?),
+                BarePhase::LiveBoot if step.known.agent_started => {
+                    let (request, detail) = self.installation(step, &plan);
                     let writes = PhaseWrites {
                         install_generation: Some(request.generation),
                         ..PhaseWrites::default()
@@ -499,20 +517,14 @@ impl<P: Recoverer + 'static> BareMetalLoop<P> {
                         .await?;
                     Some(TagWrites::none())
                 }
-                BarePhase::LiveBoot => Some(self.live_boot_ran_out(step, bare, &plan).await?),
-                BarePhase::Installing => self.installed(step, bare, known, &plan).await?,
+                BarePhase::LiveBoot => Some(self.live_boot_ran_out(step, &plan).await?),
+                BarePhase::Installing => self.installed(step, &plan).await?,
                 BarePhase::Ejecting => {
                     self.eject(step, &plan).await?;
                     None
                 }
-                BarePhase::StartingDisk => {
-                    let on = step.start(&plan.bmc, BootTarget::Hdd).await?;
-                    let detail = format!("one-time boot from the disk; {on}");
-                    step.enter(BarePhase::DiskBoot, PhaseWrites::default(), detail)
-                        .await?;
-                    Some(self.takeover_wait("its installed OS is booting"))
-                }
-                BarePhase::DiskBoot if known.heartbeat => {
+                BarePhase::StartingDisk => Some(self.boot(step, &plan, BootTarget::Hdd).await?),
+                BarePhase::DiskBoot if step.known.heartbeat => {
                     let detail = "heartbeating from its installed OS".into();
                     step.enter(BarePhase::Done, PhaseWrites::default(), detail)
                         .await?;
@@ -529,17 +541,11 @@ impl<P: Recoverer + 'static> BareMetalLoop<P> {
 
     /// A live boot begins: a fresh media URL with the machine's config drive, its system
     /// forgotten (a new live environment has a new host key). Returns the URL's secret.
-    async fn grant(
-        &self,
-        step: &mut Step<'_, P>,
-        provided: &Provided,
-        bare: &BareMetal,
-        plan: &BarePlan,
-    ) -> Result<String, BareError> {
+    async fn grant(&self, step: &mut Step<'_, P>, plan: &BarePlan) -> Result<String, BareError> {
         let machine = step.machine;
         let facts = LiveFacts {
             machine,
-            hostname: &provided.provider_id,
+            hostname: &step.provided.provider_id,
             public_keys: &self.settings.public_keys,
             agent_env: &self.settings.agent_env,
         };
@@ -552,7 +558,7 @@ impl<P: Recoverer + 'static> BareMetalLoop<P> {
         let token = grant.token.clone();
         let detail = format!(
             "live boot {} of {}: {} goes into the virtual CD of BMC {}",
-            bare.attempts + 1,
+            step.bare.attempts + 1,
             self.settings.live_boot_attempts,
             self.settings.media_url_shown(machine),
             plan.bmc.base()
@@ -596,14 +602,11 @@ impl<P: Recoverer + 'static> BareMetalLoop<P> {
     async fn installed(
         &self,
         step: &mut Step<'_, P>,
-        bare: &BareMetal,
-        known: &Known,
         plan: &BarePlan,
     ) -> Result<Option<TagWrites>, BareError> {
-        let reported = known
-            .report
-            .as_ref()
-            .filter(|r| Some(r.generation) == bare.install_generation);
+        let generation = step.bare.install_generation;
+        let reported = step.known.report.as_ref();
+        let reported = reported.filter(|r| Some(r.generation) == generation);
         let cause = match reported {
             Some(r) if r.result == shepherd_bmdb::InstallationResult::Success => {
                 let detail = "the agent wrote the image and checked its sha256".into();
@@ -611,13 +614,13 @@ impl<P: Recoverer + 'static> BareMetalLoop<P> {
                     .await?;
                 return Ok(None);
             }
-            Some(r) => format!("the installation failed: {}", report_error(r)),
+            Some(r) => format!("the installation failed: {}", report_error(&r.report_raw)),
             None => format!(
                 "the installation did not report within {}",
                 humantime::format_duration(self.settings.timeouts.install)
             ),
         };
-        Ok(Some(self.give_up(step, plan, cause).await?))
+        Ok(Some(self.give_up(step, plan, &cause).await?))
     }
 
     /// The live environment is done: the machine is powered off, its media ejected and its
@@ -647,34 +650,42 @@ impl<P: Recoverer + 'static> BareMetalLoop<P> {
         Ok(TagWrites::none())
     }
 
-    /// The initializer's wait while a machine boots: a hold that is no failure.
-    fn takeover_wait(&self, why: &str) -> TagWrites {
+    /// Boots the machine once from `target` (its live environment, or its installed OS) and
+    /// leaves it to the initializer, which waits `boot_wait` first: a hold that is no failure.
+    async fn boot(
+        &self,
+        step: &mut Step<'_, P>,
+        plan: &BarePlan,
+        target: BootTarget,
+    ) -> Result<TagWrites, BareError> {
+        let (from, next, booting) = match target {
+            BootTarget::Cd => (
+                "the virtual CD",
+                BarePhase::LiveBoot,
+                "its live environment",
+            ),
+            BootTarget::Hdd => ("the disk", BarePhase::DiskBoot, "its installed OS"),
+        };
+        let on = step.start(&plan.bmc, target).await?;
+        let detail = format!("one-time boot from {from}; {on}");
+        step.enter(next, PhaseWrites::default(), detail).await?;
         let wait = self.settings.boot_wait;
         if wait.is_zero() {
-            return TagWrites::none();
+            return Ok(TagWrites::none());
         }
         let cause = format!(
-            "{why}: first takeover attempt after {}",
+            "{booting} is booting: first takeover attempt after {}",
             humantime::format_duration(wait)
         );
-        TagWrites::none().hold_back(Process::ShepherdAgentStart, wait, 0, &cause)
+        Ok(TagWrites::none().hold_back(Process::ShepherdAgentStart, wait, 0, &cause))
     }
 
     /// The installation request for a machine its initializer took over in its live
     /// environment, and the history's words for it (who allowed a wipe).
-    fn installation(
-        &self,
-        bare: &BareMetal,
-        plan: &BarePlan,
-        known: &Known,
-    ) -> (OsInstallationRequest, String) {
-        let generation = known
-            .request
-            .as_ref()
-            .map(|r| r.generation)
-            .max(bare.install_generation)
-            .unwrap_or(0)
-            + 1;
+    fn installation(&self, step: &Step<'_, P>, plan: &BarePlan) -> (OsInstallationRequest, String) {
+        let (bare, known) = (&step.bare, &step.known);
+        let asked = known.request.as_ref().map(|r| r.generation);
+        let generation = asked.max(bare.install_generation).unwrap_or(0) + 1;
         let entry = &plan.entry;
         let allowed_by = match (&bare.wipe_by, entry.wipe) {
             (Some(who), _) => Some(who.clone()),
@@ -715,17 +726,16 @@ impl<P: Recoverer + 'static> BareMetalLoop<P> {
     async fn live_boot_ran_out(
         &self,
         step: &mut Step<'_, P>,
-        bare: &BareMetal,
         plan: &BarePlan,
     ) -> Result<TagWrites, BareError> {
         let limit = humantime::format_duration(self.settings.timeouts.live_boot);
-        let attempts = bare.attempts;
+        let attempts = step.bare.attempts;
         let max = self.settings.live_boot_attempts;
         if attempts >= max {
             let cause = format!(
                 "its live environment did not answer SSH within {limit}, {attempts} times: check the machine's network (DHCP, or Bare.Network) and that it boots from its virtual CD"
             );
-            return self.give_up(step, plan, cause).await;
+            return self.give_up(step, plan, &cause).await;
         }
         let off = step.quiesce(&plan.bmc, None).await?;
         let mut interval = None;
@@ -753,7 +763,7 @@ impl<P: Recoverer + 'static> BareMetalLoop<P> {
         &self,
         step: &mut Step<'_, P>,
         plan: &BarePlan,
-        cause: String,
+        cause: &str,
     ) -> Result<TagWrites, BareError> {
         let off = step.quiesce(&plan.bmc, None).await?;
         let machine = step.machine;
@@ -768,9 +778,9 @@ impl<P: Recoverer + 'static> BareMetalLoop<P> {
     }
 }
 
-/// What an agent's failed installation report says.
-fn report_error(report: &OsInstallationReport) -> String {
-    match proto::OsInstallationReport::decode(report.report_raw.as_slice()) {
+/// What an agent's failed installation report (`report_raw`, as the BMDB keeps it) says.
+fn report_error(report_raw: &[u8]) -> String {
+    match proto::OsInstallationReport::decode(report_raw) {
         Ok(proto::OsInstallationReport {
             result: Some(proto::os_installation_report::Result::Error(e)),
             ..
@@ -793,23 +803,21 @@ mod tests {
     #[test]
     fn settings_are_checked_and_urls_keep_their_secret_out_of_the_history() {
         settings().validate().unwrap();
-        let mut http = settings();
-        http.media_url = "http://shepherd.example/".parse().unwrap();
-        assert!(http
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("bare-media-url"));
-        let mut keyless = settings();
-        keyless.public_keys.clear();
-        assert!(keyless
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("ssh-key"));
-        let mut none = settings();
-        none.live_boot_attempts = 0;
-        assert!(none.validate().is_err());
+        type Break = fn(&mut BareSettings);
+        let broken: [(Break, &str); 3] = [
+            (
+                |s| s.media_url = "http://shepherd.example/".parse().unwrap(),
+                "bare-media-url",
+            ),
+            (|s| s.public_keys.clear(), "ssh-key"),
+            (|s| s.live_boot_attempts = 0, "bare-live-boot-attempts"),
+        ];
+        for (break_it, setting) in broken {
+            let mut s = settings();
+            break_it(&mut s);
+            let err = s.validate().unwrap_err().to_string();
+            assert!(err.contains(setting), "{err}");
+        }
         let id = Uuid::nil();
         assert_eq!(
             settings().media_url_of(id, "s3cret"),

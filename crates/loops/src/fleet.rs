@@ -43,6 +43,9 @@ pub struct FleetSettings {
     pub initializer_loop: LoopSettings,
     /// Recoverer runner settings.
     pub recoverer_loop: LoopSettings,
+    /// The bare-metal loop, for a provider whose machines may come bare (a static inventory
+    /// with `Bare` entries); `None`: no such loop.
+    pub bare: Option<BareMetalSettings>,
     /// When a silent agent gets its machine rebooted.
     pub recovery: RecoveryThresholds,
     /// Recoverer backoff (upstream: 1 min → 1 h, ×1.2).
@@ -65,8 +68,6 @@ pub struct FleetSettings {
     pub history_retention: Option<HistoryRetention>,
     /// Where every loop reports its work (shared with the web UI, the API and `/metrics`).
     pub tasks: Tasks,
-    /// The bare-metal loop, for a provider whose machines may come bare; `None`: no such loop.
-    pub bare: Option<BareMetalSettings>,
 }
 
 /// The bare-metal loop's settings, runner and counters.

@@ -6,6 +6,8 @@
 
 pub mod image;
 pub mod serve;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use image::{FillError, ImageError, LiveImage};
 pub use serve::{MediaMetrics, MediaServer};

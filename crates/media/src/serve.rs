@@ -59,16 +59,10 @@ impl MediaMetrics {
         for result in RESULTS {
             let _ = self.requests.get_or_create(&ResultLabels { result });
         }
-        registry.register(
-            "shepherd_media_requests",
-            "Requests for live images, by result (whole, range, head, not_found, bad_range, unavailable)",
-            self.requests.clone(),
-        );
-        registry.register(
-            "shepherd_media_bytes",
-            "Bytes of live images sent to BMCs",
-            self.bytes.clone(),
-        );
+        let requests = "Requests for live images, by result (whole, range, head, not_found, bad_range, unavailable)";
+        registry.register("shepherd_media_requests", requests, self.requests.clone());
+        let bytes = "Bytes of live images sent to BMCs";
+        registry.register("shepherd_media_bytes", bytes, self.bytes.clone());
     }
 
     fn count(&self, result: &'static str) {

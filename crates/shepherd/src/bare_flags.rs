@@ -15,9 +15,14 @@ use shepherd_loops::bare_metal::{BareMetrics, BareSettings};
 use shepherd_loops::fleet::{BareMetalSettings, LoopSettings};
 use shepherd_loops::limiter::RateSpec;
 use shepherd_media::{LiveImage, MediaMetrics, MediaServer};
+use shepherd_provider::redfish::Bmc;
+use shepherd_provider::static_provider::StaticProvider;
 use tokio_util::sync::CancellationToken;
 
 use crate::flags::duration;
+
+/// Where the media server listens unless told.
+const LISTEN: &str = "127.0.0.1:8443";
 
 /// Machines that come bare: the live image, its media server, the bare-metal loop.
 #[derive(Debug, Clone, Args)]
@@ -26,12 +31,9 @@ pub struct BareArgs {
     /// or one with the same config-drive slots). Required when an inventory entry says `Bare`.
     #[arg(long, env = "SHEPHERD_BARE_LIVE_IMAGE")]
     pub bare_live_image: Option<PathBuf>,
-    /// Bare machines: where the media server listens (HTTPS).
-    #[arg(
-        long,
-        env = "SHEPHERD_BARE_MEDIA_LISTEN",
-        default_value = "127.0.0.1:8443"
-    )]
+    /// Bare machines: where the media server listens (HTTPS). Loopback by default: BMCs sit
+    /// on a management network, which it must listen on to be reached.
+    #[arg(long, env = "SHEPHERD_BARE_MEDIA_LISTEN", default_value = LISTEN)]
     pub bare_media_listen: std::net::SocketAddr,
     /// Bare machines: the media server's address as BMCs reach it (`https://HOST:PORT`).
     #[arg(long, env = "SHEPHERD_BARE_MEDIA_URL")]
@@ -185,6 +187,81 @@ impl BareArgs {
             listener,
         }))
     }
+}
+
+/// Most BMCs probed at start-up, and at once.
+const PROBED: usize = 16;
+const PROBING_AT_ONCE: usize = 8;
+
+/// Probes the BMCs of bare machines the BMDB does not record yet (new servers, which the
+/// provisioner will record next): one that answers without a virtual CD, or without the
+/// actions needed, stops start-up with the entries named, since no retry would help; one that
+/// cannot be reached now is a warning (its machine backs off with the BMC's answer once
+/// recorded). At most [`PROBED`] entries, so that a large inventory starts as fast.
+pub async fn probe_new_bmcs(provider: &StaticProvider, db: &Bmdb) -> Result<()> {
+    use futures::StreamExt;
+    let inventory = provider.refresh(Duration::ZERO).await?;
+    let kind = shepherd_provider::Provider::kind(provider);
+    let bare: Vec<_> = inventory
+        .entries()
+        .iter()
+        .filter(|e| e.bare.is_some())
+        .cloned()
+        .collect();
+    // One read transaction for the whole inventory: at start-up, before any loop writes.
+    let new = db
+        .read(move |tx| Box::pin(not_recorded(tx, kind, bare.clone())))
+        .await?;
+    let probes = futures::stream::iter(new)
+        .map(|entry| async move {
+            let bmc = entry.bmc.as_ref().expect("a bare entry names a BMC");
+            let timeout = Duration::from_secs(10);
+            let probed = match Bmc::new(bmc, timeout) {
+                Ok(bmc) => bmc.virtual_cd().await.map(drop),
+                Err(e) => Err(e),
+            };
+            (entry.id, probed)
+        })
+        .buffer_unordered(PROBING_AT_ONCE)
+        .collect::<Vec<_>>()
+        .await;
+    let (lacking, unreachable): (Vec<_>, Vec<_>) = probes
+        .into_iter()
+        .filter_map(|(id, probed)| probed.err().map(|e| (id, e)))
+        .partition(|(_, e)| e.is_configuration());
+    if !unreachable.is_empty() {
+        let examples: Vec<String> = unreachable
+            .iter()
+            .take(3)
+            .map(|(id, e)| format!("{id}: {e}"))
+            .collect();
+        tracing::warn!(count = unreachable.len(), examples = ?examples, "bare machines' BMCs that could not be asked about virtual media at start-up; their machines back off once recorded");
+    }
+    if let Some((id, e)) = lacking.first() {
+        match lacking.len() {
+            1 => bail!("static-inventory: 1 bare entry names a BMC that cannot boot it, e.g. {id}: {e}"),
+            n => bail!("static-inventory: {n} bare entries name a BMC that cannot boot them, e.g. {id}: {e}"),
+        }
+    }
+    Ok(())
+}
+
+/// The first [`PROBED`] of `entries` that the BMDB does not record yet.
+async fn not_recorded(
+    tx: &mut shepherd_bmdb::Tx,
+    kind: shepherd_bmdb::Provider,
+    entries: Vec<shepherd_provider::static_inventory::InventoryEntry>,
+) -> Result<Vec<shepherd_provider::static_inventory::InventoryEntry>, shepherd_bmdb::Error> {
+    let mut new = Vec::new();
+    for entry in entries {
+        if new.len() == PROBED {
+            break;
+        }
+        if tx.machine_by_provider_id(kind, &entry.id).await?.is_none() {
+            new.push(entry);
+        }
+    }
+    Ok(new)
 }
 
 impl Bare {

@@ -818,6 +818,9 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
             .bare
             .prepare(needed, public_key.clone(), &db, registry)
             .await?;
+        if bare.is_some() {
+            crate::bare_flags::probe_new_bmcs(provider, &db).await?;
+        }
     }
     let app = operator.router(db.clone());
     let metrics =

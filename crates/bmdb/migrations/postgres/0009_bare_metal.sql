@@ -47,9 +47,11 @@ CREATE TABLE bare_metal_history (
     id bigserial PRIMARY KEY,
     machine_id uuid NOT NULL,
     at timestamptz NOT NULL,
+    -- The phase entered, and what was done or found (the BMC's answer, who allowed a wipe).
     phase text NOT NULL CHECK (phase IN ('Bare', 'Inserting', 'StartingLive', 'LiveBoot', 'Installing', 'Ejecting', 'StartingDisk', 'DiskBoot', 'Done', 'Failed')),
-    session_id uuid,
-    detail text NOT NULL
+    detail text NOT NULL,
+    -- The loop's session that moved it; none for the provisioner's recording or a reimage.
+    session_id uuid
 );
 CREATE INDEX bare_metal_history_machine ON bare_metal_history (machine_id, id);
 CREATE INDEX bare_metal_history_at ON bare_metal_history (at);

@@ -83,12 +83,13 @@ CREATE INDEX machine_bare_metal_open ON machine_bare_metal (machine_id)
     WHERE phase IN ('Bare', 'Inserting', 'StartingLive', 'LiveBoot', 'Installing', 'Ejecting', 'StartingDisk', 'DiskBoot');
 
 CREATE TABLE bare_metal_history (
+    -- AUTOINCREMENT: an id is never given again, so the order of a machine's steps holds.
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     machine_id BLOB NOT NULL,
     at INTEGER NOT NULL,
     phase TEXT NOT NULL CHECK (phase IN ('Bare', 'Inserting', 'StartingLive', 'LiveBoot', 'Installing', 'Ejecting', 'StartingDisk', 'DiskBoot', 'Done', 'Failed')),
-    session_id BLOB,
-    detail TEXT NOT NULL
+    detail TEXT NOT NULL,
+    session_id BLOB
 );
 CREATE INDEX bare_metal_history_machine ON bare_metal_history (machine_id, id);
 CREATE INDEX bare_metal_history_at ON bare_metal_history (at);

@@ -3,61 +3,55 @@
 
 use uuid::Uuid;
 
-use super::engine::{from_columns, Arg, Dialects, Result, Tx};
+use super::engine::{from_columns, now_in, Arg, Engine, Result, Tx};
 use crate::bare_metal::{phase_moved, BareHistoryEntry, BareMetal, BarePhase, PhaseWrites};
 use crate::bare_metal::{MediaGrant, MAX_DETAIL_LEN};
 use crate::model::Process;
 use crate::Error;
 
-const RECORD: Dialects = Dialects {
-    postgres: "INSERT INTO machine_bare_metal (machine_id, phase, phase_at, wipe_by)
-               VALUES ($1, 'Bare', now(), $2)
-               ON CONFLICT (machine_id) DO UPDATE SET phase = 'Bare', phase_at = now(),
-                  attempts = 0, media_token = NULL, media_expires_at = NULL, config = NULL,
-                  wipe_by = excluded.wipe_by, install_generation = NULL",
-    sqlite: "INSERT INTO machine_bare_metal (machine_id, phase, phase_at, wipe_by)
-             VALUES ($1, 'Bare', $3, $2)
-             ON CONFLICT (machine_id) DO UPDATE SET phase = 'Bare', phase_at = $3,
-                attempts = 0, media_token = NULL, media_expires_at = NULL, config = NULL,
-                wipe_by = excluded.wipe_by, install_generation = NULL",
-};
+/// Records a machine bare, or starts its way over; the transaction's time is `$3` on SQLite.
+fn record_sql(engine: Engine) -> String {
+    let now = now_in(engine, 3);
+    format!(
+        "INSERT INTO machine_bare_metal (machine_id, phase, phase_at, wipe_by)
+         VALUES ($1, 'Bare', {now}, $2)
+         ON CONFLICT (machine_id) DO UPDATE SET phase = 'Bare', phase_at = {now},
+            attempts = 0, media_token = NULL, media_expires_at = NULL, config = NULL,
+            wipe_by = excluded.wipe_by, install_generation = NULL"
+    )
+}
 
 /// Moves the phase on only from the phase the loop read: a compare-and-set, so that neither a
 /// stale holder nor a race with an operator's reimage moves it twice.
-const ENTER: Dialects = Dialects {
-    postgres: "UPDATE machine_bare_metal SET phase = $3, phase_at = now(),
-                  attempts = attempts + $4,
-                  media_token = CASE WHEN $5 THEN $6 ELSE media_token END,
-                  media_expires_at = CASE WHEN $5 THEN $7 ELSE media_expires_at END,
-                  config = CASE WHEN $5 THEN $8 ELSE config END,
-                  install_generation = coalesce($9, install_generation)
-               WHERE machine_id = $1 AND phase = $2",
-    sqlite: "UPDATE machine_bare_metal SET phase = $3, phase_at = $10,
-                attempts = attempts + $4,
-                media_token = CASE WHEN $5 THEN $6 ELSE media_token END,
-                media_expires_at = CASE WHEN $5 THEN $7 ELSE media_expires_at END,
-                config = CASE WHEN $5 THEN $8 ELSE config END,
-                install_generation = coalesce($9, install_generation)
-             WHERE machine_id = $1 AND phase = $2",
-};
+fn enter_sql(engine: Engine) -> String {
+    format!(
+        "UPDATE machine_bare_metal SET phase = $3, phase_at = {now}, attempts = attempts + $4,
+            media_token = CASE WHEN $5 THEN $6 ELSE media_token END,
+            media_expires_at = CASE WHEN $5 THEN $7 ELSE media_expires_at END,
+            config = CASE WHEN $5 THEN $8 ELSE config END,
+            install_generation = coalesce($9, install_generation)
+         WHERE machine_id = $1 AND phase = $2",
+        now = now_in(engine, 10)
+    )
+}
 
-const HISTORY: Dialects = Dialects {
-    postgres: "INSERT INTO bare_metal_history (machine_id, at, phase, session_id, detail)
-               VALUES ($1, now(), $2, $3, $4)",
-    sqlite: "INSERT INTO bare_metal_history (machine_id, at, phase, session_id, detail)
-             VALUES ($1, $5, $2, $3, $4)",
-};
+fn history_sql(engine: Engine) -> String {
+    format!(
+        "INSERT INTO bare_metal_history (machine_id, at, phase, session_id, detail)
+         VALUES ($1, {now}, $2, $3, $4)",
+        now = now_in(engine, 5)
+    )
+}
 
-const GRANT: Dialects = Dialects {
-    postgres: "SELECT media_token AS token, media_expires_at AS expires_at, config
-                 FROM machine_bare_metal
-                WHERE machine_id = $1 AND media_token IS NOT NULL AND config IS NOT NULL
-                  AND media_expires_at > now()",
-    sqlite: "SELECT media_token AS token, media_expires_at AS expires_at, config
-               FROM machine_bare_metal
-              WHERE machine_id = $1 AND media_token IS NOT NULL AND config IS NOT NULL
-                AND media_expires_at > $2",
-};
+fn grant_sql(engine: Engine) -> String {
+    format!(
+        "SELECT media_token AS token, media_expires_at AS expires_at, config
+           FROM machine_bare_metal
+          WHERE machine_id = $1 AND media_token IS NOT NULL AND config IS NOT NULL
+            AND media_expires_at > {now}",
+        now = now_in(engine, 2)
+    )
+}
 
 from_columns! {
     BareMetal {
@@ -89,7 +83,8 @@ impl Tx {
         session: Option<Uuid>,
     ) -> Result<()> {
         let args = [Arg::Uuid(machine), Arg::OptText(wipe_by), Arg::Now];
-        self.conn().execute(&RECORD, &args).await?;
+        let sql = record_sql(self.engine());
+        self.conn().execute(sql.as_str(), &args).await?;
         self.forget_system(machine, true).await?;
         self.bare_history_entry(machine, BarePhase::Bare, session, detail)
             .await
@@ -136,7 +131,8 @@ impl Tx {
             Arg::OptInt(writes.install_generation),
             Arg::Now,
         ];
-        if self.conn().execute(&ENTER, &args).await? != 1 {
+        let sql = enter_sql(self.engine());
+        if self.conn().execute(sql.as_str(), &args).await? != 1 {
             let found = self.bare_metal(machine).await?.map(|b| b.phase);
             return Err(phase_moved(machine, from, found));
         }
@@ -174,7 +170,8 @@ impl Tx {
             Arg::Text(&detail),
             Arg::Now,
         ];
-        self.conn().execute(&HISTORY, &args).await?;
+        let sql = history_sql(self.engine());
+        self.conn().execute(sql.as_str(), &args).await?;
         Ok(())
     }
 
@@ -195,7 +192,8 @@ impl Tx {
     /// the grant has not expired.
     pub async fn media_grant(&mut self, machine: Uuid) -> Result<Option<MediaGrant>> {
         let args = [Arg::Uuid(machine), Arg::Now];
-        self.conn().row(&GRANT, &args).await
+        let sql = grant_sql(self.engine());
+        self.conn().row(sql.as_str(), &args).await
     }
 
     /// How many bare machines are in each phase (the loop's gauges and the overview).

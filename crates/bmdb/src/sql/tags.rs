@@ -311,9 +311,8 @@ impl Tx {
         &mut self,
         id: Uuid,
     ) -> Result<Option<OsInstallationRequest>> {
-        let sql = "SELECT generation, request_raw FROM machine_os_installation_request
-                   WHERE machine_id = $1";
-        self.conn().row(sql, &[Arg::Uuid(id)]).await
+        let table = TagTable::OsInstallationRequest;
+        self.tag_row(table, "generation, request_raw", id).await
     }
 
     /// Sets the OS installation report.
@@ -342,9 +341,9 @@ impl Tx {
         &mut self,
         id: Uuid,
     ) -> Result<Option<OsInstallationReport>> {
-        let sql = "SELECT generation, result, report_raw FROM machine_os_installation_report
-                   WHERE machine_id = $1";
-        self.conn().row(sql, &[Arg::Uuid(id)]).await
+        let table = TagTable::OsInstallationReport;
+        self.tag_row(table, "generation, result, report_raw", id)
+            .await
     }
 
     /// The serialized installation request of a machine unless a report with its generation
@@ -419,6 +418,20 @@ impl Tx {
         let request = self.delete_tag(TagTable::OsInstallationRequest, id).await?;
         let report = self.delete_tag(TagTable::OsInstallationReport, id).await?;
         Ok(request || report)
+    }
+
+    /// `columns` of one machine's row of a tag, if it has one.
+    async fn tag_row<T: FromColumns>(
+        &mut self,
+        table: TagTable,
+        columns: &str,
+        id: Uuid,
+    ) -> Result<Option<T>> {
+        let sql = format!(
+            "SELECT {columns} FROM {} WHERE machine_id = $1",
+            table.name()
+        );
+        self.conn().row(sql.as_str(), &[Arg::Uuid(id)]).await
     }
 
     /// Deletes one machine's row of a tag; true if there was one.

@@ -220,6 +220,18 @@ const WORKING: Machine = Machine {
     installed_heartbeats: true,
 };
 
+/// A machine whose live environment never answers.
+const LIVE_SILENT: Machine = Machine {
+    live_answers: false,
+    ..WORKING
+};
+
+/// A machine whose installed OS never heartbeats.
+const INSTALLED_SILENT: Machine = Machine {
+    installed_heartbeats: false,
+    ..WORKING
+};
+
 /// One bare machine of a static inventory whose BMC is scripted: the BMDB, the provider, the
 /// machine's id and its BMC.
 struct Site {
@@ -332,15 +344,37 @@ impl Site {
         stop
     }
 
-    async fn phase(&self) -> Option<BarePhase> {
+    /// What the BMDB says of the machine: its tag, its bare-metal steps, its work history.
+    async fn seen(&self) -> (Option<BareMetal>, Vec<BareHistoryEntry>, Vec<HistoryEntry>) {
         let m = self.machine;
-        let bare = self
-            .t
-            .db
-            .read(move |tx| Box::pin(async move { tx.bare_metal(m).await }))
-            .await
-            .unwrap();
-        bare.map(|b| b.phase)
+        let seen = self.t.db.read(move |tx| {
+            Box::pin(async move {
+                let steps = tx.bare_history(m, 100).await?;
+                Ok((tx.bare_metal(m).await?, steps, tx.machine_history(m).await?))
+            })
+        });
+        seen.await.unwrap()
+    }
+
+    async fn phase(&self) -> Option<BarePhase> {
+        self.seen().await.0.map(|b| b.phase)
+    }
+
+    async fn steps(&self) -> Vec<BareHistoryEntry> {
+        self.seen().await.1
+    }
+
+    /// The causes of the bare-metal loop's failed steps.
+    async fn failures(&self) -> Vec<String> {
+        let history = self.seen().await.2;
+        let failed = |h: &HistoryEntry| {
+            h.process == Process::ShepherdBareMetal && h.event == WorkEvent::Failed
+        };
+        history
+            .into_iter()
+            .filter(failed)
+            .filter_map(|h| h.cause)
+            .collect()
     }
 
     /// Waits until the machine is in `phase`.
@@ -353,28 +387,28 @@ impl Site {
         .await;
     }
 
-    async fn steps(&self) -> Vec<BareHistoryEntry> {
-        let m = self.machine;
-        self.t
-            .db
-            .read(move |tx| Box::pin(async move { tx.bare_history(m, 100).await }))
-            .await
-            .unwrap()
+    /// Runs the machine, behaving as `m` says, with one replica whose live boots may take
+    /// `live_boot`, until it is in `phase`; its steps.
+    async fn run_until(
+        &self,
+        m: Machine,
+        live_boot: Duration,
+        phase: BarePhase,
+    ) -> Vec<BareHistoryEntry> {
+        let _machine = self.play(m);
+        let (stop, _) = self.replica(settings(live_boot));
+        self.reaches(phase).await;
+        stop.cancel();
+        self.steps().await
     }
 
-    async fn failures(&self) -> Vec<String> {
-        let m = self.machine;
-        let history = self
-            .t
-            .db
-            .read(move |tx| Box::pin(async move { tx.machine_history(m).await }))
-            .await
-            .unwrap();
-        history
-            .into_iter()
-            .filter(|h| h.process == Process::ShepherdBareMetal && h.event == WorkEvent::Failed)
-            .filter_map(|h| h.cause)
-            .collect()
+    /// Lets the BMC work again, waits until the machine is done and stops the replica; the
+    /// machine went its whole way, each phase once.
+    async fn heal_and_finish(&self, replica: CancellationToken) {
+        self.bmc.lock().unwrap().knobs.fail.clear();
+        self.reaches(Done).await;
+        replica.cancel();
+        assert_eq!(phases(&self.steps().await), the_way());
     }
 
     /// The cause of the first failed step, once there is one.
@@ -448,6 +482,25 @@ async fn act_as_machine(
     Ok(())
 }
 
+/// A working machine whose BMC answers `action` with `status` and `body`, with a replica
+/// running until that failed once: the site, the machine's and the replica's stop tokens, and
+/// the cause recorded.
+async fn failing(
+    action: &'static str,
+    status: u16,
+    body: &'static str,
+) -> (Site, CancellationToken, CancellationToken, String) {
+    let s = site(Knobs {
+        fail: vec![(action, status, body)],
+        ..Knobs::default()
+    })
+    .await;
+    let machine = s.play(WORKING);
+    let (replica, _) = s.replica(settings(Duration::from_secs(30)));
+    let cause = s.first_failure().await;
+    (s, machine, replica, cause)
+}
+
 fn phases(steps: &[BareHistoryEntry]) -> Vec<BarePhase> {
     steps.iter().map(|s| s.phase).collect()
 }
@@ -477,11 +530,8 @@ const ITS_ACTIONS: [&str; 7] = [
 #[tokio::test]
 async fn a_bare_machine_goes_its_way_and_each_bmc_step_is_taken_once() {
     let s = site(Knobs::default()).await;
-    let _machine = s.play(WORKING);
-    let (stop, _) = s.replica(settings(Duration::from_secs(30)));
-    s.reaches(Done).await;
-    stop.cancel();
-    assert_eq!(phases(&s.steps().await), the_way());
+    let steps = s.run_until(WORKING, Duration::from_secs(30), Done).await;
+    assert_eq!(phases(&steps), the_way());
     assert_eq!(s.log(), ITS_ACTIONS);
     let b = s.bmc.lock().unwrap();
     assert!(
@@ -522,18 +572,8 @@ async fn a_bmc_without_virtual_media_fails_its_machine_once_with_what_it_lacks()
 
 #[tokio::test]
 async fn a_bmc_that_cannot_fetch_the_image_backs_its_machine_off_with_its_answer() {
-    let knobs = Knobs {
-        fail: vec![(
-            "insert",
-            500,
-            "Cannot download virtual media: got error 404 from the server",
-        )],
-        ..Knobs::default()
-    };
-    let s = site(knobs).await;
-    let _machine = s.play(WORKING);
-    let (stop, _) = s.replica(settings(Duration::from_secs(30)));
-    let cause = s.first_failure().await;
+    let refusal = "Cannot download virtual media: got error 404 from the server";
+    let (s, _machine, stop, cause) = failing("insert", 500, refusal).await;
     assert!(
         cause.contains("insert the live image")
             && cause.contains("500")
@@ -542,24 +582,16 @@ async fn a_bmc_that_cannot_fetch_the_image_backs_its_machine_off_with_its_answer
     );
     assert_eq!(s.phase().await, Some(Inserting), "it stays where it was");
     // Once the BMC can fetch it, the machine goes on from where it was.
-    s.bmc.lock().unwrap().knobs.fail.clear();
-    s.reaches(Done).await;
-    stop.cancel();
-    assert_eq!(phases(&s.steps().await), the_way());
+    s.heal_and_finish(stop).await;
     assert_eq!(s.log(), ITS_ACTIONS);
 }
 
 #[tokio::test]
 async fn a_live_environment_that_never_answers_is_booted_again_then_given_up_on() {
     let s = site(Knobs::default()).await;
-    let _machine = s.play(Machine {
-        live_answers: false,
-        ..WORKING
-    });
-    let (stop, _) = s.replica(settings(Duration::from_secs(2)));
-    s.reaches(Failed).await;
-    stop.cancel();
-    let steps = s.steps().await;
+    let steps = s
+        .run_until(LIVE_SILENT, Duration::from_secs(2), Failed)
+        .await;
     assert_eq!(
         phases(&steps),
         [
@@ -605,14 +637,11 @@ async fn a_live_environment_that_never_answers_is_booted_again_then_given_up_on(
 async fn a_failed_installation_fails_the_machine_with_the_agents_cause() {
     let s = site(Knobs::default()).await;
     let error = "/dev/vda holds an MBR partition table; it is overwritten only if the installation allows a wipe";
-    let _machine = s.play(Machine {
+    let refusing = Machine {
         install_error: Some(error),
         ..WORKING
-    });
-    let (stop, _) = s.replica(settings(Duration::from_secs(30)));
-    s.reaches(Failed).await;
-    stop.cancel();
-    let steps = s.steps().await;
+    };
+    let steps = s.run_until(refusing, Duration::from_secs(30), Failed).await;
     assert_eq!(
         phases(&steps),
         [Bare, Inserting, StartingLive, LiveBoot, Installing, Failed]
@@ -632,37 +661,22 @@ async fn a_failed_installation_fails_the_machine_with_the_agents_cause() {
 
 #[tokio::test]
 async fn an_eject_that_fails_is_tried_again_and_done_once() {
-    let knobs = Knobs {
-        fail: vec![("eject", 503, "Service Unavailable")],
-        ..Knobs::default()
-    };
-    let s = site(knobs).await;
-    let _machine = s.play(WORKING);
-    let (stop, _) = s.replica(settings(Duration::from_secs(30)));
-    let cause = s.first_failure().await;
+    let (s, _machine, stop, cause) = failing("eject", 503, "Service Unavailable").await;
     assert!(
         cause.contains("eject the live image") && cause.contains("503"),
         "{cause}"
     );
     assert_eq!(s.phase().await, Some(Ejecting));
-    s.bmc.lock().unwrap().knobs.fail.clear();
-    s.reaches(Done).await;
-    stop.cancel();
-    assert_eq!(phases(&s.steps().await), the_way());
+    s.heal_and_finish(stop).await;
     assert_eq!(s.log().iter().filter(|a| *a == "eject").count(), 1);
 }
 
 #[tokio::test]
 async fn an_installed_os_that_never_heartbeats_fails_its_machine_with_a_clear_cause() {
-    let s = site(Knobs::default()).await;
-    let _machine = s.play(Machine {
-        installed_heartbeats: false,
-        ..WORKING
-    });
-    let (stop, _) = s.replica(settings(Duration::from_secs(30)));
-    s.reaches(Failed).await;
-    stop.cancel();
-    let steps = s.steps().await;
+    let steps = site(Knobs::default())
+        .await
+        .run_until(INSTALLED_SILENT, Duration::from_secs(30), Failed)
+        .await;
     let failed = steps.last().unwrap();
     assert!(
         failed

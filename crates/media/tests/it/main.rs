@@ -13,20 +13,6 @@ use shepherd_media::{LiveImage, MediaMetrics, MediaServer};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-/// An "ISO" of 64 sectors of `x` with the two config-drive slots of 4 KiB at sectors 3 and 7.
-fn fake_image(dir: &Path) -> std::path::PathBuf {
-    let mut data = vec![b'x'; 64 * 2048];
-    for (sector, name) in [(3usize, "meta_data.json"), (7, "network_data.json")] {
-        let mut slot = format!("{{\"shepherd_slot\":\"{name}\",\"bytes\":4096}}").into_bytes();
-        slot.resize(4095, b' ');
-        slot.push(b'\n');
-        data[sector * 2048..sector * 2048 + 4096].copy_from_slice(&slot);
-    }
-    let path = dir.join("live.iso");
-    std::fs::write(&path, data).unwrap();
-    path
-}
-
 /// Grants `machine` its media with `meta` as its meta_data.json for `ttl`, moving it from
 /// Bare to Inserting as the bare-metal loop does; returns the secret and the session that
 /// holds the machine's work.
@@ -99,7 +85,7 @@ fn client() -> reqwest::Client {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machines_url_serves_its_image_and_nothing_else_does() {
     let dir = tempfile::tempdir().unwrap();
-    let image = fake_image(dir.path());
+    let image = shepherd_media::testing::image_with_slots(dir.path());
     let t = testing::sqlite().await;
     let [a, b]: [Uuid; 2] = testing::provision(&t.db, 2, shepherd_bmdb::Provider::Static)
         .await

@@ -324,17 +324,16 @@ impl ActionBody for InstallBody {
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReimageBody {
+    /// Why, for the machine's history (required).
+    reason: Option<String>,
     /// Its disk may be overwritten although it holds an OS.
     #[serde(default)]
     wipe: bool,
-    /// Why, for the machine's history (required).
-    reason: Option<String>,
 }
 
 impl ActionBody for ReimageBody {
     fn action(self) -> Result<(MachineAction, Option<String>), Problem> {
-        let wipe = self.wipe;
-        Ok((MachineAction::Reimage { wipe }, self.reason))
+        Ok((MachineAction::Reimage { wipe: self.wipe }, self.reason))
     }
 }
 

@@ -779,3 +779,107 @@ fn ironic_settings_are_checked_at_start_up() {
         "the database was opened before the settings were checked"
     );
 }
+
+/// Machines that come bare stop `run` at start-up with one line when nothing can boot them:
+/// the bare settings missing, a file that is no live image, and a BMC that answers without a
+/// virtual CD (the scripted one has none); a BMC that cannot be reached is only a warning,
+/// since it may answer once its machine is recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bare_settings_and_bmcs_are_checked_at_start_up() {
+    use shepherd_provider::testing::bmc::{Script, ScriptedBmc};
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite:{}", dir.path().join("bmdb.sqlite").display());
+    let bmc = ScriptedBmc::start(Script::allowing(&["On", "ForceOff"])).await;
+    let entry = bmc.entry(dir.path());
+    let bare = serde_json::json!({"ImageURL": "https://images.test/os.img",
+        "ImageSHA256": "ab".repeat(32), "Disk": "/dev/vda"});
+    let inventory = dir.path().join("inventory.json");
+    std::fs::write(
+        &inventory,
+        serde_json::json!([{"ID": "new-1", "Addr": "192.0.2.1:22", "Bare": bare,
+            "BMC": {"URL": entry.url, "Username": "admin", "System": entry.system,
+                    "PasswordFile": entry.password_file}},
+            {"ID": "new-2", "Addr": "192.0.2.2:22", "Bare": bare,
+            "BMC": {"URL": format!("http://127.0.0.1:{}", free_port()), "Username": "admin",
+                    "System": entry.system, "PasswordFile": entry.password_file}}])
+        .to_string(),
+    )
+    .unwrap();
+    let image = shepherd_media::testing::image_with_slots(dir.path());
+    let not_an_image = dir.path().join("not.iso");
+    std::fs::write(&not_an_image, vec![0u8; 8192]).unwrap();
+    let certs = dir.path().join("media");
+    shepherd_server::dev_certs(&certs, &["127.0.0.1".to_string()]).unwrap();
+    let media_url = format!("https://127.0.0.1:{}", free_port());
+    let media = [
+        "--bare-media-url",
+        &media_url,
+        "--bare-media-listen",
+        "127.0.0.1:0",
+    ];
+    let cert = [
+        "--bare-media-cert".to_string(),
+        certs.join("server.pem").display().to_string(),
+        "--bare-media-key".to_string(),
+        certs.join("server.key").display().to_string(),
+    ];
+    let run = |extra: Vec<String>| {
+        let mut run = shepherd();
+        run.args([
+            "run",
+            "--provider",
+            "static",
+            "--migrate",
+            "--database",
+            &db,
+        ])
+        .arg(format!("--static-inventory=file://{}", inventory.display()))
+        .arg(format!("--ssh-key={}", dir.path().join("id").display()))
+        .args(["--agent-endpoint", "bmaas.test:443"])
+        .arg(format!(
+            "--agent-executable={}",
+            shepherd_loops::testing::test_agent_path().display()
+        ))
+        .args(extra);
+        // The scripted BMC answers from this runtime while the process runs; one that does
+        // not stop at start-up is killed.
+        let mut run = tokio::process::Command::from(run);
+        async move {
+            let out = run.kill_on_drop(true).output();
+            let out = tokio::time::timeout(Duration::from_secs(60), out).await;
+            out.expect("start-up did not stop within a minute").unwrap()
+        }
+    };
+    let with = |image: &Path, rest: &[&[String]]| {
+        let mut args = vec!["--bare-live-image".to_string(), image.display().to_string()];
+        args.extend(media.iter().map(|s| s.to_string()));
+        args.extend(rest.concat());
+        args
+    };
+    let cases = [
+        (vec![], "bare-live-image: is required"),
+        (
+            with(&image, &[]),
+            "bare-media-cert and bare-media-key: is required",
+        ),
+        (with(&not_an_image, &[&cert]), "slots named"),
+    ];
+    for (extra, want) in cases {
+        refused(&run(extra).await, want);
+    }
+    let out = run(with(&image, &[&cert])).await;
+    refused(
+        &out,
+        "1 bare entry names a BMC that cannot boot it, e.g. new-1: ",
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("could not be asked about virtual media") && err.contains("new-2"),
+        "no warning about the unreachable BMC: {err}"
+    );
+    assert!(
+        bmc.requests().iter().all(|r| r.what == "GET"),
+        "the start-up probe changed the BMC: {:?}",
+        bmc.requests()
+    );
+}

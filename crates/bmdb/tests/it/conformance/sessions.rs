@@ -286,6 +286,18 @@ impl DoomedOnPostgres {
 /// open, then commits `tx`. Returns what that collection released, and what the next one
 /// released: a collection waits (within its lock timeout) for a work row `tx` holds, and
 /// skips a session whose row `tx` holds, leaving it to the next collection.
+/// Runs `sql` with `binds` in `tx`, then [`collect_while_held`].
+async fn collect_after(
+    db: &Bmdb,
+    mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
+    sql: &str,
+    binds: &[Uuid],
+) -> (u64, u64) {
+    let query = binds.iter().fold(sqlx::query(sql), |q, b| q.bind(*b));
+    query.execute(&mut *tx).await.unwrap();
+    collect_while_held(db, tx).await
+}
+
 async fn collect_while_held(db: &Bmdb, tx: sqlx::Transaction<'_, sqlx::Postgres>) -> (u64, u64) {
     let collecting = tokio::spawn({
         let db = db.clone();
@@ -336,18 +348,13 @@ async fn collecting_a_session_leaves_work_another_transaction_ended() {
     );
     tokio::time::sleep(PAST_EXPIRY).await;
 
-    let mut tx = f.raw.begin().await.unwrap();
-    sqlx::query(
+    let tx = f.raw.begin().await.unwrap();
+    let ended_elsewhere =
         "WITH del AS (DELETE FROM work WHERE machine_id = $1 RETURNING machine_id, process, session_id)
          INSERT INTO work_history (machine_id, process, event, at, session_id, failed_cause)
-         SELECT machine_id, process, 'Canceled', now(), session_id, 'ended elsewhere' FROM del",
-    )
-    .bind(id)
-    .execute(&mut *tx)
-    .await
-    .unwrap();
+         SELECT machine_id, process, 'Canceled', now(), session_id, 'ended elsewhere' FROM del";
     assert_eq!(
-        collect_while_held(&db, tx).await,
+        collect_after(&db, tx, ended_elsewhere, &[id]).await,
         (1, 0),
         "the collection waits for the work row, then releases the session"
     );
@@ -377,19 +384,12 @@ async fn collecting_a_session_cancels_a_claim_that_committed_meanwhile() {
     .unwrap();
     assert_eq!(alive, Some(1));
     tokio::time::sleep(PAST_EXPIRY).await;
-    sqlx::query(
-        "WITH w AS (INSERT INTO work (machine_id, session_id, process)
+    let claim = "WITH w AS (INSERT INTO work (machine_id, session_id, process)
                     VALUES ($1, $2, 'ShepherdAgentStart') RETURNING *)
          INSERT INTO work_history (machine_id, process, event, at, session_id)
-         SELECT machine_id, process, 'Started', now(), session_id FROM w",
-    )
-    .bind(id)
-    .bind(session)
-    .execute(&mut *tx)
-    .await
-    .unwrap();
+         SELECT machine_id, process, 'Started', now(), session_id FROM w";
     assert_eq!(
-        collect_while_held(&db, tx).await,
+        collect_after(&db, tx, claim, &[id, session]).await,
         (0, 1),
         "the collection skips the session the claim holds; the next one releases it"
     );

@@ -79,38 +79,16 @@ impl Domain {
              guestfwd=tcp:{IMAGES_IN_GUEST}-cmd:socat STDIO TCP:127.0.0.1:{}",
             spec.server_port, spec.images_port
         );
-        // The NIC is QEMU's own (libvirt's user networking forwards no ports), on a PCI slot
-        // libvirt leaves free; there is no display.
-        let xml = format!(
-            "<domain type='qemu' xmlns:qemu='http://libvirt.org/schemas/domain/qemu/1.0'>
-  <name>{name}</name>
-  <uuid>{uuid}</uuid>
-  <memory unit='MiB'>{memory}</memory>
-  <vcpu>1</vcpu>
-  <os><type arch='x86_64' machine='q35'>hvm</type><boot dev='hd'/></os>
-  <features><acpi/></features>
-  <cpu mode='custom'><model>qemu64</model></cpu>
-  <devices>
-    <emulator>/usr/bin/qemu-system-x86_64</emulator>
-    <disk type='file' device='disk'>
-      <driver name='qemu' type='raw'/><source file='{disk}'/><target dev='vda' bus='virtio'/>
-    </disk>
-    <controller type='sata' index='0'/>
-    <serial type='file'><source path='{serial}' append='on'/><target port='0'/></serial>
-    <console type='file'><source path='{serial}' append='on'/><target type='serial' port='0'/></console>
-    <video><model type='none'/></video>
-  </devices>
-  <qemu:commandline>
-    <qemu:arg value='-netdev'/>
-    <qemu:arg value='{netdev}'/>
-    <qemu:arg value='-device'/>
-    <qemu:arg value='virtio-net-pci,netdev=n0,mac={mac},bus=pcie.0,addr=0x1c'/>
-  </qemu:commandline>
-</domain>",
-            memory = spec.memory_mib,
-            disk = disk.display(),
-            serial = serial.display(),
-        );
+        let template = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/bare-domain.xml");
+        let xml = std::fs::read_to_string(template)
+            .unwrap()
+            .replace("@NAME@", &name)
+            .replace("@UUID@", &uuid)
+            .replace("@MEMORY_MIB@", &spec.memory_mib.to_string())
+            .replace("@DISK@", &disk.display().to_string())
+            .replace("@SERIAL@", &serial.display().to_string())
+            .replace("@NETDEV@", &netdev)
+            .replace("@MAC@", &mac);
         let file = dir.join(format!("{name}.xml"));
         std::fs::write(&file, xml).unwrap();
         virsh(&["define", file.to_str().unwrap()]);

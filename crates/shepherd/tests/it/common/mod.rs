@@ -189,6 +189,18 @@ pub async fn wait_for<T>(what: &str, secs: u64, mut f: impl AsyncFnMut() -> Opti
     shepherd_bmdb::testing::eventually_every(what, within, every, poll).await
 }
 
+/// The machine the BMDB records for `provider_id` of the static provider, once it does.
+pub async fn machine_named(db: &shepherd_bmdb::Bmdb, provider_id: &str) -> Option<uuid::Uuid> {
+    let id = provider_id.to_string();
+    let static_kind = shepherd_bmdb::Provider::Static;
+    db.read(move |tx| {
+        let id = id.clone();
+        Box::pin(async move { tx.machine_by_provider_id(static_kind, &id).await })
+    })
+    .await
+    .unwrap()
+}
+
 /// The value of one sample of a Prometheus text exposition, if present.
 pub fn sample(text: &str, name_and_labels: &str) -> Option<f64> {
     text.lines()

@@ -26,7 +26,7 @@ use common::libvirt::{Domain, DomainSpec};
 use common::sushy::{start_libvirt_emulator, CertForm};
 use common::vm::{file_server, run_for_guests, server_for_guests, Built, IMAGES_IN_GUEST};
 use common::{free_port, ChildGuard};
-use shepherd_bmdb::{testing, BareHistoryEntry, BarePhase, Bmdb, Provider};
+use shepherd_bmdb::{testing, BareHistoryEntry, BarePhase, Bmdb};
 use uuid::Uuid;
 
 /// Machines that get their OS installed.
@@ -89,13 +89,8 @@ fn replica(
             .arg("--bare-media-key")
             .arg(certs.join("media/server.key"))
             .args(["--bare-boot-wait", "10s", "--bare-db-rate", "200ms,4"])
-            .args([
-                "--bare-live-boot-timeout",
-                "6m",
-                "--bare-install-timeout",
-                "6m",
-            ])
-            .args(["--bare-disk-boot-timeout", "6m"])
+            .args(["--bare-live-boot-timeout=6m", "--bare-install-timeout=6m"])
+            .args(["--bare-disk-boot-timeout=6m"])
             .args(["--bare-agent-env", "SHEPHERD_AGENT_HEARTBEAT_INTERVAL=2s"])
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(log).unwrap())
@@ -106,13 +101,18 @@ fn replica(
 
 /// The machine recorded for `domain`, once the provisioner has recorded it.
 async fn machine_of(db: &Bmdb, domain: &Domain) -> Option<Uuid> {
-    let id = domain.name.clone();
-    db.read(move |tx| {
-        let id = id.clone();
-        Box::pin(async move { tx.machine_by_provider_id(Provider::Static, &id).await })
-    })
-    .await
-    .unwrap()
+    common::machine_named(db, &domain.name).await
+}
+
+/// The machine's bare-metal phase, and whether it heartbeated since its agent was started.
+async fn state(db: &Bmdb, m: Uuid) -> (Option<BarePhase>, bool) {
+    let read = db.read(move |tx| {
+        Box::pin(async move {
+            let bare = tx.bare_metal(m).await?;
+            Ok((bare.map(|b| b.phase), tx.heartbeat(m).await?.is_some()))
+        })
+    });
+    read.await.unwrap()
 }
 
 /// The machine's bare-metal steps.
@@ -231,11 +231,7 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
                 let mut phases = vec![];
                 for d in &domains {
                     if let Some(m) = machine_of(&db, d).await {
-                        let bare = db
-                            .read(move |tx| Box::pin(async move { tx.bare_metal(m).await }))
-                            .await
-                            .unwrap();
-                        phases.push(bare.map(|b| b.phase));
+                        phases.push(state(&db, m).await.0);
                     }
                 }
                 let booting = phases.contains(&Some(BarePhase::LiveBoot));
@@ -258,26 +254,14 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
             let mut seen = vec![];
             let mut refused = false;
             if let Some(m) = machine_of(&db, partitioned).await {
-                let bare = db
-                    .read(move |tx| Box::pin(async move { tx.bare_metal(m).await }))
-                    .await
-                    .unwrap();
-                refused = bare.is_some_and(|b| b.phase == BarePhase::Failed);
+                refused = state(&db, m).await.0 == Some(BarePhase::Failed);
             }
             for d in &domains[..usize::from(MACHINES)] {
                 let Some(m) = machine_of(&db, d).await else {
                     continue;
                 };
-                let (bare, beat) = db
-                    .read(move |tx| {
-                        Box::pin(
-                            async move { Ok((tx.bare_metal(m).await?, tx.heartbeat(m).await?)) },
-                        )
-                    })
-                    .await
-                    .unwrap();
-                let phase = bare.map(|b| b.phase);
-                if matches!(phase, Some(BarePhase::DiskBoot | BarePhase::Done)) && beat.is_some() {
+                let (phase, beat) = state(&db, m).await;
+                if matches!(phase, Some(BarePhase::DiskBoot | BarePhase::Done)) && beat {
                     let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH);
                     heartbeat_at.entry(m).or_insert(now.unwrap().as_secs_f64());
                 }

@@ -17,21 +17,16 @@ use common::vm::{
 };
 use common::{shepherd, wait_for, ChildGuard};
 use serde_json::Value;
-use shepherd_bmdb::{testing, Bmdb, Provider};
+use shepherd_bmdb::{testing, Bmdb};
 use uuid::Uuid;
 
 const VMS: u8 = 3;
 const MEMORY_MIB: u32 = 256;
 
 async fn machine_of(db: &Bmdb, vm: &Vm) -> Uuid {
-    let id = vm.name.clone();
-    db.read(move |tx| {
-        let id = id.clone();
-        Box::pin(async move { tx.machine_by_provider_id(Provider::Static, &id).await })
-    })
-    .await
-    .unwrap()
-    .unwrap_or_else(|| panic!("{} was not provisioned", vm.name))
+    common::machine_named(db, &vm.name)
+        .await
+        .unwrap_or_else(|| panic!("{} was not provisioned", vm.name))
 }
 
 /// Fails unless `pinned` (an OpenSSH public key line) is one of the host keys the guest made
