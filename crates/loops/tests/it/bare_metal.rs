@@ -233,12 +233,13 @@ const INSTALLED_SILENT: Machine = Machine {
 };
 
 /// One bare machine of a static inventory whose BMC is scripted: the BMDB, the provider, the
-/// machine's id and its BMC.
+/// machine's id, its BMC, and the installation requests it carried out.
 struct Site {
     t: TestDb,
     provider: Arc<StaticProvider>,
     machine: Uuid,
     bmc: Shared,
+    installed: Arc<Mutex<Vec<proto::ImageInstallationRequest>>>,
     _dir: tempfile::TempDir,
 }
 
@@ -296,6 +297,7 @@ async fn site(knobs: Knobs) -> Site {
         provider,
         machine,
         bmc,
+        installed: Arc::default(),
         _dir: dir,
     }
 }
@@ -327,17 +329,19 @@ impl Site {
             self.machine,
             stop.clone(),
         );
+        let installed = self.installed.clone();
         tokio::spawn(async move {
             while !until.is_cancelled() {
                 let booted = {
                     let b = bmc.lock().unwrap();
                     b.power_on.then_some(b.booted_from).flatten()
                 };
-                let _ = db
-                    .transact(move |tx| {
-                        Box::pin(async move { act_as_machine(tx, machine, booted, m).await })
-                    })
-                    .await;
+                let acted = db.transact(move |tx| {
+                    Box::pin(async move { act_as_machine(tx, machine, booted, m).await })
+                });
+                if let Ok(Some(request)) = acted.await {
+                    installed.lock().unwrap().push(request);
+                }
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         });
@@ -427,15 +431,15 @@ impl Site {
 }
 
 /// One look of the machine at itself: what a real machine's initializer and agent would have
-/// written by now.
+/// written by now; the installation request it reported on, if it did.
 async fn act_as_machine(
     tx: &mut Tx,
     machine: Uuid,
     booted: Option<&'static str>,
     m: Machine,
-) -> Result<(), Error> {
+) -> Result<Option<proto::ImageInstallationRequest>, Error> {
     let Some(bare) = tx.bare_metal(machine).await? else {
-        return Ok(());
+        return Ok(None);
     };
     let started = tx.agent_started(machine).await?.is_some();
     match (bare.phase, booted) {
@@ -444,10 +448,10 @@ async fn act_as_machine(
         }
         (BarePhase::Installing, Some("Cd")) => {
             let Some(request) = tx.os_installation_request(machine).await? else {
-                return Ok(());
+                return Ok(None);
             };
             if tx.os_installation_report(machine).await?.is_some() {
-                return Ok(());
+                return Ok(None);
             }
             let (result, raw) = match m.install_error {
                 None => (
@@ -472,6 +476,11 @@ async fn act_as_machine(
                 report_raw,
             };
             tx.set_os_installation_report(machine, &report).await?;
+            let decoded = proto::OsInstallationRequest::decode(request.request_raw.as_slice());
+            return match decoded.map(|r| r.r#type) {
+                Ok(Some(proto::os_installation_request::Type::Image(image))) => Ok(Some(image)),
+                other => panic!("not an image installation: {other:?}"),
+            };
         }
         (BarePhase::DiskBoot, Some("Hdd")) if m.installed_heartbeats => {
             tx.set_agent_started(machine, &[8; AGENT_KEY_LEN]).await?;
@@ -479,7 +488,7 @@ async fn act_as_machine(
         }
         _ => {}
     }
-    Ok(())
+    Ok(None)
 }
 
 /// A working machine whose BMC answers `action` with `status` and `body`, with a replica
@@ -537,6 +546,52 @@ async fn a_bare_machine_goes_its_way_and_each_bmc_step_is_taken_once() {
     assert!(
         b.image.is_none() && b.power_on && b.booted_from == Some("Hdd"),
         "{b:?}"
+    );
+}
+
+/// A machine that is installed and heartbeats is left alone by the loop however long it runs;
+/// an operator's reimage sends it its whole way again, its installation now allowed to wipe
+/// the disk, with the operator recorded as who allowed it.
+#[tokio::test]
+async fn an_installed_machine_goes_live_again_only_when_an_operator_reimages_it() {
+    let s = site(Knobs::default()).await;
+    let _machine = s.play(WORKING);
+    let (replica, _) = s.replica(settings(Duration::from_secs(30)));
+    s.reaches(Done).await;
+    // The runner claims every 20 ms: dozens of passes over a machine that is done.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(s.log(), ITS_ACTIONS);
+    assert_eq!(s.phase().await, Some(Done));
+    let operator = testing::session(&s.t.db, Processor::ShepherdOperator).await;
+    let alice = Operator::new("alice", "new disk").unwrap();
+    let reimaged = operator.reimage(s.machine, &alice, true).await.unwrap();
+    assert!(matches!(reimaged, ActionOutcome::Done(())), "{reimaged:?}");
+    testing::eventually("its way again", Duration::from_secs(30), async || {
+        let steps = phases(&s.steps().await);
+        testing::when(steps == [the_way(), the_way()].concat(), steps)
+    })
+    .await;
+    replica.cancel();
+    // Running its installed OS, it is powered off before the CD goes in.
+    let again = [&ITS_ACTIONS[..], &["power ForceOff"], &ITS_ACTIONS].concat();
+    assert_eq!(s.log(), again);
+    let wipes: Vec<bool> = s
+        .installed
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|r| r.wipe_allowed)
+        .collect();
+    assert_eq!(wipes, [false, true]);
+    let (tag, steps, _) = s.seen().await;
+    assert_eq!(
+        tag.unwrap().wipe_by.as_deref(),
+        Some("alice (reimage: new disk)")
+    );
+    let bare_again = &steps[the_way().len()];
+    assert!(
+        bare_again.detail.contains("reimaged by alice: new disk"),
+        "{bare_again:?}"
     );
 }
 

@@ -57,14 +57,19 @@ fn needs(action: &MachineAction) -> Role {
     policy::required(&Method::POST, &path).unwrap_or(Role::Admin)
 }
 
-/// The forms `user` may use on machine `id` (none for a viewer); reimaging only for a machine
+/// The actions offered to `role` on a machine (none to a viewer); reimaging only on a machine
 /// that came `bare`.
-pub fn buttons(id: Uuid, user: &WebUser, bare: bool) -> Markup {
-    let allowed: Vec<_> = OFFERED
+fn offered(role: Role, bare: bool) -> Vec<&'static (&'static str, &'static str, MachineAction)> {
+    OFFERED
         .iter()
-        .filter(|(_, _, action)| user.principal.role >= needs(action))
+        .filter(|(_, _, action)| role >= needs(action))
         .filter(|(_, _, action)| bare || !matches!(action, MachineAction::Reimage { .. }))
-        .collect();
+        .collect()
+}
+
+/// The forms `user` may use on machine `id`: those [`offered`] to their role.
+pub fn buttons(id: Uuid, user: &WebUser, bare: bool) -> Markup {
+    let allowed = offered(user.principal.role, bare);
     html! {
         @if !allowed.is_empty() {
             h2 { "Actions" }
@@ -147,4 +152,27 @@ async fn act(
         Err(ActionError::Bmdb(e)) => return Err(e.into()),
     }
     Ok(Redirect::to(&format!("/machines/{id}")).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(role: Role, bare: bool) -> Vec<&'static str> {
+        offered(role, bare)
+            .iter()
+            .map(|(name, _, _)| *name)
+            .collect()
+    }
+
+    /// Reimaging is offered to an admin on a machine that came bare, and to nobody else:
+    /// the policy says admin, and a machine never recorded bare cannot be reimaged.
+    #[test]
+    fn reimage_is_offered_to_admins_on_bare_machines_only() {
+        assert!(names(Role::Admin, true).contains(&"reimage"));
+        assert!(!names(Role::Admin, false).contains(&"reimage"));
+        assert!(!names(Role::Operator, true).contains(&"reimage"));
+        assert!(names(Role::Operator, true).contains(&"retry"));
+        assert!(names(Role::Viewer, true).is_empty());
+    }
 }

@@ -368,12 +368,7 @@ async fn hostile_input_gets_one_clear_4xx(url: &str) {
     assert_eq!(status, StatusCode::OK);
     assert_eq!(page["machines"].as_array().unwrap().len(), 1, "{page}");
 
-    let text = reqwest::get(&api.metrics)
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = common::get_text(&api.metrics).await;
     let counted = |route: &str, result: &str| {
         let series =
             format!("shepherd_api_requests_total{{route=\"{route}\",result=\"{result}\"}}");
@@ -718,6 +713,41 @@ async fn the_cli_works_through_the_api(url: &str) {
     ] {
         assert_eq!(run(true, &read), run(false, &read), "{read:?}");
     }
+    // Reimage: a machine recorded bare goes back to Bare, the operator recorded as who
+    // allowed the wipe; one that was not is refused with why, and nothing is written.
+    let bare = testing::provision(&db, 1, Provider::Static).await[0];
+    db.transact(move |tx| {
+        Box::pin(async move { tx.record_bare(bare, None, "recorded bare", None).await })
+    })
+    .await
+    .unwrap();
+    let bare_id = bare.to_string();
+    let reimage =
+        |m: &str| ["machines", "reimage", m, "--wipe", "--reason", "new disk"].map(String::from);
+    let out = run(true, &reimage(&bare_id).each_ref().map(String::as_str));
+    assert!(
+        out.contains("reimaging") && out.contains("overwriting its disk"),
+        "{out}"
+    );
+    let tag = db
+        .read(move |tx| Box::pin(async move { tx.bare_metal(bare).await }))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(tag.phase, shepherd_bmdb::BarePhase::Bare);
+    assert_eq!(
+        tag.wipe_by.as_deref(),
+        Some("token:cli-admin (reimage: new disk)")
+    );
+    let out = shepherd()
+        .args(reimage(&other))
+        .args(["--api", &api.base, "--database", url])
+        .arg("--api-ca")
+        .arg(&ca)
+        .env("SHEPHERD_API_TOKEN", &admin)
+        .output()
+        .unwrap();
+    common::refused(&out, "was not recorded bare");
     let history = run(false, &["machines", "history", &id]);
     // Retry and forget-host-key found nothing to do, so they wrote nothing.
     assert_eq!(

@@ -438,7 +438,7 @@ async fn demo_serves_its_web_ui_and_metrics() {
         converged = line.starts_with("converged in");
     }
     let ui = ui.expect("demo printed no web UI address");
-    let page = reqwest::get(&ui).await.unwrap().text().await.unwrap();
+    let page = common::get_text(&ui).await;
     assert_eq!(page.matches("<tr data-machine=").count(), 20, "{page}");
     assert_eq!(
         page.matches("data-state=\"heartbeating\"").count(),
@@ -465,7 +465,7 @@ async fn demo_serves_its_web_ui_and_metrics() {
     }
     // A healthy fleet: the page says the recovery brake is released, and at what share it
     // would engage.
-    let page = reqwest::get(&ui).await.unwrap().text().await.unwrap();
+    let page = common::get_text(&ui).await;
     assert!(
         page.contains(r#"id="brake" data-engaged="false""#) && page.contains("engages above 50%"),
         "{page}"

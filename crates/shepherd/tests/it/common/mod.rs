@@ -165,6 +165,12 @@ pub fn succeeds(cmd: &mut Command) -> std::process::Output {
     out
 }
 
+/// The body of a GET of `url` (a page or metrics of a process the test started).
+pub async fn get_text(url: &str) -> String {
+    let response = reqwest::get(url).await.unwrap();
+    response.text().await.unwrap()
+}
+
 /// Fails the test unless the command `o` came from failed and said `want` on standard error.
 pub fn refused(o: &std::process::Output, want: &str) {
     let err = String::from_utf8_lossy(&o.stderr);

@@ -25,7 +25,7 @@ use std::time::{Duration, SystemTime};
 use common::libvirt::{Domain, DomainSpec};
 use common::sushy::{start_libvirt_emulator, CertForm};
 use common::vm::{file_server, run_for_guests, server_for_guests, Built, IMAGES_IN_GUEST};
-use common::{free_port, ChildGuard};
+use common::{announced_all, free_port, ChildGuard};
 use shepherd_bmdb::{testing, BareHistoryEntry, BarePhase, Bmdb};
 use uuid::Uuid;
 
@@ -55,8 +55,15 @@ impl LiveBuild {
     }
 }
 
+/// A replica: the process, its web UI's machine list and its metrics' addresses.
+struct Replica {
+    _child: ChildGuard,
+    machines_page: String,
+    metrics: String,
+}
+
 /// `shepherd run` over `inventory` on `url`, serving live images on loopback `media_port`
-/// with the certificate in `certs`, its log in `log`.
+/// with the certificate in `certs`, its log in `log`; returns once it serves its web UI.
 fn replica(
     url: &str,
     inventory: &Path,
@@ -64,8 +71,8 @@ fn replica(
     certs: &Path,
     media_port: u16,
     log: &Path,
-) -> ChildGuard {
-    ChildGuard(Some(
+) -> Replica {
+    let mut child = ChildGuard(Some(
         run_for_guests(url, inventory, certs, &build.key)
             // Three guests emulated on two cores take seconds over a key exchange.
             .args(["--ssh-connect-timeout", "15s"])
@@ -92,11 +99,18 @@ fn replica(
             .args(["--bare-live-boot-timeout=6m", "--bare-install-timeout=6m"])
             .args(["--bare-disk-boot-timeout=6m"])
             .args(["--bare-agent-env", "SHEPHERD_AGENT_HEARTBEAT_INTERVAL=2s"])
-            .stdout(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(std::fs::File::create(log).unwrap())
             .spawn()
             .unwrap(),
-    ))
+    ));
+    let prefixes = ["shepherd run: web UI at ", "shepherd run: metrics at "];
+    let [machines_page, metrics] = announced_all(child.child(), &prefixes).try_into().unwrap();
+    Replica {
+        _child: child,
+        machines_page,
+        metrics,
+    }
 }
 
 /// The machine recorded for `domain`, once the provisioner has recorded it.
@@ -208,7 +222,7 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
         free_port(),
         &logs[0],
     ));
-    let _b = replica(&t.url, &inventory, &build, &certs, free_port(), &logs[1]);
+    let b = replica(&t.url, &inventory, &build, &certs, free_port(), &logs[1]);
     let db = t.db.clone();
     let tail = || {
         let mut text = String::new();
@@ -340,6 +354,32 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
             .map(|nics| nics.iter().filter_map(|n| n["mac"].as_str()).collect())
             .unwrap_or_default();
         assert_eq!(macs, [d.mac.as_str()], "{}: {shown}", d.name);
+        // `machines show` and the web UI list its steps with the time spent in each.
+        let shown_steps: Vec<(&str, f64)> = shown["bare_steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| (s["phase"].as_str().unwrap(), s["seconds"].as_f64().unwrap()))
+            .collect();
+        let names: Vec<String> = phases.iter().map(|p| p.to_string()).collect();
+        assert_eq!(shown_steps.iter().map(|s| s.0).collect::<Vec<_>>(), names);
+        assert!(
+            shown_steps[..names.len() - 1].iter().all(|s| s.1 > 0.0),
+            "{shown}"
+        );
+        assert_eq!(shown["bare_metal"]["phase"], "Done", "{shown}");
+        let page = b
+            .machines_page
+            .replace("/machines", &format!("/machines/{m}"));
+        let page = common::get_text(&page).await;
+        for name in &names {
+            let row = format!(r#"<tr data-phase="{name}">"#);
+            assert!(
+                page.contains(&row),
+                "{}: no {row} on its page: {page}",
+                d.name
+            );
+        }
 
         use BarePhase::*;
         let entered = |phase| at(steps.iter().find(|s| s.phase == phase).unwrap());
@@ -389,6 +429,17 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
         partitioned_sha256,
         "its disk is untouched"
     );
+    // The surviving replica counted what it did: both machines' last steps, the third's
+    // failure (all after the other was killed).
+    let metrics = common::get_text(&b.metrics).await;
+    let entered = |phase: &str| {
+        let name = format!("shepherd_bare_metal_phases_entered_total{{phase=\"{phase}\"}}");
+        common::sample(&metrics, &name)
+    };
+    if !figures {
+        assert_eq!(entered("Done"), Some(f64::from(MACHINES)), "{metrics}");
+        assert_eq!(entered("Failed"), Some(1.0), "{metrics}");
+    }
     if figures {
         let mean = |i: usize| parts.iter().map(|p| p[i]).sum::<f64>() / parts.len() as f64;
         let (total, live, install, disk) = (mean(0), mean(1), mean(2), mean(3));
