@@ -9,9 +9,16 @@
 # `-- run_cli::`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+root=$(pwd)
 ./scripts/test-deps.sh
-# libvirtd and virtlogd run only while the tests do, when test-deps started them.
-trap './scripts/test-deps.sh stop-libvirt' EXIT
+# libvirtd and virtlogd run only while the tests do, when test-deps started them. The tests'
+# status is the script's, whatever stopping them says (the script changes directory below).
+stop_libvirt() {
+  local status=$?
+  "$root/scripts/test-deps.sh" stop-libvirt || echo "test.sh: stopping libvirt failed" >&2
+  exit "$status"
+}
+trap stop_libvirt EXIT
 export SHEPHERD_REQUIRE_POSTGRES="${SHEPHERD_REQUIRE_POSTGRES:-1}"
 # Tests start the workspace's binaries (the agents, `shepherd`) from the target directory;
 # they are built here, never from inside a test. Every target is built in one go: built alone,

@@ -588,10 +588,18 @@ async fn an_installed_machine_goes_live_again_only_when_an_operator_reimages_it(
         tag.unwrap().wipe_by.as_deref(),
         Some("alice (reimage: new disk)")
     );
-    let bare_again = &steps[the_way().len()];
+    let again = &steps[the_way().len()..];
     assert!(
-        bare_again.detail.contains("reimaged by alice: new disk"),
-        "{bare_again:?}"
+        again[0].detail.contains("reimaged by alice: new disk"),
+        "{again:?}"
+    );
+    // The wipe is in the history with who allowed it.
+    let installing = again.iter().find(|s| s.phase == Installing).unwrap();
+    assert!(
+        installing
+            .detail
+            .contains("overwriting a disk that holds data is allowed by alice (reimage: new disk)"),
+        "{installing:?}"
     );
 }
 
