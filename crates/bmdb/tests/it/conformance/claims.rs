@@ -487,27 +487,36 @@ async fn postgres_claims_reuse_leftover_candidates() {
         return;
     };
     let db = t.db.clone();
-    let ids = testing::provision(&db, 3000, Provider::Sim).await;
-    // 40 eligible machines spread over 3,000: the 64-id window search mostly misses.
-    let eligible: BTreeSet<Uuid> = ids.iter().copied().step_by(75).collect();
-    assert_eq!(eligible.len(), 40);
+    let mut ids = testing::provision(&db, 3000, Provider::Sim).await;
+    // 40 eligible machines next to each other in the id index of 3,000: a window search (128
+    // index entries after a random point) finds them only if it starts just before them,
+    // about one claim in eighteen, so the first claims search everywhere. Spread out, the
+    // window would hit most of the time and a run could go without a full search at all.
+    ids.sort();
+    let eligible: BTreeSet<Uuid> = ids[1000..1040].iter().copied().collect();
     start_all_but(&db, &ids, &eligible).await;
 
     let s = session(&db, "hinted").await;
     let mut found = BTreeSet::new();
+    let mut searched = Vec::new();
     for _ in 0..20 {
+        let before = [ClaimSearch::Hinted, ClaimSearch::Window, ClaimSearch::Everywhere]
+            .map(|search| searches(&db, search, true));
         assert!(found.insert(claim_and_start(&s).await), "claimed twice");
+        let after = [ClaimSearch::Hinted, ClaimSearch::Window, ClaimSearch::Everywhere]
+            .map(|search| searches(&db, search, true));
+        let served = (0..3).filter(|i| after[*i] == before[*i] + 1).collect::<Vec<_>>();
+        assert_eq!(served.len(), 1, "each claim is served by one search");
+        searched.push(["hinted", "window", "full"][served[0]]);
     }
-    let full = searches(&db, ClaimSearch::Everywhere, true);
-    let hinted = searches(&db, ClaimSearch::Hinted, true);
-    let window = searches(&db, ClaimSearch::Window, true);
-    assert_eq!(full + hinted + window, 20);
-    // Claims before the first full search may hit in the random window (about half do at
-    // this density); every claim after it is served by its hints, so there is exactly one.
-    // Without hints most later claims would search everywhere again.
+    // Claims before the first full search may hit in the random window; the full search keeps
+    // the other 39 candidates as hints and every later claim is served by them. Without hints
+    // each later claim would search everywhere again.
+    let first_full = searched.iter().position(|s| *s == "full");
     assert!(
-        full == 1 && hinted >= 1,
-        "later claims are served by hints: {hinted} hinted, {window} window, {full} full searches"
+        first_full.is_some_and(|i| i < 19
+            && searched[i + 1..].iter().all(|s| *s == "hinted")),
+        "one full search, then hints serve every claim: {searched:?}"
     );
 
     // Another replica (its own handle, so it has no hints) processes the other 20. Our hints
