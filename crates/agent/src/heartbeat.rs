@@ -8,6 +8,7 @@ use shepherd_proto::bmaas::{
     os_installation_report, os_installation_request, AgentHardwareReport, HeartbeatRequest,
     OsInstallationReport,
 };
+use shepherd_proto::hints;
 use shepherd_proto::shepherd::agent::AgentState;
 use shepherd_retry::{Delays, Streak};
 use tokio::sync::oneshot::Receiver;
@@ -44,6 +45,8 @@ pub enum FailureReport {
 pub struct HeartbeatFailures {
     by_code: std::sync::Mutex<std::collections::HashMap<tonic::Code, u64>>,
     no_answer: AtomicU64,
+    /// Heartbeats answered that the agent's key was about to be recorded: no failures.
+    key_pending: AtomicU64,
 }
 
 impl HeartbeatFailures {
@@ -71,6 +74,12 @@ impl HeartbeatFailures {
     /// The heartbeats that got no answer so far.
     pub fn no_answer(&self) -> u64 {
         self.no_answer.load(Ordering::Relaxed)
+    }
+
+    /// The heartbeats answered that the agent's key was about to be recorded (sent right
+    /// after a takeover, before the initializer recorded it); they are no failures.
+    pub fn key_pending(&self) -> u64 {
+        self.key_pending.load(Ordering::Relaxed)
     }
 
     /// All failures so far.
@@ -255,16 +264,7 @@ pub async fn run_agent(
                 }
                 config.heartbeat_interval
             }
-            Err(error) => {
-                let delay = failures.failed();
-                match &config.failures {
-                    FailureReport::Print => eprintln!(
-                        "shepherd-agent: heartbeat failed ({error}); retrying in {delay:?}"
-                    ),
-                    FailureReport::Count(tallies) => tallies.count(&error),
-                }
-                delay
-            }
+            Err(error) => wait_after_failure(&error, &mut failures, &config.failures),
         };
         // Sleep until the next heartbeat, or until a running installation ends: its report
         // goes out at once, and the reboot follows the server's acknowledgement.
@@ -285,6 +285,39 @@ pub async fn run_agent(
             installed_generation = generation;
         }
     }
+}
+
+/// How long to wait after a heartbeat that failed with `error`, told as `report` says. A
+/// key-pending answer (the key this agent answered its takeover with is about to be recorded)
+/// is no failure: the wait is the one the server asked for. Otherwise a server shedding load
+/// says how long to stay away; never less than the agent's own schedule, and jittered like it.
+fn wait_after_failure(
+    error: &HeartbeatError,
+    failures: &mut Streak,
+    report: &FailureReport,
+) -> Duration {
+    if let HeartbeatError::Answered(status) = error {
+        if hints::key_pending(status) {
+            if let FailureReport::Count(tallies) = report {
+                tallies.key_pending.fetch_add(1, Ordering::Relaxed);
+            }
+            let asked = hints::retry_after(status).unwrap_or(Duration::from_secs(1));
+            return Delays::new(asked, asked).delay(0);
+        }
+    }
+    let asked = match error {
+        HeartbeatError::Answered(status) => hints::retry_after(status),
+        HeartbeatError::NoAnswer(_) => None,
+    };
+    let own = failures.failed();
+    let delay = asked.map_or(own, |a| own.max(Delays::new(a, a).delay(0)));
+    match report {
+        FailureReport::Print => {
+            eprintln!("shepherd-agent: heartbeat failed ({error}); retrying in {delay:?}")
+        }
+        FailureReport::Count(tallies) => tallies.count(error),
+    }
+    delay
 }
 
 /// Records that `generation` was installed (or failed) so a restarted agent does not install

@@ -10,6 +10,7 @@ use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
 use sqlx::{ConnectOptions, Connection};
+use uuid::Uuid;
 
 use crate::batch_reports::{BatchReporter, HeartbeatBatchReports};
 use crate::batches::{ClaimBatches, EndingBatches, MAX_CLAIM_BATCH, MAX_ENDING_BATCH};
@@ -18,8 +19,10 @@ use crate::disk_full::DiskFullWarning;
 use crate::failover::FailoverMark;
 use crate::metrics::BmdbMetrics;
 use crate::migrations::{Migration, SchemaWindow, MIGRATIONS, SCHEMA_VERSION};
+use crate::model::{Processor, WriterReport};
 use crate::sql::engine::{Autocommit, Conn, Sql, SqliteTx, SqliteTxConn, Tx};
 use crate::url::DatabaseUrl;
+use crate::writer_turns::{Urgency, WriterTurns};
 use crate::Error;
 
 /// Settings for opening a BMDB.
@@ -92,6 +95,10 @@ pub(crate) struct Inner {
     pub(crate) seen: SeenErrors,
     /// Where the sessions' heartbeat batches are reported, if anywhere.
     pub(crate) heartbeat_reports: BatchReporter,
+    /// Turns at SQLite's one writer, most urgent first (unused on Postgres).
+    writer_turns: Arc<WriterTurns>,
+    /// How long a SQLite write waits for its turn before the database counts as unavailable.
+    writer_wait: Duration,
     target: String,
     /// The last diagnosis of an unreachable database, and when it was made.
     diagnosis: tokio::sync::Mutex<Option<(std::time::Instant, String)>>,
@@ -162,9 +169,23 @@ const DIAGNOSIS_TIMEOUT: Duration = Duration::from_secs(3);
 impl Inner {
     async fn begin_now(&self, mode: Mode) -> Result<Tx, Error> {
         let inner = match (&self.pools, mode) {
-            (Pools::Sqlite { writer, .. }, Mode::Write | Mode::Batch) => {
+            (Pools::Sqlite { reader, .. }, Mode::Read) => {
+                let explain = |e| self.explain_sqlite(e, "a SQLite reader");
+                let conn = reader.acquire().await.map_err(explain)?;
+                let tx = SqliteTxConn::begin(conn, "BEGIN").await.map_err(explain)?;
+                Conn::Sqlite(SqliteTx {
+                    tx,
+                    now: Utc::now().timestamp_micros(),
+                    _turn: None,
+                })
+            }
+            (Pools::Sqlite { writer, .. }, mode) => {
                 let asked = std::time::Instant::now();
                 let explain = |e| self.explain_sqlite(e, "the SQLite writer");
+                let turn =
+                    tokio::time::timeout(self.writer_wait, self.writer_turns.take(mode.urgency()))
+                        .await
+                        .map_err(|_| explain(sqlx::Error::PoolTimedOut))?;
                 let conn = writer.acquire().await.map_err(explain)?;
                 let tx = SqliteTxConn::begin(conn, "BEGIN IMMEDIATE")
                     .await
@@ -173,15 +194,7 @@ impl Inner {
                 Conn::Sqlite(SqliteTx {
                     tx,
                     now: Utc::now().timestamp_micros(),
-                })
-            }
-            (Pools::Sqlite { reader, .. }, Mode::Read) => {
-                let explain = |e| self.explain_sqlite(e, "a SQLite reader");
-                let conn = reader.acquire().await.map_err(explain)?;
-                let tx = SqliteTxConn::begin(conn, "BEGIN").await.map_err(explain)?;
-                Conn::Sqlite(SqliteTx {
-                    tx,
-                    now: Utc::now().timestamp_micros(),
+                    _turn: Some(turn),
                 })
             }
             (Pools::Postgres(pool), mode) => {
@@ -190,7 +203,7 @@ impl Inner {
                         pool.begin_with("BEGIN; SET LOCAL plan_cache_mode = force_generic_plan")
                             .await
                     }
-                    Mode::Write | Mode::Read => pool.begin().await,
+                    Mode::Write | Mode::Read | Mode::Facts | Mode::Lease => pool.begin().await,
                 };
                 match begun {
                     Ok(tx) => Conn::Postgres(tx),
@@ -261,6 +274,22 @@ pub(crate) enum Mode {
     /// again for every batch (its custom plan, fitted to the arrays' length, always looks
     /// cheaper), which costs more than running it.
     Batch,
+    /// A write of what agents and servers report (heartbeats): on SQLite it goes before the
+    /// loops' writes waiting for the writer (`writer_turns.rs`).
+    Facts,
+    /// A session's keep-alive: on SQLite it goes before every other waiting writer.
+    Lease,
+}
+
+impl Mode {
+    /// How soon a write in this mode gets SQLite's writer.
+    fn urgency(self) -> Urgency {
+        match self {
+            Mode::Lease => Urgency::Lease,
+            Mode::Facts => Urgency::Facts,
+            Mode::Write | Mode::Batch | Mode::Read => Urgency::Work,
+        }
+    }
 }
 
 impl Bmdb {
@@ -356,6 +385,8 @@ impl Bmdb {
                     outage: Default::default(),
                 },
                 heartbeat_reports: BatchReporter::default(),
+                writer_turns: Arc::default(),
+                writer_wait: opts.connect_timeout.max(opts.busy_timeout),
                 target,
                 diagnosis: tokio::sync::Mutex::new(None),
                 collecting: Default::default(),
@@ -385,6 +416,25 @@ impl Bmdb {
     /// server's task status); false if a receiver was set already, which stays.
     pub fn report_heartbeat_batches_to(&self, reports: Arc<dyn HeartbeatBatchReports>) -> bool {
         self.inner.heartbeat_reports.set(reports)
+    }
+
+    /// Records a BMaaS server's report of the heartbeats it received (`heartbeat_writers`):
+    /// on SQLite it goes before every writer but keep-alives, since the recoverer's view of
+    /// silence depends on it.
+    pub async fn report_heartbeat_writer(&self, report: WriterReport) -> Result<(), Error> {
+        self.run(Processor::Bmsrv, Mode::Lease, None, |tx| {
+            let report = report.clone();
+            Box::pin(async move { tx.report_heartbeat_writer(&report).await })
+        })
+        .await
+    }
+
+    /// Forgets a BMaaS server that stopped gracefully.
+    pub async fn forget_heartbeat_writer(&self, writer_id: Uuid) -> Result<(), Error> {
+        self.run(Processor::Bmsrv, Mode::Lease, None, |tx| {
+            Box::pin(async move { tx.forget_heartbeat_writer(writer_id).await })
+        })
+        .await
     }
 
     /// The schema version stored in the database (0 if never migrated).

@@ -70,10 +70,13 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
     // 3 to 8 never records a bare machine nor claims one for the bare-metal process, and
     // writes no disk (the script says what else it may do meanwhile).
     Migration::new(9, "bare_metal", 3, scripts!("0009_bare_metal.sql")),
+    // Expand: two tables. A binary of schema 3 to 9 neither reads nor writes them (its
+    // recoverer believes a silence a server caused, as it always did).
+    Migration::new(10, "heartbeat_writers", 3, scripts!("0010_heartbeat_writers.sql")),
 ];
 
 /// The schema version this binary needs and writes.
-pub const SCHEMA_VERSION: i64 = 9;
+pub const SCHEMA_VERSION: i64 = 10;
 
 /// Which binaries may run on a database: its schema version, and the oldest binary schema
 /// that its newest migration declared compatible (SPEC: rolling upgrades).

@@ -400,6 +400,10 @@ impl AgentReport {
 pub enum AgentHeartbeat {
     /// The machine is unknown or its agent has another key; nothing was written.
     Unauthorized,
+    /// The key did not match, but the machine's takeover is being recorded (or was just
+    /// recorded): the agent may well be the one taking it over, and should try again in a
+    /// moment. Nothing was written.
+    KeyPending,
     /// The heartbeat (and report) was recorded.
     Recorded {
         /// The serialized installation request no report has fulfilled yet, if any.
@@ -687,4 +691,86 @@ pub struct Decommissioned {
     /// Whether the provider is to tear the machine down (Ironic: undeploy and clean the node)
     /// rather than only release it.
     pub undeploy: bool,
+}
+
+/// One server's last report of the heartbeats it received ([`crate::Tx::heartbeat_writers`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeartbeatWriter {
+    /// The server process: a new id at each start.
+    pub writer_id: Uuid,
+    /// Heartbeats waiting to be written at its last report: its write backlog, bounded by its
+    /// `max_heartbeats_in_flight`.
+    pub backlog: i64,
+    /// Heartbeats it refused since it started.
+    pub refused: i64,
+    /// From its clean point (every heartbeat it received before was recorded in time or
+    /// refused) to its last report: empty while it is clean, the trouble so far while not.
+    pub in_doubt: std::ops::Range<DateTime<Utc>>,
+}
+
+impl HeartbeatWriter {
+    /// Whether it has not reported for longer than [`crate::WRITER_STALE`] by `now` (the
+    /// database's clock): it may be gone without saying so, or cut off from the BMDB.
+    pub fn is_stale(&self, now: DateTime<Utc>) -> bool {
+        (now - self.in_doubt.end).to_std().unwrap_or_default() > crate::WRITER_STALE
+    }
+
+    /// Whether, by `now`, it reported a trouble going on or stopped reporting.
+    pub fn in_trouble(&self, now: DateTime<Utc>) -> bool {
+        self.is_stale(now) || !self.in_doubt.is_empty()
+    }
+}
+
+/// A window in which a server refused heartbeats or recorded them late.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeartbeatTrouble {
+    /// The server process.
+    pub writer_id: Uuid,
+    /// From the arrival of the first heartbeat refused or recorded late (or, if earlier, the
+    /// server's last clean report) to that of the last.
+    pub window: std::ops::Range<DateTime<Utc>>,
+    /// How many were refused; the others in the window were recorded late, and what they
+    /// recorded stands.
+    pub refused: i64,
+    /// Why, as the server saw it.
+    pub cause: String,
+}
+
+/// What one server says of the heartbeats it received.
+#[derive(Debug, Clone)]
+pub enum WriterState {
+    /// Everything received was recorded in time.
+    Clean,
+    /// Heartbeats received since `since` ago were refused or are late, and it goes on.
+    Trouble {
+        /// How long ago the first of them arrived.
+        since: std::time::Duration,
+    },
+    /// A trouble ended: heartbeats received from `since` ago to `last` ago were refused or
+    /// recorded late; everything after was recorded in time.
+    Ended {
+        /// How long ago the first of them arrived.
+        since: std::time::Duration,
+        /// How long ago the last of them arrived.
+        last: std::time::Duration,
+        /// How many were refused.
+        refused: i64,
+        /// Why, as the server saw it (stored bounded).
+        cause: String,
+    },
+}
+
+/// One report of a server ([`Tx::report_heartbeat_writer`]).
+#[derive(Debug, Clone)]
+pub struct WriterReport {
+    /// The server process, new at each start.
+    pub writer_id: Uuid,
+    /// Its component name, for operators.
+    pub component: String,
+    /// Heartbeats waiting to be written now.
+    pub backlog: i64,
+    /// Heartbeats refused since it started.
+    pub refused: i64,
+    /// How its writes went since the last report.
+    pub state: WriterState,
 }

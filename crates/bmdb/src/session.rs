@@ -221,7 +221,7 @@ async fn keepalive(session: Weak<SessionInner>, interval: Duration) {
         let id = s.id;
         // Bounded, so that a keep-alive stuck on a silent partition gives way to the next one
         // (on a fresh connection) instead of holding the loop past the deadline.
-        let poke = s.db.run(s.processor, Mode::Write, None, |tx| {
+        let poke = s.db.run(s.processor, Mode::Lease, None, |tx| {
             Box::pin(async move { tx.poke_session(id).await })
         });
         let poked = match tokio::time::timeout(period, poke).await {
@@ -299,10 +299,18 @@ impl Session {
     where
         F: for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, T>,
     {
+        self.transact_in(Mode::Write, body).await
+    }
+
+    /// [`Session::transact`] in `mode`: agents' facts go before the loops' work on SQLite.
+    async fn transact_in<T, F>(&self, mode: Mode, body: F) -> Result<T, Error>
+    where
+        F: for<'t> FnMut(&'t mut Tx) -> TxFuture<'t, T>,
+    {
         let guard: &dyn Guard = &*self.inner;
         self.inner
             .db
-            .run(self.inner.processor, Mode::Write, Some(guard), body)
+            .run(self.inner.processor, mode, Some(guard), body)
             .await
     }
 
@@ -333,6 +341,34 @@ impl Session {
         key: &[u8],
         report: &AgentReport,
     ) -> Result<AgentHeartbeat, Error> {
+        match self.record_agent_heartbeat(machine, key, report).await? {
+            // The agent of a takeover under way heartbeats as soon as it answered, before the
+            // initializer's ending has recorded its key: told apart from a wrong key by a read.
+            AgentHeartbeat::Unauthorized => {
+                let key = key.to_vec();
+                let pending = self
+                    .read(move |tx| {
+                        let key = key.clone();
+                        Box::pin(async move { tx.agent_key_pending(machine, &key).await })
+                    })
+                    .await?;
+                Ok(match pending {
+                    true => AgentHeartbeat::KeyPending,
+                    false => AgentHeartbeat::Unauthorized,
+                })
+            }
+            outcome => Ok(outcome),
+        }
+    }
+
+    /// [`Session::agent_heartbeat`]'s write: a bare heartbeat in a group commit, one with a
+    /// report in a transaction of its own.
+    async fn record_agent_heartbeat(
+        &self,
+        machine: Uuid,
+        key: &[u8],
+        report: &AgentReport,
+    ) -> Result<AgentHeartbeat, Error> {
         self.inner.ensure_alive()?;
         if report.is_empty() {
             let (answer, leader) = self.inner.heartbeats.join((machine, key.to_vec()));
@@ -352,7 +388,7 @@ impl Session {
             return answer.await.unwrap_or(Err(Error::SessionExpired));
         }
         let (key, report) = (key.to_vec(), report.clone());
-        self.transact(move |tx| {
+        self.transact_in(Mode::Facts, move |tx| {
             let (key, report) = (key.clone(), report.clone());
             Box::pin(async move { tx.record_agent_heartbeat(machine, &key, &report).await })
         })
@@ -372,7 +408,7 @@ impl Session {
         let Pools::Postgres(pool) = &db.inner.pools else {
             let beats = beats.to_vec();
             return self
-                .transact(move |tx| {
+                .transact_in(Mode::Facts, move |tx| {
                     let beats = beats.clone();
                     Box::pin(async move {
                         let bare = AgentReport::default();

@@ -61,3 +61,46 @@ pub fn check_fencing_token(seen: u64, offered: u64) -> Result<(), StaleTakeover>
         Ok(())
     }
 }
+
+/// Shepherd's hints on a heartbeat's `Unavailable` answer, in the answer's gRPC metadata
+/// (upstream agents ignore them and retry as they always do).
+pub mod hints {
+    use std::time::Duration;
+
+    /// How long the agent should wait before it heartbeats again, in milliseconds: the
+    /// server is shedding load, or the agent's key is about to be recorded.
+    pub const RETRY_AFTER_MS: &str = "shepherd-retry-after-ms";
+    /// Present when the agent's key did not match but its machine's takeover is being
+    /// recorded: the agent is most likely the one taking it over, and the refusal is no
+    /// failure of its own.
+    pub const KEY_PENDING: &str = "shepherd-key-pending";
+
+    /// An `Unavailable` status saying `message`, asking the agent to wait `retry_after`, and
+    /// marked as a key about to be recorded when `key_pending`.
+    pub fn unavailable(message: &str, retry_after: Duration, key_pending: bool) -> tonic::Status {
+        let mut status = tonic::Status::unavailable(message);
+        let ms = retry_after.as_millis().to_string();
+        if let Ok(value) = ms.parse() {
+            status.metadata_mut().insert(RETRY_AFTER_MS, value);
+        }
+        if key_pending {
+            status.metadata_mut().insert(
+                KEY_PENDING,
+                tonic::metadata::MetadataValue::from_static("1"),
+            );
+        }
+        status
+    }
+
+    /// The wait `status` asks for, if it asks for one (at most a minute).
+    pub fn retry_after(status: &tonic::Status) -> Option<Duration> {
+        let ms = status.metadata().get(RETRY_AFTER_MS)?.to_str().ok()?;
+        let ms: u64 = ms.parse().ok()?;
+        Some(Duration::from_millis(ms.min(60_000)))
+    }
+
+    /// Whether `status` says the agent's key is about to be recorded.
+    pub fn key_pending(status: &tonic::Status) -> bool {
+        status.metadata().contains_key(KEY_PENDING)
+    }
+}

@@ -3,6 +3,7 @@
 //! tag, and heartbeats, hardware reports and installation reports land in the BMDB.
 
 pub mod admission;
+pub mod heartbeat_writes;
 pub mod https;
 pub mod loopback;
 pub mod metrics;
@@ -13,12 +14,13 @@ pub mod service;
 pub mod status;
 pub mod tls;
 
+pub use heartbeat_writes::{report_heartbeat_writes, HeartbeatWrites, Refusal};
 pub use loopback::{LoopbackError, LoopbackServer};
 pub use metrics::{CloseReason, ConnectionMetrics, Rejection};
 pub use peer::{Authorized, Peer};
 pub use pool::SessionPool;
 pub use serve::{next_admitted, serve_with_metrics, InvalidLimit, ServerLimits};
-pub use service::{BmaasService, MAX_MESSAGE_BYTES};
+pub use service::{BmaasService, SlowHeartbeats, MAX_MESSAGE_BYTES};
 pub use tls::{
     dev_certs, load_https_config, load_server_config, peer_ed25519_key, DevCerts, TlsError,
 };

@@ -11,10 +11,11 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::serve::InvalidLimit;
+use crate::service::{SlowHeartbeats, SlowHeartbeatsCell};
 use crate::tls::TlsError;
 use crate::{
-    dev_certs, load_server_config, serve_with_metrics, BmaasService, ConnectionMetrics,
-    ServerLimits, SessionPool,
+    dev_certs, load_server_config, report_heartbeat_writes, serve_with_metrics, BmaasService,
+    ConnectionMetrics, HeartbeatWrites, ServerLimits, SessionPool,
 };
 
 /// Why a loopback server could not start, serve or stop.
@@ -52,6 +53,11 @@ pub struct LoopbackServer {
     limits: ServerLimits,
     /// Its connections, counted across restarts.
     metrics: ConnectionMetrics,
+    /// Its heartbeats in flight, refused and late, reported to the BMDB until it closes.
+    writes: Arc<HeartbeatWrites>,
+    reporter: (CancellationToken, JoinHandle<()>),
+    /// The heartbeat fault injected, if any.
+    slow: SlowHeartbeatsCell,
     running: Option<(
         CancellationToken,
         JoinHandle<std::result::Result<(), InvalidLimit>>,
@@ -91,6 +97,14 @@ impl LoopbackServer {
         ));
         let bind = |error| LoopbackError::Bind { port: 0, error };
         let listener = TcpListener::bind("127.0.0.1:0").await.map_err(bind)?;
+        let writes = Arc::new(HeartbeatWrites::new(limits.max_heartbeats_in_flight));
+        let stop_reporting = CancellationToken::new();
+        let reporter = tokio::spawn(report_heartbeat_writes(
+            db.clone(),
+            writes.clone(),
+            "bmsrv".into(),
+            stop_reporting.clone(),
+        ));
         let mut server = LoopbackServer {
             port: listener.local_addr().map_err(bind)?.port(),
             ca_pem,
@@ -99,6 +113,9 @@ impl LoopbackServer {
             pool,
             limits,
             metrics: ConnectionMetrics::default(),
+            writes,
+            reporter: (stop_reporting, reporter),
+            slow: SlowHeartbeatsCell::default(),
             running: None,
         };
         server.serve(listener);
@@ -110,7 +127,8 @@ impl LoopbackServer {
         let task = tokio::spawn(serve_with_metrics(
             listener,
             self.tls.clone(),
-            BmaasService::new(self.pool.clone()),
+            BmaasService::new(self.pool.clone(), self.writes.clone())
+                .with_slow_heartbeats(self.slow.clone()),
             self.limits,
             self.metrics.clone(),
             cancel.clone(),
@@ -122,6 +140,17 @@ impl LoopbackServer {
     /// instead of sleeping).
     pub fn connection_metrics(&self) -> &ConnectionMetrics {
         &self.metrics
+    }
+
+    /// Holds heartbeats before their write as `slow` says, from now on: the fault of a slow
+    /// BMDB, for the demo and tests.
+    pub fn slow_heartbeats(&self, slow: SlowHeartbeats) {
+        *self.slow.lock().expect("slow heartbeats poisoned") = Some(slow);
+    }
+
+    /// Its heartbeats in flight, refused and late.
+    pub fn heartbeat_writes(&self) -> &Arc<HeartbeatWrites> {
+        &self.writes
     }
 
     /// The address agents are given: `localhost:PORT`, the name the certificate is valid for.
@@ -171,10 +200,14 @@ impl LoopbackServer {
         Ok(())
     }
 
-    /// Stops serving and closes the server's BMDB sessions.
+    /// Stops serving, writes its last heartbeat report (and removes its row) and closes the
+    /// server's BMDB sessions.
     pub async fn close(mut self) -> Result<()> {
         let stopped = self.stop().await;
+        self.reporter.0.cancel();
+        let reported = (&mut self.reporter.1).await;
         self.pool.close().await;
-        stopped
+        stopped?;
+        Ok(reported?)
     }
 }

@@ -65,6 +65,9 @@ pub struct ServerLimits {
     pub keepalive_timeout: Duration,
     /// Requests in flight per connection (HTTP/2 concurrent streams).
     pub concurrency_per_connection: u32,
+    /// Agent heartbeats being written at once; more are answered Unavailable with a "retry
+    /// after" hint (`heartbeat_writes.rs`), so a slow BMDB sheds load instead of queueing it.
+    pub max_heartbeats_in_flight: usize,
 }
 
 impl Default for ServerLimits {
@@ -80,6 +83,7 @@ impl Default for ServerLimits {
             keepalive_interval: Duration::from_secs(60),
             keepalive_timeout: Duration::from_secs(20),
             concurrency_per_connection: 16,
+            max_heartbeats_in_flight: 2_048,
         }
     }
 }
@@ -128,6 +132,7 @@ impl ServerLimits {
                 "concurrency-per-connection",
                 self.concurrency_per_connection as usize,
             ),
+            ("max-heartbeats-in-flight", self.max_heartbeats_in_flight),
         ] {
             if n == 0 {
                 return Err(InvalidLimit {

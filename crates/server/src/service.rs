@@ -14,10 +14,11 @@ use shepherd_proto::bmaas::{
 };
 use shepherd_proto::raw::agent_callback_server::AgentCallback;
 use shepherd_proto::raw::HeartbeatRequest;
-use shepherd_proto::Message;
+use shepherd_proto::{hints, Message};
 use tonic::{Request, Response, Status};
 use uuid::Uuid;
 
+use crate::heartbeat_writes::{HeartbeatWrites, SHED_WAIT};
 use crate::peer::{Authorized, Peer};
 use crate::pool::SessionPool;
 
@@ -27,15 +28,66 @@ pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
 /// The same answer for an unknown machine and a wrong key, so callers cannot probe ids.
 const UNAUTHENTICATED: &str = "unknown machine or wrong agent key";
 
+/// The answer to an agent whose key is not on record while its machine's takeover is being
+/// recorded (the agent heartbeats as soon as it answered the initializer). It tells no more
+/// than that a takeover of the machine is under way.
+const KEY_PENDING: &str =
+    "the agent key is not recorded yet: the machine's takeover is being recorded; retry shortly";
+
+/// How long an agent whose key is about to be recorded is asked to wait: an ending batch
+/// commits within a few hundred milliseconds even on a busy BMDB.
+const KEY_PENDING_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// What a shed heartbeat is told; the agent retries after [`SHED_WAIT`].
+const SHED: &str = "too many heartbeats in flight; retry later";
+
+/// Heartbeats held before they are written, as a slow BMDB holds them: a fault the demo and
+/// the tests inject through [`crate::LoopbackServer::slow_heartbeats`]; a real server has none.
+#[derive(Debug, Clone, Copy)]
+pub struct SlowHeartbeats {
+    /// The share of heartbeats held.
+    pub share: f64,
+    /// How long each is held.
+    pub delay: std::time::Duration,
+    /// Heartbeats arriving after this are not held.
+    pub until: tokio::time::Instant,
+}
+
+/// Where a service finds the heartbeat fault to inject, if any; shared with its server.
+pub type SlowHeartbeatsCell = Arc<std::sync::Mutex<Option<SlowHeartbeats>>>;
+
 /// The agent-facing service.
 pub struct BmaasService {
     pool: Arc<SessionPool>,
+    writes: Arc<HeartbeatWrites>,
+    slow: Option<SlowHeartbeatsCell>,
 }
 
 impl BmaasService {
-    /// A service writing through `pool`.
-    pub fn new(pool: Arc<SessionPool>) -> Self {
-        BmaasService { pool }
+    /// A service writing through `pool`, its heartbeats counted (and shed) by `writes`.
+    pub fn new(pool: Arc<SessionPool>, writes: Arc<HeartbeatWrites>) -> Self {
+        BmaasService {
+            pool,
+            writes,
+            slow: None,
+        }
+    }
+
+    /// The same, holding heartbeats as `slow` says (an injected fault).
+    pub fn with_slow_heartbeats(mut self, slow: SlowHeartbeatsCell) -> Self {
+        self.slow = Some(slow);
+        self
+    }
+
+    /// How long to hold a heartbeat arriving now: the injected fault, if one is on.
+    fn injected_delay(&self) -> Option<std::time::Duration> {
+        let slow = (*self
+            .slow
+            .as_ref()?
+            .lock()
+            .expect("slow heartbeats poisoned"))?;
+        let held = tokio::time::Instant::now() < slow.until && rand::random_bool(slow.share);
+        held.then_some(slow.delay)
     }
 }
 
@@ -95,17 +147,36 @@ impl AgentCallback for BmaasService {
                 })
             }
         };
-        let session = self.pool.get().await.map_err(unavailable)?;
+        let arrival = self
+            .writes
+            .arrive()
+            .ok_or_else(|| hints::unavailable(SHED, SHED_WAIT, false))?;
         let report = AgentReport {
             hardware,
             installation,
         };
-        let pending = match session
-            .agent_heartbeat(machine, &key, &report)
-            .await
-            .map_err(unavailable)?
-        {
+        if let Some(delay) = self.injected_delay() {
+            tokio::time::sleep(delay).await;
+        }
+        let written = match self.pool.get().await {
+            Ok(session) => session.agent_heartbeat(machine, &key, &report).await,
+            Err(e) => Err(e),
+        };
+        let outcome = match written {
+            Ok(outcome) => {
+                arrival.answered();
+                outcome
+            }
+            Err(e) => {
+                arrival.refused();
+                return Err(unavailable(e));
+            }
+        };
+        let pending = match outcome {
             AgentHeartbeat::Unauthorized => return Err(Status::unauthenticated(UNAUTHENTICATED)),
+            AgentHeartbeat::KeyPending => {
+                return Err(hints::unavailable(KEY_PENDING, KEY_PENDING_WAIT, true))
+            }
             AgentHeartbeat::Recorded { pending_request } => pending_request,
         };
         let installation_request = pending.and_then(|raw| match OsInstallationRequest::decode(raw.as_slice()) {

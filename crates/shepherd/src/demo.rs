@@ -17,7 +17,9 @@ use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::provisioner::ProvisionerConfig;
 use shepherd_loops::reconcile::Limits;
 use shepherd_provider::metrics::{CallMetrics, InstrumentedProvider};
-use shepherd_server::{LoopbackServer, ServerLimits};
+use shepherd_server::{
+    heartbeat_writes, HeartbeatWrites, LoopbackServer, Refusal, ServerLimits, SlowHeartbeats,
+};
 use shepherd_sim::{
     BetweenHeartbeats, HeartbeatFailures, RealAgents, SimCounters, SimFleet, SimKnobs,
 };
@@ -48,6 +50,16 @@ pub struct DemoArgs {
     /// Probability an agent never heartbeats (its machine gets rebooted and retaken).
     #[arg(long, default_value_t = 0.02)]
     pub silent_agent_rate: f64,
+    /// Share of heartbeats the server holds before writing them, as a slow BMDB would (0: none).
+    /// The recoverer must not reboot their machines: the server reports the trouble.
+    #[arg(long, default_value_t = 0.0)]
+    pub slow_heartbeat_share: f64,
+    /// How long each of them is held.
+    #[arg(long, default_value = "15s", value_parser = duration)]
+    pub slow_heartbeat_delay: Duration,
+    /// For how long from the start heartbeats are held.
+    #[arg(long, default_value = "30s", value_parser = duration)]
+    pub slow_heartbeat_for: Duration,
     /// Time one simulated takeover takes.
     #[arg(long, default_value = "100ms", value_parser = duration)]
     pub takeover_time: Duration,
@@ -161,8 +173,8 @@ fn settings(args: &DemoArgs) -> FleetSettings {
             db_rate: fast(50, 8),
         },
         recovery: RecoveryThresholds {
-            no_heartbeat_after_start: 4 * agent_heartbeat_interval(args.machines),
-            heartbeat_older_than: 4 * agent_heartbeat_interval(args.machines),
+            no_heartbeat_after_start: recovery_threshold(args.machines),
+            heartbeat_older_than: recovery_threshold(args.machines),
         },
         recoverer_backoff: Backoff::exponential(
             Duration::from_secs(1),
@@ -194,6 +206,16 @@ fn settings(args: &DemoArgs) -> FleetSettings {
 /// recovery thresholds are four intervals, so only silent agents look lost.
 fn agent_heartbeat_interval(machines: usize) -> Duration {
     Duration::from_millis(machines as u64).max(Duration::from_secs(2))
+}
+
+/// How long the demo's agents may be silent before their machine is due for recovery: four
+/// heartbeat intervals, and never so short that a heartbeat the server holds past
+/// `heartbeat_writes::LATE` could look like silence before the server has reported the trouble
+/// (the arithmetic in ARCHITECTURE.md: interval + late + report period, and a margin).
+fn recovery_threshold(machines: usize) -> Duration {
+    let interval = agent_heartbeat_interval(machines);
+    let reported = interval + heartbeat_writes::LATE + heartbeat_writes::REPORT_EVERY;
+    (4 * interval).max(reported + Duration::from_secs(2))
 }
 
 /// Whether this process may open both ends of a connection for each of `machines` agents, with
@@ -231,6 +253,9 @@ pub async fn run(args: DemoArgs) -> Result<()> {
     if args.machines == 0 {
         bail!("machines: must be at least 1");
     }
+    if !(0.0..=1.0).contains(&args.slow_heartbeat_share) {
+        bail!("slow-heartbeat-share: must be between 0 and 1");
+    }
     let dir = tempfile::Builder::new()
         .prefix("shepherd-demo-")
         .tempdir()?;
@@ -245,9 +270,24 @@ pub async fn run(args: DemoArgs) -> Result<()> {
     );
     let cancel = shutdown_on_signals();
     let (server, fleet, heartbeat_failures) = start_fleet(&args, &db, dir.path()).await?;
+    if args.slow_heartbeat_share > 0.0 {
+        eprintln!(
+            "  injected: the server holds {:.0}% of heartbeats for {} during the first {}",
+            args.slow_heartbeat_share * 100.0,
+            humantime::format_duration(args.slow_heartbeat_delay),
+            humantime::format_duration(args.slow_heartbeat_for),
+        );
+        server.slow_heartbeats(SlowHeartbeats {
+            share: args.slow_heartbeat_share,
+            delay: args.slow_heartbeat_delay,
+            until: tokio::time::Instant::now() + args.slow_heartbeat_for,
+        });
+    }
+    let writes = server.heartbeat_writes().clone();
     let settings = settings(&args);
     let provider_metrics = Arc::new(CallMetrics::default());
-    let http = serve_operator_view(&args, &db, &settings, &provider_metrics, &cancel).await?;
+    let http =
+        serve_operator_view(&args, &db, &settings, &provider_metrics, &writes, &cancel).await?;
     eprintln!("  web UI: http://{http}/machines · metrics: http://{http}/metrics");
 
     let provider = Arc::new(InstrumentedProvider::new(fleet.clone(), provider_metrics));
@@ -273,7 +313,7 @@ pub async fn run(args: DemoArgs) -> Result<()> {
     loops.await??;
     server.close().await?;
 
-    print_table(summary(&db, &fleet, &heartbeat_failures, &outcome).await?);
+    print_table(summary(&db, &fleet, &heartbeat_failures, &writes, &outcome).await?);
     db.close().await;
     if args.keep {
         let path = dir.keep();
@@ -332,6 +372,7 @@ async fn serve_operator_view(
     db: &Bmdb,
     settings: &FleetSettings,
     provider_metrics: &CallMetrics,
+    writes: &HeartbeatWrites,
     cancel: &CancellationToken,
 ) -> Result<std::net::SocketAddr> {
     let (refresh, stats_interval) = (Duration::from_secs(2), Duration::from_secs(1));
@@ -344,6 +385,7 @@ async fn serve_operator_view(
     );
     let registry = &mut operator.registry;
     provider_metrics.register(registry, "shepherd_provider", "Provider API");
+    writes.register(registry);
     let app = operator.router(db.clone());
     let wanted =
         crate::metrics_http::serve(args.http_listen, "http-listen", app.clone(), cancel.clone())
@@ -406,6 +448,7 @@ async fn summary(
     db: &Bmdb,
     fleet: &SimFleet,
     heartbeat_failures: &HeartbeatFailures,
+    writes: &HeartbeatWrites,
     outcome: &Outcome,
 ) -> Result<Vec<(String, String)>> {
     let counts = db.status_counts().await?;
@@ -444,6 +487,8 @@ async fn summary(
             "recoveries (reboots)",
             h(Process::ShepherdRecovery, WorkEvent::Finished).to_string(),
         ),
+        ("  injected silent agents", sim.silent_agents.to_string()),
+        ("  of healthy machines", sim.healthy_reboots.to_string()),
         (
             "work canceled at shutdown",
             (h(Process::ShepherdAgentStart, WorkEvent::Canceled)
@@ -475,6 +520,20 @@ async fn summary(
     rows.push((
         "  no answer (connection failed)".into(),
         heartbeat_failures.no_answer().to_string(),
+    ));
+    rows.push((
+        "heartbeats before the key was recorded".into(),
+        heartbeat_failures.key_pending().to_string(),
+    ));
+    for (row, cause) in [
+        ("heartbeats shed by the server", Refusal::Shed),
+        ("heartbeats the BMDB refused", Refusal::Database),
+    ] {
+        rows.push((row.into(), writes.refusals(cause).to_string()));
+    }
+    rows.push((
+        "heartbeats recorded late (over 5 s)".into(),
+        writes.late().to_string(),
     ));
     let secs = outcome.elapsed.as_secs_f64();
     let converged_in = if outcome.converged {

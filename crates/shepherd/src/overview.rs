@@ -8,7 +8,9 @@ use std::fmt::Write as _;
 
 use chrono::{DateTime, Duration, Utc};
 use maud::{html, Markup, PreEscaped};
-use shepherd_bmdb::{Bmdb, FleetCounts, Process, RecentFailure, WorkEvent};
+use shepherd_bmdb::{
+    Bmdb, FleetCounts, HeartbeatTrouble, HeartbeatWriter, Process, RecentFailure, WorkEvent,
+};
 
 use crate::cause_shapes::{self, CauseShape};
 use crate::fleet_stats::HardwareByLocation;
@@ -23,6 +25,8 @@ const TOP_CAUSES: usize = 10;
 /// Distinct failure causes read to group by shape: bounded, so that a day of failures with a
 /// distinct cause each costs the page no more than this.
 const CAUSES_READ: i64 = 10_000;
+/// Ended heartbeat troubles listed.
+const TROUBLES_SHOWN: i64 = 5;
 
 /// Everything the overview shows, read at one moment.
 #[derive(Debug, Clone)]
@@ -39,6 +43,10 @@ pub struct Overview {
     pub causes: Vec<CauseShape>,
     /// Hardware totals per provider and location, from the fleet statistics' last refresh.
     pub hardware: std::sync::Arc<HardwareByLocation>,
+    /// The BMaaS servers' last reports of the heartbeats they received.
+    pub writers: Vec<HeartbeatWriter>,
+    /// The heartbeat troubles that ended last.
+    pub troubles: Vec<HeartbeatTrouble>,
 }
 
 /// Reads the overview in one read transaction (the hardware totals come from the fleet
@@ -48,14 +56,20 @@ pub async fn load(
     counts: FleetCounts,
     hardware: std::sync::Arc<HardwareByLocation>,
 ) -> anyhow::Result<Overview> {
-    let (now, snapshots, endings, causes) = db
+    let ((now, snapshots, endings, causes), (writers, troubles)) = db
         .read(|tx| {
             Box::pin(async move {
                 Ok((
-                    tx.now().await?,
-                    tx.fleet_snapshots(CHART_SPAN).await?,
-                    tx.work_endings_per_minute(BARS_SPAN).await?,
-                    tx.top_failure_causes(CHART_SPAN, CAUSES_READ).await?,
+                    (
+                        tx.now().await?,
+                        tx.fleet_snapshots(CHART_SPAN).await?,
+                        tx.work_endings_per_minute(BARS_SPAN).await?,
+                        tx.top_failure_causes(CHART_SPAN, CAUSES_READ).await?,
+                    ),
+                    (
+                        tx.heartbeat_writers().await?,
+                        tx.recent_heartbeat_troubles(TROUBLES_SHOWN).await?,
+                    ),
                 ))
             })
         })
@@ -67,6 +81,8 @@ pub async fn load(
         endings,
         causes: cause_shapes::group(&causes, TOP_CAUSES),
         hardware,
+        writers,
+        troubles,
     })
 }
 
@@ -309,6 +325,33 @@ pub fn failures_body(shape: &str, failures: &[RecentFailure], now: DateTime<Utc>
 }
 
 /// The whole page body.
+/// The BMaaS servers' write backlog and refused heartbeats, and their last troubles: while a
+/// server is in trouble, agents' silence is excused (ARCHITECTURE.md).
+fn heartbeat_writers(o: &Overview) -> Markup {
+    let ago = |t: DateTime<Utc>| format!("{} s ago", (o.now - t).num_seconds().max(0));
+    html! {
+        @if o.writers.is_empty() { p.muted id="heartbeat-writers" { "No BMaaS server is reporting." } } @else {
+            table id="heartbeat-writers" {
+                thead { tr { th { "Server" } th { "State" } th { "Backlog" } th { "Refused" } th { "Last report" } } }
+                tbody { @for w in &o.writers { tr data-writer=(w.writer_id) data-trouble=(w.in_trouble(o.now)) {
+                    td.mono { "bmsrv " (w.writer_id.simple().to_string()[..8]) }
+                    td { @if w.is_stale(o.now) { "stopped reporting" } @else if w.in_trouble(o.now) {
+                        "refusing or late since " (ago(w.in_doubt.start)) } @else { "clean" } }
+                    td { (w.backlog) } td { (w.refused) } td { (ago(w.in_doubt.end)) }
+                } } }
+            }
+        }
+        @if !o.troubles.is_empty() {
+            table id="heartbeat-troubles" {
+                thead { tr { th { "Trouble" } th { "Refused" } th { "Cause" } } }
+                tbody { @for t in &o.troubles { tr {
+                    td { (ago(t.window.start)) " to " (ago(t.window.end)) } td { (t.refused) } td.mono { (t.cause) }
+                } } }
+            }
+        }
+    }
+}
+
 pub fn body(o: &Overview) -> Markup {
     html! {
         h2 { "Machines by state, last 24 hours" }
@@ -325,6 +368,8 @@ pub fn body(o: &Overview) -> Markup {
                     td { a href=(cause_shapes::machines_link(&c.shape)) { "machines" } }
                 } } } }
         }
+        h2 { "Heartbeat writers" }
+        (heartbeat_writers(o))
         h2 { "Hardware by provider and location" }
         @if o.hardware.is_empty() { p.muted id="hardware-totals" { "No hardware reports yet." } } @else {
             table id="hardware-totals" {
@@ -356,6 +401,8 @@ mod tests {
             endings: Vec::new(),
             causes: Vec::new(),
             hardware: Default::default(),
+            writers: Vec::new(),
+            troubles: Vec::new(),
         }
     }
 

@@ -9,8 +9,8 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use shepherd_bmdb::{Bmdb, OpenOptions, Processor, SessionConfig};
 use shepherd_server::{
-    dev_certs, load_https_config, load_server_config, serve_with_metrics, BmaasService,
-    ConnectionMetrics, ServerLimits, SessionPool,
+    dev_certs, load_https_config, load_server_config, report_heartbeat_writes, serve_with_metrics,
+    BmaasService, ConnectionMetrics, HeartbeatWrites, ServerLimits, SessionPool,
 };
 
 use crate::fleet::shutdown_on_signals;
@@ -147,6 +147,14 @@ pub struct ServerArgs {
         default_value_t = 1024
     )]
     pub max_connections_per_peer: usize,
+    /// Agent heartbeats written at once; more are answered Unavailable with a "retry after"
+    /// hint instead of queueing (a slow BMDB sheds load; memory stays bounded).
+    #[arg(
+        long,
+        env = "SHEPHERD_SERVER_MAX_HEARTBEATS_IN_FLIGHT",
+        default_value_t = 2048
+    )]
+    pub max_heartbeats_in_flight: usize,
     /// Close a connection that made no request for this long (a few agent heartbeat intervals).
     #[arg(long, env = "SHEPHERD_SERVER_IDLE_TIMEOUT", default_value = "2m", value_parser = crate::flags::duration)]
     pub idle_timeout: Duration,
@@ -232,6 +240,16 @@ impl ServerArgs {
         }
     }
 
+    /// The connection limits, once the settings that need nothing opened are checked.
+    fn checked_limits(&self) -> Result<ServerLimits> {
+        self.process
+            .check_web_listen("http-listen", self.http_listen)?;
+        if !(self.api_rate > 0.0 && self.api_burst >= 1.0) {
+            bail!("api-rate must be above 0 and api-burst at least 1");
+        }
+        self.limits()
+    }
+
     /// The connection limits, checked; the message names the setting.
     pub fn limits(&self) -> Result<ServerLimits> {
         let limits = ServerLimits {
@@ -244,11 +262,35 @@ impl ServerArgs {
             unauthenticated_timeout: self.unauthenticated_timeout,
             keepalive_interval: self.keepalive_interval,
             keepalive_timeout: self.keepalive_timeout,
+            max_heartbeats_in_flight: self.max_heartbeats_in_flight,
             ..ServerLimits::default()
         };
         limits.validate()?;
         Ok(limits)
     }
+}
+
+/// The server's heartbeat counts (registered in `registry`) and the task reporting them to the
+/// BMDB until its token is cancelled.
+fn start_heartbeat_writes(
+    db: &Bmdb,
+    limits: &ServerLimits,
+    registry: &mut prometheus_client::registry::Registry,
+) -> (
+    Arc<HeartbeatWrites>,
+    tokio_util::sync::CancellationToken,
+    tokio::task::JoinHandle<()>,
+) {
+    let writes = Arc::new(HeartbeatWrites::new(limits.max_heartbeats_in_flight));
+    writes.register(registry);
+    let stop_reporting = tokio_util::sync::CancellationToken::new();
+    let reporter = tokio::spawn(report_heartbeat_writes(
+        db.clone(),
+        writes.clone(),
+        "bmsrv".into(),
+        stop_reporting.clone(),
+    ));
+    (writes, stop_reporting, reporter)
 }
 
 /// Serves the operator API's `app` on `addr` over HTTPS (`tls`) until `cancel`.
@@ -317,12 +359,7 @@ fn api_app(
 
 /// Runs the server until SIGINT/SIGTERM.
 pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
-    let limits = args.limits()?;
-    args.process
-        .check_web_listen("http-listen", args.http_listen)?;
-    if !(args.api_rate > 0.0 && args.api_burst >= 1.0) {
-        bail!("api-rate must be above 0 and api-burst at least 1");
-    }
+    let limits = args.checked_limits()?;
     let oidc = args.oidc()?.map(Arc::new);
     if oidc.is_some() && args.api_listen.is_none() {
         bail!("oidc-issuer: the identity provider is for the operator API; give api-listen too");
@@ -369,6 +406,8 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     db.report_heartbeat_batches_to(Arc::new(heartbeat_batches));
     let connections = ConnectionMetrics::default();
     connections.register(&mut operator.registry);
+    let (writes, stop_reporting, reporter) =
+        start_heartbeat_writes(&db, &limits, &mut operator.registry);
     let auth = Arc::new(crate::api::auth::Authenticator::new(
         db.clone(),
         oidc.clone(),
@@ -420,12 +459,15 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     let result = serve_with_metrics(
         listener,
         Arc::new(tls),
-        BmaasService::new(pool.clone()),
+        BmaasService::new(pool.clone(), writes),
         limits,
         connections,
         cancel,
     )
     .await;
+    // Every heartbeat was answered: the last report, then the writer's row goes.
+    stop_reporting.cancel();
+    let _ = reporter.await;
     pool.close().await;
     db.close().await;
     if let Ok(Err(e)) = schema.await {

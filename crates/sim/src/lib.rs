@@ -113,8 +113,13 @@ pub struct SimCounters {
     pub connect_failures: u64,
     /// Injected garbage answers.
     pub bad_agents: u64,
+    /// Agents started that never heartbeat (injected).
+    pub silent_agents: u64,
     /// Reboots.
     pub reboots: u64,
+    /// Reboots of machines whose agent was running and not silent: what the recoverer must
+    /// never do (a healthy machine whose heartbeats the BMDB did not show in time).
+    pub healthy_reboots: u64,
     /// Heartbeats written.
     pub heartbeats: u64,
 }
@@ -343,7 +348,7 @@ impl SimFleet {
                             Ok(AgentHeartbeat::Recorded { .. }) => {
                                 recorded.fetch_add(1, Ordering::Relaxed);
                             }
-                            Ok(AgentHeartbeat::Unauthorized) => {}
+                            Ok(AgentHeartbeat::Unauthorized | AgentHeartbeat::KeyPending) => {}
                             Err(_) => {
                                 failed.fetch_add(1, Ordering::Relaxed);
                             }
@@ -444,8 +449,10 @@ impl Recoverer for SimFleet {
                 .by_id
                 .get(id)
                 .ok_or_else(|| ProviderError::NotFound(id.into()))?;
+            let healthy = s.machines[i].agent.as_ref().is_some_and(|a| !a.silent);
             s.machines[i].agent = None;
             s.counters.reboots += 1;
+            s.counters.healthy_reboots += u64::from(healthy);
         }
         Ok(())
     }
@@ -543,6 +550,7 @@ impl Transport for SimFleet {
             _task: task,
         });
         s.counters.agents_started += 1;
+        s.counters.silent_agents += u64::from(silent);
         let response = TakeoverResponse {
             result: Some(takeover_response::Result::Success(TakeoverSuccess {
                 init_message: Some(init),

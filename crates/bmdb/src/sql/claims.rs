@@ -13,7 +13,10 @@ use sqlx::sqlite::SqliteArguments;
 use sqlx::{Acquire, PgConnection, Postgres, Sqlite};
 use uuid::Uuid;
 
-use super::engine::{is_sqlstate, secs_us, span_ago, Arg, Autocommit, Conn, Result, SqliteTx, Tx};
+use super::engine::{
+    is_sqlstate, secs_us, span_ago, Arg, Autocommit, Conn, Engine, Result, SqliteTx, Tx,
+};
+use super::heartbeat_writers::excused_ago;
 use super::sessions;
 use crate::claim_hints::{ClaimHints, HintKey};
 use crate::eligibility::{exclusion_list, Retrieval};
@@ -91,6 +94,12 @@ pub(crate) fn eligibility(
         Flavor::Postgres(_) => format!("now() - make_interval(secs => ${}::float8)", first + i),
         Flavor::Sqlite => format!("${first} - ${}", first + 1 + i),
     };
+    // The same for silence: from the start of a server's trouble, if one was going on
+    // (`heartbeat_writers.rs`).
+    let silent_since = |i: usize| match flavor {
+        Flavor::Postgres(_) => excused_ago(Engine::Postgres, first + i, 0),
+        Flavor::Sqlite => excused_ago(Engine::Sqlite, first + 1 + i, first),
+    };
     let excluded = exclusion_list(process);
     let work = if excluded.is_empty() {
         String::new()
@@ -131,8 +140,8 @@ pub(crate) fn eligibility(
              AND NOT EXISTS (SELECT 1 FROM machine_bare_metal bm WHERE bm.machine_id = p.machine_id
                              AND bm.phase <> 'Done'{fence})
              AND {common}",
-            never_beat = ago(0),
-            went_silent = ago(1),
+            never_beat = silent_since(0),
+            went_silent = silent_since(1),
         ),
         Retrieval::BareMetal { .. } => format!(
             "EXISTS (SELECT 1 FROM machine_bare_metal bm WHERE bm.machine_id = p.machine_id AND (

@@ -36,6 +36,9 @@ pub(crate) type PgTx = sqlx::Transaction<'static, Postgres>;
 pub(crate) struct SqliteTx {
     pub(crate) tx: SqliteTxConn,
     pub(crate) now: i64,
+    /// A write transaction's turn at the one writer (`writer_turns.rs`), given up when the
+    /// transaction ends; `None` for a read.
+    pub(crate) _turn: Option<crate::writer_turns::WriterTurn>,
 }
 
 /// A pooled SQLite connection inside a transaction begun with a plain `BEGIN`, and ended
@@ -546,6 +549,12 @@ pub(crate) trait Columns {
 
     fn time(&self, column: &str) -> Result<DateTime<Utc>> {
         Ok(self.get::<DbTime>(column)?.0)
+    }
+
+    /// Two time columns as a range: `columns` names them as `"start..end"`.
+    fn time_range(&self, columns: &str) -> Result<std::ops::Range<DateTime<Utc>>> {
+        let (start, end) = columns.split_once("..").unwrap_or((columns, columns));
+        Ok(self.time(start)?..self.time(end)?)
     }
 
     fn opt_time(&self, column: &str) -> Result<Option<DateTime<Utc>>> {

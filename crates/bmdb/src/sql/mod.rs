@@ -16,7 +16,8 @@
 //! - `provider_skips.rs` — provider ids skipped after their provider refused them;
 //! - `retention.rs` — pruning old history in bounded batches;
 //! - `api_tokens.rs` — the operator API's local tokens;
-//! - `bare_metal.rs` — bare machines' phases, their steps' history and the media server's lookup.
+//! - `bare_metal.rs` — bare machines' phases, their steps' history and the media server's lookup;
+//! - `heartbeat_writers.rs` — what the BMaaS servers could not record, which excuses silence.
 //!
 //! This is the one door to the database: `Tx`'s connection is private to `engine.rs`, so the
 //! rest of the crate can only call these methods, and no other crate names `sqlx` (tidy
@@ -31,6 +32,7 @@ pub(crate) mod claims;
 pub(crate) mod endings;
 pub(crate) mod engine;
 pub(crate) mod finish_tags;
+pub(crate) mod heartbeat_writers;
 pub(crate) mod operator;
 pub(crate) mod overview;
 pub(crate) mod provider_skips;

@@ -223,6 +223,16 @@ impl Tx {
         Ok(self.conn().value(sql, &args).await? == Some(true))
     }
 
+    /// Whether an agent whose heartbeat was refused (its key did not match) may have a key
+    /// that is about to be recorded: the machine's agent start is under way (the takeover's
+    /// ending, which records the key, has not committed), or `key` matches by now.
+    pub async fn agent_key_pending(&mut self, id: Uuid, key: &[u8]) -> Result<bool> {
+        let sql = "SELECT EXISTS (SELECT 1 FROM work
+                                   WHERE machine_id = $1 AND process = 'ShepherdAgentStart')";
+        let starting = self.conn().value(sql, &[Arg::Uuid(id)]).await? == Some(true);
+        Ok(starting || self.agent_key_matches(id, key).await?)
+    }
+
     /// Records a heartbeat now.
     pub async fn set_heartbeat(&mut self, id: Uuid) -> Result<()> {
         self.write_heartbeat(id, None).await

@@ -375,28 +375,14 @@ async fn static_run_takes_a_real_sshd_over() {
 
 #[test]
 fn demo_converges_and_prints_a_summary() {
-    let o = shepherd()
-        .args(["demo", "--machines", "60", "--takeover-time", "10ms"])
-        .args(["--http-listen", "127.0.0.1:0"])
-        .args([
-            "--silent-agent-rate",
-            "0.1",
-            "--connect-failure-rate",
-            "0.1",
-            "--timeout",
-            "90s",
-        ])
-        .output()
-        .unwrap();
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "{out}\n{}", stderr(&o));
-    let value = |name: &str| -> String {
-        out.lines()
-            .find(|l| l.starts_with(name))
-            .unwrap_or_else(|| panic!("no {name:?} row in {out}"))[name.len()..]
-            .trim()
-            .to_string()
-    };
+    let out = demo(&[
+        "--machines=60",
+        "--takeover-time=10ms",
+        "--silent-agent-rate=0.1",
+        "--connect-failure-rate=0.1",
+        "--timeout=90s",
+    ]);
+    let value = |name: &str| summary_value(&out, name);
     assert_eq!(value("machines provided"), "60");
     assert_eq!(value("agents heartbeating"), "60");
     // Heartbeats and reports came from the real agent code through the real server.
@@ -405,6 +391,70 @@ fn demo_converges_and_prints_a_summary() {
     // Failures were injected, retried and recovered from.
     let finished: u64 = value("takeovers finished").parse().unwrap();
     assert!(finished >= 60, "{out}");
+}
+
+/// Runs `shepherd demo` with `args` and its operator view on a free port; its summary, once it
+/// succeeded.
+fn demo(args: &[&str]) -> String {
+    let o = shepherd()
+        .arg("demo")
+        .args(args)
+        .args(["--http-listen", "127.0.0.1:0"])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    out
+}
+
+/// The value of the demo summary's row `name`.
+fn summary_value(out: &str, name: &str) -> String {
+    out.lines()
+        .find(|l| l.starts_with(name))
+        .unwrap_or_else(|| panic!("no {name:?} row in {out}"))[name.len()..]
+        .trim()
+        .to_string()
+}
+
+/// A demo with only its default faults (connect failures, garbage answers, silent agents)
+/// fails no heartbeat: an agent that heartbeats before the takeover's ending recorded its key
+/// is told to wait, not refused; and only the machines of silent agents are rebooted.
+#[test]
+fn a_default_demo_fails_no_heartbeat_and_reboots_only_silent_machines() {
+    let out = demo(&["--machines=400", "--takeover-time=10ms", "--timeout=120s"]);
+    let value = |name: &str| summary_value(&out, name);
+    assert_eq!(value("agents heartbeating"), "400");
+    assert_eq!(value("agent heartbeats failed"), "0", "{out}");
+    assert_eq!(value("  of healthy machines"), "0", "{out}");
+}
+
+/// A server that holds some heartbeats longer than the recovery threshold before writing them,
+/// as a slow BMDB would, gets no healthy machine rebooted: it reports its trouble and the
+/// recoverer does not take that silence for the machines'. The silent agents of the same run
+/// are still rebooted: the BMDB's history holds one recovery for each, and no more.
+#[test]
+fn slow_heartbeat_writes_get_no_healthy_machine_rebooted() {
+    let out = demo(&[
+        "--machines=200",
+        "--takeover-time=10ms",
+        "--connect-failure-rate=0",
+        "--bad-agent-rate=0",
+        "--silent-agent-rate=0.05",
+        "--slow-heartbeat-share=0.05",
+        "--slow-heartbeat-delay=15s",
+        "--slow-heartbeat-for=30s",
+        "--timeout=150s",
+    ]);
+    let number = |name: &str| -> u64 { summary_value(&out, name).parse().unwrap() };
+    assert!(
+        number("heartbeats recorded late (over 5 s)") > 0,
+        "the fault was injected: {out}"
+    );
+    let silent = number("  injected silent agents");
+    assert!(silent > 0, "{out}");
+    assert_eq!(number("  of healthy machines"), 0, "{out}");
+    // "recoveries (reboots)" counts the Finished recoveries of the BMDB's history.
+    assert_eq!(number("recoveries (reboots)"), silent, "{out}");
 }
 
 /// What the README promises: run the demo, open the web UI it prints, see the machines, scrape

@@ -500,12 +500,22 @@ async fn postgres_claims_reuse_leftover_candidates() {
     let mut found = BTreeSet::new();
     let mut searched = Vec::new();
     for _ in 0..20 {
-        let before = [ClaimSearch::Hinted, ClaimSearch::Window, ClaimSearch::Everywhere]
-            .map(|search| searches(&db, search, true));
+        let before = [
+            ClaimSearch::Hinted,
+            ClaimSearch::Window,
+            ClaimSearch::Everywhere,
+        ]
+        .map(|search| searches(&db, search, true));
         assert!(found.insert(claim_and_start(&s).await), "claimed twice");
-        let after = [ClaimSearch::Hinted, ClaimSearch::Window, ClaimSearch::Everywhere]
-            .map(|search| searches(&db, search, true));
-        let served = (0..3).filter(|i| after[*i] == before[*i] + 1).collect::<Vec<_>>();
+        let after = [
+            ClaimSearch::Hinted,
+            ClaimSearch::Window,
+            ClaimSearch::Everywhere,
+        ]
+        .map(|search| searches(&db, search, true));
+        let served = (0..3)
+            .filter(|i| after[*i] == before[*i] + 1)
+            .collect::<Vec<_>>();
         assert_eq!(served.len(), 1, "each claim is served by one search");
         searched.push(["hinted", "window", "full"][served[0]]);
     }
@@ -514,8 +524,7 @@ async fn postgres_claims_reuse_leftover_candidates() {
     // each later claim would search everywhere again.
     let first_full = searched.iter().position(|s| *s == "full");
     assert!(
-        first_full.is_some_and(|i| i < 19
-            && searched[i + 1..].iter().all(|s| *s == "hinted")),
+        first_full.is_some_and(|i| i < 19 && searched[i + 1..].iter().all(|s| *s == "hinted")),
         "one full search, then hints serve every claim: {searched:?}"
     );
 

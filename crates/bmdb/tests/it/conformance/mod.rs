@@ -101,6 +101,7 @@ async fn every_claim_ended_once(db: &Bmdb, ids: &[Uuid]) {
 mod claims;
 mod database;
 mod endings;
+mod heartbeat_writers;
 mod provider_skips;
 mod sessions;
 mod tags;

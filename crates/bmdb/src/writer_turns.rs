@@ -1,0 +1,184 @@
+//! Turns at SQLite's one writer connection. Every write transaction of a SQLite BMDB waits
+//! for the one writer; under load dozens wait at once (heartbeat batches, claims, endings),
+//! and a session's keep-alive queued behind them all can miss its deadline: the session
+//! expires, and every write made through it fails until a new one is started, which adds
+//! more writes. So a lease's keep-alive ([`Urgency::Lease`]) goes before every waiting
+//! writer, and the facts agents send ([`Urgency::Facts`]: heartbeat batches) before the
+//! loops' work, which only slows down. Within an urgency, turns go in arrival order.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::oneshot;
+
+/// How soon a writer must write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Urgency {
+    /// The loops' work: claims, endings, tags. Waits for the others.
+    Work = 0,
+    /// What agents and servers report: heartbeats and the server's own state.
+    Facts = 1,
+    /// Keeping a session alive.
+    Lease = 2,
+}
+
+const URGENCIES: usize = 3;
+
+/// The writer's turns: who holds it, and who waits, by urgency.
+#[derive(Debug, Default)]
+pub(crate) struct WriterTurns {
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    held: bool,
+    waiting: [VecDeque<oneshot::Sender<()>>; URGENCIES],
+}
+
+/// The writer's turn, held until dropped; then the most urgent waiter gets it.
+#[derive(Debug)]
+pub(crate) struct WriterTurn {
+    turns: Arc<WriterTurns>,
+}
+
+/// A waiter: if it is dropped after it was given the turn but before it took it (its caller
+/// went away), it passes the turn on.
+struct Waiting {
+    turns: Arc<WriterTurns>,
+    given: Option<oneshot::Receiver<()>>,
+}
+
+impl WriterTurns {
+    /// Waits for the writer's turn at `urgency`.
+    pub(crate) async fn take(self: &Arc<Self>, urgency: Urgency) -> WriterTurn {
+        let given = {
+            let mut state = self.state.lock().expect("writer turns");
+            if !state.held {
+                state.held = true;
+                return WriterTurn {
+                    turns: self.clone(),
+                };
+            }
+            let (give, given) = oneshot::channel();
+            state.waiting[urgency as usize].push_back(give);
+            given
+        };
+        let mut waiting = Waiting {
+            turns: self.clone(),
+            given: Some(given),
+        };
+        let given = waiting.given.as_mut().expect("waiting");
+        // A queued waiter's sender serves one purpose: giving it the turn (`pass_on`).
+        given
+            .await
+            .expect("a waiter's turn is given, never dropped");
+        waiting.given = None;
+        WriterTurn {
+            turns: self.clone(),
+        }
+    }
+
+    /// Gives the turn to the most urgent waiter still waiting, or frees the writer.
+    fn pass_on(&self) {
+        let mut state = self.state.lock().expect("writer turns");
+        loop {
+            let next = state.waiting.iter_mut().rev().find_map(VecDeque::pop_front);
+            match next {
+                // A waiter that went away has dropped its receiver: the next one gets it.
+                Some(give) => {
+                    if give.send(()).is_ok() {
+                        return;
+                    }
+                }
+                None => {
+                    state.held = false;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// How many writers wait for the turn, by urgency (least urgent first).
+    #[cfg(test)]
+    fn waiting(&self) -> [usize; URGENCIES] {
+        let state = self.state.lock().expect("writer turns");
+        [0, 1, 2].map(|u| state.waiting[u].len())
+    }
+}
+
+impl Drop for WriterTurn {
+    fn drop(&mut self) {
+        self.turns.pass_on();
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        if let Some(mut given) = self.given.take() {
+            if given.try_recv().is_ok() {
+                self.turns.pass_on();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// The holder's successor is the most urgent waiter, in arrival order within an urgency;
+    /// a waiter that went away is skipped, even one that had already been given the turn.
+    #[tokio::test]
+    async fn the_most_urgent_waiter_goes_next_and_no_turn_is_lost() {
+        let turns = Arc::new(WriterTurns::default());
+        let first = turns.take(Urgency::Work).await;
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut waiters = Vec::new();
+        for (name, urgency) in [
+            ("work-1", Urgency::Work),
+            ("facts", Urgency::Facts),
+            ("work-2", Urgency::Work),
+            ("lease", Urgency::Lease),
+        ] {
+            let (turns, order) = (turns.clone(), order.clone());
+            waiters.push(tokio::spawn(async move {
+                let _turn = turns.take(urgency).await;
+                order.lock().unwrap().push(name);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }));
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // One more that goes away while it waits.
+        let gone = {
+            let turns = turns.clone();
+            tokio::spawn(async move { turns.take(Urgency::Lease).await })
+        };
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        gone.abort();
+        assert_eq!(turns.waiting(), [2, 1, 2]);
+        drop(first);
+        for w in waiters {
+            w.await.unwrap();
+        }
+        assert_eq!(
+            *order.lock().unwrap(),
+            ["lease", "facts", "work-1", "work-2"]
+        );
+        // The writer is free again.
+        assert_eq!(turns.waiting(), [0, 0, 0]);
+        drop(turns.take(Urgency::Work).await);
+
+        // A waiter given the turn that goes away before taking it passes it on.
+        let held = turns.take(Urgency::Work).await;
+        let turns2 = turns.clone();
+        let mut late = Box::pin(async move { turns2.take(Urgency::Work).await });
+        assert!(futures::poll!(late.as_mut()).is_pending());
+        drop(held);
+        drop(late);
+        tokio::time::timeout(Duration::from_secs(1), turns.take(Urgency::Work))
+            .await
+            .expect("the turn was passed on");
+    }
+}
