@@ -57,7 +57,6 @@ pub use session::{Session, SessionConfig, BATCH_WAIT, DEFAULT_SESSION_INTERVAL, 
 pub use sql::claims::ClaimStrategy;
 pub use sql::engine::{Tx, TxFuture};
 pub use sql::finish_tags::TagWrites;
-pub use sql::heartbeat_writers::WRITER_STALE;
 pub use sql::overview::RecentFailure;
 pub use sql::views::StatusCounts;
 pub use summary::{FleetCounts, Lifecycle, MachineSummary};

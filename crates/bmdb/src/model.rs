@@ -693,6 +693,10 @@ pub struct Decommissioned {
     pub undeploy: bool,
 }
 
+/// A server that has not reported for this long may have lost what it received since its
+/// last report: its silence excuses like a trouble since then (for a bounded time).
+pub const WRITER_STALE: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// One server's last report of the heartbeats it received ([`crate::Tx::heartbeat_writers`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HeartbeatWriter {
@@ -709,10 +713,10 @@ pub struct HeartbeatWriter {
 }
 
 impl HeartbeatWriter {
-    /// Whether it has not reported for longer than [`crate::WRITER_STALE`] by `now` (the
+    /// Whether it has not reported for longer than [`WRITER_STALE`] by `now` (the
     /// database's clock): it may be gone without saying so, or cut off from the BMDB.
     pub fn is_stale(&self, now: DateTime<Utc>) -> bool {
-        (now - self.in_doubt.end).to_std().unwrap_or_default() > crate::WRITER_STALE
+        (now - self.in_doubt.end).to_std().unwrap_or_default() > WRITER_STALE
     }
 
     /// Whether, by `now`, it reported a trouble going on or stopped reporting.

@@ -260,6 +260,25 @@ async fn write(work: &mut Work, lease: &Lease, ending: Ending<'_>) -> Result<(),
 /// from 100 ms, doubling, at most 10 s.
 const ERROR_DELAYS: Delays = Delays::new(Duration::from_millis(100), Duration::from_secs(10));
 
+/// A claim slower than this means the BMDB is busy (its commits wait, or its one SQLite writer
+/// is taken by more urgent writes): the worker then waits as long again before its next claim.
+const SLOW_CLAIM: Duration = Duration::from_millis(250);
+
+/// The longest a worker waits after a slow claim.
+const MAX_CLAIM_PAUSE: Duration = Duration::from_secs(10);
+
+/// How long a worker waits before its next claim when its last claim took `took`: nothing
+/// while the BMDB answers fast; as long again, at most [`MAX_CLAIM_PAUSE`], when it does not.
+/// With every worker doing so, the loops' claims on a slow BMDB halve at least, and the
+/// writes that matter more (keep-alives, heartbeats) get through.
+fn pause_after_claim(took: Duration) -> Duration {
+    if took < SLOW_CLAIM {
+        Duration::ZERO
+    } else {
+        took.min(MAX_CLAIM_PAUSE)
+    }
+}
+
 async fn work_loop<T: MachineTask>(worker: Worker<T>, cancel: CancellationToken) {
     let Worker {
         n,
@@ -273,11 +292,12 @@ async fn work_loop<T: MachineTask>(worker: Worker<T>, cancel: CancellationToken)
     let mut errors = Streak::new(ERROR_DELAYS);
     // The ending of the worker's last machine, written while the worker claims its next one.
     let mut ending: Option<tokio::task::JoinHandle<()>> = None;
+    let mut pause = Duration::ZERO;
     loop {
         tokio::select! {
             biased; // a cancelled loop must not claim more work
             _ = cancel.cancelled() => break,
-            _ = limiter.wait() => {}
+            _ = async { tokio::time::sleep(pause).await; limiter.wait().await } => {}
         }
         if !task.active(&db).await {
             status.alive();
@@ -292,7 +312,10 @@ async fn work_loop<T: MachineTask>(worker: Worker<T>, cancel: CancellationToken)
             }
         };
         let retrieval = task.retrieval();
-        match s.work(retrieval.process(), retrieval).await {
+        let asked = tokio::time::Instant::now();
+        let claimed = s.work(retrieval.process(), retrieval).await;
+        pause = pause_after_claim(asked.elapsed());
+        match claimed {
             Ok(Claim::Work(work)) => {
                 status.started();
                 let machine = work.machine_id();
@@ -447,4 +470,19 @@ async fn end_work<T: MachineTask>(
 /// Whether `e` says the work's lock or session is gone, so that nothing is left to end.
 fn is_gone(e: &BmdbError) -> bool {
     matches!(e, BmdbError::SessionExpired | BmdbError::WorkLost { .. })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slow_claim_makes_its_worker_wait_as_long_again_up_to_a_cap() {
+        assert_eq!(pause_after_claim(Duration::from_millis(20)), Duration::ZERO);
+        assert_eq!(
+            pause_after_claim(Duration::from_secs(2)),
+            Duration::from_secs(2)
+        );
+        assert_eq!(pause_after_claim(Duration::from_secs(60)), MAX_CLAIM_PAUSE);
+    }
 }

@@ -456,4 +456,43 @@ mod tests {
             assert_eq!(axis_top(max), top, "{max}");
         }
     }
+
+    /// Each server's state reads as an operator needs it: clean, in trouble since when, or
+    /// stopped reporting; ended troubles are listed with their cause.
+    #[test]
+    fn heartbeat_writers_show_backlog_refusals_and_troubles() {
+        let mut o = overview_of(&[]);
+        let ago = |secs: i64| o.now - Duration::seconds(secs);
+        let writer = |n: u128, doubt: std::ops::Range<DateTime<Utc>>| HeartbeatWriter {
+            writer_id: uuid::Uuid::from_u128(n),
+            backlog: 40,
+            refused: 7,
+            in_doubt: doubt,
+        };
+        o.writers = vec![
+            writer(1, ago(1)..ago(1)),
+            writer(2, ago(90)..ago(1)),
+            writer(3, ago(60)..ago(60)),
+        ];
+        o.troubles = vec![HeartbeatTrouble {
+            writer_id: uuid::Uuid::from_u128(2),
+            window: ago(600)..ago(300),
+            refused: 12,
+            cause: "database".into(),
+        }];
+        let html = heartbeat_writers(&o).into_string();
+        let row = |n: u128| {
+            let at = html.find(&uuid::Uuid::from_u128(n).to_string()).unwrap();
+            html[at..at + html[at..].find("</tr>").unwrap()].to_string()
+        };
+        assert!(row(1).contains(r#"data-trouble="false""#) && row(1).contains("clean"));
+        let troubled = row(2);
+        assert!(
+            troubled.contains("refusing or late since 90 s ago"),
+            "{troubled}"
+        );
+        assert!(troubled.contains("<td>40</td><td>7</td>"), "{troubled}");
+        assert!(row(3).contains("stopped reporting"), "{}", row(3));
+        assert!(html.contains("600 s ago to 300 s ago") && html.contains("database"));
+    }
 }

@@ -33,7 +33,7 @@ use shepherd_provider::Provider;
 enum Part {
     /// Static inventory lookups.
     Static,
-    /// The demo at two sizes.
+    /// The demo at two sizes, and on one core.
     Demo,
     /// `shepherd run --provider sim` on Postgres.
     Run,
@@ -60,6 +60,9 @@ pub struct Args {
     /// How long one demo run may take before it counts as not converging.
     #[arg(long, default_value = "600")]
     demo_timeout_secs: u64,
+    /// The demo fleet run on one core (`taskset -c 0`): a machine slower than the fleet needs.
+    #[arg(long, default_value_t = 3_000)]
+    demo_one_core: usize,
     /// Machines of the `shepherd run` fleet.
     #[arg(long, default_value_t = 100_000)]
     run_machines: usize,
@@ -107,9 +110,24 @@ impl Args {
 
 /// What one demo run measured.
 struct DemoRun {
-    machines: usize,
     converged_in: Option<Duration>,
     peak_rss_mb: f64,
+    /// Its summary table, as printed.
+    summary: Vec<String>,
+}
+
+impl DemoRun {
+    /// Time to converge, s, or why not.
+    fn converge_s(&self) -> String {
+        self.converged_in
+            .map(|d| format!("{:.1}", d.as_secs_f64()))
+            .unwrap_or_else(|| "did not converge".into())
+    }
+
+    /// The value of the summary's row `name`, or `?`.
+    fn value(&self, name: &str) -> String {
+        summary_value(&self.summary, name).unwrap_or_else(|| "?".into())
+    }
 }
 
 /// A report: table rows and `key = value` figures.
@@ -219,31 +237,19 @@ pub async fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// The demo with the small and the large fleet.
+/// The demo with the small and the large fleet, then the middle one on one core.
 fn demos(shepherd: &Path, args: &Args, report: &mut Report) -> Result<()> {
+    let timeout = Duration::from_secs(args.demo_timeout_secs);
     let mut runs = Vec::new();
     for &machines in &args.demo {
-        let run = demo(
-            shepherd,
-            machines,
-            Duration::from_secs(args.demo_timeout_secs),
-        )?;
+        let run = demo(shepherd, machines, timeout, false)?;
         eprintln!(
             "demo {machines}: {:?}, peak RSS {:.0} MB",
             run.converged_in, run.peak_rss_mb
         );
         report.row(
-            &format!(
-                "`shepherd demo --machines {}`: time to converge, s / peak RSS, MB",
-                run.machines
-            ),
-            format!(
-                "{} / {:.0}",
-                run.converged_in
-                    .map(|d| format!("{:.1}", d.as_secs_f64()))
-                    .unwrap_or_else(|| "did not converge".into()),
-                run.peak_rss_mb
-            ),
+            &format!("`shepherd demo --machines {machines}`: time to converge, s / peak RSS, MB"),
+            format!("{} / {:.0}", run.converge_s(), run.peak_rss_mb),
             "",
         );
         runs.push(run);
@@ -254,7 +260,28 @@ fn demos(shepherd: &Path, args: &Args, report: &mut Report) -> Result<()> {
         _ => "did not converge".into(),
     };
     report.figure("demo_10k_vs_1k", ratio);
+    report.figure("demo_10k_converge_s", large.converge_s());
     report.figure("demo_10k_rss_mb", format!("{:.0}", large.peak_rss_mb));
+    let machines = args.demo_one_core;
+    let one = demo(shepherd, machines, timeout, true)?;
+    let healthy = one.value("  of healthy machines");
+    report.row(
+        &format!(
+            "`taskset -c 0 shepherd demo --machines {machines}`: time to converge, s / peak RSS, MB; \
+             reboots of healthy machines / of silent ones injected; heartbeats failed"
+        ),
+        format!(
+            "{} / {:.0}; {healthy} / {}; {}",
+            one.converge_s(),
+            one.peak_rss_mb,
+            one.value("  injected silent agents"),
+            one.value("agent heartbeats failed"),
+        ),
+        "",
+    );
+    report.figure("demo_3k_one_core_converge_s", one.converge_s());
+    report.figure("demo_3k_one_core_rss_mb", format!("{:.0}", one.peak_rss_mb));
+    report.figure("overload_healthy_reboots", healthy);
     Ok(())
 }
 
@@ -393,9 +420,17 @@ async fn static_lookup(n: usize) -> Result<(f64, f64)> {
     Ok((ours, baseline))
 }
 
-/// Runs `shepherd demo --machines N` to convergence, polling its peak RSS.
-fn demo(shepherd: &Path, machines: usize, timeout: Duration) -> Result<DemoRun> {
-    let mut child = Command::new(shepherd)
+/// Runs `shepherd demo --machines N` to convergence (on the first core alone if `one_core`),
+/// polling its peak RSS.
+fn demo(shepherd: &Path, machines: usize, timeout: Duration, one_core: bool) -> Result<DemoRun> {
+    let mut command = if one_core {
+        let mut taskset = Command::new("taskset");
+        taskset.args(["-c", "0"]).arg(shepherd);
+        taskset
+    } else {
+        Command::new(shepherd)
+    };
+    let mut child = command
         .args(["demo", "--machines", &machines.to_string()])
         .args(["--http-listen", "127.0.0.1:0"])
         .args(["--timeout", &format!("{}s", timeout.as_secs())])
@@ -430,10 +465,16 @@ fn demo(shepherd: &Path, machines: usize, timeout: Duration) -> Result<DemoRun> 
     let lines = reader.join().unwrap_or_default();
     let converged_in = status.success().then(|| converge_time(&lines)).flatten();
     Ok(DemoRun {
-        machines,
         converged_in,
         peak_rss_mb: peak_kib as f64 / 1024.0,
+        summary: lines,
     })
+}
+
+/// The value of the demo summary's row `name` (rows are `name   value`).
+fn summary_value(lines: &[String], name: &str) -> Option<String> {
+    let line = lines.iter().find(|l| l.starts_with(name))?;
+    Some(line[name.len()..].trim().to_string())
 }
 
 /// The demo's "time to converge" summary line, e.g. `time to converge  12.3 s`.
@@ -456,5 +497,10 @@ mod tests {
         ];
         assert_eq!(converge_time(&lines), Some(Duration::from_millis(14_700)));
         assert_eq!(converge_time(&["other".to_string()]), None);
+        let rows = vec!["  of healthy machines      0".to_string()];
+        assert_eq!(
+            summary_value(&rows, "  of healthy machines").as_deref(),
+            Some("0")
+        );
     }
 }

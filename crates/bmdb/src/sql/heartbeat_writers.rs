@@ -8,11 +8,9 @@ use std::time::Duration;
 use uuid::Uuid;
 
 use super::engine::{from_columns, span_ago, Arg, Dialects, Engine, Result, Tx};
-use crate::model::{stored_cause, HeartbeatTrouble, HeartbeatWriter, WriterReport, WriterState};
-
-/// A server that has not reported for this long may have lost what it received since its
-/// last report: its silence excuses like a trouble since then (for a bounded time).
-pub const WRITER_STALE: Duration = Duration::from_secs(10);
+use crate::model::{
+    stored_cause, HeartbeatTrouble, HeartbeatWriter, WriterReport, WriterState, WRITER_STALE,
+};
 
 /// How long an ended trouble's window is kept for operators; stopped servers' rows older than
 /// this go too. Written when a trouble ends, so the table stays bounded without a collector.

@@ -508,6 +508,14 @@ async fn demo_serves_its_web_ui_and_metrics() {
                 metrics.contains("shepherd_recoverer_reboots_total{in_a_row=\"last\"} 0"),
                 "{metrics}"
             );
+            // The server's write backlog and refusals (none in a healthy demo).
+            for series in [
+                "shepherd_server_heartbeats_in_flight ",
+                "shepherd_server_heartbeats_refused_total{cause=\"shed\"} 0",
+                "shepherd_server_heartbeat_trouble ",
+            ] {
+                assert!(metrics.contains(series), "{series}: {metrics}");
+            }
             break;
         }
         assert!(Instant::now() < deadline, "{metrics}");
@@ -519,6 +527,13 @@ async fn demo_serves_its_web_ui_and_metrics() {
     assert!(
         page.contains(r#"id="brake" data-engaged="false""#) && page.contains("engages above 50%"),
         "{page}"
+    );
+    // The overview names the server reporting its heartbeats, clean.
+    let overview = common::get_text(&ui.replace("/machines", "/overview")).await;
+    assert!(
+        overview.contains(r#"id="heartbeat-writers""#)
+            && overview.contains(r#"data-trouble="false""#),
+        "{overview}"
     );
     assert!(
         child.try_wait().unwrap().is_none(),
