@@ -12,6 +12,7 @@ mod fault_hostile_peers;
 mod fault_postgres_outage;
 mod fault_replicas;
 mod ironic_e2e;
+mod overload;
 mod recovery_e2e;
 mod redfish_sushy;
 mod rolling_upgrade;
