@@ -204,6 +204,11 @@ impl HeartbeatWrites {
             .get()
     }
 
+    /// Heartbeats in flight now: the write backlog.
+    pub fn in_flight(&self) -> i64 {
+        self.in_flight.get()
+    }
+
     /// Heartbeats recorded later than [`LATE`] so far.
     pub fn late(&self) -> u64 {
         self.late.get()

@@ -515,3 +515,94 @@ async fn a_database_error_during_a_heartbeat_is_unavailable() {
     assert_eq!(e.code(), Code::Unavailable, "{e}");
     let _ = server.bmaas.close().await;
 }
+
+/// Past `max_heartbeats_in_flight` a heartbeat is shed at once with a retry-after hint, not
+/// queued; the server reports itself in trouble from the shed heartbeat's arrival while the
+/// held one is late, then the window with its cause once both are answered, and its row goes
+/// when it closes.
+#[tokio::test]
+async fn heartbeats_past_the_bound_are_shed_and_the_trouble_is_reported() {
+    let t = testing::sqlite().await;
+    let dir = tempfile::tempdir().unwrap();
+    let limits = ServerLimits {
+        max_heartbeats_in_flight: 1,
+        ..ServerLimits::default()
+    };
+    let bmaas = LoopbackServer::start(&t.db, dir.path(), 2, limits)
+        .await
+        .unwrap();
+    let server = Server { bmaas, _dir: dir };
+    let a = agent();
+    let m = testing::machine_with_agent(&t.db, &a.key).await;
+    let mut c = client(&server, Some(&a)).await.unwrap();
+    server.bmaas.slow_heartbeats(SlowHeartbeats {
+        share: 1.0,
+        delay: std::time::Duration::from_secs(6),
+        until: tokio::time::Instant::now() + std::time::Duration::from_secs(60),
+    });
+    let mut held = c.clone();
+    let held = tokio::spawn(async move { held.heartbeat(beat(&m.to_string())).await });
+    let writes = server.bmaas.heartbeat_writes().clone();
+    testing::eventually(
+        "the first heartbeat in flight",
+        std::time::Duration::from_secs(5),
+        async || testing::when(writes.in_flight() == 1, ()),
+    )
+    .await;
+    let shed = c.heartbeat(beat(&m.to_string())).await.unwrap_err();
+    assert_eq!(shed.code(), Code::Unavailable, "{shed}");
+    assert_eq!(
+        shepherd_proto::hints::retry_after(&shed),
+        Some(heartbeat_writes::SHED_WAIT)
+    );
+    assert!(!shepherd_proto::hints::key_pending(&shed));
+    assert_eq!(writes.refusals(Refusal::Shed), 1);
+
+    let reported = |db: &Bmdb| {
+        let db = db.clone();
+        async move {
+            db.read(|tx| {
+                Box::pin(async move {
+                    let now = tx.now().await?;
+                    let writers = tx.heartbeat_writers().await?;
+                    let troubles = tx.recent_heartbeat_troubles(5).await?;
+                    Ok((now, writers, troubles))
+                })
+            })
+            .await
+            .unwrap()
+        }
+    };
+    let secs = std::time::Duration::from_secs;
+    testing::eventually("the trouble reported", secs(5), async || {
+        let (now, writers, _) = reported(&t.db).await;
+        testing::when(writers.len() == 1 && writers[0].in_trouble(now), ())
+    })
+    .await;
+    held.await
+        .unwrap()
+        .expect("the held heartbeat is recorded, late");
+    assert_eq!(writes.late(), 1);
+    // Two windows: the shed heartbeat's, which ended a second later, and the held one's, from
+    // when it was 5 s in flight until it was answered.
+    let troubles = testing::eventually("both troubles ended", secs(5), async || {
+        let (now, writers, troubles) = reported(&t.db).await;
+        let clean = writers.len() == 1 && !writers[0].in_trouble(now);
+        testing::when(clean && troubles.len() == 2, troubles)
+    })
+    .await;
+    let mut causes: Vec<(i64, &str)> = troubles
+        .iter()
+        .map(|t| (t.refused, t.cause.as_str()))
+        .collect();
+    causes.sort();
+    // The held one's cause is the first sign seen: in flight for over 5 s at a report, or, if
+    // no report fell between 5 s and its answer, recorded over 5 s after it arrived.
+    assert!(
+        matches!(causes[..], [(0, late), (1, "shed")] if late.contains("over 5 s")),
+        "{troubles:?}"
+    );
+    server.bmaas.close().await.unwrap();
+    let (_, writers, _) = reported(&t.db).await;
+    assert!(writers.is_empty(), "a server that stops is forgotten");
+}
