@@ -315,6 +315,9 @@ async fn work_loop<T: MachineTask>(worker: Worker<T>, cancel: CancellationToken)
         let asked = tokio::time::Instant::now();
         let claimed = s.work(retrieval.process(), retrieval).await;
         pause = pause_after_claim(asked.elapsed());
+        if !pause.is_zero() {
+            status.claim_paused();
+        }
         match claimed {
             Ok(Claim::Work(work)) => {
                 status.started();

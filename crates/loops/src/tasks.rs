@@ -166,6 +166,8 @@ pub struct TaskStatus {
     pub last_success: Option<DateTime<Utc>>,
     /// The last panic, if the task ever panicked.
     pub last_panic: Option<Panic>,
+    /// Claims so slow (the BMDB busy) that a worker waited as long again before its next.
+    pub claim_pauses: u64,
 }
 
 impl TaskStatus {
@@ -324,6 +326,7 @@ impl Tasks {
                 last_summary: String::new(),
                 last_success: None,
                 last_panic: None,
+                claim_pauses: 0,
             },
         );
         TaskHandle {
@@ -407,6 +410,11 @@ impl TaskHandle {
         if outcome == Outcome::Succeeded {
             self.set_last_success(now);
         }
+    }
+
+    /// A machine loop's worker found its claim slow and waits before the next one.
+    pub fn claim_paused(&self) {
+        self.tasks.update(self.name, |s| s.claim_pauses += 1);
     }
 
     /// The task is turning without a unit of work to end: a machine loop's worker found

@@ -300,6 +300,58 @@ async fn a_worker_that_panics_is_started_again(db: Bmdb) {
     );
 }
 
+/// A claim slowed by a busy BMDB (here SQLite's one writer held for a second by another
+/// transaction) makes its worker wait as long again before its next claim: the task counts
+/// the pause, and the loop goes on.
+#[tokio::test]
+async fn a_slow_claim_pauses_its_worker() {
+    let t = testing::sqlite().await;
+    let db = t.db.clone();
+    let tasks = Tasks::new(Duration::from_secs(3600));
+    let one_worker = RunnerConfig {
+        parallelism: 1,
+        status: tasks.task_of("initializer", TaskKind::Machines),
+        ..RunnerConfig::new(
+            1,
+            RateSpec::new(Duration::from_millis(1), 50),
+            SessionConfig::new("runner-test", Processor::ShepherdInitializer)
+                .with_interval(Duration::from_secs(5)),
+        )
+    };
+    let cancel = CancellationToken::new();
+    let task = Arc::new(Task::new(false, false));
+    let run = tokio::spawn(runner::run(db.clone(), task, one_worker, cancel.clone()));
+    // With nothing to claim the worker claims over and over, each claim a write.
+    let secs = Duration::from_secs;
+    eventually("the worker's session", secs(10), async || {
+        let live = db.status_counts().await.unwrap().sessions_live;
+        when(live == 1, live)
+    })
+    .await;
+    assert_eq!(tasks.statuses()[0].claim_pauses, 0, "claims are fast");
+    db.transact(|_| {
+        Box::pin(async {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            Ok(())
+        })
+    })
+    .await
+    .unwrap();
+    eventually("the slow claim counted", secs(10), async || {
+        let pauses = tasks.statuses()[0].claim_pauses;
+        when(pauses >= 1, pauses)
+    })
+    .await;
+    testing::provision(&db, 3, Provider::Sim).await;
+    eventually("every machine taken over", secs(30), async || {
+        let started = db.status_counts().await.unwrap().agent_started;
+        when(started == 3, started)
+    })
+    .await;
+    cancel.cancel();
+    run.await.unwrap();
+}
+
 /// A worker writes its last ending while it claims its next machine; a loop cancelled just
 /// after its workers processed the last machines still finishes every one of them (none is
 /// canceled by its session's closing) before it ends.
