@@ -23,6 +23,7 @@ mod metrics_http;
 mod overview;
 mod run_cmd;
 mod schema_watch;
+mod security_headers;
 mod server_cmd;
 mod task_view;
 mod tasks_cmd;

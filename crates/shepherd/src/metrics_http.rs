@@ -169,6 +169,7 @@ pub async fn serve(
         .await
         .with_context(|| format!("{setting}: {addr}"))?;
     let bound = listener.local_addr()?;
+    let app = crate::security_headers::secured(app, false);
     tokio::spawn(async move {
         let served = axum::serve(listener, app)
             .with_graceful_shutdown(async move { cancel.cancelled().await })

@@ -308,6 +308,7 @@ async fn serve_api(
         listener.local_addr()?
     ));
     let limits = shepherd_server::https::HttpsLimits::default();
+    let app = crate::security_headers::secured(app, true);
     tokio::spawn(shepherd_server::https::serve(
         "API", listener, tls, app, limits, cancel,
     ));

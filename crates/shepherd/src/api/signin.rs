@@ -213,11 +213,32 @@ pub fn pkce_challenge(verifier: &str) -> String {
     B64.encode(Sha256::digest(verifier.as_bytes()))
 }
 
-/// A path of this site to return to after signing in: relative, never to another host.
-fn local_path(next: Option<&str>) -> String {
-    match next {
-        Some(p) if p.starts_with('/') && !p.starts_with("//") && !p.contains('\\') => p.into(),
-        _ => "/machines".into(),
+/// A path of this site to return to after signing in, else the machines list. `next` is
+/// resolved against the web UI's address (`public_url`) and followed only if it stays on that
+/// origin and holds no control character: browsers drop TAB and LF from URLs, so
+/// `/\t/evil.example` would otherwise become `//evil.example`, another host. What is returned
+/// is the resolved path and query, which cannot name another host either.
+fn local_path(next: Option<&str>, public_url: &str) -> String {
+    let fallback = || "/machines".to_string();
+    let Some(next) = next else {
+        return fallback();
+    };
+    if !next.starts_with('/') || next.chars().any(|c| c.is_control() || c == '\\') {
+        return fallback();
+    }
+    let Ok(base) = reqwest::Url::parse(public_url) else {
+        return fallback();
+    };
+    match base.join(next) {
+        Ok(url) if url.origin() == base.origin() && !url.path().starts_with("//") => {
+            let mut path = url.path().to_string();
+            if let Some(query) = url.query() {
+                path.push('?');
+                path.push_str(query);
+            }
+            path
+        }
+        _ => fallback(),
     }
 }
 
@@ -280,7 +301,7 @@ async fn start(State(signin): State<Arc<SignIn>>, Query(q): Query<StartQuery>) -
         }
     };
     let (state, verifier, nonce) = (random_text(16), random_text(32), random_text(16));
-    let next = B64.encode(local_path(q.next.as_deref()));
+    let next = B64.encode(local_path(q.next.as_deref(), &signin.settings.public_url));
     let challenge = pkce_challenge(&verifier);
     let mut scope = vec!["openid".to_string()];
     scope.extend(signin.settings.scopes.iter().cloned());
@@ -367,7 +388,7 @@ async fn callback(
         .decode(next)
         .ok()
         .and_then(|b| String::from_utf8(b).ok());
-    let next = local_path(next.as_deref());
+    let next = local_path(next.as_deref(), &signin.settings.public_url);
     // A page, not a redirect: the browser came here from the provider's site, so it would
     // not send a `SameSite=Strict` cookie with a redirect's request; the page's own
     // navigation is of this site.
@@ -510,4 +531,33 @@ async fn sign_out(
     let gone = set_cookie(SESSION_COOKIE, "", Duration::ZERO, "Strict");
     response.headers_mut().insert(header::SET_COOKIE, gone);
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Where a browser goes after signing in: only a path of this site. A TAB or LF after
+    /// the first slash (which browsers drop, making `//evil.example`) failed before.
+    #[test]
+    fn after_sign_in_only_a_path_of_this_site_is_followed() {
+        let site = "https://shepherd.example:8443";
+        let back = |next: &str| local_path(Some(next), site);
+        assert_eq!(back("/machines?state=stale"), "/machines?state=stale");
+        assert_eq!(back("/machines/../overview"), "/overview");
+        for hostile in [
+            "/\t/evil.example",
+            "/\n/evil.example",
+            "/\r\n/evil.example",
+            "//evil.example",
+            "/\\evil.example",
+            "https://evil.example/",
+            "/.//evil.example",
+            "evil.example",
+            "",
+        ] {
+            assert_eq!(back(hostile), "/machines", "{hostile:?}");
+        }
+        assert_eq!(local_path(None, site), "/machines");
+    }
 }

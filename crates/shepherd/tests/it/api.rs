@@ -238,6 +238,11 @@ async fn bad_tokens_are_refused(url: &str) {
         .await
         .unwrap();
     assert_eq!(basic.status(), StatusCode::UNAUTHORIZED);
+    // Refusals too carry the security headers, HSTS among them (the API is HTTPS only).
+    let headers = basic.headers();
+    assert_eq!(headers["strict-transport-security"], "max-age=31536000");
+    assert_eq!(headers["x-frame-options"], "DENY");
+    assert_eq!(headers["cache-control"], "no-store");
     let listed =
         String::from_utf8(succeeds(shepherd().args(["tokens", "list", "--database", url])).stdout)
             .unwrap();

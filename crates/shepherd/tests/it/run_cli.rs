@@ -528,6 +528,14 @@ async fn demo_serves_its_web_ui_and_metrics() {
         page.contains(r#"id="brake" data-engaged="false""#) && page.contains("engages above 50%"),
         "{page}"
     );
+    // Pages over plain HTTP carry the security headers, without HSTS.
+    let answer = reqwest::get(&ui).await.unwrap();
+    assert_eq!(answer.headers()["x-content-type-options"], "nosniff");
+    assert_eq!(
+        answer.headers()["content-security-policy"],
+        "frame-ancestors 'none'"
+    );
+    assert!(answer.headers().get("strict-transport-security").is_none());
     // The overview names the server reporting its heartbeats, clean.
     let overview = common::get_text(&ui.replace("/machines", "/overview")).await;
     assert!(
