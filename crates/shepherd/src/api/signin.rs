@@ -502,9 +502,11 @@ async fn account(Extension(user): Extension<WebUser>) -> Response {
     )
 }
 
-/// A form that carries only the CSRF token.
+/// A form that carries only the CSRF token; without it, the form is refused like one with
+/// a wrong token (a styled 403, not the form parser's plain 422).
 #[derive(Deserialize)]
 struct CsrfOnly {
+    #[serde(default)]
     csrf: String,
 }
 

@@ -97,9 +97,13 @@ pub(super) fn routes(db: Bmdb) -> Router {
 }
 
 /// A form sent from the machine page.
+/// An action's form. Every field may be missing: a form without its CSRF token is refused
+/// by the same styled page as one with a wrong token, not by the form parser's plain 422.
 #[derive(Deserialize)]
 struct ActionForm {
+    #[serde(default)]
     csrf: String,
+    #[serde(default)]
     action: String,
     #[serde(default)]
     reason: String,

@@ -877,6 +877,17 @@ async fn signed_in_operators_act_from_the_machine_page_and_viewers_cannot() {
             cookie.is_some()
         );
     }
+    // A form without its CSRF field gets the same styled refusal, not the parser's 422.
+    let bare = http
+        .post(&act)
+        .header("cookie", session.as_str())
+        .form(&[("action", "maintenance-off"), ("reason", "forged")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bare.status(), 403);
+    let kind = bare.headers()["content-type"].to_str().unwrap().to_string();
+    assert!(kind.starts_with("text/html"), "{kind}");
     assert_eq!(
         recorded_actions(&t.db, machine).await.len(),
         1,
