@@ -310,10 +310,37 @@ impl Drop for Arrival {
     }
 }
 
+/// The task writing a server's heartbeat state to the BMDB ([`report_heartbeat_writes`]),
+/// started with the server and stopped once it has answered everything.
+pub struct Reporter {
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Reporter {
+    /// Starts reporting `writes` of the server `component` to `db`.
+    pub fn start(db: &Bmdb, writes: &Arc<HeartbeatWrites>, component: &str) -> Reporter {
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(report_heartbeat_writes(
+            db.clone(),
+            writes.clone(),
+            component.to_string(),
+            stop.clone(),
+        ));
+        Reporter { stop, task }
+    }
+
+    /// Writes the last report, removes the server's row and waits until that is done.
+    pub async fn stop(self) -> Result<(), tokio::task::JoinError> {
+        self.stop.cancel();
+        self.task.await
+    }
+}
+
 /// Writes `writes`' state to the BMDB every [`REPORT_EVERY`] until `cancel`, then (the server
 /// has answered everything) a last report and the row's removal. A report that fails is
 /// logged once per streak; the next one carries everything since.
-pub async fn report_heartbeat_writes(
+async fn report_heartbeat_writes(
     db: Bmdb,
     writes: Arc<HeartbeatWrites>,
     component: String,

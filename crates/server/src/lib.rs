@@ -14,7 +14,7 @@ pub mod service;
 pub mod status;
 pub mod tls;
 
-pub use heartbeat_writes::{report_heartbeat_writes, HeartbeatWrites, Refusal};
+pub use heartbeat_writes::{HeartbeatWrites, Refusal, Reporter};
 pub use loopback::{LoopbackError, LoopbackServer};
 pub use metrics::{CloseReason, ConnectionMetrics, Rejection};
 pub use peer::{Authorized, Peer};

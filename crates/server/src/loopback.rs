@@ -14,8 +14,8 @@ use crate::serve::InvalidLimit;
 use crate::service::{SlowHeartbeats, SlowHeartbeatsCell};
 use crate::tls::TlsError;
 use crate::{
-    dev_certs, load_server_config, report_heartbeat_writes, serve_with_metrics, BmaasService,
-    ConnectionMetrics, HeartbeatWrites, ServerLimits, SessionPool,
+    dev_certs, load_server_config, serve_with_metrics, BmaasService, ConnectionMetrics,
+    HeartbeatWrites, Reporter, ServerLimits, SessionPool,
 };
 
 /// Why a loopback server could not start, serve or stop.
@@ -55,7 +55,7 @@ pub struct LoopbackServer {
     metrics: ConnectionMetrics,
     /// Its heartbeats in flight, refused and late, reported to the BMDB until it closes.
     writes: Arc<HeartbeatWrites>,
-    reporter: (CancellationToken, JoinHandle<()>),
+    reporter: Reporter,
     /// The heartbeat fault injected, if any.
     slow: SlowHeartbeatsCell,
     running: Option<(
@@ -98,13 +98,7 @@ impl LoopbackServer {
         let bind = |error| LoopbackError::Bind { port: 0, error };
         let listener = TcpListener::bind("127.0.0.1:0").await.map_err(bind)?;
         let writes = Arc::new(HeartbeatWrites::new(limits.max_heartbeats_in_flight));
-        let stop_reporting = CancellationToken::new();
-        let reporter = tokio::spawn(report_heartbeat_writes(
-            db.clone(),
-            writes.clone(),
-            "bmsrv".into(),
-            stop_reporting.clone(),
-        ));
+        let reporter = Reporter::start(db, &writes, "bmsrv");
         let mut server = LoopbackServer {
             port: listener.local_addr().map_err(bind)?.port(),
             ca_pem,
@@ -114,7 +108,7 @@ impl LoopbackServer {
             limits,
             metrics: ConnectionMetrics::default(),
             writes,
-            reporter: (stop_reporting, reporter),
+            reporter,
             slow: SlowHeartbeatsCell::default(),
             running: None,
         };
@@ -204,8 +198,7 @@ impl LoopbackServer {
     /// server's BMDB sessions.
     pub async fn close(mut self) -> Result<()> {
         let stopped = self.stop().await;
-        self.reporter.0.cancel();
-        let reported = (&mut self.reporter.1).await;
+        let reported = self.reporter.stop().await;
         self.pool.close().await;
         stopped?;
         Ok(reported?)

@@ -9,8 +9,8 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use shepherd_bmdb::{Bmdb, OpenOptions, Processor, SessionConfig};
 use shepherd_server::{
-    dev_certs, load_https_config, load_server_config, report_heartbeat_writes, serve_with_metrics,
-    BmaasService, ConnectionMetrics, HeartbeatWrites, ServerLimits, SessionPool,
+    dev_certs, load_https_config, load_server_config, serve_with_metrics, BmaasService,
+    ConnectionMetrics, HeartbeatWrites, Reporter, ServerLimits, SessionPool,
 };
 
 use crate::fleet::shutdown_on_signals;
@@ -270,27 +270,16 @@ impl ServerArgs {
     }
 }
 
-/// The server's heartbeat counts (registered in `registry`) and the task reporting them to the
-/// BMDB until its token is cancelled.
+/// The server's heartbeat counts (registered in `registry`) and their reporter to the BMDB.
 fn start_heartbeat_writes(
     db: &Bmdb,
     limits: &ServerLimits,
     registry: &mut prometheus_client::registry::Registry,
-) -> (
-    Arc<HeartbeatWrites>,
-    tokio_util::sync::CancellationToken,
-    tokio::task::JoinHandle<()>,
-) {
+) -> (Arc<HeartbeatWrites>, Reporter) {
     let writes = Arc::new(HeartbeatWrites::new(limits.max_heartbeats_in_flight));
     writes.register(registry);
-    let stop_reporting = tokio_util::sync::CancellationToken::new();
-    let reporter = tokio::spawn(report_heartbeat_writes(
-        db.clone(),
-        writes.clone(),
-        "bmsrv".into(),
-        stop_reporting.clone(),
-    ));
-    (writes, stop_reporting, reporter)
+    let reporter = Reporter::start(db, &writes, "bmsrv");
+    (writes, reporter)
 }
 
 /// Serves the operator API's `app` on `addr` over HTTPS (`tls`) until `cancel`.
@@ -407,8 +396,7 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     db.report_heartbeat_batches_to(Arc::new(heartbeat_batches));
     let connections = ConnectionMetrics::default();
     connections.register(&mut operator.registry);
-    let (writes, stop_reporting, reporter) =
-        start_heartbeat_writes(&db, &limits, &mut operator.registry);
+    let (writes, reporter) = start_heartbeat_writes(&db, &limits, &mut operator.registry);
     let auth = Arc::new(crate::api::auth::Authenticator::new(
         db.clone(),
         oidc.clone(),
@@ -467,8 +455,7 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     )
     .await;
     // Every heartbeat was answered: the last report, then the writer's row goes.
-    stop_reporting.cancel();
-    let _ = reporter.await;
+    let _ = reporter.stop().await;
     pool.close().await;
     db.close().await;
     if let Ok(Err(e)) = schema.await {
