@@ -419,8 +419,8 @@ impl Bmdb {
     }
 
     /// Records a BMaaS server's report of the heartbeats it received (`heartbeat_writers`):
-    /// on SQLite it goes before every writer but keep-alives, since the recoverer's view of
-    /// silence depends on it.
+    /// on SQLite it takes the writer with the keep-alives, before every other writer, since
+    /// the recoverer's view of silence depends on it.
     pub async fn report_heartbeat_writer(&self, report: WriterReport) -> Result<(), Error> {
         self.run(Processor::Bmsrv, Mode::Lease, None, |tx| {
             let report = report.clone();
