@@ -592,8 +592,10 @@ impl Operator {
     /// Longest name or reason kept.
     pub const MAX_LEN: usize = 1000;
 
-    /// An operator with a name and a reason, checked: the name must not be empty and neither
-    /// may exceed [`Operator::MAX_LEN`] bytes.
+    /// An operator with a name and a reason, checked: the name must not be empty, neither
+    /// may exceed [`Operator::MAX_LEN`] bytes, and neither may hold a control character (a
+    /// newline would print as a made-up line of the history, an escape sequence would
+    /// rewrite the operator's terminal).
     pub fn new(by: impl Into<String>, reason: impl Into<String>) -> Result<Operator, Error> {
         let (by, reason) = (by.into(), reason.into());
         if by.trim().is_empty() {
@@ -601,6 +603,17 @@ impl Operator {
                 what: "operator",
                 problem: "the name is empty".into(),
             });
+        }
+        for (what, text) in [("operator", &by), ("reason", &reason)] {
+            if let Some(c) = text.chars().find(|c| c.is_control()) {
+                return Err(Error::InvalidArgument {
+                    what,
+                    problem: format!(
+                        "holds the control character {:?}; write it on one line, without escapes",
+                        c
+                    ),
+                });
+            }
         }
         if by.len() > Self::MAX_LEN || reason.len() > Self::MAX_LEN {
             return Err(Error::InvalidArgument {

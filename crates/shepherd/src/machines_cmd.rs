@@ -10,6 +10,7 @@ use uuid::Uuid;
 use crate::actions::{self, InstallImage, MachineAction};
 use crate::api_client::{ApiArgs, ApiClient};
 use crate::inventory;
+use crate::one_line::one_line;
 
 fn parse_state(s: &str) -> Result<Lifecycle, String> {
     s.parse().map_err(|e: shepherd_bmdb::Error| e.to_string())
@@ -192,11 +193,11 @@ impl WhoArgs {
     }
 }
 
-/// A JSON value as one table cell.
+/// A JSON value as one table cell, on one line whatever it holds.
 fn text(v: &Value) -> String {
     match v {
         Value::Null => "-".into(),
-        Value::String(s) => s.clone(),
+        Value::String(s) => one_line(s).into_owned(),
         other => other.to_string(),
     }
 }
@@ -503,11 +504,11 @@ pub async fn sessions(url: &str) -> Result<()> {
         println!(
             "{}  {:<22} {:<22} {:<8} deadline {} ({})",
             s.session_id,
-            s.component_name,
+            one_line(&s.component_name),
             s.processor,
             if s.deadline > now { "live" } else { "expired" },
             s.deadline.to_rfc3339(),
-            s.runtime_info
+            one_line(&s.runtime_info)
         );
     }
     Ok(())

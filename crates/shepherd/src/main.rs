@@ -20,6 +20,7 @@ mod inventory;
 mod login_cmd;
 mod machines_cmd;
 mod metrics_http;
+mod one_line;
 mod overview;
 mod run_cmd;
 mod schema_watch;

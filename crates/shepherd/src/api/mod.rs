@@ -35,6 +35,8 @@ use shepherd_loops::tasks::Tasks;
 use auth::Authenticator;
 use policy::Principal;
 use problem::{Kind, Problem};
+
+use crate::one_line::one_line;
 pub use state::{Api, RequestId};
 
 /// How long the fleet counts are reused (counting is O(fleet)).
@@ -251,7 +253,7 @@ impl DenialLog {
         state.0 = Some(Instant::now());
         tracing::warn!(
             problem = problem.kind.name(),
-            detail = %problem.detail,
+            detail = %one_line(&problem.detail),
             route,
             peer = peer.unwrap_or("unknown"),
             refused_since_last = refused,
@@ -298,5 +300,44 @@ impl RateLimiter {
         }
         *tokens -= 1.0;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A log writer into a buffer the test reads.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// A refusal's detail (anyone's text) is logged on the refusal's own line, its newline
+    /// escaped: a forged second line failed before.
+    #[test]
+    fn a_refusal_logs_one_line_whatever_its_detail_holds() {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        let detail = "y\n2030-01-01T00:00:00Z  WARN forged";
+        tracing::subscriber::with_default(subscriber, || {
+            let problem = Problem::new(Kind::Unauthenticated, detail);
+            DenialLog::default().note(&problem, "web sign-in", None);
+        });
+        let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+        assert_eq!(log.lines().count(), 1, "{log}");
+        assert!(log.contains("y\\n2030-01-01"), "{log}");
     }
 }

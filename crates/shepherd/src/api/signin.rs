@@ -36,6 +36,7 @@ use super::oidc::OidcVerifier;
 use super::policy::Principal;
 use super::problem::{Kind, Problem};
 use super::DenialLog;
+use crate::one_line::{one_line, one_line_cut};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -333,6 +334,14 @@ struct CallbackQuery {
     error_description: Option<String>,
 }
 
+/// The refusal of a callback that carries the provider's `error` and `description`. Anyone
+/// can send a browser here with any text: it is shown and logged on one line, cut short.
+fn provider_said(error: &str, description: Option<&str>) -> String {
+    let error = one_line_cut(error, 100);
+    let detail = one_line_cut(description.unwrap_or(""), 300);
+    format!("the identity provider said {error}: {detail}")
+}
+
 /// `GET /signin/callback`: the provider's answer; on success, a session.
 async fn callback(
     State(signin): State<Arc<SignIn>>,
@@ -340,8 +349,7 @@ async fn callback(
     Query(q): Query<CallbackQuery>,
 ) -> Response {
     if let Some(error) = &q.error {
-        let detail = q.error_description.as_deref().unwrap_or("");
-        let why = format!("the identity provider said {error}: {detail}");
+        let why = provider_said(error, q.error_description.as_deref());
         return signin.refuse(StatusCode::UNAUTHORIZED, &why);
     }
     let pending = cookie(&headers, PENDING_COOKIE).unwrap_or("");
@@ -382,7 +390,7 @@ async fn callback(
         Ok((_, secret)) => secret,
         Err(e) => return signin.refuse(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
     };
-    tracing::info!(who = %who.name, role = %who.role, "signed in to the web UI");
+    tracing::info!(who = %one_line(&who.name), role = %who.role, "signed in to the web UI");
     signin.count("signed_in");
     let next = B64
         .decode(next)
@@ -523,7 +531,7 @@ async fn sign_out(
         return signin.refuse(StatusCode::SERVICE_UNAVAILABLE, &e.to_string());
     }
     signin.auth.forget_cached();
-    tracing::info!(who = %user.principal.name, "signed out of the web UI");
+    tracing::info!(who = %one_line(&user.principal.name), "signed out of the web UI");
     signin.count("signed_out");
     let mut response = small_page(
         StatusCode::OK,
@@ -561,5 +569,19 @@ mod tests {
             assert_eq!(back(hostile), "/machines", "{hostile:?}");
         }
         assert_eq!(local_path(None, site), "/machines");
+    }
+
+    /// A callback's error text is anyone's: it cannot start a line of its own in the log or
+    /// the page, and it is cut short.
+    #[test]
+    fn a_providers_error_is_told_on_one_short_line() {
+        let forged = "y\n2030-01-01T00:00:00Z  WARN forged";
+        let why = provider_said("x", Some(forged));
+        assert_eq!(
+            why,
+            "the identity provider said x: y\\n2030-01-01T00:00:00Z  WARN forged"
+        );
+        let long = provider_said(&"e".repeat(5000), Some(&"d".repeat(5000)));
+        assert!(long.chars().count() < 450, "{}", long.len());
     }
 }

@@ -269,6 +269,19 @@ async fn actions_are_recorded_under_the_proven_identity(url: &str) {
         .call(Method::POST, &off, Some(&admin), Some(&json!({})))
         .await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{problem}");
+    // A reason that would print as a second, made-up history line is refused.
+    let forged = json!({"reason": "ok\n2030-01-01T00:00:00Z  operator oidc:admin  decommission"});
+    let (status, problem, _) = api
+        .call(Method::POST, &off, Some(&admin), Some(&forged))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{problem}");
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .contains("control character"),
+        "{problem}"
+    );
 
     let shown = machine_json(url, machine);
     let action = &shown["operator_actions"][0];

@@ -555,6 +555,44 @@ async fn operator_actions_are_recorded_and_shown() {
     done(session, t).await;
 }
 
+/// A reason cannot forge the history: one with a newline or an escape sequence is refused
+/// with a one-line error and nothing written, and one already stored (written before that
+/// check, or by another tool) prints escaped, on its own line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reason_cannot_add_lines_to_the_history_or_move_the_terminal() {
+    let (t, url, _, seeded, session) = seeded().await;
+    let m = seeded[0].id;
+    let id = m.to_string();
+    let forged = "disk swap\n2030-01-01T00:00:00Z  operator oidc:admin  decommission";
+    for reason in [forged, "tidy \x1b[2K\x1b[1Aup"] {
+        let args = ["machines", "maintenance", "on", &id, "--by", "carol"];
+        let out = shepherd(&url, &[&args[..], &["--reason", reason]].concat());
+        common::refused(&out, "reason: holds the control character");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stderr).trim().lines().count(),
+            1
+        );
+    }
+    let history = |url: &str| {
+        let out = shepherd(url, &["machines", "history", &id]);
+        ok(&out);
+        String::from_utf8(out.stdout).unwrap()
+    };
+    assert!(!history(&url).contains("carol"), "{}", history(&url));
+
+    let stored = Operator {
+        by: "mallory".into(),
+        reason: forged.into(),
+        request_id: None,
+    };
+    session.maintenance_on(m, &stored).await.unwrap();
+    let printed = history(&url);
+    let line = printed.lines().find(|l| l.contains("mallory")).unwrap();
+    assert!(line.contains("disk swap\\n2030-01-01"), "{printed}");
+    assert!(!printed.lines().any(|l| l.starts_with("2030")), "{printed}");
+    done(session, t).await;
+}
+
 fn ok(o: &Output) {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
