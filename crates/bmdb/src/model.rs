@@ -605,12 +605,12 @@ impl Operator {
             });
         }
         for (what, text) in [("operator", &by), ("reason", &reason)] {
-            if let Some(c) = text.chars().find(|c| c.is_control()) {
+            if let Some(c) = text.chars().find(|&c| moves_text(c)) {
                 return Err(Error::InvalidArgument {
                     what,
                     problem: format!(
-                        "holds the control character {:?}; write it on one line, without escapes",
-                        c
+                        "holds the character {c:?}, which moves printed text (a new line, a \
+                         terminal escape); write plain text on one line"
                     ),
                 });
             }
@@ -638,6 +638,15 @@ impl Operator {
             ..self
         }
     }
+}
+
+/// Whether `c` can make text printed for people look other than it is: a control character
+/// (a newline starts a made-up line; an escape sequence moves the terminal), a line or
+/// paragraph separator, or a bidirectional override (which reorders what follows it).
+/// Operators' text holds none; text from elsewhere is printed with them escaped.
+pub fn moves_text(c: char) -> bool {
+    c.is_control()
+        || matches!(c, '\u{2028}' | '\u{2029}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
 }
 
 /// The `machine_maintenance` tag: an operator took the machine out of the loops' hands.

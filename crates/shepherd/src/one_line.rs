@@ -1,17 +1,21 @@
 //! Text that came from outside (an operator's reason, a peer's error, a provider's name)
-//! printed for people: on one line, its control characters escaped (`\n`, `\u{1b}`), so that
-//! it can neither add a made-up line to a history or a log nor move an operator's terminal.
+//! printed for people: on one line, the characters [`moves_text`] names escaped (`\n`,
+//! `\u{1b}`, `\u{2028}`), so that it can neither add a made-up line to a history or a log
+//! nor move an operator's terminal.
 
 use std::borrow::Cow;
 
-/// `text` with every control character escaped as Rust writes it; borrowed if it has none.
+use shepherd_bmdb::moves_text;
+
+/// `text` with every character [`moves_text`] names escaped as Rust writes it; borrowed if
+/// it has none.
 pub fn one_line(text: &str) -> Cow<'_, str> {
-    if !text.chars().any(char::is_control) {
+    if !text.chars().any(moves_text) {
         return Cow::Borrowed(text);
     }
     let mut out = String::with_capacity(text.len() + 8);
     for c in text.chars() {
-        if c.is_control() {
+        if moves_text(c) {
             out.extend(c.escape_default());
         } else {
             out.push(c);
@@ -40,6 +44,7 @@ mod tests {
             one_line("a\n2030-01-01 WARN forged\x1b[2K\x1b[1A\tb\r"),
             "a\\n2030-01-01 WARN forged\\u{1b}[2K\\u{1b}[1A\\tb\\r"
         );
+        assert_eq!(one_line("a\u{2028}b\u{202e}c"), "a\\u{2028}b\\u{202e}c");
         assert_eq!(one_line_cut("ab\ncd", 3), "ab\\…");
         assert_eq!(one_line_cut("abc", 3), "abc");
     }

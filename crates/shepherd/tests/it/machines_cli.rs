@@ -564,10 +564,10 @@ async fn a_reason_cannot_add_lines_to_the_history_or_move_the_terminal() {
     let m = seeded[0].id;
     let id = m.to_string();
     let forged = "disk swap\n2030-01-01T00:00:00Z  operator oidc:admin  decommission";
-    for reason in [forged, "tidy \x1b[2K\x1b[1Aup"] {
+    for reason in [forged, "tidy \x1b[2K\x1b[1Aup", "a\r\nb", "a\u{2028}b"] {
         let args = ["machines", "maintenance", "on", &id, "--by", "carol"];
         let out = shepherd(&url, &[&args[..], &["--reason", reason]].concat());
-        common::refused(&out, "reason: holds the control character");
+        common::refused(&out, "reason: holds the character");
         assert_eq!(
             String::from_utf8_lossy(&out.stderr).trim().lines().count(),
             1
