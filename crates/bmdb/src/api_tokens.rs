@@ -21,8 +21,17 @@ pub const SESSION_PREFIX: &str = "session.";
 /// Longest token name kept.
 const MAX_NAME: usize = 100;
 
-/// Most tokens listed at once.
-pub const MAX_LISTED: i64 = 1000;
+/// Most tokens in one page of [`Bmdb::api_tokens`].
+pub const MAX_PAGE: usize = 1000;
+
+/// A page of tokens by name, and the name to list on after if more follow.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenPage {
+    /// The tokens, by name.
+    pub tokens: Vec<ApiToken>,
+    /// The last token's name if more may follow: the next page's `after`.
+    pub next: Option<String>,
+}
 
 /// A token as the BMDB records it (never its secret).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -224,10 +233,29 @@ impl Bmdb {
             .await
     }
 
-    /// Every token, by name (at most [`MAX_LISTED`]).
-    pub async fn api_tokens(&self) -> Result<Vec<ApiToken>, Error> {
-        self.read(|tx| Box::pin(async move { tx.api_tokens(MAX_LISTED).await }))
-            .await
+    /// The tokens named after `after` (from the first if `None`), by name: a page of at most
+    /// `limit` (1 to [`MAX_PAGE`]), with the name to go on from if more follow.
+    pub async fn api_tokens(&self, after: Option<&str>, limit: usize) -> Result<TokenPage, Error> {
+        if limit == 0 || limit > MAX_PAGE {
+            return Err(Error::InvalidArgument {
+                what: "limit",
+                problem: format!("must be 1 to {MAX_PAGE}"),
+            });
+        }
+        let after = after.map(str::to_string);
+        let mut tokens = self
+            .read(move |tx| {
+                let after = after.clone();
+                // One more than asked tells whether more follow.
+                Box::pin(async move { tx.api_tokens(after.as_deref(), limit as i64 + 1).await })
+            })
+            .await?;
+        let more = tokens.len() > limit;
+        tokens.truncate(limit);
+        let next = more
+            .then(|| tokens.last().map(|t| t.name.clone()))
+            .flatten();
+        Ok(TokenPage { tokens, next })
     }
 
     /// Revokes the token named `name`: it stops working at once for every server that has not

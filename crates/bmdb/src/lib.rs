@@ -36,8 +36,8 @@ mod writer_turns;
 pub mod testing;
 
 pub use api_tokens::{
-    digest as api_token_digest, ApiToken, TokenSecret, TokenTimes,
-    MAX_LISTED as MAX_API_TOKENS_LISTED, SESSION_PREFIX, TOKEN_PREFIX,
+    digest as api_token_digest, ApiToken, TokenPage, TokenSecret, TokenTimes,
+    MAX_PAGE as MAX_TOKEN_PAGE, SESSION_PREFIX, TOKEN_PREFIX,
 };
 pub use backoff::{default_interval_seconds, Backoff};
 pub use bare_metal::{

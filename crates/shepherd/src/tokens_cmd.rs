@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::Subcommand;
 use reqwest::Method;
 use serde_json::{json, Value};
-use shepherd_bmdb::{ApiToken, Bmdb, TokenTimes};
+use shepherd_bmdb::{ApiToken, Bmdb, TokenTimes, MAX_TOKEN_PAGE};
 
 use crate::api_client::{ApiArgs, ApiClient};
 
@@ -20,7 +20,8 @@ use crate::api::policy::parse_role;
 pub enum TokensCommand {
     /// Makes a token and prints it once (store it now: it cannot be shown again).
     Create(NewToken),
-    /// Every token: name, role, expiry, revocation and last use (never a secret).
+    /// Every token, page after page: name, role, expiry, revocation and last use (never a
+    /// secret).
     List,
     /// Revokes a token: it stops working at once on servers that have not cached it, within
     /// ten seconds on those that have.
@@ -85,9 +86,17 @@ async fn run_via_api(api: &ApiClient, command: TokensCommand) -> Result<()> {
             );
         }
         TokensCommand::List => {
-            let listed = api.get("/tokens").await?;
-            for t in listed["tokens"].as_array().into_iter().flatten() {
-                println!("{}", line(&token_of(t)?));
+            let mut path = format!("/tokens?limit={MAX_TOKEN_PAGE}");
+            loop {
+                let listed = api.get(&path).await?;
+                for t in listed["tokens"].as_array().into_iter().flatten() {
+                    println!("{}", line(&token_of(t)?));
+                }
+                let Some(next) = listed["next"].as_str() else {
+                    break;
+                };
+                let after: String = url::form_urlencoded::byte_serialize(next.as_bytes()).collect();
+                path = format!("/tokens?limit={MAX_TOKEN_PAGE}&after={after}");
             }
         }
         TokensCommand::Revoke { name } => {
@@ -147,8 +156,16 @@ async fn run_on(db: &Bmdb, command: TokensCommand) -> Result<()> {
             made(&token, secret.reveal());
         }
         TokensCommand::List => {
-            for t in db.api_tokens().await? {
-                println!("{}", line(&t));
+            let mut after = None;
+            loop {
+                let page = db.api_tokens(after.as_deref(), MAX_TOKEN_PAGE).await?;
+                for t in &page.tokens {
+                    println!("{}", line(t));
+                }
+                match page.next {
+                    Some(next) => after = Some(next),
+                    None => break,
+                }
             }
         }
         TokensCommand::Revoke { name } => match db.revoke_api_token(&name).await? {

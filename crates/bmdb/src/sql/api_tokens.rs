@@ -64,10 +64,13 @@ impl Tx {
         self.conn().row(sql.as_str(), &[Arg::Text(name)]).await
     }
 
-    /// Every token, by name; at most `limit`.
-    pub async fn api_tokens(&mut self, limit: i64) -> Result<Vec<ApiToken>> {
-        let sql = format!("SELECT {COLUMNS} FROM api_tokens ORDER BY name LIMIT $1");
-        self.conn().rows(sql.as_str(), &[Arg::Int(limit)]).await
+    /// At most `limit` tokens named after `after` (from the first if `None`), by name.
+    pub async fn api_tokens(&mut self, after: Option<&str>, limit: i64) -> Result<Vec<ApiToken>> {
+        let sql =
+            format!("SELECT {COLUMNS} FROM api_tokens WHERE name > $1 ORDER BY name LIMIT $2");
+        // Every name is longer than the empty one.
+        let args = [Arg::Text(after.unwrap_or("")), Arg::Int(limit)];
+        self.conn().rows(sql.as_str(), &args).await
     }
 
     /// Revokes the token named `name`; false if there is none or it was revoked already.

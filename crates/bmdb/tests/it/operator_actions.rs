@@ -521,9 +521,18 @@ async fn api_tokens_are_hashed_unique_revocable_and_expire(db: Bmdb) {
         .unwrap()
         .unwrap();
     assert!(!short.is_valid_at(short.times.created_at + chrono::Duration::seconds(2)));
-    let names: Vec<_> = db.api_tokens().await.unwrap();
-    let names: Vec<_> = names.iter().map(|t| t.name.as_str()).collect();
-    assert_eq!(names, ["ci", "short"]);
+    let page = db.api_tokens(None, MAX_TOKEN_PAGE).await.unwrap();
+    let names: Vec<_> = page.tokens.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!((names, page.next), (vec!["ci", "short"], None));
+    // A page at a time: each says where the next starts, the last that none follows.
+    let first = db.api_tokens(None, 1).await.unwrap();
+    assert_eq!(first.next.as_deref(), Some("ci"));
+    let second = db.api_tokens(first.next.as_deref(), 1).await.unwrap();
+    assert_eq!(
+        (second.tokens[0].name.as_str(), second.next),
+        ("short", None)
+    );
+    assert!(db.api_tokens(None, 0).await.is_err());
 }
 
 /// An action made through the operator API keeps the API request's id in the history.

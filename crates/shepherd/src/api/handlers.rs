@@ -20,7 +20,7 @@ use super::state::{Api, RequestId};
 use crate::actions::{self, ActionError, InstallImage, MachineAction, Performed};
 use crate::inventory;
 
-/// Machines per page unless the query asks otherwise.
+/// Machines or tokens per page unless the query asks otherwise.
 const DEFAULT_PAGE: usize = 100;
 /// Largest page a query may ask for.
 pub const MAX_PAGE: usize = 1000;
@@ -343,11 +343,23 @@ fn token_json(t: &ApiToken) -> Value {
             "revoked_at": t.times.revoked_at, "last_used_at": t.times.last_used_at })
 }
 
-/// `GET /api/v1/tokens`: every token (never a secret).
-pub async fn list_tokens(State(api): State<Arc<Api>>) -> Reply {
-    let tokens = api.db.api_tokens().await?;
-    let tokens: Vec<Value> = tokens.iter().map(token_json).collect();
-    Ok(Json(json!({ "tokens": tokens })))
+/// `GET /api/v1/tokens` paging.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct TokensQuery {
+    /// Start after this token name (the previous page's `next`).
+    after: Option<String>,
+    /// Most tokens in the page: 1 to 1000, 100 unless given.
+    limit: Option<usize>,
+}
+
+/// `GET /api/v1/tokens`: a page of tokens by name (never a secret), with `next` to continue
+/// from.
+pub async fn list_tokens(State(api): State<Arc<Api>>, ApiQuery(q): ApiQuery<TokensQuery>) -> Reply {
+    let limit = q.limit.unwrap_or(DEFAULT_PAGE);
+    let page = api.db.api_tokens(q.after.as_deref(), limit).await?;
+    let tokens: Vec<Value> = page.tokens.iter().map(token_json).collect();
+    Ok(Json(json!({ "tokens": tokens, "next": page.next })))
 }
 
 /// `POST /api/v1/tokens`.

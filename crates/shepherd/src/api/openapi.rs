@@ -17,7 +17,8 @@ use utoipa::openapi::{
 use utoipa::{IntoParams, PartialSchema};
 
 use super::handlers::{
-    DecommissionBody, InstallBody, ListQuery, MaintenanceBody, NewTokenBody, ReimageBody, RetryBody,
+    DecommissionBody, InstallBody, ListQuery, MaintenanceBody, NewTokenBody, ReimageBody,
+    RetryBody, TokensQuery,
 };
 use super::policy::{Rule, POLICY};
 use super::problem::ProblemBody;
@@ -78,7 +79,10 @@ fn describe(rule: &Rule) -> Option<Described> {
             "Sends a machine that came bare back to its live environment to install its OS again",
             Some(ReimageBody::schema()),
         ),
-        ("GET", "/api/v1/tokens") => ("Every API token (never a secret)", None),
+        ("GET", "/api/v1/tokens") => (
+            "A page of API tokens by name (never a secret), with `next` if more follow",
+            None,
+        ),
         ("POST", "/api/v1/tokens") => (
             "Makes an API token; its secret is in the answer only",
             Some(NewTokenBody::schema()),
@@ -136,9 +140,15 @@ pub fn document() -> OpenApi {
         if rule.path.contains("{name}") {
             operation = operation.parameter(path_parameter("name", "The token's name"));
         }
-        if rule.path == "/api/v1/machines" {
-            operation =
-                operation.parameters(Some(ListQuery::into_params(|| Some(ParameterIn::Query))));
+        let query = Some(ParameterIn::Query);
+        match (rule.method, rule.path) {
+            ("GET", "/api/v1/machines") => {
+                operation = operation.parameters(Some(ListQuery::into_params(|| query.clone())));
+            }
+            ("GET", "/api/v1/tokens") => {
+                operation = operation.parameters(Some(TokensQuery::into_params(|| query.clone())));
+            }
+            _ => {}
         }
         if let Some(body) = described.body {
             let body = RequestBodyBuilder::new()
