@@ -160,11 +160,13 @@ async fn guard(State(gate): State<Arc<Gate>>, mut req: Request, next: Next) -> R
     // Owned, so that no borrow of the request (whose body is not `Sync`) is held across an
     // await.
     let headers = req.headers().clone();
+    let mut authenticated = false;
     let checked = async {
         if let Some(peer) = &peer {
             gate.per_peer.admit(peer)?;
         }
         let who = gate.api.auth.authenticate(&headers).await?;
+        authenticated = true;
         gate.per_identity.admit(&who.name)?;
         let Some(needed) = policy::required(&method, &route) else {
             return Err(Problem::new(Kind::Forbidden, "no rule allows this route"));
@@ -175,10 +177,15 @@ async fn guard(State(gate): State<Arc<Gate>>, mut req: Request, next: Next) -> R
         }
         Ok(who)
     };
-    let mut response = match checked.await {
+    let checked = checked.await;
+    let mut response = match checked {
         Err(problem) => {
-            gate.denials.note(&problem, &route, peer.as_deref());
-            problem.into_response()
+            let peer = peer.as_deref();
+            gate.denials.note(&problem, &route, peer, &request_id.0);
+            match authenticated {
+                true => problem.into_response(),
+                false => for_a_stranger(problem).into_response(),
+            }
         }
         Ok(who) => {
             req.extensions_mut().insert::<Principal>(who);
@@ -198,6 +205,21 @@ async fn guard(State(gate): State<Arc<Gate>>, mut req: Request, next: Next) -> R
         response.headers_mut().insert("x-request-id", id);
     }
     response
+}
+
+/// What a caller whose credentials were not proven is told of `problem`: that the
+/// credentials are invalid, or that the API cannot check them now; nothing of what lies
+/// behind (a database, an identity provider, which check failed). The log has the detail,
+/// with the request id the answer carries.
+fn for_a_stranger(problem: Problem) -> Problem {
+    match problem.kind {
+        Kind::Unauthenticated => Problem::new(Kind::Unauthenticated, "invalid credentials"),
+        Kind::Unavailable | Kind::Timeout => Problem::new(
+            Kind::Unavailable,
+            "credentials cannot be checked now; try again later",
+        ),
+        _ => problem,
+    }
 }
 
 /// Labels of `shepherd_api_requests_total`.
@@ -243,7 +265,15 @@ pub(crate) struct DenialLog {
 impl DenialLog {
     const EVERY: Duration = Duration::from_secs(10);
 
-    pub(crate) fn note(&self, problem: &Problem, route: &str, peer: Option<&str>) {
+    pub(crate) fn note(&self, problem: &Problem, route: &str, peer: Option<&str>, request: &str) {
+        tracing::debug!(
+            problem = problem.kind.name(),
+            detail = %one_line(&problem.detail),
+            route,
+            peer = peer.unwrap_or("unknown"),
+            request,
+            "API request refused"
+        );
         let mut state = self.state.lock().unwrap();
         state.1 += 1;
         if state.0.is_some_and(|at| at.elapsed() < Self::EVERY) {
@@ -256,6 +286,7 @@ impl DenialLog {
             detail = %one_line(&problem.detail),
             route,
             peer = peer.unwrap_or("unknown"),
+            request,
             refused_since_last = refused,
             "API request refused"
         );
@@ -321,6 +352,23 @@ mod tests {
         }
     }
 
+    /// A caller whose credentials were not proven learns nothing of what lies behind: not
+    /// the database, not which check failed.
+    #[test]
+    fn a_stranger_is_told_invalid_or_unavailable_only() {
+        let down = Problem::new(
+            Kind::Unavailable,
+            "database postgres://bmdb.internal:5432/bmdb is unavailable: connection refused",
+        );
+        let told = for_a_stranger(down);
+        assert_eq!(told.kind, Kind::Unavailable);
+        assert!(!told.detail.contains("bmdb.internal"), "{}", told.detail);
+        let expired = Problem::new(Kind::Unauthenticated, "token \"ci\" expired at 2026-01-01");
+        assert_eq!(for_a_stranger(expired).detail, "invalid credentials");
+        let limited = Problem::new(Kind::RateLimited, "too many requests");
+        assert_eq!(for_a_stranger(limited.clone()), limited);
+    }
+
     /// A refusal's detail (anyone's text) is logged on the refusal's own line, its newline
     /// escaped: a forged second line failed before.
     #[test]
@@ -334,7 +382,7 @@ mod tests {
         let detail = "y\n2030-01-01T00:00:00Z  WARN forged";
         tracing::subscriber::with_default(subscriber, || {
             let problem = Problem::new(Kind::Unauthenticated, detail);
-            DenialLog::default().note(&problem, "web sign-in", None);
+            DenialLog::default().note(&problem, "web sign-in", None, "r-1");
         });
         let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
         assert_eq!(log.lines().count(), 1, "{log}");

@@ -254,21 +254,26 @@ fn small_page(status: StatusCode, title: &str, body: maud::Markup) -> Response {
 }
 
 impl SignIn {
-    /// A sign-in (or a form) that cannot go on: counted, logged at most every ten seconds
-    /// (never with a credential), and said plainly with a way to start again.
+    /// A sign-in (or a form) that cannot go on: counted, logged (never with a credential),
+    /// and said plainly with a way to start again. What failed on this side (the database,
+    /// the identity provider's token endpoint) is the log's, not the stranger's: the page
+    /// says only that sign-in cannot be completed now.
     fn refuse(&self, status: StatusCode, why: &str) -> Response {
-        let outcome = if status.is_server_error() {
-            "unavailable"
+        let request = uuid::Uuid::new_v4().to_string();
+        let (outcome, shown) = if status.is_server_error() {
+            let shown =
+                format!("Sign-in cannot be completed now; try again shortly (request {request}).");
+            ("unavailable", shown)
         } else {
-            "refused"
+            ("refused", why.to_string())
         };
         self.count(outcome);
         let problem = Problem::new(Kind::Unauthenticated, why);
-        self.denials.note(&problem, "web sign-in", None);
+        self.denials.note(&problem, "web sign-in", None, &request);
         small_page(
             status,
             "Sign-in failed",
-            html! { p.error { (why) } p { a href="/signin" { "Sign in again" } } },
+            html! { p.error { (shown) } p { a href="/signin" { "Sign in again" } } },
         )
     }
 
