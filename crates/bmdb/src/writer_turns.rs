@@ -5,6 +5,12 @@
 //! more writes. So a lease's keep-alive ([`Urgency::Lease`]) goes before every waiting
 //! writer, and the facts agents send ([`Urgency::Facts`]: heartbeat batches) before the
 //! loops' work, which only slows down. Within an urgency, turns go in arrival order.
+//!
+//! Slowing down must not become stopping: while facts arrive faster than the writer records
+//! them, strict priority would leave the loops' work waiting for good (their claims time out,
+//! expired sessions are never collected, takeovers stop). So waiting work is passed over at
+//! most [`WORK_PASSED_OVER`] times in a row by facts; then it gets the next turn. Keep-alives
+//! still go first: one per session and interval, they cannot crowd anything out.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -24,6 +30,10 @@ pub(crate) enum Urgency {
 
 const URGENCIES: usize = 3;
 
+/// How many turns in a row facts may take while work waits: work gets at least one writer
+/// turn in `WORK_PASSED_OVER + 1` that facts or work ask for.
+pub(crate) const WORK_PASSED_OVER: u32 = 3;
+
 /// The writer's turns: who holds it, and who waits, by urgency.
 #[derive(Debug, Default)]
 pub(crate) struct WriterTurns {
@@ -34,6 +44,33 @@ pub(crate) struct WriterTurns {
 struct State {
     held: bool,
     waiting: [VecDeque<oneshot::Sender<()>>; URGENCIES],
+    /// Turns facts took in a row while work waited.
+    work_passed_over: u32,
+}
+
+impl State {
+    /// The urgency whose first waiter goes next: a keep-alive; then work, if facts passed it
+    /// over [`WORK_PASSED_OVER`] times; then facts; then work. `None` if nobody waits.
+    fn next(&mut self) -> Option<Urgency> {
+        let waits = |u: Urgency| !self.waiting[u as usize].is_empty();
+        let next = if waits(Urgency::Lease) {
+            Urgency::Lease
+        } else if waits(Urgency::Work)
+            && (self.work_passed_over >= WORK_PASSED_OVER || !waits(Urgency::Facts))
+        {
+            Urgency::Work
+        } else if waits(Urgency::Facts) {
+            Urgency::Facts
+        } else {
+            return None;
+        };
+        match next {
+            Urgency::Work => self.work_passed_over = 0,
+            Urgency::Facts if waits(Urgency::Work) => self.work_passed_over += 1,
+            _ => {}
+        }
+        Some(next)
+    }
 }
 
 /// The writer's turn, held until dropped; then the most urgent waiter gets it.
@@ -79,24 +116,19 @@ impl WriterTurns {
         }
     }
 
-    /// Gives the turn to the most urgent waiter still waiting, or frees the writer.
+    /// Gives the turn to the waiter [`State::next`] names, or frees the writer.
     fn pass_on(&self) {
         let mut state = self.state.lock().expect("writer turns");
-        loop {
-            let next = state.waiting.iter_mut().rev().find_map(VecDeque::pop_front);
-            match next {
-                // A waiter that went away has dropped its receiver: the next one gets it.
-                Some(give) => {
-                    if give.send(()).is_ok() {
-                        return;
-                    }
-                }
-                None => {
-                    state.held = false;
-                    return;
-                }
+        while let Some(urgency) = state.next() {
+            let give = state.waiting[urgency as usize]
+                .pop_front()
+                .expect("next names an urgency with a waiter");
+            // A waiter that went away has dropped its receiver: the next one gets it.
+            if give.send(()).is_ok() {
+                return;
             }
         }
+        state.held = false;
     }
 
     /// How many writers wait for the turn, by urgency (least urgent first).
@@ -180,5 +212,36 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(1), turns.take(Urgency::Work))
             .await
             .expect("the turn was passed on");
+    }
+
+    /// Facts that keep coming do not stop work: a work waiter queued behind a crowd of facts
+    /// goes after at most `WORK_PASSED_OVER` of them, and again after as many more.
+    #[tokio::test]
+    async fn work_is_passed_over_a_bounded_number_of_times() {
+        let turns = Arc::new(WriterTurns::default());
+        let first = turns.take(Urgency::Facts).await;
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut waiters = Vec::new();
+        let queue = (0..12)
+            .map(|i| (format!("facts-{i}"), Urgency::Facts))
+            .chain((0..2).map(|i| (format!("work-{i}"), Urgency::Work)));
+        for (name, urgency) in queue {
+            let (turns, order) = (turns.clone(), order.clone());
+            waiters.push(tokio::spawn(async move {
+                let _turn = turns.take(urgency).await;
+                order.lock().unwrap().push(name);
+            }));
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert_eq!(turns.waiting(), [2, 12, 0]);
+        drop(first);
+        for w in waiters {
+            w.await.unwrap();
+        }
+        let order = order.lock().unwrap();
+        let at = |name: &str| order.iter().position(|n| n == name).unwrap();
+        let k = WORK_PASSED_OVER as usize;
+        assert_eq!(at("work-0"), k, "{order:?}");
+        assert_eq!(at("work-1"), 2 * k + 1, "{order:?}");
     }
 }

@@ -225,12 +225,18 @@ impl Tx {
 
     /// Whether an agent whose heartbeat was refused (its key did not match) may have a key
     /// that is about to be recorded: the machine's agent start is under way (the takeover's
-    /// ending, which records the key, has not committed), or `key` matches by now.
+    /// ending, which records the key, has not committed), the machine has no agent key
+    /// recorded at all (a takeover whose ending was lost with its lease started this agent,
+    /// and the next takeover replaces it), or `key` matches by now. Only a key other than
+    /// the one recorded, or a machine the BMDB does not have, is wrong.
     pub async fn agent_key_pending(&mut self, id: Uuid, key: &[u8]) -> Result<bool> {
         let sql = "SELECT EXISTS (SELECT 1 FROM work
-                                   WHERE machine_id = $1 AND process = 'ShepherdAgentStart')";
-        let starting = self.conn().value(sql, &[Arg::Uuid(id)]).await? == Some(true);
-        Ok(starting || self.agent_key_matches(id, key).await?)
+                                   WHERE machine_id = $1 AND process = 'ShepherdAgentStart')
+                       OR (EXISTS (SELECT 1 FROM machines WHERE machine_id = $1)
+                           AND NOT EXISTS (SELECT 1 FROM machine_agent_started
+                                            WHERE machine_id = $1))";
+        let pending = self.conn().value(sql, &[Arg::Uuid(id)]).await? == Some(true);
+        Ok(pending || self.agent_key_matches(id, key).await?)
     }
 
     /// Records a heartbeat now.

@@ -251,6 +251,23 @@ async fn agents_are_authorized_by_key(db: Bmdb) {
         "nothing written for a wrong key"
     );
 
+    // A machine with no agent key recorded at all (a takeover whose ending was lost started
+    // this agent; the next one replaces it): "not yet recorded", told apart and written nowhere.
+    let bare = db
+        .transact(|tx| Box::pin(async move { tx.create_machine().await }))
+        .await
+        .unwrap();
+    let e = wrong.heartbeat(beat(&bare.to_string())).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e}");
+    assert!(shepherd_proto::hints::key_pending(&e), "{e}");
+    assert!(heartbeat_of(&db, bare).await.is_none());
+    // Once a key is recorded, another one is wrong.
+    db.transact(move |tx| Box::pin(async move { tx.set_agent_started(bare, &[7; 32]).await }))
+        .await
+        .unwrap();
+    let e = wrong.heartbeat(beat(&bare.to_string())).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated, "{e}");
+
     let e = c.heartbeat(beat("not-a-uuid")).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument);
 

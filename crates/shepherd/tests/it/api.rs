@@ -219,7 +219,10 @@ async fn bad_tokens_are_refused(url: &str) {
             .await;
         assert_eq!(status, StatusCode::UNAUTHORIZED, "{what}: {problem}");
         // One answer for every way a credential is wrong: which check failed is the log's.
-        assert_eq!(problem["detail"], "invalid credentials", "{what}: {problem}");
+        assert_eq!(
+            problem["detail"], "invalid credentials",
+            "{what}: {problem}"
+        );
     }
     let (status, me, _) = api
         .call(Method::GET, "/api/v1/whoami", Some(&good), None)
