@@ -308,6 +308,7 @@ fn settings(workers: usize, creation_parallelism: usize, n: usize) -> FleetSetti
         updater_rate: rate(5 * 60 * 1000, 1),
         session_interval: Duration::from_secs(5),
         history_retention: None,
+        sign_in_retention: shepherd_bmdb::SIGN_IN_RETENTION,
         tasks: Default::default(),
         bare: None,
     }

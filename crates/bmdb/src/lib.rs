@@ -52,7 +52,7 @@ pub use metrics::{BmdbMetrics, ClaimSearch};
 pub use migrations::{SchemaWindow, SCHEMA_VERSION};
 pub use model::*;
 pub use operator::ActionOutcome;
-pub use retention::{HistoryRetention, PrunedHistory};
+pub use retention::{HistoryRetention, PrunedHistory, SIGN_IN_RETENTION};
 pub use session::{Session, SessionConfig, BATCH_WAIT, DEFAULT_SESSION_INTERVAL, MAX_BATCH};
 pub use sql::claims::ClaimStrategy;
 pub use sql::engine::{Tx, TxFuture};

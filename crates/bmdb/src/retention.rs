@@ -37,6 +37,10 @@ impl HistoryRetention {
     }
 }
 
+/// How long a web sign-in's token row is kept after it expired or was revoked, unless
+/// configured otherwise.
+pub const SIGN_IN_RETENTION: Duration = Duration::from_secs(30 * 86_400);
+
 /// What one retention pass deleted.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PrunedHistory {
@@ -44,14 +48,16 @@ pub struct PrunedHistory {
     pub work: u64,
     /// Operators' history entries.
     pub operator: u64,
+    /// Web sign-ins that had ended (expired or revoked) longer ago than their retention.
+    pub sign_ins: u64,
 }
 
 impl std::fmt::Display for PrunedHistory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "pruned {} work and {} operator history entries",
-            self.work, self.operator
+            "pruned {} work and {} operator history entries, {} ended sign-ins",
+            self.work, self.operator, self.sign_ins
         )
     }
 }
@@ -93,6 +99,36 @@ impl Session {
                 if deleted < limit as u64 {
                     break;
                 }
+            }
+        }
+        Ok(pruned)
+    }
+
+    /// Deletes the web sign-ins that ended (expired or were revoked) more than `keep` ago, in
+    /// batches as [`Session::prune_history`] does; returns how many went.
+    pub async fn prune_sign_ins(
+        &self,
+        keep: Duration,
+        batch: i64,
+        max_batches: u32,
+    ) -> Result<u64, Error> {
+        let keep = chrono::Duration::from_std(keep).map_err(|_| Error::InvalidArgument {
+            what: "sign-in retention",
+            problem: "is too long".into(),
+        })?;
+        let mut pruned = 0;
+        for _ in 0..max_batches {
+            let deleted = self
+                .transact(move |tx| {
+                    Box::pin(async move {
+                        let now = tx.now().await?;
+                        tx.prune_ended_sign_ins(now - keep, batch).await
+                    })
+                })
+                .await?;
+            pruned += deleted;
+            if deleted < batch as u64 {
+                break;
             }
         }
         Ok(pruned)

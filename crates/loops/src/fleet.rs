@@ -66,6 +66,8 @@ pub struct FleetSettings {
     pub session_interval: Duration,
     /// How long history is kept; `None` keeps it forever.
     pub history_retention: Option<HistoryRetention>,
+    /// How long a web sign-in is kept after it expired or was revoked.
+    pub sign_in_retention: Duration,
     /// Where every loop reports its work (shared with the web UI, the API and `/metrics`).
     pub tasks: Tasks,
 }
@@ -161,12 +163,8 @@ pub async fn run_loops<P: RecovererProvider + 'static>(
         .with_brake(brake);
     let recover = Processor::ShepherdRecoverer;
     let recovering = loops.machines(&settings.recoverer_loop, recoverer, recover, "recoverer");
-    let pruning = async {
-        if let Some(retention) = settings.history_retention {
-            let pruner = HistoryPruner::new(retention);
-            loops.periodic(pruner, "retention").await;
-        }
-    };
+    let pruner = HistoryPruner::new(settings.history_retention, settings.sign_in_retention);
+    let pruning = loops.periodic(pruner, "retention");
     let bare = match &settings.bare {
         Some(b) => Some((
             BareMetalLoop::new(provider.clone(), b.settings.clone())?

@@ -196,6 +196,7 @@ fn settings(args: &DemoArgs) -> FleetSettings {
         updater_rate: fast(2000, 1),
         session_interval: Duration::from_secs(5),
         history_retention: None,
+        sign_in_retention: shepherd_bmdb::SIGN_IN_RETENTION,
         tasks: Default::default(),
         bare: None,
     }

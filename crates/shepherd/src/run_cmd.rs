@@ -121,6 +121,10 @@ pub struct RunArgs {
     /// is kept forever.
     #[arg(long, env = "SHEPHERD_HISTORY_RETENTION", value_parser = duration)]
     pub history_retention: Option<Duration>,
+    /// How long a web UI sign-in's token is kept after it expired or was revoked (then the
+    /// retention task deletes it; tokens made by name are never deleted).
+    #[arg(long, env = "SHEPHERD_TOKEN_RETENTION", default_value = "30d", value_parser = duration)]
+    pub token_retention: Duration,
 }
 
 /// Where machines come from.
@@ -657,6 +661,7 @@ impl RunArgs {
                 "history-retention",
                 self.history_retention.unwrap_or(Duration::MAX),
             ),
+            ("token-retention", self.token_retention),
         ] {
             if d.is_zero() {
                 bail!("{name}: must be more than zero");
@@ -679,6 +684,7 @@ impl RunArgs {
             updater_rate: self.updater_rate,
             session_interval: self.session_interval,
             history_retention: self.history_retention.map(HistoryRetention::new),
+            sign_in_retention: self.token_retention,
             tasks: self.process.tasks(),
             bare: None,
         })

@@ -41,4 +41,20 @@ impl Tx {
         let args = [Arg::Time(before), Arg::Time(failed_before), Arg::Int(limit)];
         self.conn().execute(sql, &args).await
     }
+
+    /// Deletes at most `limit` web sign-ins (tokens named [`crate::SESSION_PREFIX`]…) that
+    /// expired or were revoked before `before`; returns how many went. Other tokens stay: an
+    /// administrator made them and revokes or keeps them by name.
+    pub(crate) async fn prune_ended_sign_ins(
+        &mut self,
+        before: DateTime<Utc>,
+        limit: i64,
+    ) -> Result<u64> {
+        let sql = "DELETE FROM api_tokens WHERE token_id IN (
+                       SELECT token_id FROM api_tokens
+                        WHERE name LIKE 'session.%' AND (expires_at < $1 OR revoked_at < $1)
+                        LIMIT $2)";
+        let args = [Arg::Time(before), Arg::Int(limit)];
+        self.conn().execute(sql, &args).await
+    }
 }

@@ -535,6 +535,42 @@ async fn api_tokens_are_hashed_unique_revocable_and_expire(db: Bmdb) {
     assert!(db.api_tokens(None, 0).await.is_err());
 }
 
+/// Retention deletes web sign-ins that expired or were revoked longer ago than their
+/// retention, and nothing else: not a live sign-in, not a token made by name.
+async fn retention_deletes_ended_sign_ins_only(db: Bmdb) {
+    let second = Duration::from_secs(1);
+    let day = Duration::from_secs(86_400);
+    let (expired, _) = db
+        .create_web_session("oidc:a", Role::Viewer, second)
+        .await
+        .unwrap();
+    let (revoked, _) = db
+        .create_web_session("oidc:b", Role::Viewer, day)
+        .await
+        .unwrap();
+    db.revoke_api_token(&revoked.name).await.unwrap();
+    let (live, _) = db
+        .create_web_session("oidc:c", Role::Viewer, day)
+        .await
+        .unwrap();
+    db.create_api_token("short", Role::Viewer, second, "alice")
+        .await
+        .unwrap()
+        .unwrap();
+    let s = session(&db, Processor::ShepherdRetention).await;
+    // Ended, but within the retention: kept.
+    assert_eq!(s.prune_sign_ins(day, 10, 10).await.unwrap(), 0);
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    assert_eq!(s.prune_sign_ins(second, 1, 10).await.unwrap(), 2);
+    let left = db.api_tokens(None, MAX_TOKEN_PAGE).await.unwrap().tokens;
+    let mut left: Vec<_> = left.into_iter().map(|t| t.name).collect();
+    left.sort();
+    let mut want = vec![live.name.clone(), "short".to_string()];
+    want.sort();
+    assert_eq!(left, want, "gone: {} and {}", expired.name, revoked.name);
+    s.close().await.unwrap();
+}
+
 /// An action made through the operator API keeps the API request's id in the history.
 async fn actions_keep_their_request_id(db: Bmdb) {
     let m = testing::provision(&db, 1, Provider::Sim).await[0];
@@ -559,5 +595,6 @@ shepherd_bmdb::conformance_tests!(
     retry_and_forget_host_key_are_recorded,
     retention_prunes_in_batches_and_keeps_failures_longest,
     api_tokens_are_hashed_unique_revocable_and_expire,
+    retention_deletes_ended_sign_ins_only,
     actions_keep_their_request_id,
 );
