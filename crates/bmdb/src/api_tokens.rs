@@ -21,17 +21,20 @@ pub const SESSION_PREFIX: &str = "session.";
 /// Longest token name kept.
 const MAX_NAME: usize = 100;
 
+/// Whether `text` has the shape of a token's secret: [`TOKEN_PREFIX`] and 64 lowercase hex
+/// digits. Anything else is no token, known without a database round trip (a junk cookie
+/// or header costs nothing).
+pub fn is_token_shaped(text: &str) -> bool {
+    text.strip_prefix(TOKEN_PREFIX).is_some_and(|hex| {
+        hex.len() == 64
+            && hex
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    })
+}
+
 /// Most tokens in one page of [`Bmdb::api_tokens`].
 pub const MAX_PAGE: usize = 1000;
-
-/// A page of tokens by name, and the name to list on after if more follow.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TokenPage {
-    /// The tokens, by name.
-    pub tokens: Vec<ApiToken>,
-    /// The last token's name if more may follow: the next page's `after`.
-    pub next: Option<String>,
-}
 
 /// A token as the BMDB records it (never its secret).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -86,6 +89,7 @@ pub struct TokenSecret(String);
 
 impl TokenSecret {
     /// A new random secret: the prefix and 32 random bytes in hex.
+    /// A new secret: [`TOKEN_PREFIX`] and 64 lowercase hex digits ([`is_token_shaped`]).
     fn generate() -> TokenSecret {
         let mut bytes = [0u8; 32];
         rand::rng().fill_bytes(&mut bytes);
@@ -225,7 +229,7 @@ impl Bmdb {
     /// The token whose secret is `text`, whatever its state (the caller checks
     /// [`ApiToken::is_valid_at`]); `None` for a text that is no token.
     pub async fn api_token_for(&self, text: &str) -> Result<Option<ApiToken>, Error> {
-        if !text.starts_with(TOKEN_PREFIX) {
+        if !is_token_shaped(text) {
             return Ok(None);
         }
         let sha256 = digest(text);
@@ -234,8 +238,13 @@ impl Bmdb {
     }
 
     /// The tokens named after `after` (from the first if `None`), by name: a page of at most
-    /// `limit` (1 to [`MAX_PAGE`]), with the name to go on from if more follow.
-    pub async fn api_tokens(&self, after: Option<&str>, limit: usize) -> Result<TokenPage, Error> {
+    /// `limit` (1 to [`MAX_PAGE`]), and the last one's name if more follow (the next page's
+    /// `after`).
+    pub async fn api_tokens(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<(Vec<ApiToken>, Option<String>), Error> {
         if limit == 0 || limit > MAX_PAGE {
             return Err(Error::InvalidArgument {
                 what: "limit",
@@ -255,7 +264,7 @@ impl Bmdb {
         let next = more
             .then(|| tokens.last().map(|t| t.name.clone()))
             .flatten();
-        Ok(TokenPage { tokens, next })
+        Ok((tokens, next))
     }
 
     /// Revokes the token named `name`: it stops working at once for every server that has not

@@ -36,7 +36,7 @@ mod writer_turns;
 pub mod testing;
 
 pub use api_tokens::{
-    digest as api_token_digest, ApiToken, TokenPage, TokenSecret, TokenTimes,
+    digest as api_token_digest, is_token_shaped, ApiToken, TokenSecret, TokenTimes,
     MAX_PAGE as MAX_TOKEN_PAGE, SESSION_PREFIX, TOKEN_PREFIX,
 };
 pub use backoff::{default_interval_seconds, Backoff};

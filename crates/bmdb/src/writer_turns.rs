@@ -160,28 +160,42 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
+    /// Queues a waiter for each of `queue`, in that order (each is waiting before the next
+    /// comes); each, given the turn, appends its name to the returned order and holds the turn
+    /// for `hold`. Their tasks, to wait for.
+    async fn queue_waiters(
+        turns: &Arc<WriterTurns>,
+        queue: impl IntoIterator<Item = (String, Urgency)>,
+        hold: Duration,
+    ) -> (Arc<Mutex<Vec<String>>>, Vec<tokio::task::JoinHandle<()>>) {
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut waiters = Vec::new();
+        for (name, urgency) in queue {
+            let (turns, order) = (turns.clone(), order.clone());
+            waiters.push(tokio::spawn(async move {
+                let _turn = turns.take(urgency).await;
+                order.lock().unwrap().push(name);
+                tokio::time::sleep(hold).await;
+            }));
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        (order, waiters)
+    }
+
     /// The holder's successor is the most urgent waiter, in arrival order within an urgency;
     /// a waiter that went away is skipped, even one that had already been given the turn.
     #[tokio::test]
     async fn the_most_urgent_waiter_goes_next_and_no_turn_is_lost() {
         let turns = Arc::new(WriterTurns::default());
         let first = turns.take(Urgency::Work).await;
-        let order = Arc::new(Mutex::new(Vec::new()));
-        let mut waiters = Vec::new();
-        for (name, urgency) in [
+        let queue = [
             ("work-1", Urgency::Work),
             ("facts", Urgency::Facts),
             ("work-2", Urgency::Work),
             ("lease", Urgency::Lease),
-        ] {
-            let (turns, order) = (turns.clone(), order.clone());
-            waiters.push(tokio::spawn(async move {
-                let _turn = turns.take(urgency).await;
-                order.lock().unwrap().push(name);
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }));
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        ]
+        .map(|(name, urgency)| (name.to_string(), urgency));
+        let (order, waiters) = queue_waiters(&turns, queue, Duration::from_millis(5)).await;
         // One more that goes away while it waits.
         let gone = {
             let turns = turns.clone();
@@ -220,19 +234,10 @@ mod tests {
     async fn work_is_passed_over_a_bounded_number_of_times() {
         let turns = Arc::new(WriterTurns::default());
         let first = turns.take(Urgency::Facts).await;
-        let order = Arc::new(Mutex::new(Vec::new()));
-        let mut waiters = Vec::new();
         let queue = (0..12)
             .map(|i| (format!("facts-{i}"), Urgency::Facts))
             .chain((0..2).map(|i| (format!("work-{i}"), Urgency::Work)));
-        for (name, urgency) in queue {
-            let (turns, order) = (turns.clone(), order.clone());
-            waiters.push(tokio::spawn(async move {
-                let _turn = turns.take(urgency).await;
-                order.lock().unwrap().push(name);
-            }));
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
+        let (order, waiters) = queue_waiters(&turns, queue, Duration::ZERO).await;
         assert_eq!(turns.waiting(), [2, 12, 0]);
         drop(first);
         for w in waiters {

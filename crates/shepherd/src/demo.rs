@@ -388,14 +388,26 @@ async fn serve_operator_view(
     provider_metrics.register(registry, "shepherd_provider", "Provider API");
     writes.register(registry);
     let app = operator.router(db.clone());
-    let wanted =
-        crate::metrics_http::serve(args.http_listen, "http-listen", app.clone(), cancel.clone())
-            .await;
+    let wanted = crate::metrics_http::serve(
+        args.http_listen,
+        "http-listen",
+        app.clone(),
+        crate::rate_limit::DEFAULT_RATE,
+        cancel.clone(),
+    )
+    .await;
     match wanted {
         Ok(addr) => Ok(addr),
         Err(_) => {
             let any = std::net::SocketAddr::new(args.http_listen.ip(), 0);
-            Ok(crate::metrics_http::serve(any, "http-listen", app, cancel.clone()).await?)
+            Ok(crate::metrics_http::serve(
+                any,
+                "http-listen",
+                app,
+                crate::rate_limit::DEFAULT_RATE,
+                cancel.clone(),
+            )
+            .await?)
         }
     }
 }

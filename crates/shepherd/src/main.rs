@@ -22,6 +22,7 @@ mod machines_cmd;
 mod metrics_http;
 mod one_line;
 mod overview;
+mod rate_limit;
 mod run_cmd;
 mod schema_watch;
 mod security_headers;

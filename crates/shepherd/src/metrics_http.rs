@@ -147,29 +147,35 @@ async fn require_credential(
     match auth.authenticate(req.headers()).await {
         Ok(_) => next.run(req).await,
         Err(problem) => {
+            // The stranger learns nothing of which check failed; the log does.
+            tracing::debug!(detail = %crate::one_line::one_line(&problem.detail), "/metrics refused");
             let answer = (
                 StatusCode::UNAUTHORIZED,
                 [(WWW_AUTHENTICATE, "Bearer")],
-                format!("{}\n", problem.detail),
+                "invalid credentials\n",
             );
             answer.into_response()
         }
     }
 }
 
-/// Serves `app` over plain HTTP on `addr` until `cancel`; returns the bound address (port 0
-/// picks one) once listening. `setting` names the flag in errors.
+/// Serves `app` over plain HTTP on `addr` until `cancel`, each peer limited to `rate`;
+/// returns the bound address (port 0 picks one) once listening. `setting` names the flag in
+/// errors.
 pub async fn serve(
     addr: SocketAddr,
     setting: &str,
     app: Router,
+    rate: crate::rate_limit::RateSpec,
     cancel: CancellationToken,
 ) -> Result<SocketAddr> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("{setting}: {addr}"))?;
     let bound = listener.local_addr()?;
+    let app = crate::rate_limit::per_peer(app, rate);
     let app = crate::security_headers::secured(app, false);
+    let app = app.into_make_service_with_connect_info::<SocketAddr>();
     tokio::spawn(async move {
         let served = axum::serve(listener, app)
             .with_graceful_shutdown(async move { cancel.cancelled().await })

@@ -284,12 +284,10 @@ const FAILURES_READ: i64 = 20_000;
 /// Machines listed on the page of one cause shape.
 const FAILURES_LISTED: usize = 1000;
 
-/// The machines that failed with a cause of `shape` in the last day, most recent first (at
-/// most [`FAILURES_LISTED`], among the [`FAILURES_READ`] most recent failures), and the time.
-pub async fn failures_of_shape(
-    db: &Bmdb,
-    shape: &str,
-) -> Result<(Vec<RecentFailure>, DateTime<Utc>), shepherd_bmdb::Error> {
+/// The [`FAILURES_READ`] most recent failures of the last day, and the time: what the page of
+/// each cause shape picks from ([`RecentFailures::of_shape`]). One read serves every shape, so
+/// the web UI keeps it a while rather than read 20,000 rows per page view.
+pub async fn recent_failures(db: &Bmdb) -> Result<RecentFailures, shepherd_bmdb::Error> {
     let (failures, now) = db
         .read(|tx| {
             Box::pin(async move {
@@ -298,12 +296,26 @@ pub async fn failures_of_shape(
             })
         })
         .await?;
-    let matching = failures
-        .into_iter()
-        .filter(|f| cause_shapes::mask(&f.cause) == shape)
-        .take(FAILURES_LISTED)
-        .collect();
-    Ok((matching, now))
+    Ok(RecentFailures { failures, now })
+}
+
+/// The machines whose work failed recently, as [`recent_failures`] read them, and when.
+pub struct RecentFailures {
+    failures: Vec<RecentFailure>,
+    /// The database's time of the read.
+    pub now: DateTime<Utc>,
+}
+
+impl RecentFailures {
+    /// Those whose cause has `shape`, at most [`FAILURES_LISTED`].
+    pub fn of_shape(&self, shape: &str) -> Vec<RecentFailure> {
+        self.failures
+            .iter()
+            .filter(|f| cause_shapes::mask(&f.cause) == shape)
+            .take(FAILURES_LISTED)
+            .cloned()
+            .collect()
+    }
 }
 
 /// The page of one cause shape: its machines, with their causes as written.

@@ -829,9 +829,14 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
         }
     }
     let app = operator.router(db.clone());
-    let metrics =
-        crate::metrics_http::serve(args.metrics_listen, "metrics-listen", app, cancel.clone())
-            .await?;
+    let metrics = crate::metrics_http::serve(
+        args.metrics_listen,
+        "metrics-listen",
+        app,
+        crate::rate_limit::DEFAULT_RATE,
+        cancel.clone(),
+    )
+    .await?;
     crate::fleet::announce(&format!(
         "shepherd run: metrics at http://{metrics}/metrics"
     ));

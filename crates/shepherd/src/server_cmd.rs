@@ -53,10 +53,11 @@ pub struct ServerArgs {
     /// unless given. Port 0 picks a free port.
     #[arg(long, env = "SHEPHERD_API_LISTEN")]
     pub api_listen: Option<SocketAddr>,
-    /// Operator API: requests per second allowed to one identity and to one peer address.
+    /// Requests per second allowed to one identity and to one peer (an IPv4 address, an IPv6
+    /// /64): on the operator API, the sign-in and the pages, `/metrics`.
     #[arg(long, env = "SHEPHERD_API_RATE", default_value_t = 50.0)]
     pub api_rate: f64,
-    /// Operator API: requests one identity or peer may make at once before the rate applies.
+    /// Requests one identity or peer may make at once before `--api-rate` applies.
     #[arg(long, env = "SHEPHERD_API_BURST", default_value_t = 100.0)]
     pub api_burst: f64,
     /// Operator API: the OpenID Connect issuer whose JWT access tokens are accepted besides
@@ -240,6 +241,15 @@ impl ServerArgs {
         }
     }
 
+    /// What each peer (and each identity on the API) may send: `--api-rate` after
+    /// `--api-burst`, on both listeners.
+    fn peer_rate(&self) -> crate::rate_limit::RateSpec {
+        crate::rate_limit::RateSpec {
+            per_second: self.api_rate,
+            burst: self.api_burst,
+        }
+    }
+
     /// The connection limits, once the settings that need nothing opened are checked.
     fn checked_limits(&self) -> Result<ServerLimits> {
         self.process
@@ -313,12 +323,10 @@ fn api_app(
     sign_in: Option<&Arc<crate::api::signin::SignIn>>,
 ) -> axum::Router {
     let settings = crate::api::ApiSettings {
-        rate: crate::api::RateSpec {
-            per_second: args.api_rate,
-            burst: args.api_burst,
-        },
+        rate: args.peer_rate(),
         ..crate::api::ApiSettings::default()
     };
+    let web_rate = settings.rate;
     let stale_after = args.thresholds.thresholds().stale_after();
     let tasks = operator.tasks.clone();
     let registry = &mut operator.registry;
@@ -340,9 +348,10 @@ fn api_app(
             operator.tasks.clone(),
             Some(sign_in.clone()),
         );
-        app = app
-            .merge(crate::api::signin::routes(sign_in.clone()))
-            .merge(pages);
+        // The API's guard limits each peer on its own routes; the sign-in and the pages are
+        // limited alike here, before a session lookup or a token request is made for them.
+        let web = crate::api::signin::routes(sign_in.clone()).merge(pages);
+        app = app.merge(crate::rate_limit::per_peer(web, web_rate));
     }
     app
 }
@@ -433,9 +442,14 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
         );
         http_app = http_app.merge(web);
     }
-    let http =
-        crate::metrics_http::serve(args.http_listen, "http-listen", http_app, cancel.clone())
-            .await?;
+    let http = crate::metrics_http::serve(
+        args.http_listen,
+        "http-listen",
+        http_app,
+        args.peer_rate(),
+        cancel.clone(),
+    )
+    .await?;
     if open_web {
         crate::fleet::announce(&format!(
             "shepherd server: web UI at http://{http}/machines, metrics at http://{http}/metrics"

@@ -24,7 +24,7 @@ pub enum TokensCommand {
     /// secret).
     List,
     /// Revokes a token: it stops working at once on servers that have not cached it, within
-    /// ten seconds on those that have.
+    /// a second on those that have.
     Revoke {
         /// The token's name.
         name: String,
@@ -158,11 +158,11 @@ async fn run_on(db: &Bmdb, command: TokensCommand) -> Result<()> {
         TokensCommand::List => {
             let mut after = None;
             loop {
-                let page = db.api_tokens(after.as_deref(), MAX_TOKEN_PAGE).await?;
-                for t in &page.tokens {
+                let (tokens, next) = db.api_tokens(after.as_deref(), MAX_TOKEN_PAGE).await?;
+                for t in &tokens {
                     println!("{}", line(t));
                 }
-                match page.next {
+                match next {
                     Some(next) => after = Some(next),
                     None => break,
                 }

@@ -59,6 +59,34 @@ struct Ui {
     tasks: Tasks,
     /// Like `counts`, for the overview.
     overview: tokio::sync::Mutex<CachedOverview>,
+    /// Like `overview`, the recent failures the pages of cause shapes pick from.
+    recent_failures: tokio::sync::Mutex<CachedFailures>,
+}
+
+/// The recent failures last read, and when.
+type CachedFailures = Option<(std::time::Instant, Arc<crate::overview::RecentFailures>)>;
+
+/// What `cell` holds if it is younger than `ttl`, else what `load` reads (then kept). The
+/// lock is held while loading, so that page views that come meanwhile wait for that one read
+/// rather than each make their own.
+async fn kept_for<T, F, Fut>(
+    cell: &tokio::sync::Mutex<Option<(std::time::Instant, Arc<T>)>>,
+    ttl: std::time::Duration,
+    load: F,
+) -> Result<Arc<T>, PageError>
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = Result<T, PageError>>,
+{
+    let mut cached = cell.lock().await;
+    if let Some((at, kept)) = cached.as_ref() {
+        if at.elapsed() < ttl {
+            return Ok(kept.clone());
+        }
+    }
+    let loaded = Arc::new(load().await?);
+    *cached = Some((std::time::Instant::now(), loaded.clone()));
+    Ok(loaded)
 }
 
 /// How the web UI shows things.
@@ -109,6 +137,7 @@ pub fn router(
         stats,
         tasks,
         overview: tokio::sync::Mutex::new(None),
+        recent_failures: tokio::sync::Mutex::new(None),
     }));
     match sign_in {
         None => pages,
@@ -126,18 +155,11 @@ impl Ui {
 }
 
 async fn overview(State(ui): State<Arc<Ui>>) -> Result<Html<String>, PageError> {
-    let o = {
-        let mut cached = ui.overview.lock().await;
-        match cached.as_ref() {
-            Some((at, o)) if at.elapsed() < OVERVIEW_TTL => o.clone(),
-            _ => {
-                let counts = (*ui.fleet_counts().await?).clone();
-                let o = Arc::new(crate::overview::load(&ui.db, counts, ui.stats.hardware()).await?);
-                *cached = Some((std::time::Instant::now(), o.clone()));
-                o
-            }
-        }
-    };
+    let o = kept_for(&ui.overview, OVERVIEW_TTL, || async {
+        let counts = (*ui.fleet_counts().await?).clone();
+        Ok(crate::overview::load(&ui.db, counts, ui.stats.hardware()).await?)
+    })
+    .await?;
     Ok(page(
         "Overview",
         ui.look,
@@ -188,8 +210,11 @@ async fn failures(
             "shape: which cause shape (the overview links each)".into(),
         ));
     };
-    let (failures, now) = crate::overview::failures_of_shape(&ui.db, &shape).await?;
-    let body = crate::overview::failures_body(&shape, &failures, now);
+    let recent = kept_for(&ui.recent_failures, OVERVIEW_TTL, || async {
+        Ok(crate::overview::recent_failures(&ui.db).await?)
+    })
+    .await?;
+    let body = crate::overview::failures_body(&shape, &recent.of_shape(&shape), recent.now);
     Ok(page("Machines by failure cause", ui.look, body))
 }
 
@@ -641,4 +666,35 @@ async fn session(
             }
         },
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// What a page keeps (the overview, the recent failures every cause-shape page picks
+    /// from) is read once per TTL however many views come, and read again after it.
+    #[tokio::test]
+    async fn a_kept_read_is_made_once_per_ttl() {
+        let cell = tokio::sync::Mutex::new(None);
+        let reads = AtomicU64::new(0);
+        let read = || async { Ok::<_, PageError>(reads.fetch_add(1, Ordering::Relaxed)) };
+        let ttl = std::time::Duration::from_secs(3600);
+        for _ in 0..100 {
+            assert_eq!(*kept_for(&cell, ttl, read).await.unwrap(), 0);
+        }
+        assert_eq!(reads.load(Ordering::Relaxed), 1);
+        let expired = std::time::Duration::ZERO;
+        assert_eq!(*kept_for(&cell, expired, read).await.unwrap(), 1);
+        // A failed read keeps nothing: the next view tries again.
+        let failing = || async {
+            Err::<u64, _>(PageError(
+                axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                "down".into(),
+            ))
+        };
+        assert!(kept_for(&cell, expired, failing).await.is_err());
+        assert_eq!(*kept_for(&cell, ttl, read).await.unwrap(), 1);
+    }
 }

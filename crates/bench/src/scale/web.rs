@@ -32,6 +32,8 @@ pub async fn p99_ms(shepherd: &Path, n: usize, rounds: usize) -> Result<(f64, us
     let mut server = Command::new(shepherd)
         .args(["server", "--database", &t.url, "--listen", "127.0.0.1:0"])
         .args(["--http-listen", "127.0.0.1:0", "--web-refresh", "0s"])
+        // One client measures latency, not the per-peer limit.
+        .args(["--api-rate", "1000000", "--api-burst", "1000000"])
         .arg("--dev-certs")
         .arg(dir.path().join("certs"))
         .env("RUST_LOG", "warn")

@@ -16,9 +16,11 @@ use uuid::Uuid;
 use super::policy::Principal;
 use super::problem::{Kind, Problem};
 
-/// How long a token's lookup is reused. A token revoked through another server stops working
-/// here within this; one revoked through this server stops at once.
-pub const TOKEN_CACHE_TTL: Duration = Duration::from_secs(10);
+/// How long a token's lookup is reused. A token revoked through another server (or on the
+/// database) stops working here within this; one revoked through this server stops at once.
+/// One second: a busy client still costs one primary-key read a second per server, and a
+/// revocation holds everywhere well within the two seconds an operator may expect.
+pub const TOKEN_CACHE_TTL: Duration = Duration::from_secs(1);
 /// Most token lookups cached; the cache starts afresh when full (garbage tokens cannot grow it
 /// without bound).
 const TOKEN_CACHE_MAX: usize = 10_000;
@@ -106,6 +108,11 @@ impl Authenticator {
 
     /// The token whose text is `text`, if it is valid now (its use is recorded).
     async fn valid_token(&self, text: &str) -> Result<ApiToken, Problem> {
+        let invalid = |why: &str| Problem::new(Kind::Unauthenticated, why);
+        // Junk is refused before it costs a lookup or a place in the cache.
+        if !shepherd_bmdb::is_token_shaped(text) {
+            return Err(invalid("not a token"));
+        }
         let digest = shepherd_bmdb::api_token_digest(text);
         let cached = self.tokens.lock().unwrap().get(&digest).cloned();
         let token = match cached {
@@ -120,7 +127,6 @@ impl Authenticator {
                 token
             }
         };
-        let invalid = |why: &str| Problem::new(Kind::Unauthenticated, why);
         let token = token.ok_or_else(|| invalid("unknown token"))?;
         if token.times.revoked_at.is_some() {
             return Err(invalid("the token was revoked"));
@@ -155,5 +161,44 @@ impl Authenticator {
     /// Forgets every cached lookup (after a revocation through this server).
     pub fn forget_cached(&self) {
         self.tokens.lock().unwrap().clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A junk cookie or bearer credential costs no database round trip: with the database
+    /// closed under it, junk is still refused as invalid (a lookup would have failed as
+    /// unavailable), and it takes no place in the lookup cache.
+    #[tokio::test]
+    async fn junk_credentials_cost_no_database_round_trip() {
+        let t = shepherd_bmdb::testing::sqlite().await;
+        let auth = Authenticator::new(t.db.clone(), None);
+        t.db.close().await;
+        let junk = [
+            "x".to_string(),
+            format!("{}{}", shepherd_bmdb::TOKEN_PREFIX, "0".repeat(63)),
+            format!("{}{}", shepherd_bmdb::TOKEN_PREFIX, "G".repeat(64)),
+            format!("{}{}x", shepherd_bmdb::TOKEN_PREFIX, "0".repeat(64)),
+        ];
+        for (n, text) in junk
+            .iter()
+            .chain(&[format!("junk-{}", "z".repeat(2000))])
+            .enumerate()
+        {
+            let refused = auth.web_session(text).await.unwrap_err();
+            assert_eq!(
+                refused.kind,
+                Kind::Unauthenticated,
+                "{n}: {}",
+                refused.detail
+            );
+        }
+        assert!(auth.tokens.lock().unwrap().is_empty());
+        // A well-formed unknown token is looked up, and with the database closed that fails.
+        let shaped = format!("{}{}", shepherd_bmdb::TOKEN_PREFIX, "0".repeat(64));
+        let looked_up = auth.web_session(&shaped).await.unwrap_err();
+        assert_eq!(looked_up.kind, Kind::Unavailable, "{}", looked_up.detail);
     }
 }

@@ -166,8 +166,11 @@ async fn act(
     request: &RequestId,
 ) -> Reply {
     let id = machine_id(id)?;
-    let operator =
-        Operator::new(who.name.clone(), reason.unwrap_or_default())?.in_request(request.0.clone());
+    // The body parsed; a reason it carries that cannot be recorded as it is (control
+    // characters, too long) is unprocessable.
+    let operator = Operator::new(who.name.clone(), reason.unwrap_or_default())
+        .map_err(|e| Problem::new(Kind::Unprocessable, e.to_string()))?
+        .in_request(request.0.clone());
     let performed = actions::perform(&api.db, "shepherd-api", id, action, &operator).await;
     let (changed, message) = match performed {
         Ok(Performed::Done(m)) => (true, m),
@@ -357,9 +360,9 @@ pub struct TokensQuery {
 /// from.
 pub async fn list_tokens(State(api): State<Arc<Api>>, ApiQuery(q): ApiQuery<TokensQuery>) -> Reply {
     let limit = q.limit.unwrap_or(DEFAULT_PAGE);
-    let page = api.db.api_tokens(q.after.as_deref(), limit).await?;
-    let tokens: Vec<Value> = page.tokens.iter().map(token_json).collect();
-    Ok(Json(json!({ "tokens": tokens, "next": page.next })))
+    let (tokens, next) = api.db.api_tokens(q.after.as_deref(), limit).await?;
+    let tokens: Vec<Value> = tokens.iter().map(token_json).collect();
+    Ok(Json(json!({ "tokens": tokens, "next": next })))
 }
 
 /// `POST /api/v1/tokens`.

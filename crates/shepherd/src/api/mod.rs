@@ -14,7 +14,6 @@ pub mod problem;
 pub mod signin;
 mod state;
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -37,6 +36,7 @@ use policy::Principal;
 use problem::{Kind, Problem};
 
 use crate::one_line::one_line;
+use crate::rate_limit::{peer_key, RateLimiter};
 pub use state::{Api, RequestId};
 
 /// How long the fleet counts are reused (counting is O(fleet)).
@@ -55,22 +55,12 @@ impl Default for ApiSettings {
     fn default() -> Self {
         ApiSettings {
             request_timeout: Duration::from_secs(30),
-            rate: RateSpec {
-                per_second: 50.0,
-                burst: 100.0,
-            },
+            rate: crate::rate_limit::DEFAULT_RATE,
         }
     }
 }
 
-/// A rate: so many requests per second, after a burst.
-#[derive(Debug, Clone, Copy)]
-pub struct RateSpec {
-    /// Steady requests per second.
-    pub per_second: f64,
-    /// Requests allowed at once.
-    pub burst: f64,
-}
+pub use crate::rate_limit::RateSpec;
 
 /// What the guard in front of every route holds: the API (whose authenticator it asks), the
 /// settings, the counters, the rate limiters and the log of refusals.
@@ -155,19 +145,20 @@ async fn guard(State(gate): State<Arc<Gate>>, mut req: Request, next: Next) -> R
     let peer = req
         .extensions()
         .get::<ConnectInfo<SocketAddr>>()
-        .map(|c| c.0.ip().to_string());
+        .map(|c| c.0.ip());
     let method = req.method().clone();
     // Owned, so that no borrow of the request (whose body is not `Sync`) is held across an
     // await.
     let headers = req.headers().clone();
     let mut authenticated = false;
     let checked = async {
+        let over = |_| Problem::new(Kind::RateLimited, "too many requests; slow down");
         if let Some(peer) = &peer {
-            gate.per_peer.admit(peer)?;
+            gate.per_peer.admit(&peer_key(*peer)).map_err(over)?;
         }
         let who = gate.api.auth.authenticate(&headers).await?;
         authenticated = true;
-        gate.per_identity.admit(&who.name)?;
+        gate.per_identity.admit(&who.name).map_err(over)?;
         let Some(needed) = policy::required(&method, &route) else {
             return Err(Problem::new(Kind::Forbidden, "no rule allows this route"));
         };
@@ -180,8 +171,9 @@ async fn guard(State(gate): State<Arc<Gate>>, mut req: Request, next: Next) -> R
     let checked = checked.await;
     let mut response = match checked {
         Err(problem) => {
-            let peer = peer.as_deref();
-            gate.denials.note(&problem, &route, peer, &request_id.0);
+            let peer = peer.map(|p| p.to_string());
+            gate.denials
+                .note(&problem, &route, peer.as_deref(), &request_id.0);
             match authenticated {
                 true => problem.into_response(),
                 false => for_a_stranger(problem).into_response(),
@@ -266,91 +258,23 @@ impl DenialLog {
     const EVERY: Duration = Duration::from_secs(10);
 
     pub(crate) fn note(&self, problem: &Problem, route: &str, peer: Option<&str>, request: &str) {
-        tracing::debug!(
-            problem = problem.kind.name(),
-            detail = %one_line(&problem.detail),
-            route,
-            peer = peer.unwrap_or("unknown"),
-            request,
-            "API request refused"
-        );
+        let (kind, detail) = (problem.kind.name(), one_line(&problem.detail));
+        let peer = peer.unwrap_or("unknown");
+        tracing::debug!(kind, %detail, route, peer, request, "API request refused");
         let mut state = self.state.lock().unwrap();
         state.1 += 1;
         if state.0.is_some_and(|at| at.elapsed() < Self::EVERY) {
             return;
         }
-        let refused = std::mem::take(&mut state.1);
+        let refused_since_last = std::mem::take(&mut state.1);
         state.0 = Some(Instant::now());
-        tracing::warn!(
-            problem = problem.kind.name(),
-            detail = %one_line(&problem.detail),
-            route,
-            peer = peer.unwrap_or("unknown"),
-            request,
-            refused_since_last = refused,
-            "API request refused"
-        );
-    }
-}
-
-/// Token buckets by key (a peer address, an identity). The map is bounded: when full it
-/// starts afresh, which only ever lets more requests through, never fewer.
-struct RateLimiter {
-    rate: RateSpec,
-    buckets: Mutex<HashMap<String, (f64, Instant)>>,
-}
-
-impl RateLimiter {
-    const MAX_KEYS: usize = 100_000;
-
-    fn new(rate: RateSpec) -> RateLimiter {
-        RateLimiter {
-            rate,
-            buckets: Mutex::new(HashMap::new()),
-        }
-    }
-
-    /// Takes one request from `key`'s bucket; a `rate-limited` problem if it is empty.
-    fn admit(&self, key: &str) -> Result<(), Problem> {
-        let mut buckets = self.buckets.lock().unwrap();
-        if buckets.len() >= Self::MAX_KEYS && !buckets.contains_key(key) {
-            buckets.clear();
-        }
-        let now = Instant::now();
-        let (tokens, at) = buckets
-            .entry(key.to_string())
-            .or_insert((self.rate.burst, now));
-        let refilled = *tokens + now.duration_since(*at).as_secs_f64() * self.rate.per_second;
-        *tokens = refilled.min(self.rate.burst);
-        *at = now;
-        if *tokens < 1.0 {
-            return Err(Problem::new(
-                Kind::RateLimited,
-                "too many requests; slow down",
-            ));
-        }
-        *tokens -= 1.0;
-        Ok(())
+        tracing::warn!(kind, %detail, route, peer, request, refused_since_last, "API request refused");
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A log writer into a buffer the test reads.
-    #[derive(Clone, Default)]
-    struct Captured(Arc<Mutex<Vec<u8>>>);
-
-    impl std::io::Write for Captured {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
 
     /// A caller whose credentials were not proven learns nothing of what lies behind: not
     /// the database, not which check failed.
@@ -373,10 +297,9 @@ mod tests {
     /// escaped: a forged second line failed before.
     #[test]
     fn a_refusal_logs_one_line_whatever_its_detail_holds() {
-        let captured = Captured::default();
-        let writer = captured.clone();
+        let captured = tempfile::NamedTempFile::new().unwrap();
         let subscriber = tracing_subscriber::fmt()
-            .with_writer(move || writer.clone())
+            .with_writer(Mutex::new(captured.reopen().unwrap()))
             .with_ansi(false)
             .finish();
         let detail = "y\n2030-01-01T00:00:00Z  WARN forged";
@@ -384,7 +307,7 @@ mod tests {
             let problem = Problem::new(Kind::Unauthenticated, detail);
             DenialLog::default().note(&problem, "web sign-in", None, "r-1");
         });
-        let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+        let log = std::fs::read_to_string(captured.path()).unwrap();
         assert_eq!(log.lines().count(), 1, "{log}");
         assert!(log.contains("y\\n2030-01-01"), "{log}");
     }

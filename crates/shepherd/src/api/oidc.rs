@@ -244,7 +244,14 @@ impl OidcVerifier {
             }
             self.verified.lock().unwrap().remove(&digest);
         }
-        let claims = self.verify_signed(token, None).await?;
+        let (claims, typ) = self.verify_signed(token, None).await?;
+        // An ID token (it carries the sign-in's nonce) proves who signed in to a client, not
+        // that the bearer may call the API: only a token typed `at+jwt` may carry a nonce.
+        if claims.nonce.is_some() && !is_access_token_type(typ.as_deref()) {
+            return Err(unauthenticated(
+                "an ID token is not an access token (it carries a nonce and is not typ at+jwt)",
+            ));
+        }
         let (principal, exp) = (self.principal(&claims)?, claims.exp);
         let mut verified = self.verified.lock().unwrap();
         if verified.len() >= VERIFIED_MAX {
@@ -263,7 +270,7 @@ impl OidcVerifier {
         client_id: &str,
         nonce: &str,
     ) -> Result<Principal, Problem> {
-        let claims = self.verify_signed(token, Some(client_id)).await?;
+        let (claims, _) = self.verify_signed(token, Some(client_id)).await?;
         if claims.nonce.as_deref() != Some(nonce) {
             return Err(unauthenticated(
                 "the ID token is not for this sign-in (nonce)",
@@ -302,7 +309,11 @@ impl OidcVerifier {
 
     /// Verifies `token`'s signature and claims, for `audience` if given (else the configured
     /// one); its claims.
-    async fn verify_signed(&self, token: &str, audience: Option<&str>) -> Result<Claims, Problem> {
+    async fn verify_signed(
+        &self,
+        token: &str,
+        audience: Option<&str>,
+    ) -> Result<(Claims, Option<String>), Problem> {
         let header = jsonwebtoken::decode_header(token)
             .map_err(|e| unauthenticated(format!("not a signed JWT: {e}")))?;
         let kid = header
@@ -325,7 +336,7 @@ impl OidcVerifier {
         };
         let data = jsonwebtoken::decode::<Claims>(token, &key.key, &validation)
             .map_err(|e| unauthenticated(format!("the token does not verify: {e}")))?;
-        Ok(data.claims)
+        Ok((data.claims, header.typ))
     }
 
     /// The principal `claims` name, with the highest role its role claim's values map to.
@@ -417,6 +428,9 @@ impl OidcVerifier {
 
     /// `jwk` ready to verify with, or why it cannot be.
     fn prepare(&self, jwk: &Jwk) -> Result<Prepared, String> {
+        if jwk.common.public_key_use == Some(jsonwebtoken::jwk::PublicKeyUse::Encryption) {
+            return Err("is for encryption (use: enc), not for signatures".into());
+        }
         let algorithm = key_algorithm(jwk).ok_or("is of a kind not accepted")?;
         let key = DecodingKey::from_jwk(jwk).map_err(|e| format!("is unusable: {e}"))?;
         let mut validation = Validation::new(algorithm);
@@ -484,6 +498,14 @@ impl OidcVerifier {
 
 /// The one algorithm a key verifies: the one it names, else the one its kind implies. Keys
 /// for HMAC (`oct`) verify nothing: a public key set holding a shared secret is a mistake.
+/// Whether a JWT header's `typ` says access token (RFC 9068: `at+jwt`, or its media type).
+fn is_access_token_type(typ: Option<&str>) -> bool {
+    typ.is_some_and(|t| {
+        let t = t.to_ascii_lowercase();
+        t == "at+jwt" || t == "application/at+jwt"
+    })
+}
+
 fn key_algorithm(jwk: &Jwk) -> Option<Algorithm> {
     let named = jwk.common.key_algorithm.and_then(|a| match a {
         KeyAlgorithm::RS256 => Some(Algorithm::RS256),

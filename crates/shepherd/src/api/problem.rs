@@ -15,6 +15,9 @@ pub enum Kind {
     NotFound,
     /// The request is malformed: bad JSON, an unknown field, a bad value (400).
     InvalidRequest,
+    /// The request is well-formed but its text cannot be taken: a reason that would print as
+    /// more than one line or move a terminal, or one too long (422).
+    Unprocessable,
     /// The name is taken (409).
     Conflict,
     /// The body is larger than the API accepts (413).
@@ -35,6 +38,7 @@ impl Kind {
             Kind::Forbidden => StatusCode::FORBIDDEN,
             Kind::NotFound => StatusCode::NOT_FOUND,
             Kind::InvalidRequest => StatusCode::BAD_REQUEST,
+            Kind::Unprocessable => StatusCode::UNPROCESSABLE_ENTITY,
             Kind::Conflict => StatusCode::CONFLICT,
             Kind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Kind::RateLimited => StatusCode::TOO_MANY_REQUESTS,
@@ -49,6 +53,7 @@ impl Kind {
             Kind::Forbidden => "forbidden",
             Kind::NotFound => "not-found",
             Kind::InvalidRequest => "invalid-request",
+            Kind::Unprocessable => "unprocessable",
             Kind::Conflict => "conflict",
             Kind::TooLarge => "too-large",
             Kind::RateLimited => "rate-limited",
@@ -93,7 +98,8 @@ impl From<shepherd_bmdb::Error> for Problem {
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
 pub struct ProblemBody {
     /// `urn:shepherd:problem:NAME`: `unauthenticated`, `forbidden`, `not-found`,
-    /// `invalid-request`, `conflict`, `too-large`, `rate-limited`, `unavailable`, `timeout`.
+    /// `invalid-request`, `unprocessable`, `conflict`, `too-large`, `rate-limited`,
+    /// `unavailable`, `timeout`.
     #[serde(rename = "type")]
     pub kind: String,
     /// The HTTP status's reason phrase.

@@ -105,6 +105,37 @@ pub struct SignIn {
     denials: DenialLog,
     /// Sign-ins by outcome.
     outcomes: Family<OutcomeLabels, Counter>,
+    /// The pending sign-ins (by `state`) whose code was exchanged, so that each is exchanged
+    /// once: a replayed or repeated callback costs no token request to the provider.
+    exchanged: std::sync::Mutex<ExchangedStates>,
+}
+
+/// The `state`s whose callback went to the provider, with when: kept for the pending
+/// cookie's lifetime, at most [`ExchangedStates::MAX`] of them.
+#[derive(Default)]
+struct ExchangedStates(std::collections::HashMap<String, std::time::Instant>);
+
+impl ExchangedStates {
+    const MAX: usize = 10_000;
+
+    /// Records `state`; false if it was recorded already (within the pending lifetime).
+    fn first_time(&mut self, state: &str) -> bool {
+        if self.0.len() >= Self::MAX {
+            self.0.retain(|_, at| at.elapsed() < PENDING_LIFETIME);
+            if self.0.len() >= Self::MAX {
+                // Every entry is recent: a flood of sign-ins. Forgetting them lets a replay
+                // through to the provider, which refuses a used code itself.
+                self.0.clear();
+            }
+        }
+        match self.0.get(state) {
+            Some(at) if at.elapsed() < PENDING_LIFETIME => false,
+            _ => {
+                self.0.insert(state.to_string(), std::time::Instant::now());
+                true
+            }
+        }
+    }
 }
 
 /// Who is signed in to the web UI, put into each page request by [`require_session`].
@@ -152,6 +183,7 @@ impl SignIn {
             db,
             denials: DenialLog::default(),
             outcomes,
+            exchanged: Default::default(),
         })
     }
 }
@@ -373,6 +405,10 @@ async fn callback(
             "the identity provider sent no code",
         );
     };
+    if !signin.exchanged.lock().unwrap().first_time(state) {
+        let why = "this sign-in was already answered; start again";
+        return signin.refuse(StatusCode::BAD_REQUEST, why);
+    }
     let id_token = match exchange(&signin, code, verifier).await {
         Ok(id_token) => id_token,
         Err(why) => return signin.refuse(StatusCode::BAD_GATEWAY, &why),
@@ -574,6 +610,20 @@ mod tests {
             assert_eq!(back(hostile), "/machines", "{hostile:?}");
         }
         assert_eq!(local_path(None, site), "/machines");
+    }
+
+    /// A pending sign-in's code goes to the provider once: a second callback with the same
+    /// state is refused before any token request.
+    #[test]
+    fn a_pending_sign_in_is_exchanged_once() {
+        let mut exchanged = ExchangedStates::default();
+        assert!(exchanged.first_time("s1"));
+        assert!(!exchanged.first_time("s1"));
+        assert!(exchanged.first_time("s2"));
+        for n in 0..ExchangedStates::MAX + 5 {
+            exchanged.first_time(&format!("flood-{n}"));
+        }
+        assert!(exchanged.0.len() <= ExchangedStates::MAX);
     }
 
     /// A callback's error text is anyone's: it cannot start a line of its own in the log or

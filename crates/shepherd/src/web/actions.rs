@@ -147,7 +147,7 @@ async fn act(
     }
     let request_id = Uuid::new_v4().to_string();
     let operator = Operator::new(user.principal.name.clone(), form.reason)
-        .map_err(|e| PageError(StatusCode::BAD_REQUEST, e.to_string()))?
+        .map_err(|e| PageError(StatusCode::UNPROCESSABLE_ENTITY, e.to_string()))?
         .in_request(request_id);
     match actions::perform(&db, "shepherd-web", id, action.clone(), &operator).await {
         Ok(Performed::Done(_) | Performed::Unchanged(_)) => {}

@@ -16,6 +16,7 @@ pub(super) struct Look {
 }
 
 /// A page that could not be shown, with what to tell the operator.
+#[derive(Debug)]
 pub(super) struct PageError(pub(super) StatusCode, pub(super) String);
 
 impl From<anyhow::Error> for PageError {

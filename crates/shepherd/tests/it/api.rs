@@ -15,7 +15,7 @@ use crate::common;
 mod policy;
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::{machine_json, sample, shepherd, succeeds, ChildGuard};
 use reqwest::{Method, StatusCode};
@@ -279,7 +279,7 @@ async fn actions_are_recorded_under_the_proven_identity(url: &str) {
     let (status, problem, _) = api
         .call(Method::POST, &off, Some(&admin), Some(&forged))
         .await;
-    assert_eq!(status, StatusCode::BAD_REQUEST, "{problem}");
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{problem}");
     assert!(
         problem["detail"]
             .as_str()
@@ -350,7 +350,7 @@ async fn hostile_input_gets_one_clear_4xx(url: &str) {
         (
             "long reason",
             format!(r#"{{"on": true, "reason": "{}"}}"#, "x".repeat(2_000)),
-            StatusCode::BAD_REQUEST,
+            StatusCode::UNPROCESSABLE_ENTITY,
         ),
     ];
     for (what, body, want) in cases {
@@ -410,7 +410,40 @@ async fn hostile_input_gets_one_clear_4xx(url: &str) {
     db.close().await;
 }
 
+/// A token revoked through one server is refused by another on the same BMDB within two
+/// seconds, although that server had just accepted it (and so held it in its cache).
+async fn a_revocation_holds_on_every_server_within_two_seconds(url: &str) {
+    let (a, b) = (ApiServer::start(url).await, ApiServer::start(url).await);
+    let admin = a.token("admin", "admin");
+    let doomed = a.token("doomed", "viewer");
+    let (status, _, _) = b
+        .call(Method::GET, "/api/v1/whoami", Some(&doomed), None)
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, answer, _) = a
+        .call(Method::DELETE, "/api/v1/tokens/doomed", Some(&admin), None)
+        .await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    let revoked = Instant::now();
+    loop {
+        let (status, _, _) = b
+            .call(Method::GET, "/api/v1/whoami", Some(&doomed), None)
+            .await;
+        if status == StatusCode::UNAUTHORIZED {
+            break;
+        }
+        assert_eq!(status, StatusCode::OK);
+        assert!(
+            revoked.elapsed() < Duration::from_secs(2),
+            "server B still accepts the token {:?} after its revocation",
+            revoked.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 shepherd_bmdb::url_conformance_tests!(
+    a_revocation_holds_on_every_server_within_two_seconds,
     every_route_answers_as_the_policy_says,
     bad_tokens_are_refused,
     actions_are_recorded_under_the_proven_identity,
@@ -451,8 +484,14 @@ impl SigningKey {
 
     /// `claims` signed with it.
     fn sign(&self, claims: &Value) -> String {
+        self.sign_typed(claims, "JWT")
+    }
+
+    /// `claims` signed with it, the header's `typ` being `typ`.
+    fn sign_typed(&self, claims: &Value, typ: &str) -> String {
         let mut header = jsonwebtoken::Header::new(jsonwebtoken::Algorithm::ES256);
         header.kid = Some(self.kid.clone());
+        header.typ = Some(typ.into());
         let pem = self.key.serialize_pem();
         let key = jsonwebtoken::EncodingKey::from_ec_pem(pem.as_bytes()).unwrap();
         jsonwebtoken::encode(&header, claims, &key).unwrap()
@@ -530,6 +569,11 @@ async fn identity_provider_tokens_are_verified(url: &str) {
     let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
     let first = SigningKey::new("k1");
     let issuer = TestIssuer::start(&first).await;
+    // A key the provider publishes for encryption only: tokens signed with it are refused.
+    let for_encryption = SigningKey::new("k-enc");
+    let mut enc = for_encryption.jwk();
+    enc["use"] = json!("enc");
+    issuer.keys.lock().unwrap().push(enc);
     let extra = [
         "--oidc-issuer",
         &issuer.url,
@@ -603,6 +647,14 @@ async fn identity_provider_tokens_are_verified(url: &str) {
         ),
         ("unsigned", unsigned),
         ("HS256 with the public key", hs256),
+        (
+            "signed with a key published for encryption",
+            for_encryption.sign(&claims(json!({}))),
+        ),
+        (
+            "an ID token (a nonce, typ JWT)",
+            first.sign(&claims(json!({"nonce": "n-1"}))),
+        ),
         ("tampered", with_payload(&alice, &claims(json!({})))),
         (
             "no exp",
@@ -617,6 +669,10 @@ async fn identity_provider_tokens_are_verified(url: &str) {
         let (status, problem, _) = whoami(token).await;
         assert_eq!(status, StatusCode::UNAUTHORIZED, "{what}: {problem}");
     }
+    // An access token typed as one (RFC 9068) may carry a nonce.
+    let typed = first.sign_typed(&claims(json!({"nonce": "n-1"})), "at+jwt");
+    let (status, problem, _) = whoami(&typed).await;
+    assert_eq!(status, StatusCode::OK, "{problem}");
     let (status, problem, _) = whoami(&first.sign(&issuer.claims("bob", &["visitors"]))).await;
     assert_eq!(status, StatusCode::FORBIDDEN, "no mapped group: {problem}");
     assert!(
