@@ -173,6 +173,8 @@ fn start_server(
         .args([
             "--oidc-role-claim",
             "scope",
+            "--oidc-scope-clients",
+            "ci-pipeline",
             "--oidc-role",
             "shepherd:viewer=viewer",
         ])

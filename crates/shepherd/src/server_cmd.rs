@@ -67,14 +67,20 @@ pub struct ServerArgs {
     /// Operator API: the audience the identity provider's tokens must be for.
     #[arg(long, env = "SHEPHERD_OIDC_AUDIENCE", default_value = "")]
     pub oidc_audience: String,
-    /// Operator API: the token claim that holds roles.
+    /// Operator API: the token claims that hold roles, comma-separated or repeated (`groups`
+    /// for people's sign-ins, `scope` for pipelines' client-credentials tokens).
     #[arg(
         long,
         env = "SHEPHERD_OIDC_ROLE_CLAIM",
         value_enum,
+        value_delimiter = ',',
         default_value = "groups"
     )]
-    pub oidc_role_claim: crate::api::oidc::RoleClaim,
+    pub oidc_role_claim: Vec<crate::api::oidc::RoleClaim>,
+    /// Operator API: the clients (the token's `azp` or `client_id`) whose `scope` may carry
+    /// roles; needed with `--oidc-role-claim scope`.
+    #[arg(long, env = "SHEPHERD_OIDC_SCOPE_CLIENTS", value_delimiter = ',')]
+    pub oidc_scope_clients: Vec<String>,
     /// Operator API: a claim value and the role it gives (`shepherd-admins=admin`); repeat
     /// for each. A token gets the highest role of its values; with none, it may do nothing.
     #[arg(long = "oidc-role", env = "SHEPHERD_OIDC_ROLES", value_delimiter = ',', value_parser = crate::api::oidc::parse_role_mapping)]
@@ -185,7 +191,8 @@ impl ServerArgs {
         let settings = crate::api::oidc::OidcSettings {
             issuer: issuer.clone(),
             audience: self.oidc_audience.clone(),
-            role_claim: self.oidc_role_claim,
+            role_claims: self.oidc_role_claim.clone(),
+            scope_clients: self.oidc_scope_clients.clone(),
             roles: self.oidc_roles.clone(),
             leeway: self.oidc_leeway,
             ca_pem,

@@ -81,8 +81,13 @@ pub struct OidcSettings {
     pub issuer: String,
     /// The audience tokens must be for.
     pub audience: String,
-    /// The claim that holds roles.
-    pub role_claim: RoleClaim,
+    /// The claims that hold roles (`groups` for people, `scope` for pipelines): a token gets
+    /// the highest role any of their values maps to.
+    pub role_claims: Vec<RoleClaim>,
+    /// The clients (`azp` or `client_id`) whose tokens' `scope` may carry roles. Needed with
+    /// the `scope` claim: a provider lets many clients, public ones among them, ask for any
+    /// scope it knows, and each would otherwise give itself the scope's role.
+    pub scope_clients: Vec<String>,
     /// Claim values and the role each gives; a token gets the highest of its values' roles.
     pub roles: Vec<(String, Role)>,
     /// Clock allowance for `exp` and `nbf`.
@@ -116,6 +121,16 @@ impl OidcSettings {
         }
         if self.roles.is_empty() {
             return bad("oidc-role: give at least one VALUE=ROLE, or no token gets a role".into());
+        }
+        if self.role_claims.is_empty() {
+            return bad("oidc-role-claim: name at least one claim".into());
+        }
+        if self.role_claims.contains(&RoleClaim::Scope) && self.scope_clients.is_empty() {
+            return bad(
+                "oidc-role-claim scope: give --oidc-scope-clients, the clients whose scopes may \
+                 carry roles (any client the provider lets ask for a scope would get its role)"
+                    .into(),
+            );
         }
         if self.leeway > MAX_LEEWAY {
             return bad(format!("oidc-leeway: at most {}s", MAX_LEEWAY.as_secs()));
@@ -193,6 +208,10 @@ struct Claims {
     roles: Option<Value>,
     scope: Option<Value>,
     nonce: Option<String>,
+    /// The client the token was issued to (OpenID Connect).
+    azp: Option<String>,
+    /// The client the token was issued to (RFC 9068 access tokens).
+    client_id: Option<String>,
 }
 
 fn unauthenticated(detail: impl Into<String>) -> Problem {
@@ -339,20 +358,24 @@ impl OidcVerifier {
         Ok((data.claims, header.typ))
     }
 
-    /// The principal `claims` name, with the highest role its role claim's values map to.
+    /// The principal `claims` name, with the highest role the values of its role claims map
+    /// to; `scope` counts only for the clients listed in the settings.
     fn principal(&self, claims: &Claims) -> Result<Principal, Problem> {
-        let claim = self.settings.role_claim;
-        let role = claim
-            .values(claims)
-            .iter()
-            .filter_map(|v| self.roles.get(v))
-            .max()
-            .copied();
+        let client = claims.azp.as_ref().or(claims.client_id.as_ref());
+        let scope_counts = client.is_some_and(|c| self.settings.scope_clients.contains(c));
+        let counted = |claim: &&RoleClaim| **claim != RoleClaim::Scope || scope_counts;
+        let claims_read = self.settings.role_claims.iter().filter(counted);
+        let role = claims_read
+            .flat_map(|claim| claim.values(claims))
+            .filter_map(|v| self.roles.get(&v).copied())
+            .max();
         let name = format!("oidc:{}@{}", claims.sub, claims.iss);
         let role = role.ok_or_else(|| {
+            let names: Vec<&str> = self.settings.role_claims.iter().map(|c| c.name()).collect();
             let detail = format!(
-                "{name} has no role: its {:?} claim holds no mapped value",
-                claim.name()
+                "{name} has no role: its {} claims hold no mapped value (scope counts only for \
+                 the clients of --oidc-scope-clients)",
+                names.join(", ")
             );
             Problem::new(Kind::Forbidden, detail)
         })?;
@@ -530,4 +553,62 @@ fn key_algorithm(jwk: &Jwk) -> Option<Algorithm> {
         AlgorithmParameters::OctetKey(_) => return None,
     };
     named.or(implied)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(role_claims: Vec<RoleClaim>, scope_clients: &[&str]) -> OidcSettings {
+        OidcSettings {
+            issuer: "https://id.example.com".into(),
+            audience: "shepherd".into(),
+            role_claims,
+            scope_clients: scope_clients.iter().map(|c| c.to_string()).collect(),
+            roles: vec![
+                ("fleet-ops".into(), Role::Operator),
+                ("shepherd:operator".into(), Role::Operator),
+                ("shepherd:admin".into(), Role::Admin),
+            ],
+            leeway: Duration::from_secs(5),
+            ca_pem: None,
+        }
+    }
+
+    fn claims(azp: Option<&str>, groups: &[&str], scope: &str) -> Claims {
+        Claims {
+            sub: "someone".into(),
+            iss: "https://id.example.com".into(),
+            exp: 0,
+            groups: Some(serde_json::json!(groups)),
+            roles: None,
+            scope: Some(Value::String(scope.into())),
+            nonce: None,
+            azp: azp.map(str::to_string),
+            client_id: None,
+        }
+    }
+
+    /// One server takes people's groups and pipelines' scopes; a scope gives a role only to
+    /// a listed client, so a public client that asks for the admin scope gets nothing of it.
+    #[test]
+    fn roles_come_from_every_claim_and_scope_only_for_listed_clients() {
+        let both = vec![RoleClaim::Groups, RoleClaim::Scope];
+        let verifier = OidcVerifier::new(settings(both, &["ci-pipeline"])).unwrap();
+        let role = |c: &Claims| verifier.principal(c).map(|p| p.role);
+        assert_eq!(
+            role(&claims(Some("ci-pipeline"), &[], "shepherd:admin")).unwrap(),
+            Role::Admin
+        );
+        let public = claims(Some("public-app"), &[], "openid shepherd:admin");
+        assert_eq!(role(&public).unwrap_err().kind, Kind::Forbidden);
+        let person = claims(Some("public-app"), &["fleet-ops"], "shepherd:admin");
+        assert_eq!(role(&person).unwrap(), Role::Operator);
+        let mut by_client_id = claims(None, &[], "shepherd:operator");
+        by_client_id.client_id = Some("ci-pipeline".into());
+        assert_eq!(role(&by_client_id).unwrap(), Role::Operator);
+        // Scope without a list of clients is refused at start-up.
+        let invalid = OidcVerifier::new(settings(vec![RoleClaim::Scope], &[]));
+        assert!(invalid.is_err());
+    }
 }

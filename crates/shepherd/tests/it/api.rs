@@ -917,6 +917,8 @@ async fn a_real_openid_provider_s_tokens_work() {
         "shepherd",
         "--oidc-role-claim",
         "scope",
+        "--oidc-scope-clients",
+        "ci-pipeline",
         "--oidc-role",
         "shepherd:viewer=viewer,shepherd:operator=operator",
     ];
