@@ -282,6 +282,17 @@ impl Bmdb {
         .await
     }
 
+    /// Revokes every web sign-in of `who` (`oidc:SUBJECT@ISSUER`), as signing out of each
+    /// would; returns how many were revoked.
+    pub async fn revoke_sessions_of(&self, who: &str) -> Result<u64, Error> {
+        let who = who.to_string();
+        self.transact(move |tx| {
+            let who = who.clone();
+            Box::pin(async move { tx.revoke_sessions_of(&who).await })
+        })
+        .await
+    }
+
     /// Records that the tokens `ids` were used now, in one transaction.
     pub async fn api_tokens_used(&self, ids: &[Uuid]) -> Result<(), Error> {
         let ids = ids.to_vec();

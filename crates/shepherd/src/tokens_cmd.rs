@@ -12,6 +12,7 @@ use serde_json::{json, Value};
 use shepherd_bmdb::{ApiToken, Bmdb, TokenTimes, MAX_TOKEN_PAGE};
 
 use crate::api_client::{ApiArgs, ApiClient};
+use crate::one_line::one_line;
 
 use crate::api::policy::parse_role;
 
@@ -22,7 +23,17 @@ pub enum TokensCommand {
     Create(NewToken),
     /// Every token, page after page: name, role, expiry, revocation and last use (never a
     /// secret).
-    List,
+    List {
+        /// Only the tokens made by or for this principal (a person's web sign-ins are made
+        /// for them: `oidc:SUBJECT@ISSUER`).
+        #[arg(long)]
+        by: Option<String>,
+    },
+    /// Revokes every web sign-in of one person, as signing out of each would.
+    RevokeSessions {
+        /// The person, as the history names them (`oidc:SUBJECT@ISSUER`).
+        of: String,
+    },
     /// Revokes a token: it stops working at once on servers that have not cached it, within
     /// a second on those that have.
     Revoke {
@@ -85,12 +96,12 @@ async fn run_via_api(api: &ApiClient, command: TokensCommand) -> Result<()> {
                 answer["secret"].as_str().unwrap_or_default(),
             );
         }
-        TokensCommand::List => {
+        TokensCommand::List { by } => {
             let mut path = format!("/tokens?limit={MAX_TOKEN_PAGE}");
             loop {
                 let listed = api.get(&path).await?;
                 for t in listed["tokens"].as_array().into_iter().flatten() {
-                    println!("{}", line(&token_of(t)?));
+                    print_if_by(&token_of(t)?, by.as_deref());
                 }
                 let Some(next) = listed["next"].as_str() else {
                     break;
@@ -104,6 +115,13 @@ async fn run_via_api(api: &ApiClient, command: TokensCommand) -> Result<()> {
                 .call(Method::DELETE, &format!("/tokens/{name}"), None)
                 .await?;
             println!("{}", line(&token_of(&revoked)?));
+        }
+        TokensCommand::RevokeSessions { of } => {
+            let body = json!({ "of": of });
+            let answer = api
+                .call(Method::POST, "/tokens/revoke-sessions", Some(body))
+                .await?;
+            sessions_revoked(&of, answer["revoked"].as_u64().unwrap_or(0));
         }
     }
     Ok(())
@@ -155,12 +173,12 @@ async fn run_on(db: &Bmdb, command: TokensCommand) -> Result<()> {
             };
             made(&token, secret.reveal());
         }
-        TokensCommand::List => {
+        TokensCommand::List { by } => {
             let mut after = None;
             loop {
                 let (tokens, next) = db.api_tokens(after.as_deref(), MAX_TOKEN_PAGE).await?;
                 for t in &tokens {
-                    println!("{}", line(t));
+                    print_if_by(t, by.as_deref());
                 }
                 match next {
                     Some(next) => after = Some(next),
@@ -172,11 +190,27 @@ async fn run_on(db: &Bmdb, command: TokensCommand) -> Result<()> {
             Some(t) => println!("{}", line(&t)),
             None => bail!("no token named {name:?}"),
         },
+        TokensCommand::RevokeSessions { of } => {
+            sessions_revoked(&of, db.revoke_sessions_of(&of).await?);
+        }
     }
     Ok(())
 }
 
 /// One token as a line.
+/// Prints `t`'s line, if `by` names no one or names who `t` was made by or for.
+fn print_if_by(t: &ApiToken, by: Option<&str>) {
+    if by.is_none_or(|by| t.created_by == by) {
+        println!("{}", line(t));
+    }
+}
+
+/// Tells how many web sign-ins of `of` were revoked.
+fn sessions_revoked(of: &str, revoked: u64) {
+    println!("revoked {revoked} web sign-in(s) of {}", one_line(of));
+}
+
+/// A token on one line (who made it, as anyone's text, escaped).
 fn line(t: &ApiToken) -> String {
     let when = |t: Option<chrono::DateTime<chrono::Utc>>| t.map_or("-".into(), |t| t.to_rfc3339());
     let state = match (t.times.revoked_at, t.is_valid_at(chrono::Utc::now())) {
@@ -191,6 +225,6 @@ fn line(t: &ApiToken) -> String {
         state,
         t.times.expires_at.to_rfc3339(),
         when(t.times.last_used_at),
-        t.created_by
+        one_line(&t.created_by)
     )
 }

@@ -22,6 +22,13 @@ const REVOKE: Dialects = Dialects {
     sqlite: "UPDATE api_tokens SET revoked_at = $2 WHERE name = $1 AND revoked_at IS NULL",
 };
 
+const REVOKE_SESSIONS_OF: Dialects = Dialects {
+    postgres: "UPDATE api_tokens SET revoked_at = now()
+                WHERE name LIKE 'session.%' AND created_by = $1 AND revoked_at IS NULL",
+    sqlite: "UPDATE api_tokens SET revoked_at = $2
+              WHERE name LIKE 'session.%' AND created_by = $1 AND revoked_at IS NULL",
+};
+
 const USED: Dialects = Dialects {
     postgres: "UPDATE api_tokens SET last_used_at = now() WHERE token_id = $1",
     sqlite: "UPDATE api_tokens SET last_used_at = $2 WHERE token_id = $1",
@@ -77,6 +84,13 @@ impl Tx {
     pub(crate) async fn revoke_api_token(&mut self, name: &str) -> Result<bool> {
         let args = [Arg::Text(name), Arg::Now];
         Ok(self.conn().execute(&REVOKE, &args).await? == 1)
+    }
+
+    /// Revokes every web sign-in of `who` (as its token records who signed in) not revoked
+    /// yet; returns how many.
+    pub(crate) async fn revoke_sessions_of(&mut self, who: &str) -> Result<u64> {
+        let args = [Arg::Text(who), Arg::Now];
+        self.conn().execute(&REVOKE_SESSIONS_OF, &args).await
     }
 
     /// Records that the token `id` was used now.

@@ -406,6 +406,27 @@ pub async fn create_token(
     Ok((StatusCode::CREATED, Json(answer)))
 }
 
+/// `POST /api/v1/tokens/revoke-sessions`.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RevokeSessionsBody {
+    /// Whose web sign-ins: the person as the history names them (`oidc:SUBJECT@ISSUER`).
+    of: String,
+}
+
+/// `POST /api/v1/tokens/revoke-sessions`: revokes every web sign-in of one person.
+pub async fn revoke_sessions(
+    State(api): State<Arc<Api>>,
+    ApiJson(body): ApiJson<RevokeSessionsBody>,
+) -> Reply {
+    if body.of.trim().is_empty() {
+        return Err(invalid("of: whose sign-ins (oidc:SUBJECT@ISSUER)"));
+    }
+    let revoked = api.db.revoke_sessions_of(&body.of).await?;
+    api.auth.forget_cached();
+    Ok(Json(json!({ "of": body.of, "revoked": revoked })))
+}
+
 /// `DELETE /api/v1/tokens/{name}`: revokes a token.
 pub async fn revoke_token(State(api): State<Arc<Api>>, Path(name): Path<String>) -> Reply {
     let Some(token) = api.db.revoke_api_token(&name).await? else {

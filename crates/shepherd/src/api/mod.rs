@@ -129,6 +129,7 @@ pub fn router(
         .nest("/api/v1/machines/{id}", actions)
         .route("/api/v1/tokens", get(h::list_tokens).post(h::create_token))
         .route("/api/v1/tokens/{name}", delete(h::revoke_token))
+        .route("/api/v1/tokens/revoke-sessions", post(h::revoke_sessions))
         .route_layer(axum::middleware::from_fn_with_state(gate, guard))
         .fallback(|| async { Problem::new(Kind::NotFound, "no such route") })
         .with_state(api)

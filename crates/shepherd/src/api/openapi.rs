@@ -18,7 +18,7 @@ use utoipa::{IntoParams, PartialSchema};
 
 use super::handlers::{
     DecommissionBody, InstallBody, ListQuery, MaintenanceBody, NewTokenBody, ReimageBody,
-    RetryBody, TokensQuery,
+    RetryBody, RevokeSessionsBody, TokensQuery,
 };
 use super::policy::{Rule, POLICY};
 use super::problem::ProblemBody;
@@ -88,6 +88,10 @@ fn describe(rule: &Rule) -> Option<Described> {
             Some(NewTokenBody::schema()),
         ),
         ("DELETE", "/api/v1/tokens/{name}") => ("Revokes an API token", None),
+        ("POST", "/api/v1/tokens/revoke-sessions") => (
+            "Revokes every web sign-in of one person",
+            Some(RevokeSessionsBody::schema()),
+        ),
         _ => return None,
     };
     Some(Described { summary, body })

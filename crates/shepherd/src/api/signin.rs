@@ -291,10 +291,16 @@ impl SignIn {
     /// the identity provider's token endpoint) is the log's, not the stranger's: the page
     /// says only that sign-in cannot be completed now.
     fn refuse(&self, status: StatusCode, why: &str) -> Response {
+        self.refuse_told(status, "Sign-in cannot be completed now", why)
+    }
+
+    /// [`SignIn::refuse`], a failure on this side (5xx) shown as `told` (what failed, in
+    /// general words: never a host, an error text or a database) with the request id under
+    /// which the log has `why`.
+    fn refuse_told(&self, status: StatusCode, told: &str, why: &str) -> Response {
         let request = uuid::Uuid::new_v4().to_string();
         let (outcome, shown) = if status.is_server_error() {
-            let shown =
-                format!("Sign-in cannot be completed now; try again shortly (request {request}).");
+            let shown = format!("{told}; try again shortly (request {request}).");
             ("unavailable", shown)
         } else {
             ("refused", why.to_string())
@@ -335,7 +341,8 @@ async fn start(State(signin): State<Arc<SignIn>>, Query(q): Query<StartQuery>) -
         Ok(endpoints) => endpoints,
         Err(why) => {
             let why = format!("the identity provider cannot be reached: {why}");
-            return signin.refuse(StatusCode::SERVICE_UNAVAILABLE, &why);
+            let told = "The identity provider cannot be reached";
+            return signin.refuse_told(StatusCode::SERVICE_UNAVAILABLE, told, &why);
         }
     };
     let (state, verifier, nonce) = (random_text(16), random_text(32), random_text(16));
@@ -411,7 +418,10 @@ async fn callback(
     }
     let id_token = match exchange(&signin, code, verifier).await {
         Ok(id_token) => id_token,
-        Err(why) => return signin.refuse(StatusCode::BAD_GATEWAY, &why),
+        Err(why) => {
+            let told = "The identity provider did not complete the sign-in";
+            return signin.refuse_told(StatusCode::BAD_GATEWAY, told, &why);
+        }
     };
     let client_id = &signin.settings.client_id;
     let who = match signin

@@ -878,6 +878,36 @@ async fn the_cli_works_through_the_api(url: &str) {
         listed.lines().filter(|l| l.starts_with("session.")).count(),
         300
     );
+    // One person's sign-ins: listed by who they are for, and revoked together.
+    for who in ["oidc:dana@idp", "oidc:dana@idp", "oidc:erin@idp"] {
+        db.create_web_session(who, Role::Viewer, day).await.unwrap();
+    }
+    let danas = run(true, &["tokens", "list", "--by", "oidc:dana@idp"]);
+    assert_eq!(
+        danas,
+        run(false, &["tokens", "list", "--by", "oidc:dana@idp"])
+    );
+    assert_eq!(
+        danas.lines().filter(|l| l.contains(" valid ")).count(),
+        2,
+        "{danas}"
+    );
+    let said = run(true, &["tokens", "revoke-sessions", "oidc:dana@idp"]);
+    assert!(
+        said.contains("revoked 2 web sign-in(s) of oidc:dana@idp"),
+        "{said}"
+    );
+    let danas = run(false, &["tokens", "list", "--by", "oidc:dana@idp"]);
+    assert_eq!(
+        danas.lines().filter(|l| l.contains(" revoked ")).count(),
+        2,
+        "{danas}"
+    );
+    let erins = run(false, &["tokens", "list", "--by", "oidc:erin@idp"]);
+    assert!(
+        erins.contains(" valid ") && erins.lines().count() == 1,
+        "{erins}"
+    );
     let revoked = run(true, &["tokens", "revoke", "made-remotely"]);
     assert!(revoked.contains("revoked"), "{revoked}");
     // A viewer's token cannot act, and the refusal is the command's error.
