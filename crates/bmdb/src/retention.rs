@@ -62,9 +62,10 @@ impl std::fmt::Display for PrunedHistory {
     }
 }
 
-fn retention_too_long() -> Error {
+/// A retention (`what`: which) too long to subtract from a time.
+fn retention_too_long(what: &'static str) -> Error {
     Error::InvalidArgument {
-        what: "history retention",
+        what,
         problem: "is too long".into(),
     }
 }
@@ -76,9 +77,10 @@ impl Session {
         &self,
         retention: &HistoryRetention,
     ) -> Result<PrunedHistory, Error> {
-        let keep = chrono::Duration::from_std(retention.keep).map_err(|_| retention_too_long())?;
+        let keep = chrono::Duration::from_std(retention.keep)
+            .map_err(|_| retention_too_long("history retention"))?;
         let keep_failed = chrono::Duration::from_std(retention.keep_failed.max(retention.keep))
-            .map_err(|_| retention_too_long())?;
+            .map_err(|_| retention_too_long("history retention"))?;
         let mut pruned = PrunedHistory::default();
         for table in [HistoryTable::Work, HistoryTable::Operator] {
             for _ in 0..retention.max_batches {
@@ -112,10 +114,8 @@ impl Session {
         batch: i64,
         max_batches: u32,
     ) -> Result<u64, Error> {
-        let keep = chrono::Duration::from_std(keep).map_err(|_| Error::InvalidArgument {
-            what: "sign-in retention",
-            problem: "is too long".into(),
-        })?;
+        let keep = chrono::Duration::from_std(keep)
+            .map_err(|_| retention_too_long("sign-in retention"))?;
         let mut pruned = 0;
         for _ in 0..max_batches {
             let deleted = self
