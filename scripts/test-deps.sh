@@ -183,16 +183,30 @@ ensure_libvirt() {
   if ! virsh -c qemu:///system pool-info default >/dev/null 2>&1; then
     virsh -c qemu:///system pool-define-as default dir --target /var/lib/libvirt/images >/dev/null
   fi
-  # A libvirtd that just started may still be bringing its pools up.
-  local pool_runs=0
-  for _ in $(seq 1 10); do
+  # A libvirtd that just started may still be bringing its pools up. A pool that still does
+  # not start after 10 tries is defined anew (a definition left by an earlier libvirtd whose
+  # state was lost), then given 20 more.
+  local pool_runs=0 said="" try
+  for try in $(seq 1 30); do
     if virsh -c qemu:///system pool-info default 2>/dev/null | grep -q '^State: *running'; then
       pool_runs=1
       break
     fi
-    virsh -c qemu:///system pool-start default >/dev/null 2>&1 || sleep 1
+    if [ "$try" = 10 ]; then
+      echo "test-deps: libvirt's storage pool default does not start ($said); defining it anew"
+      virsh -c qemu:///system pool-destroy default >/dev/null 2>&1 || true
+      virsh -c qemu:///system pool-undefine default >/dev/null 2>&1 || true
+      as_root mkdir -p /var/lib/libvirt/images
+      virsh -c qemu:///system pool-define-as default dir --target /var/lib/libvirt/images >/dev/null 2>&1 || true
+    fi
+    said=$(virsh -c qemu:///system pool-start default 2>&1) || sleep 1
+    said=$(printf '%s' "$said" | tr '\n' ' ')
   done
-  [ "$pool_runs" = 1 ] || { echo "test-deps: libvirt's storage pool default does not run" >&2; exit 1; }
+  if [ "$pool_runs" != 1 ]; then
+    echo "test-deps: libvirt's storage pool default does not run: $said" >&2
+    virsh -c qemu:///system pool-list --all >&2 || true
+    exit 1
+  fi
   echo "test-deps: $(virsh -c qemu:///system version 2>/dev/null | sed -n 's/^Running hypervisor: //p'), libvirt $(virsh -c qemu:///system version 2>/dev/null | sed -n 's/^Using library: libvirt //p')"
 }
 
