@@ -53,7 +53,9 @@ pub use migrations::{SchemaWindow, SCHEMA_VERSION};
 pub use model::*;
 pub use operator::ActionOutcome;
 pub use retention::{HistoryRetention, PrunedHistory, SIGN_IN_RETENTION};
-pub use session::{Session, SessionConfig, BATCH_WAIT, DEFAULT_SESSION_INTERVAL, MAX_BATCH};
+pub use session::{
+    Holding, Session, SessionConfig, BATCH_WAIT, DEFAULT_SESSION_INTERVAL, MAX_BATCH,
+};
 pub use sql::claims::ClaimStrategy;
 pub use sql::engine::{Tx, TxFuture};
 pub use sql::finish_tags::TagWrites;

@@ -14,7 +14,7 @@ use crate::lease::{drift_margin, Lease, LeaseClock};
 use crate::metrics::WorkResult;
 use crate::sql::engine::{Tx, TxFuture};
 use crate::transaction::{retrying, Guard};
-use crate::{AgentHeartbeat, AgentReport, Bmdb, Error, Process, Processor};
+use crate::{AgentHeartbeat, AgentReport, Bmdb, Error, Process, Processor, Retrieval};
 
 /// Default keep-alive interval (SPEC §17).
 pub const DEFAULT_SESSION_INTERVAL: Duration = Duration::from_secs(5);
@@ -137,6 +137,17 @@ impl Drop for SessionInner {
     fn drop(&mut self) {
         self.stop_keepalive();
     }
+}
+
+/// What [`Session::still_holds_due`] found right before an act that cannot be undone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Holding {
+    /// The work is still this session's and the machine still eligible: act.
+    Due,
+    /// The work is still this session's, but the machine is no longer eligible: release it.
+    NoLongerDue,
+    /// The session no longer holds the work (or is gone): do nothing.
+    Lost,
 }
 
 /// A live session. Cheap to clone; the keep-alive stops when the last clone is dropped (the
@@ -285,6 +296,32 @@ impl Session {
         let id = self.inner.id;
         self.read(move |tx| Box::pin(async move { tx.holds_work(id, machine, process).await }))
             .await
+    }
+
+    /// Whether this session still holds `machine`'s work for `retrieval`'s process and the
+    /// machine is still eligible under `retrieval` apart from that work: the re-check right
+    /// before an act that cannot be undone, since what made the machine eligible may have
+    /// ended after the claim (a heartbeat recorded, a server's trouble that excuses it).
+    pub async fn still_holds_due(
+        &self,
+        machine: Uuid,
+        retrieval: Retrieval,
+    ) -> Result<Holding, Error> {
+        let id = self.inner.id;
+        self.read(move |tx| {
+            Box::pin(async move {
+                let process = retrieval.process();
+                if !tx.holds_work(id, machine, process).await? {
+                    return Ok(Holding::Lost);
+                }
+                Ok(if tx.still_due(machine, process, &retrieval).await? {
+                    Holding::Due
+                } else {
+                    Holding::NoLongerDue
+                })
+            })
+        })
+        .await
     }
 
     /// Whether the session is known to be expired. A false answer can turn true at any time.

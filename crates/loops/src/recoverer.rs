@@ -16,7 +16,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use shepherd_bmdb::{
-    Backoff, Bmdb, LeaseLost, Process, RecoveryThresholds, Retrieval, Session, TagWrites,
+    Backoff, Bmdb, Holding, LeaseLost, Process, RecoveryThresholds, Retrieval, Session, TagWrites,
 };
 use uuid::Uuid;
 
@@ -48,6 +48,10 @@ pub enum RecoveryError {
     /// the lease ended while it was under way.
     #[error("rebooting: {0}")]
     LeaseLost(LeaseLost),
+    /// Read right before the reboot, the machine was no longer due: its agent heartbeated
+    /// since the claim, or a server's trouble now excuses its silence.
+    #[error("no longer due for recovery: its agent heartbeated or its silence is excused")]
+    NoLongerDue,
 }
 
 impl From<shepherd_bmdb::Error> for RecoveryError {
@@ -245,6 +249,7 @@ impl<P: RecovererProvider + 'static> MachineTask for Recoverer<P> {
         match error {
             RecoveryError::LeaseLost(_) => OnError::Fenced,
             RecoveryError::Read(e) if e.is_transient() => OnError::Cancel,
+            RecoveryError::NoLongerDue => OnError::Cancel,
             RecoveryError::Lookup(l) if l.error.is_unavailable() => OnError::Wait,
             _ => OnError::Backoff(self.backoff),
         }
@@ -270,17 +275,19 @@ impl<P: RecovererProvider + 'static> MachineTask for Recoverer<P> {
         let provided = provided.ok_or(RecoveryError::NotProvided)?;
         tracing::Span::current().record("provider_id", provided.provider_id.as_str());
         let at_provider = look_up(&*self.provider, &provided.provider_id).await?;
-        // The lock is read again right before the reset, and the reset is raced against the
-        // lease: a BMC cannot refuse a replica whose lease ended.
+        // The lock and the silence are read again right before the reset (the lookup may have
+        // taken long enough for a heartbeat to land, or a server's trouble to be reported), and
+        // the reset is raced against the lease: a BMC cannot refuse a replica whose lease ended.
         let lease = session.lease();
         let lost = RecoveryError::LeaseLost(LeaseLost);
-        let process = self.retrieval().process();
-        if !session
-            .still_holds(machine, process)
+        match session
+            .still_holds_due(machine, self.retrieval())
             .await
             .map_err(RecoveryError::Read)?
         {
-            return Err(lost);
+            Holding::Due => {}
+            Holding::NoLongerDue => return Err(RecoveryError::NoLongerDue),
+            Holding::Lost => return Err(lost),
         }
         lease.left().map_err(RecoveryError::LeaseLost)?;
         tokio::select! {

@@ -76,6 +76,16 @@ pub(crate) enum Flavor {
     Sqlite,
 }
 
+/// Whether an eligibility condition counts the work other processes hold on a machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WorkRows {
+    /// A machine whose work a process of the exclusion set holds is not eligible: claims.
+    Exclude,
+    /// Work rows are left out: the holder of the machine's work asking whether the rest still
+    /// holds ([`Tx::still_due`]).
+    Ignore,
+}
+
 /// The WHERE condition over `machine_provided p` for `process` claiming by `retrieval`, its
 /// parameters numbered from `$first` (see [`Flavor`]; bound by [`bind_pg`] / [`bind_sqlite`]).
 pub(crate) fn eligibility(
@@ -83,6 +93,17 @@ pub(crate) fn eligibility(
     retrieval: &Retrieval,
     first: usize,
     flavor: Flavor,
+) -> String {
+    condition(process, retrieval, first, flavor, WorkRows::Exclude)
+}
+
+/// [`eligibility`], counting work rows or not.
+fn condition(
+    process: Process,
+    retrieval: &Retrieval,
+    first: usize,
+    flavor: Flavor,
+    work_rows: WorkRows,
 ) -> String {
     let (fence, now) = match flavor {
         Flavor::Postgres(Shape::Probe) => (" OFFSET 0", "now()".to_string()),
@@ -101,7 +122,7 @@ pub(crate) fn eligibility(
         Flavor::Sqlite => excused_ago(Engine::Sqlite, first + 1 + i, first),
     };
     let excluded = exclusion_list(process);
-    let work = if excluded.is_empty() {
+    let work = if excluded.is_empty() || work_rows == WorkRows::Ignore {
         String::new()
     } else {
         format!(
@@ -236,6 +257,39 @@ impl Tx {
                 Ok(rows.into_iter().map(|(id,)| id).collect())
             }
         }
+    }
+
+    /// Whether `machine` is still eligible for `process` under `retrieval`, apart from the
+    /// work rows: asked by the holder of its work right before an act that cannot be undone
+    /// (the recoverer's reset). Between a claim and that act the reason may have ended: a
+    /// heartbeat recorded, a server's trouble reported that excuses the silence.
+    pub(crate) async fn still_due(
+        &mut self,
+        machine: Uuid,
+        process: Process,
+        retrieval: &Retrieval,
+    ) -> Result<bool> {
+        let sql = |flavor| {
+            format!(
+                "SELECT 1 FROM machine_provided p WHERE p.machine_id = $1 AND {}",
+                condition(process, retrieval, 2, flavor, WorkRows::Ignore)
+            )
+        };
+        let row: Option<(i32,)> = match self.conn() {
+            Conn::Postgres(c) => {
+                let sql = sql(Flavor::Postgres(Shape::Probe));
+                let q = sqlx::query_as(&sql).bind(machine);
+                bind_pg(q, retrieval).fetch_optional(&mut **c).await?
+            }
+            Conn::Sqlite(c) => {
+                let sql = sql(Flavor::Sqlite);
+                let q = sqlx::query_as(&sql).bind(machine);
+                bind_sqlite(q, c.now, retrieval)
+                    .fetch_optional(&mut *c.tx)
+                    .await?
+            }
+        };
+        Ok(row.is_some())
     }
 
     /// How many machines [`Tx::eligible_machines`] would return without a limit (the loops'

@@ -4,6 +4,9 @@
 //! is cut, silently, while a looks a machine up. Every reset is logged with the replica that
 //! sent it. Asserted: a sends no reset after its lease could have ended, and no machine is
 //! reset by a after b reset it; b reboots every machine once.
+//!
+//! On both backends: a machine whose agent heartbeats while the recoverer looks it up is not
+//! reset; the silence is read again right before the reset.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -67,6 +70,77 @@ impl RecovererTrait for SlowBmcs {
         Ok(())
     }
 }
+
+/// Two silent machines, one recoverer with one worker; the first machine it looks up
+/// heartbeats during that lookup. Only the other machine is reset, and the history shows the
+/// first one's recovery canceled without a backoff. Before the re-check before the reset, the
+/// first machine was reset too.
+async fn a_heartbeat_during_the_lookup_prevents_the_reset(db: Bmdb) {
+    let machines = testing::provision(&db, 2, Provider::Sim).await;
+    testing::agents_silent_for_hours(&db, &machines).await;
+    let calls: Calls = Arc::default();
+    let cancel = CancellationToken::new();
+    recoverer(db.clone(), "a", &calls, &cancel);
+    let first = testing::eventually("a first lookup", Duration::from_secs(30), async || {
+        let seen = calls.lock().unwrap().clone();
+        let lookup = seen.iter().find(|c| c.2 == "lookup").map(|c| c.3.clone());
+        testing::when(lookup.is_some(), lookup)
+    })
+    .await
+    .unwrap();
+    let woke = *machines
+        .iter()
+        .find(|m| m.simple().to_string() == first)
+        .unwrap();
+    db.transact(move |tx| {
+        Box::pin(async move {
+            let now = tx.now().await?;
+            tx.set_heartbeat_at(woke, now).await
+        })
+    })
+    .await
+    .unwrap();
+    let other = *machines.iter().find(|m| **m != woke).unwrap();
+    testing::eventually(
+        "the other machine to be reset",
+        Duration::from_secs(30),
+        async || {
+            let seen = calls.lock().unwrap().clone();
+            let resets: Vec<_> = seen.into_iter().filter(|c| c.2 == "reset").collect();
+            testing::when(!resets.is_empty(), resets)
+        },
+    )
+    .await;
+    cancel.cancel();
+    let resets: Vec<_> = calls
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|c| c.2 == "reset")
+        .map(|c| c.3.clone())
+        .collect();
+    assert_eq!(resets, [other.simple().to_string()], "{:?}", calls.lock());
+    let history = testing::all_history(&db).await;
+    let of_woke: Vec<_> = history
+        .iter()
+        .filter(|h| h.machine_id == woke && h.process == Process::ShepherdRecovery)
+        .map(|h| (h.event, h.cause.clone()))
+        .collect();
+    assert!(
+        of_woke.iter().any(|(e, _)| *e == WorkEvent::Canceled)
+            && !of_woke
+                .iter()
+                .any(|(e, _)| matches!(e, WorkEvent::Finished | WorkEvent::Failed)),
+        "{of_woke:?}"
+    );
+    let backoffs = db
+        .read(move |tx| Box::pin(async move { tx.machine_backoffs(woke).await }))
+        .await
+        .unwrap();
+    assert!(backoffs.is_empty(), "{backoffs:?}");
+}
+
+shepherd_bmdb::conformance_tests!(a_heartbeat_during_the_lookup_prevents_the_reset);
 
 /// Replica `name`'s recoverer on `db`, until `cancel`.
 fn recoverer(db: Bmdb, name: &'static str, calls: &Calls, cancel: &CancellationToken) {
