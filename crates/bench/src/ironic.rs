@@ -307,8 +307,7 @@ fn settings(workers: usize, creation_parallelism: usize, n: usize) -> FleetSetti
         provisioner_metrics: Default::default(),
         updater_rate: rate(5 * 60 * 1000, 1),
         session_interval: Duration::from_secs(5),
-        history_retention: None,
-        sign_in_retention: shepherd_bmdb::SIGN_IN_RETENTION,
+        retention: Default::default(),
         tasks: Default::default(),
         bare: None,
     }

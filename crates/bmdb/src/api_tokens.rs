@@ -9,6 +9,8 @@ use rand::RngCore;
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
+use crate::audit::{Actor, AuditEvent, AuditKind};
+use crate::paging::{check_page_limit, last_page_key};
 use crate::{Bmdb, Error, Role};
 
 /// What every token's text starts with, so that a leaked one is recognisable (secret
@@ -128,24 +130,26 @@ fn check_name(name: &str) -> Result<(), Error> {
     Ok(())
 }
 
-/// A token to make: its name, role, life and maker.
+/// A token to make: its name, role, life and maker, and the audit event its making records.
 struct Draft<'a> {
     name: &'a str,
     role: Role,
     valid_for: Duration,
     created_by: &'a str,
+    audit: AuditEvent,
 }
 
 impl Bmdb {
     /// Makes a token named `name` with `role`, valid for `valid_for`; returns it with its
     /// secret, or `None` if a token of that name exists (revoked ones included: names are
-    /// never reused, so the history stays unambiguous).
+    /// never reused, so the history stays unambiguous). `by` made it: the audit trail records
+    /// that in the same transaction.
     pub async fn create_api_token(
         &self,
         name: &str,
         role: Role,
         valid_for: Duration,
-        created_by: &str,
+        by: &Actor,
     ) -> Result<Option<(ApiToken, TokenSecret)>, Error> {
         check_name(name)?;
         if name.starts_with(SESSION_PREFIX) {
@@ -156,11 +160,14 @@ impl Bmdb {
                 ),
             });
         }
+        let days = valid_for.as_secs() / 86_400;
+        let what = format!("token {name} ({role}, valid {days} days)");
         let draft = Draft {
             name,
             role,
             valid_for,
-            created_by,
+            created_by: &by.principal,
+            audit: AuditEvent::acted(AuditKind::TokenCreated, what, by),
         };
         self.insert_api_token(draft).await
     }
@@ -168,10 +175,11 @@ impl Bmdb {
     /// Makes the token of a web UI sign-in: `who` (as the identity provider proved it) with
     /// `role`, for `valid_for`. Its name is [`SESSION_PREFIX`] and a random id; it acts as
     /// `who` (see [`ApiToken::principal_name`]). Signing out revokes it, and an admin can
-    /// list and revoke it like any token.
+    /// list and revoke it like any token. The audit trail records the sign-in in the same
+    /// transaction.
     pub async fn create_web_session(
         &self,
-        who: &str,
+        who: &Actor,
         role: Role,
         valid_for: Duration,
     ) -> Result<(ApiToken, TokenSecret), Error> {
@@ -180,7 +188,8 @@ impl Bmdb {
             name: &name,
             role,
             valid_for,
-            created_by: who,
+            created_by: &who.principal,
+            audit: AuditEvent::acted(AuditKind::SignIn, format!("{role} ({name})"), who),
         };
         let made = self.insert_api_token(draft).await?;
         made.ok_or_else(|| Error::InvalidArgument {
@@ -199,10 +208,11 @@ impl Bmdb {
         let sha256 = digest(secret.reveal());
         let (role, valid_for) = (draft.role, draft.valid_for);
         let (name, created_by) = (draft.name.to_string(), draft.created_by.to_string());
+        let audit = draft.audit;
         let id = Uuid::new_v4();
         let made = self
             .transact(move |tx| {
-                let (name, created_by) = (name.clone(), created_by.clone());
+                let (name, created_by, audit) = (name.clone(), created_by.clone(), audit.clone());
                 Box::pin(async move {
                     let draft = ApiToken {
                         id,
@@ -219,6 +229,7 @@ impl Bmdb {
                     if !tx.create_api_token(&draft, &sha256, valid_for).await? {
                         return Ok(None);
                     }
+                    tx.record_audit_event(&audit).await?;
                     tx.api_token(&name).await
                 })
             })
@@ -245,50 +256,64 @@ impl Bmdb {
         after: Option<&str>,
         limit: usize,
     ) -> Result<(Vec<ApiToken>, Option<String>), Error> {
-        if limit == 0 || limit > MAX_PAGE {
-            return Err(Error::InvalidArgument {
-                what: "limit",
-                problem: format!("must be 1 to {MAX_PAGE}"),
-            });
-        }
+        check_page_limit(limit, MAX_PAGE)?;
         let after = after.map(str::to_string);
-        let mut tokens = self
+        let tokens = self
             .read(move |tx| {
                 let after = after.clone();
                 // One more than asked tells whether more follow.
                 Box::pin(async move { tx.api_tokens(after.as_deref(), limit as i64 + 1).await })
             })
             .await?;
-        let more = tokens.len() > limit;
-        tokens.truncate(limit);
-        let next = more
-            .then(|| tokens.last().map(|t| t.name.clone()))
-            .flatten();
-        Ok((tokens, next))
+        Ok(last_page_key(tokens, limit, |t| t.name.clone()))
     }
 
     /// Revokes the token named `name`: it stops working at once for every server that has not
     /// cached it, and within the cache's lifetime for those that have. Returns the token as it
-    /// now is, or `None` if there is no such token.
-    pub async fn revoke_api_token(&self, name: &str) -> Result<Option<ApiToken>, Error> {
-        let name = name.to_string();
+    /// now is, or `None` if there is no such token. The audit trail records that `by` revoked
+    /// it (a sign-out, when `by` revoked their own sign-in), in the same transaction.
+    pub async fn revoke_api_token(
+        &self,
+        name: &str,
+        by: &Actor,
+    ) -> Result<Option<ApiToken>, Error> {
+        let (name, by) = (name.to_string(), by.clone());
         self.transact(move |tx| {
-            let name = name.clone();
+            let (name, by) = (name.clone(), by.clone());
             Box::pin(async move {
-                tx.revoke_api_token(&name).await?;
-                tx.api_token(&name).await
+                let revoked = tx.revoke_api_token(&name).await?;
+                let token = tx.api_token(&name).await?;
+                if let (true, Some(token)) = (revoked, &token) {
+                    let own_sign_in =
+                        name.starts_with(SESSION_PREFIX) && token.created_by == by.principal;
+                    let kind = match own_sign_in {
+                        true => AuditKind::SignOut,
+                        false => AuditKind::TokenRevoked,
+                    };
+                    let what = format!("token {name} of {}", token.created_by);
+                    tx.record_audit_event(&AuditEvent::acted(kind, what, &by))
+                        .await?;
+                }
+                Ok(token)
             })
         })
         .await
     }
 
     /// Revokes every web sign-in of `who` (`oidc:SUBJECT@ISSUER`), as signing out of each
-    /// would; returns how many were revoked.
-    pub async fn revoke_sessions_of(&self, who: &str) -> Result<u64, Error> {
-        let who = who.to_string();
+    /// would; returns how many were revoked. The audit trail records that `by` did, in the
+    /// same transaction.
+    pub async fn revoke_sessions_of(&self, who: &str, by: &Actor) -> Result<u64, Error> {
+        let (who, by) = (who.to_string(), by.clone());
         self.transact(move |tx| {
-            let who = who.clone();
-            Box::pin(async move { tx.revoke_sessions_of(&who).await })
+            let (who, by) = (who.clone(), by.clone());
+            Box::pin(async move {
+                let revoked = tx.revoke_sessions_of(&who).await?;
+                let what = format!("{revoked} sign-ins of {who}");
+                let event = AuditEvent::acted(AuditKind::SessionsRevoked, what, &by);
+                tx.record_audit_event(&event).await?;
+                Ok(revoked)
+            })
         })
         .await
     }

@@ -5,6 +5,7 @@
 //! SPEC §2–§5 for the model; every SQL statement lives in `sql/`, by concern.
 
 mod api_tokens;
+mod audit;
 mod backoff;
 mod bare_metal;
 mod batch_reports;
@@ -23,6 +24,7 @@ mod metrics;
 mod migrations;
 mod model;
 mod operator;
+mod paging;
 mod retention;
 mod session;
 mod sql;
@@ -39,6 +41,7 @@ pub use api_tokens::{
     digest as api_token_digest, is_token_shaped, ApiToken, TokenSecret, TokenTimes,
     MAX_PAGE as MAX_TOKEN_PAGE, SESSION_PREFIX, TOKEN_PREFIX,
 };
+pub use audit::{Actor, AuditEvent, AuditFilter, AuditKind, MAX_AUDIT_PAGE, MAX_AUDIT_TEXT};
 pub use backoff::{default_interval_seconds, Backoff};
 pub use bare_metal::{
     BareHistoryEntry, BareMetal, BarePhase, ForgetSystem, MediaGrant, PhaseWrites, MAX_DETAIL_LEN,
@@ -52,7 +55,7 @@ pub use metrics::{BmdbMetrics, ClaimSearch};
 pub use migrations::{SchemaWindow, SCHEMA_VERSION};
 pub use model::*;
 pub use operator::ActionOutcome;
-pub use retention::{HistoryRetention, PrunedHistory, SIGN_IN_RETENTION};
+pub use retention::{Ended, HistoryRetention, PrunedHistory, AUDIT_RETENTION, SIGN_IN_RETENTION};
 pub use session::{
     Holding, Session, SessionConfig, BATCH_WAIT, DEFAULT_SESSION_INTERVAL, MAX_BATCH,
 };

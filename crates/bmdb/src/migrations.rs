@@ -73,10 +73,13 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
     // Expand: two tables. A binary of schema 3 to 9 neither reads nor writes them (its
     // recoverer believes a silence a server caused, as it always did).
     Migration::new(10, "heartbeat_writers", 3, scripts!("0010_heartbeat_writers.sql")),
+    // Expand: a table. A binary of schema 3 to 10 neither reads nor writes it (its servers
+    // keep no audit trail).
+    Migration::new(11, "audit_events", 3, scripts!("0011_audit_events.sql")),
 ];
 
 /// The schema version this binary needs and writes.
-pub const SCHEMA_VERSION: i64 = 10;
+pub const SCHEMA_VERSION: i64 = 11;
 
 /// Which binaries may run on a database: its schema version, and the oldest binary schema
 /// that its newest migration declared compatible (SPEC: rolling upgrades).

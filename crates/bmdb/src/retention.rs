@@ -41,6 +41,28 @@ impl HistoryRetention {
 /// configured otherwise.
 pub const SIGN_IN_RETENTION: Duration = Duration::from_secs(30 * 86_400);
 
+/// How long audit events are kept, unless configured otherwise.
+pub const AUDIT_RETENTION: Duration = Duration::from_secs(90 * 86_400);
+
+/// Records kept for a time of their own, each pruned by [`Session::prune_ended`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// Web sign-ins that expired or were revoked.
+    SignIns,
+    /// Audit events, by when they were seen.
+    AuditEvents,
+}
+
+impl Ended {
+    /// The table its rows are in.
+    fn table(self) -> HistoryTable {
+        match self {
+            Ended::SignIns => HistoryTable::SignIns,
+            Ended::AuditEvents => HistoryTable::AuditEvents,
+        }
+    }
+}
+
 /// What one retention pass deleted.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PrunedHistory {
@@ -50,14 +72,16 @@ pub struct PrunedHistory {
     pub operator: u64,
     /// Web sign-ins that had ended (expired or revoked) longer ago than their retention.
     pub sign_ins: u64,
+    /// Audit events older than their retention.
+    pub audit_events: u64,
 }
 
 impl std::fmt::Display for PrunedHistory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "pruned {} work and {} operator history entries, {} ended sign-ins",
-            self.work, self.operator, self.sign_ins
+            "pruned {} work and {} operator history entries, {} ended sign-ins, {} audit events",
+            self.work, self.operator, self.sign_ins, self.audit_events
         )
     }
 }
@@ -96,7 +120,7 @@ impl Session {
                     .await?;
                 match table {
                     HistoryTable::Work => pruned.work += deleted,
-                    HistoryTable::Operator => pruned.operator += deleted,
+                    _ => pruned.operator += deleted,
                 }
                 if deleted < limit as u64 {
                     break;
@@ -106,23 +130,29 @@ impl Session {
         Ok(pruned)
     }
 
-    /// Deletes the web sign-ins that ended (expired or were revoked) more than `keep` ago, in
-    /// batches as [`Session::prune_history`] does; returns how many went.
-    pub async fn prune_sign_ins(
+    /// Deletes the `what` that ended (a sign-in expired or was revoked, an audit event was
+    /// seen) more than `keep` ago, in batches as [`Session::prune_history`] does; returns how
+    /// many went.
+    pub async fn prune_ended(
         &self,
+        what: Ended,
         keep: Duration,
         batch: i64,
         max_batches: u32,
     ) -> Result<u64, Error> {
-        let keep = chrono::Duration::from_std(keep)
-            .map_err(|_| retention_too_long("sign-in retention"))?;
+        let keep = chrono::Duration::from_std(keep).map_err(|_| {
+            retention_too_long(match what {
+                Ended::SignIns => "sign-in retention",
+                Ended::AuditEvents => "audit retention",
+            })
+        })?;
         let mut pruned = 0;
         for _ in 0..max_batches {
             let deleted = self
                 .transact(move |tx| {
                     Box::pin(async move {
-                        let now = tx.now().await?;
-                        tx.prune_ended_sign_ins(now - keep, batch).await
+                        let before = tx.now().await? - keep;
+                        tx.prune_oldest(what.table(), before, before, batch).await
                     })
                 })
                 .await?;

@@ -11,13 +11,11 @@ use crate::limiter::RateSpec;
 use crate::periodic::{self, Pass};
 use crate::provisioner::{Provisioner, ProvisionerConfig, ProvisionerMetrics};
 use crate::recoverer::{Recoverer, RecovererMetrics, RepeatPolicy};
-use crate::retention::HistoryPruner;
+use crate::retention::{HistoryPruner, Retention};
 use crate::runner::{self, MachineTask, RunnerConfig};
 use crate::tasks::{TaskKind, Tasks};
 use crate::updater::Updater;
-use shepherd_bmdb::{
-    Backoff, Bmdb, HistoryRetention, Processor, RecoveryThresholds, SessionConfig,
-};
+use shepherd_bmdb::{Backoff, Bmdb, Processor, RecoveryThresholds, SessionConfig};
 use shepherd_provider::settings::InvalidSetting;
 use shepherd_provider::transport::Transport;
 use shepherd_provider::Recoverer as RecovererProvider;
@@ -64,10 +62,8 @@ pub struct FleetSettings {
     pub updater_rate: RateSpec,
     /// Session keep-alive interval.
     pub session_interval: Duration,
-    /// How long history is kept; `None` keeps it forever.
-    pub history_retention: Option<HistoryRetention>,
-    /// How long a web sign-in is kept after it expired or was revoked.
-    pub sign_in_retention: Duration,
+    /// How long history, ended sign-ins and audit events are kept.
+    pub retention: Retention,
     /// Where every loop reports its work (shared with the web UI, the API and `/metrics`).
     pub tasks: Tasks,
 }
@@ -163,7 +159,7 @@ pub async fn run_loops<P: RecovererProvider + 'static>(
         .with_brake(brake);
     let recover = Processor::ShepherdRecoverer;
     let recovering = loops.machines(&settings.recoverer_loop, recoverer, recover, "recoverer");
-    let pruner = HistoryPruner::new(settings.history_retention, settings.sign_in_retention);
+    let pruner = HistoryPruner::new(settings.retention);
     let pruning = loops.periodic(pruner, "retention");
     let bare = match &settings.bare {
         Some(b) => Some((

@@ -6,7 +6,9 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use shepherd_bmdb::{HistoryRetention, Processor, PrunedHistory, Session};
+use shepherd_bmdb::{
+    Ended, HistoryRetention, Processor, PrunedHistory, Session, AUDIT_RETENTION, SIGN_IN_RETENTION,
+};
 
 use crate::limiter::RateSpec;
 use crate::periodic::Pass;
@@ -17,20 +19,40 @@ pub const RETENTION_RATE: RateSpec = RateSpec::new(std::time::Duration::from_sec
 
 /// Prunes history past its retention, and web sign-ins that ended longer ago than theirs.
 pub struct HistoryPruner {
-    history: Option<HistoryRetention>,
-    sign_ins: Duration,
+    retention: Retention,
 }
 
-impl HistoryPruner {
-    /// A pruner keeping history as `history` says (`None`: forever) and ended sign-ins for
-    /// `sign_ins`.
-    pub fn new(history: Option<HistoryRetention>, sign_ins: Duration) -> Self {
-        HistoryPruner { history, sign_ins }
+/// How long each kind of record is kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retention {
+    /// The work and operators' history; `None` keeps it forever.
+    pub history: Option<HistoryRetention>,
+    /// Web sign-ins, after they expired or were revoked.
+    pub sign_ins: Duration,
+    /// Audit events.
+    pub audit_events: Duration,
+}
+
+impl Default for Retention {
+    /// History forever; sign-ins and audit events as long as the BMDB's defaults say.
+    fn default() -> Self {
+        Retention {
+            history: None,
+            sign_ins: SIGN_IN_RETENTION,
+            audit_events: AUDIT_RETENTION,
+        }
     }
 }
 
-/// Sign-ins deleted per transaction, and most batches per pass.
-const SIGN_IN_BATCH: (i64, u32) = (1000, 100);
+impl HistoryPruner {
+    /// A pruner keeping each kind of record as `retention` says.
+    pub fn new(retention: Retention) -> Self {
+        HistoryPruner { retention }
+    }
+}
+
+/// Sign-ins or audit events deleted per transaction, and most batches per pass.
+const ENDED_BATCH: (i64, u32) = (1000, 100);
 
 #[async_trait]
 impl Pass for HistoryPruner {
@@ -43,20 +65,25 @@ impl Pass for HistoryPruner {
     }
 
     async fn pass(&self, session: &Session) -> Result<PrunedHistory, shepherd_bmdb::Error> {
-        let mut pruned = match &self.history {
+        let retention = &self.retention;
+        let mut pruned = match &retention.history {
             Some(retention) => session.prune_history(retention).await?,
             None => PrunedHistory::default(),
         };
-        let (batch, batches) = SIGN_IN_BATCH;
+        let (batch, batches) = ENDED_BATCH;
         pruned.sign_ins = session
-            .prune_sign_ins(self.sign_ins, batch, batches)
+            .prune_ended(Ended::SignIns, retention.sign_ins, batch, batches)
+            .await?;
+        pruned.audit_events = session
+            .prune_ended(Ended::AuditEvents, retention.audit_events, batch, batches)
             .await?;
         if pruned != PrunedHistory::default() {
             tracing::info!(
                 work_entries = pruned.work,
                 operator_entries = pruned.operator,
                 sign_ins = pruned.sign_ins,
-                "pruned history and sign-ins past their retention"
+                audit_events = pruned.audit_events,
+                "pruned history, sign-ins and audit events past their retention"
             );
         }
         Ok(pruned)

@@ -195,8 +195,7 @@ fn settings(args: &DemoArgs) -> FleetSettings {
         provisioner_metrics: Default::default(),
         updater_rate: fast(2000, 1),
         session_interval: Duration::from_secs(5),
-        history_retention: None,
-        sign_in_retention: shepherd_bmdb::SIGN_IN_RETENTION,
+        retention: Default::default(),
         tasks: Default::default(),
         bare: None,
     }

@@ -6,6 +6,8 @@
 mod actions;
 mod api;
 mod api_client;
+mod audit;
+mod audit_cmd;
 mod bare_flags;
 mod bmdb_cmd;
 mod cause_shapes;
@@ -90,6 +92,15 @@ enum Command {
         api: api_client::ApiArgs,
         #[command(subcommand)]
         command: tokens_cmd::TokensCommand,
+    },
+    /// The security audit trail: sign-ins, tokens made and revoked, refused requests (on the
+    /// database: administrators only).
+    Audit {
+        /// The operator API to use instead of the database (an admin's token).
+        #[command(flatten)]
+        api: api_client::ApiArgs,
+        #[command(subcommand)]
+        command: audit_cmd::AuditCommand,
     },
     /// A process's background tasks: state, last outcome, counts, last panic. Exits 1 if a
     /// task is failed or stale.
@@ -183,6 +194,7 @@ async fn main() {
         } => machines_cmd::sessions(&cli.database).await,
         Command::Bmdb { command } => bmdb_cmd::run(&cli.database, command).await,
         Command::Tokens { api, command } => tokens_cmd::run(&cli.database, &api, command).await,
+        Command::Audit { api, command } => audit_cmd::run(&cli.database, &api, command).await,
         Command::Login(args) => login_cmd::run(args).await,
         Command::Tasks(args) => tasks_cmd::run(args).await,
         Command::Config {

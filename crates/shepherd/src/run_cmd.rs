@@ -17,6 +17,7 @@ use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::provisioner::ProvisionerConfig;
 use shepherd_loops::reconcile::Limits;
 use shepherd_loops::recoverer::{failed_reboot_backoff, RecovererMetrics, RepeatPolicy};
+use shepherd_loops::retention::Retention;
 use shepherd_provider::metrics::{CallMetrics, InstrumentedProvider};
 use shepherd_provider::static_provider::StaticProvider;
 use shepherd_provider::transport::{SshTransport, Transport};
@@ -125,6 +126,10 @@ pub struct RunArgs {
     /// retention task deletes it; tokens made by name are never deleted).
     #[arg(long, env = "SHEPHERD_TOKEN_RETENTION", default_value = "30d", value_parser = duration)]
     pub token_retention: Duration,
+    /// How long the security audit trail (sign-ins, tokens made and revoked, refused
+    /// requests) is kept; then the retention task deletes the oldest events.
+    #[arg(long, env = "SHEPHERD_AUDIT_RETENTION", default_value = "90d", value_parser = duration)]
+    pub audit_retention: Duration,
 }
 
 /// Where machines come from.
@@ -662,6 +667,7 @@ impl RunArgs {
                 self.history_retention.unwrap_or(Duration::MAX),
             ),
             ("token-retention", self.token_retention),
+            ("audit-retention", self.audit_retention),
         ] {
             if d.is_zero() {
                 bail!("{name}: must be more than zero");
@@ -683,8 +689,11 @@ impl RunArgs {
             provisioner_metrics: Default::default(),
             updater_rate: self.updater_rate,
             session_interval: self.session_interval,
-            history_retention: self.history_retention.map(HistoryRetention::new),
-            sign_in_retention: self.token_retention,
+            retention: Retention {
+                history: self.history_retention.map(HistoryRetention::new),
+                sign_ins: self.token_retention,
+                audit_events: self.audit_retention,
+            },
             tasks: self.process.tasks(),
             bare: None,
         })

@@ -327,6 +327,7 @@ fn api_app(
     db: &Bmdb,
     operator: &mut crate::metrics_http::OperatorEndpoint,
     auth: &Arc<crate::api::auth::Authenticator>,
+    audit: &crate::audit::AuditTrail,
     sign_in: Option<&Arc<crate::api::signin::SignIn>>,
 ) -> axum::Router {
     let settings = crate::api::ApiSettings {
@@ -343,6 +344,7 @@ fn api_app(
         tasks,
         settings,
         auth.clone(),
+        audit.clone(),
         registry,
     );
     if let Some(sign_in) = sign_in {
@@ -361,6 +363,22 @@ fn api_app(
         app = app.merge(crate::rate_limit::per_peer(web, web_rate));
     }
     app
+}
+
+/// The web UI's sign-in over the identity provider, the authenticator, the BMDB and the
+/// audit trail; its counters go to `registry`.
+fn sign_in_with(
+    settings: crate::api::signin::SignInSettings,
+    (oidc, auth, db, audit): (
+        Arc<crate::api::oidc::OidcVerifier>,
+        Arc<crate::api::auth::Authenticator>,
+        Bmdb,
+        crate::audit::AuditTrail,
+    ),
+    registry: &mut prometheus_client::registry::Registry,
+) -> Result<Arc<crate::api::signin::SignIn>> {
+    let sign_in = crate::api::signin::SignIn::new(settings, oidc, auth, db, audit, registry);
+    Ok(Arc::new(sign_in.map_err(anyhow::Error::msg)?))
 }
 
 /// Runs the server until SIGINT/SIGTERM.
@@ -422,17 +440,16 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
             tracing::warn!(%why, "the identity provider's keys cannot be fetched yet; its tokens are refused until they can");
         }
     }
+    let audit = crate::audit::AuditTrail::start(db.clone(), &mut operator.registry, cancel.clone());
     let sign_in = match (&oidc, sign_in) {
         (Some(oidc), Some(settings)) => {
-            let (oidc, auth, db) = (oidc.clone(), auth.clone(), db.clone());
-            let registry = &mut operator.registry;
-            let sign_in = crate::api::signin::SignIn::new(settings, oidc, auth, db, registry);
-            Some(Arc::new(sign_in.map_err(anyhow::Error::msg)?))
+            let parts = (oidc.clone(), auth.clone(), db.clone(), audit.clone());
+            Some(sign_in_with(settings, parts, &mut operator.registry)?)
         }
         _ => None,
     };
     if let Some(addr) = args.api_listen {
-        let app = api_app(&args, &db, &mut operator, &auth, sign_in.as_ref());
+        let app = api_app(&args, &db, &mut operator, &auth, &audit, sign_in.as_ref());
         let tls = Arc::new(load_https_config(&cert, &key)?);
         serve_api(addr, tls, app, cancel.clone()).await?;
     }

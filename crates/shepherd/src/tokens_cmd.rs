@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::Subcommand;
 use reqwest::Method;
 use serde_json::{json, Value};
-use shepherd_bmdb::{ApiToken, Bmdb, TokenTimes, MAX_TOKEN_PAGE};
+use shepherd_bmdb::{Actor, ApiToken, Bmdb, TokenTimes, MAX_TOKEN_PAGE};
 
 use crate::api_client::{ApiArgs, ApiClient};
 use crate::one_line::one_line;
@@ -164,9 +164,7 @@ async fn run_on(db: &Bmdb, command: TokensCommand) -> Result<()> {
             if expires < Duration::from_secs(60) {
                 bail!("--expires: {expires:?} is too short; a token lives at least a minute");
             }
-            let by = by
-                .or_else(|| std::env::var("USER").ok())
-                .unwrap_or_else(|| "unknown".into());
+            let by = Actor::named(by.unwrap_or_else(cli_user));
             let Some((token, secret)) = db.create_api_token(&name, role, expires, &by).await?
             else {
                 bail!("a token named {name:?} exists (names are never reused)");
@@ -186,15 +184,25 @@ async fn run_on(db: &Bmdb, command: TokensCommand) -> Result<()> {
                 }
             }
         }
-        TokensCommand::Revoke { name } => match db.revoke_api_token(&name).await? {
+        TokensCommand::Revoke { name } => match db.revoke_api_token(&name, &cli_actor()).await? {
             Some(t) => println!("{}", line(&t)),
             None => bail!("no token named {name:?}"),
         },
         TokensCommand::RevokeSessions { of } => {
-            sessions_revoked(&of, db.revoke_sessions_of(&of).await?);
+            sessions_revoked(&of, db.revoke_sessions_of(&of, &cli_actor()).await?);
         }
     }
     Ok(())
+}
+
+/// Who runs the CLI on the database: `$USER`, as the tokens it makes record their maker.
+fn cli_user() -> String {
+    std::env::var("USER").unwrap_or_else(|_| "unknown".into())
+}
+
+/// The audit trail's actor for the CLI on the database: `cli:$USER`.
+fn cli_actor() -> Actor {
+    Actor::named(format!("cli:{}", cli_user()))
 }
 
 /// One token as a line.

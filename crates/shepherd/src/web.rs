@@ -5,6 +5,7 @@
 //! actions the signed-in role may take (`web/actions.rs`).
 
 mod actions;
+mod audit_page;
 mod page;
 
 use std::sync::Arc;
@@ -141,9 +142,13 @@ pub fn router(
     }));
     match sign_in {
         None => pages,
-        Some(sign_in) => pages.merge(actions::routes(acting_db)).route_layer(
-            axum::middleware::from_fn_with_state(sign_in, crate::api::signin::require_session),
-        ),
+        Some(sign_in) => pages
+            .merge(actions::routes(acting_db.clone()))
+            .merge(audit_page::routes(acting_db, look))
+            .route_layer(axum::middleware::from_fn_with_state(
+                sign_in,
+                crate::api::signin::require_session,
+            )),
     }
 }
 

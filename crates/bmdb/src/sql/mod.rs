@@ -16,6 +16,7 @@
 //! - `provider_skips.rs` — provider ids skipped after their provider refused them;
 //! - `retention.rs` — pruning old history in bounded batches;
 //! - `api_tokens.rs` — the operator API's local tokens;
+//! - `audit.rs` — the security audit trail;
 //! - `bare_metal.rs` — bare machines' phases, their steps' history and the media server's lookup;
 //! - `heartbeat_writers.rs` — what the BMaaS servers could not record, which excuses silence.
 //!
@@ -27,6 +28,7 @@
 //! data-modifying CTEs, SQLite's `PRAGMA`s) are the arms of one `match` on the engine.
 
 pub(crate) mod api_tokens;
+pub(crate) mod audit;
 pub(crate) mod bare_metal;
 pub(crate) mod claims;
 pub(crate) mod endings;

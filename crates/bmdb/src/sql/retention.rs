@@ -12,6 +12,12 @@ pub(crate) enum HistoryTable {
     Work,
     /// The operators' history; every row is kept until `failed_before`.
     Operator,
+    /// Web sign-ins (tokens named [`crate::SESSION_PREFIX`]…) that expired or were revoked
+    /// before `before`; other tokens stay (an administrator made them and revokes or keeps
+    /// them by name).
+    SignIns,
+    /// Audit events seen before `before`.
+    AuditEvents,
 }
 
 impl Tx {
@@ -37,24 +43,19 @@ impl Tx {
                      WHERE at < $1 AND at < $2
                      ORDER BY at LIMIT $3)"
             }
+            HistoryTable::SignIns => {
+                "DELETE FROM api_tokens WHERE token_id IN (
+                    SELECT token_id FROM api_tokens
+                     WHERE name LIKE 'session.%' AND (expires_at < $1 OR revoked_at < $1)
+                       AND created_at < $2
+                     LIMIT $3)"
+            }
+            HistoryTable::AuditEvents => {
+                "DELETE FROM audit_events WHERE id IN (
+                    SELECT id FROM audit_events WHERE at < $1 AND at < $2 ORDER BY at LIMIT $3)"
+            }
         };
         let args = [Arg::Time(before), Arg::Time(failed_before), Arg::Int(limit)];
-        self.conn().execute(sql, &args).await
-    }
-
-    /// Deletes at most `limit` web sign-ins (tokens named [`crate::SESSION_PREFIX`]…) that
-    /// expired or were revoked before `before`; returns how many went. Other tokens stay: an
-    /// administrator made them and revokes or keeps them by name.
-    pub(crate) async fn prune_ended_sign_ins(
-        &mut self,
-        before: DateTime<Utc>,
-        limit: i64,
-    ) -> Result<u64> {
-        let sql = "DELETE FROM api_tokens WHERE token_id IN (
-                       SELECT token_id FROM api_tokens
-                        WHERE name LIKE 'session.%' AND (expires_at < $1 OR revoked_at < $1)
-                        LIMIT $2)";
-        let args = [Arg::Time(before), Arg::Int(limit)];
         self.conn().execute(sql, &args).await
     }
 }

@@ -482,18 +482,19 @@ async fn retention_prunes_in_batches_and_keeps_failures_longest(db: Bmdb) {
 /// revocable, expiring, and their use recorded.
 async fn api_tokens_are_hashed_unique_revocable_and_expire(db: Bmdb) {
     let day = Duration::from_secs(86_400);
+    let [alice, bob] = ["alice", "bob"].map(Actor::named);
     let (ci, secret) = db
-        .create_api_token("ci", Role::Operator, day, "alice")
+        .create_api_token("ci", Role::Operator, day, &alice)
         .await
         .unwrap()
         .expect("a new name");
     assert_eq!((ci.role, ci.created_by.as_str()), (Role::Operator, "alice"));
     let lifetime = ci.times.expires_at - ci.times.created_at;
     assert_eq!(lifetime.num_seconds(), 86_400, "{ci:?}");
-    let again = db.create_api_token("ci", Role::Admin, day, "bob").await;
+    let again = db.create_api_token("ci", Role::Admin, day, &bob).await;
     assert!(again.unwrap().is_none(), "a name is made once");
     let bad = db
-        .create_api_token("no spaces", Role::Viewer, day, "bob")
+        .create_api_token("no spaces", Role::Viewer, day, &bob)
         .await;
     assert!(matches!(bad, Err(Error::InvalidArgument { .. })), "{bad:?}");
 
@@ -511,15 +512,13 @@ async fn api_tokens_are_hashed_unique_revocable_and_expire(db: Bmdb) {
     let used = db.api_token_for(secret.reveal()).await.unwrap().unwrap();
     assert!(used.times.last_used_at.is_some());
 
-    let revoked = db.revoke_api_token("ci").await.unwrap().unwrap();
+    let revoked = db.revoke_api_token("ci", &bob).await.unwrap().unwrap();
     assert!(!revoked.is_valid_at(chrono::Utc::now()), "{revoked:?}");
-    assert_eq!(db.revoke_api_token("nope").await.unwrap(), None);
+    assert_eq!(db.revoke_api_token("nope", &bob).await.unwrap(), None);
 
-    let (short, _) = db
-        .create_api_token("short", Role::Viewer, Duration::from_secs(1), "alice")
-        .await
-        .unwrap()
-        .unwrap();
+    let second = Duration::from_secs(1);
+    let short = db.create_api_token("short", Role::Viewer, second, &alice);
+    let (short, _) = short.await.unwrap().unwrap();
     assert!(!short.is_valid_at(short.times.created_at + chrono::Duration::seconds(2)));
     let (tokens, next) = db.api_tokens(None, MAX_TOKEN_PAGE).await.unwrap();
     let names: Vec<_> = tokens.iter().map(|t| t.name.as_str()).collect();
@@ -537,28 +536,20 @@ async fn api_tokens_are_hashed_unique_revocable_and_expire(db: Bmdb) {
 async fn retention_deletes_ended_sign_ins_only(db: Bmdb) {
     let second = Duration::from_secs(1);
     let day = Duration::from_secs(86_400);
-    let (expired, _) = db
-        .create_web_session("oidc:a", Role::Viewer, second)
-        .await
-        .unwrap();
-    let (revoked, _) = db
-        .create_web_session("oidc:b", Role::Viewer, day)
-        .await
-        .unwrap();
-    db.revoke_api_token(&revoked.name).await.unwrap();
-    let (live, _) = db
-        .create_web_session("oidc:c", Role::Viewer, day)
-        .await
-        .unwrap();
-    db.create_api_token("short", Role::Viewer, second, "alice")
-        .await
-        .unwrap()
-        .unwrap();
+    let [a, b, c] = ["oidc:a", "oidc:b", "oidc:c"].map(Actor::named);
+    let expired = db.create_web_session(&a, Role::Viewer, second);
+    let (expired, _) = expired.await.unwrap();
+    let (revoked, _) = db.create_web_session(&b, Role::Viewer, day).await.unwrap();
+    db.revoke_api_token(&revoked.name, &b).await.unwrap();
+    let (live, _) = db.create_web_session(&c, Role::Viewer, day).await.unwrap();
+    let short = db.create_api_token("short", Role::Viewer, second, &a);
+    short.await.unwrap().unwrap();
     let s = session(&db, Processor::ShepherdRetention).await;
     // Ended, but within the retention: kept.
-    assert_eq!(s.prune_sign_ins(day, 10, 10).await.unwrap(), 0);
+    assert_eq!(s.prune_ended(Ended::SignIns, day, 10, 10).await.unwrap(), 0);
     tokio::time::sleep(Duration::from_millis(2100)).await;
-    assert_eq!(s.prune_sign_ins(second, 1, 10).await.unwrap(), 2);
+    let pruned = s.prune_ended(Ended::SignIns, second, 1, 10).await;
+    assert_eq!(pruned.unwrap(), 2);
     let (left, _) = db.api_tokens(None, MAX_TOKEN_PAGE).await.unwrap();
     let mut left: Vec<_> = left.into_iter().map(|t| t.name).collect();
     left.sort();

@@ -10,7 +10,10 @@ use axum::{Extension, Json};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use shepherd_bmdb::{ApiToken, Lifecycle, Operator, Process, Provider, Role};
+use shepherd_bmdb::{
+    Actor, ApiToken, AuditEvent, AuditFilter, AuditKind, Lifecycle, Operator, Process, Provider,
+    Role,
+};
 use uuid::Uuid;
 
 use super::extract::{ApiJson, ApiQuery};
@@ -365,6 +368,63 @@ pub async fn list_tokens(State(api): State<Arc<Api>>, ApiQuery(q): ApiQuery<Toke
     Ok(Json(json!({ "tokens": tokens, "next": next })))
 }
 
+/// `GET /api/v1/audit` filters and paging.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct AuditQuery {
+    /// Only this principal's events (`token:ci`, `oidc:SUBJECT@ISSUER`).
+    principal: Option<String>,
+    /// Only events of this kind: SignIn, SignOut, TokenCreated, TokenRevoked,
+    /// SessionsRevoked or Refused.
+    kind: Option<String>,
+    /// Only events seen at or after this time (RFC 3339).
+    since: Option<String>,
+    /// Only events older than this id (the previous page's `next`).
+    before: Option<i64>,
+    /// Most events in the page: 1 to 1000, 100 unless given.
+    limit: Option<usize>,
+}
+
+impl AuditQuery {
+    /// The filter the query asks for; a clear error for a kind or time that is not one.
+    pub fn filter(&self) -> Result<AuditFilter, Problem> {
+        let kind = self
+            .kind
+            .as_deref()
+            .map(|k| k.parse::<AuditKind>())
+            .transpose()
+            .map_err(|e| invalid(format!("kind: {e}")))?;
+        let since = self
+            .since
+            .as_deref()
+            .map(chrono::DateTime::parse_from_rfc3339)
+            .transpose()
+            .map_err(|e| invalid(format!("since: not an RFC 3339 time ({e})")))?
+            .map(|t| t.with_timezone(&chrono::Utc));
+        Ok(AuditFilter {
+            principal: self.principal.clone(),
+            kind,
+            since,
+        })
+    }
+}
+
+/// An audit event as the API shows it.
+pub fn audit_json(e: &AuditEvent) -> Value {
+    json!({ "id": e.id, "at": e.at, "kind": e.kind.as_str(), "principal": e.principal,
+            "peer": e.peer, "route": e.route, "reason": e.reason, "request_id": e.request_id })
+}
+
+/// `GET /api/v1/audit`: a page of the security audit trail, newest first, with `next` (the
+/// `before` of the next page) if more follow.
+pub async fn audit(State(api): State<Arc<Api>>, ApiQuery(q): ApiQuery<AuditQuery>) -> Reply {
+    let filter = q.filter()?;
+    let limit = q.limit.unwrap_or(DEFAULT_PAGE);
+    let (events, next) = api.db.audit_events(&filter, q.before, limit).await?;
+    let events: Vec<Value> = events.iter().map(audit_json).collect();
+    Ok(Json(json!({ "events": events, "next": next })))
+}
+
 /// `POST /api/v1/tokens`.
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -380,7 +440,7 @@ pub struct NewTokenBody {
 /// `POST /api/v1/tokens`: makes a token; its secret is in this answer and nowhere else.
 pub async fn create_token(
     State(api): State<Arc<Api>>,
-    Extension(who): Extension<Principal>,
+    Extension(who): Extension<Actor>,
     ApiJson(body): ApiJson<NewTokenBody>,
 ) -> Result<(StatusCode, Json<Value>), Problem> {
     let role: Role = parse_role(&body.role).map_err(invalid)?;
@@ -392,7 +452,7 @@ pub async fn create_token(
     let valid_for = std::time::Duration::from_secs(body.expires_in_days * 86_400);
     let made = api
         .db
-        .create_api_token(&body.name, role, valid_for, &who.name)
+        .create_api_token(&body.name, role, valid_for, &who)
         .await?;
     let Some((token, secret)) = made else {
         let taken = format!(
@@ -417,19 +477,24 @@ pub struct RevokeSessionsBody {
 /// `POST /api/v1/tokens/revoke-sessions`: revokes every web sign-in of one person.
 pub async fn revoke_sessions(
     State(api): State<Arc<Api>>,
+    Extension(who): Extension<Actor>,
     ApiJson(body): ApiJson<RevokeSessionsBody>,
 ) -> Reply {
     if body.of.trim().is_empty() {
         return Err(invalid("of: whose sign-ins (oidc:SUBJECT@ISSUER)"));
     }
-    let revoked = api.db.revoke_sessions_of(&body.of).await?;
+    let revoked = api.db.revoke_sessions_of(&body.of, &who).await?;
     api.auth.forget_cached();
     Ok(Json(json!({ "of": body.of, "revoked": revoked })))
 }
 
 /// `DELETE /api/v1/tokens/{name}`: revokes a token.
-pub async fn revoke_token(State(api): State<Arc<Api>>, Path(name): Path<String>) -> Reply {
-    let Some(token) = api.db.revoke_api_token(&name).await? else {
+pub async fn revoke_token(
+    State(api): State<Arc<Api>>,
+    Extension(who): Extension<Actor>,
+    Path(name): Path<String>,
+) -> Reply {
+    let Some(token) = api.db.revoke_api_token(&name, &who).await? else {
         return Err(Problem::new(
             Kind::NotFound,
             format!("no token named {name:?}"),

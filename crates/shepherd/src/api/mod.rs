@@ -28,13 +28,14 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
-use shepherd_bmdb::Bmdb;
+use shepherd_bmdb::{Actor, AuditEvent, AuditKind, Bmdb};
 use shepherd_loops::tasks::Tasks;
 
 use auth::Authenticator;
 use policy::Principal;
 use problem::{Kind, Problem};
 
+use crate::audit::AuditTrail;
 use crate::one_line::one_line;
 use crate::rate_limit::{peer_key, RateLimiter};
 pub use state::{Api, RequestId};
@@ -82,6 +83,7 @@ pub fn router(
     tasks: Tasks,
     settings: ApiSettings,
     auth: Arc<Authenticator>,
+    audit: AuditTrail,
     registry: &mut Registry,
 ) -> Router {
     let metrics = ApiMetrics::default();
@@ -99,7 +101,7 @@ pub fn router(
         metrics,
         per_peer: RateLimiter::new(settings.rate),
         per_identity: RateLimiter::new(settings.rate),
-        denials: DenialLog::default(),
+        denials: DenialLog::new(audit),
     });
     use handlers as h;
     // Operators' actions on one machine, under `/api/v1/machines/{id}`.
@@ -130,6 +132,7 @@ pub fn router(
         .route("/api/v1/tokens", get(h::list_tokens).post(h::create_token))
         .route("/api/v1/tokens/{name}", delete(h::revoke_token))
         .route("/api/v1/tokens/revoke-sessions", post(h::revoke_sessions))
+        .route("/api/v1/audit", get(h::audit))
         .route_layer(axum::middleware::from_fn_with_state(gate, guard))
         .fallback(|| async { Problem::new(Kind::NotFound, "no such route") })
         .with_state(api)
@@ -151,14 +154,14 @@ async fn guard(State(gate): State<Arc<Gate>>, mut req: Request, next: Next) -> R
     // Owned, so that no borrow of the request (whose body is not `Sync`) is held across an
     // await.
     let headers = req.headers().clone();
-    let mut authenticated = false;
+    let mut authenticated: Option<String> = None;
     let checked = async {
         let over = |_| Problem::new(Kind::RateLimited, "too many requests; slow down");
         if let Some(peer) = &peer {
             gate.per_peer.admit(&peer_key(*peer)).map_err(over)?;
         }
         let who = gate.api.auth.authenticate(&headers).await?;
-        authenticated = true;
+        authenticated = Some(who.name.clone());
         gate.per_identity.admit(&who.name).map_err(over)?;
         let Some(needed) = policy::required(&method, &route) else {
             return Err(Problem::new(Kind::Forbidden, "no rule allows this route"));
@@ -173,14 +176,18 @@ async fn guard(State(gate): State<Arc<Gate>>, mut req: Request, next: Next) -> R
     let mut response = match checked {
         Err(problem) => {
             let peer = peer.map(|p| p.to_string());
+            let who = authenticated.as_deref();
             gate.denials
-                .note(&problem, &route, peer.as_deref(), &request_id.0);
-            match authenticated {
-                true => problem.into_response(),
-                false => for_a_stranger(problem).into_response(),
+                .note(&problem, &route, peer.as_deref(), &request_id.0, who);
+            match who {
+                Some(_) => problem.into_response(),
+                None => for_a_stranger(problem).into_response(),
             }
         }
         Ok(who) => {
+            let peer = peer.map(|p| p.to_string());
+            let actor = Actor::named(&who.name).in_request(peer, &route, &request_id.0);
+            req.extensions_mut().insert(actor);
             req.extensions_mut().insert::<Principal>(who);
             req.extensions_mut().insert(request_id.clone());
             match tokio::time::timeout(gate.settings.request_timeout, next.run(req)).await {
@@ -248,28 +255,84 @@ impl ApiMetrics {
     }
 }
 
-/// Refused requests, logged at most once per interval with how many there were meanwhile:
-/// a client hammering with a bad token cannot flood the log. The credential is never logged.
-#[derive(Default)]
+/// Refused requests: each logged at debug and handed to the audit trail; logged at warn at
+/// most once per interval with how many there were meanwhile, so a client hammering with a
+/// bad token cannot flood the log. Requests refused for their rate are counted at once but
+/// written to the trail at most once per interval, with how many there were: the limit is
+/// what bounds a flood, and the trail must not be the flood's sink. The credential is never
+/// logged.
 pub(crate) struct DenialLog {
-    state: Mutex<(Option<Instant>, u64)>,
+    warned: Mutex<Window>,
+    rate_limited: Mutex<Window>,
+    audit: AuditTrail,
+}
+
+/// When something was last let through, and how many were held back since.
+#[derive(Default)]
+struct Window(Option<Instant>, u64);
+
+impl Window {
+    /// Counts one; `Some(n)` (the number held back before it) if this one goes through.
+    fn pass(&mut self, every: Duration) -> Option<u64> {
+        self.1 += 1;
+        if self.0.is_some_and(|at| at.elapsed() < every) {
+            return None;
+        }
+        self.0 = Some(Instant::now());
+        Some(std::mem::take(&mut self.1) - 1)
+    }
 }
 
 impl DenialLog {
     const EVERY: Duration = Duration::from_secs(10);
 
-    pub(crate) fn note(&self, problem: &Problem, route: &str, peer: Option<&str>, request: &str) {
-        let (kind, detail) = (problem.kind.name(), one_line(&problem.detail));
-        let peer = peer.unwrap_or("unknown");
-        tracing::debug!(kind, %detail, route, peer, request, "API request refused");
-        let mut state = self.state.lock().unwrap();
-        state.1 += 1;
-        if state.0.is_some_and(|at| at.elapsed() < Self::EVERY) {
-            return;
+    pub(crate) fn new(audit: AuditTrail) -> DenialLog {
+        DenialLog {
+            warned: Mutex::default(),
+            rate_limited: Mutex::default(),
+            audit,
         }
-        let refused_since_last = std::mem::take(&mut state.1);
-        state.0 = Some(Instant::now());
-        tracing::warn!(kind, %detail, route, peer, request, refused_since_last, "API request refused");
+    }
+
+    /// Notes a refusal of `request` on `route` from `peer`, by `principal` if it was proven.
+    pub(crate) fn note(
+        &self,
+        problem: &Problem,
+        route: &str,
+        peer: Option<&str>,
+        request: &str,
+        principal: Option<&str>,
+    ) {
+        let (kind, detail) = (problem.kind.name(), one_line(&problem.detail));
+        let shown_peer = peer.unwrap_or("unknown");
+        tracing::debug!(kind, %detail, route, peer = shown_peer, request, "API request refused");
+        let reason = match problem.kind {
+            Kind::RateLimited => {
+                let passed = self.rate_limited.lock().unwrap().pass(Self::EVERY);
+                passed.map(|before| {
+                    format!(
+                        "{kind}: {detail} ({before} more refused for their rate before this one)"
+                    )
+                })
+            }
+            _ => Some(format!("{kind}: {detail}")),
+        };
+        let event = reason.map(|reason| {
+            let event = AuditEvent::now(AuditKind::Refused, reason);
+            let event = match principal {
+                Some(who) => event.by(who),
+                None => event,
+            };
+            event.from_request(peer, Some(route), Some(request))
+        });
+        match event {
+            Some(event) => self.audit.refused(kind, event),
+            None => self.audit.counted(kind),
+        }
+        let Some(refused_since_last) = self.warned.lock().unwrap().pass(Self::EVERY) else {
+            return;
+        };
+        tracing::warn!(kind, %detail, route, peer = shown_peer, request, refused_since_last, "API request refused");
     }
 }
 
@@ -294,6 +357,19 @@ mod tests {
         assert_eq!(for_a_stranger(limited.clone()), limited);
     }
 
+    /// Refusals for their rate reach the audit trail once per window, with how many were
+    /// held back before: a flood is one event per window, not one per request.
+    #[test]
+    fn a_window_lets_one_through_and_counts_the_rest() {
+        let mut w = Window::default();
+        let every = Duration::from_secs(60);
+        assert_eq!(w.pass(every), Some(0));
+        assert_eq!(w.pass(every), None);
+        assert_eq!(w.pass(every), None);
+        w.0 = Some(Instant::now() - every);
+        assert_eq!(w.pass(every), Some(2));
+    }
+
     /// A refusal's detail (anyone's text) is logged on the refusal's own line, its newline
     /// escaped: a forged second line failed before.
     #[test]
@@ -306,7 +382,7 @@ mod tests {
         let detail = "y\n2030-01-01T00:00:00Z  WARN forged";
         tracing::subscriber::with_default(subscriber, || {
             let problem = Problem::new(Kind::Unauthenticated, detail);
-            DenialLog::default().note(&problem, "web sign-in", None, "r-1");
+            DenialLog::new(AuditTrail::none()).note(&problem, "web sign-in", None, "r-1", None);
         });
         let log = std::fs::read_to_string(captured.path()).unwrap();
         assert_eq!(log.lines().count(), 1, "{log}");

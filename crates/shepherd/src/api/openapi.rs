@@ -17,8 +17,8 @@ use utoipa::openapi::{
 use utoipa::{IntoParams, PartialSchema};
 
 use super::handlers::{
-    DecommissionBody, InstallBody, ListQuery, MaintenanceBody, NewTokenBody, ReimageBody,
-    RetryBody, RevokeSessionsBody, TokensQuery,
+    AuditQuery, DecommissionBody, InstallBody, ListQuery, MaintenanceBody, NewTokenBody,
+    ReimageBody, RetryBody, RevokeSessionsBody, TokensQuery,
 };
 use super::policy::{Rule, POLICY};
 use super::problem::ProblemBody;
@@ -92,6 +92,7 @@ fn describe(rule: &Rule) -> Option<Described> {
             "Revokes every web sign-in of one person",
             Some(RevokeSessionsBody::schema()),
         ),
+        ("GET", "/api/v1/audit") => ("The security audit trail, newest first, a page", None),
         _ => return None,
     };
     Some(Described { summary, body })
@@ -151,6 +152,9 @@ pub fn document() -> OpenApi {
             }
             ("GET", "/api/v1/tokens") => {
                 operation = operation.parameters(Some(TokensQuery::into_params(|| query.clone())));
+            }
+            ("GET", "/api/v1/audit") => {
+                operation = operation.parameters(Some(AuditQuery::into_params(|| query.clone())));
             }
             _ => {}
         }

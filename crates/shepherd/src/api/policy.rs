@@ -43,6 +43,7 @@ pub const POLICY: &[Rule] = &[
     rule("POST", "/api/v1/tokens", Role::Admin),
     rule("DELETE", "/api/v1/tokens/{name}", Role::Admin),
     rule("POST", "/api/v1/tokens/revoke-sessions", Role::Admin),
+    rule("GET", "/api/v1/audit", Role::Admin),
 ];
 
 /// A proven identity and what it may do.

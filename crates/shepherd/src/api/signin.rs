@@ -14,10 +14,11 @@
 //! session's CSRF token ([`WebUser::csrf`]), derived from the cookie's secret, which a page of
 //! another site can neither read nor guess.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{Form, Query, Request, State};
+use axum::extract::{ConnectInfo, Form, Query, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{Html, IntoResponse, Redirect, Response};
@@ -29,13 +30,14 @@ use maud::{html, DOCTYPE};
 use rand::RngCore;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
-use shepherd_bmdb::Bmdb;
+use shepherd_bmdb::{Actor, Bmdb};
 
 use super::auth::Authenticator;
 use super::oidc::OidcVerifier;
 use super::policy::Principal;
 use super::problem::{Kind, Problem};
 use super::DenialLog;
+use crate::audit::AuditTrail;
 use crate::one_line::{one_line, one_line_cut};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -93,6 +95,20 @@ impl SignInSettings {
     fn redirect_uri(&self) -> String {
         format!("{}/signin/callback", self.public_url.trim_end_matches('/'))
     }
+}
+
+/// The peer's address, as the listener recorded it (absent where a test serves the routes
+/// without one).
+pub(crate) type Peer = Option<Extension<ConnectInfo<SocketAddr>>>;
+
+/// The address of `peer`, as the audit trail records it.
+fn address(peer: &Peer) -> Option<String> {
+    peer.as_ref().map(|p| p.0 .0.ip().to_string())
+}
+
+/// A new request id, as the log and the audit trail name a request the page answered.
+fn new_request_id() -> String {
+    uuid::Uuid::new_v4().to_string()
 }
 
 /// What the sign-in routes and the page guard share.
@@ -167,6 +183,7 @@ impl SignIn {
         oidc: Arc<OidcVerifier>,
         auth: Arc<Authenticator>,
         db: Bmdb,
+        audit: AuditTrail,
         registry: &mut Registry,
     ) -> Result<SignIn, String> {
         settings.validate()?;
@@ -181,7 +198,7 @@ impl SignIn {
             oidc,
             auth,
             db,
-            denials: DenialLog::default(),
+            denials: DenialLog::new(audit),
             outcomes,
             exchanged: Default::default(),
         })
@@ -290,15 +307,15 @@ impl SignIn {
     /// and said plainly with a way to start again. What failed on this side (the database,
     /// the identity provider's token endpoint) is the log's, not the stranger's: the page
     /// says only that sign-in cannot be completed now.
-    fn refuse(&self, status: StatusCode, why: &str) -> Response {
-        self.refuse_told(status, "Sign-in cannot be completed now", why)
+    fn refuse(&self, status: StatusCode, why: &str, peer: &Peer) -> Response {
+        self.refuse_told(status, "Sign-in cannot be completed now", why, peer)
     }
 
     /// [`SignIn::refuse`], a failure on this side (5xx) shown as `told` (what failed, in
     /// general words: never a host, an error text or a database) with the request id under
     /// which the log has `why`.
-    fn refuse_told(&self, status: StatusCode, told: &str, why: &str) -> Response {
-        let request = uuid::Uuid::new_v4().to_string();
+    fn refuse_told(&self, status: StatusCode, told: &str, why: &str, peer: &Peer) -> Response {
+        let request = new_request_id();
         let (outcome, shown) = if status.is_server_error() {
             let shown = format!("{told}; try again shortly (request {request}).");
             ("unavailable", shown)
@@ -307,12 +324,25 @@ impl SignIn {
         };
         self.count(outcome);
         let problem = Problem::new(Kind::Unauthenticated, why);
-        self.denials.note(&problem, "web sign-in", None, &request);
+        let peer = address(peer);
+        self.denials
+            .note(&problem, "web sign-in", peer.as_deref(), &request, None);
         small_page(
             status,
             "Sign-in failed",
             html! { p.error { (shown) } p { a href="/signin" { "Sign in again" } } },
         )
+    }
+
+    /// Notes a web form refused to `user` (a CSRF token not of the session, a role too low):
+    /// logged and written to the audit trail like the API's refusals.
+    pub(crate) fn note_refused_form(&self, user: &WebUser, route: &str, why: &str, peer: &Peer) {
+        let problem = Problem::new(Kind::Forbidden, why);
+        let request = new_request_id();
+        let peer = address(peer);
+        let who = Some(user.principal.name.as_str());
+        self.denials
+            .note(&problem, route, peer.as_deref(), &request, who);
     }
 
     fn count(&self, outcome: &'static str) {
@@ -336,13 +366,17 @@ struct StartQuery {
 }
 
 /// `GET /signin`: off to the identity provider.
-async fn start(State(signin): State<Arc<SignIn>>, Query(q): Query<StartQuery>) -> Response {
+async fn start(
+    State(signin): State<Arc<SignIn>>,
+    peer: Peer,
+    Query(q): Query<StartQuery>,
+) -> Response {
     let endpoints = match signin.oidc.endpoints().await {
         Ok(endpoints) => endpoints,
         Err(why) => {
             let why = format!("the identity provider cannot be reached: {why}");
             let told = "The identity provider cannot be reached";
-            return signin.refuse_told(StatusCode::SERVICE_UNAVAILABLE, told, &why);
+            return signin.refuse_told(StatusCode::SERVICE_UNAVAILABLE, told, &why, &peer);
         }
     };
     let (state, verifier, nonce) = (random_text(16), random_text(32), random_text(16));
@@ -352,7 +386,7 @@ async fn start(State(signin): State<Arc<SignIn>>, Query(q): Query<StartQuery>) -
     scope.extend(signin.settings.scopes.iter().cloned());
     let Ok(mut url) = reqwest::Url::parse(&endpoints.authorization) else {
         let why = "the identity provider's authorization_endpoint is not a URL";
-        return signin.refuse(StatusCode::BAD_GATEWAY, why);
+        return signin.refuse(StatusCode::BAD_GATEWAY, why, &peer);
     };
     url.query_pairs_mut()
         .append_pair("response_type", "code")
@@ -389,38 +423,37 @@ fn provider_said(error: &str, description: Option<&str>) -> String {
 /// `GET /signin/callback`: the provider's answer; on success, a session.
 async fn callback(
     State(signin): State<Arc<SignIn>>,
+    peer: Peer,
     headers: HeaderMap,
     Query(q): Query<CallbackQuery>,
 ) -> Response {
     if let Some(error) = &q.error {
         let why = provider_said(error, q.error_description.as_deref());
-        return signin.refuse(StatusCode::UNAUTHORIZED, &why);
+        return signin.refuse(StatusCode::UNAUTHORIZED, &why, &peer);
     }
     let pending = cookie(&headers, PENDING_COOKIE).unwrap_or("");
     let parts: Vec<&str> = pending.split('.').collect();
     let [state, verifier, nonce, next] = parts[..] else {
         let why = "no sign-in was started in this browser (or it took over 10 minutes)";
-        return signin.refuse(StatusCode::BAD_REQUEST, why);
+        return signin.refuse(StatusCode::BAD_REQUEST, why, &peer);
     };
     if q.state.as_deref() != Some(state) {
         let why = "the answer is not for the sign-in this browser started (state)";
-        return signin.refuse(StatusCode::BAD_REQUEST, why);
+        return signin.refuse(StatusCode::BAD_REQUEST, why, &peer);
     }
     let Some(code) = &q.code else {
-        return signin.refuse(
-            StatusCode::BAD_REQUEST,
-            "the identity provider sent no code",
-        );
+        let why = "the identity provider sent no code";
+        return signin.refuse(StatusCode::BAD_REQUEST, why, &peer);
     };
     if !signin.exchanged.lock().unwrap().first_time(state) {
         let why = "this sign-in was already answered; start again";
-        return signin.refuse(StatusCode::BAD_REQUEST, why);
+        return signin.refuse(StatusCode::BAD_REQUEST, why, &peer);
     }
     let id_token = match exchange(&signin, code, verifier).await {
         Ok(id_token) => id_token,
         Err(why) => {
             let told = "The identity provider did not complete the sign-in";
-            return signin.refuse_told(StatusCode::BAD_GATEWAY, told, &why);
+            return signin.refuse_told(StatusCode::BAD_GATEWAY, told, &why, &peer);
         }
     };
     let client_id = &signin.settings.client_id;
@@ -430,16 +463,18 @@ async fn callback(
         .await
     {
         Ok(who) => who,
-        Err(problem) => return signin.refuse(StatusCode::FORBIDDEN, &problem.detail),
+        Err(problem) => return signin.refuse(StatusCode::FORBIDDEN, &problem.detail, &peer),
     };
     let lifetime = signin.settings.lifetime;
+    let actor =
+        Actor::named(&who.name).in_request(address(&peer), "web sign-in", &new_request_id());
     let made = signin
         .db
-        .create_web_session(&who.name, who.role, lifetime)
+        .create_web_session(&actor, who.role, lifetime)
         .await;
     let secret = match made {
         Ok((_, secret)) => secret,
-        Err(e) => return signin.refuse(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+        Err(e) => return signin.refuse(StatusCode::SERVICE_UNAVAILABLE, &e.to_string(), &peer),
     };
     tracing::info!(who = %one_line(&who.name), role = %who.role, "signed in to the web UI");
     signin.count("signed_in");
@@ -516,6 +551,11 @@ pub async fn require_session(
     mut req: Request,
     next: Next,
 ) -> Response {
+    let peer: Peer = req
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .cloned()
+        .map(Extension);
     let secret = cookie(req.headers(), SESSION_COOKIE).map(str::to_string);
     let session = match &secret {
         Some(secret) => signin.auth.web_session(secret).await.ok(),
@@ -527,13 +567,14 @@ pub async fn require_session(
             let next: String = url_encode(here);
             return Redirect::to(&format!("/signin?next={next}")).into_response();
         }
-        return signin.refuse(StatusCode::UNAUTHORIZED, "not signed in");
+        return signin.refuse(StatusCode::UNAUTHORIZED, "not signed in", &peer);
     };
     req.extensions_mut().insert(WebUser {
         principal,
         csrf: csrf_of(&secret),
         token_name: token.name,
     });
+    req.extensions_mut().insert(signin.clone());
     next.run(req).await
 }
 
@@ -572,14 +613,24 @@ struct CsrfOnly {
 /// `POST /signout`: ends the sign-in (its token is revoked) and forgets the cookie.
 async fn sign_out(
     State(signin): State<Arc<SignIn>>,
+    peer: Peer,
     Extension(user): Extension<WebUser>,
     Form(form): Form<CsrfOnly>,
 ) -> Response {
     if !user.csrf_matches(&form.csrf) {
-        return signin.refuse(StatusCode::FORBIDDEN, "the form is not from this session");
+        return signin.refuse(
+            StatusCode::FORBIDDEN,
+            "the form is not from this session",
+            &peer,
+        );
     }
-    if let Err(e) = signin.db.revoke_api_token(&user.token_name).await {
-        return signin.refuse(StatusCode::SERVICE_UNAVAILABLE, &e.to_string());
+    let actor = Actor::named(&user.principal.name).in_request(
+        address(&peer),
+        "/signout",
+        &new_request_id(),
+    );
+    if let Err(e) = signin.db.revoke_api_token(&user.token_name, &actor).await {
+        return signin.refuse(StatusCode::SERVICE_UNAVAILABLE, &e.to_string(), &peer);
     }
     signin.auth.forget_cached();
     tracing::info!(who = %one_line(&user.principal.name), "signed out of the web UI");

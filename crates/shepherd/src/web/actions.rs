@@ -4,6 +4,8 @@
 //! web UI and the API can never disagree; a viewer sees no buttons, and a form sent without
 //! the session's token, or from another site, changes nothing.
 
+use std::sync::Arc;
+
 use axum::extract::{Form, Path, State};
 use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
@@ -17,7 +19,7 @@ use uuid::Uuid;
 use super::page::{parse_id, PageError};
 use crate::actions::{self, ActionError, MachineAction, Performed};
 use crate::api::policy;
-use crate::api::signin::WebUser;
+use crate::api::signin::{Peer, SignIn, WebUser};
 
 /// The actions the machine page offers: the form's name for each, its label, and the action.
 const OFFERED: &[(&str, &str, MachineAction)] = &[
@@ -126,10 +128,15 @@ async fn act(
     State(db): State<Bmdb>,
     Path(id): Path<String>,
     Extension(user): Extension<WebUser>,
+    Extension(sign_in): Extension<Arc<SignIn>>,
+    peer: Peer,
     headers: HeaderMap,
     Form(form): Form<ActionForm>,
 ) -> Result<Response, PageError> {
-    let refused = |why: &str| PageError(StatusCode::FORBIDDEN, why.to_string());
+    let refused = |why: &str| {
+        sign_in.note_refused_form(&user, "/machines/{id}/actions", why, &peer);
+        PageError(StatusCode::FORBIDDEN, why.to_string())
+    };
     if !user.csrf_matches(&form.csrf) || !same_origin(&headers) {
         return Err(refused(
             "the form is not from this session's pages; nothing was done",

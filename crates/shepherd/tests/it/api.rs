@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use common::{machine_json, sample, shepherd, succeeds, ChildGuard};
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
-use shepherd_bmdb::{testing, Bmdb, Provider, Role};
+use shepherd_bmdb::{testing, Actor, Bmdb, Provider, Role};
 
 /// A running server with its API address, a client trusting its certificate, and its BMDB.
 struct ApiServer {
@@ -194,11 +194,9 @@ async fn bad_tokens_are_refused(url: &str) {
     let revoked = api.token("revoked", "admin");
     succeeds(shepherd().args(["tokens", "revoke", "revoked", "--database", url]));
     let db = Bmdb::open(url).await.unwrap();
-    let (_, expiring) = db
-        .create_api_token("expiring", Role::Admin, Duration::from_secs(1), "test")
-        .await
-        .unwrap()
-        .unwrap();
+    let (second, by) = (Duration::from_secs(1), Actor::named("test"));
+    let expiring = db.create_api_token("expiring", Role::Admin, second, &by);
+    let (_, expiring) = expiring.await.unwrap().unwrap();
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let mut tampered = good.clone();
     let last = tampered.pop().unwrap();
@@ -442,7 +440,146 @@ async fn a_revocation_holds_on_every_server_within_two_seconds(url: &str) {
     }
 }
 
+/// Every kind of security event lands in the audit trail with who, from where, on which
+/// route and why; the API (admin only) and the CLI read it back with filters, and a web
+/// sign-in's start and end are recorded with the change itself. Before the trail, none of
+/// these was recorded anywhere.
+async fn every_security_event_lands_in_the_audit_trail(url: &str) {
+    let api = ApiServer::start(url).await;
+    let admin = api.token("root", "admin");
+    let viewer = api.token("watcher", "viewer");
+    let body = json!({"name": "ci", "role": "viewer", "expires_in_days": 1});
+    let (status, _, _) = api
+        .call(Method::POST, "/api/v1/tokens", Some(&admin), Some(&body))
+        .await;
+    assert_eq!(status, StatusCode::CREATED);
+    let (status, _, _) = api
+        .call(Method::DELETE, "/api/v1/tokens/ci", Some(&admin), None)
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    let body = json!({"of": "oidc:mallory@issuer"});
+    let (status, _, _) = api
+        .call(
+            Method::POST,
+            "/api/v1/tokens/revoke-sessions",
+            Some(&admin),
+            Some(&body),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    let junk = "shp_0000000000000000000000000000000000000000000000000000000000000000";
+    let get = |path: &'static str, token: &str| {
+        let token = token.to_string();
+        let api = &api;
+        async move { api.call(Method::GET, path, Some(&token), None).await }
+    };
+    let (status, _, stranger) = get("/api/v1/whoami", junk).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let (status, _, _) = get("/api/v1/audit", &viewer).await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "the trail is for admins");
+    let db = Bmdb::open(url).await.unwrap();
+    let who = Actor::named("oidc:alice@issuer");
+    let made = db.create_web_session(&who, Role::Viewer, Duration::from_secs(600));
+    let (session, _) = made.await.unwrap();
+    db.revoke_api_token(&session.name, &who).await.unwrap();
+
+    // Refusals are written in batches: the trail has them within a moment.
+    let kinds = [
+        "SignIn",
+        "SignOut",
+        "TokenCreated",
+        "TokenRevoked",
+        "SessionsRevoked",
+        "Refused",
+    ];
+    let events = testing::eventually(
+        "every kind in the trail",
+        Duration::from_secs(10),
+        async || {
+            let (_, listed, _) = get("/api/v1/audit?limit=1000", &admin).await;
+            let events = listed["events"].as_array().cloned().unwrap_or_default();
+            let seen = |k: &str| events.iter().any(|e| e["kind"] == k);
+            testing::when(kinds.iter().all(|k| seen(k)), events)
+        },
+    )
+    .await;
+    let one = |kind: &str, field: &str, value: &str| {
+        events
+            .iter()
+            .find(|e| e["kind"] == kind && e[field] == value)
+            .unwrap_or_else(|| panic!("no {kind} with {field} {value}: {events:#?}"))
+            .clone()
+    };
+    let made = one("TokenCreated", "principal", "token:root");
+    assert_eq!(made["route"], "/api/v1/tokens");
+    assert_eq!(made["peer"], "127.0.0.1");
+    assert!(
+        made["reason"].as_str().unwrap().contains("token ci"),
+        "{made}"
+    );
+    one("TokenRevoked", "principal", "token:root");
+    let swept = one("SessionsRevoked", "principal", "token:root");
+    assert!(
+        swept["reason"]
+            .as_str()
+            .unwrap()
+            .contains("oidc:mallory@issuer"),
+        "{swept}"
+    );
+    let refused = one("Refused", "request_id", stranger.as_deref().unwrap());
+    assert_eq!(refused["peer"], "127.0.0.1");
+    assert_eq!(refused["route"], "/api/v1/whoami");
+    assert!(
+        refused["principal"].is_null(),
+        "no identity was proven: {refused}"
+    );
+    assert!(
+        refused["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("unauthenticated"),
+        "{refused}"
+    );
+    let forbidden = one("Refused", "principal", "token:watcher");
+    assert_eq!(forbidden["route"], "/api/v1/audit");
+    one("SignIn", "principal", "oidc:alice@issuer");
+    one("SignOut", "principal", "oidc:alice@issuer");
+
+    // Filters, through the API and the CLI on the database.
+    let (_, only, _) = get("/api/v1/audit?kind=SignOut", &admin).await;
+    let only = only["events"].as_array().unwrap();
+    assert_eq!(only.len(), 1, "{only:?}");
+    let (status, bad, _) = get("/api/v1/audit?kind=Nonsense", &admin).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}");
+    let out = succeeds(shepherd().args([
+        "audit",
+        "list",
+        "--principal",
+        "token:root",
+        "--since",
+        "1h",
+        "--database",
+        url,
+    ]));
+    let listed = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        listed.lines().count() >= 3 && listed.lines().all(|l| l.contains("token:root")),
+        "{listed}"
+    );
+    let metrics = reqwest::get(&api.metrics)
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("shepherd_audit_refusals_total{reason=\"unauthenticated\"}"),
+        "{metrics}"
+    );
+}
+
 shepherd_bmdb::url_conformance_tests!(
+    every_security_event_lands_in_the_audit_trail,
     a_revocation_holds_on_every_server_within_two_seconds,
     every_route_answers_as_the_policy_says,
     bad_tokens_are_refused,
@@ -859,12 +996,13 @@ async fn the_cli_works_through_the_api(url: &str) {
             let db = db.clone();
             async move {
                 if n % 5 == 0 {
-                    db.create_web_session("oidc:someone", Role::Viewer, day)
+                    let who = Actor::named("oidc:someone");
+                    db.create_web_session(&who, Role::Viewer, day)
                         .await
                         .unwrap();
                 } else {
-                    let name = format!("bulk-{n:04}");
-                    db.create_api_token(&name, Role::Viewer, day, "test")
+                    let (name, by) = (format!("bulk-{n:04}"), Actor::named("test"));
+                    db.create_api_token(&name, Role::Viewer, day, &by)
                         .await
                         .unwrap();
                 }
@@ -880,7 +1018,10 @@ async fn the_cli_works_through_the_api(url: &str) {
     );
     // One person's sign-ins: listed by who they are for, and revoked together.
     for who in ["oidc:dana@idp", "oidc:dana@idp", "oidc:erin@idp"] {
-        db.create_web_session(who, Role::Viewer, day).await.unwrap();
+        let who = Actor::named(who);
+        db.create_web_session(&who, Role::Viewer, day)
+            .await
+            .unwrap();
     }
     let danas = run(true, &["tokens", "list", "--by", "oidc:dana@idp"]);
     assert_eq!(

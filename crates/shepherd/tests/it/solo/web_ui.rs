@@ -898,16 +898,9 @@ async fn signed_in_operators_act_from_the_machine_page_and_viewers_cannot() {
     let metrics_url = metrics;
     let status = reqwest::get(&metrics_url).await.unwrap().status();
     assert_eq!(status, 401);
-    let (_, token) =
-        t.db.create_api_token(
-            "prometheus",
-            Role::Viewer,
-            Duration::from_secs(3600),
-            "test",
-        )
-        .await
-        .unwrap()
-        .unwrap();
+    let (hour, by) = (Duration::from_secs(3600), Actor::named("test"));
+    let made = t.db.create_api_token("prometheus", Role::Viewer, hour, &by);
+    let (_, token) = made.await.unwrap().unwrap();
     let answer = reqwest::Client::new()
         .get(&metrics_url)
         .bearer_auth(token.reveal())
@@ -975,9 +968,36 @@ async fn signed_in_operators_act_from_the_machine_page_and_viewers_cannot() {
         "a viewer acted"
     );
 
+    // The audit trail has the real sign-ins and the sign-out, and the viewer's refused form
+    // (written in a batch, so within a moment).
+    let trail = common::wait_for("the audit trail", 20, async || {
+        let filter = AuditFilter::default();
+        let (events, _) = t.db.audit_events(&filter, None, 1000).await.unwrap();
+        let has = |kind, reason: &str| {
+            events
+                .iter()
+                .any(|e| e.kind == kind && e.reason.contains(reason))
+        };
+        let viewers_form = "needs";
+        let all = has(AuditKind::SignIn, "Operator")
+            && has(AuditKind::SignIn, "Viewer")
+            && has(AuditKind::SignOut, "session.")
+            && has(AuditKind::Refused, viewers_form);
+        all.then_some(events)
+    })
+    .await;
+    let refused = trail
+        .iter()
+        .find(|e| e.kind == AuditKind::Refused && e.reason.contains("needs"))
+        .unwrap();
+    assert_eq!(refused.route.as_deref(), Some("/machines/{id}/actions"));
+    assert_eq!(refused.peer.as_deref(), Some("127.0.0.1"), "{refused:?}");
+    assert!(refused.principal.as_deref().unwrap().starts_with("oidc:"));
+
     // Sign-ins are tokens named `session.…`, which nobody else may take.
+    let x = Actor::named("x");
     let taken =
-        t.db.create_api_token("session.mine", Role::Admin, Duration::from_secs(60), "x");
+        t.db.create_api_token("session.mine", Role::Admin, Duration::from_secs(60), &x);
     assert!(taken.await.is_err(), "a token took a sign-in's name");
 
     // With the provider down, a new sign-in fails at once, saying why.
