@@ -145,7 +145,10 @@ async fn require_credential(
     next: Next,
 ) -> Response {
     match auth.authenticate(req.headers()).await {
-        Ok(_) => next.run(req).await,
+        Ok(who) => match auth.admit(&who) {
+            Ok(()) => next.run(req).await,
+            Err(_) => crate::rate_limit::slow_down(),
+        },
         Err(problem) => {
             // The stranger learns nothing of which check failed; the log does.
             tracing::debug!(detail = %crate::one_line::one_line(&problem.detail), "/metrics refused");

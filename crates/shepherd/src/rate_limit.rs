@@ -105,15 +105,21 @@ async fn admit_peer(State(limiter): State<Arc<RateLimiter>>, req: Request, next:
         .map(|c| peer_key(c.0.ip()));
     if let Some(peer) = peer {
         if limiter.admit(&peer).is_err() {
-            let answer = (
-                StatusCode::TOO_MANY_REQUESTS,
-                [(header::RETRY_AFTER, "1")],
-                "too many requests; slow down\n",
-            );
-            return answer.into_response();
+            return slow_down();
         }
     }
     next.run(req).await
+}
+
+/// The plain answer to a request over its peer's or its identity's rate: 429 with
+/// `Retry-After: 1`.
+pub fn slow_down() -> Response {
+    let answer = (
+        StatusCode::TOO_MANY_REQUESTS,
+        [(header::RETRY_AFTER, "1")],
+        "too many requests; slow down\n",
+    );
+    answer.into_response()
 }
 
 #[cfg(test)]

@@ -248,8 +248,8 @@ impl ServerArgs {
         }
     }
 
-    /// What each peer (and each identity on the API) may send: `--api-rate` after
-    /// `--api-burst`, on both listeners.
+    /// What each peer, and each identity on every surface together, may send: `--api-rate`
+    /// after `--api-burst`, on both listeners.
     fn peer_rate(&self) -> crate::rate_limit::RateSpec {
         crate::rate_limit::RateSpec {
             per_second: self.api_rate,
@@ -431,10 +431,8 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     let connections = ConnectionMetrics::default();
     connections.register(&mut operator.registry);
     let (writes, reporter) = start_heartbeat_writes(&db, &limits, &mut operator.registry);
-    let auth = Arc::new(crate::api::auth::Authenticator::new(
-        db.clone(),
-        oidc.clone(),
-    ));
+    let auth = crate::api::auth::Authenticator::new(db.clone(), oidc.clone());
+    let auth = Arc::new(auth.with_identity_rate(args.peer_rate()));
     if let Some(oidc) = &oidc {
         if let Err(why) = oidc.prefetch().await {
             tracing::warn!(%why, "the identity provider's keys cannot be fetched yet; its tokens are refused until they can");

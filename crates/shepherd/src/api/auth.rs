@@ -15,6 +15,7 @@ use uuid::Uuid;
 
 use super::policy::Principal;
 use super::problem::{Kind, Problem};
+use crate::rate_limit::{RateLimiter, RateSpec};
 
 /// How long a token's lookup is reused. A token revoked through another server (or on the
 /// database) stops working here within this; one revoked through this server stops at once.
@@ -41,6 +42,9 @@ pub struct Authenticator {
     tokens: Mutex<HashMap<[u8; 32], Cached>>,
     /// When each token's use was last recorded.
     recorded: Mutex<HashMap<Uuid, Instant>>,
+    /// Requests per identity, one budget for every surface: the API, the web UI's pages and
+    /// `/metrics`.
+    per_identity: RateLimiter,
 }
 
 impl Authenticator {
@@ -51,7 +55,24 @@ impl Authenticator {
             oidc,
             tokens: Mutex::new(HashMap::new()),
             recorded: Mutex::new(HashMap::new()),
+            per_identity: RateLimiter::new(crate::rate_limit::DEFAULT_RATE),
         }
+    }
+
+    /// The same authenticator, each identity allowed `rate`.
+    pub fn with_identity_rate(self, rate: RateSpec) -> Authenticator {
+        Authenticator {
+            per_identity: RateLimiter::new(rate),
+            ..self
+        }
+    }
+
+    /// Takes one request from `who`'s budget, which every surface shares; a 429 problem once
+    /// it is spent (until it refills).
+    pub fn admit(&self, who: &Principal) -> Result<(), Problem> {
+        self.per_identity
+            .admit(&who.name)
+            .map_err(|_| Problem::new(Kind::RateLimited, "too many requests; slow down"))
     }
 
     /// The principal `headers` prove; a 401 problem for none, or one that does not verify.

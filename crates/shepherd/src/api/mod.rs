@@ -70,7 +70,6 @@ struct Gate {
     settings: ApiSettings,
     metrics: ApiMetrics,
     per_peer: RateLimiter,
-    per_identity: RateLimiter,
     denials: DenialLog,
 }
 
@@ -100,7 +99,6 @@ pub fn router(
         settings,
         metrics,
         per_peer: RateLimiter::new(settings.rate),
-        per_identity: RateLimiter::new(settings.rate),
         denials: DenialLog::new(audit),
     });
     use handlers as h;
@@ -162,7 +160,7 @@ async fn guard(State(gate): State<Arc<Gate>>, mut req: Request, next: Next) -> R
         }
         let who = gate.api.auth.authenticate(&headers).await?;
         authenticated = Some(who.name.clone());
-        gate.per_identity.admit(&who.name).map_err(over)?;
+        gate.api.auth.admit(&who)?;
         let Some(needed) = policy::required(&method, &route) else {
             return Err(Problem::new(Kind::Forbidden, "no rule allows this route"));
         };

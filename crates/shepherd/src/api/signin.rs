@@ -569,6 +569,9 @@ pub async fn require_session(
         }
         return signin.refuse(StatusCode::UNAUTHORIZED, "not signed in", &peer);
     };
+    if signin.auth.admit(&principal).is_err() {
+        return crate::rate_limit::slow_down();
+    }
     req.extensions_mut().insert(WebUser {
         principal,
         csrf: csrf_of(&secret),

@@ -578,7 +578,36 @@ async fn every_security_event_lands_in_the_audit_trail(url: &str) {
     );
 }
 
+/// One identity has one budget on every surface: requests on the API and scrapes of
+/// `/metrics` with the same token draw on it, and another identity from the same peer still
+/// gets through. Before, each surface counted alone and pages and `/metrics` not at all.
+async fn an_identity_has_one_budget_on_every_surface(url: &str) {
+    let limits = [
+        "--api-rate",
+        "0.001",
+        "--api-burst",
+        "4",
+        "--metrics-require-token",
+    ];
+    let api = ApiServer::start_with(url, &limits).await;
+    let (a, b) = (api.token("a", "viewer"), api.token("b", "viewer"));
+    for n in 0..3 {
+        let (status, _, _) = api
+            .call(Method::GET, "/api/v1/whoami", Some(&a), None)
+            .await;
+        assert_eq!(status, StatusCode::OK, "request {n}");
+    }
+    let scrape = |token: &str| {
+        let request = reqwest::Client::new().get(&api.metrics).bearer_auth(token);
+        async move { request.send().await.unwrap().status() }
+    };
+    assert_eq!(scrape(&a).await, StatusCode::OK, "a's fourth request");
+    assert_eq!(scrape(&a).await, StatusCode::TOO_MANY_REQUESTS, "a's fifth");
+    assert_eq!(scrape(&b).await, StatusCode::OK, "b from the same peer");
+}
+
 shepherd_bmdb::url_conformance_tests!(
+    an_identity_has_one_budget_on_every_surface,
     every_security_event_lands_in_the_audit_trail,
     a_revocation_holds_on_every_server_within_two_seconds,
     every_route_answers_as_the_policy_says,
