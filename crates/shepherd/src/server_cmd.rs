@@ -105,9 +105,15 @@ pub struct ServerArgs {
     /// file, so that the secret is not in the process list).
     #[arg(long, env = "SHEPHERD_WEB_CLIENT_SECRET_FILE")]
     pub web_client_secret_file: Option<PathBuf>,
-    /// Web UI sign-in: how long a sign-in lasts (at most 7d).
+    /// Web UI sign-in: how long a login at the provider lasts for the web UI (at most 7d):
+    /// sign-ins ask the provider for one younger than this (`max_age`).
     #[arg(long, env = "SHEPHERD_WEB_SESSION_LIFETIME", default_value = "8h", value_parser = crate::flags::duration)]
     pub web_session_lifetime: Duration,
+    /// Web UI sign-in: how long one sign-in lasts before the browser passes through the
+    /// provider again (without a prompt while the person's login there is younger than
+    /// web-session-lifetime) and comes back with the role the provider gives now.
+    #[arg(long, env = "SHEPHERD_WEB_ROLE_REFRESH", default_value = "5m", value_parser = crate::flags::duration)]
+    pub web_role_refresh: Duration,
     /// Web UI sign-in: where browsers reach the API listener (`https://shepherd.example.com:8443`);
     /// the redirect URI to register at the provider is this and `/signin/callback`.
     #[arg(long, env = "SHEPHERD_WEB_URL")]
@@ -224,7 +230,10 @@ impl ServerArgs {
             client_secret,
             public_url: public_url.clone(),
             scopes: self.web_scopes.clone(),
-            lifetime: self.web_session_lifetime,
+            times: crate::api::signin::SignInTimes {
+                lifetime: self.web_session_lifetime,
+                role_refresh: self.web_role_refresh,
+            },
         };
         settings.validate().map_err(anyhow::Error::msg)?;
         Ok(Some(settings))

@@ -208,6 +208,9 @@ struct Claims {
     roles: Option<Value>,
     scope: Option<Value>,
     nonce: Option<String>,
+    /// When the person last logged in at the provider (an ID token's, when `max_age` was
+    /// asked for).
+    auth_time: Option<i64>,
     /// The client the token was issued to (OpenID Connect).
     azp: Option<String>,
     /// The client the token was issued to (RFC 9068 access tokens).
@@ -288,11 +291,21 @@ impl OidcVerifier {
         token: &str,
         client_id: &str,
         nonce: &str,
+        max_age: Duration,
     ) -> Result<Principal, Problem> {
         let (claims, _) = self.verify_signed(token, Some(client_id)).await?;
         if claims.nonce.as_deref() != Some(nonce) {
             return Err(unauthenticated(
                 "the ID token is not for this sign-in (nonce)",
+            ));
+        }
+        // Asked for with `max_age`: a login older than that (with the clock skew allowed for
+        // expiry) means the provider did not ask the person again as it was told to.
+        let leeway = self.settings.leeway.as_secs() as i64;
+        let oldest = chrono::Utc::now().timestamp() - max_age.as_secs() as i64 - leeway;
+        if claims.auth_time.is_some_and(|at| at < oldest) {
+            return Err(unauthenticated(
+                "the ID token's login (auth_time) is older than the sign-in lifetime",
             ));
         }
         self.principal(&claims)
@@ -584,6 +597,7 @@ mod tests {
             roles: None,
             scope: Some(Value::String(scope.into())),
             nonce: None,
+            auth_time: None,
             azp: azp.map(str::to_string),
             client_id: None,
         }

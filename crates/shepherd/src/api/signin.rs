@@ -68,8 +68,19 @@ pub struct SignInSettings {
     pub public_url: String,
     /// Scopes asked for besides `openid` (those that put the role claim into the ID token).
     pub scopes: Vec<String>,
-    /// How long a sign-in lasts.
+    /// How long a login and a sign-in last.
+    pub times: SignInTimes,
+}
+
+/// How long a person stays signed in to the web UI.
+#[derive(Debug, Clone, Copy)]
+pub struct SignInTimes {
+    /// How long a login at the provider lasts for the web UI: sign-ins ask the provider to
+    /// have the person log in again after this (`max_age`).
     pub lifetime: Duration,
+    /// How long one sign-in lasts before the browser passes through the provider again and
+    /// comes back with the role the provider gives now.
+    pub role_refresh: Duration,
 }
 
 impl SignInSettings {
@@ -86,8 +97,11 @@ impl SignInSettings {
                 self.public_url
             ));
         }
-        if self.lifetime.is_zero() || self.lifetime > MAX_LIFETIME {
+        if self.times.lifetime.is_zero() || self.times.lifetime > MAX_LIFETIME {
             return Err("web-session-lifetime: more than 0s and at most 7d".into());
+        }
+        if self.times.role_refresh.is_zero() || self.times.role_refresh > self.times.lifetime {
+            return Err("web-role-refresh: more than 0s and at most web-session-lifetime".into());
         }
         Ok(())
     }
@@ -392,6 +406,10 @@ async fn start(
         .append_pair("response_type", "code")
         .append_pair("client_id", &signin.settings.client_id)
         .append_pair("redirect_uri", &signin.settings.redirect_uri())
+        .append_pair(
+            "max_age",
+            &signin.settings.times.lifetime.as_secs().to_string(),
+        )
         .append_pair("scope", &scope.join(" "))
         .append_pair("state", &state)
         .append_pair("nonce", &nonce)
@@ -459,13 +477,14 @@ async fn callback(
     let client_id = &signin.settings.client_id;
     let who = match signin
         .oidc
-        .verify_id_token(&id_token, client_id, nonce)
+        .verify_id_token(&id_token, client_id, nonce, signin.settings.times.lifetime)
         .await
     {
         Ok(who) => who,
         Err(problem) => return signin.refuse(StatusCode::FORBIDDEN, &problem.detail, &peer),
     };
-    let lifetime = signin.settings.lifetime;
+    // The sign-in ends at the role refresh; the next page goes through the provider again.
+    let lifetime = signin.settings.times.role_refresh;
     let actor =
         Actor::named(&who.name).in_request(address(&peer), "web sign-in", &new_request_id());
     let made = signin
@@ -651,6 +670,27 @@ async fn sign_out(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A role refresh longer than the login it refreshes, or of zero, fails at start-up,
+    /// naming the setting.
+    #[test]
+    fn the_role_refresh_is_checked_at_start_up() {
+        let settings = |role_refresh| SignInSettings {
+            client_id: "shepherd-web".into(),
+            client_secret: None,
+            public_url: "https://shepherd.example:8443".into(),
+            scopes: vec![],
+            times: SignInTimes {
+                lifetime: Duration::from_secs(8 * 3600),
+                role_refresh,
+            },
+        };
+        assert_eq!(settings(Duration::from_secs(300)).validate(), Ok(()));
+        for bad in [Duration::ZERO, Duration::from_secs(9 * 3600)] {
+            let refused = settings(bad).validate().unwrap_err();
+            assert!(refused.starts_with("web-role-refresh:"), "{refused}");
+        }
+    }
 
     /// Where a browser goes after signing in: only a path of this site. A TAB or LF after
     /// the first slash (which browsers drop, making `//evil.example`) failed before.

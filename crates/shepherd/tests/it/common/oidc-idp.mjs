@@ -9,17 +9,27 @@
 // `operator…` is in `shepherd-operators`, `viewer…` in `shepherd-viewers`, others in none.
 // A third client, `shepherd-cli`, is `shepherd login`'s: native and public (no secret), any
 // loopback port; its JWT access tokens (resource `urn:shepherd:api`) carry `groups` too.
+// With IDP_GROUPS_FILE set, that file (a JSON object of name → groups, read at each use)
+// overrides the groups of the names it lists: how a test moves a person to another group.
 import { pathToFileURL } from 'node:url';
 import { join } from 'node:path';
+import { readFileSync } from 'node:fs';
 
 const [moduleDir, port, webRedirect] = process.argv.slice(2);
 const { default: Provider } = await import(
   pathToFileURL(join(moduleDir, 'node_modules', 'oidc-provider', 'lib', 'index.js')).href
 );
 const issuer = `http://127.0.0.1:${port}`;
-const groupsOf = (name) =>
+const overrides = () => {
+  try {
+    return JSON.parse(readFileSync(process.env.IDP_GROUPS_FILE, 'utf8'));
+  } catch {
+    return {};
+  }
+};
+const groupsOf = (name) => overrides()[name] ?? (
   name.startsWith('operator') ? ['shepherd-operators']
-    : name.startsWith('viewer') ? ['shepherd-viewers'] : [];
+    : name.startsWith('viewer') ? ['shepherd-viewers'] : []);
 const webClients = webRedirect ? [{
   client_id: 'shepherd-web',
   client_secret: 'shepherd-web-secret',

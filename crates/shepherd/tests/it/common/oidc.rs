@@ -9,6 +9,8 @@ use super::{announced, free_port, ChildGuard};
 pub struct OidcProvider {
     /// Its issuer URL (`http://127.0.0.1:PORT`).
     pub issuer: String,
+    /// The file of group overrides the provider reads at each use (`IDP_GROUPS_FILE`).
+    groups: tempfile::NamedTempFile,
     _node: ChildGuard,
 }
 
@@ -32,9 +34,12 @@ impl OidcProvider {
         );
         let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/it/common/oidc-idp.mjs");
         let port = free_port().to_string();
+        let groups = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(groups.path(), "{}").unwrap();
         let child = Command::new("node")
             .args([script, &dir, &port])
             .args(web_redirect)
+            .env("IDP_GROUPS_FILE", groups.path())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -43,8 +48,15 @@ impl OidcProvider {
         let issuer = announced(node.child(), "idp: listening at ");
         OidcProvider {
             issuer,
+            groups,
             _node: node,
         }
+    }
+
+    /// From now on, the provider puts `name` in `groups` (whatever its name says).
+    pub fn set_groups(&self, name: &str, groups: &[&str]) {
+        let overrides = serde_json::json!({ name: groups });
+        std::fs::write(self.groups.path(), overrides.to_string()).unwrap();
     }
 
     /// An access token (a JWT) for the client `ci-pipeline` with `scope`, by the client

@@ -678,7 +678,13 @@ async fn overview_shows_the_fleet_at_a_glance() {
 
 /// `shepherd server` with web sign-in through `issuer` on API port `port`; returns it and the
 /// URL of its `/metrics`.
-fn start_signed_in_server(url: &str, dir: &Path, issuer: &str, port: u16) -> (Guard, String) {
+fn start_signed_in_server(
+    url: &str,
+    dir: &Path,
+    issuer: &str,
+    port: u16,
+    extra: &[&str],
+) -> (Guard, String) {
     let secret = dir.join("web-client-secret");
     std::fs::write(&secret, "shepherd-web-secret\n").unwrap();
     let mut child = shepherd();
@@ -699,7 +705,8 @@ fn start_signed_in_server(url: &str, dir: &Path, issuer: &str, port: u16) -> (Gu
         .arg("--web-client-secret-file")
         .arg(&secret)
         .args(["--web-url", &format!("https://127.0.0.1:{port}")])
-        .arg("--metrics-require-token");
+        .arg("--metrics-require-token")
+        .args(extra);
     spawn_announcing(&mut child, "shepherd server: metrics at ")
 }
 
@@ -709,11 +716,54 @@ fn signed_in_site(
     t: &testing::TestDb,
     dir: &Path,
 ) -> (common::oidc::OidcProvider, Guard, String, String) {
+    signed_in_site_with(t, dir, &[])
+}
+
+/// [`signed_in_site`], the server given `extra` flags.
+fn signed_in_site_with(
+    t: &testing::TestDb,
+    dir: &Path,
+    extra: &[&str],
+) -> (common::oidc::OidcProvider, Guard, String, String) {
     let port = free_port();
     let base = format!("https://127.0.0.1:{port}");
     let idp = common::oidc::OidcProvider::start_with(Some(&format!("{base}/signin/callback")));
-    let (server, metrics) = start_signed_in_server(&t.url, dir, &idp.issuer, port);
+    let (server, metrics) = start_signed_in_server(&t.url, dir, &idp.issuer, port, extra);
     (idp, server, base, metrics)
+}
+
+/// A sign-in lasts `--web-role-refresh`; then the next page passes through the provider again
+/// and comes back with the role the provider gives now. A person moved out of the operators'
+/// group loses the buttons within the refresh; before, they kept the role for the whole
+/// sign-in (8 h by default).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sign_in_takes_the_role_the_provider_gives_now() {
+    let (dir, t, _seeded, _holder, machine) = seeded_site().await;
+    let refresh = ["--web-role-refresh", "3s"];
+    let (idp, _server, base, _metrics) = signed_in_site_with(&t, dir.path(), &refresh);
+    let page = format!("{base}/machines/{machine}");
+    let (_driver, c) = browser(&dir.path().join("profile")).await;
+    sign_in(&c, &page, &idp.issuer, "operator-olga").await;
+    let buttons = c.find(Locator::Css("#actions-forms")).await;
+    assert!(buttons.is_ok(), "an operator sees no buttons");
+
+    idp.set_groups("operator-olga", &["shepherd-viewers"]);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    sign_in(&c, &page, &idp.issuer, "operator-olga").await;
+    c.find(Locator::Css("#state")).await.unwrap();
+    let buttons = c.find(Locator::Css("#actions-forms")).await;
+    assert!(buttons.is_err(), "a viewer now, still shown buttons");
+    let filter = AuditFilter {
+        kind: Some(AuditKind::SignIn),
+        ..AuditFilter::default()
+    };
+    let (signed_in, _) = t.db.audit_events(&filter, None, 10).await.unwrap();
+    let roles: Vec<_> = signed_in
+        .iter()
+        .rev()
+        .map(|e| e.reason.split(' ').next())
+        .collect();
+    assert_eq!(roles, [Some("Operator"), Some("Viewer")], "{signed_in:#?}");
 }
 
 /// Signs in as `name` through the provider's login and consent forms, starting from `page`
