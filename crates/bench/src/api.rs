@@ -10,6 +10,15 @@
 //!   so this is the cost of every request but a token's first; that one, which checks the
 //!   RS256 signature with the cached key, is measured apart with tokens used once each:
 //!   `api_first_jwt_us`.
+//!
+//! Then, on Postgres, two servers over one fresh BMDB:
+//! - the token lookups (index and table scans of `api_tokens`, from Postgres' statistics) that
+//!   1000 requests with a junk credential cost, a malformed one and one shaped like a token,
+//!   against 1000 distinct unknown tokens, which must each be looked up:
+//!   `junk_cookie_db_reads_per_1000` (a cookie and a bearer credential go through the same
+//!   lookup);
+//! - how long a token revoked through one server is still accepted by the other, against the
+//!   revoking server itself: `revocation_seen_by_other_server_s`, the longest of five.
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -269,6 +278,148 @@ fn report(args: &Args, warm_up: usize, samples: Samples) -> String {
     )
 }
 
+/// What the Postgres part measured.
+struct Credentials {
+    /// Lookups for 1000 requests with one malformed credential.
+    malformed: u64,
+    /// Lookups for 1000 requests with one credential shaped like a token, unknown.
+    shaped: u64,
+    /// Lookups for 1000 distinct unknown tokens.
+    distinct: u64,
+    /// Longest time the other server still accepted a revoked token, and the revoking one.
+    other_server: Duration,
+    same_server: Duration,
+}
+
+/// Index and table scans of `api_tokens` so far, from Postgres' statistics (written by each
+/// backend when it goes idle, so read after a pause).
+fn token_reads(url: &str) -> Result<u64> {
+    std::thread::sleep(Duration::from_secs(11));
+    let sql = "SELECT coalesce(idx_scan, 0) + coalesce(seq_scan, 0) FROM pg_stat_user_tables \
+               WHERE relname = 'api_tokens'";
+    // psql does not take sqlx's parameters (`statement-cache-capacity`).
+    let url = url.split('?').next().unwrap_or(url);
+    let out = Command::new("psql").args([url, "-Atc", sql]).output()?;
+    ensure!(
+        out.status.success(),
+        "psql: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8(out.stdout)?.trim().parse()?)
+}
+
+/// Runs `shepherd ARGS --database URL`; its stdout.
+fn shepherd_on(shepherd: &std::path::Path, url: &str, args: &[&str]) -> Result<String> {
+    let out = Command::new(shepherd)
+        .args(args)
+        .args(["--database", url])
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "shepherd {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8(out.stdout)?.trim().to_string())
+}
+
+/// The status of `GET whoami` on `api` with `token`.
+async fn whoami(client: &reqwest::Client, api: &str, token: &str) -> Result<reqwest::StatusCode> {
+    let url = format!("{api}/whoami");
+    Ok(client.get(url).bearer_auth(token).send().await?.status())
+}
+
+/// The Postgres part: token lookups for junk credentials, and revocation across servers.
+async fn credentials(shepherd: &std::path::Path, issuer: &str) -> Result<Credentials> {
+    let url = shepherd_bmdb::testing::fresh_postgres_database()
+        .await
+        .context("Postgres (SHEPHERD_TEST_POSTGRES_URL)")?;
+    shepherd_on(shepherd, &url, &["bmdb", "migrate"])?;
+    let token = |name: &str, role: &str| {
+        let args = format!("tokens create --name {name} --role {role} --expires 1d");
+        shepherd_on(shepherd, &url, &args.split(' ').collect::<Vec<_>>())
+    };
+    let admin = token("admin", "admin")?;
+    let (dir_a, dir_b) = (tempfile::tempdir()?, tempfile::tempdir()?);
+    let (_a, client_a, api_a, _) = start_server(shepherd, &url, issuer, dir_a.path())?;
+    let (_b, client_b, api_b, _) = start_server(shepherd, &url, issuer, dir_b.path())?;
+
+    let mut reads = Vec::new();
+    let shaped = format!("shp_{}", "0".repeat(64));
+    let kinds: [&dyn Fn(usize) -> String; 3] =
+        [&|_| "shp_junk".to_string(), &|_| shaped.clone(), &|n| {
+            format!("shp_{n:064x}")
+        }];
+    for credential in kinds {
+        let before = token_reads(&url)?;
+        for n in 0..1000 {
+            let status = whoami(&client_a, &api_a, &credential(n)).await?;
+            ensure!(
+                status == reqwest::StatusCode::UNAUTHORIZED,
+                "a junk credential: {status}"
+            );
+        }
+        reads.push(token_reads(&url)? - before);
+    }
+
+    let (mut other_server, mut same_server) = (Duration::ZERO, Duration::ZERO);
+    for round in 0..5 {
+        let name = format!("doomed-{round}");
+        let doomed = token(&name, "viewer")?;
+        ensure!(
+            whoami(&client_b, &api_b, &doomed).await?.is_success(),
+            "a fresh token refused"
+        );
+        let revoke = client_a
+            .delete(format!("{api_a}/tokens/{name}"))
+            .bearer_auth(&admin);
+        ensure!(
+            revoke.send().await?.status().is_success(),
+            "revoking {name}"
+        );
+        let revoked = Instant::now();
+        ensure!(
+            !whoami(&client_a, &api_a, &doomed).await?.is_success(),
+            "A accepts {name}"
+        );
+        same_server = same_server.max(revoked.elapsed());
+        while whoami(&client_b, &api_b, &doomed).await?.is_success() {
+            ensure!(
+                revoked.elapsed() < Duration::from_secs(30),
+                "B accepts {name} for 30 s"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        other_server = other_server.max(revoked.elapsed());
+    }
+    Ok(Credentials {
+        malformed: reads[0],
+        shaped: reads[1],
+        distinct: reads[2],
+        other_server,
+        same_server,
+    })
+}
+
+/// The report's section of the Postgres part, and its figures.
+fn credentials_report(c: &Credentials) -> String {
+    format!(
+        "\nOn Postgres, two servers over one BMDB; token lookups are the index and table scans of\n\
+         `api_tokens` in Postgres' statistics.\n\n\
+         | What | Shepherd | Baseline |\n|---|---|---|\n\
+         | token lookups for 1000 requests with one junk credential | {} (shaped like a token, unknown); {} (malformed) | {} (1000 distinct unknown tokens) |\n\
+         | a revoked token still accepted, longest of 5 | {:.2} s by the other server | {:.3} s by the revoking server |\n\n\
+         junk_cookie_db_reads_per_1000 = {}\n\
+         revocation_seen_by_other_server_s = {:.2}\n",
+        c.shaped,
+        c.malformed,
+        c.distinct,
+        c.other_server.as_secs_f64(),
+        c.same_server.as_secs_f64(),
+        c.shaped.max(c.malformed),
+        c.other_server.as_secs_f64(),
+    )
+}
+
 /// Runs the benchmark and writes its report.
 pub async fn run(args: Args) -> Result<()> {
     let shepherd = crate::binaries::release_binary("shepherd")?;
@@ -347,6 +498,8 @@ pub async fn run(args: Args) -> Result<()> {
     }
     drop(server);
     t.cleanup().await;
+    eprintln!("api: token lookups and revocation on Postgres");
+    let credentials = credentials(&shepherd, &issuer).await?;
     let samples = Samples {
         web_pages,
         api_pages,
@@ -355,7 +508,7 @@ pub async fn run(args: Args) -> Result<()> {
         local_alongside,
         first_use,
     };
-    let md = report(&args, warm_up, samples);
+    let md = report(&args, warm_up, samples) + &credentials_report(&credentials);
     eprint!("{md}");
     std::fs::write(&args.out, md).with_context(|| format!("writing {}", args.out.display()))?;
     Ok(())
