@@ -293,8 +293,8 @@ struct Credentials {
 
 /// Index and table scans of `api_tokens` so far, from Postgres' statistics (written by each
 /// backend when it goes idle, so read after a pause).
-fn token_reads(url: &str) -> Result<u64> {
-    std::thread::sleep(Duration::from_secs(11));
+async fn token_reads(url: &str) -> Result<u64> {
+    tokio::time::sleep(Duration::from_secs(11)).await;
     let sql = "SELECT coalesce(idx_scan, 0) + coalesce(seq_scan, 0) FROM pg_stat_user_tables \
                WHERE relname = 'api_tokens'";
     // psql does not take sqlx's parameters (`statement-cache-capacity`).
@@ -350,7 +350,7 @@ async fn credentials(shepherd: &std::path::Path, issuer: &str) -> Result<Credent
             format!("shp_{n:064x}")
         }];
     for credential in kinds {
-        let before = token_reads(&url)?;
+        let before = token_reads(&url).await?;
         for n in 0..1000 {
             let status = whoami(&client_a, &api_a, &credential(n)).await?;
             ensure!(
@@ -358,7 +358,7 @@ async fn credentials(shepherd: &std::path::Path, issuer: &str) -> Result<Credent
                 "a junk credential: {status}"
             );
         }
-        reads.push(token_reads(&url)? - before);
+        reads.push(token_reads(&url).await? - before);
     }
 
     let (mut other_server, mut same_server) = (Duration::ZERO, Duration::ZERO);
