@@ -227,6 +227,27 @@ ensure_live_image() {
     "$(dirname "$0")/live-image.sh" | sed 's/^/test-deps: /'
 }
 
+ensure_packaging() {
+  # What scripts/package.sh and scripts/package-check.sh use (dpkg-shlibdeps, strip, lintian,
+  # mmdebstrap), then the clean Debian root the packages are tried on, the image's base layer
+  # and the older build the upgrade check starts from (all cached under ~/.cache/shepherd).
+  local tool missing=0
+  for tool in dpkg-shlibdeps strip lintian mmdebstrap openssl curl python3 systemd-analyze unshare; do
+    command -v "$tool" >/dev/null 2>&1 || missing=1
+  done
+  if [ "$missing" = 1 ]; then
+    echo "test-deps: installing the packaging tools"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dpkg-dev binutils lintian \
+      mmdebstrap openssl curl python3 systemd util-linux >/dev/null
+  fi
+  echo "test-deps: lintian $(lintian --print-version)"
+  as_root env HOME="$HOME" "$(dirname "$0")/package-root.sh" | sed 's/^/test-deps: /'
+  as_root env HOME="$HOME" "$(dirname "$0")/oci-base.sh" | sed 's/^/test-deps: /'
+  # The build the upgrade check upgrades from (packaging/previous-release), built once.
+  echo "test-deps: previous build $("$(dirname "$0")/previous-build.sh")"
+}
+
 ensure_ironic() {
   # The Ironic provider's tests run a real, standalone OpenStack Ironic (API and conductor in
   # one process, SQLite, no message queue) from a virtualenv of our own: PyPI's release is
@@ -312,4 +333,5 @@ ensure_oidc_provider
 ensure_vm
 ensure_libvirt
 ensure_live_image
+ensure_packaging
 echo "test-deps: ready"
