@@ -431,6 +431,20 @@ impl IronicServer {
         self.wait_for_field(&path, "provision_state", state).await
     }
 
+    /// Waits (up to 60 s) until node `id` is in the failed provision state `state` with its
+    /// `last_error` set. Ironic shows a failed deploy without one for a moment: its
+    /// `set_failed_state` saves the state, powers the node off (which clears `last_error`),
+    /// then writes the error again.
+    pub async fn wait_for_failure(&self, id: &str, state: &str) {
+        let path = format!("/v1/nodes/{id}");
+        let what = format!("provision_state {state} with a last_error");
+        self.wait_until(&path, &what, |node| {
+            node["provision_state"] == state
+                && !node["last_error"].as_str().unwrap_or_default().is_empty()
+        })
+        .await
+    }
+
     /// Waits (up to 60 s) until allocation `name` is in state `state`.
     pub async fn wait_for_allocation_state(&self, name: &str, state: &str) {
         let path = format!("/v1/allocations/{name}");
@@ -439,15 +453,23 @@ impl IronicServer {
 
     /// Waits (up to 60 s) until the resource at `path` has `want` in its field `field`.
     async fn wait_for_field(&self, path: &str, field: &str, want: &str) {
+        let what = format!("{field} {want}");
+        self.wait_until(path, &what, |found| found[field] == want)
+            .await
+    }
+
+    /// Waits (up to 60 s, reading every 100 ms) until the resource at `path` is `done`;
+    /// `what` names the awaited condition in the failure.
+    async fn wait_until(&self, path: &str, what: &str, done: impl Fn(&Value) -> bool) {
         let started = Instant::now();
         loop {
             let (_, found) = self.get(path).await.unwrap();
-            if found[field] == want {
+            if done(&found) {
                 return;
             }
             assert!(
                 started.elapsed() < Duration::from_secs(60),
-                "{path} did not reach {field} {want}: {found}"
+                "{path} did not reach {what}: {found}"
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -765,7 +787,7 @@ pub async fn site(
 pub async fn recorded(
     db: &shepherd_bmdb::Bmdb,
 ) -> std::collections::BTreeMap<String, Option<shepherd_bmdb::ProviderStatus>> {
-    shepherd_bmdb::testing::provided_by(db, shepherd_bmdb::Provider::Ironic)
+    shepherd_bmdb::testing::provided_by(db, shepherd_bmdb::ProviderKind::Ironic)
         .await
         .into_iter()
         .map(|(_, p)| (p.provider_id, p.status))

@@ -16,7 +16,7 @@ use shepherd_ironic::{ApiError, Auth, ConnectError, IronicProvider, RetryPolicy}
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::testing::unpaced_provisioner as provisioner;
 use shepherd_loops::updater::Updater;
-use shepherd_provider::{Provider, ProviderError, Recoverer};
+use shepherd_provider::{Provider, ProviderError, Rebooter};
 
 /// Attempts per request.
 const ATTEMPTS: u32 = 4;
@@ -188,7 +188,7 @@ async fn a_failed_deploy_is_a_failed_machine_with_ironics_last_error_and_a_refus
     let (p, t) = provider_and_bmdb(&ironic.url(), Duration::from_secs(10)).await;
     let s = session(&t.db).await;
     // Just after `provide`, Ironic's conductor may still hold a node locked; its allocation
-    // then fails as busy and the claim is tried again by the next pass (counted as taken).
+    // then fails as busy and the claim is tried again by the next pass (counted as deferred).
     let (mut created, mut refusals) = (0, 0);
     for _ in 0..10 {
         let r = provisioner(p.clone(), 50).iterate(&s).await.unwrap();
@@ -200,7 +200,7 @@ async fn a_failed_deploy_is_a_failed_machine_with_ironics_last_error_and_a_refus
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     assert_eq!((created, refusals), (1, 1));
-    ironic.wait_for_state(&failing, "deploy failed").await;
+    ironic.wait_for_failure(&failing, "deploy failed").await;
 
     // The failed deploy: the machine is failed at the provider, with Ironic's last_error.
     let m = p.get_machine(&failing).await.unwrap();
