@@ -289,8 +289,11 @@ pub async fn run_agent(
 
 /// How long to wait after a heartbeat that failed with `error`, told as `report` says. A
 /// key-pending answer (the key this agent answered its takeover with is about to be recorded)
-/// is no failure: the wait is the one the server asked for. Otherwise a server shedding load
-/// says how long to stay away; never less than the agent's own schedule, and jittered like it.
+/// is no failure: the wait is the one the server asked for. A server that refused the
+/// heartbeat (shed, or its BMDB failed) says how long to stay away, and that wait replaces the
+/// agent's own backoff (gRPC's "server pushback"): the server keeps its trouble going for
+/// twice that, so an agent refused at every attempt never looks silent to the recoverer. With
+/// no answer, the agent's own schedule, jittered.
 fn wait_after_failure(
     error: &HeartbeatError,
     failures: &mut Streak,
@@ -310,7 +313,7 @@ fn wait_after_failure(
         HeartbeatError::NoAnswer(_) => None,
     };
     let own = failures.failed();
-    let delay = asked.map_or(own, |a| own.max(Delays::new(a, a).delay(0)));
+    let delay = asked.map_or(own, |a| Delays::new(a, a).delay(0));
     match report {
         FailureReport::Print => {
             eprintln!("shepherd-agent: heartbeat failed ({error}); retrying in {delay:?}")
@@ -347,6 +350,28 @@ fn finish_installation(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// However many heartbeats failed before, a refusal's retry-after hint sets the wait,
+    /// within half of it and all of it; with no answer the agent's own backoff grows. Before,
+    /// the longer of the two was taken, and an agent shed a few times in a row stayed away
+    /// for longer than the server kept its trouble going.
+    #[test]
+    fn a_refusals_hint_replaces_the_agents_own_backoff() {
+        let mut failures = Streak::new(retry_delays(Duration::from_secs(60)));
+        let report = FailureReport::Count(std::sync::Arc::default());
+        let no_answer = || HeartbeatError::NoAnswer("connection refused".into());
+        for _ in 0..6 {
+            wait_after_failure(&no_answer(), &mut failures, &report);
+        }
+        let asked = Duration::from_secs(5);
+        let shed = HeartbeatError::Answered(hints::unavailable("shed", asked, false));
+        for _ in 0..20 {
+            let wait = wait_after_failure(&shed, &mut failures, &report);
+            assert!(wait >= asked / 2 && wait <= asked, "{wait:?}");
+        }
+        let wait = wait_after_failure(&no_answer(), &mut failures, &report);
+        assert!(wait >= Duration::from_secs(30), "{wait:?}");
+    }
 
     /// An in-process agent whose server is gone counts its failed heartbeats instead of
     /// printing them, as no answer (not as a status the server sent), and keeps retrying.

@@ -1,4 +1,4 @@
-//! The `shepherd-agent` binary (SPEC §13). Run with no arguments by the Initializer over SSH, it takes
+//! The `shepherd-agent` binary (design.md §13). Run with no arguments by the Initializer over SSH, it takes
 //! the machine over: reads a `TakeoverInit` from stdin, creates its ed25519 key, saves its state,
 //! answers a `TakeoverResponse` on stdout and starts itself in the background. In the
 //! background (`run`), it heartbeats to the BMaaS server over TLS with a certificate of that key,

@@ -24,7 +24,7 @@ pub struct Args {
     /// Parallel workers (and connections for the ceiling).
     #[arg(long, default_value_t = 16)]
     workers: usize,
-    /// Sessions the workers are spread over (SPEC §10: one per worker).
+    /// Sessions the workers are spread over (design.md §10: one per worker).
     #[arg(long, default_value_t = 16)]
     sessions: usize,
     /// Upper bound on one throughput run; a run stops early when every machine is processed.
@@ -39,8 +39,10 @@ pub struct Args {
     /// Machines in the small and the large database of the latency measurement.
     #[arg(long, value_delimiter = ',', default_values_t = [1_000usize, 100_000])]
     latency_sizes: Vec<usize>,
-    /// Runs of each throughput measurement, (a), (b) and (c); the median is reported (a shared
-    /// 2-core machine's figures vary by a fifth from run to run).
+    /// Rounds of the throughput measurements, each round one run of (a), (b) and (c) back to
+    /// back; medians are reported, and each ratio is the median of the rounds' own ratios (a
+    /// shared 2-core machine's speed drifts over minutes, and a ratio of figures taken in one
+    /// round cancels it).
     #[arg(long, default_value_t = 3)]
     repeat: usize,
     /// Where to write the report.
@@ -49,7 +51,7 @@ pub struct Args {
 }
 
 const START: Retrieval = Retrieval::AgentStart {
-    provider: Provider::Sim,
+    provider: ProviderKind::Sim,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,8 +85,11 @@ async fn provision(t: &TestDb, n: usize) -> Result<()> {
             Box::pin(async move {
                 for _ in 0..batch {
                     let id = tx.create_machine().await?;
-                    tx.set_provided(id, &Provided::new(Provider::Sim, id.simple().to_string()))
-                        .await?;
+                    tx.set_provided(
+                        id,
+                        &Provided::new(ProviderKind::Sim, id.simple().to_string()),
+                    )
+                    .await?;
                 }
                 Ok(())
             })
@@ -419,19 +424,19 @@ struct Report {
     upstream: Throughput,
     ceiling_autocommit: f64,
     ceiling_explicit: f64,
+    /// The median of the rounds' own `claim_vs_ceiling` ([`Round`]).
+    vs_ceiling: f64,
+    /// The median of the rounds' own `claim_vs_upstream`.
+    vs_upstream: f64,
     latency: Vec<(usize, Latency)>,
 }
 
 impl Report {
-    /// The stricter ceiling of the two shapes of a single-row UPDATE transaction.
-    fn ceiling(&self) -> f64 {
-        self.ceiling_autocommit.max(self.ceiling_explicit)
-    }
     fn claim_vs_ceiling(&self) -> f64 {
-        self.ours.per_second() / (self.ceiling() / 2.0)
+        self.vs_ceiling
     }
     fn claim_vs_upstream(&self) -> f64 {
-        self.ours.per_second() / self.upstream.per_second()
+        self.vs_upstream
     }
     fn latency_ratio(&self) -> f64 {
         let first = self
@@ -473,22 +478,33 @@ async fn measure(backend: Backend, args: &Args) -> Result<Report> {
         "[{backend:?}] (a) claim+finish, {} workers, {} machines",
         args.workers, args.machines
     );
-    let ours = median_run(backend, args, ClaimStrategy::SkipLocked).await?;
-    eprintln!("[{backend:?}] (b) upstream-style claimer");
-    let upstream = median_run(backend, args, ClaimStrategy::UpstreamFirstRow).await?;
-
-    eprintln!(
-        "[{backend:?}] (c) raw write ceiling, {} connections",
-        args.workers
-    );
-    let (mut autocommit, mut explicit) = (Vec::new(), Vec::new());
-    for _ in 0..args.repeat.max(1) {
-        autocommit.push(write_ceiling(backend, args, false).await?);
-        explicit.push(write_ceiling(backend, args, true).await?);
+    let mut rounds = Vec::new();
+    for round in 1..=args.repeat.max(1) {
+        eprintln!("[{backend:?}] round {round}: (a), (b) upstream-style claimer, (c) raw write ceiling with {} connections", args.workers);
+        let ours = claim_finish_on_fresh(backend, args, ClaimStrategy::SkipLocked).await?;
+        let upstream =
+            claim_finish_on_fresh(backend, args, ClaimStrategy::UpstreamFirstRow).await?;
+        let autocommit = write_ceiling(backend, args, false).await?;
+        let explicit = write_ceiling(backend, args, true).await?;
+        eprintln!(
+            "[{backend:?}]     {:.0} and {:.0} machines/s; {autocommit:.0} txn/s autocommit, {explicit:.0} txn/s BEGIN/COMMIT",
+            ours.per_second(),
+            upstream.per_second()
+        );
+        rounds.push(Round {
+            ours,
+            upstream,
+            autocommit,
+            explicit,
+        });
     }
-    let ceiling_autocommit = median(autocommit);
-    let ceiling_explicit = median(explicit);
-    eprintln!("[{backend:?}]     {ceiling_autocommit:.0} txn/s autocommit, {ceiling_explicit:.0} txn/s BEGIN/COMMIT");
+    let vs_ceiling = median(rounds.iter().map(Round::claim_vs_ceiling).collect());
+    let vs_upstream = median(rounds.iter().map(Round::claim_vs_upstream).collect());
+    let ceiling_autocommit = median(rounds.iter().map(|r| r.autocommit).collect());
+    let ceiling_explicit = median(rounds.iter().map(|r| r.explicit).collect());
+    let (ours, upstream): (Vec<_>, Vec<_>) =
+        rounds.into_iter().map(|r| (r.ours, r.upstream)).unzip();
+    let (ours, upstream) = (median_run(ours), median_run(upstream));
 
     eprintln!(
         "[{backend:?}] (d) claim latency with {:?} machines",
@@ -507,20 +523,36 @@ async fn measure(backend: Backend, args: &Args) -> Result<Report> {
         upstream,
         ceiling_autocommit,
         ceiling_explicit,
+        vs_ceiling,
+        vs_upstream,
         latency,
     })
 }
 
-/// `--repeat` claim+finish runs of `strategy`, each on a fresh database and under the same
-/// stopping rule (every machine processed, or `--max-run-seconds`); the run of median
-/// throughput. Ours and the baseline are measured alike, so neither gets more tries.
-async fn median_run(backend: Backend, args: &Args, strategy: ClaimStrategy) -> Result<Throughput> {
-    let mut runs = Vec::new();
-    for _ in 0..args.repeat.max(1) {
-        runs.push(claim_finish_on_fresh(backend, args, strategy).await?);
+/// One round of the throughput measurements, taken back to back: (a), (b) and both shapes of
+/// (c). Each claim+finish run is on a fresh database and stops by the same rule (every machine
+/// processed, or `--max-run-seconds`), so ours and the baseline are measured alike.
+struct Round {
+    ours: Throughput,
+    upstream: Throughput,
+    autocommit: f64,
+    explicit: f64,
+}
+
+impl Round {
+    /// Ours against half the stricter ceiling (a claim and its ending are two transactions).
+    fn claim_vs_ceiling(&self) -> f64 {
+        self.ours.per_second() / (self.autocommit.max(self.explicit) / 2.0)
     }
+    fn claim_vs_upstream(&self) -> f64 {
+        self.ours.per_second() / self.upstream.per_second()
+    }
+}
+
+/// The run of median throughput among `runs` (one per round).
+fn median_run(mut runs: Vec<Throughput>) -> Throughput {
     runs.sort_by(|a, b| a.per_second().total_cmp(&b.per_second()));
-    Ok(runs.swap_remove(runs.len() / 2))
+    runs.swap_remove(runs.len() / 2)
 }
 
 /// The middle of `figures`.
@@ -558,8 +590,10 @@ async fn report_header(args: &Args) -> String {
          throughput runs use {} eligible machines, no-op work, and a finish that sets `agent_started`. \
          A claim+finish is two transactions, so the ratio to the ceiling uses half the faster (c); \
          (c) goes through a sqlx pool like the BMDB's own, so both pay the same cost per checkout. \
-         (a), (b) and (c) are the medians of {} runs each, every run on a fresh database and stopped \
-         by the same rule: every machine processed, or {} s. Ours batches concurrent claims and endings. \
+         (a), (b) and (c) are the medians of {} rounds, each round one run of each back to back, every \
+         claim+finish run on a fresh database and stopped by the same rule: every machine processed, \
+         or {} s; each ratio is the median of the rounds' own ratios, so that the machine's drift over \
+         minutes cancels. Ours batches concurrent claims and endings. \
          As in the loops' runner, a worker claims its next machine while its last ending is written \
          (one ending in flight per worker), in (a) and (b) alike. \
          (b) is not upstream's code: it is our reimplementation of upstream's claim shape (take the \

@@ -1,4 +1,4 @@
-//! Backoff arithmetic for failed work (SPEC §4), exact to the second.
+//! Backoff arithmetic for failed work (design.md §4), exact to the second.
 
 use std::time::Duration;
 

@@ -1,4 +1,4 @@
-//! The model of a bare machine's way from a BMC and empty disks to its installed OS (SPEC
+//! The model of a bare machine's way from a BMC and empty disks to its installed OS (design.md
 //! §21): the phase it is in (`machine_bare_metal`), each step it took (`bare_metal_history`),
 //! and what the media server needs to hand its BMC the live image. The SQL is in
 //! `sql/bare_metal.rs`; the loop that moves machines along, in `crates/loops/src/bare_metal.rs`.

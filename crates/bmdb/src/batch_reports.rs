@@ -1,6 +1,6 @@
 //! Where the agents' heartbeat group commit (`session.rs` over `group_commit.rs`) tells each
 //! batch it wrote or could not write. The BMaaS server's process shows it as a background
-//! task (`shepherd_loops::tasks`, which the BMDB does not know), so an operator sees when
+//! task (`shepherd_tasks`, which the BMDB does not know), so an operator sees when
 //! heartbeats last landed and why they stopped, as for every other task.
 
 use std::sync::{Arc, OnceLock};

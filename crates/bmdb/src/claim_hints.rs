@@ -13,13 +13,13 @@ use std::sync::Mutex;
 use uuid::Uuid;
 
 use crate::eligibility::Retrieval;
-use crate::{Process, Provider};
+use crate::{Process, ProviderKind};
 
 /// Which claims a hint list serves: the same process looking by the same rule and provider.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct HintKey {
     process: Process,
-    provider: Provider,
+    provider: ProviderKind,
     recovery: bool,
 }
 
@@ -83,7 +83,7 @@ mod tests {
     use super::*;
 
     const START: Retrieval = Retrieval::AgentStart {
-        provider: Provider::Sim,
+        provider: ProviderKind::Sim,
     };
 
     #[test]
@@ -106,13 +106,13 @@ mod tests {
         let other_provider = HintKey::new(
             Process::ShepherdAgentStart,
             &Retrieval::AgentStart {
-                provider: Provider::Equinix,
+                provider: ProviderKind::Equinix,
             },
         );
         let recovery = HintKey::new(
             Process::ShepherdRecovery,
             &Retrieval::AgentRecovery {
-                provider: Provider::Sim,
+                provider: ProviderKind::Sim,
                 thresholds: Default::default(),
             },
         );

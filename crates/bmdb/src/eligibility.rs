@@ -1,9 +1,9 @@
-//! Which machines a process may claim (SPEC §5). The SQL of each rule is in `sql/claims.rs`;
+//! Which machines a process may claim (design.md §5). The SQL of each rule is in `sql/claims.rs`;
 //! this is the engine-neutral description of the rule and its parameters.
 
 use std::time::Duration;
 
-use crate::{Process, Provider};
+use crate::{Process, ProviderKind};
 
 /// When a started agent counts as lost and the machine becomes eligible for recovery.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -72,13 +72,13 @@ pub enum Retrieval {
     /// blocking it (no request, or a request whose generation differs from the report's).
     AgentStart {
         /// Only machines of this provider.
-        provider: Provider,
+        provider: ProviderKind,
     },
     /// Provided by `provider`, agent started, no successful installation for the current
     /// request, and the agent never heartbeated or stopped heartbeating (see thresholds).
     AgentRecovery {
         /// Only machines of this provider.
-        provider: Provider,
+        provider: ProviderKind,
         /// When an agent counts as lost.
         thresholds: RecoveryThresholds,
     },
@@ -88,7 +88,7 @@ pub enum Retrieval {
     /// heartbeating) or ran out (see [`BareTimeouts`]).
     BareMetal {
         /// Only machines of this provider.
-        provider: Provider,
+        provider: ProviderKind,
         /// When a wait runs out.
         timeouts: BareTimeouts,
     },
@@ -115,7 +115,7 @@ impl Retrieval {
     }
 
     /// The provider the rule is scoped to.
-    pub fn provider(&self) -> Provider {
+    pub fn provider(&self) -> ProviderKind {
         match self {
             Retrieval::AgentStart { provider }
             | Retrieval::AgentRecovery { provider, .. }

@@ -1,4 +1,4 @@
-//! A session's lease as this process sees it (SPEC §3, §20): the time within which the
+//! A session's lease as this process sees it (design.md §3, §20): the time within which the
 //! database still counts the session alive, so that work the session holds is this
 //! process's alone. Side effects on machines (an SSH step, a BMC reset, a provider call that
 //! changes something) run only while it holds: each is checked right before it starts, and
@@ -41,6 +41,15 @@ pub(crate) fn drift_margin(interval: Duration) -> Duration {
 #[error("lease lost")]
 pub struct LeaseLost;
 
+/// What a lease reports to its session's metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LeaseEvent {
+    /// The lease was found expired (once; not when it is closed).
+    Expired,
+    /// The side effect named here was not started, or was cut off, because the lease ended.
+    Fenced(&'static str),
+}
+
 /// A session's lease as its process keeps it: the local deadline, moved by each successful
 /// keep-alive, and whether the session ended. Owned by the session; [`Lease`] handles hold it
 /// weakly.
@@ -49,8 +58,8 @@ pub(crate) struct LeaseClock {
     /// Woken when the lease ends early (expired, closed, or its session dropped), so that
     /// [`Lease::lost`] resolves.
     changed: Arc<Notify>,
-    /// Called once when the lease is found expired (not when it is closed).
-    on_expiry: Box<dyn Fn() + Send + Sync>,
+    /// Told of the lease's expiry and of each side effect it fenced.
+    on_event: Box<dyn Fn(LeaseEvent) + Send + Sync>,
 }
 
 struct ClockState {
@@ -59,15 +68,18 @@ struct ClockState {
 }
 
 impl LeaseClock {
-    /// A lease held until `deadline`; `on_expiry` counts its expiry.
-    pub(crate) fn new(deadline: Instant, on_expiry: impl Fn() + Send + Sync + 'static) -> Self {
+    /// A lease held until `deadline`; `on_event` counts its expiry and the steps it fenced.
+    pub(crate) fn new(
+        deadline: Instant,
+        on_event: impl Fn(LeaseEvent) + Send + Sync + 'static,
+    ) -> Self {
         LeaseClock {
             state: Mutex::new(ClockState {
                 ended: false,
                 deadline,
             }),
             changed: Arc::default(),
-            on_expiry: Box::new(on_expiry),
+            on_event: Box::new(on_event),
         }
     }
 
@@ -109,7 +121,7 @@ impl LeaseClock {
 
     fn ended(&self, expired: bool) {
         if expired {
-            (self.on_expiry)();
+            (self.on_event)(LeaseEvent::Expired);
         }
         self.changed.notify_waiters();
     }
@@ -160,6 +172,49 @@ impl Lease {
         Ok(deadline.saturating_duration_since(Instant::now()))
     }
 
+    /// Runs `effect`, the side effect on a machine or at a provider that `step` names (an SSH
+    /// exec, a BMC power action, a creation at a provider), fenced by the lease (design.md
+    /// §20): not started once the lease has ended, and dropped (its connection closed, its
+    /// request abandoned) if the lease ends while it runs. A step fenced either way is counted
+    /// in `shepherd_fenced_steps_total{processor,step}`. The SSH steps, the bare-metal loop's
+    /// BMC calls and the recoverer's reboot go through it; the providers' own calls (Ironic,
+    /// Equinix) go through [`Lease::may_start`] instead, since cutting a creation off does not
+    /// undo it at the provider.
+    pub async fn fenced<T>(
+        &self,
+        step: &'static str,
+        effect: impl std::future::Future<Output = T>,
+    ) -> Result<T, LeaseLost> {
+        self.may_start(step)?;
+        tokio::select! {
+            biased;
+            _ = self.lost() => {
+                self.count_fenced(step);
+                Err(LeaseLost)
+            }
+            done = effect => Ok(done),
+        }
+    }
+
+    /// Counts `step` as fenced, while the session is there to count it.
+    /// Whether the side effect `step` names may start: `Ok` while the lease holds; once it
+    /// has ended, [`LeaseLost`], and the step is counted as fenced like one [`Lease::fenced`]
+    /// stopped. For a step that must not be cut off once started (a provider's request that
+    /// may already have taken effect when dropped): check right before it, then let it run.
+    pub fn may_start(&self, step: &'static str) -> Result<(), LeaseLost> {
+        if self.left().is_err() {
+            self.count_fenced(step);
+            return Err(LeaseLost);
+        }
+        Ok(())
+    }
+
+    fn count_fenced(&self, step: &'static str) {
+        if let Some(clock) = self.clock.as_ref().and_then(Weak::upgrade) {
+            (clock.on_event)(LeaseEvent::Fenced(step));
+        }
+    }
+
     /// Resolves once the lease has ended (at its local deadline, or when the session is
     /// expired or closed); never, for an unbounded lease. Renewals push it back.
     pub async fn lost(&self) {
@@ -183,5 +238,72 @@ impl Lease {
                 _ = changed => {}
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A lease until `deadline` whose fenced steps are collected in the returned list.
+    fn clock_until(deadline: Instant) -> (Arc<LeaseClock>, Arc<Mutex<Vec<LeaseEvent>>>) {
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let seen = events.clone();
+        let clock = LeaseClock::new(deadline, move |e| seen.lock().unwrap().push(e));
+        (Arc::new(clock), events)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_fenced_step_runs_only_while_the_lease_holds_and_is_counted_when_stopped() {
+        let (clock, events) = clock_until(Instant::now() + Duration::from_secs(10));
+        let lease = Lease::of(&clock);
+
+        // Within the lease: the step runs and its result comes back; nothing is counted.
+        assert_eq!(lease.fenced("reset", async { 7 }).await, Ok(7));
+        assert!(events.lock().unwrap().is_empty());
+
+        // A step still running when the lease ends is cut off there, and counted.
+        let started = Instant::now();
+        let slow = tokio::time::sleep(Duration::from_secs(60));
+        assert_eq!(lease.fenced("power off", slow).await, Err(LeaseLost));
+        assert_eq!(started.elapsed(), Duration::from_secs(10));
+
+        // Once the lease has ended, a step does not start at all.
+        let ran = std::sync::atomic::AtomicBool::new(false);
+        let effect = async { ran.store(true, std::sync::atomic::Ordering::SeqCst) };
+        assert_eq!(lease.fenced("deploy", effect).await, Err(LeaseLost));
+        assert!(!ran.load(std::sync::atomic::Ordering::SeqCst));
+        assert_eq!(
+            *events.lock().unwrap(),
+            [
+                LeaseEvent::Expired,
+                LeaseEvent::Fenced("power off"),
+                LeaseEvent::Fenced("deploy"),
+            ]
+        );
+
+        // A lease that never ends fences nothing.
+        assert_eq!(Lease::unbounded().fenced("reset", async { 1 }).await, Ok(1));
+    }
+
+    /// A step checked before it starts (a provider's request, not to be cut off) is refused
+    /// and counted once the lease has ended, and only then.
+    #[tokio::test(start_paused = true)]
+    async fn a_step_that_may_not_start_is_counted_as_fenced() {
+        let (clock, events) = clock_until(Instant::now() + Duration::from_secs(10));
+        let lease = Lease::of(&clock);
+        assert_eq!(lease.may_start("create allocation"), Ok(()));
+        assert!(events.lock().unwrap().is_empty());
+        tokio::time::sleep(Duration::from_secs(11)).await;
+        assert_eq!(lease.may_start("deploy"), Err(LeaseLost));
+        let fenced: Vec<_> = events
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|e| matches!(e, LeaseEvent::Fenced(_)))
+            .copied()
+            .collect();
+        assert_eq!(fenced, [LeaseEvent::Fenced("deploy")]);
+        assert_eq!(Lease::unbounded().may_start("deploy"), Ok(()));
     }
 }

@@ -2,7 +2,7 @@
 //! work locks, backoff and an audit history, on embedded SQLite or PostgreSQL behind one API.
 //!
 //! Every Shepherd component coordinates only through this crate. See `ARCHITECTURE.md` and
-//! SPEC §2–§5 for the model; every SQL statement lives in `sql/`, by concern.
+//! design.md §2–§5 for the model; every SQL statement lives in `sql/`, by concern.
 
 mod api_tokens;
 mod audit;
@@ -29,6 +29,7 @@ mod retention;
 mod session;
 mod sql;
 mod summary;
+mod text;
 mod transaction;
 mod url;
 mod work;
@@ -65,5 +66,6 @@ pub use sql::finish_tags::TagWrites;
 pub use sql::overview::RecentFailure;
 pub use sql::views::StatusCounts;
 pub use summary::{FleetCounts, Lifecycle, MachineSummary};
+pub use text::{moves_text, one_line, one_line_cut};
 pub use url::{DatabaseUrl, DEFAULT_DATABASE_URL};
 pub use work::{Claim, Work};

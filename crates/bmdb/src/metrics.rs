@@ -1,4 +1,4 @@
-//! BMDB counters with the names and labels of SPEC §16.
+//! BMDB counters with the names and labels of design.md §16.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -90,7 +90,15 @@ pub struct BmdbMetrics {
     endings_in_doubt: Family<ProcessorLabels, Counter>,
     sessions_expired: Family<ProcessorLabels, Counter>,
     work_fenced: Family<ProcessLabels, Counter>,
+    steps_fenced: Family<StepLabels, Counter>,
     writer_wait: WriterWait,
+}
+
+/// A side effect a lease fenced ([`crate::Lease::fenced`]), and whose session's it was.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StepLabels {
+    processor: &'static str,
+    step: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -202,6 +210,11 @@ impl BmdbMetrics {
             "shepherd_work_fenced",
             "Work ended because its session's lease ended before or during a side effect on the machine (canceled with the cause \"lease lost\")",
             self.work_fenced.clone(),
+        );
+        registry.register(
+            "shepherd_fenced_steps",
+            "Side effects on machines or at providers not started, or cut off, because their session's lease ended (Lease::fenced, Lease::may_start), by step",
+            self.steps_fenced.clone(),
         );
         registry.register(
             "bmdb_sqlite_writer_wait_seconds",
@@ -354,6 +367,23 @@ impl BmdbMetrics {
             process: process.as_str(),
         };
         self.work_fenced.get_or_create(&labels).inc();
+    }
+
+    pub(crate) fn step_fenced(&self, processor: Processor, step: &'static str) {
+        let labels = StepLabels {
+            processor: processor.label(),
+            step,
+        };
+        self.steps_fenced.get_or_create(&labels).inc();
+    }
+
+    /// Side effects named `step` that sessions of `processor` fenced so far.
+    pub fn steps_fenced(&self, processor: Processor, step: &'static str) -> u64 {
+        let labels = StepLabels {
+            processor: processor.label(),
+            step,
+        };
+        self.steps_fenced.get_or_create(&labels).get()
     }
 
     /// Work of `process` ended because its session's lease ended (`Work::fenced`).

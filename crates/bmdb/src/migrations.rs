@@ -82,7 +82,7 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
 pub const SCHEMA_VERSION: i64 = 11;
 
 /// Which binaries may run on a database: its schema version, and the oldest binary schema
-/// that its newest migration declared compatible (SPEC: rolling upgrades).
+/// that its newest migration declared compatible (design.md §18).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SchemaWindow {
     /// The database's schema version (0: never migrated).

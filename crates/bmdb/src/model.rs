@@ -1,4 +1,4 @@
-//! Portable enumerations and tag records of the BMDB data model (SPEC §2).
+//! Portable enumerations and tag records of the BMDB data model (design.md §2).
 //!
 //! Enumerations are stored as text and validated both by the database (CHECK constraints) and
 //! by [`std::str::FromStr`] here, so a row written by a newer binary with an unknown value is a
@@ -95,7 +95,7 @@ impl Process {
 
 text_enum! {
     /// Where a machine came from.
-    Provider { Equinix, Lumen, None, Static, Redfish, Sim, Ironic }
+    ProviderKind { Equinix, Lumen, None, Static, Redfish, Sim, Ironic }
 }
 
 text_enum! {
@@ -165,7 +165,7 @@ impl OperatorAction {
 }
 
 text_enum! {
-    /// Which component a session belongs to; the `processor` label of BMDB metrics (SPEC §16).
+    /// Which component a session belongs to; the `processor` label of BMDB metrics (design.md §16).
     Processor {
         /// Shown as `shepherd-initializer`.
         ShepherdInitializer,
@@ -191,7 +191,7 @@ text_enum! {
 }
 
 impl Processor {
-    /// The metrics label value, spelled as SPEC §16 requires.
+    /// The metrics label value, spelled as design.md §16 requires.
     pub fn label(self) -> &'static str {
         match self {
             Processor::ShepherdInitializer => "shepherd-initializer",
@@ -235,7 +235,7 @@ pub(crate) fn stored_cause(cause: &str) -> String {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Provided {
     /// Provider the machine belongs to.
-    pub provider: Provider,
+    pub provider: ProviderKind,
     /// The provider's own id of the machine; unique within the provider.
     pub provider_id: String,
     /// Reservation the machine was created from, if the provider has such a notion.
@@ -324,7 +324,7 @@ impl ProviderFacts {
 
 impl Provided {
     /// A tag with only the mandatory fields set.
-    pub fn new(provider: Provider, provider_id: impl Into<String>) -> Self {
+    pub fn new(provider: ProviderKind, provider_id: impl Into<String>) -> Self {
         Provided {
             provider,
             provider_id: provider_id.into(),
@@ -548,8 +548,8 @@ mod tests {
         for p in Process::ALL {
             assert_eq!(Process::from_str(p.as_str()).unwrap(), *p);
         }
-        for p in Provider::ALL {
-            assert_eq!(Provider::from_str(p.as_str()).unwrap(), *p);
+        for p in ProviderKind::ALL {
+            assert_eq!(ProviderKind::from_str(p.as_str()).unwrap(), *p);
         }
         let err = Process::from_str("Nope").unwrap_err().to_string();
         assert!(err.contains("unknown Process \"Nope\""), "{err}");
@@ -565,13 +565,13 @@ mod tests {
 
     #[test]
     fn provider_id_is_bounded() {
-        assert!(Provided::new(Provider::Sim, "x".repeat(128))
+        assert!(Provided::new(ProviderKind::Sim, "x".repeat(128))
             .validate()
             .is_ok());
-        assert!(Provided::new(Provider::Sim, "x".repeat(129))
+        assert!(Provided::new(ProviderKind::Sim, "x".repeat(129))
             .validate()
             .is_err());
-        assert!(Provided::new(Provider::Sim, "").validate().is_err());
+        assert!(Provided::new(ProviderKind::Sim, "").validate().is_err());
     }
 }
 
@@ -605,7 +605,7 @@ impl Operator {
             });
         }
         for (what, text) in [("operator", &by), ("reason", &reason)] {
-            if let Some(c) = text.chars().find(|&c| moves_text(c)) {
+            if let Some(c) = text.chars().find(|&c| crate::moves_text(c)) {
                 return Err(Error::InvalidArgument {
                     what,
                     problem: format!(
@@ -638,15 +638,6 @@ impl Operator {
             ..self
         }
     }
-}
-
-/// Whether `c` can make text printed for people look other than it is: a control character
-/// (a newline starts a made-up line; an escape sequence moves the terminal), a line or
-/// paragraph separator, or a bidirectional override (which reorders what follows it).
-/// Operators' text holds none; text from elsewhere is printed with them escaped.
-pub fn moves_text(c: char) -> bool {
-    c.is_control()
-        || matches!(c, '\u{2028}' | '\u{2029}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
 }
 
 /// The `machine_maintenance` tag: an operator took the machine out of the loops' hands.
@@ -699,7 +690,7 @@ pub struct ProviderSkip {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Decommissioned {
     /// The machine's provider.
-    pub provider: Provider,
+    pub provider: ProviderKind,
     /// The provider's id of the machine.
     pub provider_id: String,
     /// The machine id it had (its history is kept under it).

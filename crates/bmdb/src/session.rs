@@ -1,4 +1,4 @@
-//! Sessions (SPEC §3): a component's lease on the BMDB, kept alive in the background. Work
+//! Sessions (design.md §3): a component's lease on the BMDB, kept alive in the background. Work
 //! and transactions run through a session can never commit after the session died.
 
 use std::sync::{Arc, Mutex, Weak};
@@ -10,13 +10,13 @@ use uuid::Uuid;
 
 use crate::db::{Mode, Pools};
 use crate::group_commit::GroupCommit;
-use crate::lease::{drift_margin, Lease, LeaseClock};
+use crate::lease::{drift_margin, Lease, LeaseClock, LeaseEvent};
 use crate::metrics::WorkResult;
 use crate::sql::engine::{Tx, TxFuture};
 use crate::transaction::{retrying, Guard};
 use crate::{AgentHeartbeat, AgentReport, Bmdb, Error, Process, Processor, Retrieval};
 
-/// Default keep-alive interval (SPEC §17).
+/// Default keep-alive interval (design.md §17).
 pub const DEFAULT_SESSION_INTERVAL: Duration = Duration::from_secs(5);
 
 /// Keep-alives per interval: a healthy session renews this often, so that one or two failed
@@ -209,7 +209,10 @@ impl Bmdb {
                 started + interval - drift_margin(interval),
                 {
                     let (db, processor) = (self.clone(), config.processor);
-                    move || db.metrics().session_expired(processor)
+                    move |event| match event {
+                        LeaseEvent::Expired => db.metrics().session_expired(processor),
+                        LeaseEvent::Fenced(step) => db.metrics().step_fenced(processor, step),
+                    }
                 },
             )),
             keepalive: Mutex::new(None),
@@ -365,7 +368,7 @@ impl Session {
             .await
     }
 
-    /// The one entry point for what an agent sends (SPEC §12): if `key` is the agent key of
+    /// The one entry point for what an agent sends (design.md §12): if `key` is the agent key of
     /// `machine`, records its heartbeat and `report`, and returns the pending installation
     /// request; otherwise writes nothing. The BMaaS server's hot path: a bare heartbeat joins
     /// this session's group commit (`group_commit.rs`: many heartbeats, one transaction; on

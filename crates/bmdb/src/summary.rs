@@ -165,13 +165,13 @@ impl MachineSummary {
     }
 }
 
-/// Fleet-wide counts for the statistics gauges (SPEC §12).
+/// Fleet-wide counts for the statistics gauges (design.md §12).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FleetCounts {
     /// Rows in `machines`.
     pub machines: i64,
     /// Machines with a `machine_provided` tag, per provider.
-    pub provided: Vec<(crate::Provider, i64)>,
+    pub provided: Vec<(crate::ProviderKind, i64)>,
     /// Machines whose agent was started.
     pub agent_started: i64,
     /// Machines whose last heartbeat is within the stale threshold asked for.
@@ -242,7 +242,7 @@ mod tests {
         let now = Utc::now();
         let mut m = bare();
         assert_eq!(m.lifecycle(now, STALE), Lifecycle::Unprovided);
-        m.provided = Some(Provided::new(crate::Provider::Sim, "x"));
+        m.provided = Some(Provided::new(crate::ProviderKind::Sim, "x"));
         assert_eq!(m.lifecycle(now, STALE), Lifecycle::Provided);
         m.agent_started_at = Some(now);
         assert_eq!(m.lifecycle(now, STALE), Lifecycle::AgentStarting);

@@ -1,4 +1,4 @@
-//! Work (SPEC §4): claiming a machine for a process ([`Session::work`]) and the claimed
+//! Work (design.md §4): claiming a machine for a process ([`Session::work`]) and the claimed
 //! [`Work`]'s three endings: finish, fail, cancel.
 
 use crate::backoff::{default_interval_seconds, Backoff};
@@ -25,7 +25,7 @@ pub enum Claim {
 }
 
 impl Session {
-    /// Claims one machine eligible under `retrieval` for `process` (SPEC §4). Returns
+    /// Claims one machine eligible under `retrieval` for `process` (design.md §4). Returns
     /// [`Claim::NothingToDo`] when none is eligible and [`Claim::Conflict`] when every candidate
     /// was taken by concurrent claimers.
     pub async fn work(&self, process: Process, retrieval: Retrieval) -> Result<Claim, Error> {

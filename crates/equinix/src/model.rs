@@ -70,7 +70,7 @@ pub struct Device {
 }
 
 impl Device {
-    /// First public IPv4 address, else first public IPv6 (SPEC §14).
+    /// First public IPv4 address, else first public IPv6 (design.md §14).
     pub fn address(&self) -> Option<String> {
         let public = |family| {
             self.ip_addresses

@@ -1,4 +1,4 @@
-//! The Equinix Metal provider (SPEC §14). Our devices are those whose hostname starts with the
+//! The Equinix Metal provider (design.md §14). Our devices are those whose hostname starts with the
 //! configured prefix; free capacity is the project's provisionable hardware reservations.
 //!
 //! Devices with our prefix are listed as *possibly used*: the BMDB decides. One it does not
@@ -11,12 +11,12 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use shepherd_bmdb::{Provider as ProviderKind, ProviderStatus, Session};
+use shepherd_bmdb::{ProviderKind, ProviderStatus, Session};
 use shepherd_provider::penalty::PenaltyBox;
 use shepherd_provider::settings::InvalidSetting;
 use shepherd_provider::{
     record_new_machine, ApiFailure, Availability, Provider, ProviderError, ProviderMachine,
-    Recorded, Recoverer,
+    Rebooter, Recorded,
 };
 
 use crate::client::{ApiError, Client};
@@ -25,7 +25,7 @@ use crate::model::*;
 /// Characters of the reservation id appended to the prefix to make a hostname (upstream's rule).
 const RESERVATION_ID_CHARS: usize = 18;
 
-/// Provider settings (SPEC §14, §17).
+/// Provider settings (design.md §14, §17).
 #[derive(Debug, Clone)]
 pub struct EquinixConfig {
     /// Hostname prefix of devices we own.
@@ -391,7 +391,7 @@ impl Provider for EquinixProvider {
                     facility: None,
                 });
             // Listing reservations may have outlasted the lease: create nothing then.
-            session.lease().left()?;
+            session.lease().may_start("create device")?;
             let d = self.create_device(&reservation).await?;
             self.consume_reservation(&reservation.id);
             let mut m = Self::machine(&d, Availability::KnownUsed);
@@ -404,7 +404,7 @@ impl Provider for EquinixProvider {
 }
 
 #[async_trait]
-impl Recoverer for EquinixProvider {
+impl Rebooter for EquinixProvider {
     async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
         let id = machine.required_id()?;
         self.client.reboot(id).await.map_err(|e| match e {

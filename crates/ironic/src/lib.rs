@@ -1,4 +1,4 @@
-//! The OpenStack Ironic provider (SPEC §19): a client of Ironic's REST API at one pinned
+//! The OpenStack Ironic provider (design.md §19): a client of Ironic's REST API at one pinned
 //! microversion ([`client`]), the node fields it reads ([`model`]), and the provider that maps
 //! Ironic's node state machine onto Shepherd's provider traits ([`provider`]). Feature
 //! `testing`: a real standalone Ironic started on loopback ([`testing`]).

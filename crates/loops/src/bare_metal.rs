@@ -1,4 +1,4 @@
-//! The bare-metal loop (SPEC §21): brings a machine that has nothing but a BMC from empty disks
+//! The bare-metal loop (design.md §21): brings a machine that has nothing but a BMC from empty disks
 //! to heartbeating from its installed OS, one step per phase of its `machine_bare_metal` tag:
 //!
 //! ```text
@@ -36,7 +36,7 @@ use shepherd_provider::metrics::register_at_zero;
 use shepherd_provider::redfish::{Bmc, BmcError};
 use shepherd_provider::settings::InvalidSetting;
 use shepherd_provider::virtual_media::BootTarget;
-use shepherd_provider::{look_up, BarePlan, LookupFailed, ProviderError, Recoverer};
+use shepherd_provider::{look_up, BarePlan, LookupFailed, ProviderError, Rebooter};
 use uuid::Uuid;
 
 use crate::runner::{MachineTask, OnError};
@@ -256,13 +256,13 @@ impl BareMetrics {
 }
 
 /// The bare-metal loop over one provider.
-pub struct BareMetalLoop<P: Recoverer> {
+pub struct BareMetalLoop<P: Rebooter> {
     provider: Arc<P>,
     settings: BareSettings,
     metrics: BareMetrics,
 }
 
-impl<P: Recoverer> BareMetalLoop<P> {
+impl<P: Rebooter> BareMetalLoop<P> {
     /// The loop; fails if `settings` do not pass [`BareSettings::validate`].
     pub fn new(provider: Arc<P>, settings: BareSettings) -> Result<Self, InvalidSetting> {
         settings.validate()?;
@@ -315,7 +315,7 @@ impl Known {
 }
 
 /// One claimed machine on its way: where it is, what the BMDB knows, and how to act on it.
-struct Step<'a, P: Recoverer> {
+struct Step<'a, P: Rebooter> {
     lp: &'a BareMetalLoop<P>,
     session: &'a Session,
     machine: Uuid,
@@ -330,7 +330,7 @@ struct Step<'a, P: Recoverer> {
     known: Known,
 }
 
-impl<P: Recoverer> Step<'_, P> {
+impl<P: Rebooter> Step<'_, P> {
     /// Enters `to` from the current phase with `writes`, recording `detail`.
     async fn enter(
         &mut self,
@@ -378,13 +378,9 @@ impl<P: Recoverer> Step<'_, P> {
         step: &'static str,
         call: impl std::future::Future<Output = Result<T, BmcError>>,
     ) -> Result<T, BareError> {
-        let lost = |error| BareError::LeaseLost { step, error };
-        self.lease.left().map_err(lost)?;
-        tokio::select! {
-            biased;
-            _ = self.lease.lost() => Err(lost(LeaseLost)),
-            result = call => result.map_err(|error| BareError::Bmc { step, error }),
-        }
+        let result = self.lease.fenced(step, call).await;
+        let result = result.map_err(|error| BareError::LeaseLost { step, error })?;
+        result.map_err(|error| BareError::Bmc { step, error })
     }
 
     /// Powers the machine off and takes whatever media it holds but `keep` out: the state
@@ -420,7 +416,7 @@ impl<P: Recoverer> Step<'_, P> {
 }
 
 #[async_trait]
-impl<P: Recoverer + 'static> MachineTask for BareMetalLoop<P> {
+impl<P: Rebooter + 'static> MachineTask for BareMetalLoop<P> {
     type Error = BareError;
 
     /// A lost lease is fenced; the BMDB failing, or the machine's phase moved by someone
@@ -484,7 +480,7 @@ impl<P: Recoverer + 'static> MachineTask for BareMetalLoop<P> {
     }
 }
 
-impl<P: Recoverer + 'static> BareMetalLoop<P> {
+impl<P: Rebooter + 'static> BareMetalLoop<P> {
     /// Takes the step the machine's phase calls for, then the steps that follow at once, until
     /// one leaves the machine waiting (for a boot, its agent, a retry) or done.
     async fn advance(&self, step: &mut Step<'_, P>) -> Result<TagWrites, BareError> {
@@ -778,13 +774,16 @@ impl<P: Recoverer + 'static> BareMetalLoop<P> {
     }
 }
 
-/// What an agent's failed installation report (`report_raw`, as the BMDB keeps it) says.
+/// What an agent's failed installation report (`report_raw`, as the BMDB keeps it) says, as
+/// one bounded line: the agent's text goes into a log line and the machine's history, where a
+/// newline or an escape sequence of its own would forge a line or move a terminal.
 fn report_error(report_raw: &[u8]) -> String {
+    const MAX_CHARS: usize = 500;
     match proto::OsInstallationReport::decode(report_raw) {
         Ok(proto::OsInstallationReport {
             result: Some(proto::os_installation_report::Result::Error(e)),
             ..
-        }) => e.error,
+        }) => shepherd_bmdb::one_line_cut(&e.error, MAX_CHARS),
         _ => "the agent's report gives no reason".into(),
     }
 }
@@ -798,6 +797,31 @@ mod tests {
             "https://shepherd.example:8443/".parse().unwrap(),
             vec!["ssh-ed25519 AAAA shepherd".into()],
         )
+    }
+
+    #[test]
+    fn an_agents_error_is_one_bounded_line() {
+        let report = |error: String| {
+            proto::OsInstallationReport {
+                result: Some(proto::os_installation_report::Result::Error(
+                    proto::os_installation_report::Error { error },
+                )),
+                ..Default::default()
+            }
+            .encode_to_vec()
+        };
+        let forged = "disk full\n2030-01-01T00:00:00Z WARN forged\x1b[2K\x1b[1A".to_string();
+        assert_eq!(
+            report_error(&report(forged)),
+            "disk full\\n2030-01-01T00:00:00Z WARN forged\\u{1b}[2K\\u{1b}[1A"
+        );
+        let long = report_error(&report("x".repeat(10_000)));
+        assert_eq!(
+            long.chars().count(),
+            501,
+            "500 characters and the mark of the cut"
+        );
+        assert_eq!(report_error(b"\xff"), "the agent's report gives no reason");
     }
 
     #[test]

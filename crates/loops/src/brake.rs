@@ -20,13 +20,13 @@ use std::time::Duration;
 
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use shepherd_bmdb::{Bmdb, Process, Provider, RecoveryThresholds, Retrieval};
+use shepherd_bmdb::{Bmdb, Process, ProviderKind, RecoveryThresholds, Retrieval};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use shepherd_provider::settings::InvalidSetting;
 
-use crate::tasks::{Outcome, TaskHandle};
+use shepherd_tasks::{Outcome, TaskHandle};
 
 /// When the brake engages.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -161,7 +161,7 @@ pub struct BrakeReading {
 #[derive(Debug)]
 pub struct Brake {
     config: BrakeConfig,
-    provider: Provider,
+    provider: ProviderKind,
     thresholds: RecoveryThresholds,
     engaged: AtomicBool,
     /// Reboots left before the next count.
@@ -175,7 +175,7 @@ impl Brake {
     /// A brake over `provider`'s machines, counting into `metrics`.
     pub fn new(
         config: BrakeConfig,
-        provider: Provider,
+        provider: ProviderKind,
         thresholds: RecoveryThresholds,
         metrics: BrakeMetrics,
     ) -> Arc<Brake> {
@@ -289,39 +289,62 @@ impl Brake {
     }
 
     /// Evaluates the brake every interval, and whenever the reboots a count allowed are used
-    /// up, until `cancel`, reporting each count to `task`. A failed count keeps the brake
+    /// up, until `cancel`, reporting each count to `task` (`driver::repeat`: a panic is
+    /// reported and the next count comes as usual). A failed or panicked count keeps the brake
     /// engaged if it was, and allows no more reboots until a count succeeds.
     pub async fn run(self: Arc<Self>, db: Bmdb, task: TaskHandle, cancel: CancellationToken) {
-        loop {
-            task.started();
-            match self.evaluate(&db).await {
-                Ok(r) => {
-                    let state = if self.engaged() {
-                        "engaged"
-                    } else {
-                        "released"
-                    };
-                    let summary = format!(
-                        "{state}: {} of {} machines silent, {} due",
-                        r.silent, r.machines, r.due
-                    );
-                    task.ended(Outcome::Succeeded, summary);
-                }
-                Err(e) => {
-                    self.reboots_left.store(0, Ordering::Relaxed);
-                    tracing::warn!(error = %e, "counting machines for the recovery brake failed; no reboots until a count succeeds");
-                    let outcome = match e.is_transient() {
-                        true => Outcome::Waited,
-                        false => Outcome::Failed,
-                    };
-                    task.ended(outcome, format!("counting failed: {e}"));
-                }
-            }
+        let count = || async {
+            let mut count = NoRebootsUnlessCounted {
+                reboots_left: &self.reboots_left,
+                counted: false,
+            };
+            let ended = self.count_once(&db).await;
+            count.counted = ended.0 == Outcome::Succeeded;
+            ended
+        };
+        let pause = || async {
             tokio::select! {
-                _ = cancel.cancelled() => return,
                 _ = tokio::time::sleep(self.config.interval) => {}
                 _ = self.recount.notified() => {}
             }
+        };
+        shepherd_tasks::driver::repeat(&task, &cancel, count, pause).await;
+    }
+
+    /// One count, and how it ended for the task's status.
+    async fn count_once(&self, db: &Bmdb) -> (Outcome, String) {
+        match self.evaluate(db).await {
+            Ok(r) => {
+                let state = if self.engaged() {
+                    "engaged"
+                } else {
+                    "released"
+                };
+                let summary = format!(
+                    "{state}: {} of {} machines silent, {} due",
+                    r.silent, r.machines, r.due
+                );
+                (Outcome::Succeeded, summary)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "counting machines for the recovery brake failed; no reboots until a count succeeds");
+                (Outcome::of_bmdb_error(&e), format!("counting failed: {e}"))
+            }
+        }
+    }
+}
+
+/// Allows no more reboots when dropped unless the count succeeded: a count that failed, or
+/// panicked (its future dropped while unwinding), leaves no allowance of an earlier one.
+struct NoRebootsUnlessCounted<'a> {
+    reboots_left: &'a AtomicI64,
+    counted: bool,
+}
+
+impl Drop for NoRebootsUnlessCounted<'_> {
+    fn drop(&mut self) {
+        if !self.counted {
+            self.reboots_left.store(0, Ordering::Relaxed);
         }
     }
 }
@@ -330,11 +353,35 @@ impl Brake {
 mod tests {
     use super::*;
 
+    /// A count that panics (its future dropped while unwinding) leaves no reboots allowed; a
+    /// count that succeeded leaves what it allowed.
+    #[test]
+    fn a_count_that_did_not_finish_allows_no_reboots() {
+        let left = AtomicI64::new(5);
+        let panicked = std::panic::catch_unwind(|| {
+            let _count = NoRebootsUnlessCounted {
+                reboots_left: &left,
+                counted: false,
+            };
+            panic!("injected: the count panicked");
+        });
+        assert!(panicked.is_err());
+        assert_eq!(left.load(Ordering::Relaxed), 0);
+        left.store(5, Ordering::Relaxed);
+        let mut count = NoRebootsUnlessCounted {
+            reboots_left: &left,
+            counted: false,
+        };
+        count.counted = true;
+        drop(count);
+        assert_eq!(left.load(Ordering::Relaxed), 5);
+    }
+
     #[test]
     fn engages_over_the_share_and_the_minimum() {
         let b = Brake::new(
             BrakeConfig::default(),
-            Provider::Sim,
+            ProviderKind::Sim,
             RecoveryThresholds::default(),
             BrakeMetrics::default(),
         );

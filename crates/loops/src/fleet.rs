@@ -13,12 +13,12 @@ use crate::provisioner::{Provisioner, ProvisionerConfig, ProvisionerMetrics};
 use crate::recoverer::{Recoverer, RecovererMetrics, RepeatPolicy};
 use crate::retention::{HistoryPruner, Retention};
 use crate::runner::{self, MachineTask, RunnerConfig};
-use crate::tasks::{TaskKind, Tasks};
 use crate::updater::Updater;
 use shepherd_bmdb::{Backoff, Bmdb, Processor, RecoveryThresholds, SessionConfig};
 use shepherd_provider::settings::InvalidSetting;
 use shepherd_provider::transport::Transport;
-use shepherd_provider::Recoverer as RecovererProvider;
+use shepherd_provider::Rebooter;
+use shepherd_tasks::{TaskKind, Tasks};
 use tokio_util::sync::CancellationToken;
 
 /// Settings of one runner-driven loop.
@@ -123,7 +123,7 @@ impl Loops<'_> {
 /// `provider` (which also reboots machines), taking machines over through `transport`, and
 /// history retention and the bare-metal loop if they are set, until `cancel`; returns once
 /// every loop canceled its work and closed its sessions.
-pub async fn run_loops<P: RecovererProvider + 'static>(
+pub async fn run_loops<P: Rebooter + 'static>(
     db: Bmdb,
     provider: Arc<P>,
     transport: Arc<dyn Transport>,

@@ -1,4 +1,4 @@
-//! The Initializer (SPEC §8): takes over newly provided machines by starting the agent on them
+//! The Initializer (design.md §8): takes over newly provided machines by starting the agent on them
 //! and records the agent's key, pinning the machine's SSH host key on first success.
 
 use std::sync::Arc;
@@ -21,7 +21,7 @@ use shepherd_provider::{look_up, LookupFailed, Provider};
 /// Most stderr shown in logs per takeover.
 const MAX_LOGGED_STDERR: usize = 2048;
 
-/// Initializer settings (SPEC §17 defaults where there are any).
+/// Initializer settings (design.md §17 defaults where there are any).
 #[derive(Clone)]
 pub struct InitializerConfig {
     /// The agent executable uploaded to each machine.
@@ -66,7 +66,7 @@ impl InitializerConfig {
         }
     }
 
-    /// The start-up checks of SPEC §8; the message names the bad setting.
+    /// The start-up checks of design.md §8; the message names the bad setting.
     pub fn validate(&self) -> Result<(), InvalidSetting> {
         if self.agent.is_empty() {
             return Err(InvalidSetting::new("agent executable", "is empty"));

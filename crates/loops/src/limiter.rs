@@ -1,4 +1,4 @@
-//! A token-bucket rate limiter configured as `"DURATION,BURST"` (SPEC §10): a bucket of BURST
+//! A token-bucket rate limiter configured as `"DURATION,BURST"` (design.md §10): a bucket of BURST
 //! tokens, refilled with one token every DURATION, starting full. It runs on tokio's clock, so
 //! tests drive it with paused time.
 

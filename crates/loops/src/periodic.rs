@@ -10,7 +10,7 @@ use shepherd_bmdb::{Bmdb, Processor, Session, SessionConfig};
 use tokio_util::sync::CancellationToken;
 
 use crate::limiter::{Limiter, RateSpec};
-use crate::tasks::{panic_message, Outcome, TaskHandle};
+use shepherd_tasks::{panic_message, Outcome, TaskHandle};
 
 /// One pass of a periodic loop.
 #[async_trait]

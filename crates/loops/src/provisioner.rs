@@ -1,4 +1,4 @@
-//! The Provisioner (SPEC §7): reconciles the provider's view with the BMDB and brings unused
+//! The Provisioner (design.md §7): reconciles the provider's view with the BMDB and brings unused
 //! capacity in, within limits and rate limits.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -57,7 +57,7 @@ pub enum ProvisionerError {
     LeaseLost(LeaseLost),
 }
 
-/// Provisioner settings (SPEC §17 defaults).
+/// Provisioner settings (design.md §17 defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ProvisionerConfig {
     /// Managed-machine limit and per-iteration chunk.
@@ -108,6 +108,9 @@ pub struct IterationReport {
     pub failed: usize,
     /// Unused machines another client of the provider took first (skipped).
     pub taken: usize,
+    /// Unused machines not claimable now (busy at the provider, a failed claim cleaned up, an
+    /// answer lost): a later pass tries again or adopts what was made.
+    pub deferred: usize,
     /// Listed machines an operator decommissioned, not managed.
     pub decommissioned: usize,
     /// Decommissioned machines handed back to the provider in this pass.
@@ -129,10 +132,11 @@ struct CreationLabels {
 }
 
 /// The outcomes of a creation, as `shepherd_provisioner_creations_total{outcome}` counts them.
-const CREATION_OUTCOMES: [&str; 7] = [
+const CREATION_OUTCOMES: [&str; 8] = [
     "created",
     "adopted",
     "taken",
+    "deferred",
     "refused",
     "unrecorded",
     "fenced",
@@ -151,7 +155,7 @@ impl ProvisionerMetrics {
         register_at_zero(
             registry,
             "shepherd_provisioner_creations",
-            "Creations the provisioner started, by outcome: created and recorded; adopted (an orphan recorded); taken by another client first; refused (skipped for a while); unrecorded (made at the provider, not recorded in the BMDB: a later pass adopts it); fenced (the lease ended mid-creation); failed",
+            "Creations the provisioner started, by outcome: created and recorded; adopted (an orphan recorded); taken by another client first; deferred (not claimable now, tried again later); refused (skipped for a while); unrecorded (made at the provider, not recorded in the BMDB: a later pass adopts it); fenced (the lease ended mid-creation); failed",
             &self.creations,
             CREATION_OUTCOMES.map(|outcome| CreationLabels { outcome }),
         );
@@ -169,6 +173,7 @@ impl ProvisionerMetrics {
             Ok(r) if r.adopted => "adopted",
             Ok(_) => "created",
             Err(ProviderError::Taken(_)) => "taken",
+            Err(ProviderError::NotYet(_)) => "deferred",
             Err(ProviderError::Refused { .. }) => "refused",
             Err(ProviderError::Record(_)) => "unrecorded",
             Err(ProviderError::LeaseLost(_)) => "fenced",
@@ -204,7 +209,7 @@ impl<P: Provider> Provisioner<P> {
         Provisioner { metrics, ..self }
     }
 
-    /// One reconciliation (SPEC §7 steps 1–5). A discrepancy between the provider and the
+    /// One reconciliation (design.md §7 steps 1–5). A discrepancy between the provider and the
     /// BMDB is an error and nothing is created.
     pub async fn iterate(&self, session: &Session) -> Result<IterationReport, ProvisionerError> {
         let (listed, recorded) = listed_and_recorded(&*self.provider, session).await?;
@@ -414,6 +419,10 @@ impl<P: Provider> Provisioner<P> {
                 tracing::debug!(%what, "another client took an unused machine first; skipping it");
                 report.taken += 1;
             }
+            Err(ProviderError::NotYet(why)) => {
+                tracing::debug!(%why, "an unused machine cannot be claimed now; a later pass tries again");
+                report.deferred += 1;
+            }
             Err(ProviderError::Refused {
                 provider_id,
                 skip_for,
@@ -474,12 +483,13 @@ impl std::fmt::Display for IterationReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} managed; {} created, {} adopted, {} failed, {} taken by others, {} refused, {} skipped; {} decommissioned, {} handed back; {} missing",
+            "{} managed; {} created, {} adopted, {} failed, {} taken by others, {} deferred, {} refused, {} skipped; {} decommissioned, {} handed back; {} missing",
             self.managed,
             self.created,
             self.adopted,
             self.failed,
             self.taken,
+            self.deferred,
             self.refused,
             self.skipped,
             self.decommissioned,

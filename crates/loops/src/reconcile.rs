@@ -1,4 +1,4 @@
-//! The provisioner's decision (SPEC §7 steps 2–5) as a pure function: given what the provider
+//! The provisioner's decision (design.md §7 steps 2–5) as a pure function: given what the provider
 //! lists and what the BMDB says this provider provided, which unused machines to bring in.
 
 use std::collections::BTreeSet;
@@ -30,7 +30,7 @@ impl Limits {
 }
 
 impl Default for Limits {
-    /// SPEC §17: at most 50 machines, 20 per iteration.
+    /// design.md §17: at most 50 machines, 20 per iteration.
     fn default() -> Self {
         Limits::new(50, 20)
     }

@@ -1,4 +1,4 @@
-//! The Recoverer (SPEC §9): reboots machines whose agent never heartbeated or went silent,
+//! The Recoverer (design.md §9): reboots machines whose agent never heartbeated or went silent,
 //! then clears the agent tags so the Initializer takes them over again.
 //!
 //! The recoverer never sleeps while a machine reboots: the wait is written into the BMDB as a
@@ -24,7 +24,7 @@ use crate::brake::Brake;
 use crate::runner::{MachineTask, OnError};
 use shepherd_provider::metrics::register_at_zero;
 use shepherd_provider::settings::InvalidSetting;
-use shepherd_provider::{look_up, LookupFailed, ProviderError, Recoverer as RecovererProvider};
+use shepherd_provider::{look_up, LookupFailed, ProviderError, Rebooter};
 
 /// Why a recovery failed; [`Recoverer`]'s error policy decides per kind.
 #[derive(Debug, thiserror::Error)]
@@ -169,7 +169,7 @@ pub fn failed_reboot_backoff() -> Backoff {
 }
 
 /// The recoverer for one provider.
-pub struct Recoverer<P: RecovererProvider> {
+pub struct Recoverer<P: Rebooter> {
     provider: Arc<P>,
     thresholds: RecoveryThresholds,
     backoff: Backoff,
@@ -178,7 +178,7 @@ pub struct Recoverer<P: RecovererProvider> {
     metrics: RecovererMetrics,
 }
 
-impl<P: RecovererProvider> Recoverer<P> {
+impl<P: Rebooter> Recoverer<P> {
     /// A recoverer with upstream's backoff after a failed reboot ([`failed_reboot_backoff`])
     /// and the default [`RepeatPolicy`].
     pub fn new(provider: Arc<P>, thresholds: RecoveryThresholds) -> Self {
@@ -217,7 +217,7 @@ impl<P: RecovererProvider> Recoverer<P> {
 }
 
 #[async_trait]
-impl<P: RecovererProvider + 'static> MachineTask for Recoverer<P> {
+impl<P: Rebooter + 'static> MachineTask for Recoverer<P> {
     type Error = RecoveryError;
 
     /// Not while the brake holds, not when the provider cannot reboot, and not within a
@@ -289,12 +289,11 @@ impl<P: RecovererProvider + 'static> MachineTask for Recoverer<P> {
             Holding::NoLongerDue => return Err(RecoveryError::NoLongerDue),
             Holding::Lost => return Err(lost),
         }
-        lease.left().map_err(RecoveryError::LeaseLost)?;
-        tokio::select! {
-            biased;
-            _ = lease.lost() => return Err(lost),
-            rebooted = self.provider.reboot(&at_provider) => rebooted.map_err(RecoveryError::Reboot)?,
-        }
+        lease
+            .fenced("reboot", self.provider.reboot(&at_provider))
+            .await
+            .map_err(RecoveryError::LeaseLost)?
+            .map_err(RecoveryError::Reboot)?;
         if let Some(b) = &self.brake {
             b.rebooted();
         }
@@ -373,7 +372,7 @@ mod tests {
         Arc::new(
             shepherd_provider::static_provider::StaticProvider::new(
                 url,
-                shepherd_bmdb::Provider::Static,
+                shepherd_bmdb::ProviderKind::Static,
             )
             .unwrap(),
         )

@@ -1,4 +1,4 @@
-//! The control loop runner shared by the Initializer, the Recoverer and later loops (SPEC §10):
+//! The control loop runner shared by the Initializer, the Recoverer and later loops (design.md §10):
 //! N workers, each with its own session, claim one machine at a time at a rate-limited pace,
 //! process it, and finish the work, or end it as the loop's [`MachineTask::error_policy`] says
 //! for the error (as kube-runtime's `error_policy` does for a reconcile error). A worker's
@@ -19,13 +19,13 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::limiter::{Limiter, RateSpec};
-use crate::tasks::{panic_message, Outcome, TaskHandle, TaskKind, Tasks};
+use shepherd_tasks::{panic_message, Outcome, TaskHandle, TaskKind, Tasks};
 
 /// How a loop ends work whose processing or finishing failed.
 #[derive(Debug, Clone, PartialEq)]
 pub enum OnError {
     /// End the work as Failed with the error as its cause, and hold the machine back from this
-    /// process as `Backoff` says (SPEC §4).
+    /// process as `Backoff` says (design.md §4).
     Backoff(Backoff),
     /// Release the machine without a verdict and without a backoff: the failure was not the
     /// machine's (the BMDB was unreachable, a lock was lost), so it may be claimed again.
@@ -87,7 +87,7 @@ pub trait MachineTask: Send + Sync + 'static {
     }
 }
 
-/// Runner settings (SPEC §17 defaults: one worker, `250ms,8`, 5 s sessions).
+/// Runner settings (design.md §17 defaults: one worker, `250ms,8`, 5 s sessions).
 #[derive(Debug, Clone)]
 pub struct RunnerConfig {
     /// Independent workers, each with its own session.

@@ -1,4 +1,4 @@
-//! The updater (SPEC §14, for every provider): at a configured rate, one provider listing is
+//! The updater (design.md §14, for every provider): at a configured rate, one provider listing is
 //! compared with the `machine_provided` tags of that provider, and address, location, status and
 //! reservation are brought up to date; a machine the provider no longer lists becomes
 //! `Missing` (unless most of the fleet vanished at once, which looks like partial data and is
@@ -194,11 +194,11 @@ impl<P: Provider + ?Sized> Pass for Updater<P> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use shepherd_bmdb::Provider as Kind;
+    use shepherd_bmdb::ProviderKind;
     use shepherd_provider::Availability;
 
     fn tag() -> Provided {
-        let mut p = Provided::new(Kind::Equinix, "d1");
+        let mut p = Provided::new(ProviderKind::Equinix, "d1");
         p.ip_address = Some("1.1.1.1".into());
         p.location = Some("da".into());
         p.status = Some(ProviderStatus::Running);

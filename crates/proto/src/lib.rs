@@ -1,4 +1,4 @@
-//! Shepherd's wire protocols, generated from `proto/` (SPEC §11). Field numbers and packages
+//! Shepherd's wire protocols, generated from `proto/` (design.md §11). Field numbers and packages
 //! match upstream, so upstream agents and servers interoperate with ours.
 
 /// Generated code, nested as the protobuf packages are (cross-package references need it).

@@ -1,5 +1,5 @@
 //! Golden bytes: the encoding of each wire message is pinned to bytes written out by hand from
-//! the field numbers of SPEC §11, so a renumbered or retyped field fails here rather than in a
+//! the field numbers of design.md §11, so a renumbered or retyped field fails here rather than in a
 //! mixed fleet of upstream and Shepherd components.
 
 use shepherd_proto::agent::*;

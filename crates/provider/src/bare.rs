@@ -1,4 +1,4 @@
-//! Machines that come bare (SPEC §21): what an inventory entry's `Bare` says (the OS image to
+//! Machines that come bare (design.md §21): what an inventory entry's `Bare` says (the OS image to
 //! install, the disk, whether it may be overwritten, the live environment's network), checked
 //! when the inventory is read, and the config drive each machine's live environment reads:
 //! OpenStack's config-2 layout (`meta_data.json` with the SSH keys and the agent's settings,

@@ -1,6 +1,6 @@
 //! What Shepherd's loops reach the world through, below the loops so that a provider's author
 //! depends on this crate and not on the runner: where machines come from and how they are
-//! power-cycled (SPEC §6) — the [`Provider`] trait and its typed errors, here at the root —
+//! power-cycled (design.md §6) — the [`Provider`] trait and its typed errors, here at the root —
 //! with the static, Redfish-backed provider; what every provider's client shares (the
 //! retried, counted JSON client, the retry policy, call metrics, the penalty box); and the
 //! [`transport::Transport`] that starts an agent on a machine.
@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use shepherd_bmdb::{
-    LeaseLost, Process, Provided, Provider as ProviderKind, ProviderFacts, ProviderStatus, Session,
+    LeaseLost, Process, Provided, ProviderFacts, ProviderKind, ProviderStatus, Session,
 };
 use uuid::Uuid;
 
@@ -106,10 +106,17 @@ pub enum ProviderError {
     /// The provider cannot do this.
     #[error("not supported by this provider: {0}")]
     NotSupported(&'static str),
-    /// Another client of the provider took the machine first (Ironic answers a second
-    /// reservation with 409): nothing of ours changed, and the machine is no candidate now.
+    /// Another client of the provider, or another replica of this deployment, holds or is
+    /// claiming the machine (Ironic answers a second reservation with 409): this attempt
+    /// changed nothing, and the machine is no candidate now.
     #[error("taken by another client first: {0}")]
     Taken(String),
+    /// The machine cannot be claimed now, for a reason that passes, and nothing is charged:
+    /// the provider is busy with it (an Ironic conductor holds the node), a claim of ours
+    /// failed and was cleaned up, or this attempt's answer was lost, so whether it made
+    /// anything is not known yet. A later pass tries again, or adopts what was made.
+    #[error("not claimable now: {0}")]
+    NotYet(String),
     /// The provider's API failed or refused; the provider's own typed error.
     #[error(transparent)]
     Api(ApiFailure),
@@ -318,9 +325,9 @@ pub enum HandBack {
 
 /// A provider that can also power-cycle machines (used by the Recoverer).
 #[async_trait]
-pub trait Recoverer: Provider {
+pub trait Rebooter: Provider {
     /// Reboots the machine. Returns once the provider has done so; it does not wait for the
-    /// machine to come back (see [`Recoverer::reboot_wait`]).
+    /// machine to come back (see [`Rebooter::reboot_wait`]).
     async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError>;
 
     /// How long a rebooted machine is given to go down and come back before the initializer
@@ -341,7 +348,7 @@ pub trait Recoverer: Provider {
         Err(ProviderError::NotSupported("reinstall"))
     }
 
-    /// For a machine that came bare (SPEC §21): what goes onto it and a client of the BMC
+    /// For a machine that came bare (design.md §21): what goes onto it and a client of the BMC
     /// that boots it. Providers without bare machines refuse ([`ProviderError::NotSupported`],
     /// the default).
     async fn bare_plan(&self, _machine: &ProviderMachine) -> Result<BarePlan, ProviderError> {
@@ -349,7 +356,7 @@ pub trait Recoverer: Provider {
     }
 }
 
-/// What [`Recoverer::bare_plan`] gives the bare-metal loop for one machine.
+/// What [`Rebooter::bare_plan`] gives the bare-metal loop for one machine.
 #[derive(Debug)]
 pub struct BarePlan {
     /// A client of its BMC.
@@ -431,7 +438,7 @@ pub struct Recording {
     /// The initializer waits this long before its first takeover attempt (the provider is
     /// deploying the machine); zero: no wait.
     pub deploy_wait: Duration,
-    /// The machine comes bare (SPEC §21): it is recorded at the start of its bare-metal way,
+    /// The machine comes bare (design.md §21): it is recorded at the start of its bare-metal way,
     /// with this in its history.
     pub bare: Option<String>,
 }

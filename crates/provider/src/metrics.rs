@@ -11,9 +11,9 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use shepherd_bmdb::{Provider as ProviderKind, Session};
+use shepherd_bmdb::{ProviderKind, Session};
 
-use crate::{HandBack, Provider, ProviderError, ProviderMachine, Recorded, Recoverer};
+use crate::{HandBack, Provider, ProviderError, ProviderMachine, Rebooter, Recorded};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CallLabels {
@@ -209,7 +209,7 @@ impl<P: Provider + ?Sized> Provider for InstrumentedProvider<P> {
 }
 
 #[async_trait]
-impl<P: Recoverer + ?Sized> Recoverer for InstrumentedProvider<P> {
+impl<P: Rebooter + ?Sized> Rebooter for InstrumentedProvider<P> {
     async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
         self.timed("reboot", self.inner.reboot(machine)).await
     }

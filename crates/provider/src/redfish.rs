@@ -1,4 +1,4 @@
-//! Power control through a BMC speaking Redfish (SPEC §15): find the system, then
+//! Power control through a BMC speaking Redfish (design.md §15): find the system, then
 //! `ComputerSystem.Reset` with a reset type that restarts it, else ForceOff then On with the
 //! power state confirmed, else a refusal naming what the system allows. HTTP basic auth; TLS
 //! trusted as [`crate::bmc_tls`] says. Credentials are never logged.
@@ -319,16 +319,13 @@ impl std::fmt::Debug for Bmc {
     }
 }
 
-/// A BMC's answer body as one bounded line for a log or a failure cause.
-fn one_line(bytes: &[u8]) -> String {
+/// A BMC's answer body as one bounded line for a log or a failure cause: runs of white space
+/// become one space, and what could still move text (an escape sequence) is escaped.
+fn body_line(bytes: &[u8]) -> String {
     const MAX_CHARS: usize = 200;
     let text = String::from_utf8_lossy(bytes);
-    let mut line: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
-    if let Some((cut, _)) = line.char_indices().nth(MAX_CHARS) {
-        line.truncate(cut);
-        line.push('…');
-    }
-    line
+    let line: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    shepherd_bmdb::one_line_cut(&line, MAX_CHARS)
 }
 
 /// `url` with any `user:password@` removed, for messages about a URL that did not parse.
@@ -438,7 +435,7 @@ impl Bmc {
                 base: self.base.clone(),
                 path: path.to_string(),
                 status,
-                body: one_line(&bytes),
+                body: body_line(&bytes),
             });
         }
         Ok(bytes)
@@ -631,7 +628,7 @@ mod tests {
     #[test]
     fn error_bodies_become_one_bounded_line() {
         let body = format!("<html>\n  <body>\n{}\n</body>", "oops ".repeat(100));
-        let line = one_line(body.as_bytes());
+        let line = body_line(body.as_bytes());
         assert!(!line.contains('\n'));
         assert!(line.chars().count() <= 201, "{line}");
         assert!(line.starts_with("<html> <body> oops"), "{line}");

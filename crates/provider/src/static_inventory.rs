@@ -1,4 +1,4 @@
-//! A static inventory's text (SPEC §6): a strict JSON list `[{"ID", "Addr", "Location",
+//! A static inventory's text (design.md §6): a strict JSON list `[{"ID", "Addr", "Location",
 //! "BMC"}]`, parsed and checked into [`InventoryEntry`]s and indexed by id, and why an
 //! inventory could not be used ([`InventoryError`]). `static_provider.rs` reads it from its
 //! URL and serves it as a provider.
@@ -122,7 +122,7 @@ pub struct InventoryEntry {
     #[serde(rename = "BMC")]
     pub bmc: Option<BmcEntry>,
     /// The machine comes bare: its BMC boots it into Shepherd's live environment, which
-    /// installs this OS image (SPEC §21). Needs `BMC`.
+    /// installs this OS image (design.md §21). Needs `BMC`.
     pub bare: Option<BareEntry>,
 }
 

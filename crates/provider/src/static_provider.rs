@@ -1,4 +1,4 @@
-//! The static provider (SPEC §6): a JSON inventory `[{"ID", "Addr", "Location", "BMC"}]` read from a
+//! The static provider (design.md §6): a JSON inventory `[{"ID", "Addr", "Location", "BMC"}]` read from a
 //! `file://` or `http(s)://` URL. Whether a listed machine is ours is decided by the BMDB
 //! (availability PossiblyUsed). Every listing checks whether the inventory changed, so an
 //! operator's edit takes effect at the next reconciliation; it is parsed once per change and
@@ -13,7 +13,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use shepherd_bmdb::{Provider as ProviderKind, ProviderStatus, Session};
+use shepherd_bmdb::{ProviderKind, ProviderStatus, Session};
 use shepherd_retry::{Delays, Streak};
 
 use crate::causes::reqwest_causes;
@@ -25,8 +25,8 @@ use crate::static_inventory::{
     MAX_INVENTORY_BYTES,
 };
 use crate::{
-    record_machine, Availability, BarePlan, Provider, ProviderError, ProviderMachine, Recorded,
-    Recording, Recoverer,
+    record_machine, Availability, BarePlan, Provider, ProviderError, ProviderMachine, Rebooter,
+    Recorded, Recording,
 };
 
 /// What identifies one version of the inventory without reading it: a file's length,
@@ -374,7 +374,7 @@ impl Provider for StaticProvider {
     }
 
     /// Records the machine; one whose entry says `Bare` is recorded at the start of its
-    /// bare-metal way (SPEC §21), which the bare-metal loop takes from there.
+    /// bare-metal way (design.md §21), which the bare-metal loop takes from there.
     async fn create_machine(
         &self,
         session: &Session,
@@ -404,7 +404,7 @@ impl Provider for StaticProvider {
 }
 
 #[async_trait]
-impl Recoverer for StaticProvider {
+impl Rebooter for StaticProvider {
     /// Only entries that name a BMC can be power-cycled; this follows the last good inventory.
     async fn can_reboot(&self) -> bool {
         self.has_bmcs().await

@@ -58,6 +58,18 @@ pub enum Step {
     Run,
 }
 
+impl Step {
+    /// The step's name in `shepherd_fenced_steps_total`.
+    fn label(self) -> &'static str {
+        match self {
+            Step::Connect => "ssh connect",
+            Step::Upload => "ssh upload",
+            Step::Rename => "ssh rename",
+            Step::Run => "ssh run",
+        }
+    }
+}
+
 impl std::fmt::Display for Step {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
@@ -188,19 +200,15 @@ impl Bounds<'_> {
         within: Duration,
         work: impl std::future::Future<Output = Result<T, SshError>>,
     ) -> Result<T, TransportError> {
-        self.lease
-            .left()
-            .map_err(|_| TransportError::LeaseLost { step })?;
         let after = self.after;
         let bounded = tokio::time::timeout(within, work).map(|r| match r {
             Err(_) => Err(TransportError::TimedOut { step, after }),
             Ok(r) => r.map_err(|e| TransportError::at(step, e)),
         });
-        tokio::select! {
-            biased;
-            _ = self.lease.lost() => Err(TransportError::LeaseLost { step }),
-            r = bounded => r,
-        }
+        self.lease
+            .fenced(step.label(), bounded)
+            .await
+            .map_err(|_| TransportError::LeaseLost { step })?
     }
 }
 

@@ -1,4 +1,4 @@
-//! What the bare-metal loop asks of a BMC besides a power cycle (SPEC §21): its virtual CD
+//! What the bare-metal loop asks of a BMC besides a power cycle (design.md §21): its virtual CD
 //! (under the system, as Redfish 1.x BMCs put it, else under the system's managers, as older
 //! ones do), inserting and ejecting an image, a one-time boot override, and powering the
 //! system on or off with the new state confirmed. Each call is one step the loop fences by its

@@ -5,10 +5,11 @@
 //! Each heartbeat is counted from its arrival to its answer. One refused because the BMDB
 //! failed or because too many are in flight (shed, with a "retry after" hint), or answered
 //! later than [`LATE`], makes the server *in trouble* from that heartbeat's arrival; a
-//! heartbeat in flight longer than [`LATE`] does too. Every [`REPORT_EVERY`] a reporter task
-//! writes the state to the BMDB (`heartbeat_writers`): clean, in trouble since when, or the
-//! window of a trouble that ended. Bounded in-flight heartbeats are also the server's
-//! back-pressure: it sheds before its queues (and its memory) grow.
+//! heartbeat in flight longer than [`LATE`] does too. A trouble ends once none was seen for
+//! [`QUIET`]. Every [`REPORT_EVERY`] a reporter task writes the state to the BMDB
+//! (`heartbeat_writers`): clean, in trouble since when, or the window of a trouble that ended.
+//! Bounded in-flight heartbeats are also the server's back-pressure: it sheds before its queues
+//! (and its memory) grow.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -20,6 +21,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use shepherd_bmdb::{Bmdb, WriterReport, WriterState};
+use shepherd_tasks::driver;
+use shepherd_tasks::{Outcome, TaskHandle};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -30,8 +33,16 @@ pub const LATE: Duration = Duration::from_secs(5);
 /// How often the state is written to the BMDB.
 pub const REPORT_EVERY: Duration = Duration::from_secs(1);
 
-/// How long an agent whose heartbeat was shed is asked to stay away (jittered by the agent).
+/// How long an agent whose heartbeat was refused (shed, or the BMDB failed) is asked to stay
+/// away; the agent waits between half of it and all of it, instead of its own backoff.
 pub const SHED_WAIT: Duration = Duration::from_secs(5);
+
+/// A trouble ends once no heartbeat was refused or late for this long: twice what a refused
+/// agent is asked to wait. An agent refused at every attempt so keeps one trouble going from
+/// its first refusal. Were each refusal a window of its own, the recoverer would look back
+/// only a threshold from the earliest window still in sight, and an agent refused for longer
+/// than that would look silent.
+pub const QUIET: Duration = Duration::from_secs(10);
 
 /// Why a heartbeat was refused: the `cause` label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -227,7 +238,7 @@ impl HeartbeatWrites {
         }
         let (state, ended) = match &s.trouble {
             None => (WriterState::Clean, None),
-            Some(t) if stopping || now.duration_since(t.seen_at) >= REPORT_EVERY => (
+            Some(t) if stopping || now.duration_since(t.seen_at) >= QUIET => (
                 WriterState::Ended {
                     since: now.duration_since(t.first),
                     last: now.duration_since(t.last),
@@ -310,6 +321,9 @@ impl Drop for Arrival {
     }
 }
 
+/// The reporter's task, as `/tasks` shows it: each report written is a unit.
+pub const REPORT_TASK: &str = "heartbeat-reports";
+
 /// The task writing a server's heartbeat state to the BMDB ([`report_heartbeat_writes`]),
 /// started with the server and stopped once it has answered everything.
 pub struct Reporter {
@@ -318,16 +332,26 @@ pub struct Reporter {
 }
 
 impl Reporter {
-    /// Starts reporting `writes` of the server `component` to `db`.
-    pub fn start(db: &Bmdb, writes: &Arc<HeartbeatWrites>, component: &str) -> Reporter {
+    /// Starts reporting `writes` of the server `component` to `db`, each report a unit of
+    /// `task` ([`REPORT_TASK`]).
+    pub fn start(
+        db: &Bmdb,
+        writes: &Arc<HeartbeatWrites>,
+        component: &str,
+        task: TaskHandle,
+    ) -> Reporter {
         let stop = CancellationToken::new();
-        let task = tokio::spawn(report_heartbeat_writes(
+        let reporting = report_heartbeat_writes(
             db.clone(),
             writes.clone(),
             component.to_string(),
+            task,
             stop.clone(),
-        ));
-        Reporter { stop, task }
+        );
+        Reporter {
+            stop,
+            task: tokio::spawn(reporting),
+        }
     }
 
     /// Writes the last report, removes the server's row and waits until that is done.
@@ -338,12 +362,14 @@ impl Reporter {
 }
 
 /// Writes `writes`' state to the BMDB every [`REPORT_EVERY`] until `cancel`, then (the server
-/// has answered everything) a last report and the row's removal. A report that fails is
-/// logged once per streak; the next one carries everything since.
+/// has answered everything) a last report and the row's removal; each report is a unit of
+/// `task`. A report that fails is logged once per streak; the next one carries everything
+/// since.
 async fn report_heartbeat_writes(
     db: Bmdb,
     writes: Arc<HeartbeatWrites>,
     component: String,
+    task: TaskHandle,
     cancel: CancellationToken,
 ) {
     let mut failing = false;
@@ -352,34 +378,61 @@ async fn report_heartbeat_writes(
             _ = cancel.cancelled() => true,
             _ = tokio::time::sleep(REPORT_EVERY) => false,
         };
-        let (report, ended) = writes.report(&component, stopping);
-        let written = tokio::time::timeout(4 * REPORT_EVERY, db.report_heartbeat_writer(report));
-        match written.await {
-            Ok(Ok(())) => {
-                if let Some(last) = ended {
-                    writes.ended_written(last);
-                }
-                if failing {
-                    tracing::info!("heartbeat writer reports are written again");
-                }
-                failing = false;
-            }
-            Ok(Err(error)) if !failing => {
-                tracing::warn!(%error, "the heartbeat writer report could not be written");
-                failing = true;
-            }
-            Err(_) if !failing => {
-                tracing::warn!("the heartbeat writer report took over 4 s; trying again");
-                failing = true;
-            }
-            _ => {}
-        }
+        let report = write_report(&db, &writes, &component, stopping, &mut failing);
+        driver::one_unit(&task, report).await;
         if stopping {
             break;
         }
     }
     if let Err(error) = db.forget_heartbeat_writer(writes.writer_id).await {
         tracing::warn!(%error, "the heartbeat writer's row could not be removed; it goes stale");
+    }
+}
+
+/// Writes one report of `writes` (the last one when `stopping`); `failing` says whether the
+/// reports before failed, so that a streak is logged once. How it ended, in one line.
+async fn write_report(
+    db: &Bmdb,
+    writes: &HeartbeatWrites,
+    component: &str,
+    stopping: bool,
+    failing: &mut bool,
+) -> (Outcome, String) {
+    let (report, ended) = writes.report(component, stopping);
+    let summary = match &report.state {
+        WriterState::Clean => format!("reported clean, {} in flight", report.backlog),
+        WriterState::Trouble { since } => format!("reported a trouble of {}s", since.as_secs()),
+        WriterState::Ended { refused, .. } => {
+            format!("reported a trouble that ended ({refused} refused)")
+        }
+    };
+    let written = tokio::time::timeout(4 * REPORT_EVERY, db.report_heartbeat_writer(report));
+    match written.await {
+        Ok(Ok(())) => {
+            if let Some(last) = ended {
+                writes.ended_written(last);
+            }
+            if *failing {
+                tracing::info!("heartbeat writer reports are written again");
+            }
+            *failing = false;
+            (Outcome::Succeeded, summary)
+        }
+        Ok(Err(error)) => {
+            if !*failing {
+                tracing::warn!(%error, "the heartbeat writer report could not be written");
+            }
+            *failing = true;
+            let why = format!("the report could not be written: {error}");
+            (Outcome::of_bmdb_error(&error), why)
+        }
+        Err(_) => {
+            if !*failing {
+                tracing::warn!("the heartbeat writer report took over 4 s; trying again");
+            }
+            *failing = true;
+            (Outcome::Waited, "the report took over 4 s".into())
+        }
     }
 }
 
@@ -412,12 +465,15 @@ mod tests {
         b.refused();
         assert_eq!(w.refusals(Refusal::Database), 1);
 
+        tokio::time::advance(QUIET - REPORT_EVERY).await;
+        let (r, _) = w.report("bmsrv", false);
+        assert!(matches!(r.state, WriterState::Trouble { .. }), "{r:?}");
         tokio::time::advance(REPORT_EVERY).await;
         let (r, ended) = w.report("bmsrv", false);
         let WriterState::Ended { since, refused, .. } = r.state else {
             panic!("{r:?}");
         };
-        assert!(since >= Duration::from_secs(7));
+        assert!(since >= Duration::from_secs(16));
         assert_eq!((refused, r.backlog), (2, 0));
         // Not written yet: reported again.
         assert!(matches!(
@@ -429,6 +485,34 @@ mod tests {
             w.report("bmsrv", false).0.state,
             WriterState::Clean
         ));
+    }
+
+    /// An agent shed at every attempt, each after the wait it was asked for, keeps one trouble
+    /// going from its first refusal, however long that lasts: the recoverer then excuses its
+    /// whole silence. Before, each refusal made a window of its own, a second long.
+    #[tokio::test(start_paused = true)]
+    async fn refusals_an_agent_retries_after_make_one_trouble() {
+        let w = Arc::new(HeartbeatWrites::new(1));
+        let mut reports = Vec::new();
+        for _ in 0..8 {
+            let other = w.arrive().unwrap();
+            assert!(w.arrive().is_none(), "shed");
+            other.answered();
+            for _ in 0..SHED_WAIT.as_secs() {
+                tokio::time::advance(REPORT_EVERY).await;
+                reports.push(w.report("bmsrv", false).0.state);
+            }
+        }
+        let last = reports.last().unwrap();
+        assert!(
+            matches!(last, WriterState::Trouble { since } if *since >= 7 * SHED_WAIT),
+            "{last:?}"
+        );
+        let ended: Vec<_> = reports
+            .iter()
+            .filter(|r| matches!(r, WriterState::Ended { .. }))
+            .collect();
+        assert!(ended.is_empty(), "{ended:?}");
     }
 
     #[tokio::test(start_paused = true)]

@@ -1,4 +1,4 @@
-//! The BMaaS server (SPEC §12): agents heartbeat over gRPC with TLS, presenting self-signed
+//! The BMaaS server (design.md §12): agents heartbeat over gRPC with TLS, presenting self-signed
 //! certificates of their ed25519 key; each request is authorized against the `agent_started`
 //! tag, and heartbeats, hardware reports and installation reports land in the BMDB.
 

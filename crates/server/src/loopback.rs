@@ -98,7 +98,9 @@ impl LoopbackServer {
         let bind = |error| LoopbackError::Bind { port: 0, error };
         let listener = TcpListener::bind("127.0.0.1:0").await.map_err(bind)?;
         let writes = Arc::new(HeartbeatWrites::new(limits.max_heartbeats_in_flight));
-        let reporter = Reporter::start(db, &writes, "bmsrv");
+        // The demo's and tests' server: its reporter's task is shown nowhere.
+        let task = shepherd_tasks::Tasks::default().task(crate::heartbeat_writes::REPORT_TASK);
+        let reporter = Reporter::start(db, &writes, "bmsrv", task);
         let mut server = LoopbackServer {
             port: listener.local_addr().map_err(bind)?.port(),
             ca_pem,

@@ -91,9 +91,12 @@ impl BmaasService {
     }
 }
 
+/// A heartbeat the BMDB could not record: the agent is asked to come back after
+/// [`SHED_WAIT`], as a shed one is, so that its next attempt falls within the same trouble
+/// (`heartbeat_writes::QUIET`).
 fn unavailable(e: BmdbError) -> Status {
     tracing::warn!(error = %e, "heartbeat transaction failed");
-    Status::unavailable("database unavailable, retry later")
+    hints::unavailable("database unavailable, retry later", SHED_WAIT, false)
 }
 
 #[tonic::async_trait]

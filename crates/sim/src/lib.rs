@@ -1,4 +1,4 @@
-//! A simulated fleet (SPEC §6 "sim"): in-process machines with addresses, host keys and an
+//! A simulated fleet (design.md §6 "sim"): in-process machines with addresses, host keys and an
 //! agent that answers the takeover protocol, reboots, heartbeats written the way the BMaaS
 //! server would write them, and knobs to inject failures. Used by `shepherd demo`, benchmarks
 //! and multi-replica tests; nothing leaves the process.
@@ -12,7 +12,7 @@ use async_trait::async_trait;
 use futures::StreamExt;
 use rand::Rng;
 use shepherd_bmdb::{
-    AgentHeartbeat, AgentReport, Bmdb, Processor, Provider as ProviderKind, Session, SessionConfig,
+    AgentHeartbeat, AgentReport, Bmdb, Processor, ProviderKind, Session, SessionConfig,
 };
 use shepherd_proto::agent::{takeover_response, TakeoverInit, TakeoverResponse, TakeoverSuccess};
 use shepherd_proto::Message;
@@ -24,7 +24,7 @@ use shepherd_provider::settings::InvalidSetting;
 use shepherd_provider::transport::{AgentOutput, AgentRun, Step, Transport, TransportError};
 use shepherd_provider::{
     record_new_machine, ApiFailure, Availability, Provider, ProviderError, ProviderMachine,
-    Recorded, Recoverer,
+    Rebooter, Recorded,
 };
 use shepherd_ssh::SshError;
 
@@ -440,7 +440,7 @@ impl Provider for SimFleet {
 }
 
 #[async_trait]
-impl Recoverer for SimFleet {
+impl Rebooter for SimFleet {
     async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
         let id = machine.required_id()?;
         {

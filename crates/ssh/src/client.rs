@@ -37,7 +37,7 @@ impl std::fmt::Debug for Auth {
     }
 }
 
-/// Client settings (SPEC §17 defaults: user root, connect timeout 2 s).
+/// Client settings (design.md §17 defaults: user root, connect timeout 2 s).
 #[derive(Debug, Clone)]
 pub struct SshConfig {
     /// Remote user.

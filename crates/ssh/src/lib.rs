@@ -1,4 +1,4 @@
-//! The SSH client the Initializer takes machines over with (SPEC §8): an ed25519 client key
+//! The SSH client the Initializer takes machines over with (design.md §8): an ed25519 client key
 //! kept on disk with strict permissions, connects bounded by a timeout and a cap on concurrent
 //! handshakes, host-key pinning, SFTP upload and command execution with bounded output.
 

@@ -1,4 +1,4 @@
-//! The test agent (SPEC §13): reads a `TakeoverInit` from stdin, answers a `TakeoverResponse`
+//! The test agent (design.md §13): reads a `TakeoverInit` from stdin, answers a `TakeoverResponse`
 //! carrying the init echoed and a fresh random 32-byte key, and exits.
 //!
 //! `--misbehave MODE` makes it a broken agent, so tests can check that the Initializer refuses

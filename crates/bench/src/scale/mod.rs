@@ -23,7 +23,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use shepherd_bmdb::Provider as ProviderKind;
+use shepherd_bmdb::ProviderKind;
 use shepherd_provider::static_inventory::parse_inventory;
 use shepherd_provider::static_provider::StaticProvider;
 use shepherd_provider::Provider;

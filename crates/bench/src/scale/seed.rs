@@ -4,7 +4,7 @@
 
 use anyhow::Result;
 use chrono::Duration as Delta;
-use shepherd_bmdb::{Bmdb, Process, Provided, Provider};
+use shepherd_bmdb::{Bmdb, Process, Provided, ProviderKind};
 use uuid::Uuid;
 
 /// Machines per seeding transaction.
@@ -35,7 +35,7 @@ async fn write(db: &Bmdb, n: usize, states: bool) -> Result<Vec<Uuid>> {
                     let mut ids = Vec::with_capacity(end - start);
                     for i in start..end {
                         let id = tx.create_machine().await?;
-                        let mut provided = Provided::new(Provider::Sim, format!("sim-{i:05}"));
+                        let mut provided = Provided::new(ProviderKind::Sim, format!("sim-{i:05}"));
                         let addr = format!("10.{}.{}.{}", i >> 16, (i >> 8) & 255, i & 255);
                         if states {
                             provided.ip_address = Some(addr);

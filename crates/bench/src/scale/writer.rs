@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use async_trait::async_trait;
-use shepherd_bmdb::{testing, Bmdb, Processor, Provider as ProviderKind, SessionConfig};
+use shepherd_bmdb::{testing, Bmdb, Processor, ProviderKind, SessionConfig};
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::updater::{refreshed, Updater};
 use shepherd_provider::{Availability, Provider, ProviderError, ProviderMachine, Recorded};

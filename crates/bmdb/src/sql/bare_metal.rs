@@ -1,4 +1,4 @@
-//! Bare machines (SPEC §21): the `machine_bare_metal` tag, its phases entered only by the work
+//! Bare machines (design.md §21): the `machine_bare_metal` tag, its phases entered only by the work
 //! holder and only from the phase it read, the steps' history, and the media server's lookup.
 
 use uuid::Uuid;

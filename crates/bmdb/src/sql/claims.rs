@@ -1,4 +1,4 @@
-//! Eligibility (SPEC §5) and claiming work (SPEC §4).
+//! Eligibility (design.md §5) and claiming work (design.md §4).
 //!
 //! One eligibility condition serves both engines; they differ in how it reads time (Postgres'
 //! `now()` and intervals, SQLite's bound microseconds) and Postgres also chooses how its
@@ -21,7 +21,7 @@ use super::sessions;
 use crate::claim_hints::{ClaimHints, HintKey};
 use crate::eligibility::{exclusion_list, Retrieval};
 use crate::metrics::{BmdbMetrics, ClaimSearch};
-use crate::model::{Process, Processor, Provider};
+use crate::model::{Process, Processor, ProviderKind};
 use crate::BarePhase;
 
 /// What a claim found.
@@ -44,7 +44,7 @@ pub(crate) enum ClaimOutcome {
 /// upstream shape is kept as a benchmark baseline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ClaimStrategy {
-    /// Spread claimers over the candidates and skip rows other claimers hold (SPEC §4).
+    /// Spread claimers over the candidates and skip rows other claimers hold (design.md §4).
     #[default]
     SkipLocked,
     /// Upstream's shape: take the first eligible machine and rely on the unique constraint.
@@ -324,7 +324,7 @@ impl Tx {
     /// are no evidence of a failing server or network.
     pub async fn count_heartbeating(
         &mut self,
-        provider: Provider,
+        provider: ProviderKind,
         fresh_within: std::time::Duration,
     ) -> Result<(i64, i64)> {
         let fresh_after = span_ago(self.engine(), 2, 3);

@@ -1,4 +1,4 @@
-//! How work ends (SPEC §4): finished, failed (with a backoff) or canceled, each with its audit
+//! How work ends (design.md §4): finished, failed (with a backoff) or canceled, each with its audit
 //! history entry; backoffs set and cleared by hand; the history and work an operator reads.
 //!
 //! On Postgres the endings of a batch (`ending_batch.rs`) are one statement (its

@@ -1,4 +1,4 @@
-//! The tags a finished unit of work writes (SPEC §4: a finish and its tag writes are one
+//! The tags a finished unit of work writes (design.md §4: a finish and its tag writes are one
 //! transaction), described as data rather than as code, so that the finishes of one ending
 //! batch (`ending_batch.rs`) are written with their endings: on Postgres, columns of the one
 //! statement that ends the batch's work (`endings.rs`), instead of a few statements per

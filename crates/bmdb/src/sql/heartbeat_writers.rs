@@ -1,4 +1,4 @@
-//! What the BMaaS servers could not record (SPEC §12 as amended in ARCHITECTURE.md, "A
+//! What the BMaaS servers could not record (design.md §12 as amended in ARCHITECTURE.md, "A
 //! machine is silent only if it was silent"): each server's report of until when every
 //! heartbeat it received was recorded in time, and the windows of its troubles that ended.
 //! The recoverer's claims read both (`claims.rs`, [`excused_ago`]).

@@ -7,7 +7,7 @@
 //! - `schema.rs` — migrations' bookkeeping;
 //! - `sessions.rs` — sessions and the one-statement batch of agent heartbeats;
 //! - `tags.rs` — machines and the facts about them;
-//! - `claims.rs` — eligibility (SPEC §5) and claiming work (SPEC §4);
+//! - `claims.rs` — eligibility (design.md §5) and claiming work (design.md §4);
 //! - `endings.rs` — finishing, failing and canceling work, backoffs and the audit history;
 //! - `finish_tags.rs` — the tag writes of finishes (`TagWrites`), a batch's in one statement;
 //! - `views.rs` — operators' read-only views and counts;

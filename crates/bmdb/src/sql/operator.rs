@@ -170,7 +170,10 @@ impl Tx {
 
     /// The provider ids of `provider` an operator decommissioned, in id order, each with
     /// whether the provider is to tear the machine down.
-    pub async fn decommissioned_ids(&mut self, provider: Provider) -> Result<Vec<(String, bool)>> {
+    pub async fn decommissioned_ids(
+        &mut self,
+        provider: ProviderKind,
+    ) -> Result<Vec<(String, bool)>> {
         let sql = "SELECT provider_id, undeploy FROM decommissioned WHERE provider = $1
                     ORDER BY provider_id";
         self.conn().rows(sql, &[Arg::Text(provider.as_str())]).await
@@ -179,7 +182,7 @@ impl Tx {
     /// Whether an operator decommissioned this provider id.
     pub async fn is_decommissioned(
         &mut self,
-        provider: Provider,
+        provider: ProviderKind,
         provider_id: &str,
     ) -> Result<bool> {
         let sql = "SELECT 1 FROM decommissioned WHERE provider = $1 AND provider_id = $2";

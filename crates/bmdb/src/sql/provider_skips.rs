@@ -1,10 +1,10 @@
-//! Provider ids skipped after their provider refused to make a machine of them (SPEC §7 as
+//! Provider ids skipped after their provider refused to make a machine of them (design.md §7 as
 //! amended in ARCHITECTURE.md): one row per id, until a time, shared by every replica.
 
 use chrono::{DateTime, Utc};
 
 use super::engine::{from_columns, Arg, Dialects, Result, Tx};
-use crate::model::{stored_cause, Provider, ProviderSkip};
+use crate::model::{stored_cause, ProviderKind, ProviderSkip};
 
 const SKIP: Dialects = Dialects {
     postgres: "INSERT INTO provider_skips (provider, provider_id, until, at, cause)
@@ -36,7 +36,7 @@ impl Tx {
     /// replacing an earlier skip of it; forgets the provider's skips that ended.
     pub async fn skip_provider_id(
         &mut self,
-        provider: Provider,
+        provider: ProviderKind,
         provider_id: &str,
         until: DateTime<Utc>,
         cause: &str,
@@ -57,7 +57,10 @@ impl Tx {
     }
 
     /// The provider ids of `provider` skipped now, in id order.
-    pub async fn skipped_provider_ids(&mut self, provider: Provider) -> Result<Vec<ProviderSkip>> {
+    pub async fn skipped_provider_ids(
+        &mut self,
+        provider: ProviderKind,
+    ) -> Result<Vec<ProviderSkip>> {
         let args = [Arg::Text(provider.as_str()), Arg::Now];
         self.conn().rows(&SKIPPED, &args).await
     }

@@ -1,4 +1,4 @@
-//! Sessions (SPEC §3): creation, keep-alive, liveness, closing, garbage collection, and the
+//! Sessions (design.md §3): creation, keep-alive, liveness, closing, garbage collection, and the
 //! batch of agent heartbeats that Postgres writes as one statement outside a transaction.
 
 use sqlx::PgConnection;

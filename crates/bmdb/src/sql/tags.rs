@@ -1,4 +1,4 @@
-//! Machines and the facts about them (tags, SPEC §2): one upsert and one read per tag, as
+//! Machines and the facts about them (tags, design.md §2): one upsert and one read per tag, as
 //! methods of [`Tx`].
 
 use chrono::{DateTime, Utc};
@@ -155,7 +155,7 @@ impl Tx {
     }
 
     /// Every machine the BMDB says `provider` provided, ordered by provider id.
-    pub async fn provided_by(&mut self, provider: Provider) -> Result<Vec<(Uuid, Provided)>> {
+    pub async fn provided_by(&mut self, provider: ProviderKind) -> Result<Vec<(Uuid, Provided)>> {
         let sql = "SELECT * FROM machine_provided WHERE provider = $1 ORDER BY provider_id";
         let rows: Vec<ProvidedRow> = self
             .conn()
@@ -167,7 +167,7 @@ impl Tx {
     /// The machine a provider knows by `provider_id`, if any.
     pub async fn machine_by_provider_id(
         &mut self,
-        provider: Provider,
+        provider: ProviderKind,
         provider_id: &str,
     ) -> Result<Option<Uuid>> {
         let sql =
@@ -375,7 +375,7 @@ impl Tx {
         Ok((!fulfilled).then_some(request.request_raw))
     }
 
-    /// The agent-report rule (SPEC §12): if `key` is the agent key of `machine`, stores
+    /// The agent-report rule (design.md §12): if `key` is the agent key of `machine`, stores
     /// `report`, records the heartbeat and returns the pending installation request; else
     /// writes nothing. [`crate::Session::agent_heartbeat`] is its entry point; Postgres's
     /// one-statement path for a batch of bare heartbeats (`sql/sessions.rs`) is the same rule

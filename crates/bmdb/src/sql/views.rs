@@ -7,7 +7,7 @@ use super::engine::{
     from_columns, now_in, parse_counts, span_ago, Arg, Columns, Engine, FromColumns, Result, Tx,
 };
 use super::tags::ProvidedRow;
-use crate::model::{Process, Provider};
+use crate::model::{Process, ProviderKind};
 use crate::summary::{FleetCounts, MachineSummary};
 
 /// Counts shown by `shepherd bmdb status`.
@@ -190,7 +190,7 @@ impl Tx {
     pub async fn machine_summaries(
         &mut self,
         after: Option<Uuid>,
-        provider: Option<Provider>,
+        provider: Option<ProviderKind>,
         limit: i64,
     ) -> Result<Vec<MachineSummary>> {
         let sql = format!(
@@ -266,7 +266,7 @@ impl Tx {
         &mut self,
         after: Option<Uuid>,
         limit: i64,
-    ) -> Result<Vec<(Uuid, Provider, Option<String>, Vec<u8>)>> {
+    ) -> Result<Vec<(Uuid, ProviderKind, Option<String>, Vec<u8>)>> {
         let sql = "SELECT h.machine_id, p.provider, p.location, h.report_raw
                      FROM machine_hardware_report h
                      JOIN machine_provided p ON p.machine_id = h.machine_id

@@ -326,9 +326,9 @@ pub async fn seed_every_state(db: &Bmdb) -> (Vec<SeededMachine>, crate::Session)
                         id,
                         &Provided {
                             provider: if n == 0 {
-                                Provider::Sim
+                                ProviderKind::Sim
                             } else {
-                                Provider::Static
+                                ProviderKind::Static
                             },
                             provider_id: format!("box-{n}"),
                             reservation_id: None,
@@ -397,14 +397,16 @@ pub async fn seed_every_state(db: &Bmdb) -> (Vec<SeededMachine>, crate::Session)
 /// Every claim statement variant the loops run, named, as the claims run them: Postgres' three
 /// searches and SQLite's two candidate queries, for the initializer's start rule and the
 /// recoverer's recovery rule on `provider`. For the snapshot test of the statements' text.
-pub fn claim_statements(provider: crate::Provider) -> Vec<(String, String)> {
+pub fn claim_statements(provider: crate::ProviderKind) -> Vec<(String, String)> {
     crate::sql::claims::claim_statement_variants(&loop_rules(provider))
         .into_iter()
         .map(|(name, _, _, _, sql)| (name, sql))
         .collect()
 }
 
-fn loop_rules(provider: crate::Provider) -> [(&'static str, crate::Process, crate::Retrieval); 3] {
+fn loop_rules(
+    provider: crate::ProviderKind,
+) -> [(&'static str, crate::Process, crate::Retrieval); 3] {
     [
         (
             "start",
@@ -437,7 +439,7 @@ fn loop_rules(provider: crate::Provider) -> [(&'static str, crate::Process, crat
 pub async fn explain_claims(
     db: &Bmdb,
     session: uuid::Uuid,
-    provider: crate::Provider,
+    provider: crate::ProviderKind,
 ) -> Result<Vec<(String, Vec<String>)>, crate::Error> {
     let crate::db::Pools::Postgres(pool) = &db.inner.pools else {
         return Err(crate::Error::InvalidArgument {
@@ -644,7 +646,7 @@ pub async fn agents_silent_for_hours(db: &Bmdb, machines: &[uuid::Uuid]) {
 
 /// Creates `n` machines provided by `provider` in one transaction, each with its machine id
 /// (simple form) as provider id; returns their ids.
-pub async fn provision(db: &Bmdb, n: usize, provider: crate::Provider) -> Vec<uuid::Uuid> {
+pub async fn provision(db: &Bmdb, n: usize, provider: crate::ProviderKind) -> Vec<uuid::Uuid> {
     db.transact(move |tx| {
         Box::pin(async move {
             let mut ids = Vec::with_capacity(n);
@@ -664,7 +666,7 @@ pub async fn provision(db: &Bmdb, n: usize, provider: crate::Provider) -> Vec<uu
 /// What the BMDB records as provided by `provider`: (machine, provided tag), by provider id.
 pub async fn provided_by(
     db: &Bmdb,
-    provider: crate::Provider,
+    provider: crate::ProviderKind,
 ) -> Vec<(uuid::Uuid, crate::Provided)> {
     db.read(move |tx| Box::pin(async move { tx.provided_by(provider).await }))
         .await

@@ -7,7 +7,7 @@ use std::time::Duration;
 use shepherd_bmdb::*;
 
 const START: Retrieval = Retrieval::AgentStart {
-    provider: Provider::Sim,
+    provider: ProviderKind::Sim,
 };
 
 /// Fails one claim of the machine with `backoff`, after making its current backoff (with
@@ -38,7 +38,7 @@ async fn fail_once(db: &Bmdb, s: &Session, id: uuid::Uuid, last: Option<i64>, b:
 }
 
 async fn backoff_grows_from_a_smaller_previous_and_keeps_its_cap(db: Bmdb) {
-    let id = testing::provision(&db, 1, Provider::Sim).await[0];
+    let id = testing::provision(&db, 1, ProviderKind::Sim).await[0];
     let s = testing::session(&db, Processor::ShepherdInitializer).await;
     let b = Backoff::exponential(Duration::from_secs(60), Duration::from_secs(120), 2.0);
     let mut last = Some(2);

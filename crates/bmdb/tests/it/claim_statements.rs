@@ -5,12 +5,12 @@
 //! a claim that had stopped using the indexes.
 
 use shepherd_bmdb::testing;
-use shepherd_bmdb::{Processor, Provider, SessionConfig};
+use shepherd_bmdb::{Processor, ProviderKind, SessionConfig};
 
 #[test]
 fn claim_statements_match_their_snapshot() {
     let mut text = String::new();
-    for (name, sql) in testing::claim_statements(Provider::Static) {
+    for (name, sql) in testing::claim_statements(ProviderKind::Static) {
         text.push_str(&format!("-- {name}\n"));
         for line in sql
             .lines()
@@ -115,7 +115,7 @@ async fn claims_use_the_indexes_on_postgres() {
         t.db.start_session(SessionConfig::new("plans", Processor::ShepherdInitializer))
             .await
             .expect("session");
-    let plans = testing::explain_claims(&t.db, session.id(), Provider::Static)
+    let plans = testing::explain_claims(&t.db, session.id(), ProviderKind::Static)
         .await
         .expect("explain");
     assert_eq!(

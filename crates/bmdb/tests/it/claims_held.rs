@@ -6,11 +6,11 @@ use shepherd_bmdb::testing::{self, held, history_as, session};
 use shepherd_bmdb::*;
 
 const ANY: Retrieval = Retrieval::AgentStart {
-    provider: Provider::Sim,
+    provider: ProviderKind::Sim,
 };
 
 async fn two_processes_hold_one_machine(db: Bmdb) {
-    let m = testing::provision(&db, 1, Provider::Sim).await[0];
+    let m = testing::provision(&db, 1, ProviderKind::Sim).await[0];
     let (s1, s2) = (
         session(&db, Processor::ShepherdInitializer).await,
         session(&db, Processor::ShepherdRecoverer).await,
@@ -63,7 +63,7 @@ async fn candidates_locked_elsewhere_are_a_conflict_on_postgres() {
     let Some(t) = testing::postgres().await else {
         return;
     };
-    testing::provision(&t.db, 300, Provider::Sim).await;
+    testing::provision(&t.db, 300, ProviderKind::Sim).await;
     let pool = sqlx::PgPool::connect(&t.url).await.unwrap();
     let mut other = pool.begin().await.unwrap();
     sqlx::query("SELECT machine_id FROM machines FOR UPDATE")

@@ -8,7 +8,7 @@ use shepherd_bmdb::testing::{self, held, SmallDisk};
 use shepherd_bmdb::*;
 
 const START: Retrieval = Retrieval::AgentStart {
-    provider: Provider::Sim,
+    provider: ProviderKind::Sim,
 };
 
 /// One write of the kind the loops make: claim a machine and finish it.
@@ -26,7 +26,7 @@ async fn a_full_disk_is_unavailability_and_writes_resume_when_space_returns() {
     let db = Bmdb::open_with(&url, &OpenOptions::migrating(true))
         .await
         .unwrap();
-    testing::provision(&db, 200, Provider::Sim).await;
+    testing::provision(&db, 200, ProviderKind::Sim).await;
     let s =
         testing::session_every(&db, Processor::ShepherdInitializer, Duration::from_secs(60)).await;
     claim_and_finish(&s).await.unwrap();

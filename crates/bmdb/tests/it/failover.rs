@@ -117,12 +117,12 @@ async fn an_ending_whose_commit_is_cut_off_is_counted_in_doubt() {
         .replace("sslmode=prefer", "sslmode=disable");
     assert!(through.contains("sslmode=disable"), "{through}");
     let db = Bmdb::open(&through).await.unwrap();
-    let id = testing::provision(&db, 1, Provider::Sim).await[0];
+    let id = testing::provision(&db, 1, ProviderKind::Sim).await[0];
     // A long interval: no keep-alive commits while the cutter is armed.
     let processor = Processor::ShepherdInitializer;
     let s = testing::session_every(&db, processor, Duration::from_secs(60)).await;
     let start = Retrieval::AgentStart {
-        provider: Provider::Sim,
+        provider: ProviderKind::Sim,
     };
     let Claim::Work(mut w) = s.work(Process::ShepherdAgentStart, start).await.unwrap() else {
         panic!("nothing claimed");

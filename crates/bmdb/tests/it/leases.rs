@@ -11,7 +11,7 @@ use shepherd_bmdb::*;
 use tokio::time::Instant;
 
 const START: Retrieval = Retrieval::AgentStart {
-    provider: Provider::Sim,
+    provider: ProviderKind::Sim,
 };
 
 /// The database's own opinion of the session: is its row there with a deadline still ahead?
@@ -27,25 +27,52 @@ async fn alive_in_database(db: &Bmdb, session: &Session) -> bool {
     .unwrap()
 }
 
+/// The earliest local instant the database's deadline for `session` can fall at: its read
+/// starts at some instant `r`, the database's clock is read at `r` or later, so the deadline,
+/// `left` after that reading, falls at `r + left` or later. Measured this way, a slow read
+/// (a busy CI machine) cannot make the lease look late.
+async fn database_deadline_no_earlier_than(db: &Bmdb, session: &Session) -> Instant {
+    let id = session.id();
+    let read_at = Instant::now();
+    let left = db
+        .read(move |tx| {
+            Box::pin(async move {
+                let now = tx.now().await?;
+                Ok(tx.session(id).await?.map(|s| s.deadline - now))
+            })
+        })
+        .await
+        .unwrap()
+        .expect("the session's row is there");
+    read_at + left.to_std().unwrap_or_default()
+}
+
 /// With its keep-alive stopped (a pause, a partition), a session's lease is seen lost while
 /// the database still counts the session alive: no other replica can have its machines yet.
+/// The lease's end is compared with the database's deadline, both as local instants, rather
+/// than by reading the database right after the lease ended: that read alone could take
+/// longer than the margin between the two on a busy machine.
 async fn a_lease_ends_before_the_database_lets_go(db: Bmdb) {
     let _turn = crate::alone().await;
-    let s = session_every(&db, Processor::ShepherdInitializer, Duration::from_secs(1)).await;
+    let interval = Duration::from_secs(2);
+    let s = session_every(&db, Processor::ShepherdInitializer, interval).await;
     let lease = s.lease();
-    assert!(lease.left().unwrap() <= Duration::from_secs(1));
     s.stop_keepalive();
-    let stopped = Instant::now();
-    tokio::time::timeout(Duration::from_secs(3), lease.lost())
+    let left = lease.left().expect("a new session's lease holds");
+    assert!(left <= interval, "{left:?}");
+    let lease_ends = Instant::now() + left;
+    let database_lets_go = database_deadline_no_earlier_than(&db, &s).await;
+    assert!(
+        lease_ends < database_lets_go,
+        "the lease must end before the database's deadline: {:?} after it",
+        lease_ends - database_lets_go
+    );
+    tokio::time::timeout(interval + Duration::from_secs(1), lease.lost())
         .await
         .expect("the lease ends within its interval once keep-alives stop");
-    assert!(stopped.elapsed() < Duration::from_secs(1), "{stopped:?}");
+    assert!(Instant::now() >= lease_ends, "the lease ended early");
     assert_eq!(lease.left(), Err(LeaseLost));
     assert!(s.is_expired());
-    assert!(
-        alive_in_database(&db, &s).await,
-        "the lease must end before the database's deadline"
-    );
 }
 
 /// A healthy session renews early: over several intervals its lease never ends and never
@@ -78,7 +105,7 @@ async fn a_healthy_lease_never_nears_its_deadline(db: Bmdb) {
 /// machine no backoff.
 async fn fenced_work_is_canceled_with_its_cause(db: Bmdb) {
     let _turn = crate::alone().await;
-    let m = testing::provision(&db, 1, Provider::Sim).await[0];
+    let m = testing::provision(&db, 1, ProviderKind::Sim).await[0];
     let s = testing::session(&db, Processor::ShepherdInitializer).await;
     let mut w = held(s.work(Process::ShepherdAgentStart, START).await.unwrap());
     w.fenced().await.unwrap();
@@ -106,7 +133,7 @@ async fn fenced_work_is_canceled_with_its_cause(db: Bmdb) {
 /// work ended or the session is gone.
 async fn the_lock_is_read_again_before_a_reset(db: Bmdb) {
     let _turn = crate::alone().await;
-    testing::provision(&db, 1, Provider::Sim).await;
+    testing::provision(&db, 1, ProviderKind::Sim).await;
     let s = testing::session(&db, Processor::ShepherdRecoverer).await;
     let mut w = held(s.work(Process::ShepherdAgentStart, START).await.unwrap());
     let m = w.machine_id();
@@ -178,7 +205,7 @@ async fn a_replica_cut_off_inside_a_transaction_stalls_no_one() {
         .await
         .unwrap();
     let other = t.db.clone();
-    let m = testing::provision(&other, 1, Provider::Sim).await[0];
+    let m = testing::provision(&other, 1, ProviderKind::Sim).await[0];
 
     let a = session_every(&cut_off, Processor::ShepherdInitializer, INTERVAL).await;
     let _work = held(a.work(Process::ShepherdAgentStart, START).await.unwrap());

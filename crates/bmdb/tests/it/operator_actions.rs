@@ -12,7 +12,7 @@ use tokio::task::JoinHandle;
 use uuid::Uuid;
 
 const START: Retrieval = Retrieval::AgentStart {
-    provider: Provider::Sim,
+    provider: ProviderKind::Sim,
 };
 
 fn alice(reason: &str) -> Operator {
@@ -60,7 +60,7 @@ async fn actions(db: &Bmdb, id: Uuid) -> Vec<ActionEntry> {
 /// From the moment `maintenance_on` returns, no loop starts work on the machine, however many
 /// workers are claiming; `maintenance_off` gives it back. Asserted from the audit history.
 async fn maintenance_keeps_loops_away(db: Bmdb) {
-    let machines = testing::provision(&db, 40, Provider::Sim).await;
+    let machines = testing::provision(&db, 40, ProviderKind::Sim).await;
     let stop = Arc::new(AtomicBool::new(false));
     let workers = busy_workers(&db, 8, Duration::from_millis(1), stop.clone());
     let operator = session(&db, Processor::ShepherdOperator).await;
@@ -176,7 +176,7 @@ async fn maintenance_keeps_loops_away(db: Bmdb) {
 /// history, the machine and its tags go, the provider id is barred until recommissioned, and
 /// the history stays.
 async fn decommission_while_loops_run(db: Bmdb) {
-    let machines = testing::provision(&db, 30, Provider::Sim).await;
+    let machines = testing::provision(&db, 30, ProviderKind::Sim).await;
     // Every machine has some history from before (a takeover long ago) to keep.
     let ids = machines.clone();
     db.transact(move |tx| {
@@ -276,7 +276,7 @@ async fn decommission_while_loops_run(db: Bmdb) {
                         Ok((
                             tx.machine_exists(id).await?,
                             tx.decommissioned(id).await?,
-                            tx.is_decommissioned(Provider::Sim, &id.simple().to_string())
+                            tx.is_decommissioned(ProviderKind::Sim, &id.simple().to_string())
                                 .await?,
                         ))
                     })
@@ -328,7 +328,7 @@ async fn decommission_while_loops_run(db: Bmdb) {
         ActionOutcome::NoSuchMachine
     );
     let barred = db
-        .read(move |tx| Box::pin(async move { tx.decommissioned_ids(Provider::Sim).await }))
+        .read(move |tx| Box::pin(async move { tx.decommissioned_ids(ProviderKind::Sim).await }))
         .await
         .unwrap();
     assert_eq!(barred.len(), 9);
@@ -362,7 +362,7 @@ async fn in_backoff_with_pinned_key(db: &Bmdb, id: Uuid, processes: &[Process], 
 /// Retry and forget-host-key change the machine and say so in the operators' history; an
 /// action with nothing to do writes nothing.
 async fn retry_and_forget_host_key_are_recorded(db: Bmdb) {
-    let id = testing::provision(&db, 1, Provider::Sim).await[0];
+    let id = testing::provision(&db, 1, ProviderKind::Sim).await[0];
     let operator = session(&db, Processor::ShepherdOperator).await;
     let both = [Process::ShepherdAgentStart, Process::ShepherdRecovery];
     in_backoff_with_pinned_key(&db, id, &both, "AAAAold").await;
@@ -423,7 +423,7 @@ async fn retry_and_forget_host_key_are_recorded(db: Bmdb) {
 /// Retention deletes old history in bounded batches, keeps Failed entries four times as long,
 /// and leaves recent history alone.
 async fn retention_prunes_in_batches_and_keeps_failures_longest(db: Bmdb) {
-    let id = testing::provision(&db, 1, Provider::Sim).await[0];
+    let id = testing::provision(&db, 1, ProviderKind::Sim).await[0];
     db.transact(move |tx| {
         Box::pin(async move {
             let now = tx.now().await?;
@@ -561,7 +561,7 @@ async fn retention_deletes_ended_sign_ins_only(db: Bmdb) {
 
 /// An action made through the operator API keeps the API request's id in the history.
 async fn actions_keep_their_request_id(db: Bmdb) {
-    let m = testing::provision(&db, 1, Provider::Sim).await[0];
+    let m = testing::provision(&db, 1, ProviderKind::Sim).await[0];
     let s = session(&db, Processor::Unknown).await;
     let who = Operator::new("token:ci", "rack 4 power work")
         .unwrap()

@@ -1,4 +1,4 @@
-//! The bare-metal loop against scripted BMCs (SPEC §21): each fault that sushy-tools cannot
+//! The bare-metal loop against scripted BMCs (design.md §21): each fault that sushy-tools cannot
 //! make, asserted from the BMDB's history and the BMC's log of what it was asked. A BMC
 //! without virtual media fails its machine once; a BMC that cannot fetch the image, answers
 //! 5xx or hangs backs its machine off with its answer; a live environment that never answers
@@ -273,7 +273,7 @@ async fn site(knobs: Knobs) -> Site {
         "Bare": {"ImageURL": "https://images.test/os.img", "ImageSHA256": "a".repeat(64), "Disk": "/dev/vda"}}]);
     std::fs::write(&inventory, entry.to_string()).unwrap();
     let url = format!("file://{}", inventory.display());
-    let provider = StaticProvider::new(&url, Provider::Static)
+    let provider = StaticProvider::new(&url, ProviderKind::Static)
         .unwrap()
         .with_bmc_timing(Duration::from_secs(2), Duration::ZERO);
     provider.load_at_start().await.unwrap();

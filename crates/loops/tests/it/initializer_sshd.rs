@@ -37,7 +37,7 @@ async fn site(db: &Bmdb, ids: &[&str]) -> (Site, Vec<Uuid>) {
         .collect();
     std::fs::write(&path, serde_json::to_vec(&entries).unwrap()).unwrap();
     let provider = Arc::new(
-        StaticProvider::new(&format!("file://{}", path.display()), Provider::Static).unwrap(),
+        StaticProvider::new(&format!("file://{}", path.display()), ProviderKind::Static).unwrap(),
     );
     let mut machines = Vec::new();
     for id in ids {
@@ -61,7 +61,7 @@ async fn add_machine(db: &Bmdb, id: &str, addr: &str) -> Uuid {
         .await
         .unwrap();
     let m = ProviderMachine::new(id, Some(addr.to_string()), Availability::KnownUnused);
-    let machine = record_new_machine(&session, Provider::Static, &m)
+    let machine = record_new_machine(&session, ProviderKind::Static, &m)
         .await
         .unwrap()
         .machine;

@@ -7,14 +7,14 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use shepherd_bmdb::{testing, Bmdb, Processor, Provider as Kind, Session};
+use shepherd_bmdb::{testing, Bmdb, Processor, ProviderKind, Session};
 use shepherd_equinix::fake::{Failure, FakeEquinix};
 use shepherd_equinix::{Client, EquinixConfig, EquinixProvider, RetryPolicy};
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
 use shepherd_loops::reconcile::Limits;
 use shepherd_provider::metrics::{CallMetrics, CallResult};
-use shepherd_provider::{Availability, Provider, ProviderError, Recoverer};
+use shepherd_provider::{Availability, Provider, ProviderError, Rebooter};
 use uuid::Uuid;
 
 /// Milliseconds, for the retry policies of these tests.
@@ -104,7 +104,7 @@ async fn session(db: &Bmdb) -> Session {
 
 /// Every Equinix machine in the BMDB, by provider id.
 async fn recorded_ids(db: &Bmdb) -> Vec<Uuid> {
-    let provided = testing::provided_by(db, Kind::Equinix).await;
+    let provided = testing::provided_by(db, ProviderKind::Equinix).await;
     provided.into_iter().map(|(id, _)| id).collect()
 }
 
@@ -113,7 +113,7 @@ async fn recorded(db: &Bmdb) -> Vec<(String, Option<String>)> {
     db.read(|tx| {
         Box::pin(async move {
             Ok(tx
-                .provided_by(Kind::Equinix)
+                .provided_by(ProviderKind::Equinix)
                 .await?
                 .into_iter()
                 .map(|(_, p)| (p.provider_id, p.reservation_id))
@@ -207,7 +207,7 @@ async fn provisioning_honours_the_maximum_and_the_chunk_size() {
     assert_eq!(rec.len(), 4);
     // Address, location and status are recorded.
     let provided =
-        t.db.read(|tx| Box::pin(async move { tx.provided_by(Kind::Equinix).await }))
+        t.db.read(|tx| Box::pin(async move { tx.provided_by(ProviderKind::Equinix).await }))
             .await
             .unwrap();
     for (_, p) in provided {
@@ -429,7 +429,7 @@ async fn the_updater_maps_states_and_marks_vanished_devices_missing() {
                 let id = id.clone();
                 Box::pin(async move {
                     let m = tx
-                        .machine_by_provider_id(Kind::Equinix, &id)
+                        .machine_by_provider_id(ProviderKind::Equinix, &id)
                         .await?
                         .unwrap();
                     Ok(tx.provided(m).await?.unwrap())
@@ -491,7 +491,7 @@ async fn creations_wait_for_the_creation_rate() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_recoverer_reboots_silent_devices_through_the_api() {
     use shepherd_bmdb::{Process, RecoveryThresholds, WorkEvent};
-    use shepherd_loops::recoverer::Recoverer as RecovererTask;
+    use shepherd_loops::recoverer::Recoverer;
     use shepherd_loops::testing::spawn_loop;
     let Rig { fake, t, s, p, .. } = rig(2).await;
     provisioner(p.clone(), 0, 10).iterate(&s).await.unwrap();
@@ -504,7 +504,7 @@ async fn the_recoverer_reboots_silent_devices_through_the_api() {
     fake.remove_device(gone);
     let (run, cancel) = spawn_loop(
         t.db.clone(),
-        RecovererTask::new(p, RecoveryThresholds::default()),
+        Recoverer::new(p, RecoveryThresholds::default()),
         1,
         4,
     );

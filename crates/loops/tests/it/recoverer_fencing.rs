@@ -18,8 +18,7 @@ use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::recoverer::Recoverer;
 use shepherd_loops::runner::{run, RunnerConfig};
 use shepherd_provider::{
-    Availability, Provider as ProviderTrait, ProviderError, ProviderMachine, Recorded,
-    Recoverer as RecovererTrait,
+    Availability, Provider, ProviderError, ProviderMachine, Rebooter, Recorded,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -38,7 +37,7 @@ struct SlowBmcs {
 }
 
 #[async_trait]
-impl ProviderTrait for SlowBmcs {
+impl Provider for SlowBmcs {
     /// The one call the recoverer makes before a reset: slow.
     async fn get_machine(&self, id: &str) -> Result<ProviderMachine, ProviderError> {
         let call = (Instant::now(), self.replica, "lookup", id.to_string());
@@ -46,8 +45,8 @@ impl ProviderTrait for SlowBmcs {
         tokio::time::sleep(LOOKUP).await;
         Ok(ProviderMachine::new(id, None, Availability::KnownUsed))
     }
-    fn kind(&self) -> Provider {
-        Provider::Sim
+    fn kind(&self) -> ProviderKind {
+        ProviderKind::Sim
     }
     async fn list_machines(&self) -> Result<Vec<ProviderMachine>, ProviderError> {
         Err(ProviderError::NotSupported("list"))
@@ -62,7 +61,7 @@ impl ProviderTrait for SlowBmcs {
 }
 
 #[async_trait]
-impl RecovererTrait for SlowBmcs {
+impl Rebooter for SlowBmcs {
     async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
         let id = machine.id.clone().unwrap_or_default();
         let call = (Instant::now(), self.replica, "reset", id);
@@ -76,7 +75,7 @@ impl RecovererTrait for SlowBmcs {
 /// first one's recovery canceled without a backoff. Before the re-check before the reset, the
 /// first machine was reset too.
 async fn a_heartbeat_during_the_lookup_prevents_the_reset(db: Bmdb) {
-    let machines = testing::provision(&db, 2, Provider::Sim).await;
+    let machines = testing::provision(&db, 2, ProviderKind::Sim).await;
     testing::agents_silent_for_hours(&db, &machines).await;
     let calls: Calls = Arc::default();
     let cancel = CancellationToken::new();
@@ -157,7 +156,7 @@ async fn a_partitioned_recoverer_resets_nothing_after_its_lease() {
     let Some(t) = testing::postgres().await else {
         return;
     };
-    let machines = testing::provision(&t.db, MACHINES, Provider::Sim).await;
+    let machines = testing::provision(&t.db, MACHINES, ProviderKind::Sim).await;
     testing::agents_silent_for_hours(&t.db, &machines).await;
     let upstream = t.url.split('@').nth(1).unwrap().split('/').next().unwrap();
     let proxy = Blackhole::start(upstream).await;

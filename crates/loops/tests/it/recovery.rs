@@ -18,8 +18,8 @@ use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
 use shepherd_loops::reconcile::Limits;
 use shepherd_loops::recoverer::{Recoverer, RepeatPolicy};
 use shepherd_loops::runner::{run, RunnerConfig};
-use shepherd_loops::tasks::Tasks;
 use shepherd_sim::{SimFleet, SimKnobs};
+use shepherd_tasks::Tasks;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -47,7 +47,7 @@ fn spawn_brake(
     db: &Bmdb,
     cancel: &CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
-    let task = shepherd_loops::tasks::Tasks::default().task("recovery-brake");
+    let task = shepherd_tasks::Tasks::default().task("recovery-brake");
     tokio::spawn(brake.clone().run(db.clone(), task, cancel.clone()))
 }
 
@@ -103,6 +103,16 @@ async fn take_over(db: &Bmdb, fleet: &Arc<SimFleet>) {
     work.await.unwrap();
 }
 
+/// A brake over the simulated fleet, with these tests' thresholds and fresh metrics.
+fn sim_brake(config: BrakeConfig) -> Arc<Brake> {
+    Brake::new(
+        config,
+        ProviderKind::Sim,
+        thresholds(),
+        BrakeMetrics::default(),
+    )
+}
+
 /// Runs the recoverer with `brake` for `period`; returns the brake.
 async fn recover_for(
     db: &Bmdb,
@@ -110,7 +120,7 @@ async fn recover_for(
     config: BrakeConfig,
     period: Duration,
 ) -> Arc<Brake> {
-    let brake = Brake::new(config, Provider::Sim, thresholds(), BrakeMetrics::default());
+    let brake = sim_brake(config);
     let cancel = CancellationToken::new();
     let braking = spawn_brake(&brake, db, &cancel);
     let recoverer = Recoverer::new(fleet.clone(), thresholds())
@@ -212,12 +222,7 @@ async fn a_stopped_server_does_not_get_the_fleet_power_cycled(db: Bmdb) {
     // The server comes back: heartbeats resume and the brake releases by itself.
     let server = CancellationToken::new();
     let agents = tokio::spawn(fleet.clone().run_agents(db.clone(), server.clone()));
-    let b = Brake::new(
-        brake(0.5),
-        Provider::Sim,
-        thresholds(),
-        BrakeMetrics::default(),
-    );
+    let b = sim_brake(brake(0.5));
     testing::eventually(
         "the brake to release once heartbeats resume",
         Duration::from_secs(30),
@@ -246,7 +251,7 @@ async fn a_server_stopping_under_a_running_recoverer_costs_a_few_reboots_at_most
         interval: Duration::from_secs(60),
         ..brake(0.5)
     };
-    let b = Brake::new(config, Provider::Sim, thresholds(), BrakeMetrics::default());
+    let b = sim_brake(config);
     let cancel = CancellationToken::new();
     let braking = spawn_brake(&b, &db, &cancel);
     let recovering = tokio::spawn(run(
@@ -290,12 +295,7 @@ async fn a_server_stopping_under_a_running_recoverer_costs_a_few_reboots_at_most
 
 /// A recoverer that is never braked (more than 100 % cannot be due).
 fn unbraked(fleet: &Arc<SimFleet>, repeat: RepeatPolicy) -> (Recoverer<SimFleet>, Arc<Brake>) {
-    let brake = Brake::new(
-        brake(1.0),
-        Provider::Sim,
-        thresholds(),
-        BrakeMetrics::default(),
-    );
+    let brake = sim_brake(brake(1.0));
     let recoverer = Recoverer::new(fleet.clone(), thresholds())
         .with_repeat_policy(repeat)
         .with_brake(brake.clone());
@@ -338,7 +338,7 @@ async fn initialize_and_recover(
             tokio::join!(
                 brake.run(
                     db.clone(),
-                    shepherd_loops::tasks::Tasks::default().task("recovery-brake"),
+                    shepherd_tasks::Tasks::default().task("recovery-brake"),
                     cancel.clone()
                 ),
                 initializing(db.clone(), &fleet, cancel.clone()),
@@ -505,14 +505,9 @@ async fn a_reboot_wait_holds_no_worker(db: Bmdb) {
 /// server or network: a bring-up of many machines next to a few running ones does not engage
 /// the brake, while the running ones going silent, or rebooted and not back yet, do.
 async fn machines_still_being_brought_in_do_not_engage_the_brake(db: Bmdb) {
-    let b = Brake::new(
-        brake(0.5),
-        Provider::Sim,
-        thresholds(),
-        BrakeMetrics::default(),
-    );
-    let new = testing::provision(&db, 40, Provider::Sim).await;
-    let running = testing::provision(&db, 10, Provider::Sim).await;
+    let b = sim_brake(brake(0.5));
+    let new = testing::provision(&db, 40, ProviderKind::Sim).await;
+    let running = testing::provision(&db, 10, ProviderKind::Sim).await;
     let ids = running.clone();
     db.transact(move |tx| {
         let ids = ids.clone();

@@ -15,7 +15,7 @@ use shepherd_bmdb::testing::{self, all_history, eventually, when};
 use shepherd_bmdb::*;
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::runner::{self, MachineTask, OnError, RunnerConfig};
-use shepherd_loops::tasks::{Outcome, TaskKind, TaskState, Tasks};
+use shepherd_tasks::{Outcome, TaskKind, TaskState, Tasks};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -50,7 +50,7 @@ impl MachineTask for Task {
 
     fn retrieval(&self) -> Retrieval {
         Retrieval::AgentStart {
-            provider: Provider::Sim,
+            provider: ProviderKind::Sim,
         }
     }
 
@@ -127,7 +127,7 @@ async fn run_with<T, D: std::fmt::Debug>(
     what: &str,
     done: impl AsyncFnMut() -> Result<T, D>,
 ) {
-    testing::provision(db, machines, Provider::Sim).await;
+    testing::provision(db, machines, ProviderKind::Sim).await;
     let cancel = CancellationToken::new();
     let run = tokio::spawn(runner::run(
         db.clone(),
@@ -342,7 +342,7 @@ async fn a_slow_claim_pauses_its_worker() {
         when(pauses >= 1, pauses)
     })
     .await;
-    testing::provision(&db, 3, Provider::Sim).await;
+    testing::provision(&db, 3, ProviderKind::Sim).await;
     eventually("every machine taken over", secs(30), async || {
         let started = db.status_counts().await.unwrap().agent_started;
         when(started == 3, started)

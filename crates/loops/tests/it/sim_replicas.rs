@@ -42,7 +42,7 @@ async fn replica(db: Bmdb, fleet: Arc<SimFleet>, name: &str, cancel: Cancellatio
             &provisioner,
             db.clone(),
             SessionConfig::new(name, Processor::ShepherdProvisioner),
-            shepherd_loops::tasks::Tasks::default().task("provisioner"),
+            shepherd_tasks::Tasks::default().task("provisioner"),
             cancel.clone()
         ),
         run(db, Arc::new(init), runner, cancel),
@@ -178,7 +178,7 @@ async fn an_orphan_of_the_simulator_is_adopted(db: Bmdb) {
         .await
         .expect("no disagreement over the orphan");
     assert_eq!((report.created, report.managed), (3, 0), "{report:?}");
-    let recorded = testing::provided_by(&db, Provider::Sim).await;
+    let recorded = testing::provided_by(&db, ProviderKind::Sim).await;
     assert_eq!(recorded.len(), 3);
     s.close().await.unwrap();
 }

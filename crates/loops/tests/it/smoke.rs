@@ -14,14 +14,13 @@ use shepherd_loops::provisioner::{
 use shepherd_loops::reconcile::Limits;
 use shepherd_loops::recoverer::Recoverer;
 use shepherd_loops::runner::{self, RunnerConfig};
-use shepherd_loops::tasks::Tasks;
 use shepherd_loops::testing::LocalTestAgent;
 use shepherd_loops::updater::Updater;
 use shepherd_provider::transport::{AgentOutput, AgentRun, Transport, TransportError};
 use shepherd_provider::{
-    record_new_machine, Availability, Provider as ProviderTrait, ProviderError, ProviderMachine,
-    Recorded, Recoverer as RecovererTrait,
+    record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Rebooter, Recorded,
 };
+use shepherd_tasks::Tasks;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -76,9 +75,9 @@ impl Dummy {
 }
 
 #[async_trait]
-impl ProviderTrait for Dummy {
-    fn kind(&self) -> Provider {
-        Provider::None
+impl Provider for Dummy {
+    fn kind(&self) -> ProviderKind {
+        ProviderKind::None
     }
 
     async fn list_machines(&self) -> Result<Vec<ProviderMachine>, ProviderError> {
@@ -138,7 +137,7 @@ impl ProviderTrait for Dummy {
 }
 
 #[async_trait]
-impl RecovererTrait for Dummy {
+impl Rebooter for Dummy {
     async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
         let id = machine.id.clone().unwrap();
         if self.fail_reboot.contains(&id) {
@@ -165,7 +164,7 @@ fn unpaced(max_machines: usize, chunk_size: usize) -> ProvisionerConfig {
 }
 
 async fn provided_ids(db: &Bmdb) -> Vec<String> {
-    db.read(|tx| Box::pin(async move { tx.provided_by(Provider::None).await }))
+    db.read(|tx| Box::pin(async move { tx.provided_by(ProviderKind::None).await }))
         .await
         .unwrap()
         .into_iter()
@@ -277,9 +276,10 @@ async fn provisioner_leaves_decommissioned_machines_alone(db: Bmdb) {
         let db = db.clone();
         async move {
             db.read(move |tx| {
-                Box::pin(
-                    async move { tx.machine_by_provider_id(Provider::None, provider_id).await },
-                )
+                Box::pin(async move {
+                    tx.machine_by_provider_id(ProviderKind::None, provider_id)
+                        .await
+                })
             })
             .await
             .unwrap()
@@ -300,7 +300,7 @@ async fn provisioner_leaves_decommissioned_machines_alone(db: Bmdb) {
     // A creation racing the decommission is refused by the BMDB itself.
     let err = record_new_machine(
         &s,
-        Provider::None,
+        ProviderKind::None,
         &Dummy::machine("dummy-001", Availability::KnownUnused),
     )
     .await
@@ -333,7 +333,10 @@ async fn the_updater_refreshes_machines_in_maintenance(db: Bmdb) {
     assert_eq!(p.iterate(&s).await.unwrap().created, 2);
     let id = db
         .read(|tx| {
-            Box::pin(async move { tx.machine_by_provider_id(Provider::None, "dummy-000").await })
+            Box::pin(async move {
+                tx.machine_by_provider_id(ProviderKind::None, "dummy-000")
+                    .await
+            })
         })
         .await
         .unwrap()
@@ -371,7 +374,7 @@ async fn a_missing_machine_stops_nothing_but_an_empty_listing_stops_all(db: Bmdb
     db.transact(|tx| {
         Box::pin(async move {
             let id = tx.create_machine().await?;
-            tx.set_provided(id, &Provided::new(Provider::None, "ghost"))
+            tx.set_provided(id, &Provided::new(ProviderKind::None, "ghost"))
                 .await
         })
     })
@@ -425,7 +428,7 @@ async fn fleet(
             let mut ids = BTreeMap::new();
             for (pid, started, hb) in spec {
                 let id = tx.create_machine().await?;
-                tx.set_provided(id, &Provided::new(Provider::None, &pid))
+                tx.set_provided(id, &Provided::new(ProviderKind::None, &pid))
                     .await?;
                 tx.set_agent_started_at(
                     id,
@@ -581,7 +584,7 @@ async fn initializer_starts_the_agent_on_all_provided(db: Bmdb) {
                 .read(|tx| {
                     Box::pin(async move {
                         let mut started = Vec::new();
-                        for (id, _) in tx.provided_by(Provider::None).await? {
+                        for (id, _) in tx.provided_by(ProviderKind::None).await? {
                             if let Some(a) = tx.agent_started(id).await? {
                                 started.push((id, a.public_key));
                             }
@@ -653,7 +656,7 @@ async fn a_refused_commit_fails_the_work_with_its_cause(db: Bmdb) {
         .transact(|tx| {
             Box::pin(async move {
                 let id = tx.create_machine().await?;
-                tx.set_provided(id, &Provided::new(Provider::None, "dummy-000"))
+                tx.set_provided(id, &Provided::new(ProviderKind::None, "dummy-000"))
                     .await?;
                 Ok(id)
             })

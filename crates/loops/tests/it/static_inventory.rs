@@ -21,7 +21,7 @@ fn config() -> ProvisionerConfig {
 }
 
 async fn provided(db: &Bmdb) -> Vec<Provided> {
-    let provided = testing::provided_by(db, Provider::Static).await;
+    let provided = testing::provided_by(db, ProviderKind::Static).await;
     provided.into_iter().map(|(_, p)| p).collect()
 }
 
@@ -30,7 +30,7 @@ async fn file_inventory_is_reconciled_and_edits_are_picked_up(db: Bmdb) {
     let path = dir.path().join("inventory.json");
     std::fs::write(&path, r#"[{"ID": "m1", "Addr": "10.0.0.1", "Location": "rack-1"}, {"ID": "m2", "Addr": "10.0.0.2"}]"#).unwrap();
     let provider = Arc::new(
-        StaticProvider::new(&format!("file://{}", path.display()), Provider::Static).unwrap(),
+        StaticProvider::new(&format!("file://{}", path.display()), ProviderKind::Static).unwrap(),
     );
     let p = Provisioner::new(provider, config());
     let s = testing::session(&db, Processor::ShepherdProvisioner).await;
@@ -100,7 +100,7 @@ async fn http_inventory_is_reconciled(db: Bmdb) {
     )
     .await;
     let p = Provisioner::new(
-        Arc::new(StaticProvider::new(&url, Provider::Static).unwrap()),
+        Arc::new(StaticProvider::new(&url, ProviderKind::Static).unwrap()),
         config(),
     );
     let s = testing::session(&db, Processor::ShepherdProvisioner).await;
@@ -129,7 +129,7 @@ async fn racing_replicas_adopt_instead_of_failing(db: Bmdb) {
     let mut replicas = Vec::new();
     for n in 0..2 {
         let p = Provisioner::new(
-            Arc::new(StaticProvider::new(&url, Provider::Static).unwrap()),
+            Arc::new(StaticProvider::new(&url, ProviderKind::Static).unwrap()),
             ProvisionerConfig {
                 limits: Limits::new(0, MACHINES),
                 ..config()
@@ -172,11 +172,12 @@ async fn racing_replicas_adopt_instead_of_failing(db: Bmdb) {
 /// After a good start, a broken inventory keeps the last good one (and says so in the
 /// metrics), and whether the recoverer may act follows the last good inventory.
 async fn a_later_broken_inventory_keeps_the_last_good_one(_db: Bmdb) {
-    use shepherd_provider::{Provider as _, Recoverer as _};
+    use shepherd_provider::{Provider as _, Rebooter as _};
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("inventory.json");
     std::fs::write(&path, r#"[{"ID": "m1", "Addr": "10.0.0.1"}]"#).unwrap();
-    let p = StaticProvider::new(&format!("file://{}", path.display()), Provider::Static).unwrap();
+    let p =
+        StaticProvider::new(&format!("file://{}", path.display()), ProviderKind::Static).unwrap();
     let mut registry = prometheus_client::registry::Registry::default();
     p.metrics().register(&mut registry);
     let metric = |registry: &prometheus_client::registry::Registry, name: &str| {

@@ -87,7 +87,7 @@ async fn a_machines_url_serves_its_image_and_nothing_else_does() {
     let dir = tempfile::tempdir().unwrap();
     let image = shepherd_media::testing::image_with_slots(dir.path());
     let t = testing::sqlite().await;
-    let [a, b]: [Uuid; 2] = testing::provision(&t.db, 2, shepherd_bmdb::Provider::Static)
+    let [a, b]: [Uuid; 2] = testing::provision(&t.db, 2, shepherd_bmdb::ProviderKind::Static)
         .await
         .try_into()
         .unwrap();
@@ -167,7 +167,7 @@ async fn a_machines_url_serves_its_image_and_nothing_else_does() {
     }
 
     // A grant that expired is refused once the cache of a few seconds lets it go.
-    let c = testing::provision(&t.db, 1, shepherd_bmdb::Provider::Static).await[0];
+    let c = testing::provision(&t.db, 1, shepherd_bmdb::ProviderKind::Static).await[0];
     let (token_c, _c) = grant(&t.db, c, "{}", Duration::from_millis(1)).await;
     tokio::time::sleep(Duration::from_millis(10)).await;
     let r = http.get(url(c, &token_c)).send().await.unwrap();

@@ -1,5 +1,5 @@
 //! Claims (`sql/claims.rs`): exclusive under parallelism, eligibility against a model of
-//! SPEC §5, sparse fleets, two SQLite handles, Postgres hints.
+//! design.md §5, sparse fleets, two SQLite handles, Postgres hints.
 
 use super::*;
 
@@ -7,7 +7,7 @@ use super::*;
 /// no two work intervals on one machine overlap, as the audit history shows.
 async fn claims_are_exclusive_under_parallelism(db: Bmdb) {
     const MACHINES: usize = 1000;
-    testing::provision(&db, MACHINES, Provider::Sim).await;
+    testing::provision(&db, MACHINES, ProviderKind::Sim).await;
     let conflicts = Arc::new(AtomicU64::new(0));
     let claims = Arc::new(AtomicU64::new(0));
     let mut workers = vec![];
@@ -97,7 +97,7 @@ async fn claims_are_exclusive_under_parallelism(db: Bmdb) {
 /// A fleet where almost every machine is ineligible (agents started): claims still find the
 /// few eligible ones wherever they are, then report nothing to do.
 async fn sparse_eligible_machines_are_found(db: Bmdb) {
-    let ids = testing::provision(&db, 1500, Provider::Sim).await;
+    let ids = testing::provision(&db, 1500, ProviderKind::Sim).await;
     let keep: BTreeSet<Uuid> = [ids[3], ids[700], ids[1499]].into_iter().collect();
     start_all_but(&db, &ids, &keep).await;
     let s = session(&db, "sparse").await;
@@ -116,7 +116,7 @@ async fn sparse_eligible_machines_are_found(db: Bmdb) {
 #[derive(Debug, Clone)]
 struct Fleet {
     id: Uuid,
-    provider: Provider,
+    provider: ProviderKind,
     started_min_ago: Option<i64>,
     heartbeat_min_ago: Option<i64>,
     request_gen: Option<i64>,
@@ -204,9 +204,9 @@ async fn eligibility_matches_model(db: Bmdb) {
         fleet.push(Fleet {
             id: Uuid::nil(),
             provider: if pick(&mut rng, 0.8) {
-                Provider::Sim
+                ProviderKind::Sim
             } else {
-                Provider::Static
+                ProviderKind::Static
             },
             started_min_ago: started,
             heartbeat_min_ago: (started.is_some() && pick(&mut rng, 0.6))
@@ -306,53 +306,53 @@ async fn eligibility_matches_model(db: Bmdb) {
         (
             Process::ShepherdAgentStart,
             Retrieval::AgentStart {
-                provider: Provider::Sim,
+                provider: ProviderKind::Sim,
             },
         ),
         (
             Process::ShepherdAgentStart,
             Retrieval::AgentStart {
-                provider: Provider::Static,
+                provider: ProviderKind::Static,
             },
         ),
         (
             Process::UnitTest1,
             Retrieval::AgentStart {
-                provider: Provider::Sim,
+                provider: ProviderKind::Sim,
             },
         ),
         (
             Process::ShepherdRecovery,
             Retrieval::AgentRecovery {
-                provider: Provider::Sim,
+                provider: ProviderKind::Sim,
                 thresholds,
             },
         ),
         (
             Process::ShepherdRecovery,
             Retrieval::AgentRecovery {
-                provider: Provider::Static,
+                provider: ProviderKind::Static,
                 thresholds,
             },
         ),
         (
             Process::ShepherdRecovery,
             Retrieval::AgentRecovery {
-                provider: Provider::Sim,
+                provider: ProviderKind::Sim,
                 thresholds: short,
             },
         ),
         (
             Process::ShepherdBareMetal,
             Retrieval::BareMetal {
-                provider: Provider::Sim,
+                provider: ProviderKind::Sim,
                 timeouts: BareTimeouts::default(),
             },
         ),
         (
             Process::ShepherdBareMetal,
             Retrieval::BareMetal {
-                provider: Provider::Static,
+                provider: ProviderKind::Static,
                 timeouts: BareTimeouts {
                     live_boot: Duration::from_secs(10 * 60),
                     install: Duration::from_secs(30 * 60),
@@ -406,7 +406,7 @@ async fn eligibility_matches_model(db: Bmdb) {
 /// A worker that goes away while its claim is being made (its loop was cancelled) leaves no
 /// machine locked: the work claimed for it is released with Canceled history.
 async fn a_claim_nobody_waits_for_is_released(db: Bmdb) {
-    let id = testing::provision(&db, 1, Provider::Sim).await[0];
+    let id = testing::provision(&db, 1, ProviderKind::Sim).await[0];
     let s = session(&db, "goes-away").await;
     let mut claim = Box::pin(s.work(Process::ShepherdAgentStart, START));
     assert!(
@@ -438,7 +438,7 @@ async fn a_claim_nobody_waits_for_is_released(db: Bmdb) {
 async fn two_processes_share_one_sqlite_file() {
     let t = shepherd_bmdb::testing::sqlite().await;
     let other = Bmdb::open(&t.url).await.expect("second handle");
-    testing::provision(&t.db, 300, Provider::Sim).await;
+    testing::provision(&t.db, 300, ProviderKind::Sim).await;
     let mut workers = vec![];
     for db in [t.db.clone(), other.clone()] {
         for w in 0..4 {
@@ -487,7 +487,7 @@ async fn postgres_claims_reuse_leftover_candidates() {
         return;
     };
     let db = t.db.clone();
-    let mut ids = testing::provision(&db, 3000, Provider::Sim).await;
+    let mut ids = testing::provision(&db, 3000, ProviderKind::Sim).await;
     // 40 eligible machines next to each other in the id index of 3,000: a window search (128
     // index entries after a random point) finds them only if it starts just before them,
     // about one claim in eighteen, so the first claims search everywhere. Spread out, the

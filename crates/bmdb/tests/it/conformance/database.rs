@@ -61,9 +61,10 @@ async fn summaries_and_fleet_counts(db: Bmdb) {
     loop {
         let page = db
             .read(move |tx| {
-                Box::pin(
-                    async move { tx.machine_summaries(after, Some(Provider::Static), 3).await },
-                )
+                Box::pin(async move {
+                    tx.machine_summaries(after, Some(ProviderKind::Static), 3)
+                        .await
+                })
             })
             .await
             .unwrap();
@@ -81,7 +82,10 @@ async fn summaries_and_fleet_counts(db: Bmdb) {
 
     let c = fleet_counts(&db).await;
     assert_eq!(c.machines, 9);
-    assert_eq!(c.provided, vec![(Provider::Sim, 1), (Provider::Static, 7)]);
+    assert_eq!(
+        c.provided,
+        vec![(ProviderKind::Sim, 1), (ProviderKind::Static, 7)]
+    );
     assert_eq!(c.agent_started, 5);
     assert_eq!((c.heartbeating, c.stale), (3, 1));
     assert_eq!((c.pending_install, c.installed), (1, 1));

@@ -4,7 +4,7 @@
 use super::*;
 
 async fn work_endings(db: Bmdb) {
-    let ids = testing::provision(&db, 1, Provider::Sim).await;
+    let ids = testing::provision(&db, 1, ProviderKind::Sim).await;
     let id = ids[0];
     let s = session(&db, "endings").await;
 
@@ -85,7 +85,7 @@ async fn work_endings(db: Bmdb) {
     assert_eq!(history(&db, id).await.last().unwrap().event, Canceled);
 }
 async fn backoff_is_persisted_and_grows(db: Bmdb) {
-    let id = testing::provision(&db, 1, Provider::Sim).await[0];
+    let id = testing::provision(&db, 1, ProviderKind::Sim).await[0];
     let s = session(&db, "backoff").await;
     let b = Backoff::exponential(Duration::from_secs(1), Duration::from_secs(60), 2.0);
     let backoff_row = |db: Bmdb| async move {
@@ -161,7 +161,7 @@ async fn backoff_is_persisted_and_grows(db: Bmdb) {
 /// agent key (found before anything is written).
 async fn a_failed_ending_fails_only_its_own_work(db: Bmdb) {
     const WORKS: usize = 8;
-    testing::provision(&db, WORKS, Provider::Sim).await;
+    testing::provision(&db, WORKS, ProviderKind::Sim).await;
     let s = session(&db, "enders").await;
     let mut works = Vec::new();
     for _ in 0..WORKS {
@@ -297,7 +297,7 @@ async fn a_failed_ending_fails_only_its_own_work(db: Bmdb) {
 /// A failure cause is stored whatever its text: a NUL (which Postgres' text refuses) is
 /// replaced, so that one odd error message cannot fail the batch of endings it shares.
 async fn a_failure_cause_with_a_nul_is_stored(db: Bmdb) {
-    testing::provision(&db, 1, Provider::Sim).await;
+    testing::provision(&db, 1, ProviderKind::Sim).await;
     let s = session(&db, "nul").await;
     let mut w = claimed(s.work(Process::ShepherdAgentStart, START).await.unwrap());
     let id = w.machine_id();

@@ -9,7 +9,7 @@ const MIN: Duration = Duration::from_secs(60);
 
 fn recovery() -> Retrieval {
     Retrieval::AgentRecovery {
-        provider: Provider::Sim,
+        provider: ProviderKind::Sim,
         thresholds: RecoveryThresholds {
             no_heartbeat_after_start: T,
             heartbeat_older_than: T,
@@ -53,7 +53,7 @@ async fn age(db: &Bmdb, by: Duration) {
 /// a server that stopped reporting may have lost its heartbeats; silence that began long
 /// before any trouble is still due, and so is everything once the troubles are past.
 async fn a_servers_trouble_excuses_only_silence_it_may_have_caused(db: Bmdb) {
-    let ids = testing::provision(&db, 4, Provider::Sim).await;
+    let ids = testing::provision(&db, 4, ProviderKind::Sim).await;
     let (beat_15, beat_60, never_15, never_60) = (ids[0], ids[1], ids[2], ids[3]);
     db.transact(move |tx| {
         Box::pin(async move {

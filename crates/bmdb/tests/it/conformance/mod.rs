@@ -1,4 +1,4 @@
-//! One conformance suite for the BMDB, run against SQLite and Postgres (SPEC §2–§5), by
+//! One conformance suite for the BMDB, run against SQLite and Postgres (design.md §2–§5), by
 //! concern as `sql/` is: each module runs its tests on both engines. Here: what they share.
 use chrono::Utc;
 use rand::rngs::StdRng;
@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use uuid::Uuid;
 const START: Retrieval = Retrieval::AgentStart {
-    provider: Provider::Sim,
+    provider: ProviderKind::Sim,
 };
 fn key(byte: u8) -> Vec<u8> {
     vec![byte; AGENT_KEY_LEN]

@@ -4,7 +4,7 @@
 use super::*;
 
 async fn session_expiry_releases_work(db: Bmdb) {
-    let ids = testing::provision(&db, 1, Provider::Sim).await;
+    let ids = testing::provision(&db, 1, ProviderKind::Sim).await;
     let a = doomed_session(&db).await;
     let mut work = claimed(a.work(Process::ShepherdAgentStart, START).await.unwrap());
     assert_eq!(work.machine_id(), ids[0]);
@@ -82,7 +82,7 @@ async fn session_expiry_releases_work(db: Bmdb) {
     assert_eq!(expired(), 1, "a session closed by its owner did not expire");
 }
 async fn closing_a_session_releases_its_work(db: Bmdb) {
-    let ids = testing::provision(&db, 2, Provider::Sim).await;
+    let ids = testing::provision(&db, 2, ProviderKind::Sim).await;
     let a = session(&db, "a").await;
     let w1 = claimed(a.work(Process::ShepherdAgentStart, START).await.unwrap());
     let w2 = claimed(a.work(Process::ShepherdAgentStart, START).await.unwrap());
@@ -144,7 +144,7 @@ const CLOSE_ROUNDS_MAX: usize = 100;
 /// the work row, and whichever removes it writes the one ending in the machine's history —
 /// never both a Finished and the close's Canceled. Nothing is left held.
 async fn closing_a_session_while_its_work_ends_records_each_ending_once(db: Bmdb) {
-    let ids = testing::provision(&db, 8 * CLOSE_ROUNDS_MAX, Provider::Sim).await;
+    let ids = testing::provision(&db, 8 * CLOSE_ROUNDS_MAX, ProviderKind::Sim).await;
     // Finishes that won the race, and finishes the close beat: both must happen, or the
     // check below proves nothing about the race.
     let (finished, beaten) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
@@ -176,7 +176,7 @@ async fn closing_a_session_while_its_work_ends_records_each_ending_once(db: Bmdb
 /// (and the close cancels its work, with history) or finds the session gone. No claim is left
 /// with a Started and no ending, and nothing is left held.
 async fn closing_a_session_while_it_claims_leaves_no_claim_without_an_ending(db: Bmdb) {
-    let ids = testing::provision(&db, 8, Provider::Sim).await;
+    let ids = testing::provision(&db, 8, ProviderKind::Sim).await;
     // Claims that committed before the close, and claims that found the session gone.
     let (before, after) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
     let both = || {
@@ -210,7 +210,7 @@ async fn closing_a_session_while_it_claims_leaves_no_claim_without_an_ending(db:
 /// checks each request's session itself (Postgres has one statement for a lone request and
 /// one for a batch).
 async fn a_session_whose_row_is_gone_claims_nothing(db: Bmdb) {
-    testing::provision(&db, 2, Provider::Sim).await;
+    testing::provision(&db, 2, ProviderKind::Sim).await;
     let remove = |s: &Session| {
         let id = s.id();
         s.stop_keepalive();
@@ -264,7 +264,7 @@ impl DoomedOnPostgres {
     async fn start() -> Option<DoomedOnPostgres> {
         use sqlx::Connection;
         let t = testing::postgres().await?;
-        let machine = testing::provision(&t.db, 1, Provider::Sim).await[0];
+        let machine = testing::provision(&t.db, 1, ProviderKind::Sim).await[0];
         let session = doomed_session(&t.db).await;
         session.stop_keepalive();
         let raw = sqlx::PgConnection::connect(&t.url).await.unwrap();

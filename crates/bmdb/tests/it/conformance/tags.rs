@@ -3,11 +3,11 @@
 use super::*;
 
 async fn tags_round_trip(db: Bmdb) {
-    let id = testing::provision(&db, 1, Provider::Static).await[0];
+    let id = testing::provision(&db, 1, ProviderKind::Static).await[0];
     let t0 = Utc::now() - chrono::Duration::minutes(3);
     db.transact(move |tx| {
         Box::pin(async move {
-            let mut p = Provided::new(Provider::Static, id.simple().to_string());
+            let mut p = Provided::new(ProviderKind::Static, id.simple().to_string());
             p.ip_address = Some("192.0.2.1".into());
             p.location = Some("rack-1".into());
             p.status = Some(ProviderStatus::Running);
@@ -65,7 +65,7 @@ async fn tags_round_trip(db: Bmdb) {
                 Some("baremetal \"large\" ünïcode")
             );
             assert_eq!(
-                tx.machine_by_provider_id(Provider::Static, &p.provider_id)
+                tx.machine_by_provider_id(ProviderKind::Static, &p.provider_id)
                     .await?,
                 Some(id)
             );
@@ -85,8 +85,8 @@ async fn tags_round_trip(db: Bmdb) {
                 tx.os_installation_report(id).await?.unwrap().result,
                 InstallationResult::Error
             );
-            assert_eq!(tx.provided_by(Provider::Static).await?.len(), 1);
-            assert!(tx.provided_by(Provider::Sim).await?.is_empty());
+            assert_eq!(tx.provided_by(ProviderKind::Static).await?.len(), 1);
+            assert!(tx.provided_by(ProviderKind::Sim).await?.is_empty());
             Ok(())
         })
     })
@@ -102,7 +102,7 @@ async fn tags_round_trip(db: Bmdb) {
     let err = db
         .transact(move |tx| {
             Box::pin(async move {
-                tx.set_provided(id, &Provided::new(Provider::Static, "x".repeat(129)))
+                tx.set_provided(id, &Provided::new(ProviderKind::Static, "x".repeat(129)))
                     .await
             })
         })
@@ -110,13 +110,13 @@ async fn tags_round_trip(db: Bmdb) {
         .unwrap_err();
     assert!(err.to_string().contains("provider id"), "{err}");
     // Unique (provider, provider_id): a second machine cannot claim the same provider id.
-    let other = testing::provision(&db, 1, Provider::Sim).await[0];
+    let other = testing::provision(&db, 1, ProviderKind::Sim).await[0];
     let dup = db
         .transact(move |tx| {
             Box::pin(async move {
                 tx.set_provided(
                     other,
-                    &Provided::new(Provider::Static, id.simple().to_string()),
+                    &Provided::new(ProviderKind::Static, id.simple().to_string()),
                 )
                 .await
             })

@@ -1,11 +1,15 @@
 //! What a process's background tasks did last, as omicron's background tasks report it. Every
 //! background activity is a task with a typed [`TaskStatus`]: the periodic loops (the
-//! provisioner, the updater, history retention, the fleet statistics), whose unit of work is a
-//! pass, the machine loops (the initializer, the recoverer with its brake), whose unit is
-//! one machine's work, and the BMaaS server's heartbeat group commit, whose unit is a batch. A status says when the last unit started and ended, how it ended, a
-//! short summary of what it did or why it failed, counts by outcome, and the last panic. The
-//! web UI's `/tasks` and `/tasks.json`, the operator API's `/api/v1/tasks` and `shepherd tasks`
-//! show them, and they are exported as metrics:
+//! provisioner, the updater, history retention, the fleet statistics, the schema watch, the
+//! server's writer of token uses and its heartbeat reports), whose unit of work is a pass; the machine loops (the
+//! initializer, the recoverer with its brake), whose unit is one machine's work; and the BMaaS
+//! server's heartbeat group commit and audit-trail writer, whose unit is a batch. Units run
+//! under [`driver`] (or the machine runner and the periodic passes, which do the same), so a
+//! panic is caught, shown and followed by the next unit. (The listeners, whose units are
+//! connections, are not tasks.) A status says when the last unit started and ended, how it
+//! ended, a short summary of what it did or why it failed, counts by outcome, and the last
+//! panic. The web UI's `/tasks` and `/tasks.json`, the operator API's `/api/v1/tasks` and
+//! `shepherd tasks` show them, and they are exported as metrics:
 //!
 //! - `shepherd_task_passes_total{task, outcome}`: units of work by how they ended (a panic is
 //!   the outcome `panicked`);
@@ -16,6 +20,13 @@
 //!   (`--task-stale-after`).
 //!
 //! `deploy/prometheus/shepherd-alerts.yml` alerts on a stale task and on a panic in any task.
+//!
+//! This crate sits above the BMDB and below everything that runs tasks (the loops, the BMaaS
+//! server, the operator surfaces, the binary), so each can report to one registry; the BMDB
+//! reports its heartbeat batches through its own `HeartbeatBatchReports`, which a
+//! [`TaskHandle`] implements.
+
+pub mod driver;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -62,6 +73,15 @@ impl Outcome {
             Outcome::Waited => "waited",
             Outcome::Failed => "failed",
             Outcome::Panicked => "panicked",
+        }
+    }
+
+    /// How a unit that failed with the BMDB's `error` ended: waited when the database was
+    /// unavailable (the next unit tries again), failed otherwise.
+    pub fn of_bmdb_error(error: &shepherd_bmdb::Error) -> Outcome {
+        match error.is_transient() {
+            true => Outcome::Waited,
+            false => Outcome::Failed,
         }
     }
 
@@ -451,12 +471,8 @@ impl shepherd_bmdb::HeartbeatBatchReports for TaskHandle {
     }
 
     fn failed(&self, members: usize, error: &shepherd_bmdb::Error) {
-        let outcome = match error.is_transient() {
-            true => Outcome::Waited,
-            false => Outcome::Failed,
-        };
         self.ended(
-            outcome,
+            Outcome::of_bmdb_error(error),
             format!("{members} heartbeats not written: {error}"),
         );
     }
