@@ -8,7 +8,7 @@ use clap::Subcommand;
 use shepherd_bmdb::{AuditEvent, AuditFilter, Bmdb, MAX_AUDIT_PAGE};
 
 use crate::api_client::{ApiArgs, ApiClient};
-use crate::one_line::one_line;
+use shepherd_bmdb::one_line;
 
 /// Subcommands of `shepherd audit`.
 #[derive(Debug, Subcommand)]

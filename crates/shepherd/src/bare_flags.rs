@@ -1,4 +1,4 @@
-//! `shepherd run`'s settings for machines of a static inventory that come bare (SPEC §21): the
+//! `shepherd run`'s settings for machines of a static inventory that come bare (design.md §21): the
 //! live image, the media server that hands it to BMCs, and the bare-metal loop's timeouts.
 //! Checked at start-up: an inventory with a `Bare` entry needs them all, and a live image
 //! without its config-drive slots is refused.
@@ -249,7 +249,7 @@ pub async fn probe_new_bmcs(provider: &StaticProvider, db: &Bmdb) -> Result<()> 
 /// The first [`PROBED`] of `entries` that the BMDB does not record yet.
 async fn not_recorded(
     tx: &mut shepherd_bmdb::Tx,
-    kind: shepherd_bmdb::Provider,
+    kind: shepherd_bmdb::ProviderKind,
     entries: Vec<shepherd_provider::static_inventory::InventoryEntry>,
 ) -> Result<Vec<shepherd_provider::static_inventory::InventoryEntry>, shepherd_bmdb::Error> {
     let mut new = Vec::new();

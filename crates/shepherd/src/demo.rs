@@ -2,32 +2,30 @@
 //! with injected failures, and every loop running with demo-speed settings; live progress bars
 //! per lifecycle state, and a summary table once every machine's agent is heartbeating.
 
-use std::collections::BTreeMap;
+mod report;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 use clap::Args;
-use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
-use shepherd_bmdb::{
-    Backoff, Bmdb, OpenOptions, Process, RecoveryThresholds, StatusCounts, WorkEvent,
-};
+use shepherd_bmdb::{Backoff, Bmdb, OpenOptions, RecoveryThresholds};
 use shepherd_loops::initializer::InitializerConfig;
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::provisioner::ProvisionerConfig;
 use shepherd_loops::reconcile::Limits;
 use shepherd_provider::metrics::{CallMetrics, InstrumentedProvider};
 use shepherd_server::{
-    heartbeat_writes, HeartbeatWrites, LoopbackServer, Refusal, ServerLimits, SlowHeartbeats,
+    heartbeat_writes, HeartbeatWrites, LoopbackServer, ServerLimits, SlowHeartbeats,
 };
-use shepherd_sim::{
-    BetweenHeartbeats, HeartbeatFailures, RealAgents, SimCounters, SimFleet, SimKnobs,
-};
+use shepherd_sim::{BetweenHeartbeats, HeartbeatFailures, RealAgents, SimFleet, SimKnobs};
 
 use crate::flags::duration;
-use crate::fleet::shutdown_on_signals;
+use crate::plumbing::shutdown_on_signals;
 use shepherd_loops::fleet::{run_loops, FleetSettings, LoopSettings};
 use tokio_util::sync::CancellationToken;
+
+use report::{print_table, summary, watch};
 
 /// Settings of the demo.
 #[derive(Debug, Clone, Args)]
@@ -60,6 +58,10 @@ pub struct DemoArgs {
     /// For how long from the start heartbeats are held.
     #[arg(long, default_value = "30s", value_parser = duration)]
     pub slow_heartbeat_for: Duration,
+    /// How often each agent heartbeats; by default every 2 s, or slower in fleets over 2,000
+    /// machines, so that the fleet sends about 1,000 heartbeats a second.
+    #[arg(long, value_parser = duration)]
+    pub heartbeat_interval: Option<Duration>,
     /// Time one simulated takeover takes.
     #[arg(long, default_value = "100ms", value_parser = duration)]
     pub takeover_time: Duration,
@@ -72,81 +74,6 @@ pub struct DemoArgs {
     /// After converging, keep the fleet, the web UI and the metrics up until Ctrl-C.
     #[arg(long)]
     pub stay: bool,
-}
-
-struct Bars {
-    multi: MultiProgress,
-    provided: ProgressBar,
-    started: ProgressBar,
-    heartbeating: ProgressBar,
-    status: ProgressBar,
-    plain: bool,
-    last_plain: Instant,
-}
-
-impl Bars {
-    fn new(n: u64) -> Self {
-        let multi = MultiProgress::with_draw_target(ProgressDrawTarget::stderr_with_hz(8));
-        let plain = multi.is_hidden();
-        let style =
-            ProgressStyle::with_template("{prefix:>14} [{bar:40.green/white}] {pos:>6}/{len}")
-                .expect("static template")
-                .progress_chars("█▉▊▋▌▍▎▏ ");
-        let bar = |name: &str| {
-            let b = multi.add(ProgressBar::new(n).with_style(style.clone()));
-            b.set_prefix(name.to_string());
-            b
-        };
-        let (provided, started, heartbeating) =
-            (bar("provided"), bar("agent started"), bar("heartbeating"));
-        let status = multi.add(ProgressBar::new_spinner());
-        Bars {
-            multi,
-            provided,
-            started,
-            heartbeating,
-            status,
-            plain,
-            last_plain: Instant::now(),
-        }
-    }
-
-    fn update(&mut self, c: &StatusCounts, sim: &SimCounters, elapsed: Duration) {
-        self.provided.set_position(c.provided as u64);
-        self.started.set_position(c.agent_started as u64);
-        self.heartbeating.set_position(c.heartbeating as u64);
-        let work: i64 = c.work.iter().map(|(_, n)| n).sum();
-        let backoffs: i64 = c.backoffs.iter().map(|(_, n)| n).sum();
-        let line = format!(
-            "{:>5.1}s  working on {work} · in backoff {backoffs} · takeovers {} · reboots {}",
-            elapsed.as_secs_f64(),
-            sim.takeovers,
-            sim.reboots,
-        );
-        if self.plain {
-            if self.last_plain.elapsed() >= Duration::from_secs(2) {
-                self.last_plain = Instant::now();
-                eprintln!(
-                    "provided {} · agent started {} · heartbeating {} · {line}",
-                    c.provided, c.agent_started, c.heartbeating
-                );
-            }
-        } else {
-            self.status.set_message(line);
-        }
-    }
-
-    fn finish(&self) {
-        for b in [
-            &self.provided,
-            &self.started,
-            &self.heartbeating,
-            &self.status,
-        ] {
-            b.finish();
-        }
-        let _ = self.multi.clear();
-    }
 }
 
 fn settings(args: &DemoArgs) -> FleetSettings {
@@ -173,8 +100,8 @@ fn settings(args: &DemoArgs) -> FleetSettings {
             db_rate: fast(50, 8),
         },
         recovery: RecoveryThresholds {
-            no_heartbeat_after_start: recovery_threshold(args.machines),
-            heartbeat_older_than: recovery_threshold(args.machines),
+            no_heartbeat_after_start: recovery_threshold(args),
+            heartbeat_older_than: recovery_threshold(args),
         },
         recoverer_backoff: Backoff::exponential(
             Duration::from_secs(1),
@@ -201,19 +128,21 @@ fn settings(args: &DemoArgs) -> FleetSettings {
     }
 }
 
-/// How often the demo's agents heartbeat: every 2 s in small fleets, slower in large ones so
-/// that the whole fleet sends about 1,000 heartbeats a second (real agents: every 30 s). The
-/// recovery thresholds are four intervals, so only silent agents look lost.
-fn agent_heartbeat_interval(machines: usize) -> Duration {
-    Duration::from_millis(machines as u64).max(Duration::from_secs(2))
+/// How often the demo's agents heartbeat: `--heartbeat-interval`, or every 2 s in small fleets
+/// and slower in large ones so that the whole fleet sends about 1,000 heartbeats a second
+/// (real agents: every 30 s). The recovery thresholds are four intervals, so only silent
+/// agents look lost.
+fn agent_heartbeat_interval(args: &DemoArgs) -> Duration {
+    args.heartbeat_interval
+        .unwrap_or_else(|| Duration::from_millis(args.machines as u64).max(Duration::from_secs(2)))
 }
 
 /// How long the demo's agents may be silent before their machine is due for recovery: four
 /// heartbeat intervals, and never so short that a heartbeat the server holds past
 /// `heartbeat_writes::LATE` could look like silence before the server has reported the trouble
 /// (the arithmetic in ARCHITECTURE.md: interval + late + report period, and a margin).
-fn recovery_threshold(machines: usize) -> Duration {
-    let interval = agent_heartbeat_interval(machines);
+fn recovery_threshold(args: &DemoArgs) -> Duration {
+    let interval = agent_heartbeat_interval(args);
     let reported = interval + heartbeat_writes::LATE + heartbeat_writes::REPORT_EVERY;
     (4 * interval).max(reported + Duration::from_secs(2))
 }
@@ -230,23 +159,6 @@ fn open_files_hold_every_connection(machines: usize) -> bool {
     limit.is_none_or(|limit| 2 * machines + 1024 <= limit)
 }
 
-/// Work history counts per (process, event).
-async fn history_counts(db: &Bmdb) -> Result<BTreeMap<(Process, WorkEvent), u64>> {
-    let mut counts = BTreeMap::new();
-    let mut after = 0;
-    loop {
-        let page = db
-            .read(move |tx| Box::pin(async move { tx.history_after(after, 10_000).await }))
-            .await?;
-        let Some(last) = page.last() else { break };
-        after = last.id;
-        for h in &page {
-            *counts.entry((h.process, h.event)).or_default() += 1;
-        }
-    }
-    Ok(counts)
-}
-
 /// Runs the demo: a simulated fleet with real agents against the real server, every loop,
 /// progress until every agent heartbeats, then a summary table.
 pub async fn run(args: DemoArgs) -> Result<()> {
@@ -255,6 +167,12 @@ pub async fn run(args: DemoArgs) -> Result<()> {
     }
     if !(0.0..=1.0).contains(&args.slow_heartbeat_share) {
         bail!("slow-heartbeat-share: must be between 0 and 1");
+    }
+    if args
+        .heartbeat_interval
+        .is_some_and(|i| i < Duration::from_millis(100))
+    {
+        bail!("heartbeat-interval: must be at least 100ms");
     }
     let dir = tempfile::Builder::new()
         .prefix("shepherd-demo-")
@@ -299,7 +217,8 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         settings,
         cancel.clone(),
     ));
-    let outcome = watch(&args, &db, &fleet, &cancel, started).await?;
+    let until = (args.machines, args.timeout);
+    let outcome = watch(until, &db, &fleet, &cancel, started).await?;
     if outcome.converged && args.stay {
         eprintln!(
             "converged in {:.1} s; the fleet keeps running and the web UI stays at \
@@ -348,7 +267,7 @@ async fn start_fleet(
         // interval, so each agent connects for its heartbeat and fewer are open at once.
         // The agents then close their connection after each heartbeat themselves, rather
         // than hold both ends' buffers for the half interval until the server does.
-        limits.idle_timeout = agent_heartbeat_interval(args.machines) / 2;
+        limits.idle_timeout = agent_heartbeat_interval(args) / 2;
         between_heartbeats = BetweenHeartbeats::Close;
     }
     let server = LoopbackServer::start(db, &dir.join("certs"), 4, limits).await?;
@@ -357,7 +276,7 @@ async fn start_fleet(
         SimFleet::new(args.machines, knobs)?.with_real_agents(RealAgents {
             endpoint: server.endpoint(),
             ca_der: server.ca_der().to_vec(),
-            heartbeat_interval: agent_heartbeat_interval(args.machines),
+            heartbeat_interval: agent_heartbeat_interval(args),
             between_heartbeats,
             failures: heartbeat_failures.clone(),
         }),
@@ -376,7 +295,7 @@ async fn serve_operator_view(
     cancel: &CancellationToken,
 ) -> Result<std::net::SocketAddr> {
     let (refresh, stats_interval) = (Duration::from_secs(2), Duration::from_secs(1));
-    let mut operator = crate::metrics_http::OperatorEndpoint::for_fleet(
+    let mut operator = shepherd_operator::metrics_http::OperatorEndpoint::for_fleet(
         db,
         settings,
         refresh,
@@ -387,11 +306,11 @@ async fn serve_operator_view(
     provider_metrics.register(registry, "shepherd_provider", "Provider API");
     writes.register(registry);
     let app = operator.router(db.clone());
-    let wanted = crate::metrics_http::serve(
+    let wanted = shepherd_operator::metrics_http::serve(
         args.http_listen,
         "http-listen",
         app.clone(),
-        crate::rate_limit::DEFAULT_RATE,
+        shepherd_operator::rate_limit::DEFAULT_RATE,
         cancel.clone(),
     )
     .await;
@@ -399,170 +318,14 @@ async fn serve_operator_view(
         Ok(addr) => Ok(addr),
         Err(_) => {
             let any = std::net::SocketAddr::new(args.http_listen.ip(), 0);
-            Ok(crate::metrics_http::serve(
+            Ok(shepherd_operator::metrics_http::serve(
                 any,
                 "http-listen",
                 app,
-                crate::rate_limit::DEFAULT_RATE,
+                shepherd_operator::rate_limit::DEFAULT_RATE,
                 cancel.clone(),
             )
             .await?)
         }
-    }
-}
-
-/// How the demo's run ended.
-struct Outcome {
-    /// Every agent started and heartbeating.
-    converged: bool,
-    /// Why not, if not: "interrupted" or "timed out".
-    reason: &'static str,
-    /// How long it ran.
-    elapsed: Duration,
-}
-
-/// Shows progress until every agent heartbeats, the demo is interrupted or `--timeout` passes.
-async fn watch(
-    args: &DemoArgs,
-    db: &Bmdb,
-    fleet: &SimFleet,
-    cancel: &CancellationToken,
-    started: Instant,
-) -> Result<Outcome> {
-    let mut bars = Bars::new(args.machines as u64);
-    let n = args.machines as i64;
-    let (converged, reason) = loop {
-        let counts = db.status_counts().await?;
-        bars.update(&counts, &fleet.counters(), started.elapsed());
-        if counts.heartbeating == n && counts.agent_started == n {
-            break (true, "");
-        }
-        if cancel.is_cancelled() {
-            break (false, "interrupted");
-        }
-        if started.elapsed() > args.timeout {
-            break (false, "timed out");
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
-    let elapsed = started.elapsed();
-    bars.finish();
-    Ok(Outcome {
-        converged,
-        reason,
-        elapsed,
-    })
-}
-
-/// The summary's rows: what the BMDB recorded, what the simulation injected, how the agents'
-/// heartbeats went, and the time to converge.
-async fn summary(
-    db: &Bmdb,
-    fleet: &SimFleet,
-    heartbeat_failures: &HeartbeatFailures,
-    writes: &HeartbeatWrites,
-    outcome: &Outcome,
-) -> Result<Vec<(String, String)>> {
-    let counts = db.status_counts().await?;
-    let history = history_counts(db).await?;
-    let sim = fleet.counters();
-    let reports = db
-        .read(|tx| {
-            Box::pin(async move {
-                let mut n = 0;
-                for id in tx.machine_ids(None, i64::MAX).await? {
-                    n += tx.hardware_report(id).await?.is_some() as u64;
-                }
-                Ok(n)
-            })
-        })
-        .await?;
-    let h = |p, e| history.get(&(p, e)).copied().unwrap_or(0);
-    let rows: Vec<(&str, String)> = vec![
-        ("machines provided", counts.provided.to_string()),
-        ("agents started", counts.agent_started.to_string()),
-        ("agents heartbeating", counts.heartbeating.to_string()),
-        (
-            "takeovers finished",
-            h(Process::ShepherdAgentStart, WorkEvent::Finished).to_string(),
-        ),
-        (
-            "takeovers failed (retried)",
-            h(Process::ShepherdAgentStart, WorkEvent::Failed).to_string(),
-        ),
-        (
-            "  injected connect failures",
-            sim.connect_failures.to_string(),
-        ),
-        ("  injected garbage answers", sim.bad_agents.to_string()),
-        (
-            "recoveries (reboots)",
-            h(Process::ShepherdRecovery, WorkEvent::Finished).to_string(),
-        ),
-        ("  injected silent agents", sim.silent_agents.to_string()),
-        ("  of healthy machines", sim.healthy_reboots.to_string()),
-        (
-            "work canceled at shutdown",
-            (h(Process::ShepherdAgentStart, WorkEvent::Canceled)
-                + h(Process::ShepherdRecovery, WorkEvent::Canceled))
-            .to_string(),
-        ),
-        ("hardware reports stored", reports.to_string()),
-        (
-            "agent heartbeats failed",
-            heartbeat_failures.total().to_string(),
-        ),
-    ];
-    // One row per status the failed heartbeats were answered with; Unavailable (the server
-    // could not write) always, since it should be 0.
-    let mut by_code = heartbeat_failures.by_code();
-    if !by_code
-        .iter()
-        .any(|(code, _)| *code == tonic::Code::Unavailable)
-    {
-        by_code.push((tonic::Code::Unavailable, 0));
-    }
-    let mut rows: Vec<(String, String)> =
-        rows.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
-    rows.extend(
-        by_code
-            .into_iter()
-            .map(|(code, n)| (format!("  answered {code:?}"), n.to_string())),
-    );
-    rows.push((
-        "  no answer (connection failed)".into(),
-        heartbeat_failures.no_answer().to_string(),
-    ));
-    rows.push((
-        "heartbeats before the key was recorded".into(),
-        heartbeat_failures.key_pending().to_string(),
-    ));
-    for (row, cause) in [
-        ("heartbeats shed by the server", Refusal::Shed),
-        ("heartbeats the BMDB refused", Refusal::Database),
-    ] {
-        rows.push((row.into(), writes.refusals(cause).to_string()));
-    }
-    rows.push((
-        "heartbeats recorded late (over 5 s)".into(),
-        writes.late().to_string(),
-    ));
-    let secs = outcome.elapsed.as_secs_f64();
-    let converged_in = if outcome.converged {
-        format!("{secs:.1} s")
-    } else {
-        format!("did not converge: {} after {secs:.1} s", outcome.reason)
-    };
-    rows.push(("time to converge".into(), converged_in));
-    Ok(rows)
-}
-
-/// Prints `rows` as a two-column table.
-fn print_table(rows: Vec<(String, String)>) {
-    let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
-    println!("{:<width$}  value", "summary");
-    println!("{:-<width$}  {:-<8}", "", "");
-    for (k, v) in rows {
-        println!("{k:<width$}  {v}");
     }
 }

@@ -12,7 +12,7 @@ pub(crate) fn duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("{e} (want e.g. 500ms, 2s, 5m)"))
 }
 
-/// When the recoverer counts an agent as lost (SPEC §9).
+/// When the recoverer counts an agent as lost (design.md §9).
 #[derive(Debug, Clone, Args)]
 pub struct ThresholdArgs {
     /// Recoverer: reboot when an agent never heartbeated this long after its start.
@@ -82,7 +82,7 @@ impl ProcessArgs {
         )
     }
     /// The process's task registry, judged as these flags say.
-    pub fn tasks(&self) -> shepherd_loops::tasks::Tasks {
-        shepherd_loops::tasks::Tasks::new(self.task_stale_after)
+    pub fn tasks(&self) -> shepherd_tasks::Tasks {
+        shepherd_tasks::Tasks::new(self.task_stale_after)
     }
 }

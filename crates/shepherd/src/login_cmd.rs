@@ -12,7 +12,7 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::api::signin::{pkce_challenge, random_text};
+use shepherd_operator::api::signin::{pkce_challenge, random_text};
 
 /// How long the person has to sign in.
 const SIGN_IN_WITHIN: Duration = Duration::from_secs(300);

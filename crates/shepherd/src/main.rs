@@ -3,36 +3,25 @@
 //! operators' commands: `machines` (list, show, history, install, retry, forget-host-key),
 //! `sessions list`, `bmdb` (migrate, status, check) and `config print` (the merged settings).
 
-mod actions;
-mod api;
 mod api_client;
-mod audit;
 mod audit_cmd;
 mod bare_flags;
 mod bmdb_cmd;
-mod cause_shapes;
 mod config_cmd;
 mod config_file;
 mod demo;
+mod dist_cmd;
 mod fds;
 mod flags;
-mod fleet;
-mod fleet_stats;
-mod inventory;
 mod login_cmd;
 mod machines_cmd;
-mod metrics_http;
-mod one_line;
-mod overview;
-mod rate_limit;
+mod plumbing;
 mod run_cmd;
 mod schema_watch;
-mod security_headers;
 mod server_cmd;
-mod task_view;
 mod tasks_cmd;
 mod tokens_cmd;
-mod web;
+mod version;
 
 use std::io::IsTerminal;
 
@@ -118,6 +107,12 @@ enum Command {
         #[command(subcommand)]
         command: ConfigCommand,
     },
+    /// Write the man pages and shell completions into DIR (for packaging).
+    #[command(hide = true)]
+    Dist {
+        /// Where `man/` and `completions/` are written.
+        dir: std::path::PathBuf,
+    },
 }
 
 /// Subcommands of `shepherd config`.
@@ -160,7 +155,7 @@ async fn main() {
             std::process::exit(2);
         }
     };
-    let matches = Cli::command().get_matches_from(merged.argv);
+    let matches = cli_command().get_matches_from(merged.argv);
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     // The demo injects failures on purpose; their warnings would bury the progress bars. A
     // BMDB that cannot be written (its disk full) is still told, once a minute at most.
@@ -197,6 +192,7 @@ async fn main() {
         Command::Audit { api, command } => audit_cmd::run(&cli.database, &api, command).await,
         Command::Login(args) => login_cmd::run(args).await,
         Command::Tasks(args) => tasks_cmd::run(args).await,
+        Command::Dist { dir } => dist_cmd::run(cli_command(), &dir),
         Command::Config {
             command: ConfigCommand::Print { command },
         } => {
@@ -226,6 +222,11 @@ async fn main() {
         eprintln!("error: {}", error_chain(&e));
         std::process::exit(1);
     }
+}
+
+/// The CLI's definition, with the long `--version` text (commit and BMDB schemas).
+fn cli_command() -> clap::Command {
+    Cli::command().long_version(version::long_version())
 }
 
 /// The error and its causes on one line. Shepherd's own errors carry their cause in their

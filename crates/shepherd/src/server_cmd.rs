@@ -1,310 +1,35 @@
 //! `shepherd server`: the agent-facing BMaaS server.
 
+mod server_flags;
+
+pub use server_flags::ServerArgs;
+
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use clap::Args;
 use shepherd_bmdb::{Bmdb, OpenOptions, Processor, SessionConfig};
+use shepherd_operator::{api, audit, metrics_http, rate_limit, security_headers, web};
 use shepherd_server::{
-    dev_certs, load_https_config, load_server_config, serve_with_metrics, BmaasService,
-    ConnectionMetrics, HeartbeatWrites, Reporter, ServerLimits, SessionPool,
+    load_https_config, load_server_config, serve_with_metrics, BmaasService, ConnectionMetrics,
+    HeartbeatWrites, Reporter, ServerLimits, SessionPool,
 };
+use shepherd_tasks::TaskKind;
 
-use crate::fleet::shutdown_on_signals;
-
-/// Settings of `shepherd server`.
-#[derive(Debug, Clone, Args)]
-pub struct ServerArgs {
-    /// Configuration, migration, schema checks, statistics and background tasks.
-    #[command(flatten)]
-    pub process: crate::flags::ProcessArgs,
-    /// The recoverer's thresholds, so that this server's web UI and gauges call the same
-    /// machines stale (and eligible for recovery) as the site's `shepherd run` does.
-    #[command(flatten)]
-    pub thresholds: crate::flags::ThresholdArgs,
-    /// Address agents connect to (port 0 picks a free port; the chosen address is printed).
-    #[arg(long, env = "SHEPHERD_SERVER_LISTEN", default_value = "0.0.0.0:4443")]
-    pub listen: SocketAddr,
-    /// Server certificate chain (PEM).
-    #[arg(long, env = "SHEPHERD_SERVER_TLS_CERT")]
-    pub tls_cert: Option<PathBuf>,
-    /// Server private key (PEM).
-    #[arg(long, env = "SHEPHERD_SERVER_TLS_KEY")]
-    pub tls_key: Option<PathBuf>,
-    /// Generate (once) and use a development CA and server certificate in this directory.
-    #[arg(long, env = "SHEPHERD_SERVER_DEV_CERTS")]
-    pub dev_certs: Option<PathBuf>,
-    /// Names (DNS or IP) the development server certificate is valid for, comma-separated.
-    #[arg(
-        long,
-        env = "SHEPHERD_SERVER_DEV_CERT_NAMES",
-        value_delimiter = ',',
-        default_value = "localhost"
-    )]
-    pub dev_cert_names: Vec<String>,
-    /// Where the debug web UI and `/metrics` are served (plain HTTP: keep it on localhost or
-    /// behind a TLS proxy); port 0 picks a free port.
-    #[arg(long, env = "SHEPHERD_HTTP_LISTEN", default_value = "127.0.0.1:9465")]
-    pub http_listen: SocketAddr,
-    /// Where the operator API (`/api/v1`, HTTPS with the server certificate) is served; off
-    /// unless given. Port 0 picks a free port.
-    #[arg(long, env = "SHEPHERD_API_LISTEN")]
-    pub api_listen: Option<SocketAddr>,
-    /// Requests per second allowed to one identity and to one peer (an IPv4 address, an IPv6
-    /// /64): on the operator API, the sign-in and the pages, `/metrics`.
-    #[arg(long, env = "SHEPHERD_API_RATE", default_value_t = 50.0)]
-    pub api_rate: f64,
-    /// Requests one identity or peer may make at once before `--api-rate` applies.
-    #[arg(long, env = "SHEPHERD_API_BURST", default_value_t = 100.0)]
-    pub api_burst: f64,
-    /// Operator API: the OpenID Connect issuer whose JWT access tokens are accepted besides
-    /// local tokens (`https://id.example.com/realms/ops`, exactly as its tokens name it).
-    #[arg(long, env = "SHEPHERD_OIDC_ISSUER")]
-    pub oidc_issuer: Option<String>,
-    /// Operator API: the audience the identity provider's tokens must be for.
-    #[arg(long, env = "SHEPHERD_OIDC_AUDIENCE", default_value = "")]
-    pub oidc_audience: String,
-    /// Operator API: the token claims that hold roles, comma-separated or repeated (`groups`
-    /// for people's sign-ins, `scope` for pipelines' client-credentials tokens).
-    #[arg(
-        long,
-        env = "SHEPHERD_OIDC_ROLE_CLAIM",
-        value_enum,
-        value_delimiter = ',',
-        default_value = "groups"
-    )]
-    pub oidc_role_claim: Vec<crate::api::oidc::RoleClaim>,
-    /// Operator API: the clients (the token's `azp` or `client_id`) whose `scope` may carry
-    /// roles; needed with `--oidc-role-claim scope`.
-    #[arg(long, env = "SHEPHERD_OIDC_SCOPE_CLIENTS", value_delimiter = ',')]
-    pub oidc_scope_clients: Vec<String>,
-    /// Operator API: a claim value and the role it gives (`shepherd-admins=admin`); repeat
-    /// for each. A token gets the highest role of its values; with none, it may do nothing.
-    #[arg(long = "oidc-role", env = "SHEPHERD_OIDC_ROLES", value_delimiter = ',', value_parser = crate::api::oidc::parse_role_mapping)]
-    pub oidc_roles: Vec<(String, shepherd_bmdb::Role)>,
-    /// Operator API: clock allowance for a token's `exp` and `nbf` (at most 5m).
-    #[arg(long, env = "SHEPHERD_OIDC_LEEWAY", default_value = "60s", value_parser = crate::flags::duration)]
-    pub oidc_leeway: Duration,
-    /// Operator API: a CA (PEM) to trust for the identity provider's certificate, besides
-    /// the system's.
-    #[arg(long, env = "SHEPHERD_OIDC_CA")]
-    pub oidc_ca: Option<PathBuf>,
-    /// Web UI sign-in: the client id the identity provider knows the web UI by. With it, the
-    /// web UI is served on the API listener behind sign-in (authorization code with PKCE),
-    /// its machine pages take actions, and `http-listen` serves only `/metrics`.
-    #[arg(long, env = "SHEPHERD_WEB_CLIENT_ID")]
-    pub web_client_id: Option<String>,
-    /// Web UI sign-in: scopes to ask for besides `openid`, comma-separated (those that put
-    /// the role claim into the ID token, such as `groups`).
-    #[arg(long, env = "SHEPHERD_WEB_SCOPES", value_delimiter = ',')]
-    pub web_scopes: Vec<String>,
-    /// Web UI sign-in: a file holding the client's secret, if the provider gave it one (a
-    /// file, so that the secret is not in the process list).
-    #[arg(long, env = "SHEPHERD_WEB_CLIENT_SECRET_FILE")]
-    pub web_client_secret_file: Option<PathBuf>,
-    /// Web UI sign-in: how long a login at the provider lasts for the web UI (at most 7d):
-    /// sign-ins ask the provider for one younger than this (`max_age`).
-    #[arg(long, env = "SHEPHERD_WEB_SESSION_LIFETIME", default_value = "8h", value_parser = crate::flags::duration)]
-    pub web_session_lifetime: Duration,
-    /// Web UI sign-in: how long one sign-in lasts before the browser passes through the
-    /// provider again (without a prompt while the person's login there is younger than
-    /// web-session-lifetime) and comes back with the role the provider gives now.
-    #[arg(long, env = "SHEPHERD_WEB_ROLE_REFRESH", default_value = "5m", value_parser = crate::flags::duration)]
-    pub web_role_refresh: Duration,
-    /// Web UI sign-in: where browsers reach the API listener (`https://shepherd.example.com:8443`);
-    /// the redirect URI to register at the provider is this and `/signin/callback`.
-    #[arg(long, env = "SHEPHERD_WEB_URL")]
-    pub web_url: Option<String>,
-    /// `/metrics` answers only requests with an API credential (a local token, any role),
-    /// as Prometheus sends with `authorization: {credentials_file: …}`.
-    #[arg(long, env = "SHEPHERD_METRICS_REQUIRE_TOKEN")]
-    pub metrics_require_token: bool,
-    /// How often web UI pages reload themselves; 0s turns it off.
-    #[arg(long, env = "SHEPHERD_WEB_REFRESH", default_value = "5s", value_parser = crate::flags::duration)]
-    pub web_refresh: std::time::Duration,
-    /// BMDB sessions shared by all requests.
-    #[arg(long, env = "SHEPHERD_SERVER_SESSIONS", default_value_t = 4)]
-    pub sessions: usize,
-
-    /// A TLS handshake must finish within this.
-    #[arg(long, env = "SHEPHERD_SERVER_HANDSHAKE_TIMEOUT", default_value = "5s", value_parser = crate::flags::duration)]
-    pub handshake_timeout: Duration,
-    /// TLS handshakes in progress, in all.
-    #[arg(
-        long,
-        env = "SHEPHERD_SERVER_MAX_PENDING_HANDSHAKES",
-        default_value_t = 1024
-    )]
-    pub max_pending_handshakes: usize,
-    /// TLS handshakes in progress from one peer (an IPv4 address or an IPv6 /64).
-    #[arg(
-        long,
-        env = "SHEPHERD_SERVER_MAX_PENDING_HANDSHAKES_PER_PEER",
-        default_value_t = 16
-    )]
-    pub max_pending_handshakes_per_peer: usize,
-    /// Established agent connections, in all (each holds a file descriptor).
-    #[arg(
-        long,
-        env = "SHEPHERD_SERVER_MAX_CONNECTIONS",
-        default_value_t = 20_000
-    )]
-    pub max_connections: usize,
-    /// Established connections from one peer (agents behind one NAT share an address).
-    #[arg(
-        long,
-        env = "SHEPHERD_SERVER_MAX_CONNECTIONS_PER_PEER",
-        default_value_t = 1024
-    )]
-    pub max_connections_per_peer: usize,
-    /// Agent heartbeats written at once; more are answered Unavailable with a "retry after"
-    /// hint instead of queueing (a slow BMDB sheds load; memory stays bounded).
-    #[arg(
-        long,
-        env = "SHEPHERD_SERVER_MAX_HEARTBEATS_IN_FLIGHT",
-        default_value_t = 2048
-    )]
-    pub max_heartbeats_in_flight: usize,
-    /// Close a connection that made no request for this long (a few agent heartbeat intervals).
-    #[arg(long, env = "SHEPHERD_SERVER_IDLE_TIMEOUT", default_value = "2m", value_parser = crate::flags::duration)]
-    pub idle_timeout: Duration,
-    /// Close a connection that made no authorized agent request this long after its handshake.
-    #[arg(long, env = "SHEPHERD_SERVER_UNAUTHENTICATED_TIMEOUT", default_value = "30s", value_parser = crate::flags::duration)]
-    pub unauthenticated_timeout: Duration,
-    /// HTTP/2 ping interval on quiet connections.
-    #[arg(long, env = "SHEPHERD_SERVER_KEEPALIVE_INTERVAL", default_value = "1m", value_parser = crate::flags::duration)]
-    pub keepalive_interval: Duration,
-    /// Close a connection whose ping is not answered within this.
-    #[arg(long, env = "SHEPHERD_SERVER_KEEPALIVE_TIMEOUT", default_value = "20s", value_parser = crate::flags::duration)]
-    pub keepalive_timeout: Duration,
-}
-
-impl ServerArgs {
-    /// The identity provider's verifier, if one is configured; the message names the setting.
-    pub fn oidc(&self) -> Result<Option<crate::api::oidc::OidcVerifier>> {
-        let Some(issuer) = &self.oidc_issuer else {
-            return Ok(None);
-        };
-        let ca_pem = match &self.oidc_ca {
-            Some(path) => {
-                Some(std::fs::read(path).with_context(|| format!("oidc-ca: {}", path.display()))?)
-            }
-            None => None,
-        };
-        let settings = crate::api::oidc::OidcSettings {
-            issuer: issuer.clone(),
-            audience: self.oidc_audience.clone(),
-            role_claims: self.oidc_role_claim.clone(),
-            scope_clients: self.oidc_scope_clients.clone(),
-            roles: self.oidc_roles.clone(),
-            leeway: self.oidc_leeway,
-            ca_pem,
-        };
-        Ok(Some(crate::api::oidc::OidcVerifier::new(settings)?))
-    }
-
-    /// The web UI's sign-in settings, if it is configured; the message names the setting.
-    fn sign_in_settings(&self) -> Result<Option<crate::api::signin::SignInSettings>> {
-        let Some(client_id) = &self.web_client_id else {
-            return Ok(None);
-        };
-        if self.oidc_issuer.is_none() || self.api_listen.is_none() {
-            bail!("web-client-id: web sign-in needs oidc-issuer and api-listen too");
-        }
-        let Some(public_url) = &self.web_url else {
-            bail!("web-client-id: give web-url too (where browsers reach api-listen)");
-        };
-        let client_secret = match &self.web_client_secret_file {
-            Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .with_context(|| format!("web-client-secret-file: {}", path.display()))?;
-                Some(text.trim().to_string())
-            }
-            None => None,
-        };
-        let settings = crate::api::signin::SignInSettings {
-            client_id: client_id.clone(),
-            client_secret,
-            public_url: public_url.clone(),
-            scopes: self.web_scopes.clone(),
-            times: crate::api::signin::SignInTimes {
-                lifetime: self.web_session_lifetime,
-                role_refresh: self.web_role_refresh,
-            },
-        };
-        settings.validate().map_err(anyhow::Error::msg)?;
-        Ok(Some(settings))
-    }
-
-    /// The server's certificate and key files: as given, or made under `--dev-certs` (whose
-    /// CA for the agents is printed).
-    fn tls_files(&self) -> Result<(PathBuf, PathBuf)> {
-        match (&self.tls_cert, &self.tls_key, &self.dev_certs) {
-            (Some(cert), Some(key), None) => Ok((cert.clone(), key.clone())),
-            (None, None, Some(dir)) => {
-                let certs = dev_certs(dir, &self.dev_cert_names)?;
-                eprintln!(
-                    "shepherd server: development CA for agents: {}",
-                    certs.ca_pem.display()
-                );
-                Ok((certs.cert_pem, certs.key_pem))
-            }
-            (None, None, None) => bail!("tls-cert and tls-key (or dev-certs) are required"),
-            _ => bail!("give either tls-cert and tls-key, or dev-certs"),
-        }
-    }
-
-    /// What each peer, and each identity on every surface together, may send: `--api-rate`
-    /// after `--api-burst`, on both listeners.
-    fn peer_rate(&self) -> crate::rate_limit::RateSpec {
-        crate::rate_limit::RateSpec {
-            per_second: self.api_rate,
-            burst: self.api_burst,
-        }
-    }
-
-    /// The connection limits, once the settings that need nothing opened are checked.
-    fn checked_limits(&self) -> Result<ServerLimits> {
-        self.process
-            .check_web_listen("http-listen", self.http_listen)?;
-        if !(self.api_rate > 0.0 && self.api_burst >= 1.0) {
-            bail!("api-rate must be above 0 and api-burst at least 1");
-        }
-        self.limits()
-    }
-
-    /// The connection limits, checked; the message names the setting.
-    pub fn limits(&self) -> Result<ServerLimits> {
-        let limits = ServerLimits {
-            handshake_timeout: self.handshake_timeout,
-            max_pending_handshakes: self.max_pending_handshakes,
-            max_pending_handshakes_per_peer: self.max_pending_handshakes_per_peer,
-            max_connections: self.max_connections,
-            max_connections_per_peer: self.max_connections_per_peer,
-            idle_timeout: self.idle_timeout,
-            unauthenticated_timeout: self.unauthenticated_timeout,
-            keepalive_interval: self.keepalive_interval,
-            keepalive_timeout: self.keepalive_timeout,
-            max_heartbeats_in_flight: self.max_heartbeats_in_flight,
-            ..ServerLimits::default()
-        };
-        limits.validate()?;
-        Ok(limits)
-    }
-}
+use crate::plumbing::shutdown_on_signals;
 
 /// The server's heartbeat counts (registered in `registry`) and their reporter to the BMDB.
 fn start_heartbeat_writes(
     db: &Bmdb,
     limits: &ServerLimits,
-    registry: &mut prometheus_client::registry::Registry,
+    operator: &mut metrics_http::OperatorEndpoint,
 ) -> (Arc<HeartbeatWrites>, Reporter) {
     let writes = Arc::new(HeartbeatWrites::new(limits.max_heartbeats_in_flight));
-    writes.register(registry);
-    let reporter = Reporter::start(db, &writes, "bmsrv");
+    writes.register(&mut operator.registry);
+    let task = operator
+        .tasks
+        .task(shepherd_server::heartbeat_writes::REPORT_TASK);
+    let reporter = Reporter::start(db, &writes, "bmsrv", task);
     (writes, reporter)
 }
 
@@ -318,12 +43,12 @@ async fn serve_api(
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("api-listen: {addr}"))?;
-    crate::fleet::announce(&format!(
+    crate::plumbing::announce(&format!(
         "shepherd server: operator API at https://{}/api/v1",
         listener.local_addr()?
     ));
     let limits = shepherd_server::https::HttpsLimits::default();
-    let app = crate::security_headers::secured(app, true);
+    let app = security_headers::secured(app, true);
     tokio::spawn(shepherd_server::https::serve(
         "API", listener, tls, app, limits, cancel,
     ));
@@ -334,20 +59,20 @@ async fn serve_api(
 fn api_app(
     args: &ServerArgs,
     db: &Bmdb,
-    operator: &mut crate::metrics_http::OperatorEndpoint,
-    auth: &Arc<crate::api::auth::Authenticator>,
-    audit: &crate::audit::AuditTrail,
-    sign_in: Option<&Arc<crate::api::signin::SignIn>>,
+    operator: &mut metrics_http::OperatorEndpoint,
+    auth: &Arc<api::auth::Authenticator>,
+    audit: &audit::AuditTrail,
+    sign_in: Option<&Arc<api::signin::SignIn>>,
 ) -> axum::Router {
-    let settings = crate::api::ApiSettings {
+    let settings = api::ApiSettings {
         rate: args.peer_rate(),
-        ..crate::api::ApiSettings::default()
+        ..api::ApiSettings::default()
     };
     let web_rate = settings.rate;
     let stale_after = args.thresholds.thresholds().stale_after();
     let tasks = operator.tasks.clone();
     let registry = &mut operator.registry;
-    let mut app = crate::api::router(
+    let mut app = api::router(
         db.clone(),
         stale_after,
         tasks,
@@ -359,7 +84,7 @@ fn api_app(
     if let Some(sign_in) = sign_in {
         // People sign in: the web UI is served here, over HTTPS, behind sign-in.
         let (web, stats) = (operator.web.clone(), operator.stats.clone());
-        let pages = crate::web::router(
+        let pages = web::router(
             db.clone(),
             web,
             stats,
@@ -368,8 +93,8 @@ fn api_app(
         );
         // The API's guard limits each peer on its own routes; the sign-in and the pages are
         // limited alike here, before a session lookup or a token request is made for them.
-        let web = crate::api::signin::routes(sign_in.clone()).merge(pages);
-        app = app.merge(crate::rate_limit::per_peer(web, web_rate));
+        let web = api::signin::routes(sign_in.clone()).merge(pages);
+        app = app.merge(rate_limit::per_peer(web, web_rate));
     }
     app
 }
@@ -377,17 +102,28 @@ fn api_app(
 /// The web UI's sign-in over the identity provider, the authenticator, the BMDB and the
 /// audit trail; its counters go to `registry`.
 fn sign_in_with(
-    settings: crate::api::signin::SignInSettings,
+    settings: api::signin::SignInSettings,
     (oidc, auth, db, audit): (
-        Arc<crate::api::oidc::OidcVerifier>,
-        Arc<crate::api::auth::Authenticator>,
+        Arc<api::oidc::OidcVerifier>,
+        Arc<api::auth::Authenticator>,
         Bmdb,
-        crate::audit::AuditTrail,
+        audit::AuditTrail,
     ),
     registry: &mut prometheus_client::registry::Registry,
-) -> Result<Arc<crate::api::signin::SignIn>> {
-    let sign_in = crate::api::signin::SignIn::new(settings, oidc, auth, db, audit, registry);
-    Ok(Arc::new(sign_in.map_err(anyhow::Error::msg)?))
+) -> Result<Arc<api::signin::SignIn>> {
+    let sign_in = api::signin::SignIn::new(settings, oidc, auth, db, audit, registry);
+    Ok(Arc::new(sign_in?))
+}
+
+/// Starts the task that writes the uses of `auth`'s tokens, until `cancel` (then once more).
+fn start_token_uses(
+    auth: &Arc<api::auth::Authenticator>,
+    tasks: &shepherd_tasks::Tasks,
+    cancel: &tokio_util::sync::CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    let (auth, cancel) = (auth.clone(), cancel.clone());
+    let task = tasks.task(api::auth::USES_TASK);
+    tokio::spawn(async move { auth.record_uses(task, cancel).await })
 }
 
 /// Runs the server until SIGINT/SIGTERM.
@@ -405,7 +141,7 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listen: {}", args.listen))?;
-    crate::fleet::announce(&format!(
+    crate::plumbing::announce(&format!(
         "shepherd server: listening on {}",
         listener.local_addr()?
     ));
@@ -415,39 +151,38 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
         args.sessions,
     ));
     let cancel = shutdown_on_signals();
-    let schema = tokio::spawn(crate::schema_watch::watch(
-        db.clone(),
-        args.process.schema_check_interval,
-        cancel.clone(),
-    ));
-    let web = crate::web::WebSettings {
+    let web = web::WebSettings {
         refresh: args.web_refresh,
         thresholds: args.thresholds.thresholds(),
         brake: None,
     };
-    let mut operator = crate::metrics_http::OperatorEndpoint::start(
+    let mut operator = metrics_http::OperatorEndpoint::start(
         &db,
         web,
         args.process.stats_interval,
         args.process.tasks(),
         cancel.clone(),
     );
-    let heartbeat_batches = operator.tasks.task_of(
-        "heartbeat-batches",
-        shepherd_loops::tasks::TaskKind::Batches,
-    );
+    let every = args.process.schema_check_interval;
+    let schema = crate::schema_watch::start(&db, every, &cancel, &operator.tasks);
+    let heartbeat_batches = operator
+        .tasks
+        .task_of("heartbeat-batches", TaskKind::Batches);
     db.report_heartbeat_batches_to(Arc::new(heartbeat_batches));
     let connections = ConnectionMetrics::default();
     connections.register(&mut operator.registry);
-    let (writes, reporter) = start_heartbeat_writes(&db, &limits, &mut operator.registry);
-    let auth = crate::api::auth::Authenticator::new(db.clone(), oidc.clone());
+    let (writes, reporter) = start_heartbeat_writes(&db, &limits, &mut operator);
+    let auth = api::auth::Authenticator::new(db.clone(), oidc.clone());
     let auth = Arc::new(auth.with_identity_rate(args.peer_rate()));
+    let token_uses = start_token_uses(&auth, &operator.tasks, &cancel);
     if let Some(oidc) = &oidc {
         if let Err(why) = oidc.prefetch().await {
             tracing::warn!(%why, "the identity provider's keys cannot be fetched yet; its tokens are refused until they can");
         }
     }
-    let audit = crate::audit::AuditTrail::start(db.clone(), &mut operator.registry, cancel.clone());
+    let audit_task = operator.tasks.task_of(audit::TASK, TaskKind::Batches);
+    let registry = &mut operator.registry;
+    let audit = audit::AuditTrail::start(db.clone(), registry, audit_task, cancel.clone());
     let sign_in = match (&oidc, sign_in) {
         (Some(oidc), Some(settings)) => {
             let parts = (oidc.clone(), auth.clone(), db.clone(), audit.clone());
@@ -462,9 +197,9 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
     }
     let metrics_auth = args.metrics_require_token.then(|| auth.clone());
     let open_web = sign_in.is_none();
-    let mut http_app = crate::metrics_http::router(operator.registry, metrics_auth);
+    let mut http_app = metrics_http::router(operator.registry, metrics_auth);
     if open_web {
-        let web = crate::web::router(
+        let web = web::router(
             db.clone(),
             operator.web,
             operator.stats,
@@ -473,7 +208,7 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
         );
         http_app = http_app.merge(web);
     }
-    let http = crate::metrics_http::serve(
+    let http = metrics_http::serve(
         args.http_listen,
         "http-listen",
         http_app,
@@ -481,24 +216,25 @@ pub async fn run(database: &str, args: ServerArgs) -> Result<()> {
         cancel.clone(),
     )
     .await?;
-    if open_web {
-        crate::fleet::announce(&format!(
+    crate::plumbing::announce(&match open_web {
+        true => format!(
             "shepherd server: web UI at http://{http}/machines, metrics at http://{http}/metrics"
-        ));
-    } else {
-        crate::fleet::announce(&format!(
-            "shepherd server: metrics at http://{http}/metrics"
-        ));
-    }
+        ),
+        false => format!("shepherd server: metrics at http://{http}/metrics"),
+    });
     let result = serve_with_metrics(
         listener,
         Arc::new(tls),
         BmaasService::new(pool.clone(), writes),
         limits,
         connections,
-        cancel,
+        cancel.clone(),
     )
     .await;
+    // The background tasks stop however serving ended; the uses of tokens noted last are
+    // written before the database closes.
+    cancel.cancel();
+    let _ = token_uses.await;
     // Every heartbeat was answered: the last report, then the writer's row goes.
     let _ = reporter.stop().await;
     pool.close().await;

@@ -1,5 +1,5 @@
 //! `shepherd tasks`: a process's background tasks as the CLI prints them, read from the web
-//! UI's `/tasks.json` or the operator API's `/api/v1/tasks` (both [`crate::task_view`]).
+//! UI's `/tasks.json` or the operator API's `/api/v1/tasks` (both [`shepherd_operator::task_view`]).
 
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
@@ -86,9 +86,9 @@ fn render(body: &Value) -> Result<(String, Vec<String>)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::task_view::tasks_json;
     use chrono::Utc;
-    use shepherd_loops::tasks::{Outcome, TaskKind, Tasks};
+    use shepherd_operator::task_view::tasks_json;
+    use shepherd_tasks::{Outcome, TaskKind, Tasks};
 
     #[test]
     fn a_panicked_task_is_failed_in_the_json_and_in_the_table() {

@@ -12,9 +12,9 @@ use serde_json::{json, Value};
 use shepherd_bmdb::{Actor, ApiToken, Bmdb, TokenTimes, MAX_TOKEN_PAGE};
 
 use crate::api_client::{ApiArgs, ApiClient};
-use crate::one_line::one_line;
+use shepherd_bmdb::one_line;
 
-use crate::api::policy::parse_role;
+use shepherd_operator::api::policy::parse_role;
 
 /// Subcommands of `shepherd tokens`.
 #[derive(Debug, Subcommand)]
@@ -160,7 +160,7 @@ async fn run_on(db: &Bmdb, command: TokensCommand) -> Result<()> {
             expires,
             by,
         }) => {
-            let role = parse_role(&role).map_err(|e| anyhow::anyhow!(e))?;
+            let role = parse_role(&role)?;
             if expires < Duration::from_secs(60) {
                 bail!("--expires: {expires:?} is too short; a token lives at least a minute");
             }

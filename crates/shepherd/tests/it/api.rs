@@ -10,9 +10,7 @@
 
 use crate::common;
 
-#[path = "../../src/api/policy.rs"]
-#[allow(dead_code)]
-mod policy;
+use shepherd_operator::api::policy;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -20,7 +18,7 @@ use std::time::{Duration, Instant};
 use common::{machine_json, sample, shepherd, succeeds, ChildGuard};
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
-use shepherd_bmdb::{testing, Actor, Bmdb, Provider, Role};
+use shepherd_bmdb::{testing, Actor, Bmdb, ProviderKind, Role};
 
 /// A running server with its API address, a client trusting its certificate, and its BMDB.
 struct ApiServer {
@@ -104,7 +102,7 @@ impl ApiServer {
     ) -> (ApiServer, Bmdb, uuid::Uuid, String) {
         let api = ApiServer::start(url).await;
         let db = Bmdb::open(url).await.unwrap();
-        let machine = testing::provision(&db, 1, Provider::Sim).await[0];
+        let machine = testing::provision(&db, 1, ProviderKind::Sim).await[0];
         let token = api.token(name, role);
         (api, db, machine, token)
     }
@@ -943,7 +941,7 @@ async fn the_cli_works_through_the_api(url: &str) {
         let out = run(true, &[&["machines"][..], args].concat());
         assert!(out.contains(said), "{args:?}: {out}");
     }
-    let other = testing::provision(&db, 1, Provider::Sim).await[0].to_string();
+    let other = testing::provision(&db, 1, ProviderKind::Sim).await[0].to_string();
     for read in [
         vec!["machines", "list", "--json"],
         vec!["machines", "list"],
@@ -955,7 +953,7 @@ async fn the_cli_works_through_the_api(url: &str) {
     }
     // Reimage: a machine recorded bare goes back to Bare, the operator recorded as who
     // allowed the wipe; one that was not is refused with why, and nothing is written.
-    let bare = testing::provision(&db, 1, Provider::Static).await[0];
+    let bare = testing::provision(&db, 1, ProviderKind::Static).await[0];
     db.transact(move |tx| {
         Box::pin(async move { tx.record_bare(bare, None, "recorded bare", None).await })
     })
@@ -1124,7 +1122,7 @@ async fn a_real_openid_provider_s_tokens_work() {
     ];
     let api = ApiServer::start_with(&fresh.url, &extra).await;
     let db = Bmdb::open(&fresh.url).await.unwrap();
-    let machine = testing::provision(&db, 1, Provider::Sim).await[0];
+    let machine = testing::provision(&db, 1, ProviderKind::Sim).await[0];
     let viewer = idp.client_token("shepherd:viewer").await;
     let operator = idp.client_token("shepherd:operator").await;
 

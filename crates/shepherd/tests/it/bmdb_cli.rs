@@ -20,6 +20,33 @@ fn text(o: &Output) -> (String, String) {
     )
 }
 
+/// `shepherd --version` says which commit the binary is and which BMDB schemas it migrates and
+/// runs on, so that an operator can tell before an upgrade whether it fits a database; `-V` is
+/// the release alone.
+#[test]
+fn version_names_the_commit_and_the_schemas() {
+    let (out, _) = text(&shepherd(&["--version"], None));
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], format!("shepherd {}", env!("CARGO_PKG_VERSION")));
+    let commit = lines[1].strip_prefix("commit:").expect(&out).trim();
+    let hash = commit.split(' ').next().unwrap();
+    assert!(
+        hash.len() == 12 && hash.chars().all(|c| c.is_ascii_hexdigit()),
+        "a test build is made in a git checkout: {out}"
+    );
+    assert_eq!(lines[2], format!("bmdb schema: {SCHEMA_VERSION}"));
+    let window = shepherd_bmdb::SchemaWindow::THIS_BINARY;
+    assert!(
+        out.contains(&format!(
+            "a database binaries of schema {} to {SCHEMA_VERSION} may run on",
+            window.oldest_compatible
+        )),
+        "{out}"
+    );
+    let (short, _) = text(&shepherd(&["-V"], None));
+    assert_eq!(short.trim(), lines[0]);
+}
+
 #[test]
 fn migrate_then_status_on_sqlite_via_flag_and_env() {
     let dir = tempfile::tempdir().unwrap();

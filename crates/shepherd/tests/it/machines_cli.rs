@@ -699,7 +699,7 @@ async fn expired_and_active_backoffs_are_told_apart() {
         t.db.transact(|tx| {
             Box::pin(async move {
                 let id = tx.create_machine().await?;
-                tx.set_provided(id, &Provided::new(Provider::Static, "bo-1"))
+                tx.set_provided(id, &Provided::new(ProviderKind::Static, "bo-1"))
                     .await?;
                 let now = tx.now().await?;
                 tx.set_backoff(

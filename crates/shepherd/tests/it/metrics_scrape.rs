@@ -1,5 +1,5 @@
 //! `/metrics` of `shepherd run` after a demo-sized simulated run, parsed with a Prometheus
-//! text-format parser: the SPEC §16 counters carry the right labels and agree with the work
+//! text-format parser: the design.md §16 counters carry the right labels and agree with the work
 //! history, the provider counters with what was created, the fleet gauges with the BMDB.
 
 use crate::common;
@@ -143,7 +143,7 @@ async fn metrics_match_the_work_history() {
     let h = |p, e| history.get(&(p, e)).copied().unwrap_or(0.0);
     let start = Process::ShepherdAgentStart;
 
-    // SPEC §16 counters, exact names and labels, equal to the audit history.
+    // design.md §16 counters, exact names and labels, equal to the audit history.
     let work = [
         ("processor", "shepherd-initializer"),
         ("process", "ShepherdAgentStart"),

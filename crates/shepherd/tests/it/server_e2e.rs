@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{shepherd, ChildGuard, TestAgent};
-use shepherd_bmdb::Bmdb;
+use shepherd_bmdb::{testing, Bmdb};
 use shepherd_proto::bmaas::{AgentHardwareReport, HeartbeatRequest};
 use shepherd_proto::Message;
 
@@ -199,6 +199,38 @@ async fn heartbeat_batches_are_a_task_of_the_server() {
             .ends_with("heartbeats written in one transaction"),
         "{task}"
     );
+    // The schema watch and the heartbeat reporter are tasks too: the checks are shown, each
+    // naming both versions, and so are the reports (one a second: the first shows once that
+    // has passed).
+    let tasks_json = format!("http://{web}/tasks.json");
+    let named = |tasks: &serde_json::Value, name: &str| {
+        let all = tasks["tasks"].as_array().unwrap();
+        all.iter().find(|t| t["name"] == name).cloned()
+    };
+    let watch = testing::eventually(
+        "a heartbeat report shown",
+        Duration::from_secs(10),
+        async || {
+            let tasks: serde_json::Value = reqwest::get(&tasks_json)
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            let reports = named(&tasks, "heartbeat-reports");
+            let written = reports
+                .as_ref()
+                .and_then(|r| r["by_outcome"]["succeeded"].as_u64());
+            let watch = named(&tasks, "schema-watch");
+            testing::when(written > Some(0) && watch.is_some(), (reports, watch))
+        },
+    )
+    .await
+    .1
+    .unwrap();
+    assert_eq!(watch["last_outcome"], "succeeded", "{watch}");
+    let versions = format!("schema {v}, binary {v}", v = shepherd_bmdb::SCHEMA_VERSION);
+    assert_eq!(watch["last_summary"], versions.as_str(), "{watch}");
     let out = server.terminate();
     assert!(
         out.status.success(),

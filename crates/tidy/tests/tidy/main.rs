@@ -8,17 +8,22 @@
 //! - no crate but the BMDB names `sqlx`, and inside it only `sql/` and the files that open
 //!   pools, classify errors and make test databases do;
 //! - no control loop imports another loop, and no provider depends on the loops;
-//! - no library crate depends on `anyhow`, returns `Result<_, String>` from a public function
-//!   or carries a `Box<dyn …>` in a public enum;
+//! - no library crate depends on `anyhow`; no crate, binaries included, returns
+//!   `Result<_, String>` from a public function or carries a `Box<dyn …>` in a public enum;
 //! - no file imports another that imports it back, directly or through a chain, re-exports
 //!   included (`graph.rs`), in any crate;
 //! - comments explain the code as it is rather than narrate its history;
 //! - no function outside tests is over 120 lines (a reader steps through functions, not
-//!   scrolls them);
+//!   scrolls them), and no file of the binary crate over 400 (it parses and calls);
+//! - background work is spawned only where `SPAWN_ALLOWED` says why (the rest runs as tasks
+//!   under the one driver);
 //! - each crate's integration tests are one binary (`tests/it/main.rs`), linked once;
-//! - nothing stray (logs, databases) is tracked.
+//! - nothing stray (logs, databases) is tracked;
+//! - the behaviour is specified inside the repository: every `design.md §N` cited names a
+//!   section of `docs/design.md`, and nothing cites a specification a clone does not have.
 
 mod api_types;
+mod citations;
 mod errors;
 mod graph;
 
@@ -411,9 +416,21 @@ fn nothing_stray_is_tracked() {
     assert!(stray.is_empty(), "stray files tracked: {stray:?}");
 }
 
+/// Every crate with sources: each library, and each binary (whose modules are libraries in
+/// all but name).
+fn crates_with_sources() -> Vec<String> {
+    let all = tracked();
+    let roots = all.iter().filter_map(|f| {
+        f.strip_suffix("/src/lib.rs")
+            .or(f.strip_suffix("/src/main.rs"))
+    });
+    let crates: BTreeSet<String> = roots.map(String::from).collect();
+    crates.into_iter().collect()
+}
+
 #[test]
-fn no_library_says_what_went_wrong_in_a_string_or_a_box() {
-    let offending: Vec<String> = library_crates()
+fn no_crate_says_what_went_wrong_in_a_string_or_a_box() {
+    let offending: Vec<String> = crates_with_sources()
         .iter()
         .flat_map(|krate| {
             source_files().into_iter().filter(move |f| {
@@ -424,7 +441,7 @@ fn no_library_says_what_went_wrong_in_a_string_or_a_box() {
         .collect();
     assert!(
         offending.is_empty(),
-        "a library's public API returns Result<_, String> or carries Box<dyn …> in an enum: {offending:?}"
+        "a crate's public API returns Result<_, String> or carries Box<dyn …> in an enum: {offending:?}"
     );
 }
 
@@ -525,6 +542,145 @@ fn long_functions(text: &str, longest: usize) -> Vec<(usize, usize)> {
         }
     }
     long
+}
+
+/// Where production code may call `tokio::spawn`, and why. Every background activity of a
+/// running Shepherd is a task (`crates/tasks`) whose units run under the one driver
+/// (`tasks/src/driver.rs`); the spawns left start such a task, are a mechanism below the
+/// tasks, or serve connections. Test and benchmark support (`crates/bench`, `crates/sim`,
+/// `testing` modules, fakes) may spawn freely.
+const SPAWN_ALLOWED: &[(&str, &str)] = &[
+    (
+        "crates/agent/src/connection.rs",
+        "the agent's own HTTP/2 connection driver",
+    ),
+    (
+        "crates/bmdb/src/claim_batch.rs",
+        "a batch's write outlives a canceled caller",
+    ),
+    (
+        "crates/bmdb/src/ending_batch.rs",
+        "a batch's write outlives a canceled caller",
+    ),
+    (
+        "crates/bmdb/src/db.rs",
+        "BEGIN and session collection outlive a canceled caller",
+    ),
+    (
+        "crates/bmdb/src/session.rs",
+        "a session's keep-alive: its lease, not a task",
+    ),
+    (
+        "crates/loops/src/runner.rs",
+        "the machine loops' driver: its workers and endings",
+    ),
+    (
+        "crates/operator/src/audit.rs",
+        "starts the audit-trail task",
+    ),
+    (
+        "crates/operator/src/metrics_http.rs",
+        "starts fleet statistics and the HTTP listener",
+    ),
+    (
+        "crates/server/src/heartbeat_writes.rs",
+        "starts the heartbeat-reports task",
+    ),
+    (
+        "crates/server/src/loopback.rs",
+        "the demo's in-process server",
+    ),
+    (
+        "crates/shepherd/src/bare_flags.rs",
+        "the media server's listener",
+    ),
+    (
+        "crates/shepherd/src/demo.rs",
+        "the demo's loops beside its progress",
+    ),
+    ("crates/shepherd/src/plumbing.rs", "the signal handler"),
+    (
+        "crates/shepherd/src/run_cmd.rs",
+        "the simulated agents of --provider sim",
+    ),
+    (
+        "crates/shepherd/src/schema_watch.rs",
+        "starts the schema-watch task",
+    ),
+    (
+        "crates/shepherd/src/server_cmd.rs",
+        "the API listener and the token-uses task",
+    ),
+];
+
+/// Whether `file` is test or benchmark support, where spawning is free.
+fn is_support(file: &str) -> bool {
+    file.starts_with("crates/bench/")
+        || file.starts_with("crates/sim/")
+        || file.contains("/testing")
+        || file.ends_with("/fake.rs")
+}
+
+/// How many times `text`, outside its `#[cfg(test)] mod tests`, spawns a tokio task.
+fn spawns(text: &str) -> usize {
+    let code = text
+        .split("#[cfg(test)]\nmod tests")
+        .next()
+        .unwrap_or_default();
+    code.matches("tokio::spawn(").count() + code.matches("tokio::task::spawn(").count()
+}
+
+#[test]
+fn background_work_is_spawned_only_where_the_list_says_why() {
+    let allowed: BTreeSet<&str> = SPAWN_ALLOWED.iter().map(|(f, _)| *f).collect();
+    let mut stray = Vec::new();
+    let mut stale = Vec::new();
+    for f in source_files() {
+        if !f.starts_with("crates/") || !f.contains("/src/") || is_support(&f) {
+            continue;
+        }
+        match (spawns(&read(&f)) > 0, allowed.contains(f.as_str())) {
+            (true, false) => stray.push(f),
+            (false, true) => stale.push(f),
+            _ => {}
+        }
+    }
+    assert!(
+        stray.is_empty(),
+        "tokio::spawn outside the task driver (run the work as a task under \
+         tasks/src/driver.rs, or add the file to SPAWN_ALLOWED with why): {stray:?}"
+    );
+    assert!(
+        stale.is_empty(),
+        "SPAWN_ALLOWED names files that spawn nothing: {stale:?}"
+    );
+    // The count skips tests and counts both spellings.
+    assert_eq!(
+        spawns("tokio::spawn(a);\n#[cfg(test)]\nmod tests {\n tokio::spawn(b);\n}"),
+        1
+    );
+    assert_eq!(spawns("tokio::task::spawn(a); tokio::spawn(b);"), 2);
+}
+
+/// Longest file of the binary crate: it parses flags and calls the libraries.
+const LONGEST_BINARY_FILE: usize = 400;
+
+#[test]
+fn the_binary_is_thin_no_file_of_it_over_400_lines() {
+    let long: Vec<String> = source_files()
+        .into_iter()
+        .filter(|f| f.starts_with("crates/shepherd/src/"))
+        .filter_map(|f| {
+            let lines = read(&f).lines().count();
+            (lines > LONGEST_BINARY_FILE).then(|| format!("{f}: {lines} lines"))
+        })
+        .collect();
+    assert!(
+        long.is_empty(),
+        "files of the binary over {LONGEST_BINARY_FILE} lines (move what is not parsing flags and \
+         calling the libraries into a library, or split the command):\n{}",
+        long.join("\n")
+    );
 }
 
 #[test]

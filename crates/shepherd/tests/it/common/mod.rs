@@ -198,7 +198,7 @@ pub async fn wait_for<T>(what: &str, secs: u64, mut f: impl AsyncFnMut() -> Opti
 /// The machine the BMDB records for `provider_id` of the static provider, once it does.
 pub async fn machine_named(db: &shepherd_bmdb::Bmdb, provider_id: &str) -> Option<uuid::Uuid> {
     let id = provider_id.to_string();
-    let static_kind = shepherd_bmdb::Provider::Static;
+    let static_kind = shepherd_bmdb::ProviderKind::Static;
     db.read(move |tx| {
         let id = id.clone();
         Box::pin(async move { tx.machine_by_provider_id(static_kind, &id).await })

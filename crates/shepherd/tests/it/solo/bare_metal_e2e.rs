@@ -1,4 +1,4 @@
-//! Servers with nothing but a BMC (SPEC §21): two libvirt domains with blank disks, behind
+//! Servers with nothing but a BMC (design.md §21): two libvirt domains with blank disks, behind
 //! sushy-tools' libvirt driver (Redfish power, boot override and virtual media, as Ironic's and
 //! Metal3's CI use it), go from powered off with empty disks to heartbeating from the OS
 //! installed on their disks, driven by two `shepherd run` replicas on Postgres and the real

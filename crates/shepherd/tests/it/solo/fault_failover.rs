@@ -626,7 +626,7 @@ async fn a_failover_mid_provisioning_costs_at_most_one_unrecorded_device_per_rep
         "the kill caught no creation in flight: the test did not test the failure"
     );
     let devices = fake.devices();
-    let recorded = testing::provided_by(&db, shepherd_bmdb::Provider::Equinix).await;
+    let recorded = testing::provided_by(&db, shepherd_bmdb::ProviderKind::Equinix).await;
     assert_eq!(devices.len(), RESERVATIONS, "one device per reservation");
     let ids: HashSet<String> = recorded
         .iter()

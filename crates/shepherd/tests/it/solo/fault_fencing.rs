@@ -21,7 +21,7 @@ use chrono::{DateTime, Utc};
 use common::ssh_fleet::{open_when_migrated, SideEffect, SshFleet};
 use common::{history, shepherd, signal, ChildGuard, Pace};
 use shepherd_bmdb::testing::{self, Blackhole};
-use shepherd_bmdb::{BackendKind, Bmdb, HistoryEntry, Process, Provided, Provider};
+use shepherd_bmdb::{BackendKind, Bmdb, HistoryEntry, Process, Provided, ProviderKind};
 use shepherd_provider::testing::bmc::{Answer, Script, ScriptedBmc};
 use uuid::Uuid;
 
@@ -296,7 +296,7 @@ async fn silent_static_machines(url: &str, n: usize) -> Bmdb {
                 let mut ids = Vec::with_capacity(n);
                 for i in 0..n {
                     let id = tx.create_machine().await?;
-                    let provided = Provided::new(Provider::Static, format!("box-{i}"));
+                    let provided = Provided::new(ProviderKind::Static, format!("box-{i}"));
                     tx.set_provided(id, &provided).await?;
                     ids.push(id);
                 }

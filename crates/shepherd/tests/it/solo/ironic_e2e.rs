@@ -15,7 +15,7 @@ use common::ironic::{adopt_e2e_node, ironic_run, PASSWORD};
 use common::sushy;
 use common::{wait_for, ChildGuard};
 use serde_json::json;
-use shepherd_bmdb::{testing, Bmdb, OpenOptions, Process, Provider, WorkEvent};
+use shepherd_bmdb::{testing, Bmdb, OpenOptions, Process, ProviderKind, WorkEvent};
 use shepherd_ironic::testing::{ImageServer, IronicServer, TestAuth};
 use shepherd_ssh::testing::Sshd;
 
@@ -40,7 +40,7 @@ async fn history_by_machine(db: &Bmdb) -> BTreeMap<(uuid::Uuid, Process), Vec<Wo
 
 /// Ironic machines of the BMDB whose agent has started: provider id → machine.
 async fn started(db: &Bmdb) -> BTreeMap<String, uuid::Uuid> {
-    let provided = testing::provided_by(db, Provider::Ironic).await;
+    let provided = testing::provided_by(db, ProviderKind::Ironic).await;
     db.read(move |tx| {
         let provided = provided.clone();
         Box::pin(async move {
@@ -67,7 +67,7 @@ async fn why_not_taken_over(
 ) -> String {
     let missing: Vec<_> = nodes.iter().filter(|n| !started.contains_key(*n)).collect();
     let skips = db
-        .read(|tx| Box::pin(async move { tx.skipped_provider_ids(Provider::Ironic).await }))
+        .read(|tx| Box::pin(async move { tx.skipped_provider_ids(ProviderKind::Ironic).await }))
         .await;
     let mut out = format!(
         "timed out: {} of {} nodes taken over; not yet (first 5): {:?}; skips: {skips:?}",
@@ -181,7 +181,7 @@ async fn two_replicas_take_every_node_over_and_deploy_each_exactly_once() {
         nodes.iter().cloned().collect::<BTreeSet<_>>()
     );
     assert_eq!(
-        testing::provided_by(&db, Provider::Ironic).await.len(),
+        testing::provided_by(&db, ProviderKind::Ironic).await.len(),
         NODES
     );
     // Ironic deployed each node exactly once, for this deployment, with our key.
@@ -414,7 +414,7 @@ async fn an_ironic_outage_mid_takeover_charges_no_machine() {
     // Every node reserved and deployed; the takeovers wait `--ironic-deploy-wait` (12 s) from
     // each node's creation, so Ironic stops before any of them looked its node up.
     wait_for("every node recorded", 60, async || {
-        let n = testing::provided_by(&db, Provider::Ironic).await.len();
+        let n = testing::provided_by(&db, ProviderKind::Ironic).await.len();
         (n == NODES).then_some(())
     })
     .await;

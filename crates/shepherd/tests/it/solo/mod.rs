@@ -13,6 +13,7 @@ mod fault_postgres_outage;
 mod fault_replicas;
 mod ironic_e2e;
 mod overload;
+mod packages;
 mod recovery_e2e;
 mod redfish_sushy;
 mod rolling_upgrade;

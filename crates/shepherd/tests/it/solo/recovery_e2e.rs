@@ -25,8 +25,7 @@ use shepherd_loops::testing::agent_path;
 use shepherd_provider::static_provider::StaticProvider;
 use shepherd_provider::transport::SshTransport;
 use shepherd_provider::{
-    record_new_machine, Availability, Provider as ProviderTrait, ProviderError, ProviderMachine,
-    Recorded, Recoverer as RecovererTrait,
+    record_new_machine, Availability, Provider, ProviderError, ProviderMachine, Rebooter, Recorded,
 };
 use shepherd_server::*;
 use shepherd_ssh::testing::{random_key, Sshd};
@@ -43,8 +42,8 @@ struct RebootableStatic {
 }
 
 #[async_trait]
-impl ProviderTrait for RebootableStatic {
-    fn kind(&self) -> Provider {
+impl Provider for RebootableStatic {
+    fn kind(&self) -> ProviderKind {
         self.inner.kind()
     }
     async fn list_machines(&self) -> Result<Vec<ProviderMachine>, ProviderError> {
@@ -63,7 +62,7 @@ impl ProviderTrait for RebootableStatic {
 }
 
 #[async_trait]
-impl RecovererTrait for RebootableStatic {
+impl Rebooter for RebootableStatic {
     async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
         kill_agent(&self.agent_path);
         self.reboots
@@ -107,7 +106,7 @@ impl Machine {
         let provider = Arc::new(RebootableStatic {
             inner: StaticProvider::new(
                 &format!("file://{}", inventory.display()),
-                Provider::Static,
+                ProviderKind::Static,
             )
             .unwrap(),
             agent_path: target.clone(),
@@ -119,7 +118,7 @@ impl Machine {
             .unwrap();
         let id = record_new_machine(
             &session,
-            Provider::Static,
+            ProviderKind::Static,
             &ProviderMachine::new("box-1", Some(sshd.addr()), Availability::KnownUnused),
         )
         .await
@@ -283,14 +282,14 @@ async fn a_stopped_server_brakes_recovery_until_it_is_back(db: Bmdb) {
             min_silent: 1,
             interval: Duration::from_millis(200),
         },
-        Provider::Static,
+        ProviderKind::Static,
         THRESHOLDS,
         BrakeMetrics::default(),
     );
     let cancel = CancellationToken::new();
     let braking = tokio::spawn(brake.clone().run(
         db.clone(),
-        shepherd_loops::tasks::Tasks::default().task("recovery-brake"),
+        shepherd_tasks::Tasks::default().task("recovery-brake"),
         cancel.clone(),
     ));
     let recoverer = Recoverer::new(machine.provider.clone(), THRESHOLDS).with_brake(brake.clone());

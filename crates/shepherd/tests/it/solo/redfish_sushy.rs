@@ -144,9 +144,12 @@ async fn the_recoverer_power_cycles_through_the_inventory_bmc() {
     let inv_path = dir.path().join("inventory.json");
     std::fs::write(&inv_path, inventory.to_string()).unwrap();
     let provider = Arc::new(
-        StaticProvider::new(&format!("file://{}", inv_path.display()), Provider::Static)
-            .unwrap()
-            .with_bmc_timing(Duration::from_secs(5), Duration::ZERO),
+        StaticProvider::new(
+            &format!("file://{}", inv_path.display()),
+            ProviderKind::Static,
+        )
+        .unwrap()
+        .with_bmc_timing(Duration::from_secs(5), Duration::ZERO),
     );
     assert!(provider.load_at_start().await.unwrap().has_bmcs());
 
@@ -157,7 +160,7 @@ async fn the_recoverer_power_cycles_through_the_inventory_bmc() {
                 let mut ids = vec![];
                 for name in ["box-b", "box-wrong", "box-gone", "box-none"] {
                     let id = tx.create_machine().await?;
-                    tx.set_provided(id, &Provided::new(Provider::Static, name))
+                    tx.set_provided(id, &Provided::new(ProviderKind::Static, name))
                         .await?;
                     ids.push(id);
                 }

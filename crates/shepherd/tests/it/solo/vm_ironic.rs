@@ -17,7 +17,7 @@ use common::ironic::{adopt_e2e_node, ironic_run, PASSWORD};
 use common::sushy::{start_emulator, CertForm, FakeSystem};
 use common::vm::{power_follower, server_for_guests, vm_site, Vm, VmSpec, SERVER_IN_GUEST};
 use common::{wait_for, ChildGuard};
-use shepherd_bmdb::{testing, Bmdb, Provider};
+use shepherd_bmdb::{testing, Bmdb, ProviderKind};
 use shepherd_ironic::testing::{ImageServer, IronicServer, TestAuth};
 use uuid::Uuid;
 
@@ -99,7 +99,7 @@ async fn a_vm_behind_ironic_is_rebooted_through_ironic_when_its_agent_dies_and_t
             .unwrap()
     };
     let machine = wait_for("the VM's agent to heartbeat", 300, async || {
-        let (m, _) = testing::provided_by(&db, Provider::Ironic)
+        let (m, _) = testing::provided_by(&db, ProviderKind::Ironic)
             .await
             .into_iter()
             .find(|(_, p)| p.provider_id == node)?;

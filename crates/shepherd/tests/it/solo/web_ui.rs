@@ -216,7 +216,7 @@ async fn taken_over_machine(db: &Bmdb) -> Uuid {
         .transact(|tx| {
             Box::pin(async move {
                 let id = tx.create_machine().await?;
-                let mut p = Provided::new(Provider::Static, "box-9");
+                let mut p = Provided::new(ProviderKind::Static, "box-9");
                 p.ip_address = Some("10.0.0.9".into());
                 p.location = Some("rack-2".into());
                 tx.set_provided(id, &p).await?;
@@ -227,7 +227,7 @@ async fn taken_over_machine(db: &Bmdb) -> Uuid {
         .unwrap();
     let session = testing::session(db, Processor::ShepherdInitializer).await;
     let retrieval = Retrieval::AgentStart {
-        provider: Provider::Static,
+        provider: ProviderKind::Static,
     };
     let Claim::Work(mut work) = session
         .work(Process::ShepherdAgentStart, retrieval)

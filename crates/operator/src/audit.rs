@@ -13,6 +13,8 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use shepherd_bmdb::{AuditEvent, Bmdb};
+use shepherd_tasks::driver;
+use shepherd_tasks::{Outcome, TaskHandle};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -21,6 +23,10 @@ const QUEUE: usize = 10_000;
 
 /// Most events written in one transaction.
 const BATCH: usize = 500;
+
+/// The writer's task, as `/tasks` shows it (of the kind driven by its callers: each batch is
+/// a unit).
+pub const TASK: &str = "audit-trail";
 
 /// Labels of `shepherd_audit_refusals_total`.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -59,9 +65,14 @@ pub struct AuditTrail {
 }
 
 impl AuditTrail {
-    /// A trail written to `db` by a task that runs until `cancel` (then writes what is
-    /// queued and ends); its counters go to `registry`.
-    pub fn start(db: Bmdb, registry: &mut Registry, cancel: CancellationToken) -> AuditTrail {
+    /// A trail written to `db` by `task` (one unit per batch), which runs until `cancel`
+    /// (then writes what is queued and ends); its counters go to `registry`.
+    pub fn start(
+        db: Bmdb,
+        registry: &mut Registry,
+        task: TaskHandle,
+        cancel: CancellationToken,
+    ) -> AuditTrail {
         let metrics = Arc::new(AuditMetrics::default());
         registry.register(
             "shepherd_audit_refusals",
@@ -76,7 +87,7 @@ impl AuditTrail {
             ["written", "dropped", "lost"].map(|outcome| OutcomeLabels { outcome }),
         );
         let (queue, received) = mpsc::channel(QUEUE);
-        tokio::spawn(write(db, received, metrics.clone(), cancel));
+        tokio::spawn(write(db, received, metrics.clone(), task, cancel));
         AuditTrail {
             queue: Some(queue),
             metrics,
@@ -111,42 +122,116 @@ impl AuditTrail {
     }
 }
 
-/// Writes queued events in batches of up to [`BATCH`], one transaction each, until `cancel`;
-/// then what is left in the queue.
+/// Writes queued events in batches of up to [`BATCH`], one transaction and one unit of
+/// `task` each, until `cancel`; then what is left in the queue.
 async fn write(
     db: Bmdb,
     mut received: mpsc::Receiver<AuditEvent>,
     metrics: Arc<AuditMetrics>,
+    task: TaskHandle,
     cancel: CancellationToken,
 ) {
     let mut batch = Vec::with_capacity(BATCH);
+    let mut stopping = false;
     loop {
         let got = tokio::select! {
             got = received.recv_many(&mut batch, BATCH) => got,
-            _ = cancel.cancelled() => {
+            _ = cancel.cancelled(), if !stopping => {
+                // What is queued is still written; nothing more is taken.
                 received.close();
-                while received.recv_many(&mut batch, BATCH).await > 0 {
-                    write_batch(&db, &mut batch, &metrics).await;
-                }
-                return;
+                stopping = true;
+                continue;
             }
         };
         if got == 0 {
             return;
         }
-        write_batch(&db, &mut batch, &metrics).await;
+        let events = std::mem::take(&mut batch);
+        driver::one_unit(&task, write_batch(&db, events, &metrics)).await;
     }
 }
 
-/// Writes `batch` and empties it; a batch the BMDB refuses is counted as lost and logged
-/// with its size (never its text).
-async fn write_batch(db: &Bmdb, batch: &mut Vec<AuditEvent>, metrics: &AuditMetrics) {
-    match db.record_audit_events(batch).await {
-        Ok(()) => metrics.count("written", batch.len()),
+/// Writes `events`; a batch the BMDB refuses is counted as lost and logged with its size
+/// (never its text). How that ended, in one line.
+async fn write_batch(
+    db: &Bmdb,
+    events: Vec<AuditEvent>,
+    metrics: &AuditMetrics,
+) -> (Outcome, String) {
+    let n = events.len();
+    match db.record_audit_events(&events).await {
+        Ok(()) => {
+            metrics.count("written", n);
+            (
+                Outcome::Succeeded,
+                format!("{n} refusals written in one transaction"),
+            )
+        }
         Err(e) => {
-            metrics.count("lost", batch.len());
-            tracing::warn!(events = batch.len(), error = %e, "the audit trail lost a batch of refusals");
+            metrics.count("lost", n);
+            tracing::warn!(events = n, error = %e, "the audit trail lost a batch of refusals");
+            (
+                Outcome::of_bmdb_error(&e),
+                format!("{n} refusals lost: {e}"),
+            )
         }
     }
-    batch.clear();
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use shepherd_bmdb::AuditKind;
+    use shepherd_tasks::{TaskKind, Tasks};
+
+    use super::*;
+
+    /// The writer is a task: each batch it writes is a unit shown at `/tasks`, and what is
+    /// queued when it is told to stop is still written.
+    #[tokio::test]
+    async fn each_batch_is_a_unit_of_the_audit_task_and_the_queue_is_written_at_the_end() {
+        let t = shepherd_bmdb::testing::sqlite().await;
+        let tasks = Tasks::default();
+        let cancel = CancellationToken::new();
+        let task = tasks.task_of(TASK, TaskKind::Batches);
+        let trail = AuditTrail::start(t.db.clone(), &mut Registry::default(), task, cancel.clone());
+        for n in 0..3 {
+            trail.refused(
+                "forbidden",
+                AuditEvent::now(AuditKind::Refused, format!("test {n}")),
+            );
+        }
+        cancel.cancel();
+        let status = || {
+            tasks
+                .statuses()
+                .into_iter()
+                .find(|s| s.name == TASK)
+                .unwrap()
+        };
+        let written = || {
+            let labels = OutcomeLabels { outcome: "written" };
+            trail.metrics.events.get_or_create(&labels).get()
+        };
+        // Done once all three are written and the unit that wrote the last has ended.
+        let started = std::time::Instant::now();
+        while written() < 3 || status().running {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "{:?}",
+                status()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let status = status();
+        assert_eq!(status.last_outcome, Some(Outcome::Succeeded), "{status:?}");
+        assert!(status.passes >= 1, "{status:?}");
+        assert!(
+            status
+                .last_summary
+                .ends_with("refusals written in one transaction"),
+            "{status:?}"
+        );
+    }
 }

@@ -55,7 +55,7 @@ pub async fn load(
     db: &Bmdb,
     counts: FleetCounts,
     hardware: std::sync::Arc<HardwareByLocation>,
-) -> anyhow::Result<Overview> {
+) -> Result<Overview, shepherd_bmdb::Error> {
     let ((now, snapshots, endings, causes), (writers, troubles)) = db
         .read(|tx| {
             Box::pin(async move {

@@ -19,12 +19,6 @@ pub(super) struct Look {
 #[derive(Debug)]
 pub(super) struct PageError(pub(super) StatusCode, pub(super) String);
 
-impl From<anyhow::Error> for PageError {
-    fn from(e: anyhow::Error) -> Self {
-        PageError(StatusCode::SERVICE_UNAVAILABLE, format!("{e:#}"))
-    }
-}
-
 impl From<shepherd_bmdb::Error> for PageError {
     fn from(e: shepherd_bmdb::Error) -> Self {
         PageError(StatusCode::SERVICE_UNAVAILABLE, e.to_string())

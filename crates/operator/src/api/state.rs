@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use shepherd_bmdb::Bmdb;
-use shepherd_loops::tasks::Tasks;
+use shepherd_tasks::Tasks;
 
 use super::auth::Authenticator;
 

@@ -33,16 +33,16 @@ use sha2::{Digest, Sha256};
 use shepherd_bmdb::{Actor, Bmdb};
 
 use super::auth::Authenticator;
-use super::oidc::OidcVerifier;
+use super::oidc::{IdentityProviderError, OidcVerifier};
 use super::policy::Principal;
 use super::problem::{Kind, Problem};
 use super::DenialLog;
 use crate::audit::AuditTrail;
-use crate::one_line::{one_line, one_line_cut};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
+use shepherd_bmdb::{one_line, one_line_cut};
 
 /// The cookie that holds a sign-in's token. `__Host-`: the browser keeps it only if it is
 /// Secure, for `/`, and for this host alone.
@@ -55,6 +55,31 @@ const PENDING_LIFETIME: Duration = Duration::from_secs(600);
 pub const MAX_LIFETIME: Duration = Duration::from_secs(7 * 24 * 3600);
 /// Largest answer read from the token endpoint.
 const MAX_TOKEN_ANSWER: usize = 64 << 10;
+
+/// A sign-in setting that cannot work, found at start-up; the message names the setting.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidSignIn(String);
+
+/// Why a sign-in's code could not be exchanged for its ID token.
+#[derive(Debug, thiserror::Error)]
+enum ExchangeError {
+    #[error(transparent)]
+    Discovery(#[from] IdentityProviderError),
+    /// The request or its answer failed on the way (the reason, one line).
+    #[error("the identity provider's token endpoint: {0}")]
+    Transport(String),
+    #[error("the identity provider's token answer is too large")]
+    TooLarge,
+    #[error("the identity provider refused the code ({status}): {error} {detail}")]
+    Refused {
+        status: StatusCode,
+        error: String,
+        detail: String,
+    },
+    #[error("the identity provider answered no id_token")]
+    NoIdToken,
+}
 
 /// How the web UI signs people in.
 #[derive(Debug, Clone)]
@@ -85,23 +110,26 @@ pub struct SignInTimes {
 
 impl SignInSettings {
     /// Checks what can be checked at start-up; the message names the setting.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidSignIn> {
+        let bad = |m: String| Err(InvalidSignIn(m));
         if self.client_id.trim().is_empty() {
-            return Err("web-client-id: empty".into());
+            return bad("web-client-id: empty".into());
         }
-        let url = reqwest::Url::parse(&self.public_url)
-            .map_err(|e| format!("web-url: {:?} is not a URL: {e}", self.public_url))?;
+        let url = match reqwest::Url::parse(&self.public_url) {
+            Ok(url) => url,
+            Err(e) => return bad(format!("web-url: {:?} is not a URL: {e}", self.public_url)),
+        };
         if url.scheme() != "https" || url.path() != "/" || url.query().is_some() {
-            return Err(format!(
+            return bad(format!(
                 "web-url: {} must be https://HOST[:PORT], where browsers reach the API listener",
                 self.public_url
             ));
         }
         if self.times.lifetime.is_zero() || self.times.lifetime > MAX_LIFETIME {
-            return Err("web-session-lifetime: more than 0s and at most 7d".into());
+            return bad("web-session-lifetime: more than 0s and at most 7d".into());
         }
         if self.times.role_refresh.is_zero() || self.times.role_refresh > self.times.lifetime {
-            return Err("web-role-refresh: more than 0s and at most web-session-lifetime".into());
+            return bad("web-role-refresh: more than 0s and at most web-session-lifetime".into());
         }
         Ok(())
     }
@@ -199,7 +227,7 @@ impl SignIn {
         db: Bmdb,
         audit: AuditTrail,
         registry: &mut Registry,
-    ) -> Result<SignIn, String> {
+    ) -> Result<SignIn, InvalidSignIn> {
         settings.validate()?;
         let outcomes = Family::default();
         registry.register(
@@ -471,7 +499,7 @@ async fn callback(
         Ok(id_token) => id_token,
         Err(why) => {
             let told = "The identity provider did not complete the sign-in";
-            return signin.refuse_told(StatusCode::BAD_GATEWAY, told, &why, &peer);
+            return signin.refuse_told(StatusCode::BAD_GATEWAY, told, &why.to_string(), &peer);
         }
     };
     let client_id = &signin.settings.client_id;
@@ -522,7 +550,7 @@ async fn callback(
 }
 
 /// Exchanges `code` (with the PKCE `verifier`) for the sign-in's ID token.
-async fn exchange(signin: &SignIn, code: &str, verifier: &str) -> Result<String, String> {
+async fn exchange(signin: &SignIn, code: &str, verifier: &str) -> Result<String, ExchangeError> {
     let endpoints = signin.oidc.endpoints().await?;
     let settings = &signin.settings;
     let redirect_uri = settings.redirect_uri();
@@ -537,30 +565,26 @@ async fn exchange(signin: &SignIn, code: &str, verifier: &str) -> Result<String,
     if let Some(secret) = &settings.client_secret {
         request = request.basic_auth(&settings.client_id, Some(secret));
     }
-    let answer = request
-        .send()
-        .await
-        .map_err(|e| format!("the identity provider's token endpoint: {e}"))?;
+    let transport = |e: reqwest::Error| ExchangeError::Transport(e.to_string());
+    let answer = request.send().await.map_err(transport)?;
     let status = answer.status();
-    let body = answer
-        .bytes()
-        .await
-        .map_err(|e| format!("the identity provider's token endpoint: {e}"))?;
+    let body = answer.bytes().await.map_err(transport)?;
     if body.len() > MAX_TOKEN_ANSWER {
-        return Err("the identity provider's token answer is too large".into());
+        return Err(ExchangeError::TooLarge);
     }
     let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     if !status.is_success() {
-        let error = json["error"].as_str().unwrap_or("an error");
-        let detail = json["error_description"].as_str().unwrap_or("");
-        return Err(format!(
-            "the identity provider refused the code ({status}): {error} {detail}"
-        ));
+        let said = |field: &str, otherwise: &str| json[field].as_str().unwrap_or(otherwise).into();
+        return Err(ExchangeError::Refused {
+            status,
+            error: said("error", "an error"),
+            detail: said("error_description", ""),
+        });
     }
     json["id_token"]
         .as_str()
         .map(str::to_string)
-        .ok_or_else(|| "the identity provider answered no id_token".into())
+        .ok_or(ExchangeError::NoIdToken)
 }
 
 /// In front of every page: the signed-in user as a [`WebUser`], or off to sign in (a page
@@ -687,7 +711,7 @@ mod tests {
         };
         assert_eq!(settings(Duration::from_secs(300)).validate(), Ok(()));
         for bad in [Duration::ZERO, Duration::from_secs(9 * 3600)] {
-            let refused = settings(bad).validate().unwrap_err();
+            let refused = settings(bad).validate().unwrap_err().to_string();
             assert!(refused.starts_with("web-role-refresh:"), "{refused}");
         }
     }

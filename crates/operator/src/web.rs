@@ -1,4 +1,4 @@
-//! The debug web UI (SPEC §12): server-rendered HTML over the BMDB, no JavaScript. The fleet
+//! The debug web UI (design.md §12): server-rendered HTML over the BMDB, no JavaScript. The fleet
 //! at a glance (`overview.rs`), machines list with filters and paging, machine detail, sessions. Pages refresh themselves so an
 //! operator can watch machines move through states. Read-only, unless people sign in
 //! (`api/signin.rs`): then every page needs a sign-in, and the machine page offers the
@@ -17,9 +17,9 @@ use axum::{Extension, Json, Router};
 use chrono::{DateTime, Utc};
 use maud::{html, Markup};
 use serde::Deserialize;
-use shepherd_bmdb::{Bmdb, FleetCounts, Lifecycle, Provider, RecoveryThresholds, SessionInfo};
+use shepherd_bmdb::{Bmdb, FleetCounts, Lifecycle, ProviderKind, RecoveryThresholds, SessionInfo};
 use shepherd_loops::brake::{BrakeMetrics, BrakeStatus};
-use shepherd_loops::tasks::Tasks;
+use shepherd_tasks::Tasks;
 use uuid::Uuid;
 
 use crate::api::signin::{SignIn, WebUser};
@@ -241,7 +241,7 @@ async fn machines(
     State(ui): State<Arc<Ui>>,
     Query(q): Query<ListQuery>,
 ) -> Result<Html<String>, PageError> {
-    let provider: Option<Provider> = non_empty(&q.provider)
+    let provider: Option<ProviderKind> = non_empty(&q.provider)
         .map(|p| p.parse().map_err(|e| bad_request(format!("provider: {e}"))))
         .transpose()?;
     let state: Option<Lifecycle> = non_empty(&q.state)

@@ -1,13 +1,12 @@
 //! What the BMDB knows about machines, shaped for operators; shared by the CLI
 //! (`shepherd machines …`) and the web UI, so both show the same states and fields.
 
-use anyhow::Result;
 use chrono::{DateTime, Utc};
 use serde_json::{json, Value};
 use shepherd_bmdb::{
     ActionEntry, ActiveWork, AgentStarted, BackoffEntry, BareHistoryEntry, BareMetal, Bmdb,
     Decommissioned, HistoryEntry, Lifecycle, MachineSummary, Maintenance, OsInstallationReport,
-    OsInstallationRequest, Provider, Recovery, SessionInfo, SshHostKey,
+    OsInstallationRequest, ProviderKind, Recovery, SessionInfo, SshHostKey,
 };
 use shepherd_proto::agent::{cpu, EfiSupport};
 use shepherd_proto::bmaas::{os_installation_request, AgentHardwareReport};
@@ -42,13 +41,13 @@ impl Listing {
 /// bounded time; `next` then continues the scan.
 pub async fn list(
     db: &Bmdb,
-    provider: Option<Provider>,
+    provider: Option<ProviderKind>,
     state: Option<Lifecycle>,
     after: Option<Uuid>,
     limit: usize,
     scan_budget: usize,
     stale_after: chrono::Duration,
-) -> Result<Listing> {
+) -> Result<Listing, shepherd_bmdb::Error> {
     // States are derived with the database's clock, as the loops and the counts derive them.
     let mut now = None;
     let mut machines = Vec::new();
@@ -151,43 +150,46 @@ impl Detail {
 pub const MAX_BARE_STEPS: i64 = 500;
 
 /// Loads one machine; `None` if it does not exist.
-pub async fn detail(db: &Bmdb, id: Uuid, stale_after: chrono::Duration) -> Result<Option<Detail>> {
-    Ok(db
-        .read(move |tx| {
-            Box::pin(async move {
-                let Some(summary) = tx.machine_summary(id).await? else {
-                    return Ok(None);
-                };
-                let now = tx.now().await?;
-                let mut work = Vec::new();
-                for w in tx.machine_work(id).await? {
-                    let s = tx.session(w.session_id).await?;
-                    work.push((w, s));
-                }
-                Ok(Some(Detail {
-                    summary,
-                    agent: tx.agent_started(id).await?,
-                    host_key: tx.ssh_host_key(id).await?,
-                    hardware: tx.hardware_report(id).await?.map(|raw| {
-                        AgentHardwareReport::decode(raw.as_slice())
-                            .map_err(|e| format!("undecodable report: {e}"))
-                    }),
-                    request: tx.os_installation_request(id).await?,
-                    report: tx.os_installation_report(id).await?,
-                    work,
-                    backoffs: tx.machine_backoffs(id).await?,
-                    recovery: tx.recovery(id).await?,
-                    history: tx.machine_history(id).await?,
-                    maintenance: tx.maintenance(id).await?,
-                    actions: tx.machine_actions(id).await?,
-                    bare: tx.bare_metal(id).await?,
-                    bare_steps: tx.bare_history(id, MAX_BARE_STEPS).await?,
-                    now,
-                    stale_after,
-                }))
-            })
+pub async fn detail(
+    db: &Bmdb,
+    id: Uuid,
+    stale_after: chrono::Duration,
+) -> Result<Option<Detail>, shepherd_bmdb::Error> {
+    db.read(move |tx| {
+        Box::pin(async move {
+            let Some(summary) = tx.machine_summary(id).await? else {
+                return Ok(None);
+            };
+            let now = tx.now().await?;
+            let mut work = Vec::new();
+            for w in tx.machine_work(id).await? {
+                let s = tx.session(w.session_id).await?;
+                work.push((w, s));
+            }
+            Ok(Some(Detail {
+                summary,
+                agent: tx.agent_started(id).await?,
+                host_key: tx.ssh_host_key(id).await?,
+                hardware: tx.hardware_report(id).await?.map(|raw| {
+                    AgentHardwareReport::decode(raw.as_slice())
+                        .map_err(|e| format!("undecodable report: {e}"))
+                }),
+                request: tx.os_installation_request(id).await?,
+                report: tx.os_installation_report(id).await?,
+                work,
+                backoffs: tx.machine_backoffs(id).await?,
+                recovery: tx.recovery(id).await?,
+                history: tx.machine_history(id).await?,
+                maintenance: tx.maintenance(id).await?,
+                actions: tx.machine_actions(id).await?,
+                bare: tx.bare_metal(id).await?,
+                bare_steps: tx.bare_history(id, MAX_BARE_STEPS).await?,
+                now,
+                stale_after,
+            }))
         })
-        .await?)
+    })
+    .await
 }
 
 /// The fleet counts, computed at most once per `ttl` however many readers ask: counting is
@@ -420,18 +422,20 @@ pub fn history_lines(history: &[HistoryEntry], actions: &[ActionEntry]) -> Vec<H
 
 /// A machine's whole history (see [`history_lines`]) and its decommissioning record, if the
 /// machine was decommissioned; read whether or not the machine still exists.
-pub async fn history(db: &Bmdb, id: Uuid) -> Result<(Vec<HistoryLine>, Option<Decommissioned>)> {
-    Ok(db
-        .read(move |tx| {
-            Box::pin(async move {
-                let lines = history_lines(
-                    &tx.machine_history(id).await?,
-                    &tx.machine_actions(id).await?,
-                );
-                Ok((lines, tx.decommissioned(id).await?))
-            })
+pub async fn history(
+    db: &Bmdb,
+    id: Uuid,
+) -> Result<(Vec<HistoryLine>, Option<Decommissioned>), shepherd_bmdb::Error> {
+    db.read(move |tx| {
+        Box::pin(async move {
+            let lines = history_lines(
+                &tx.machine_history(id).await?,
+                &tx.machine_actions(id).await?,
+            );
+            Ok((lines, tx.decommissioned(id).await?))
         })
-        .await?)
+    })
+    .await
 }
 
 /// The whole decoded hardware report, every field of upstream's `Node`, plus the totals

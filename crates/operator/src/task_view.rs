@@ -3,7 +3,7 @@
 
 use chrono::{DateTime, Utc};
 use serde_json::{json, Value};
-use shepherd_loops::tasks::{Outcome, TaskStatus, Tasks};
+use shepherd_tasks::{Outcome, TaskStatus, Tasks};
 
 /// Every task of `tasks` at `now`, as `{"tasks": [...]}`.
 pub fn tasks_json(tasks: &Tasks, now: DateTime<Utc>) -> Value {

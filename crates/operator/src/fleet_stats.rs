@@ -1,4 +1,4 @@
-//! Fleet statistics gauges (SPEC §12), refreshed periodically from count queries: machines by
+//! Fleet statistics gauges (design.md §12), refreshed periodically from count queries: machines by
 //! state, eligibility for the loops, active work and backoffs by process, hardware totals by
 //! location. Every process that serves `/metrics` refreshes its own copy; the queries are
 //! counts, so a few replicas doing so costs little.
@@ -12,10 +12,10 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use shepherd_bmdb::{Bmdb, Process, Provider, RecoveryThresholds, Retrieval};
-use shepherd_loops::tasks::{Outcome, TaskHandle};
+use shepherd_bmdb::{Bmdb, Process, ProviderKind, RecoveryThresholds, Retrieval};
 use shepherd_proto::bmaas::AgentHardwareReport;
 use shepherd_proto::Message;
+use shepherd_tasks::{Outcome, TaskHandle};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -69,7 +69,7 @@ pub struct FleetStats {
 }
 
 /// Hardware totals by provider and location.
-pub type HardwareByLocation = BTreeMap<(Provider, String), HardwareTotals>;
+pub type HardwareByLocation = BTreeMap<(ProviderKind, String), HardwareTotals>;
 
 /// The processes the per-process gauges always carry (at 0 when idle): the loops' own.
 const LOOP_PROCESSES: [Process; 3] = [
@@ -211,14 +211,14 @@ impl FleetStats {
     /// Sets the gauges whose label sets are fixed: every provider and process present.
     fn set_fixed_series(
         &self,
-        provided: &[(Provider, i64)],
+        provided: &[(ProviderKind, i64)],
         eligible: &[(Process, i64)],
         work: &[(Process, i64)],
         backoffs: &[(Process, i64)],
     ) {
         let provider = |provider| ProviderLabel { provider };
         let process = |process| ProcessLabel { process };
-        set_all(&self.provided, Provider::ALL, provided, provider);
+        set_all(&self.provided, ProviderKind::ALL, provided, provider);
         set_all(&self.eligible, &CLAIMING_PROCESSES, eligible, process);
         set_all(&self.work, &LOOP_PROCESSES, work, process);
         set_all(&self.backoffs, &LOOP_PROCESSES, backoffs, process);
@@ -332,7 +332,8 @@ impl FleetStats {
         ))
     }
 
-    /// Refreshes every `interval` until `cancel`; each refresh is reported to `task`, and
+    /// Refreshes every `interval` until `cancel`; each refresh is reported to `task`
+    /// (`driver::repeat`: a panic is reported and the next refresh comes as usual), and
     /// failures are logged and counted, never fatal.
     pub async fn run(
         self,
@@ -342,30 +343,21 @@ impl FleetStats {
         task: TaskHandle,
         cancel: CancellationToken,
     ) {
-        loop {
-            task.started();
+        let refresh = || async {
             match self.refresh(&db, thresholds).await {
                 Ok(summary) => {
                     self.refresh_failures.set(0);
-                    task.ended(Outcome::Succeeded, summary);
+                    (Outcome::Succeeded, summary)
                 }
                 Err(e) => {
                     self.refresh_failures.inc();
                     tracing::warn!(error = %e, "refreshing fleet statistics failed");
-                    let outcome = if e.is_transient() {
-                        Outcome::Waited
-                    } else {
-                        Outcome::Failed
-                    };
-                    task.ended(outcome, e.to_string());
+                    (Outcome::of_bmdb_error(&e), e.to_string())
                 }
             }
-            tokio::select! {
-                biased;
-                _ = cancel.cancelled() => return,
-                _ = tokio::time::sleep(interval) => {}
-            }
-        }
+        };
+        let pause = || tokio::time::sleep(interval);
+        shepherd_tasks::driver::repeat(&task, &cancel, refresh, pause).await;
     }
 }
 
@@ -500,7 +492,7 @@ mod tests {
                 for (n, (started, beat, request, report)) in fleet.into_iter().enumerate() {
                     let id = tx.create_machine().await?;
                     let mut provided =
-                        shepherd_bmdb::Provided::new(Provider::Equinix, n.to_string());
+                        shepherd_bmdb::Provided::new(ProviderKind::Equinix, n.to_string());
                     if n == 0 {
                         // The provider stopped listing it.
                         provided.status = Some(shepherd_bmdb::ProviderStatus::Missing);
@@ -598,7 +590,8 @@ mod tests {
                 for (n, (location, provided)) in fleet.into_iter().enumerate() {
                     let id = tx.create_machine().await?;
                     if provided {
-                        let mut p = shepherd_bmdb::Provided::new(Provider::Equinix, n.to_string());
+                        let mut p =
+                            shepherd_bmdb::Provided::new(ProviderKind::Equinix, n.to_string());
                         p.location = location.map(str::to_string);
                         tx.set_provided(id, &p).await?;
                     }
@@ -657,8 +650,11 @@ mod tests {
         t.db.transact(move |tx| {
             Box::pin(async move {
                 let until = tx.now().await? + chrono::Duration::hours(1);
-                tx.set_provided(id, &shepherd_bmdb::Provided::new(Provider::Static, "s1"))
-                    .await?;
+                tx.set_provided(
+                    id,
+                    &shepherd_bmdb::Provided::new(ProviderKind::Static, "s1"),
+                )
+                .await?;
                 tx.set_backoff(id, Process::ShepherdAgentStart, until, 60, "refused")
                     .await
             })

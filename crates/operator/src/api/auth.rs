@@ -1,16 +1,19 @@
 //! Who is asking: the identity a request proves with its `Authorization: Bearer` header. A
 //! local API token (`shp_…`) is looked up by its SHA-256 in the BMDB; answers are cached
 //! briefly so that a busy client costs no query per request, and its use is recorded at
-//! most once a minute. Anything else is verified as the identity provider's JWT
+//! most once a minute, every server's uses in one transaction by the task `token-uses`
+//! ([`Authenticator::record_uses`]). Anything else is verified as the identity provider's JWT
 //! (`oidc.rs`), when one is configured. A credential is never logged, counted or stored.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::http::{header, HeaderMap};
 use chrono::Utc;
 use shepherd_bmdb::{ApiToken, Bmdb};
+use shepherd_tasks::{Outcome, TaskHandle};
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::policy::Principal;
@@ -27,6 +30,10 @@ pub const TOKEN_CACHE_TTL: Duration = Duration::from_secs(1);
 const TOKEN_CACHE_MAX: usize = 10_000;
 /// A token's use is recorded at most this often.
 const USE_RECORDED_EVERY: Duration = Duration::from_secs(60);
+/// How often the uses waiting to be recorded are written, together.
+const USES_WRITTEN_EVERY: Duration = Duration::from_secs(5);
+/// The task that writes them, as `/tasks` shows it.
+pub const USES_TASK: &str = "token-uses";
 /// Longest `Authorization` header read.
 const MAX_CREDENTIAL: usize = 8 << 10;
 
@@ -42,6 +49,9 @@ pub struct Authenticator {
     tokens: Mutex<HashMap<[u8; 32], Cached>>,
     /// When each token's use was last recorded.
     recorded: Mutex<HashMap<Uuid, Instant>>,
+    /// Tokens whose use waits to be written by [`Authenticator::record_uses`] (at most one
+    /// entry per token).
+    unwritten: Mutex<BTreeSet<Uuid>>,
     /// Requests per identity, one budget for every surface: the API, the web UI's pages and
     /// `/metrics`.
     per_identity: RateLimiter,
@@ -55,6 +65,7 @@ impl Authenticator {
             oidc,
             tokens: Mutex::new(HashMap::new()),
             recorded: Mutex::new(HashMap::new()),
+            unwritten: Mutex::new(BTreeSet::new()),
             per_identity: RateLimiter::new(crate::rate_limit::DEFAULT_RATE),
         }
     }
@@ -159,24 +170,48 @@ impl Authenticator {
         Ok(token)
     }
 
-    /// Records the use of token `id` in the background, at most once a minute.
+    /// Notes the use of token `id` for [`Authenticator::record_uses`], at most once a minute.
     fn record_use(&self, id: Uuid) {
-        {
-            let mut recorded = self.recorded.lock().unwrap();
-            let due = recorded
-                .get(&id)
-                .is_none_or(|at| at.elapsed() >= USE_RECORDED_EVERY);
-            if !due {
-                return;
-            }
+        let mut recorded = self.recorded.lock().unwrap();
+        let due = recorded
+            .get(&id)
+            .is_none_or(|at| at.elapsed() >= USE_RECORDED_EVERY);
+        if due {
             recorded.insert(id, Instant::now());
+            self.unwritten.lock().unwrap().insert(id);
         }
-        let db = self.db.clone();
-        tokio::spawn(async move {
-            if let Err(e) = db.api_tokens_used(&[id]).await {
-                tracing::debug!(error = %e, "could not record a token's use");
+    }
+
+    /// Writes the tokens' uses noted since the last write, in one transaction every few
+    /// seconds, until `cancel` (then once more); each write is a unit of `task`. Uses that
+    /// could not be written wait for the next (at most one entry per token).
+    pub async fn record_uses(&self, task: TaskHandle, cancel: CancellationToken) {
+        let pause = || tokio::time::sleep(USES_WRITTEN_EVERY);
+        shepherd_tasks::driver::repeat(&task, &cancel, || self.write_uses(), pause).await;
+        let (outcome, summary) = self.write_uses().await;
+        task.ended(outcome, summary);
+    }
+
+    /// Writes the uses noted so far; how that ended, in one line.
+    async fn write_uses(&self) -> (Outcome, String) {
+        let ids: Vec<Uuid> = std::mem::take(&mut *self.unwritten.lock().unwrap())
+            .into_iter()
+            .collect();
+        if ids.is_empty() {
+            return (Outcome::Succeeded, "no token use to record".into());
+        }
+        match self.db.api_tokens_used(&ids).await {
+            Ok(()) => (
+                Outcome::Succeeded,
+                format!("{} token uses recorded", ids.len()),
+            ),
+            Err(e) => {
+                tracing::debug!(error = %e, uses = ids.len(), "could not record tokens' uses; trying again");
+                self.unwritten.lock().unwrap().extend(&ids);
+                let summary = format!("{} token uses not recorded: {e}", ids.len());
+                (Outcome::of_bmdb_error(&e), summary)
             }
-        });
+        }
     }
 
     /// Forgets every cached lookup (after a revocation through this server).
@@ -221,5 +256,42 @@ mod tests {
         let shaped = format!("{}{}", shepherd_bmdb::TOKEN_PREFIX, "0".repeat(64));
         let looked_up = auth.web_session(&shaped).await.unwrap_err();
         assert_eq!(looked_up.kind, Kind::Unavailable, "{}", looked_up.detail);
+    }
+
+    /// Uses are noted once a minute per token and written together by the recording task;
+    /// uses it could not write (the database down) wait for its next write.
+    #[tokio::test]
+    async fn token_uses_are_written_together_and_kept_while_the_database_is_down() {
+        let t = shepherd_bmdb::testing::sqlite().await;
+        let who = shepherd_bmdb::Actor::named("alice");
+        let day = Duration::from_secs(86_400);
+        let mut tokens = Vec::new();
+        for name in ["ci", "deploys"] {
+            let made =
+                t.db.create_api_token(name, shepherd_bmdb::Role::Viewer, day, &who);
+            tokens.push(made.await.unwrap().unwrap());
+        }
+        let auth = Authenticator::new(t.db.clone(), None);
+        for (_, secret) in tokens.iter().chain(&tokens) {
+            auth.valid_token(secret.reveal()).await.unwrap();
+        }
+        assert_eq!(auth.unwritten.lock().unwrap().len(), 2, "one use per token");
+        let (outcome, summary) = auth.write_uses().await;
+        assert_eq!(
+            (outcome, summary.as_str()),
+            (Outcome::Succeeded, "2 token uses recorded")
+        );
+        for (token, secret) in &tokens {
+            let found = t.db.api_token_for(secret.reveal()).await.unwrap().unwrap();
+            assert!(found.times.last_used_at.is_some(), "{}", token.name);
+        }
+        assert_eq!(auth.write_uses().await.1, "no token use to record");
+
+        // A use noted while the database is down is kept for the next write.
+        auth.record_use(uuid::Uuid::new_v4());
+        t.db.close().await;
+        let (outcome, _) = auth.write_uses().await;
+        assert_eq!(outcome, Outcome::Waited);
+        assert_eq!(auth.unwritten.lock().unwrap().len(), 1);
     }
 }

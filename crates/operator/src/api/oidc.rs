@@ -19,7 +19,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use shepherd_bmdb::Role;
 
-use super::policy::Principal;
+use super::policy::{Principal, UnknownRole};
 use super::problem::{Kind, Problem};
 
 /// Tokens remembered as verified, at most; the memory starts afresh when full.
@@ -139,16 +139,58 @@ impl OidcSettings {
     }
 }
 
+/// A `VALUE=ROLE` mapping that cannot be read.
+#[derive(Debug, thiserror::Error)]
+pub enum BadRoleMapping {
+    #[error("{0:?}: expected VALUE=ROLE (e.g. shepherd-admins=admin)")]
+    NoRole(String),
+    #[error("{0:?}: the claim value is empty")]
+    EmptyValue(String),
+    #[error(transparent)]
+    Role(#[from] UnknownRole),
+}
+
 /// A `VALUE=ROLE` mapping as the command line gives it.
-pub fn parse_role_mapping(text: &str) -> Result<(String, Role), String> {
+pub fn parse_role_mapping(text: &str) -> Result<(String, Role), BadRoleMapping> {
     let (value, role) = text
         .rsplit_once('=')
-        .ok_or_else(|| format!("{text:?}: expected VALUE=ROLE (e.g. shepherd-admins=admin)"))?;
+        .ok_or_else(|| BadRoleMapping::NoRole(text.to_string()))?;
     let role = super::policy::parse_role(role)?;
     if value.is_empty() {
-        return Err(format!("{text:?}: the claim value is empty"));
+        return Err(BadRoleMapping::EmptyValue(text.to_string()));
     }
     Ok((value.to_string(), role))
+}
+
+/// Why the identity provider's discovery document or keys could not be read (kept, and
+/// given as the reason, until a later fetch succeeds).
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum IdentityProviderError {
+    /// The request failed, or its answer was not the JSON expected.
+    #[error("{url}: {reason}")]
+    Fetch { url: String, reason: String },
+    #[error("{url}: larger than {MAX_DOCUMENT} bytes")]
+    TooLarge { url: String },
+    #[error("discovery names issuer {found}, not {expected}")]
+    OtherIssuer { found: String, expected: String },
+    #[error("discovery names no {0}")]
+    Unnamed(&'static str),
+    #[error(
+        "discovery names no authorization_endpoint and token_endpoint: the provider cannot \
+         sign people in"
+    )]
+    NoSignIn,
+}
+
+/// Why a key the provider publishes cannot verify tokens.
+#[derive(Debug, Clone, thiserror::Error)]
+enum UnusableKey {
+    #[error("is for encryption (use: enc), not for signatures")]
+    ForEncryption,
+    #[error("is of a kind not accepted")]
+    Kind,
+    #[error("is unusable: {0}")]
+    Invalid(String),
 }
 
 /// A key made ready to verify with, once, when the keys are fetched: its one algorithm, the
@@ -160,7 +202,7 @@ struct Prepared {
 }
 
 /// Keys by id: each prepared, or why it cannot be used.
-type KeySet = HashMap<String, Result<Arc<Prepared>, String>>;
+type KeySet = HashMap<String, Result<Arc<Prepared>, UnusableKey>>;
 
 /// The keys last fetched and when, when fetching was last tried, and why that failed if it
 /// did.
@@ -170,7 +212,7 @@ struct Keys {
     /// Where people sign in, as discovery last said.
     endpoints: Option<Endpoints>,
     last_try: Option<Instant>,
-    last_error: Option<String>,
+    last_error: Option<IdentityProviderError>,
 }
 
 /// Where the provider signs people in, from its discovery document.
@@ -248,7 +290,7 @@ impl OidcVerifier {
     }
 
     /// Fetches the provider's keys now; the error says why they could not be fetched.
-    pub async fn prefetch(&self) -> Result<(), String> {
+    pub async fn prefetch(&self) -> Result<(), IdentityProviderError> {
         let _fetching = self.fetching.lock().await;
         self.refetch().await
     }
@@ -314,7 +356,7 @@ impl OidcVerifier {
     /// The provider's sign-in endpoints, with its discovery read again first (at most every
     /// [`MIN_REFETCH`]) so that a sign-in started while the provider is down fails here, with
     /// the reason, rather than at a page the browser cannot reach.
-    pub async fn endpoints(&self) -> Result<Endpoints, String> {
+    pub async fn endpoints(&self) -> Result<Endpoints, IdentityProviderError> {
         let _fetching = self.fetching.lock().await;
         let may_try = {
             let keys = self.keys.read().unwrap();
@@ -327,10 +369,7 @@ impl OidcVerifier {
         match (&keys.last_error, &keys.endpoints) {
             (Some(why), _) => Err(why.clone()),
             (None, Some(endpoints)) => Ok(endpoints.clone()),
-            (None, None) => Err(
-                "discovery names no authorization_endpoint and token_endpoint: the provider cannot sign people in"
-                    .into(),
-            ),
+            (None, None) => Err(IdentityProviderError::NoSignIn),
         }
     }
 
@@ -439,7 +478,7 @@ impl OidcVerifier {
     }
 
     /// Fetches the keys again and notes the outcome; the caller holds `fetching`.
-    async fn refetch(&self) -> Result<(), String> {
+    async fn refetch(&self) -> Result<(), IdentityProviderError> {
         self.keys.write().unwrap().last_try = Some(Instant::now());
         let fetched = self.fetch_keys().await;
         let mut keys = self.keys.write().unwrap();
@@ -463,12 +502,12 @@ impl OidcVerifier {
     }
 
     /// `jwk` ready to verify with, or why it cannot be.
-    fn prepare(&self, jwk: &Jwk) -> Result<Prepared, String> {
+    fn prepare(&self, jwk: &Jwk) -> Result<Prepared, UnusableKey> {
         if jwk.common.public_key_use == Some(jsonwebtoken::jwk::PublicKeyUse::Encryption) {
-            return Err("is for encryption (use: enc), not for signatures".into());
+            return Err(UnusableKey::ForEncryption);
         }
-        let algorithm = key_algorithm(jwk).ok_or("is of a kind not accepted")?;
-        let key = DecodingKey::from_jwk(jwk).map_err(|e| format!("is unusable: {e}"))?;
+        let algorithm = key_algorithm(jwk).ok_or(UnusableKey::Kind)?;
+        let key = DecodingKey::from_jwk(jwk).map_err(|e| UnusableKey::Invalid(e.to_string()))?;
         let mut validation = Validation::new(algorithm);
         validation.set_issuer(&[&self.settings.issuer]);
         validation.set_audience(&[&self.settings.audience]);
@@ -484,22 +523,22 @@ impl OidcVerifier {
 
     /// Discovery, then the key set it names; and the sign-in endpoints it names, if it names
     /// them (a provider that only issues tokens to services may not).
-    async fn fetch_keys(&self) -> Result<(JwkSet, Option<Endpoints>), String> {
+    async fn fetch_keys(&self) -> Result<(JwkSet, Option<Endpoints>), IdentityProviderError> {
         let issuer = self.settings.issuer.trim_end_matches('/');
         let discovery: Value = self
             .fetch(&format!("{issuer}/.well-known/openid-configuration"))
             .await?;
         if discovery["issuer"].as_str() != Some(&self.settings.issuer) {
-            return Err(format!(
-                "discovery names issuer {}, not {}",
-                discovery["issuer"], self.settings.issuer
-            ));
+            return Err(IdentityProviderError::OtherIssuer {
+                found: discovery["issuer"].to_string(),
+                expected: self.settings.issuer.clone(),
+            });
         }
-        let named = |field: &str| {
+        let named = |field: &'static str| {
             discovery[field]
                 .as_str()
                 .map(str::to_string)
-                .ok_or_else(|| format!("discovery names no {field}"))
+                .ok_or(IdentityProviderError::Unnamed(field))
         };
         let jwks_uri = named("jwks_uri")?;
         let endpoints = match (named("authorization_endpoint"), named("token_endpoint")) {
@@ -513,22 +552,30 @@ impl OidcVerifier {
     }
 
     /// GETs `url` as JSON of at most [`MAX_DOCUMENT`] bytes.
-    async fn fetch<T: serde::de::DeserializeOwned>(&self, url: &str) -> Result<T, String> {
+    async fn fetch<T: serde::de::DeserializeOwned>(
+        &self,
+        url: &str,
+    ) -> Result<T, IdentityProviderError> {
+        let failed = |reason: &dyn std::fmt::Display| IdentityProviderError::Fetch {
+            url: url.to_string(),
+            reason: reason.to_string(),
+        };
         let mut response = self
             .http
             .get(url)
             .send()
             .await
             .and_then(|r| r.error_for_status())
-            .map_err(|e| format!("{url}: {e}"))?;
+            .map_err(|e| failed(&e))?;
         let mut body = Vec::new();
-        while let Some(chunk) = response.chunk().await.map_err(|e| format!("{url}: {e}"))? {
+        while let Some(chunk) = response.chunk().await.map_err(|e| failed(&e))? {
             body.extend_from_slice(&chunk);
             if body.len() > MAX_DOCUMENT {
-                return Err(format!("{url}: larger than {MAX_DOCUMENT} bytes"));
+                let url = url.to_string();
+                return Err(IdentityProviderError::TooLarge { url });
             }
         }
-        serde_json::from_slice(&body).map_err(|e| format!("{url}: {e}"))
+        serde_json::from_slice(&body).map_err(|e| failed(&e))
     }
 }
 

@@ -55,13 +55,18 @@ pub struct Principal {
     pub role: Role,
 }
 
+/// A role name that is none of the three.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("role {0:?}: one of viewer, operator, admin")]
+pub struct UnknownRole(pub String);
+
 /// A role as people write it: `viewer`, `operator` or `admin`, in any case.
-pub fn parse_role(text: &str) -> Result<Role, String> {
+pub fn parse_role(text: &str) -> Result<Role, UnknownRole> {
     Role::ALL
         .iter()
         .copied()
         .find(|r| r.as_str().eq_ignore_ascii_case(text))
-        .ok_or_else(|| format!("role {text:?}: one of viewer, operator, admin"))
+        .ok_or_else(|| UnknownRole(text.to_string()))
 }
 
 /// The least role `method` on the route `path` needs; `None` for a route the policy does not

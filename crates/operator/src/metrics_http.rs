@@ -4,7 +4,6 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
 use axum::extract::{Request, State};
 use axum::http::header::{CONTENT_TYPE, WWW_AUTHENTICATE};
 use axum::http::StatusCode;
@@ -22,9 +21,9 @@ use crate::api::auth::Authenticator;
 use crate::fleet_stats::FleetStats;
 use crate::web::WebSettings;
 use shepherd_loops::fleet::FleetSettings;
-use shepherd_loops::tasks::Tasks;
+use shepherd_tasks::Tasks;
 
-/// What a process shows operators: its metrics registry (the BMDB counters of SPEC §16, the
+/// What a process shows operators: its metrics registry (the BMDB counters of design.md §16, the
 /// fleet statistics gauges, its background tasks' status, and whatever the command adds) and
 /// the web UI's settings. `run`, `server` and the demo each build one and serve it.
 pub struct OperatorEndpoint {
@@ -151,7 +150,7 @@ async fn require_credential(
         },
         Err(problem) => {
             // The stranger learns nothing of which check failed; the log does.
-            tracing::debug!(detail = %crate::one_line::one_line(&problem.detail), "/metrics refused");
+            tracing::debug!(detail = %shepherd_bmdb::one_line(&problem.detail), "/metrics refused");
             let answer = (
                 StatusCode::UNAUTHORIZED,
                 [(WWW_AUTHENTICATE, "Bearer")],
@@ -160,6 +159,15 @@ async fn require_credential(
             answer.into_response()
         }
     }
+}
+
+/// A listener that could not be opened: the flag that named it, its address and why.
+#[derive(Debug, thiserror::Error)]
+#[error("{setting}: {addr}: {error}")]
+pub struct ListenError {
+    setting: String,
+    addr: SocketAddr,
+    error: std::io::Error,
 }
 
 /// Serves `app` over plain HTTP on `addr` until `cancel`, each peer limited to `rate`;
@@ -171,11 +179,14 @@ pub async fn serve(
     app: Router,
     rate: crate::rate_limit::RateSpec,
     cancel: CancellationToken,
-) -> Result<SocketAddr> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("{setting}: {addr}"))?;
-    let bound = listener.local_addr()?;
+) -> Result<SocketAddr, ListenError> {
+    let failed = |error| ListenError {
+        setting: setting.to_string(),
+        addr,
+        error,
+    };
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(failed)?;
+    let bound = listener.local_addr().map_err(failed)?;
     let app = crate::rate_limit::per_peer(app, rate);
     let app = crate::security_headers::secured(app, false);
     let app = app.into_make_service_with_connect_info::<SocketAddr>();
@@ -257,7 +268,7 @@ mod tests {
                     .into_iter()
                     .find(|s| s.name == "provisioner")
                     .unwrap();
-                let n = s.count(shepherd_loops::tasks::Outcome::Panicked);
+                let n = s.count(shepherd_tasks::Outcome::Panicked);
                 shepherd_bmdb::testing::when(n >= 2, n)
             },
         )

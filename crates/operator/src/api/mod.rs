@@ -29,15 +29,15 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use shepherd_bmdb::{Actor, AuditEvent, AuditKind, Bmdb};
-use shepherd_loops::tasks::Tasks;
+use shepherd_tasks::Tasks;
 
 use auth::Authenticator;
 use policy::Principal;
 use problem::{Kind, Problem};
 
 use crate::audit::AuditTrail;
-use crate::one_line::one_line;
 use crate::rate_limit::{peer_key, RateLimiter};
+use shepherd_bmdb::one_line;
 pub use state::{Api, RequestId};
 
 /// How long the fleet counts are reused (counting is O(fleet)).

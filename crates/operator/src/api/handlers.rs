@@ -11,8 +11,8 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use shepherd_bmdb::{
-    Actor, ApiToken, AuditEvent, AuditFilter, AuditKind, Lifecycle, Operator, Process, Provider,
-    Role,
+    Actor, ApiToken, AuditEvent, AuditFilter, AuditKind, Lifecycle, Operator, Process,
+    ProviderKind, Role,
 };
 use uuid::Uuid;
 
@@ -65,7 +65,7 @@ pub async fn list_machines(State(api): State<Arc<Api>>, ApiQuery(q): ApiQuery<Li
         return Err(invalid(format!("limit must be 1 to {MAX_PAGE}")));
     }
     let state: Option<Lifecycle> = q.state.as_deref().map(str::parse).transpose()?;
-    let provider: Option<Provider> = q.provider.as_deref().map(str::parse).transpose()?;
+    let provider: Option<ProviderKind> = q.provider.as_deref().map(str::parse).transpose()?;
     let listing = inventory::list(
         &api.db,
         provider,
@@ -85,8 +85,8 @@ pub async fn list_machines(State(api): State<Arc<Api>>, ApiQuery(q): ApiQuery<Li
     Ok(Json(json!({ "machines": machines, "next": listing.next })))
 }
 
-fn unavailable(e: anyhow::Error) -> Problem {
-    Problem::new(Kind::Unavailable, format!("{e:#}"))
+fn unavailable(e: shepherd_bmdb::Error) -> Problem {
+    Problem::new(Kind::Unavailable, e.to_string())
 }
 
 /// `GET /api/v1/machines/{id}`: everything about one machine.
@@ -443,7 +443,7 @@ pub async fn create_token(
     Extension(who): Extension<Actor>,
     ApiJson(body): ApiJson<NewTokenBody>,
 ) -> Result<(StatusCode, Json<Value>), Problem> {
-    let role: Role = parse_role(&body.role).map_err(invalid)?;
+    let role: Role = parse_role(&body.role).map_err(|e| invalid(e.to_string()))?;
     if body.expires_in_days == 0 || body.expires_in_days > MAX_TOKEN_DAYS {
         return Err(invalid(format!(
             "expires_in_days must be 1 to {MAX_TOKEN_DAYS}"
