@@ -177,9 +177,9 @@ impl Lease {
     /// §20): not started once the lease has ended, and dropped (its connection closed, its
     /// request abandoned) if the lease ends while it runs. A step fenced either way is counted
     /// in `shepherd_fenced_steps_total{processor,step}`. The SSH steps, the bare-metal loop's
-    /// BMC calls and the recoverer's reboot go through it; the providers' own calls (Ironic,
-    /// Equinix) go through [`Lease::may_start`] instead, since cutting a creation off does not
-    /// undo it at the provider.
+    /// BMC calls and the recoverer's reboot go through it; the providers' own requests (a
+    /// creation, a reboot's reset, a hand-back) go through [`Lease::may_start`] instead, since
+    /// cutting one off does not undo it at the provider.
     pub async fn fenced<T>(
         &self,
         step: &'static str,

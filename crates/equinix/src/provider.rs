@@ -11,7 +11,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use shepherd_bmdb::{ProviderKind, ProviderStatus, Session};
+use shepherd_bmdb::{Lease, ProviderKind, ProviderStatus, Session};
 use shepherd_provider::penalty::PenaltyBox;
 use shepherd_provider::settings::InvalidSetting;
 use shepherd_provider::{
@@ -405,8 +405,9 @@ impl Provider for EquinixProvider {
 
 #[async_trait]
 impl Rebooter for EquinixProvider {
-    async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
+    async fn reboot(&self, lease: &Lease, machine: &ProviderMachine) -> Result<(), ProviderError> {
         let id = machine.required_id()?;
+        lease.may_start("reset")?;
         self.client.reboot(id).await.map_err(|e| match e {
             ApiError::NotFound => ProviderError::NotFound(id.to_string()),
             e => api(e),

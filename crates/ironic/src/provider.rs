@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use rand::seq::SliceRandom;
-use shepherd_bmdb::{ProviderKind, ProviderStatus, Session};
+use shepherd_bmdb::{Lease, ProviderKind, ProviderStatus, Session};
 use shepherd_provider::settings::InvalidSetting;
 use shepherd_provider::{
     record_deploying_machine, ApiFailure, Availability, HandBack, Provider, ProviderError,
@@ -443,13 +443,14 @@ impl Provider for IronicProvider {
 
     async fn hand_back(
         &self,
+        lease: &Lease,
         machine: &ProviderMachine,
         undeploy: bool,
     ) -> Result<HandBack, ProviderError> {
         let id = machine.valid_id().ok_or(ProviderError::NotSupported(
             "handing back a machine without an id",
         ))?;
-        Ok(self.hand_back_node(id, undeploy).await?)
+        self.hand_back_node(lease, id, undeploy).await
     }
 
     async fn create_machine(
@@ -511,7 +512,7 @@ impl Provider for IronicProvider {
 
 #[async_trait]
 impl Rebooter for IronicProvider {
-    async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
+    async fn reboot(&self, lease: &Lease, machine: &ProviderMachine) -> Result<(), ProviderError> {
         let id = machine.valid_id().ok_or(ProviderError::NotSupported(
             "rebooting a machine without an id",
         ))?;
@@ -527,6 +528,7 @@ impl Rebooter for IronicProvider {
                 .into());
             }
         }
+        lease.may_start("reset")?;
         self.client
             .set_power_state(id, "rebooting")
             .await

@@ -280,11 +280,11 @@ impl<P: Provider> Provisioner<P> {
                 continue;
             };
             let undeploy = barred.get(id).copied().unwrap_or(false);
-            session
-                .lease()
-                .left()
-                .map_err(ProvisionerError::LeaseLost)?;
-            match self.provider.hand_back(machine, undeploy).await {
+            match self
+                .provider
+                .hand_back(&session.lease(), machine, undeploy)
+                .await
+            {
                 Ok(HandBack::Kept) => {}
                 Ok(HandBack::Released) => {
                     tracing::info!(
@@ -300,6 +300,10 @@ impl<P: Provider> Provisioner<P> {
                         undeploy,
                         "a decommissioned machine is still being handed back"
                     );
+                }
+                // Nothing more is handed back by a replica whose session ended.
+                Err(ProviderError::LeaseLost(lost)) => {
+                    return Err(ProvisionerError::LeaseLost(lost));
                 }
                 Err(e) => {
                     tracing::warn!(provider_id = id, undeploy, error = %e, "handing a decommissioned machine back failed; trying again next pass");

@@ -290,7 +290,7 @@ impl<P: Rebooter + 'static> MachineTask for Recoverer<P> {
             Holding::Lost => return Err(lost),
         }
         lease
-            .fenced("reboot", self.provider.reboot(&at_provider))
+            .fenced("reboot", self.provider.reboot(&lease, &at_provider))
             .await
             .map_err(RecoveryError::LeaseLost)?
             .map_err(RecoveryError::Reboot)?;

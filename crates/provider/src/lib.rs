@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use shepherd_bmdb::{
-    LeaseLost, Process, Provided, ProviderFacts, ProviderKind, ProviderStatus, Session,
+    Lease, LeaseLost, Process, Provided, ProviderFacts, ProviderKind, ProviderStatus, Session,
 };
 use uuid::Uuid;
 
@@ -301,10 +301,12 @@ pub trait Provider: Send + Sync {
     /// Hands a machine an operator decommissioned back to the provider, tearing it down first
     /// when `undeploy`. The provisioner calls it, on every pass, for each listed machine of
     /// ours whose provider id is decommissioned; it must be idempotent, and a machine handed
-    /// back must stop being listed as ours. Providers without such a notion keep the machine
-    /// as it is (the default).
+    /// back must stop being listed as ours. Each request at the provider starts only while
+    /// `lease` holds ([`Lease::may_start`]): a replica whose session ended tears nothing down.
+    /// Providers without such a notion keep the machine as it is (the default).
     async fn hand_back(
         &self,
+        _lease: &Lease,
         _machine: &ProviderMachine,
         _undeploy: bool,
     ) -> Result<HandBack, ProviderError> {
@@ -326,9 +328,11 @@ pub enum HandBack {
 /// A provider that can also power-cycle machines (used by the Recoverer).
 #[async_trait]
 pub trait Rebooter: Provider {
-    /// Reboots the machine. Returns once the provider has done so; it does not wait for the
-    /// machine to come back (see [`Rebooter::reboot_wait`]).
-    async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError>;
+    /// Reboots the machine, its power action started only while `lease` holds
+    /// ([`Lease::may_start`], step `reset`; the recoverer also races the whole call against
+    /// the lease). Returns once the provider has done so; it does not wait for the machine to
+    /// come back (see [`Rebooter::reboot_wait`]).
+    async fn reboot(&self, lease: &Lease, machine: &ProviderMachine) -> Result<(), ProviderError>;
 
     /// How long a rebooted machine is given to go down and come back before the initializer
     /// tries to take it over again. The recoverer records this as a wait in the BMDB rather

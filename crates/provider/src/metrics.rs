@@ -11,7 +11,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use shepherd_bmdb::{ProviderKind, Session};
+use shepherd_bmdb::{Lease, ProviderKind, Session};
 
 use crate::{HandBack, Provider, ProviderError, ProviderMachine, Rebooter, Recorded};
 
@@ -200,18 +200,20 @@ impl<P: Provider + ?Sized> Provider for InstrumentedProvider<P> {
 
     async fn hand_back(
         &self,
+        lease: &Lease,
         machine: &ProviderMachine,
         undeploy: bool,
     ) -> Result<HandBack, ProviderError> {
-        let handed_back = self.inner.hand_back(machine, undeploy);
+        let handed_back = self.inner.hand_back(lease, machine, undeploy);
         self.timed("hand_back", handed_back).await
     }
 }
 
 #[async_trait]
 impl<P: Rebooter + ?Sized> Rebooter for InstrumentedProvider<P> {
-    async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
-        self.timed("reboot", self.inner.reboot(machine)).await
+    async fn reboot(&self, lease: &Lease, machine: &ProviderMachine) -> Result<(), ProviderError> {
+        self.timed("reboot", self.inner.reboot(lease, machine))
+            .await
     }
 
     async fn can_reboot(&self) -> bool {

@@ -13,7 +13,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use shepherd_bmdb::{ProviderKind, ProviderStatus, Session};
+use shepherd_bmdb::{Lease, ProviderKind, ProviderStatus, Session};
 use shepherd_retry::{Delays, Streak};
 
 use crate::causes::reqwest_causes;
@@ -411,7 +411,7 @@ impl Rebooter for StaticProvider {
     }
 
     /// Power-cycles the machine through the BMC its inventory entry names.
-    async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
+    async fn reboot(&self, lease: &Lease, machine: &ProviderMachine) -> Result<(), ProviderError> {
         let id = machine.required_id()?;
         let inv = self.refresh(LOOKUP_MAX_AGE).await?;
         let entry = inv
@@ -420,7 +420,9 @@ impl Rebooter for StaticProvider {
         let bmc = entry.bmc.clone().ok_or(ProviderError::NotSupported(
             "reboot: the inventory entry names no BMC",
         ))?;
-        let reset = Bmc::new(&bmc, self.bmc_timeout)?.reset().await?;
+        let bmc_client = Bmc::new(&bmc, self.bmc_timeout)?;
+        lease.may_start("reset")?;
+        let reset = bmc_client.reset().await?;
         tracing::info!(
             provider_id = id,
             bmc = bmc.url,

@@ -12,7 +12,7 @@ use async_trait::async_trait;
 use futures::StreamExt;
 use rand::Rng;
 use shepherd_bmdb::{
-    AgentHeartbeat, AgentReport, Bmdb, Processor, ProviderKind, Session, SessionConfig,
+    AgentHeartbeat, AgentReport, Bmdb, Lease, Processor, ProviderKind, Session, SessionConfig,
 };
 use shepherd_proto::agent::{takeover_response, TakeoverInit, TakeoverResponse, TakeoverSuccess};
 use shepherd_proto::Message;
@@ -441,8 +441,9 @@ impl Provider for SimFleet {
 
 #[async_trait]
 impl Rebooter for SimFleet {
-    async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
+    async fn reboot(&self, lease: &Lease, machine: &ProviderMachine) -> Result<(), ProviderError> {
         let id = machine.required_id()?;
+        lease.may_start("reset")?;
         {
             let mut s = self.state.lock().unwrap();
             let i = *s

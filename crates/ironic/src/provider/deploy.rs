@@ -2,9 +2,10 @@
 //! Shepherd's SSH key and the node's network) and hands a decommissioned one back (released,
 //! and torn down when asked).
 
+use shepherd_bmdb::Lease;
 use shepherd_provider::{HandBack, ProviderError};
 
-use super::{api, IronicError, IronicProvider};
+use super::{api, IronicProvider};
 use crate::client::ApiError;
 use crate::model::Node;
 
@@ -13,12 +14,14 @@ impl IronicProvider {
     /// a transition (still deploying) is left for the next pass. Ironic clears
     /// `instance_uuid` when it tears a node down but not our mark in `extra`, so the node is
     /// released first; a tear-down request that then fails for good is logged by the
-    /// provisioner and left to the operator (the node is no longer ours to retry).
+    /// provisioner and left to the operator (the node is no longer ours to retry). The release
+    /// and the tear-down each start only while `lease` holds.
     pub(super) async fn hand_back_node(
         &self,
+        lease: &Lease,
         uuid: &str,
         undeploy: bool,
-    ) -> Result<HandBack, IronicError> {
+    ) -> Result<HandBack, ProviderError> {
         let node = match self.client.get_node(uuid).await {
             Err(ApiError::NotFound { .. }) => return Ok(HandBack::Released),
             other => other.map_err(api("get_node", uuid))?,
@@ -29,11 +32,13 @@ impl IronicProvider {
         if node.target_provision_state.is_some() {
             return Ok(HandBack::InProgress);
         }
+        lease.may_start("release node")?;
         self.release(&node)
             .await
             .map_err(api("release_node", uuid))?;
         let deployed = !matches!(node.state(), "available" | "manageable" | "enroll");
         if undeploy && deployed {
+            lease.may_start("undeploy node")?;
             self.client
                 .set_provision_state(
                     "undeploy_node",

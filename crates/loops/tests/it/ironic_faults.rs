@@ -97,7 +97,7 @@ async fn unavailable_and_slow_answers_are_retried_within_bounds_and_nothing_is_c
     // NodeLocked on the power request: retried with backoff, then the reboot goes through.
     proxy.faults.node_locked.store(2, SeqCst);
     let m = p.get_machine(&nodes[0]).await.unwrap();
-    p.reboot(&m).await.unwrap();
+    p.reboot(&s.lease(), &m).await.unwrap();
     assert_eq!(
         proxy.seen("/states/power"),
         3,
@@ -105,7 +105,7 @@ async fn unavailable_and_slow_answers_are_retried_within_bounds_and_nothing_is_c
     );
     // More NodeLocked answers than attempts: the reboot fails, with Ironic's words.
     proxy.faults.node_locked.store(10, SeqCst);
-    let err = p.reboot(&m).await.unwrap_err();
+    let err = p.reboot(&s.lease(), &m).await.unwrap_err();
     assert!(err.to_string().contains("is locked by host"), "{err}");
     s.close().await.unwrap();
     t.cleanup().await;

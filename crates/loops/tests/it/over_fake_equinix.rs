@@ -372,8 +372,18 @@ async fn reboots_and_lookups() {
     let m = p.get_machine(&devices[0].id).await.unwrap();
     assert_eq!(m.availability, Availability::KnownUsed);
     fake.fail_next("POST /devices/actions", Failure::Status(500));
-    p.reboot(&m).await.unwrap();
+    p.reboot(&s.lease(), &m).await.unwrap();
     assert_eq!(fake.reboots(), vec![devices[0].id.clone()]);
+    // A replica whose session has ended resets nothing; the refused step is counted.
+    let ended = testing::session(&t.db, Processor::ShepherdRecoverer).await;
+    ended.close().await.unwrap();
+    let refused = p.reboot(&ended.lease(), &m).await.unwrap_err();
+    assert!(matches!(refused, ProviderError::LeaseLost(_)), "{refused}");
+    assert_eq!(fake.reboots(), vec![devices[0].id.clone()]);
+    let fenced =
+        t.db.metrics()
+            .steps_fenced(Processor::ShepherdRecoverer, "reset");
+    assert_eq!(fenced, 1);
 
     let stuck = p.get_machine(&devices[2].id).await.unwrap();
     assert_eq!(stuck.addr, None, "no address while provisioning");
@@ -397,7 +407,7 @@ async fn reboots_and_lookups() {
     let mut gone = m.clone();
     gone.id = Some("00000000-0000-0000-0000-000000000000".into());
     assert!(matches!(
-        p.reboot(&gone).await,
+        p.reboot(&s.lease(), &gone).await,
         Err(ProviderError::NotFound(_))
     ));
     done(s, t).await;

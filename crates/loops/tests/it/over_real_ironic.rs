@@ -345,7 +345,7 @@ async fn maintenance_is_marked_and_never_power_cycled_and_reboots_go_through_iro
     assert_eq!(seen[&nodes[1]], Some(ProviderStatus::Running));
 
     let in_maintenance = p.get_machine(&nodes[0]).await.unwrap();
-    let err = p.reboot(&in_maintenance).await.unwrap_err();
+    let err = p.reboot(&s.lease(), &in_maintenance).await.unwrap_err();
     assert!(
         err.to_string().contains("maintenance") && err.to_string().contains("fan replaced"),
         "{err}"
@@ -353,7 +353,7 @@ async fn maintenance_is_marked_and_never_power_cycled_and_reboots_go_through_iro
     let before = ironic.node(&nodes[0]).await;
 
     let healthy = p.get_machine(&nodes[1]).await.unwrap();
-    p.reboot(&healthy).await.unwrap();
+    p.reboot(&s.lease(), &healthy).await.unwrap();
     assert_eq!(
         ironic.node(&nodes[0]).await["power_state"],
         before["power_state"]
@@ -447,6 +447,22 @@ async fn decommissioned_nodes_are_released_and_torn_down_only_when_asked() {
         .decommission(machines[&nodes[1]], &who, true)
         .await
         .unwrap();
+
+    // A replica whose session has ended hands nothing back: the release is not asked for, and
+    // the refused step is counted.
+    let ended = session(&t.db).await;
+    let lease = ended.lease();
+    ended.close().await.unwrap();
+    let machine = p.get_machine(&nodes[1]).await.unwrap();
+    let refused = p.hand_back(&lease, &machine, true).await.unwrap_err();
+    assert!(matches!(refused, ProviderError::LeaseLost(_)), "{refused}");
+    let fenced =
+        t.db.metrics()
+            .steps_fenced(Processor::ShepherdProvisioner, "release node");
+    assert_eq!(fenced, 1);
+    let untouched = ironic.node(&nodes[1]).await;
+    assert_eq!(untouched["provision_state"], "active", "{untouched}");
+    assert!(!untouched["instance_uuid"].is_null(), "{untouched}");
 
     // Passes hand both back: the first only released (still deployed: our marks removed,
     // while its allocation stays until the node is torn down, as Ironic will not end the

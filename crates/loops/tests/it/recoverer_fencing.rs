@@ -62,7 +62,7 @@ impl Provider for SlowBmcs {
 
 #[async_trait]
 impl Rebooter for SlowBmcs {
-    async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
+    async fn reboot(&self, _lease: &Lease, machine: &ProviderMachine) -> Result<(), ProviderError> {
         let id = machine.id.clone().unwrap_or_default();
         let call = (Instant::now(), self.replica, "reset", id);
         self.calls.lock().unwrap().push(call);

@@ -138,7 +138,7 @@ impl Provider for Dummy {
 
 #[async_trait]
 impl Rebooter for Dummy {
-    async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
+    async fn reboot(&self, _lease: &Lease, machine: &ProviderMachine) -> Result<(), ProviderError> {
         let id = machine.id.clone().unwrap();
         if self.fail_reboot.contains(&id) {
             return Err(ProviderError::Api("BMC did not answer".into()));

@@ -63,7 +63,7 @@ impl Provider for RebootableStatic {
 
 #[async_trait]
 impl Rebooter for RebootableStatic {
-    async fn reboot(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
+    async fn reboot(&self, _lease: &Lease, machine: &ProviderMachine) -> Result<(), ProviderError> {
         kill_agent(&self.agent_path);
         self.reboots
             .lock()
