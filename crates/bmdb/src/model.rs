@@ -11,24 +11,39 @@ use crate::Error;
 
 /// Defines a closed enumeration stored as text: the enum, `ALL`, `as_str` (the stored text:
 /// the variant's name), `Display`, and a `FromStr` that refuses anything else with
-/// [`Error::UnknownName`].
+/// [`Error::UnknownName`]. Variants listed after `test_only` exist only with the `testing`
+/// feature (for tests of the mechanism itself): a production build cannot name them.
 ///
 /// Kept as a macro on purpose: the stored text of each variant is its name, and a macro is the
 /// only way to write that once — by hand, every enumeration would repeat each name in four
 /// places, where a typo in one silently misreads rows. It has no control flow of its own.
 macro_rules! text_enum {
     ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident),+ $(,)? }) => {
+        text_enum! { $(#[$meta])* $name { $($(#[$vmeta])* $variant),+ } test_only {} }
+    };
+    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident),+ $(,)? }
+        test_only { $($(#[$tmeta:meta])* $test:ident),* $(,)? }) => {
         $(#[$meta])*
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-        pub enum $name { $($(#[$vmeta])* $variant),+ }
+        pub enum $name {
+            $(#[cfg(feature = "testing")] $(#[$tmeta])* $test,)*
+            $($(#[$vmeta])* $variant),+
+        }
 
         impl $name {
             /// Every value, in declaration order.
+            #[cfg(not(feature = "testing"))]
             pub const ALL: &'static [$name] = &[$($name::$variant),+];
+            /// Every value, in declaration order (the test-only ones first).
+            #[cfg(feature = "testing")]
+            pub const ALL: &'static [$name] = &[$($name::$test,)* $($name::$variant),+];
 
             /// The value as stored in the database.
             pub fn as_str(self) -> &'static str {
-                match self { $($name::$variant => stringify!($variant)),+ }
+                match self {
+                    $(#[cfg(feature = "testing")] $name::$test => stringify!($test),)*
+                    $($name::$variant => stringify!($variant)),+
+                }
             }
         }
 
@@ -42,6 +57,7 @@ macro_rules! text_enum {
             type Err = Error;
             fn from_str(s: &str) -> Result<Self, Error> {
                 match s {
+                    $(#[cfg(feature = "testing")] stringify!($test) => Ok($name::$test),)*
                     $(stringify!($variant) => Ok($name::$variant),)+
                     other => Err(Error::UnknownName {
                         kind: stringify!($name),
@@ -56,12 +72,9 @@ macro_rules! text_enum {
 pub(crate) use text_enum;
 
 text_enum! {
-    /// A kind of work that can hold a per-machine lock.
+    /// A kind of work that can hold a per-machine lock: the `process` of work, backoff and
+    /// history rows. Not to be confused with a session's [`Processor`] (design.md §3).
     Process {
-        /// Reserved for tests of the work mechanism itself.
-        UnitTest1,
-        /// Reserved for tests of the work mechanism itself.
-        UnitTest2,
         /// Legacy upstream process; kept so old rows stay readable and keep excluding.
         ShepherdAccess,
         /// The Initializer taking a machine over and starting its agent.
@@ -70,6 +83,13 @@ text_enum! {
         ShepherdRecovery,
         /// The bare-metal loop driving a bare machine's BMC: virtual media, boot, power.
         ShepherdBareMetal,
+    }
+    test_only {
+        /// Reserved for tests of the work mechanism itself (the schema allows it, as
+        /// upstream's does).
+        UnitTest1,
+        /// Reserved for tests of the work mechanism itself.
+        UnitTest2,
     }
 }
 
@@ -87,7 +107,9 @@ impl Process {
                 ShepherdRecovery,
                 ShepherdBareMetal,
             ],
+            #[cfg(feature = "testing")]
             UnitTest1 => &[UnitTest1],
+            #[cfg(feature = "testing")]
             UnitTest2 => &[UnitTest2],
         }
     }
@@ -165,7 +187,8 @@ impl OperatorAction {
 }
 
 text_enum! {
-    /// Which component a session belongs to; the `processor` label of BMDB metrics (design.md §16).
+    /// Which component a session belongs to; the `processor` label of BMDB metrics (design.md
+    /// §16). Not to be confused with the [`Process`] of work (design.md §3).
     Processor {
         /// Shown as `shepherd-initializer`.
         ShepherdInitializer,
