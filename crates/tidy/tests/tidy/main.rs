@@ -4,7 +4,8 @@
 //! - every Rust file opens with a `//!` comment;
 //! - ARCHITECTURE.md is a map, not an inventory: at most 250 lines; every path it names exists
 //!   (a Rust file's path names exactly one file); every invariant it states names the tests
-//!   that hold it, and each of those tests exists;
+//!   that hold it, and each of those tests exists; every folder of Rust sources has its line in
+//!   its folder table;
 //! - no crate but the BMDB names `sqlx`, and inside it only `sql/` and the files that open
 //!   pools, classify errors and make test databases do;
 //! - no control loop imports another loop, and no provider depends on the loops;
@@ -209,6 +210,32 @@ fn every_path_architecture_md_names_exists_and_a_rust_path_names_one_file() {
     assert!(
         ambiguous.is_empty(),
         "ARCHITECTURE.md names Rust files by paths that name several: {ambiguous:?}"
+    );
+}
+
+/// Every folder of Rust sources (`crates/NAME/src` and the folders under it) has its line in
+/// ARCHITECTURE.md's folder table: a newcomer finds where each thing lives from the map, and a
+/// new folder cannot slip in unexplained.
+#[test]
+fn every_source_folder_has_its_line_in_architecture_md() {
+    let map = architecture_md();
+    let table = map
+        .split("| folder | owns | start at |")
+        .nth(1)
+        .and_then(|rest| rest.split("\n\n").next())
+        .expect("ARCHITECTURE.md has a table `| folder | owns | start at |`");
+    let named: BTreeSet<&str> = table.split('`').skip(1).step_by(2).collect();
+    let folders: BTreeSet<String> = source_files()
+        .iter()
+        .filter_map(|f| f.rsplit_once('/').map(|(dir, _)| dir.to_string()))
+        .collect();
+    let missing: Vec<_> = folders
+        .iter()
+        .filter(|dir| !named.contains(dir.as_str()))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "source folders without a line in ARCHITECTURE.md's folder table: {missing:?}"
     );
 }
 
