@@ -232,8 +232,14 @@ impl tower_service::Service<http::Request<tonic::body::Body>> for Sender {
     type Error = hyper::Error;
     type Future = ResponseFuture;
 
+    /// Ready, or waiting for room; never an error. A closed connection is reported by `call`
+    /// instead, as an error with its cause: tonic turns an error here into a status without
+    /// one ("Service was not ready"), which would read as the server's answer.
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.0.poll_ready(cx)
+        match self.0.poll_ready(cx) {
+            Poll::Ready(Err(_closed)) => Poll::Ready(Ok(())),
+            other => other,
+        }
     }
 
     fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
@@ -378,5 +384,42 @@ mod tests {
         assert!(matches!(error, SettingsError::Tls(_)), "{error}");
         connector("server.example:443", &[]).expect("web PKI roots");
         connector("[::1]:4443", &[]).expect("an IPv6 literal");
+    }
+
+    /// A connection the server has closed, before the client's task for it has ended: hyper's
+    /// sender already refuses requests, which tonic would report as a status without a cause
+    /// ("Service was not ready"), as if the server had answered. It is no answer, and the
+    /// next heartbeat makes a new connection.
+    #[tokio::test]
+    async fn a_connection_closed_under_the_client_is_no_answer() {
+        let (ours, theirs) = tokio::io::duplex(64 * 1024);
+        let (sender, connection) = http2::Builder::new(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .handshake(TokioIo::new(ours))
+            .await
+            .unwrap();
+        let ended = tokio::spawn(connection);
+        drop(theirs);
+        let _ = ended.await;
+        assert!(sender.is_closed());
+        let mut client = AgentClient::new(connector("127.0.0.1:9", &[]).unwrap());
+        // Its task looks alive still: the client sends over the connection.
+        let alive = tokio::spawn(std::future::pending::<()>());
+        client.connection = Some(Connection {
+            client: AgentCallbackClient::with_origin(
+                Sender(sender),
+                "https://127.0.0.1:9".parse().unwrap(),
+            ),
+            driver: Some(alive),
+        });
+        let error = client
+            .heartbeat(HeartbeatRequest::default())
+            .await
+            .unwrap_err();
+        assert!(matches!(error, HeartbeatError::NoAnswer(_)), "{error:?}");
+        assert!(
+            client.connection.is_none(),
+            "the next heartbeat connects anew"
+        );
     }
 }
