@@ -202,9 +202,9 @@ impl<P: Provider + ?Sized> Provider for InstrumentedProvider<P> {
         &self,
         lease: &Lease,
         machine: &ProviderMachine,
-        undeploy: bool,
+        tear_down: bool,
     ) -> Result<HandBack, ProviderError> {
-        let handed_back = self.inner.hand_back(lease, machine, undeploy);
+        let handed_back = self.inner.hand_back(lease, machine, tear_down);
         self.timed("hand_back", handed_back).await
     }
 }

@@ -442,8 +442,8 @@ impl Provider for SimFleet {
 #[async_trait]
 impl Rebooter for SimFleet {
     async fn reboot(&self, lease: &Lease, machine: &ProviderMachine) -> Result<(), ProviderError> {
-        let id = machine.required_id()?;
         lease.may_start("reset")?;
+        let id = machine.required_id()?;
         {
             let mut s = self.state.lock().unwrap();
             let i = *s

@@ -2,6 +2,7 @@
 //! reservation, deploy with a config drive, orphans adopted without a second deploy, nodes of
 //! other clients left alone, maintenance, reboot, refused credentials.
 
+use std::sync::atomic::Ordering::SeqCst;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -1114,6 +1115,24 @@ async fn one_node_behind_a_proxy() -> (
     (ironic, nodes, proxy, p, t, s)
 }
 
+/// After a pass its lease stopped: with Ironic's answers quick again, a pass under a live
+/// session creates the machine of `node` and deploys it exactly once.
+async fn a_live_pass_deploys_it_once(
+    ironic: &IronicServer,
+    proxy: &FaultProxy,
+    p: Arc<IronicProvider>,
+    t: testing::TestDb,
+    node: &str,
+) {
+    proxy.faults.delay_ms.store(0, SeqCst);
+    let s = session(&t.db).await;
+    let r = provisioner(p, 10).iterate(&s).await.unwrap();
+    assert_eq!((r.created, r.failed), (1, 0), "{r:?}");
+    ironic.assert_deployed_once(node).await;
+    s.close().await.unwrap();
+    t.cleanup().await;
+}
+
 /// A creation whose session's lease ends while Ironic places its allocation takes no further
 /// step at Ironic: the node is neither marked nor deployed (another replica may own the work
 /// by now) and the pass stops. A later pass, under a live session, adopts the claim cut short
@@ -1122,7 +1141,6 @@ async fn one_node_behind_a_proxy() -> (
 async fn a_creation_takes_no_step_at_ironic_after_its_lease_ends() {
     let _one = one_at_a_time().await;
     use shepherd_loops::provisioner::ProvisionerError;
-    use std::sync::atomic::Ordering::SeqCst;
     let (ironic, nodes, proxy, p, t, s) = one_node_behind_a_proxy().await;
     // Every request takes a while, so the lease can end while the allocation is placed.
     proxy.faults.delay_ms.store(300, SeqCst);
@@ -1158,13 +1176,7 @@ async fn a_creation_takes_no_step_at_ironic_after_its_lease_ends() {
     );
     assert!(recorded(&t.db).await.is_empty());
 
-    proxy.faults.delay_ms.store(0, SeqCst);
-    let s2 = session(&t.db).await;
-    let r = provisioner(p, 10).iterate(&s2).await.unwrap();
-    assert_eq!((r.created, r.failed), (1, 0), "{r:?}");
-    ironic.assert_deployed_once(&nodes[0]).await;
-    s2.close().await.unwrap();
-    t.cleanup().await;
+    a_live_pass_deploys_it_once(&ironic, &proxy, p, t, &nodes[0]).await;
 }
 
 /// A claim whose allocation Ironic failed on its own tries again with a new allocation, but
@@ -1175,7 +1187,6 @@ async fn a_creation_takes_no_step_at_ironic_after_its_lease_ends() {
 async fn a_claim_tries_no_new_allocation_after_its_lease_ends() {
     let _one = one_at_a_time().await;
     use shepherd_loops::provisioner::ProvisionerError;
-    use std::sync::atomic::Ordering::SeqCst;
     let (ironic, nodes, proxy, _, t, s) = one_node_behind_a_proxy().await;
     // With an image to write, a claim marks the node only once its allocation is placed, so
     // it reads the allocation: the read the fault answers.
@@ -1229,13 +1240,7 @@ async fn a_claim_tries_no_new_allocation_after_its_lease_ends() {
     assert_eq!(fenced("delete allocation") + fenced("create allocation"), 1);
     assert!(recorded(&t.db).await.is_empty());
 
-    proxy.faults.delay_ms.store(0, SeqCst);
-    let s2 = session(&t.db).await;
-    let r = provisioner(p, 10).iterate(&s2).await.unwrap();
-    assert_eq!((r.created, r.failed), (1, 0), "{r:?}");
-    ironic.assert_deployed_once(&nodes[0]).await;
-    s2.close().await.unwrap();
-    t.cleanup().await;
+    a_live_pass_deploys_it_once(&ironic, &proxy, p, t, &nodes[0]).await;
 }
 
 /// An allocation of ours that Ironic never finished (left `allocating`: its conductor died,
@@ -1356,7 +1361,6 @@ fn claim_requests(proxy: &FaultProxy, id: &str) -> Vec<String> {
 #[tokio::test]
 async fn a_claim_placed_by_its_first_look_is_one_allocation_one_patch_and_the_deploy() {
     let _one = one_at_a_time().await;
-    use std::sync::atomic::Ordering::SeqCst;
     let (ironic, nodes, proxy, p, t, s) = one_node_behind_a_proxy().await;
     proxy
         .faults
@@ -1498,7 +1502,6 @@ async fn candidates_recorded_since_the_listing_cost_ironic_nothing() {
 #[tokio::test]
 async fn an_allocation_deleted_while_its_claim_waits_is_claimed_again_next_pass() {
     let _one = one_at_a_time().await;
-    use std::sync::atomic::Ordering::SeqCst;
     let (ironic, nodes, proxy, p, t, s) = one_node_behind_a_proxy().await;
     // Every request waits at the proxy, so the allocation is deleted (directly at Ironic)
     // before the claim looks at it again.
