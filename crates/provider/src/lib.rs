@@ -347,11 +347,6 @@ pub trait Rebooter: Provider {
         true
     }
 
-    /// Reinstalls the machine's OS, where the provider can.
-    async fn reinstall(&self, _machine: &ProviderMachine) -> Result<(), ProviderError> {
-        Err(ProviderError::NotSupported("reinstall"))
-    }
-
     /// For a machine that came bare (design.md §21): what goes onto it and a client of the BMC
     /// that boots it. Providers without bare machines refuse ([`ProviderError::NotSupported`],
     /// the default).

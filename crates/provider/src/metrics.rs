@@ -224,10 +224,6 @@ impl<P: Rebooter + ?Sized> Rebooter for InstrumentedProvider<P> {
         self.inner.reboot_wait()
     }
 
-    async fn reinstall(&self, machine: &ProviderMachine) -> Result<(), ProviderError> {
-        self.timed("reinstall", self.inner.reinstall(machine)).await
-    }
-
     async fn bare_plan(&self, machine: &ProviderMachine) -> Result<crate::BarePlan, ProviderError> {
         self.inner.bare_plan(machine).await
     }
