@@ -196,7 +196,6 @@ impl Lease {
         }
     }
 
-    /// Counts `step` as fenced, while the session is there to count it.
     /// Whether the side effect `step` names may start: `Ok` while the lease holds; once it
     /// has ended, [`LeaseLost`], and the step is counted as fenced like one [`Lease::fenced`]
     /// stopped. For a step that must not be cut off once started (a provider's request that
@@ -209,6 +208,7 @@ impl Lease {
         Ok(())
     }
 
+    /// Counts `step` as fenced, while the session is there to count it.
     fn count_fenced(&self, step: &'static str) {
         if let Some(clock) = self.clock.as_ref().and_then(Weak::upgrade) {
             (clock.on_event)(LeaseEvent::Fenced(step));

@@ -54,6 +54,18 @@ pub enum RecoveryError {
     NoLongerDue,
 }
 
+impl RecoveryError {
+    /// A failed reboot: the provider's refusal to start its reset after the lease ended is the
+    /// lease lost (fenced, no backoff), like the recoverer's own check; any other error is
+    /// a failed reboot.
+    fn of_reboot(error: ProviderError) -> Self {
+        match error {
+            ProviderError::LeaseLost(lost) => RecoveryError::LeaseLost(lost),
+            other => RecoveryError::Reboot(other),
+        }
+    }
+}
+
 impl From<shepherd_bmdb::Error> for RecoveryError {
     /// A failed finish (the runner converts it): the reboot happened before.
     fn from(e: shepherd_bmdb::Error) -> Self {
@@ -293,7 +305,7 @@ impl<P: Rebooter + 'static> MachineTask for Recoverer<P> {
             .fenced("reboot", self.provider.reboot(&lease, &at_provider))
             .await
             .map_err(RecoveryError::LeaseLost)?
-            .map_err(RecoveryError::Reboot)?;
+            .map_err(RecoveryError::of_reboot)?;
         if let Some(b) = &self.brake {
             b.rebooted();
         }
@@ -419,6 +431,10 @@ mod tests {
             ))),
             OnError::Backoff(r.backoff)
         );
+        // A provider that did not start its reset because the lease had ended: fenced, as
+        // when the recoverer's own check stops the reboot; not a failed reboot.
+        let refused = RecoveryError::of_reboot(ProviderError::LeaseLost(LeaseLost));
+        assert_eq!(r.error_policy(&refused), OnError::Fenced);
     }
 
     #[test]
