@@ -186,9 +186,13 @@ ensure_libvirt() {
   # A libvirtd that just started may still be bringing its pools up. A pool that still does
   # not start after 10 tries is defined anew (a definition left by an earlier libvirtd whose
   # state was lost), then given 20 more.
-  local pool_runs=0 said="" try
+  local pool_runs=0 said="" try info
   for try in $(seq 1 30); do
-    if virsh -c qemu:///system pool-info default 2>/dev/null | grep -q '^State: *running'; then
+    # Read whole before matching: under pipefail, `virsh … | grep -q` fails whenever grep
+    # exits on its match while virsh still writes (SIGPIPE); on a busy machine it did so
+    # every time, and a running pool was taken for one that does not start.
+    info=$(virsh -c qemu:///system pool-info default 2>/dev/null || true)
+    if grep -q '^State: *running' <<<"$info"; then
       pool_runs=1
       break
     fi
