@@ -22,8 +22,12 @@ pub struct MachineSummary {
     pub heartbeat_at: Option<DateTime<Utc>>,
     /// Processes holding work on it right now.
     pub work: Vec<Process>,
-    /// The latest `until` among its backoffs still in the future.
+    /// The latest `until` among its backoffs still in the future, the recoverer's aside.
     pub backoff_until: Option<DateTime<Utc>>,
+    /// The recoverer's backoff, if still in the future. It holds back another reboot, which
+    /// a machine whose agent heartbeats does not need: it puts only a silent machine in
+    /// backoff (a machine the recoverer just brought back heartbeats again).
+    pub recovery_backoff_until: Option<DateTime<Utc>>,
     /// Generation of its OS installation request.
     pub request_generation: Option<i64>,
     /// Generation and result of its OS installation report.
@@ -40,7 +44,9 @@ pub enum Lifecycle {
     Maintenance,
     /// Held by a loop right now.
     InWork,
-    /// A loop failed on it and waits.
+    /// A loop waits before it acts on the machine again: after a failure, or while its
+    /// provider deploys or reboots it. The recoverer's wait counts only while the agent does
+    /// not heartbeat.
     InBackoff,
     /// Its current installation request was fulfilled successfully.
     Installed,
@@ -136,6 +142,20 @@ impl MachineSummary {
         Some(self.report == Some((generation, InstallationResult::Success)))
     }
 
+    /// Whether its last heartbeat is within `stale_after` of `now`.
+    fn heartbeats(&self, now: DateTime<Utc>, stale_after: chrono::Duration) -> bool {
+        self.heartbeat_at.is_some_and(|h| now - h <= stale_after)
+    }
+
+    /// Whether a backoff holds a loop back from it at `now`: any but the recoverer's, and the
+    /// recoverer's only while the agent does not heartbeat (the reboot it holds back is not
+    /// needed otherwise).
+    fn held_back(&self, now: DateTime<Utc>, stale_after: chrono::Duration) -> bool {
+        let active = |until: Option<DateTime<Utc>>| until.is_some_and(|u| u > now);
+        active(self.backoff_until)
+            || (active(self.recovery_backoff_until) && !self.heartbeats(now, stale_after))
+    }
+
     /// The lifecycle state at `now` (the database's clock): a heartbeat older than
     /// `stale_after` (the recoverer's [`crate::RecoveryThresholds::stale_after`]) is stale.
     pub fn lifecycle(&self, now: DateTime<Utc>, stale_after: chrono::Duration) -> Lifecycle {
@@ -143,17 +163,17 @@ impl MachineSummary {
             Lifecycle::Maintenance
         } else if !self.work.is_empty() {
             Lifecycle::InWork
-        } else if self.backoff_until.is_some_and(|u| u > now) {
+        } else if self.held_back(now, stale_after) {
             Lifecycle::InBackoff
         } else if self.installation_done() == Some(true) {
             Lifecycle::Installed
         } else if self.installation_done() == Some(false) {
             Lifecycle::Installing
-        } else if let Some(h) = self.heartbeat_at {
-            if now - h > stale_after {
-                Lifecycle::Stale
-            } else {
+        } else if self.heartbeat_at.is_some() {
+            if self.heartbeats(now, stale_after) {
                 Lifecycle::Heartbeating
+            } else {
+                Lifecycle::Stale
             }
         } else if self.agent_started_at.is_some() {
             Lifecycle::AgentStarting
@@ -231,6 +251,7 @@ mod tests {
             heartbeat_at: None,
             work: vec![],
             backoff_until: None,
+            recovery_backoff_until: None,
             request_generation: None,
             report: None,
             maintenance: false,
@@ -269,6 +290,29 @@ mod tests {
         assert_eq!(m.lifecycle(now, STALE), Lifecycle::InWork);
         m.maintenance = true;
         assert_eq!(m.lifecycle(now, STALE), Lifecycle::Maintenance);
+    }
+
+    /// A machine the recoverer rebooted is held back from another reboot for a while; once
+    /// its agent heartbeats again it shows heartbeating, and in backoff only while silent.
+    #[test]
+    fn the_recoverers_backoff_shows_only_while_the_agent_is_silent() {
+        let now = Utc::now();
+        let mut m = bare();
+        m.provided = Some(Provided::new(crate::ProviderKind::Sim, "x"));
+        m.agent_started_at = Some(now);
+        m.recovery_backoff_until = Some(now + chrono::Duration::minutes(1));
+        m.heartbeat_at = Some(now);
+        assert_eq!(m.lifecycle(now, STALE), Lifecycle::Heartbeating);
+        m.heartbeat_at = Some(now - STALE - chrono::Duration::seconds(1));
+        assert_eq!(m.lifecycle(now, STALE), Lifecycle::InBackoff, "stale");
+        m.heartbeat_at = None;
+        assert_eq!(m.lifecycle(now, STALE), Lifecycle::InBackoff, "silent");
+        m.recovery_backoff_until = Some(now - chrono::Duration::seconds(1));
+        assert_eq!(m.lifecycle(now, STALE), Lifecycle::AgentStarting, "expired");
+        // Any other loop's backoff holds a heartbeating machine back as before.
+        m.heartbeat_at = Some(now);
+        m.backoff_until = Some(now + chrono::Duration::minutes(1));
+        assert_eq!(m.lifecycle(now, STALE), Lifecycle::InBackoff);
     }
 
     #[test]

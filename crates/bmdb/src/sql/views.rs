@@ -90,15 +90,21 @@ const INSTALLATION_COUNTS: &str = "(SELECT count(*) FROM machine_os_installation
           WHERE r.machine_id = q.machine_id AND r.generation = q.generation
             AND r.result = 'Error')) AS install_failed";
 
-/// One row of tags per machine; `{now}` is where each engine reads the time.
+/// One row of tags per machine; `{now}` is where each engine reads the time. The recoverer's
+/// backoff is read apart from the others (see [`MachineSummary::recovery_backoff_until`]).
 fn summary_select(now: &str) -> String {
+    let recovery = Process::ShepherdRecovery.as_str();
     format!(
         "SELECT m.machine_id, p.provider, p.provider_id, p.reservation_id, p.ip_address,
                 p.location, p.status, p.facts, a.started_at, h.heartbeat_at,
                 (SELECT string_agg(w.process, ',' ORDER BY w.process) FROM work w
                   WHERE w.machine_id = m.machine_id) AS work,
                 (SELECT max(b.until) FROM work_backoff b
-                  WHERE b.machine_id = m.machine_id AND b.until > {now}) AS backoff_until,
+                  WHERE b.machine_id = m.machine_id AND b.until > {now}
+                    AND b.process <> '{recovery}') AS backoff_until,
+                (SELECT max(b.until) FROM work_backoff b
+                  WHERE b.machine_id = m.machine_id AND b.until > {now}
+                    AND b.process = '{recovery}') AS recovery_backoff_until,
                 q.generation AS request_generation, r.generation AS report_generation,
                 r.result AS report_result,
                 EXISTS (SELECT 1 FROM machine_maintenance mm
@@ -132,6 +138,7 @@ fn summary_from_row(r: &impl Columns) -> Result<MachineSummary> {
             .map(|p| p.parse())
             .collect::<Result<_>>()?,
         backoff_until: r.opt_time("backoff_until")?,
+        recovery_backoff_until: r.opt_time("recovery_backoff_until")?,
         request_generation: r.get("request_generation")?,
         report: match (report_generation, report_result) {
             (Some(g), Some(res)) => Some((g, res.parse()?)),

@@ -190,8 +190,49 @@ async fn cancelled_transactions_leave_nothing_open(db: Bmdb) {
     session.close().await.unwrap();
 }
 
+/// The recoverer's backoff is read apart from the others: a machine whose agent heartbeats
+/// again after its reboot shows heartbeating, one still silent shows in backoff.
+async fn the_recoverers_backoff_holds_back_only_a_silent_machine(db: Bmdb) {
+    let until = Utc::now() + chrono::Duration::minutes(5);
+    let (heartbeating, silent) = db
+        .transact(move |tx| {
+            Box::pin(async move {
+                let mut ids = vec![];
+                for beats in [true, false] {
+                    let id = tx.create_machine().await?;
+                    tx.set_agent_started(id, &[7; 32]).await?;
+                    if beats {
+                        tx.set_heartbeat(id).await?;
+                    }
+                    let cause = "rebooted 2 times in a row";
+                    tx.set_backoff(id, Process::ShepherdRecovery, until, 60, cause)
+                        .await?;
+                    ids.push(id);
+                }
+                Ok((ids[0], ids[1]))
+            })
+        })
+        .await
+        .unwrap();
+    let stale_after = RecoveryThresholds::default().stale_after();
+    for (id, state) in [
+        (heartbeating, Lifecycle::Heartbeating),
+        (silent, Lifecycle::InBackoff),
+    ] {
+        let s = db
+            .read(move |tx| Box::pin(async move { tx.machine_summary(id).await }))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(s.backoff_until, None, "{s:?}");
+        assert!(s.recovery_backoff_until.is_some(), "{s:?}");
+        assert_eq!(s.lifecycle(Utc::now(), stale_after), state, "{s:?}");
+    }
+}
+
 shepherd_bmdb::conformance_tests!(
     migrations_are_idempotent,
     summaries_and_fleet_counts,
+    the_recoverers_backoff_holds_back_only_a_silent_machine,
     cancelled_transactions_leave_nothing_open,
 );
