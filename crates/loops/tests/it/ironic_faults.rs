@@ -14,6 +14,7 @@ use shepherd_ironic::testing::{
 };
 use shepherd_ironic::{ApiError, Auth, ConnectError, IronicProvider, RetryPolicy};
 use shepherd_loops::limiter::RateSpec;
+use shepherd_loops::provisioner::ProvisionerError;
 use shepherd_loops::testing::unpaced_provisioner as provisioner;
 use shepherd_loops::updater::Updater;
 use shepherd_provider::{Provider, ProviderError, Rebooter};
@@ -191,7 +192,20 @@ async fn a_failed_deploy_is_a_failed_machine_with_ironics_last_error_and_a_refus
     // then fails as busy and the claim is tried again by the next pass (counted as deferred).
     let (mut created, mut refusals) = (0, 0);
     for _ in 0..10 {
-        let r = provisioner(p.clone(), 50).iterate(&s).await.unwrap();
+        let r = match provisioner(p.clone(), 50).iterate(&s).await {
+            Ok(r) => r,
+            // A conductor still busy with the failing node's deploy may leave the other
+            // node's allocation unplaced past the provider's wait (seen once on CI): the
+            // pass stops as Ironic unavailable, the allocation is deleted, and the next pass
+            // claims the node again.
+            Err(ProvisionerError::ProviderUnavailable { created: c, error })
+                if error.to_string().contains("did not place the allocation") =>
+            {
+                created += c;
+                continue;
+            }
+            Err(e) => panic!("{e}; Ironic: {}", ironic.log_tail()),
+        };
         assert_eq!(r.failed, 0, "{r:?}");
         (created, refusals) = (created + r.created, refusals + r.refused);
         if created + refusals == 2 {
