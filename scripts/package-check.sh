@@ -27,10 +27,22 @@ root_tar="${SHEPHERD_PACKAGE_ROOT_DIR:-$HOME/.cache/shepherd/package-root}/root.
 
 work=$(mktemp -d /tmp/package-check.XXXXXX)
 servers=()
+# stop_server PID: stops a server that `serve` started, and waits for it. PID is the shell
+# running `as_user`; its child is unshare, whose child is the server. The server itself is
+# sent TERM: killing the shell alone left unshare and the server running after the check, and
+# unshare's --kill-child does not reach a server that chroot --userspec started (a change of
+# user clears the parent-death signal).
+stop_server() {
+  local shell="$1" unshare
+  for unshare in $(pgrep -P "$shell" || true); do
+    pkill -TERM -P "$unshare" 2>/dev/null || true
+  done
+  kill "$shell" 2>/dev/null || true
+  wait "$shell" 2>/dev/null || true
+}
 cleanup() {
   local pid
-  for pid in "${servers[@]}"; do kill "$pid" 2>/dev/null || true; done
-  wait 2>/dev/null || true
+  for pid in "${servers[@]}"; do stop_server "$pid"; done
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -161,8 +173,7 @@ must "the server's tasks" as_user "$root" "$user" shepherd tasks --at "${metrics
 answered=$(date +%s.%N)
 ok "shepherd server as user shepherd with the packaged config answers at $metrics"
 echo "package-check: figure: clean_root_to_server_answering_s = $(awk "BEGIN { printf \"%.1f\", $answered - $started }")"
-kill "${servers[-1]}"
-wait "${servers[-1]}" 2>/dev/null || true
+stop_server "${servers[-1]}"
 
 # 2. Purge.
 must "purge" in_root "$root" dpkg --purge shepherd shepherd-agent > /dev/null
@@ -191,8 +202,7 @@ for i in $(seq 1 300); do
   [ "$i" = 300 ] && fail "the simulated fleet did not reach 10 machines in 60 s: $count"
   sleep 0.2
 done
-kill "${servers[-1]}"
-wait "${servers[-1]}" 2>/dev/null || true
+stop_server "${servers[-1]}"
 must "token" as_user "$root" "$user" shepherd tokens create --name upgrade-check --role viewer \
   --expires 1d --database "$db" > /dev/null
 # What a machine is (not its state, which moves with the clock), sorted.
