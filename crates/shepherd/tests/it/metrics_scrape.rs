@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{announced, signal, sim_replica, Pace};
+use common::{announced, signal, sim_replica, ChildGuard, Pace};
 use shepherd_bmdb::{testing, Bmdb, Process, StatusCounts, WorkEvent};
 
 const MACHINES: usize = 1000;
@@ -91,14 +91,18 @@ async fn metrics_match_the_work_history() {
         reconcile_rate: "100ms,1",
         ..Pace::default()
     };
-    let mut child = sim_replica(&t.url, MACHINES, "1ms", pace)
-        .args(["--sim-connect-failure-rate=0.05", "--stats-interval=200ms"])
-        .arg("--metrics-listen=127.0.0.1:0")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let url = metrics_url(&mut child);
+    // Killed when the test ends, whether it passes or panics.
+    let mut replica = ChildGuard(Some(
+        sim_replica(&t.url, MACHINES, "1ms", pace)
+            .args(["--sim-connect-failure-rate=0.05", "--stats-interval=200ms"])
+            .arg("--metrics-listen=127.0.0.1:0")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    ));
+    let child = replica.child();
+    let url = metrics_url(child);
 
     // Quiescent: every machine was provided and then either taken over or failed into a
     // 5-minute backoff, and nothing holds work.
@@ -260,7 +264,7 @@ async fn metrics_match_the_work_history() {
     let heartbeating = get(&samples, "shepherd_fleet_machines_heartbeating", &[]);
     assert!(heartbeating <= settled.agent_started as f64);
 
-    signal(&child, "TERM");
+    signal(child, "TERM");
     assert!(child.wait().unwrap().success());
     t.cleanup().await;
 }
