@@ -12,7 +12,7 @@ use shepherd_bmdb::{testing, Bmdb, Processor, ProviderStatus, Session};
 use shepherd_ironic::testing::{
     recorded, test_config, test_provider, FaultProxy, IronicServer, TestAuth,
 };
-use shepherd_ironic::{ApiError, Auth, ConnectError, IronicProvider, RetryPolicy};
+use shepherd_ironic::{ApiError, Auth, ConnectError, IronicError, IronicProvider, RetryPolicy};
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::provisioner::ProvisionerError;
 use shepherd_loops::testing::unpaced_provisioner as provisioner;
@@ -198,8 +198,13 @@ async fn a_failed_deploy_is_a_failed_machine_with_ironics_last_error_and_a_refus
             // node's allocation unplaced past the provider's wait (seen once on CI): the
             // pass stops as Ironic unavailable, the allocation is deleted, and the next pass
             // claims the node again.
-            Err(ProvisionerError::ProviderUnavailable { created: c, error })
-                if error.to_string().contains("did not place the allocation") =>
+            Err(ProvisionerError::ProviderUnavailable {
+                created: c,
+                error: ProviderError::Unavailable(failure),
+            }) if matches!(
+                failure.downcast_ref::<IronicError>(),
+                Some(IronicError::AllocationStuck { .. })
+            ) =>
             {
                 created += c;
                 continue;
