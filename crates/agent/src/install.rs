@@ -1,12 +1,23 @@
-//! OS installation: stream an image to a block device, verifying its sha256, then reboot.
+//! OS installation (design.md §13, §21): find the one whole disk the request names, stream
+//! the image onto it (decompressing raw images compressed with gzip, xz or zstd), verify the
+//! sha256 and length of what was served and every write, then report (and reboot).
 
+use bytes::Bytes;
 use futures::StreamExt;
 use sha2::{Digest, Sha256};
+use shepherd_disks::format::SNIFFED_BYTES;
+use shepherd_disks::{
+    DiskChoice, DiskFacts, FormatError, HintError, ImageFormat, NoDisk, RootDeviceHints, Sniffed,
+};
 use shepherd_proto::bmaas::ImageInstallationRequest;
-use tokio::io::AsyncWriteExt;
 
-/// Why an installation failed; its message is the report's error the server records. The
-/// device may hold a partial image after any of them.
+use crate::blank;
+use crate::disks::{self, DiskRoots};
+use crate::image_writer::{ImageWriter, WriteFailure};
+
+/// Why an installation failed; its message is the report's error the server records. Only
+/// the errors after the disk was opened (a download that broke off, a write, a checksum) may
+/// leave a partial image on it; before that, nothing was written.
 #[derive(Debug, thiserror::Error)]
 pub enum InstallError {
     /// The request's checksum is not a sha256.
@@ -15,6 +26,26 @@ pub enum InstallError {
     /// The request names no device to write.
     #[error("no target device")]
     NoTargetDevice,
+    /// The request's disk (path or hints) cannot be used. Nothing was written.
+    #[error("the installation's disk: {0}")]
+    BadDisk(HintError),
+    /// No whole disk, or more than one, is the one the request names. Nothing was written.
+    #[error("{0}; nothing was written")]
+    NoDisk(NoDisk),
+    /// The request's format is not one the agent writes. Nothing was written.
+    #[error("the installation's format: {0}")]
+    BadFormat(FormatError),
+    /// The image is of a format the agent does not write. Nothing was written.
+    #[error("the image is {0}, which the agent does not write: serve it raw, or raw compressed with gzip, xz or zstd; nothing was written")]
+    UnwritableFormat(&'static str),
+    /// The image is not of the format the request names. Nothing was written.
+    #[error("the image is {found}, and the installation says {named}; nothing was written")]
+    FormatMismatch {
+        /// The request's format.
+        named: ImageFormat,
+        /// What the image's magic bytes say.
+        found: ImageFormat,
+    },
     /// The request asks for an installation this agent cannot do.
     #[error("{0}")]
     Unsupported(&'static str),
@@ -28,27 +59,55 @@ pub enum InstallError {
         /// What the HTTP client said.
         error: reqwest::Error,
     },
-    /// The device could not be opened, written or flushed.
+    /// The image's server sent fewer or more bytes than it announced.
+    #[error("{url} announced {announced} bytes and served {served}")]
+    ShortBody {
+        /// The image's URL.
+        url: String,
+        /// What was served.
+        served: u64,
+        /// Its `Content-Length`.
+        announced: u64,
+    },
+    /// The disk could not be read or opened.
     #[error("{doing} {device}: {error}")]
     Device {
-        /// `reading`, `opening`, `writing` or `flushing`.
+        /// `reading` or `opening`.
         doing: &'static str,
-        /// The target device.
+        /// The disk.
         device: String,
         /// What the system said.
         error: std::io::Error,
     },
-    /// The bytes written do not have the requested checksum.
-    #[error("image checksum mismatch: got sha256 {got} over {written} bytes, want {want}")]
+    /// The kernel refused to open the disk exclusively: something holds it. Nothing was written.
+    #[error("{device} is in use ({error}): mounted, or part of a RAID, LVM or multipath device; the agent writes only a disk nothing holds (if this should be the live environment, its CD boot fell through to an installed OS); nothing was written")]
+    Busy {
+        /// The disk.
+        device: String,
+        /// What the system said.
+        error: std::io::Error,
+    },
+    /// Writing the image onto the disk failed.
+    #[error("writing onto {device}: {failure}")]
+    Write {
+        /// The disk.
+        device: String,
+        /// What went wrong.
+        failure: WriteFailure,
+    },
+    /// The bytes served do not have the requested checksum.
+    #[error(
+        "image checksum mismatch: got sha256 {got} over the {served} bytes served, want {want}"
+    )]
     Mismatch {
-        /// The checksum of what was written.
+        /// The checksum of what was served.
         got: String,
-        /// How many bytes were written.
-        written: u64,
+        /// How many bytes were served.
+        served: u64,
         /// The requested checksum.
         want: String,
     },
-    /// The device holds something (a partition table, a file system, data) and the request
+    /// The disk holds something (a partition table, a file system, data) and the request
     /// does not allow overwriting it. Nothing was written.
     #[error("{device} holds {holds}; it is overwritten only if the installation allows a wipe (the inventory entry's Bare.Wipe, or an operator's reimage --wipe)")]
     NotBlank {
@@ -57,8 +116,8 @@ pub enum InstallError {
         /// What it holds.
         holds: String,
     },
-    /// The image is larger than the device. Nothing was written.
-    #[error("the image is {image} bytes and {device} only {size}")]
+    /// The image is larger than the disk. Nothing was written.
+    #[error("the image is {image} bytes and {device} only {size}; nothing was written")]
     TooSmall {
         /// The target device.
         device: String,
@@ -90,7 +149,14 @@ pub fn spawn(
                 .enable_all()
                 .build()
             {
-                Ok(rt) => rt.block_on(install(&image)),
+                Ok(rt) => rt
+                    .block_on(install(&image, &DiskRoots::from_env()))
+                    .map(|installed| {
+                        eprintln!(
+                            "shepherd-agent: wrote {} bytes ({}) onto {}",
+                            installed.written, installed.format, installed.disk
+                        );
+                    }),
                 Err(e) => Err(InstallError::NotRun(format!("starting its runtime: {e}"))),
             };
             let _ = done.send(result);
@@ -115,16 +181,100 @@ fn lowest_cpu_priority() {
     }
 }
 
-/// Downloads `image.url` into `image.target_device`, checking the sha256 over exactly the
-/// bytes written. An error means the device may hold a partial image; it is never reported as
-/// success.
-pub async fn install(image: &ImageInstallationRequest) -> Result<(), InstallError> {
+/// What an installation wrote.
+#[derive(Debug, Clone)]
+pub struct Installed {
+    /// The disk, with the facts it was chosen by.
+    pub disk: DiskFacts,
+    /// The image's format.
+    pub format: ImageFormat,
+    /// The bytes written onto the disk (after decompression).
+    pub written: u64,
+}
+
+/// The disk `image` names: its root device hints, or else its target device.
+fn disk_choice(image: &ImageInstallationRequest) -> Result<DiskChoice, InstallError> {
+    if !image.root_device_hints.is_empty() {
+        return RootDeviceHints::from_json(&image.root_device_hints)
+            .map(DiskChoice::Hints)
+            .map_err(InstallError::BadDisk);
+    }
+    if image.target_device.is_empty() {
+        return Err(InstallError::NoTargetDevice);
+    }
+    DiskChoice::path(&image.target_device).map_err(InstallError::BadDisk)
+}
+
+/// The image's first chunks, enough to tell its format, and the format they show.
+async fn sniff<S>(body: &mut S, url: &str) -> Result<(Vec<Bytes>, Sniffed), InstallError>
+where
+    S: futures::Stream<Item = reqwest::Result<Bytes>> + Unpin,
+{
+    let mut head = Vec::new();
+    let mut bytes = Vec::with_capacity(SNIFFED_BYTES);
+    while bytes.len() < SNIFFED_BYTES {
+        let Some(chunk) = body.next().await else {
+            break;
+        };
+        let chunk = chunk.map_err(|error| InstallError::Download {
+            doing: "downloading",
+            url: url.to_string(),
+            error,
+        })?;
+        let wanted = SNIFFED_BYTES - bytes.len();
+        bytes.extend_from_slice(&chunk[..wanted.min(chunk.len())]);
+        head.push(chunk);
+    }
+    Ok((head, ImageFormat::sniff(&bytes)))
+}
+
+/// Writes `image.url` onto the one whole disk the request names (design.md §21), checking
+/// the sha256 and the length of the image as served and every write onto the disk. Nothing is
+/// written unless the disk was found, is blank or may be wiped, nobody holds it open (it is
+/// opened exclusively: a mounted disk is refused by the kernel), and the image is in a format
+/// the agent writes (and the one the request names). Once writing started, an error means the
+/// disk may hold a partial image; it is never reported as success.
+pub async fn install(
+    image: &ImageInstallationRequest,
+    roots: &DiskRoots,
+) -> Result<Installed, InstallError> {
     let want = image.sha256.trim().to_ascii_lowercase();
     if want.len() != 64 || !want.bytes().all(|b| b.is_ascii_hexdigit()) {
         return Err(InstallError::BadChecksum(image.sha256.clone()));
     }
-    if image.target_device.is_empty() {
-        return Err(InstallError::NoTargetDevice);
+    let choice = disk_choice(image)?;
+    let named = match image.format.trim() {
+        "" => None,
+        name => Some(ImageFormat::parse(name).map_err(InstallError::BadFormat)?),
+    };
+    let disks = disks::whole_disks(roots);
+    let disk = shepherd_disks::choose(&choice, &disks)
+        .map_err(InstallError::NoDisk)?
+        .clone();
+    let node = roots.node(&disk);
+    let device = disk.name.clone();
+    let device_error = |doing| {
+        let device = device.clone();
+        move |error| InstallError::Device {
+            doing,
+            device,
+            error,
+        }
+    };
+    if !image.wipe_allowed {
+        let holds = tokio::task::spawn_blocking({
+            let node = node.clone();
+            move || blank::what_it_holds(&node)
+        })
+        .await
+        .map_err(|e| InstallError::NotRun(format!("checking the disk: {e}")))?
+        .map_err(device_error("reading"))?;
+        if let Some(holds) = holds {
+            return Err(InstallError::NotBlank {
+                device: device.clone(),
+                holds,
+            });
+        }
     }
     let download = |doing| {
         move |error| InstallError::Download {
@@ -133,146 +283,153 @@ pub async fn install(image: &ImageInstallationRequest) -> Result<(), InstallErro
             error,
         }
     };
-    let device_error = |doing| {
-        move |error| InstallError::Device {
-            doing,
-            device: image.target_device.clone(),
-            error,
-        }
-    };
-    let size = device_size(&image.target_device).map_err(device_error("reading"))?;
-    if !image.wipe_allowed {
-        let holds = tokio::task::spawn_blocking({
-            let device = image.target_device.clone();
-            move || what_it_holds(std::path::Path::new(&device))
-        })
-        .await
-        .map_err(|e| InstallError::NotRun(format!("checking the device: {e}")))?
-        .map_err(device_error("reading"))?;
-        if let Some(holds) = holds {
-            return Err(InstallError::NotBlank {
-                device: image.target_device.clone(),
-                holds,
-            });
-        }
-    }
     let response = reqwest::get(&image.url)
         .await
         .and_then(|r| r.error_for_status())
         .map_err(download("fetching"))?;
-    if let (Some(size), Some(len)) = (size, response.content_length()) {
-        if len > size {
+    let announced = response.content_length();
+    let mut body = response.bytes_stream();
+    let (head, sniffed) = sniff(&mut body, &image.url).await?;
+    let format = match (sniffed, named) {
+        (Sniffed::Unwritable(what), _) => return Err(InstallError::UnwritableFormat(what)),
+        (Sniffed::Writable(found), Some(named)) if found != named => {
+            return Err(InstallError::FormatMismatch { named, found })
+        }
+        (Sniffed::Writable(found), _) => found,
+    };
+    if let (ImageFormat::Raw, Some(len)) = (format, announced) {
+        if len > disk.size_bytes {
             return Err(InstallError::TooSmall {
-                device: image.target_device.clone(),
-                size,
+                device,
+                size: disk.size_bytes,
                 image: len,
             });
         }
     }
-    let mut device = tokio::fs::OpenOptions::new()
-        .write(true)
-        .truncate(true)
-        .create(true)
-        .open(&image.target_device)
-        .await
-        .map_err(device_error("opening"))?;
-    let mut hasher = Sha256::new();
-    let mut written = 0u64;
-    let mut body = response.bytes_stream();
-    while let Some(chunk) = body.next().await {
-        let chunk = chunk.map_err(download("downloading"))?;
-        hasher.update(&chunk);
-        device
-            .write_all(&chunk)
-            .await
-            .map_err(device_error("writing"))?;
-        written += chunk.len() as u64;
-    }
-    device.sync_all().await.map_err(device_error("flushing"))?;
-    let got: String = hasher
+    let file = open_exclusively(&node, &device)?;
+    eprintln!(
+        "shepherd-agent: writing {} ({format}) onto {disk}, which is {choice}",
+        image.url
+    );
+    let streamed = stream(image, head, body, file, format, &disk, announced).await?;
+    let got: String = streamed
+        .hasher
         .finalize()
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
     if got != want {
-        return Err(InstallError::Mismatch { got, written, want });
+        return Err(InstallError::Mismatch {
+            got,
+            served: streamed.served,
+            want,
+        });
     }
-    Ok(())
+    if format == ImageFormat::Raw && streamed.written != streamed.served {
+        return Err(InstallError::Write {
+            device,
+            failure: WriteFailure::Thread(format!(
+                "wrote {} of {} bytes",
+                streamed.written, streamed.served
+            )),
+        });
+    }
+    Ok(Installed {
+        disk,
+        format,
+        written: streamed.written,
+    })
 }
 
-/// How far a device's ends are read to tell whether it is blank.
-const CHECKED_BYTES: u64 = 1 << 20;
-
-/// The size of `device` if it is a block device (a regular file, as tests use, grows as it is
-/// written); `None` otherwise, or if it does not exist yet.
-fn device_size(device: &str) -> std::io::Result<Option<u64>> {
-    use std::io::Seek;
-    use std::os::unix::fs::FileTypeExt;
-    match std::fs::metadata(device) {
-        Ok(m) if m.file_type().is_block_device() => {
-            let mut f = std::fs::File::open(device)?;
-            Ok(Some(f.seek(std::io::SeekFrom::End(0))?))
-        }
-        Ok(_) => Ok(None),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(e),
-    }
+/// Opens `node` (the disk `device`) for writing, exclusively: the kernel refuses a block
+/// device that is mounted or held by md, LVM or multipath.
+fn open_exclusively(node: &std::path::Path, device: &str) -> Result<std::fs::File, InstallError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let opened = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_EXCL)
+        .open(node);
+    opened.map_err(|error| match error.raw_os_error() {
+        Some(libc::EBUSY) => InstallError::Busy {
+            device: device.to_string(),
+            error,
+        },
+        _ => InstallError::Device {
+            doing: "opening",
+            device: device.to_string(),
+            error,
+        },
+    })
 }
 
-/// What `device` holds, or `None` if it is blank: its first and last MiB all zeros (or it does
-/// not exist yet). Recognises partition tables and the common file systems by their
-/// signatures, to say what would be overwritten; anything else that is not zeros is "data".
-pub fn what_it_holds(device: &std::path::Path) -> std::io::Result<Option<String>> {
-    use std::io::{Read, Seek, SeekFrom};
-    let mut f = match std::fs::File::open(device) {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e),
+/// What [`stream`] counted.
+struct Streamed {
+    /// Over the bytes served.
+    hasher: Sha256,
+    /// The bytes served.
+    served: u64,
+    /// The bytes written onto the disk.
+    written: u64,
+}
+
+/// Streams the image (its first chunks `head`, then the rest of `body`) onto `file`, the disk
+/// `disk`, hashing what is served; checks that the server served what it announced.
+async fn stream<S>(
+    image: &ImageInstallationRequest,
+    head: Vec<Bytes>,
+    body: S,
+    file: std::fs::File,
+    format: ImageFormat,
+    disk: &DiskFacts,
+    announced: Option<u64>,
+) -> Result<Streamed, InstallError>
+where
+    S: futures::Stream<Item = reqwest::Result<Bytes>> + Unpin,
+{
+    let write_error = |failure| InstallError::Write {
+        device: disk.name.clone(),
+        failure,
     };
-    let size = f.seek(SeekFrom::End(0))?;
-    let mut head = vec![0u8; CHECKED_BYTES.min(size) as usize];
-    f.seek(SeekFrom::Start(0))?;
-    f.read_exact(&mut head)?;
-    let tail_len = CHECKED_BYTES.min(size.saturating_sub(head.len() as u64));
-    let mut tail = vec![0u8; tail_len as usize];
-    f.seek(SeekFrom::Start(size - tail_len))?;
-    f.read_exact(&mut tail)?;
-    if head.iter().chain(&tail).all(|b| *b == 0) {
-        return Ok(None);
+    let writer = ImageWriter::start(file, format, disk.size_bytes).map_err(write_error)?;
+    let mut hasher = Sha256::new();
+    let mut served = 0u64;
+    let mut broke_off = None;
+    let mut chunks = futures::stream::iter(head.into_iter().map(Ok)).chain(body);
+    while let Some(chunk) = chunks.next().await {
+        let chunk = match chunk {
+            Ok(chunk) => chunk,
+            Err(error) => {
+                broke_off = Some(error);
+                break;
+            }
+        };
+        hasher.update(&chunk);
+        served += chunk.len() as u64;
+        if !writer.write(chunk).await {
+            break;
+        }
     }
-    Ok(Some(
-        signature(&head, &tail)
-            .unwrap_or("data (its first or last MiB is not blank)")
-            .to_string(),
-    ))
-}
-
-/// The partition table or file system whose signature `head` (a device's first bytes) or
-/// `tail` (its last) carries.
-fn signature(head: &[u8], tail: &[u8]) -> Option<&'static str> {
-    let at = |offset: usize, magic: &[u8]| head.get(offset..offset + magic.len()) == Some(magic);
-    let signatures: [(usize, &[u8], &str); 12] = [
-        (512, b"EFI PART", "a GPT partition table"),
-        (4096, b"EFI PART", "a GPT partition table"),
-        (0, b"LUKS\xba\xbe", "a LUKS encrypted volume"),
-        (0, b"XFSB", "an XFS file system"),
-        (1080, &[0x53, 0xef], "an ext2/3/4 file system"),
-        (65600, b"_BHRfS_M", "a btrfs file system"),
-        (32769, b"CD001", "an ISO 9660 file system"),
-        (536, b"LVM2 001", "an LVM physical volume"),
-        (4086, b"SWAPSPACE2", "a swap area"),
-        (4096, &[0xfc, 0x4e, 0x2b, 0xa9], "a Linux RAID member"),
-        (82, b"FAT32", "a FAT file system"),
-        (54, b"FAT", "a FAT file system"),
-    ];
-    if let Some((_, _, what)) = signatures.iter().find(|(o, m, _)| at(*o, m)) {
-        return Some(what);
+    let written = writer.finish().await;
+    if let Some(error) = broke_off {
+        return Err(InstallError::Download {
+            doing: "downloading",
+            url: image.url.clone(),
+            error,
+        });
     }
-    if at(510, &[0x55, 0xaa]) {
-        return Some("an MBR partition table");
+    let written = written.map_err(write_error)?;
+    if let Some(len) = announced.filter(|len| *len != served) {
+        return Err(InstallError::ShortBody {
+            url: image.url.clone(),
+            served,
+            announced: len,
+        });
     }
-    let last_sector = tail.len().checked_sub(512).and_then(|s| tail.get(s..s + 8));
-    (last_sector == Some(b"EFI PART")).then_some("a GPT partition table (its backup header)")
+    Ok(Streamed {
+        hasher,
+        served,
+        written,
+    })
 }
 
 /// Runs the reboot action (a shell command, so tests can observe instead of rebooting).
@@ -292,55 +449,16 @@ pub async fn reboot(command: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::disks::tests::{FakeDisk, FakeMachine};
     use std::io::{Read, Write};
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
 
-    /// A disk image of 4 MiB of zeros with `bytes` written at `offset`.
-    fn disk(dir: &std::path::Path, name: &str, offset: usize, bytes: &[u8]) -> std::path::PathBuf {
-        let mut data = vec![0u8; 4 << 20];
-        data[offset..offset + bytes.len()].copy_from_slice(bytes);
-        let path = dir.join(name);
-        std::fs::write(&path, data).unwrap();
-        path
-    }
-
-    #[test]
-    fn a_device_is_blank_only_if_its_ends_are_zeros_and_what_it_holds_is_named() {
-        let dir = tempfile::tempdir().unwrap();
-        let holds = |name: &str, offset, bytes: &[u8]| {
-            what_it_holds(&disk(dir.path(), name, offset, bytes)).unwrap()
-        };
-        assert_eq!(
-            what_it_holds(&dir.path().join("absent")).unwrap(),
-            None,
-            "a target that does not exist yet is blank"
-        );
-        // What is written where, and what the disk is then said to hold; only the ends are read.
-        let cases: [(usize, &[u8], Option<&str>); 8] = [
-            (0, &[], None),
-            (510, &[0x55, 0xaa], Some("an MBR partition table")),
-            (512, b"EFI PART", Some("a GPT partition table")),
-            (1080, &[0x53, 0xef], Some("an ext2/3/4 file system")),
-            (0, b"XFSB", Some("an XFS file system")),
-            (
-                (4 << 20) - 512,
-                b"EFI PART",
-                Some("a GPT partition table (its backup header)"),
-            ),
-            (100, b"x", Some("data (its first or last MiB is not blank)")),
-            (2 << 20, b"x", None),
-        ];
-        for (i, (offset, bytes, want)) in cases.into_iter().enumerate() {
-            let got = holds(&format!("disk{i}"), offset, bytes);
-            assert_eq!(got.as_deref(), want, "bytes {bytes:?} at {offset}");
-        }
-    }
-
-    /// Serves `body` over plain HTTP on loopback to any number of requests; counts them.
-    fn serve(body: Vec<u8>) -> (String, Arc<AtomicUsize>) {
+    /// Serves `body` over plain HTTP on loopback to any number of requests, announcing its
+    /// length if `announce`; counts the requests.
+    fn serve(body: Vec<u8>, announce: bool) -> (String, Arc<AtomicUsize>) {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let url = format!("http://{}/image.raw", listener.local_addr().unwrap());
+        let url = format!("http://{}/image", listener.local_addr().unwrap());
         let served = Arc::new(AtomicUsize::new(0));
         let count = served.clone();
         std::thread::spawn(move || {
@@ -349,15 +467,27 @@ mod tests {
                 count.fetch_add(1, Ordering::SeqCst);
                 let mut request = [0u8; 4096];
                 let _ = conn.read(&mut request);
-                let head = format!(
-                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                    body.len()
-                );
+                let length = if announce {
+                    format!("Content-Length: {}\r\n", body.len())
+                } else {
+                    String::new()
+                };
+                let head = format!("HTTP/1.1 200 OK\r\n{length}Connection: close\r\n\r\n");
                 let _ = conn.write_all(head.as_bytes());
                 let _ = conn.write_all(&body);
             }
         });
         (url, served)
+    }
+
+    /// Whether the disk at `path` holds nothing but zeros.
+    fn is_blank(path: &std::path::Path) -> bool {
+        std::fs::read(path).unwrap().iter().all(|b| *b == 0)
+    }
+
+    /// Whether the disk at `path` begins with `image`.
+    fn begins_with(path: &std::path::Path, image: &[u8]) -> bool {
+        std::fs::read(path).unwrap().starts_with(image)
     }
 
     fn sha256_hex(bytes: &[u8]) -> String {
@@ -367,25 +497,48 @@ mod tests {
             .collect()
     }
 
+    /// A machine with two blank virtio disks of 4 MiB, serials FIRST and SECOND.
+    fn two_disks(dir: &std::path::Path) -> (FakeMachine, [std::path::PathBuf; 2]) {
+        let m = FakeMachine::new(dir);
+        let disks = [("vda", 5, "FIRST"), ("vdb", 6, "SECOND")].map(|(name, slot, serial)| {
+            let place = format!("pci0000:00/0000:00:0{slot}.0/virtio{slot}");
+            m.add(FakeDisk {
+                name,
+                place: &place,
+                sectors: 8192,
+                device: None,
+                files: &[("serial", serial.as_bytes())],
+            })
+        });
+        (m, disks)
+    }
+
+    fn request(url: &str, image: &[u8], device: &str, hints: &str) -> ImageInstallationRequest {
+        ImageInstallationRequest {
+            url: url.into(),
+            sha256: sha256_hex(image),
+            target_device: device.into(),
+            root_device_hints: hints.into(),
+            ..Default::default()
+        }
+    }
+
     #[tokio::test]
     async fn a_disk_that_holds_a_partition_table_is_written_only_with_permission() {
         let dir = tempfile::tempdir().unwrap();
+        let (m, [vda, _]) = two_disks(dir.path());
+        let mut mbr = std::fs::read(&vda).unwrap();
+        mbr[510..512].copy_from_slice(&[0x55, 0xaa]);
+        std::fs::write(&vda, &mbr).unwrap();
         let image = vec![7u8; 64 << 10];
-        let (url, served) = serve(image.clone());
-        let target = disk(dir.path(), "disk", 510, &[0x55, 0xaa]);
-        let before = std::fs::read(&target).unwrap();
-        let mut request = ImageInstallationRequest {
-            url,
-            sha256: sha256_hex(&image),
-            target_device: target.display().to_string(),
-            ..Default::default()
-        };
-        let err = install(&request).await.unwrap_err().to_string();
+        let (url, served) = serve(image.clone(), true);
+        let mut request = request(&url, &image, "/dev/vda", "");
+        let err = install(&request, &m.roots).await.unwrap_err().to_string();
         assert!(
             err.contains("holds an MBR partition table") && err.contains("wipe"),
             "{err}"
         );
-        assert_eq!(std::fs::read(&target).unwrap(), before, "untouched");
+        assert_eq!(std::fs::read(&vda).unwrap(), mbr, "untouched");
         assert_eq!(
             served.load(Ordering::SeqCst),
             0,
@@ -393,7 +546,130 @@ mod tests {
         );
 
         request.wipe_allowed = true;
-        install(&request).await.unwrap();
-        assert_eq!(std::fs::read(&target).unwrap(), image);
+        let installed = install(&request, &m.roots).await.unwrap();
+        assert_eq!(installed.disk.name, "/dev/vda");
+        assert!(begins_with(&vda, &image));
+    }
+
+    #[tokio::test]
+    async fn hints_choose_the_one_disk_they_match_and_the_others_are_untouched() {
+        let dir = tempfile::tempdir().unwrap();
+        let (m, [vda, vdb]) = two_disks(dir.path());
+        let image = vec![3u8; 100_000];
+        let (url, _) = serve(image.clone(), true);
+        let installed = install(
+            &request(&url, &image, "", r#"{"serial": "second"}"#),
+            &m.roots,
+        )
+        .await
+        .unwrap();
+        assert_eq!(installed.disk.name, "/dev/vdb");
+        assert_eq!(installed.written, image.len() as u64);
+        assert!(begins_with(&vdb, &image));
+        assert!(is_blank(&vda), "the first disk is untouched");
+    }
+
+    #[tokio::test]
+    async fn a_disk_that_is_not_there_or_not_one_writes_nothing_and_lists_the_disks_seen() {
+        let dir = tempfile::tempdir().unwrap();
+        let (m, disks) = two_disks(dir.path());
+        let image = vec![3u8; 1000];
+        let (url, served) = serve(image.clone(), true);
+        for (device, hints, want) in [
+            ("/dev/sdz", "", "no whole disk is /dev/sdz"),
+            ("/dev/vda1", "", "no whole disk is /dev/vda1"),
+            ("", r#"{"serial": "third"}"#, "no whole disk is the hints"),
+            ("", r#"{"size": "<= 1"}"#, "2 whole disks match the hints"),
+        ] {
+            let err = install(&request(&url, &image, device, hints), &m.roots)
+                .await
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(want)
+                    && err.contains("/dev/vda (0.0 GiB, serial FIRST)")
+                    && err.contains("/dev/vdb (0.0 GiB, serial SECOND)")
+                    && err.ends_with("nothing was written"),
+                "{device}{hints}: {err}"
+            );
+        }
+        assert_eq!(served.load(Ordering::SeqCst), 0, "no image was fetched");
+        for disk in disks {
+            assert!(is_blank(&disk));
+            assert_eq!(std::fs::metadata(&disk).unwrap().len(), 4 << 20);
+        }
+        assert!(
+            !m.roots.dev.join("sdz").exists(),
+            "nothing was created in /dev"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_image_of_another_format_than_named_or_one_not_written_writes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (m, [vda, _]) = two_disks(dir.path());
+        let mut qcow2 = b"QFI\xfb\x00\x00\x00\x03".to_vec();
+        qcow2.resize(4096, 0);
+        let raw = vec![5u8; 4096];
+        for (image, format, want) in [
+            (
+                &qcow2,
+                "",
+                "the image is qcow2, which the agent does not write",
+            ),
+            (
+                &raw,
+                "zstd",
+                "the image is raw, and the installation says zstd",
+            ),
+            (&raw, "qcow2", "qcow2 is not written yet"),
+        ] {
+            let (url, _) = serve(image.clone(), true);
+            let mut request = request(&url, image, "/dev/vda", "");
+            request.format = format.into();
+            let err = install(&request, &m.roots).await.unwrap_err().to_string();
+            assert!(err.contains(want), "{err}");
+            assert!(is_blank(&vda), "{want}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_compressed_image_is_checked_as_served_and_written_decompressed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (m, [vda, _]) = two_disks(dir.path());
+        let image: Vec<u8> = (0..1_000_000u32).map(|i| (i % 13) as u8).collect();
+        let served = zstd::encode_all(image.as_slice(), 3).unwrap();
+        let (url, _) = serve(served.clone(), true);
+        let mut request = request(&url, &served, "/dev/vda", "");
+        request.format = "zstd".into();
+        let installed = install(&request, &m.roots).await.unwrap();
+        assert_eq!(
+            (installed.format, installed.written),
+            (ImageFormat::Zstd, image.len() as u64)
+        );
+        assert!(begins_with(&vda, &image));
+    }
+
+    #[tokio::test]
+    async fn an_image_larger_than_its_disk_is_a_failure_announced_or_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let (m, [vda, _]) = two_disks(dir.path());
+        let image = vec![1u8; (4 << 20) + 4096];
+        for (announce, want) in [
+            (true, "nothing was written"),
+            (false, "the image is larger than the disk's 4194304 bytes"),
+        ] {
+            let (url, _) = serve(image.clone(), announce);
+            let err = install(&request(&url, &image, "/dev/vda", ""), &m.roots)
+                .await
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(want), "{err}");
+            assert_eq!(
+                std::fs::metadata(&vda).unwrap().len(),
+                4 << 20,
+                "nothing past the end"
+            );
+        }
     }
 }

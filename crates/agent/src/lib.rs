@@ -5,12 +5,15 @@
 //! sends a hardware report once, and installs an OS image when asked. The heartbeat loop is a
 //! library too, so simulated fleets run the real agent code in-process.
 
+mod blank;
 pub mod clock;
 pub mod connection;
+mod disks;
 mod ethtool;
 pub mod hardware;
 pub mod heartbeat;
 pub mod identity;
+mod image_writer;
 mod install;
 pub mod state;
 pub mod takeover;

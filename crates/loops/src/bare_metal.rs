@@ -29,6 +29,7 @@ use shepherd_bmdb::{
     OsInstallationReport, OsInstallationRequest, PhaseWrites, Process, Provided, Retrieval,
     Session, TagWrites, Tx,
 };
+use shepherd_disks::DiskChoice;
 use shepherd_proto::bmaas as proto;
 use shepherd_proto::Message;
 use shepherd_provider::bare::{config_drive, ConfigTooLarge, LiveFacts};
@@ -156,6 +157,10 @@ pub enum BareError {
     /// The machine's config drive would not fit the live image.
     #[error(transparent)]
     Config(#[from] ConfigTooLarge),
+    /// The inventory entry's `Bare` cannot be used (checked when the inventory was read, so
+    /// only an entry changed since then gets here).
+    #[error("the inventory entry: {0}")]
+    Entry(InvalidSetting),
     /// The BMC failed a step (unreachable, a timeout, an error status), or lacks what it needs.
     #[error("{step}: {error}")]
     Bmc {
@@ -181,7 +186,8 @@ impl BareError {
         match self {
             BareError::Bmc { error, .. } => error.is_configuration(),
             BareError::Plan(ProviderError::NotSupported(_) | ProviderError::Bmc(_))
-            | BareError::Config(_) => true,
+            | BareError::Config(_)
+            | BareError::Entry(_) => true,
             _ => false,
         }
     }
@@ -504,7 +510,8 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
                 }
                 BarePhase::StartingLive => Some(self.boot(step, &plan, BootTarget::Cd).await?),
                 BarePhase::LiveBoot if step.known.agent_started => {
-                    let (request, detail) = self.installation(step, &plan);
+                    let (request, detail) =
+                        self.installation(step, &plan).map_err(BareError::Entry)?;
                     let writes = PhaseWrites {
                         install_generation: Some(request.generation),
                         ..PhaseWrites::default()
@@ -678,7 +685,11 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
 
     /// The installation request for a machine its initializer took over in its live
     /// environment, and the history's words for it (who allowed a wipe).
-    fn installation(&self, step: &Step<'_, P>, plan: &BarePlan) -> (OsInstallationRequest, String) {
+    fn installation(
+        &self,
+        step: &Step<'_, P>,
+        plan: &BarePlan,
+    ) -> Result<(OsInstallationRequest, String), InvalidSetting> {
         let (bare, known) = (&step.bare, &step.known);
         let asked = known.request.as_ref().map(|r| r.generation);
         let generation = asked.max(bare.install_generation).unwrap_or(0) + 1;
@@ -688,10 +699,18 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
             (None, true) => Some("the inventory entry (Bare.Wipe)".to_string()),
             (None, false) => None,
         };
+        let disk = entry.disk_choice()?;
+        let format = entry.image_format()?;
+        let (target_device, root_device_hints) = match &disk {
+            DiskChoice::Path(path) => (path.clone(), String::new()),
+            DiskChoice::Hints(hints) => (String::new(), hints.to_json()),
+        };
         let image = proto::ImageInstallationRequest {
             url: entry.image_url.clone(),
             sha256: entry.image_sha256.to_ascii_lowercase(),
-            target_device: entry.disk.clone(),
+            target_device,
+            root_device_hints,
+            format: format.map(|f| f.name().to_string()).unwrap_or_default(),
             wipe_allowed: allowed_by.is_some(),
             no_reboot: true,
         };
@@ -706,15 +725,15 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
         };
         let detail = format!(
             "its live environment was taken over; asked its agent (installation {generation}) to write {} (sha256 {}) onto {}: {wipe}",
-            entry.image_url, entry.image_sha256, entry.disk
+            entry.image_url, entry.image_sha256, disk
         );
-        (
+        Ok((
             OsInstallationRequest {
                 generation,
                 request_raw,
             },
             detail,
-        )
+        ))
     }
 
     /// The live environment was not taken over in time: the machine is powered off and the

@@ -54,6 +54,8 @@ impl InstallImage {
             url: self.url.clone(),
             sha256: self.sha256.clone(),
             target_device: self.device.clone(),
+            root_device_hints: String::new(),
+            format: String::new(),
             wipe_allowed: self.wipe,
             no_reboot: false,
         };

@@ -7,6 +7,7 @@
 use std::net::Ipv4Addr;
 
 use serde::Deserialize;
+use shepherd_disks::{DiskChoice, ImageFormat};
 
 use crate::settings::InvalidSetting;
 
@@ -18,15 +19,21 @@ pub const MAX_CONFIG_FILE_BYTES: usize = 16 << 10;
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "PascalCase")]
 pub struct BareEntry {
-    /// The raw OS image to write onto the disk, as the machine reaches it (http or https).
+    /// The OS image to write onto the disk, as the machine reaches it (http or https): raw, or
+    /// raw compressed with gzip, xz or zstd.
     #[serde(rename = "ImageURL")]
     pub image_url: String,
-    /// Its sha256, 64 hex digits: the agent checks every byte it wrote against it.
+    /// Its sha256 as served, 64 hex digits: the agent checks every byte it received against it.
     #[serde(rename = "ImageSHA256")]
     pub image_sha256: String,
-    /// The disk the image goes onto, as the live environment's kernel names it (`/dev/sda`,
-    /// `/dev/nvme0n1`).
-    pub disk: String,
+    /// The disk the image goes onto, as written: a device path as the live environment's
+    /// kernel names it (`"/dev/nvme0n1"`), or root device hints in Ironic's vocabulary
+    /// (`{"serial": "S3YJNX0K"}`, `{"size": ">= 400", "rotational": false}`). Only a whole disk
+    /// counts, and hints must match exactly one ([`BareEntry::disk_choice`]).
+    pub disk: serde_json::Value,
+    /// The image's format (`raw`, `gzip`, `xz`, `zstd`); left out, the agent tells it by its
+    /// first bytes. Named, an image of another format is refused before anything is written.
+    pub format: Option<String>,
     /// Whether the disk may be overwritten although it holds a partition table or a file
     /// system (without it, and without an operator's reimage that allows it, the agent
     /// refuses to write such a disk).
@@ -67,26 +74,29 @@ impl BareEntry {
         if sha.len() != 64 || !sha.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Err(bad("ImageSHA256", format!("{sha:?} is not 64 hex digits")));
         }
-        let name = self.disk.strip_prefix("/dev/").unwrap_or_default();
-        if name.is_empty()
-            || !name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"/_-.:".contains(&b))
-            || name.contains("..")
-        {
-            return Err(bad(
-                "Disk",
-                format!(
-                    "{:?} is not a device path like /dev/sda or /dev/nvme0n1",
-                    self.disk
-                ),
-            ));
-        }
+        self.disk_choice()?;
+        self.image_format()?;
         if let Some(n) = &self.network {
             n.parsed()
                 .map_err(|(field, problem)| bad(&format!("Network.{field}"), problem))?;
         }
         Ok(())
+    }
+
+    /// The disk the entry names, parsed.
+    pub fn disk_choice(&self) -> Result<DiskChoice, InvalidSetting> {
+        DiskChoice::from_value(&self.disk)
+            .map_err(|e| InvalidSetting::new("Bare.Disk", e.to_string()))
+    }
+
+    /// The format the entry names, if it names one.
+    pub fn image_format(&self) -> Result<Option<ImageFormat>, InvalidSetting> {
+        self.format
+            .as_deref()
+            .map(|f| {
+                ImageFormat::parse(f).map_err(|e| InvalidSetting::new("Bare.Format", e.to_string()))
+            })
+            .transpose()
     }
 }
 
@@ -262,6 +272,7 @@ mod tests {
             image_url: "https://images.example/debian.img".into(),
             image_sha256: "a".repeat(64),
             disk: "/dev/nvme0n1".into(),
+            format: None,
             wipe: false,
             network: None,
         }
@@ -312,6 +323,34 @@ mod tests {
                     ..entry()
                 },
                 "Bare.Disk",
+            ),
+            (
+                BareEntry {
+                    disk: serde_json::json!({"serial": "s>= x", "color": "red"}),
+                    ..entry()
+                },
+                "Bare.Disk: root device hint color: is not a hint",
+            ),
+            (
+                BareEntry {
+                    disk: serde_json::json!({"size": "s== 10"}),
+                    ..entry()
+                },
+                "Bare.Disk: root device hint size: operator s== does not apply",
+            ),
+            (
+                BareEntry {
+                    disk: serde_json::json!(["/dev/sda"]),
+                    ..entry()
+                },
+                "Bare.Disk",
+            ),
+            (
+                BareEntry {
+                    format: Some("qcow2".into()),
+                    ..entry()
+                },
+                "Bare.Format: qcow2 is not written yet",
             ),
         ];
         let net = |address: &str, gateway: Option<&str>, mac: Option<&str>| BareEntry {

@@ -387,7 +387,9 @@ impl Provider for StaticProvider {
                 "recorded bare: {} (sha256 {}) goes onto {}, which {}",
                 b.image_url,
                 b.image_sha256,
-                b.disk,
+                b.disk_choice()
+                    .map(|d| d.to_string())
+                    .unwrap_or_else(|_| b.disk.to_string()),
                 if b.wipe {
                     "the inventory entry allows to overwrite"
                 } else {

@@ -270,7 +270,8 @@ async fn site(knobs: Knobs) -> Site {
     let inventory = dir.path().join("inventory.json");
     let entry = json!([{"ID": "r1-u01", "Addr": "127.0.0.1:9",
         "BMC": {"URL": url, "System": SYSTEM, "Username": "admin", "PasswordFile": password},
-        "Bare": {"ImageURL": "https://images.test/os.img", "ImageSHA256": "a".repeat(64), "Disk": "/dev/vda"}}]);
+        "Bare": {"ImageURL": "https://images.test/os.img", "ImageSHA256": "a".repeat(64),
+            "Disk": {"serial": "S3YJNX0K", "size": ">= 100"}, "Format": "zstd"}}]);
     std::fs::write(&inventory, entry.to_string()).unwrap();
     let url = format!("file://{}", inventory.display());
     let provider = StaticProvider::new(&url, ProviderKind::Static)
@@ -546,6 +547,20 @@ async fn a_bare_machine_goes_its_way_and_each_bmc_step_is_taken_once() {
     assert!(
         b.image.is_none() && b.power_on && b.booted_from == Some("Hdd"),
         "{b:?}"
+    );
+    // The entry's disk goes to the agent as the hints it wrote, and its format by name.
+    let installed = s.installed.lock().unwrap();
+    let [request] = installed.as_slice() else {
+        panic!("{installed:?}")
+    };
+    let hints: serde_json::Value = serde_json::from_str(&request.root_device_hints).unwrap();
+    assert_eq!(
+        (
+            request.target_device.as_str(),
+            hints,
+            request.format.as_str()
+        ),
+        ("", json!({"serial": "S3YJNX0K", "size": ">= 100"}), "zstd")
     );
 }
 

@@ -94,7 +94,25 @@ async fn agent_takes_over_heartbeats_and_installs(db: Bmdb) {
     // The agent is copied where the Initializer would upload it, and run as it would run it.
     let (exe, machine, init) = agent_for_a_new_machine(&db, &server, dir.path()).await;
     let marker = dir.path().join("rebooted");
+    // The machine's one disk, `vdb` of 8 MiB: a sysfs and a /dev of the test's own, as the
+    // agent reads them.
+    let (sys, dev) = (dir.path().join("sys"), dir.path().join("dev"));
+    let vdb = sys.join("devices/pci0000:00/0000:00:06.0/virtio3/block/vdb");
+    std::fs::create_dir_all(&vdb).unwrap();
+    std::fs::create_dir_all(sys.join("block")).unwrap();
+    std::fs::create_dir_all(&dev).unwrap();
+    std::fs::write(vdb.join("size"), "16384\n").unwrap();
+    std::fs::write(vdb.join("serial"), "DISK-1\n").unwrap();
+    std::os::unix::fs::symlink(&vdb, sys.join("block/vdb")).unwrap();
+    let disk = dev.join("vdb");
+    std::fs::File::create(&disk)
+        .unwrap()
+        .set_len(8 << 20)
+        .unwrap();
     let mut agent = Command::new(&exe);
+    agent
+        .env("SHEPHERD_AGENT_SYSFS", &sys)
+        .env("SHEPHERD_AGENT_DEV", &dev);
     agent.env("SHEPHERD_AGENT_HEARTBEAT_INTERVAL", "200ms").env(
         "SHEPHERD_AGENT_REBOOT_COMMAND",
         format!("touch {}", marker.display()),
@@ -169,7 +187,6 @@ async fn agent_takes_over_heartbeats_and_installs(db: Bmdb) {
     let mut corrupted = image.clone();
     corrupted[1234] ^= 0xff;
     let base = http_server(vec![("/good.img", image.clone()), ("/bad.img", corrupted)]).await;
-    let disk = dir.path().join("disk");
     for (generation, path, wipe_allowed, want) in [
         (1, "/bad.img", false, InstallationResult::Error),
         (2, "/good.img", false, InstallationResult::Error),
@@ -181,7 +198,7 @@ async fn agent_takes_over_heartbeats_and_installs(db: Bmdb) {
                 ImageInstallationRequest {
                     url: format!("{base}{path}"),
                     sha256: sha.clone(),
-                    target_device: disk.display().to_string(),
+                    root_device_hints: r#"{"serial": "disk-1"}"#.into(),
                     wipe_allowed,
                     ..Default::default()
                 },
@@ -209,7 +226,12 @@ async fn agent_takes_over_heartbeats_and_installs(db: Bmdb) {
             assert!(!marker.exists(), "rebooted after a failed installation");
         }
     }
-    assert_eq!(std::fs::read(&disk).unwrap(), image);
+    let written = std::fs::read(&disk).unwrap();
+    assert_eq!(&written[..image.len()], image.as_slice());
+    assert!(
+        written[image.len()..].iter().all(|b| *b == 0),
+        "nothing past the image"
+    );
     wait_for("the reboot action", async || marker.exists().then_some(())).await;
     server.close().await.unwrap();
 }

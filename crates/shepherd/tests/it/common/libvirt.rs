@@ -34,6 +34,8 @@ pub struct DomainSpec {
     pub index: u8,
     /// The size of its blank disk (`/dev/vda` in the guest).
     pub disk_bytes: u64,
+    /// The size of a second blank disk (`/dev/vdb`), if it has one.
+    pub second_disk_bytes: Option<u64>,
     /// Memory in MiB.
     pub memory_mib: u32,
     /// The loopback port of `shepherd server`, forwarded to [`SERVER_IN_GUEST`].
@@ -52,6 +54,10 @@ pub struct Domain {
     pub uuid: String,
     /// Its disk.
     pub disk: PathBuf,
+    /// The serial its disk shows the guest (`/sys/block/vda/serial`).
+    pub disk_serial: String,
+    /// Its second disk, if it has one, and that disk's serial.
+    pub second_disk: Option<(PathBuf, String)>,
     /// Its serial console's log.
     pub serial: PathBuf,
     /// The loopback port forwarded to its sshd.
@@ -70,6 +76,23 @@ impl Domain {
             .unwrap()
             .set_len(spec.disk_bytes)
             .unwrap();
+        let disk_serial = format!("SHEPHERD-{}-A", spec.index);
+        let second_disk = spec.second_disk_bytes.map(|bytes| {
+            let path = dir.join(format!("{name}-b.img"));
+            std::fs::File::create(&path)
+                .unwrap()
+                .set_len(bytes)
+                .unwrap();
+            (path, format!("SHEPHERD-{}-B", spec.index))
+        });
+        let more_disks = match &second_disk {
+            Some((path, serial)) => format!(
+                "\n    <disk type='file' device='disk'><driver name='qemu' type='raw'/>\
+                 <source file='{}'/><target dev='vdb' bus='virtio'/><serial>{serial}</serial></disk>",
+                path.display()
+            ),
+            None => String::new(),
+        };
         let serial = dir.join(format!("{name}.serial"));
         let ssh_port = super::free_port();
         let mac = format!("52:54:00:5e:01:{:02x}", spec.index);
@@ -86,6 +109,8 @@ impl Domain {
             .replace("@UUID@", &uuid)
             .replace("@MEMORY_MIB@", &spec.memory_mib.to_string())
             .replace("@DISK@", &disk.display().to_string())
+            .replace("@DISK_SERIAL@", &disk_serial)
+            .replace("@MORE_DISKS@", &more_disks)
             .replace("@SERIAL@", &serial.display().to_string())
             .replace("@NETDEV@", &netdev)
             .replace("@MAC@", &mac);
@@ -96,6 +121,8 @@ impl Domain {
             name,
             uuid,
             disk,
+            disk_serial,
+            second_disk,
             serial,
             ssh_port,
             mac,

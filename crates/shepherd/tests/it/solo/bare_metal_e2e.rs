@@ -10,7 +10,8 @@
 //! was from the disk, and the virtual CD is empty. A third domain's disk holds a partition
 //! table, and its inventory entry does not allow a wipe: its agent refuses to write it, the
 //! disk is untouched (its sha256 before and after), and the machine fails with that cause,
-//! powered off with its CD empty. With `SHEPHERD_BARE_FIGURES` set, no replica is killed, and
+//! powered off with its CD empty. The second domain has two disks, and its entry names the
+//! one to install onto by root device hints (its serial): the other disk stays blank. With `SHEPHERD_BARE_FIGURES` set, no replica is killed, and
 //! the run's figures are printed as `key = value` lines (`scripts/bare-figures.sh` writes them
 //! to bench/results/baremetal.md).
 
@@ -33,6 +34,8 @@ use uuid::Uuid;
 const MACHINES: u8 = 2;
 /// The index of the domain whose disk holds a partition table.
 const PARTITIONED: u8 = MACHINES + 1;
+/// The index of the domain with two disks, whose entry names its disk by root device hints.
+const HINTED: u8 = 2;
 
 /// What `scripts/live-image.sh` built: the live image, the OS image the tests install, its
 /// sha256, and the key that OS lets in (copied with mode 0400, as `shepherd run` wants it).
@@ -180,6 +183,8 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
                 &DomainSpec {
                     index,
                     disk_bytes: 256 << 20,
+                    // The second machine has a second disk, which its hints leave out.
+                    second_disk_bytes: (index == HINTED).then_some(64 << 20),
                     memory_mib: 512,
                     server_port,
                     images_port,
@@ -199,11 +204,17 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
     let entries: Vec<serde_json::Value> = domains
         .iter()
         .map(|d| {
+            // The hinted machine's disk is named by its serial (in another case than the
+            // disk's: Ironic's hints are compared in lower case) among two whole disks.
+            let disk = match &d.second_disk {
+                Some(_) => serde_json::json!({"serial": d.disk_serial.to_lowercase(), "size": "<= 1"}),
+                None => serde_json::json!("/dev/vda"),
+            };
             serde_json::json!({"ID": d.name, "Addr": d.ssh_addr(), "Location": "libvirt",
                 "BMC": {"URL": bmc.url, "Username": "admin", "PasswordFile": bmc.password_file,
                         "CA": bmc.ca, "System": format!("/redfish/v1/Systems/{}", d.uuid)},
                 "Bare": {"ImageURL": format!("http://{}/target.img", IMAGES_IN_GUEST.trim_end_matches(":80")),
-                         "ImageSHA256": build.target_sha256, "Disk": "/dev/vda"}})
+                         "ImageSHA256": build.target_sha256, "Disk": disk}})
         })
         .collect();
     std::fs::write(&inventory, serde_json::to_string(&entries).unwrap()).unwrap();
@@ -321,6 +332,25 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
             "{}: the disk holds the image",
             d.name
         );
+        if let Some((second, _)) = &d.second_disk {
+            let second = std::fs::read(second).unwrap();
+            assert!(
+                second.iter().all(|b| *b == 0),
+                "{}: the disk the hints leave out is untouched",
+                d.name
+            );
+            let asked = steps
+                .iter()
+                .find(|s| s.phase == BarePhase::Installing)
+                .unwrap();
+            assert!(
+                asked.detail.contains(&format!(
+                    r#"onto the hints {{"serial":"{}","size":"<= 1"}}"#,
+                    d.disk_serial.to_lowercase()
+                )),
+                "{asked:?}"
+            );
+        }
         // The last boot was from the disk, and the virtual CD is empty.
         let serial = d.serial_log();
         let last_boot = serial
