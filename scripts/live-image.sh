@@ -183,7 +183,9 @@ jq -r '.public_keys // {} | .[]' "$md" > /root/.ssh/authorized_keys 2>/dev/null
 chmod 600 /root/.ssh/authorized_keys
 name=$(jq -r '.hostname // empty' "$md" 2>/dev/null)
 [ -n "$name" ] && hostname "$name"
-jq -r '.meta // {} | to_entries[] | select(.key | test("^SHEPHERD_[A-Z_]+$")) | "SetEnv \(.key)=\(.value)"' "$md" \
+# One SetEnv line for them all: sshd takes the first SetEnv line and ignores the others.
+jq -r '[.meta // {} | to_entries[] | select(.key | test("^SHEPHERD_[A-Z_]+$")) | "\(.key)=\"\(.value)\""]
+    | select(length > 0) | "SetEnv " + join(" ")' "$md" \
     > /etc/ssh/sshd_config.d/shepherd.conf 2>/dev/null
 ip link set lo up
 # The interface of a link: the one with its MAC address, else the first with a carrier.

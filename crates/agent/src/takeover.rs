@@ -80,6 +80,10 @@ pub fn run() -> ExitCode {
                 init_message: Some(init),
                 key,
                 warning,
+                // Its SSH session's, as the live environment's config drive set it.
+                live_proof: std::env::var(shepherd_proto::LIVE_PROOF_VAR)
+                    .map(|p| p.trim().to_string())
+                    .unwrap_or_default(),
             })),
         },
         Err(message) => TakeoverResponse {

@@ -124,6 +124,23 @@ impl MediaGrant {
             config,
         }
     }
+
+    /// The proof of the live environment this grant boots: what its config drive gives the
+    /// agent (`SHEPHERD_AGENT_LIVE_PROOF`) and the agent shows at its takeover, so that an
+    /// installation is asked only of the live environment of this live boot, never of an
+    /// installed OS the CD boot fell through to (design.md §21). Derived from the URL's
+    /// secret, so it lives and ends with the grant; a different value, so that the proof an
+    /// agent shows opens no URL.
+    pub fn live_proof(&self) -> String {
+        live_proof_of(&self.token)
+    }
+}
+
+/// [`MediaGrant::live_proof`] of the grant whose URL secret is `token`.
+pub fn live_proof_of(token: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(format!("shepherd live environment proof\n{token}").as_bytes());
+    digest.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// One step of a bare machine's way: the phase it entered, when, by which session, and what

@@ -45,7 +45,8 @@ pub use api_tokens::{
 pub use audit::{Actor, AuditEvent, AuditFilter, AuditKind, MAX_AUDIT_PAGE, MAX_AUDIT_TEXT};
 pub use backoff::{default_interval_seconds, Backoff};
 pub use bare_metal::{
-    BareHistoryEntry, BareMetal, BarePhase, ForgetSystem, MediaGrant, PhaseWrites, MAX_DETAIL_LEN,
+    live_proof_of, BareHistoryEntry, BareMetal, BarePhase, ForgetSystem, MediaGrant, PhaseWrites,
+    MAX_DETAIL_LEN,
 };
 pub use batch_reports::HeartbeatBatchReports;
 pub use db::{BackendKind, Bmdb, OpenOptions};

@@ -25,13 +25,15 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use shepherd_bmdb::{
-    Backoff, BareMetal, BarePhase, BareTimeouts, ForgetSystem, Lease, LeaseLost, MediaGrant,
-    OsInstallationReport, OsInstallationRequest, PhaseWrites, Process, Provided, Retrieval,
-    Session, TagWrites, Tx,
+    live_proof_of, Backoff, BareMetal, BarePhase, BareTimeouts, ForgetSystem, Lease, LeaseLost,
+    MediaGrant, OsInstallationReport, OsInstallationRequest, PhaseWrites, Process, Provided,
+    Retrieval, Session, TagWrites, Tx,
 };
 use shepherd_disks::DiskChoice;
 use shepherd_proto::bmaas as proto;
 use shepherd_proto::Message;
+/// The variable that carries each live boot's proof to its agent; never an operator's.
+pub use shepherd_proto::LIVE_PROOF_VAR;
 use shepherd_provider::bare::{config_drive, ConfigTooLarge, LiveFacts};
 use shepherd_provider::metrics::register_at_zero;
 use shepherd_provider::redfish::{Bmc, BmcError};
@@ -285,11 +287,22 @@ impl<P: Rebooter> BareMetalLoop<P> {
     }
 }
 
+/// Why a live boot ended without an installation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LiveBootEnd {
+    /// Nothing was taken over within the live-boot timeout.
+    NoAnswer,
+    /// An agent was taken over, but not in this live boot's environment.
+    FellThrough,
+}
+
 /// What the loop reads of a machine before it acts, in one transaction.
 struct Known {
     provided: Option<Provided>,
     bare: Option<BareMetal>,
     agent_started: bool,
+    /// The live proof the started agent showed, if any.
+    live_proof: Option<String>,
     heartbeat: bool,
     request: Option<OsInstallationRequest>,
     report: Option<OsInstallationReport>,
@@ -306,6 +319,7 @@ impl Known {
     async fn read(tx: &mut Tx, machine: Uuid) -> Result<Known, shepherd_bmdb::Error> {
         let (provided, bare) = (tx.provided(machine).await?, tx.bare_metal(machine).await?);
         let agent_started = tx.agent_started(machine).await?.is_some();
+        let live_proof = tx.agent_live_proof(machine).await?;
         let heartbeat = tx.heartbeat(machine).await?.is_some();
         let request = tx.os_installation_request(machine).await?;
         let report = tx.os_installation_report(machine).await?;
@@ -313,6 +327,7 @@ impl Known {
             provided,
             bare,
             agent_started,
+            live_proof,
             heartbeat,
             request,
             report,
@@ -337,6 +352,15 @@ struct Step<'a, P: Rebooter> {
 }
 
 impl<P: Rebooter> Step<'_, P> {
+    /// Whether its started agent runs in the live environment of its current live boot: it
+    /// showed the proof of the media grant that boot fetched (design.md §21).
+    fn runs_live(&self) -> bool {
+        match (&self.known.live_proof, &self.bare.media_token) {
+            (Some(shown), Some(token)) => *shown == live_proof_of(token),
+            _ => false,
+        }
+    }
+
     /// Enters `to` from the current phase with `writes`, recording `detail`.
     async fn enter(
         &mut self,
@@ -509,6 +533,10 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
                     None
                 }
                 BarePhase::StartingLive => Some(self.boot(step, &plan, BootTarget::Cd).await?),
+                BarePhase::LiveBoot if step.known.agent_started && !step.runs_live() => Some(
+                    self.live_boot_failed(step, LiveBootEnd::FellThrough, &plan)
+                        .await?,
+                ),
                 BarePhase::LiveBoot if step.known.agent_started => {
                     let (request, detail) =
                         self.installation(step, &plan).map_err(BareError::Entry)?;
@@ -520,7 +548,10 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
                         .await?;
                     Some(TagWrites::none())
                 }
-                BarePhase::LiveBoot => Some(self.live_boot_ran_out(step, &plan).await?),
+                BarePhase::LiveBoot => Some(
+                    self.live_boot_failed(step, LiveBootEnd::NoAnswer, &plan)
+                        .await?,
+                ),
                 BarePhase::Installing => self.installed(step, &plan).await?,
                 BarePhase::Ejecting => {
                     self.eject(step, &plan).await?;
@@ -546,18 +577,23 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
     /// forgotten (a new live environment has a new host key). Returns the URL's secret.
     async fn grant(&self, step: &mut Step<'_, P>, plan: &BarePlan) -> Result<String, BareError> {
         let machine = step.machine;
-        let facts = LiveFacts {
-            machine,
-            hostname: &step.provided.provider_id,
-            public_keys: &self.settings.public_keys,
-            agent_env: &self.settings.agent_env,
-        };
-        let config = config_drive(&facts, &plan.entry)?;
         let now = step
             .session
             .read(|tx| Box::pin(async move { tx.now().await }))
             .await?;
-        let grant = MediaGrant::new(config, now, self.settings.media_ttl);
+        let mut grant = MediaGrant::new(String::new(), now, self.settings.media_ttl);
+        // The live environment's agent shows this grant's proof at its takeover: only then
+        // is it asked to install (an installed OS the boot fell through to has none).
+        let mut agent_env = self.settings.agent_env.clone();
+        agent_env.retain(|(name, _)| name != LIVE_PROOF_VAR);
+        agent_env.push((LIVE_PROOF_VAR.to_string(), grant.live_proof()));
+        let facts = LiveFacts {
+            machine,
+            hostname: &step.provided.provider_id,
+            public_keys: &self.settings.public_keys,
+            agent_env: &agent_env,
+        };
+        grant.config = config_drive(&facts, &plan.entry)?;
         let token = grant.token.clone();
         let detail = format!(
             "live boot {} of {}: {} goes into the virtual CD of BMC {}",
@@ -736,20 +772,30 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
         ))
     }
 
-    /// The live environment was not taken over in time: the machine is powered off and the
-    /// media ejected, then it waits and boots again, or, after its last attempt, fails.
-    async fn live_boot_ran_out(
+    /// The live boot ended without a live environment to install from (`why`): the machine
+    /// is powered off and the media ejected, then it waits and boots again, or, after its last
+    /// attempt, fails. Nothing was written.
+    async fn live_boot_failed(
         &self,
         step: &mut Step<'_, P>,
+        why: LiveBootEnd,
         plan: &BarePlan,
     ) -> Result<TagWrites, BareError> {
         let limit = humantime::format_duration(self.settings.timeouts.live_boot);
+        let (happened, advice) = match why {
+            LiveBootEnd::NoAnswer => (
+                format!("its live environment did not answer SSH within {limit}"),
+                "check the machine's network (DHCP, or Bare.Network) and that it boots from its virtual CD",
+            ),
+            LiveBootEnd::FellThrough => (
+                "the CD boot fell through to the installed OS: what answered SSH showed no proof of this live boot, so no installation was asked of it".to_string(),
+                "check that the BMC boots its virtual CD (the boot override and boot mode, Secure Boot) and can fetch the live image; nothing was written",
+            ),
+        };
         let attempts = step.bare.attempts;
         let max = self.settings.live_boot_attempts;
         if attempts >= max {
-            let cause = format!(
-                "its live environment did not answer SSH within {limit}, {attempts} times: check the machine's network (DHCP, or Bare.Network) and that it boots from its virtual CD"
-            );
+            let cause = format!("{happened}, {attempts} times: {advice}");
             return self.give_up(step, plan, &cause).await;
         }
         let off = step.quiesce(&plan.bmc, None).await?;
@@ -760,7 +806,7 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
         let interval = interval.unwrap_or_default();
         let wait = self.settings.backoff.delay_with_jitter(interval);
         let detail = format!(
-            "its live environment did not answer SSH within {limit} (live boot {attempts} of {max}); {off}; the next live boot in {}",
+            "{happened} (live boot {attempts} of {max}); {off}; the next live boot in {}",
             humantime::format_duration(Duration::from_secs(wait.as_secs()))
         );
         tracing::warn!(machine = %step.machine, "{detail}");

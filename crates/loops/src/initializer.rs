@@ -276,6 +276,20 @@ impl<P: Provider> Initializer<P> {
 
 /// Checks the agent's answer: a success that echoes `sent` and carries an ed25519 public key.
 pub fn verify_response(sent: &TakeoverInit, stdout: &[u8]) -> Result<Vec<u8>, ResponseError> {
+    verify_takeover(sent, stdout).map(|started| started.key)
+}
+
+/// What a verified takeover answer says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Started {
+    /// The agent's ed25519 public key.
+    pub key: Vec<u8>,
+    /// The live proof it showed (design.md §21), if any.
+    pub live_proof: Option<String>,
+}
+
+/// [`verify_response`], with the live proof the agent showed.
+pub fn verify_takeover(sent: &TakeoverInit, stdout: &[u8]) -> Result<Started, ResponseError> {
     let response = TakeoverResponse::decode(stdout).map_err(ResponseError::Undecodable)?;
     match response.result {
         None => Err(ResponseError::Empty),
@@ -290,7 +304,10 @@ pub fn verify_response(sent: &TakeoverInit, stdout: &[u8]) -> Result<Vec<u8>, Re
             for w in &ok.warning {
                 tracing::warn!(warning = %w, "agent warning");
             }
-            Ok(ok.key)
+            Ok(Started {
+                key: ok.key,
+                live_proof: Some(ok.live_proof).filter(|p| !p.is_empty()),
+            })
         }
     }
 }
@@ -417,13 +434,18 @@ impl<P: Provider + 'static> MachineTask for Initializer<P> {
         if !stderr.is_empty() {
             tracing::info!(%addr, stderr = %stderr, "agent stderr");
         }
-        let key = verify_response(&init, &output.stdout).map_err(|response| AgentFailure {
+        let started = verify_takeover(&init, &output.stdout).map_err(|response| AgentFailure {
             exit_status: output.exit_status,
             response,
         })?;
-        tracing::info!(%addr, "agent started");
+        tracing::info!(%addr, live_proof = started.live_proof.is_some(), "agent started");
 
-        let tags = TagWrites::none().agent_started(key);
+        // The bare-metal loop installs only through an agent that showed its live boot's
+        // proof (design.md §21); the initializer records what it showed.
+        let mut tags = TagWrites::none().agent_started(started.key);
+        if let Some(proof) = started.live_proof {
+            tags = tags.live_proof(proof);
+        }
         Ok(match output.host_key {
             // Refused (Error::HostKeyPinned) when another takeover pinned another key.
             host_key if !host_key.is_empty() => tags.pin_ssh_host_key(host_key),
@@ -455,6 +477,7 @@ mod tests {
                 init_message: init,
                 key: vec![7; key_len],
                 warning: vec![],
+                live_proof: String::new(),
             })),
         }
         .encode_to_vec()

@@ -62,6 +62,11 @@ pub fn check_fencing_token(seen: u64, offered: u64) -> Result<(), StaleTakeover>
     }
 }
 
+/// The variable a live environment's config drive gives the agent's SSH session: the proof
+/// that the agent runs in the live environment of its machine's current live boot, which the
+/// agent shows in its `TakeoverSuccess` (design.md §21).
+pub const LIVE_PROOF_VAR: &str = "SHEPHERD_AGENT_LIVE_PROOF";
+
 /// Shepherd's hints on a heartbeat's `Unavailable` answer, in the answer's gRPC metadata
 /// (upstream agents ignore them and retry as they always do).
 pub mod hints {

@@ -38,6 +38,7 @@ fn takeover_messages() {
                 init_message: Some(init()),
                 key: vec![2],
                 warning: vec!["w".into()],
+                ..Default::default()
             })),
         },
         "0a11 0a09 0a016d120165 1a0101 120102 1a0177",

@@ -86,9 +86,14 @@ fn agent_env(s: &str) -> std::result::Result<(String, String), String> {
         .ok_or_else(|| format!("{s:?} is not NAME=VALUE"))?;
     let named =
         k.starts_with("SHEPHERD_AGENT_") && k.bytes().all(|b| b.is_ascii_uppercase() || b == b'_');
-    if !named || v.is_empty() || v.contains(['\n', '\r', '"']) {
+    if !named || v.is_empty() || v.contains(['\n', '\r', '"', '\\']) {
         return Err(format!(
-            "{s:?}: the name must be SHEPHERD_AGENT_… (capitals and _) and the value one line"
+            "{s:?}: the name must be SHEPHERD_AGENT_… (capitals and _) and the value one line, without quotes or backslashes"
+        ));
+    }
+    if k == shepherd_loops::bare_metal::LIVE_PROOF_VAR {
+        return Err(format!(
+            "{k} is Shepherd's own: each live boot's config drive sets it (design.md §21)"
         ));
     }
     Ok((k.to_string(), v.to_string()))
@@ -281,5 +286,31 @@ impl Bare {
             cancel,
         ));
         (self.fleet, serving)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::agent_env;
+
+    #[test]
+    fn an_agent_setting_is_one_plain_line_and_never_shepherds_own() {
+        assert_eq!(
+            agent_env("SHEPHERD_AGENT_HEARTBEAT_INTERVAL=2s").unwrap(),
+            ("SHEPHERD_AGENT_HEARTBEAT_INTERVAL".into(), "2s".into())
+        );
+        for (bad, want) in [
+            ("SHEPHERD_AGENT_X", "is not NAME=VALUE"),
+            ("PATH=/bin", "the name must be SHEPHERD_AGENT_"),
+            ("SHEPHERD_AGENT_X=a\"b", "without quotes or backslashes"),
+            ("SHEPHERD_AGENT_X=a\\b", "without quotes or backslashes"),
+            (
+                "SHEPHERD_AGENT_LIVE_PROOF=x",
+                "each live boot's config drive sets it",
+            ),
+        ] {
+            let err = agent_env(bad).unwrap_err();
+            assert!(err.contains(want), "{bad}: {err}");
+        }
     }
 }

@@ -557,6 +557,7 @@ impl Transport for SimFleet {
                 init_message: Some(init),
                 key,
                 warning: Vec::new(),
+                live_proof: String::new(),
             })),
         };
         Ok(AgentOutput {

@@ -116,6 +116,7 @@ fn success(init: TakeoverInit, key_len: usize) -> TakeoverResponse {
             init_message: Some(init),
             key,
             warning: vec!["test agent: no background agent started".into()],
+            live_proof: String::new(),
         })),
     }
 }

@@ -79,9 +79,9 @@ pub(crate) struct WorkEnd<'a> {
 /// Many endings in one Postgres statement, finishes with their tag writes. Parameters, one
 /// array element per ending: `$1` sessions, `$2` machines, `$3` processes, `$4` events, `$5`
 /// failure causes, `$6` backoff delays in seconds, `$7` intervals remembered; then a finish's
-/// tags (`finish_tags.rs`): `$8` host keys to pin, `$9` agent keys started, `$10` agents and
-/// `$11` heartbeats forgotten, `$12` recoveries; and one element per hold, `$13` its ending's
-/// position, `$14`–`$17` process, seconds, cause, interval. An ending other than a cancel
+/// tags (`finish_tags.rs`): `$8` host keys to pin, `$9` agent keys started (with `$18` their
+/// live proofs), `$10` agents and `$11` heartbeats forgotten, `$12` recoveries; and one element
+/// per hold, `$13` its ending's position, `$14`–`$17` process, seconds, cause, interval. An ending other than a cancel
 /// needs its session alive; each deletes its own work row (`del`), and only those deleted
 /// write. No machine may have two endings in one statement (a row is written once per
 /// statement). A finish's backoff for its own process is cleared unless it holds that process
@@ -90,10 +90,10 @@ pub(crate) struct WorkEnd<'a> {
 const END_WORKS_PG: &str = "WITH e AS (
         SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::text[],
                              $6::float8[], $7::int8[], $8::text[], $9::bytea[], $10::bool[],
-                             $11::bool[], $12::int4[])
+                             $11::bool[], $12::int4[], $18::text[])
             WITH ORDINALITY AS e(session_id, machine_id, process, event, cause, delay,
                                  last_interval, pin, agent_key, forget_agent,
-                                 forget_heartbeat, recovery, n)),
+                                 forget_heartbeat, recovery, live_proof, n)),
      holds AS (
         SELECT * FROM unnest($13::int8[], $14::text[], $15::float8[], $16::text[], $17::int8[])
             AS h(n, process, delay, cause, last_interval)),
@@ -130,10 +130,11 @@ const END_WORKS_PG: &str = "WITH e AS (
         ON CONFLICT (machine_id) DO UPDATE SET key = machine_ssh_host_key.key
         RETURNING machine_id, key),
      started AS (
-        INSERT INTO machine_agent_started (machine_id, started_at, public_key)
-        SELECT machine_id, now(), agent_key FROM del WHERE agent_key IS NOT NULL
+        INSERT INTO machine_agent_started (machine_id, started_at, public_key, live_proof)
+        SELECT machine_id, now(), agent_key, live_proof FROM del WHERE agent_key IS NOT NULL
         ON CONFLICT (machine_id) DO UPDATE
-        SET started_at = excluded.started_at, public_key = excluded.public_key),
+        SET started_at = excluded.started_at, public_key = excluded.public_key,
+            live_proof = excluded.live_proof),
      unstarted AS (
         DELETE FROM machine_agent_started a USING del
          WHERE a.machine_id = del.machine_id AND del.forget_agent),
@@ -236,6 +237,7 @@ impl Tx {
             .bind(tags.holds.seconds)
             .bind(tags.holds.causes)
             .bind(tags.holds.intervals)
+            .bind(tags.live_proofs)
             .fetch_all(&mut **c)
             .await?;
         let mut outcomes = Vec::with_capacity(rows.len());

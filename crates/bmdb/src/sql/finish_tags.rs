@@ -42,6 +42,7 @@ const LONGEST_HOLD: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 pub struct TagWrites {
     pin: Option<String>,
     agent: Option<AgentTag>,
+    live_proof: Option<String>,
     forget_heartbeat: bool,
     recovery: Option<i32>,
     holds: Vec<HoldBack>,
@@ -64,6 +65,13 @@ impl TagWrites {
     /// be [`AGENT_KEY_LEN`] bytes, or the finish is refused with [`Error::InvalidArgument`]).
     pub fn agent_started(mut self, public_key: impl Into<Vec<u8>>) -> Self {
         self.agent = Some(AgentTag::Started(public_key.into()));
+        self
+    }
+
+    /// With [`TagWrites::agent_started`]: the agent showed this proof of running in its
+    /// machine's live environment (design.md §21). Without it, a start shows none.
+    pub fn live_proof(mut self, proof: impl Into<String>) -> Self {
+        self.live_proof = Some(proof.into());
         self
     }
 
@@ -158,7 +166,11 @@ impl Tx {
             self.pin_ssh_host_key(machine, key).await?;
         }
         match &writes.agent {
-            Some(AgentTag::Started(key)) => self.set_agent_started(machine, key).await?,
+            Some(AgentTag::Started(key)) => {
+                let proof = writes.live_proof.as_deref();
+                self.set_agent_started_with_proof(machine, key, proof)
+                    .await?
+            }
             Some(AgentTag::Forgotten) => {
                 self.delete_agent_started(machine).await?;
             }
@@ -189,6 +201,7 @@ impl Tx {
 pub(crate) struct TagColumns {
     pub(crate) pins: Vec<Option<String>>,
     pub(crate) agent_keys: Vec<Option<Vec<u8>>>,
+    pub(crate) live_proofs: Vec<Option<String>>,
     pub(crate) forget_agents: Vec<bool>,
     pub(crate) forget_heartbeats: Vec<bool>,
     pub(crate) recoveries: Vec<Option<i32>>,
@@ -214,6 +227,10 @@ impl TagColumns {
         self.pins.push(writes.pin.clone());
         self.agent_keys.push(match &writes.agent {
             Some(AgentTag::Started(key)) => Some(key.clone()),
+            _ => None,
+        });
+        self.live_proofs.push(match &writes.agent {
+            Some(AgentTag::Started(_)) => writes.live_proof.clone(),
             _ => None,
         });
         self.forget_agents

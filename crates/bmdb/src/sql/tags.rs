@@ -14,14 +14,16 @@ const CREATE_MACHINE: Dialects = Dialects {
 };
 
 const SET_AGENT_STARTED: Dialects = Dialects {
-    postgres: "INSERT INTO machine_agent_started (machine_id, started_at, public_key)
-               VALUES ($1, coalesce($2, now()), $3)
+    postgres: "INSERT INTO machine_agent_started (machine_id, started_at, public_key, live_proof)
+               VALUES ($1, coalesce($2, now()), $3, $4)
                ON CONFLICT (machine_id) DO UPDATE
-               SET started_at = excluded.started_at, public_key = excluded.public_key",
-    sqlite: "INSERT INTO machine_agent_started (machine_id, started_at, public_key)
-             VALUES ($1, coalesce($2, $4), $3)
+               SET started_at = excluded.started_at, public_key = excluded.public_key,
+                   live_proof = excluded.live_proof",
+    sqlite: "INSERT INTO machine_agent_started (machine_id, started_at, public_key, live_proof)
+             VALUES ($1, coalesce($2, $5), $3, $4)
              ON CONFLICT (machine_id) DO UPDATE
-             SET started_at = excluded.started_at, public_key = excluded.public_key",
+             SET started_at = excluded.started_at, public_key = excluded.public_key,
+                 live_proof = excluded.live_proof",
 };
 
 const SET_HEARTBEAT: Dialects = Dialects {
@@ -176,7 +178,8 @@ impl Tx {
         self.conn().value(sql, &args).await
     }
 
-    /// Records that the agent was started now with this ed25519 public key.
+    /// Records that the agent was started now with this ed25519 public key, showing no live
+    /// proof.
     pub async fn set_agent_started(&mut self, id: Uuid, public_key: &[u8]) -> Result<()> {
         self.set_agent_started_at(id, None, public_key).await
     }
@@ -188,6 +191,27 @@ impl Tx {
         at: Option<DateTime<Utc>>,
         public_key: &[u8],
     ) -> Result<()> {
+        self.start_agent(id, at, public_key, None).await
+    }
+
+    /// Records that the agent was started now with this public key, showing `live_proof` (the
+    /// proof of its live environment's config drive, design.md §21) or none.
+    pub async fn set_agent_started_with_proof(
+        &mut self,
+        id: Uuid,
+        public_key: &[u8],
+        live_proof: Option<&str>,
+    ) -> Result<()> {
+        self.start_agent(id, None, public_key, live_proof).await
+    }
+
+    async fn start_agent(
+        &mut self,
+        id: Uuid,
+        at: Option<DateTime<Utc>>,
+        public_key: &[u8],
+        live_proof: Option<&str>,
+    ) -> Result<()> {
         if public_key.len() != AGENT_KEY_LEN {
             return Err(Error::InvalidArgument {
                 what: "agent public key",
@@ -198,6 +222,7 @@ impl Tx {
             Arg::Uuid(id),
             Arg::OptTime(at),
             Arg::Bytes(public_key),
+            Arg::OptText(live_proof),
             Arg::Now,
         ];
         self.conn().execute(&SET_AGENT_STARTED, &args).await?;
@@ -208,6 +233,14 @@ impl Tx {
     pub async fn agent_started(&mut self, id: Uuid) -> Result<Option<AgentStarted>> {
         let sql = "SELECT started_at, public_key FROM machine_agent_started WHERE machine_id = $1";
         self.conn().row(sql, &[Arg::Uuid(id)]).await
+    }
+
+    /// The proof the started agent showed that it runs in the live environment of its
+    /// machine's current live boot (design.md §21), from that boot's config drive; `None`
+    /// where it showed none (as an installed OS does) or no agent was started.
+    pub async fn agent_live_proof(&mut self, id: Uuid) -> Result<Option<String>> {
+        let sql = "SELECT live_proof FROM machine_agent_started WHERE machine_id = $1";
+        Ok(self.conn().value(sql, &[Arg::Uuid(id)]).await?.flatten())
     }
 
     /// Removes the `agent_started` tag; true if there was one.

@@ -22,7 +22,7 @@ use shepherd_loops::bare_metal::{BareMetalLoop, BareSettings};
 use shepherd_loops::limiter::RateSpec;
 use shepherd_loops::runner::{run, RunnerConfig};
 use shepherd_proto::bmaas as proto;
-use shepherd_proto::Message;
+use shepherd_proto::{Message, LIVE_PROOF_VAR};
 use shepherd_provider::static_provider::StaticProvider;
 use shepherd_provider::{Availability, Provider as _, ProviderMachine};
 use tokio_util::sync::CancellationToken;
@@ -208,6 +208,9 @@ async fn start_bmc(knobs: Knobs) -> (String, Shared) {
 struct Machine {
     /// Its live environment is taken over once it booted from the CD.
     live_answers: bool,
+    /// What answers once it booted "from the CD" is its installed OS (the CD boot fell
+    /// through): its agent shows no live proof.
+    falls_through: bool,
     /// Its agent's report: `None` a success, else this error.
     install_error: Option<&'static str>,
     /// Its installed OS heartbeats once it booted from its disk.
@@ -216,6 +219,7 @@ struct Machine {
 
 const WORKING: Machine = Machine {
     live_answers: true,
+    falls_through: false,
     install_error: None,
     installed_heartbeats: true,
 };
@@ -223,6 +227,7 @@ const WORKING: Machine = Machine {
 /// A machine whose live environment never answers.
 const LIVE_SILENT: Machine = Machine {
     live_answers: false,
+    falls_through: false,
     ..WORKING
 };
 
@@ -445,7 +450,11 @@ async fn act_as_machine(
     let started = tx.agent_started(machine).await?.is_some();
     match (bare.phase, booted) {
         (BarePhase::LiveBoot, Some("Cd")) if m.live_answers && !started => {
-            tx.set_agent_started(machine, &[7; AGENT_KEY_LEN]).await?;
+            // The live environment's agent shows the proof its config drive gave it; an
+            // installed OS has none.
+            let proof = (!m.falls_through).then(|| live_proof_on(&bare)).flatten();
+            tx.set_agent_started_with_proof(machine, &[7; AGENT_KEY_LEN], proof.as_deref())
+                .await?;
         }
         (BarePhase::Installing, Some("Cd")) => {
             let Some(request) = tx.os_installation_request(machine).await? else {
@@ -490,6 +499,14 @@ async fn act_as_machine(
         _ => {}
     }
     Ok(None)
+}
+
+/// The live proof the config drive of `bare`'s grant gives the agent, as the live image's
+/// setup reads it (`meta_data.json`'s `meta`).
+fn live_proof_on(bare: &BareMetal) -> Option<String> {
+    let files: serde_json::Value = serde_json::from_str(bare.config.as_deref()?).ok()?;
+    let meta: serde_json::Value = serde_json::from_str(files["meta_data.json"].as_str()?).ok()?;
+    meta["meta"][LIVE_PROOF_VAR].as_str().map(str::to_string)
 }
 
 /// A working machine whose BMC answers `action` with `status` and `body`, with a replica
@@ -664,26 +681,66 @@ async fn a_bmc_that_cannot_fetch_the_image_backs_its_machine_off_with_its_answer
     assert_eq!(s.log(), ITS_ACTIONS);
 }
 
+/// The way of a machine booted live twice, without an installation, then given up on.
+const TWO_LIVE_BOOTS_THEN_FAILED: [BarePhase; 9] = [
+    Bare,
+    Inserting,
+    StartingLive,
+    LiveBoot,
+    Bare,
+    Inserting,
+    StartingLive,
+    LiveBoot,
+    Failed,
+];
+
+/// Its BMC's actions: each live boot, then powered off and ejected.
+fn off_and_ejected_after_each_live_boot() -> Vec<&'static str> {
+    let each = ["insert", "boot Cd", "power On", "power ForceOff", "eject"];
+    [each, each].concat()
+}
+
+/// The CD boot falls through to the disk's installed OS, which lets Shepherd in: its agent is
+/// taken over but shows no proof of the live boot, so nothing is asked of it; the machine is
+/// powered off and ejected, booted again, and failed with that cause after its last attempt.
+#[tokio::test]
+async fn an_installed_os_that_answers_instead_of_the_live_environment_gets_no_installation() {
+    let fell_through = Machine {
+        falls_through: true,
+        ..WORKING
+    };
+    let s = site(Knobs::default()).await;
+    let steps = s
+        .run_until(fell_through, Duration::from_secs(30), Failed)
+        .await;
+    assert_eq!(phases(&steps), TWO_LIVE_BOOTS_THEN_FAILED);
+    for (step, want) in [
+        (&steps[4], "the CD boot fell through to the installed OS"),
+        (&steps[4], "(live boot 1 of 2)"),
+        (&steps[8], "2 times"),
+        (&steps[8], "nothing was written"),
+    ] {
+        assert!(step.detail.contains(want), "{want}: {}", step.detail);
+    }
+    assert!(
+        s.installed.lock().unwrap().is_empty(),
+        "no installation was asked"
+    );
+    let no_request = s.t.db.read({
+        let m = s.machine;
+        move |tx| Box::pin(async move { tx.os_installation_request(m).await })
+    });
+    assert_eq!(no_request.await.unwrap(), None);
+    assert_eq!(s.log(), off_and_ejected_after_each_live_boot());
+}
+
 #[tokio::test]
 async fn a_live_environment_that_never_answers_is_booted_again_then_given_up_on() {
     let s = site(Knobs::default()).await;
     let steps = s
         .run_until(LIVE_SILENT, Duration::from_secs(2), Failed)
         .await;
-    assert_eq!(
-        phases(&steps),
-        [
-            Bare,
-            Inserting,
-            StartingLive,
-            LiveBoot,
-            Bare,
-            Inserting,
-            StartingLive,
-            LiveBoot,
-            Failed
-        ]
-    );
+    assert_eq!(phases(&steps), TWO_LIVE_BOOTS_THEN_FAILED);
     assert!(
         steps[4]
             .detail
@@ -698,12 +755,7 @@ async fn a_live_environment_that_never_answers_is_booted_again_then_given_up_on(
         "{}",
         steps[8].detail
     );
-    let each = ["insert", "boot Cd", "power On", "power ForceOff", "eject"];
-    assert_eq!(
-        s.log(),
-        [each, each].concat(),
-        "powered off and ejected after each"
-    );
+    assert_eq!(s.log(), off_and_ejected_after_each_live_boot());
     let b = s.bmc.lock().unwrap();
     assert!(
         !b.power_on && b.image.is_none(),

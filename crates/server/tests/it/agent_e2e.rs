@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 use shepherd_bmdb::{testing, Bmdb, InstallationResult};
-use shepherd_loops::initializer::verify_response;
+use shepherd_loops::initializer::{verify_response, verify_takeover};
 use shepherd_loops::testing::agent_path;
 use shepherd_proto::agent::TakeoverInit;
 use shepherd_proto::bmaas::*;
@@ -112,7 +112,9 @@ async fn agent_takes_over_heartbeats_and_installs(db: Bmdb) {
     let mut agent = Command::new(&exe);
     agent
         .env("SHEPHERD_AGENT_SYSFS", &sys)
-        .env("SHEPHERD_AGENT_DEV", &dev);
+        .env("SHEPHERD_AGENT_DEV", &dev)
+        // As a live environment's config drive sets it for the agent's SSH session.
+        .env(shepherd_proto::LIVE_PROOF_VAR, "proof-of-this-boot");
     agent.env("SHEPHERD_AGENT_HEARTBEAT_INTERVAL", "200ms").env(
         "SHEPHERD_AGENT_REBOOT_COMMAND",
         format!("touch {}", marker.display()),
@@ -123,7 +125,9 @@ async fn agent_takes_over_heartbeats_and_installs(db: Bmdb) {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let key = verify_response(&init, &out.stdout).unwrap();
+    let started = verify_takeover(&init, &out.stdout).unwrap();
+    assert_eq!(started.live_proof.as_deref(), Some("proof-of-this-boot"));
+    let key = started.key;
     let _background = AgentProcess(pid_of(&exe));
     let state_mode = std::fs::metadata(dir.path().join("agent.state")).unwrap();
     assert_eq!(

@@ -341,7 +341,40 @@ async fn heartbeats_are_group_committed(db: Bmdb) {
     );
 }
 
+/// A finish records the live proof its agent showed with the agent's start (in the ending's
+/// one statement on Postgres, after it on SQLite); a later start that shows none leaves none.
+async fn a_live_proof_is_recorded_with_its_start_and_no_later_start_inherits_it(db: Bmdb) {
+    let id = testing::provision(&db, 1, ProviderKind::Sim).await[0];
+    let s = session(&db, "initializer").await;
+    let mut w = claimed(s.work(Process::ShepherdAgentStart, START).await.unwrap());
+    w.finish(
+        TagWrites::none()
+            .agent_started(key(1))
+            .live_proof("proof-1"),
+    )
+    .await
+    .unwrap();
+    let shown = || {
+        db.read(move |tx| {
+            Box::pin(async move {
+                let key = tx.agent_started(id).await?.map(|a| a.public_key);
+                Ok((key, tx.agent_live_proof(id).await?))
+            })
+        })
+    };
+    assert_eq!(
+        shown().await.unwrap(),
+        (Some(key(1)), Some("proof-1".into()))
+    );
+    db.transact(move |tx| Box::pin(async move { tx.set_agent_started(id, &key(2)).await }))
+        .await
+        .unwrap();
+    assert_eq!(shown().await.unwrap(), (Some(key(2)), None));
+    s.close().await.unwrap();
+}
+
 shepherd_bmdb::conformance_tests!(
+    a_live_proof_is_recorded_with_its_start_and_no_later_start_inherits_it,
     tags_round_trip,
     agent_heartbeats,
     heartbeats_are_group_committed,
