@@ -3,7 +3,6 @@
 //! sha256 and length of what was served and every write, then report (and reboot).
 
 use bytes::Bytes;
-use futures::StreamExt;
 use sha2::{Digest, Sha256};
 use shepherd_disks::format::SNIFFED_BYTES;
 use shepherd_disks::{
@@ -13,6 +12,7 @@ use shepherd_proto::bmaas::ImageInstallationRequest;
 
 use crate::blank;
 use crate::disks::{self, DiskRoots};
+use crate::download::{Download, DownloadError};
 use crate::image_writer::{ImageWriter, WriteFailure};
 
 /// Why an installation failed; its message is the report's error the server records. Only
@@ -56,8 +56,8 @@ pub enum InstallError {
         doing: &'static str,
         /// The image's URL.
         url: String,
-        /// What the HTTP client said.
-        error: reqwest::Error,
+        /// What went wrong.
+        error: DownloadError,
     },
     /// The image's server sent fewer or more bytes than it announced.
     #[error("{url} announced {announced} bytes and served {served}")]
@@ -206,14 +206,11 @@ fn disk_choice(image: &ImageInstallationRequest) -> Result<DiskChoice, InstallEr
 }
 
 /// The image's first chunks, enough to tell its format, and the format they show.
-async fn sniff<S>(body: &mut S, url: &str) -> Result<(Vec<Bytes>, Sniffed), InstallError>
-where
-    S: futures::Stream<Item = reqwest::Result<Bytes>> + Unpin,
-{
+async fn sniff(download: &mut Download, url: &str) -> Result<(Vec<Bytes>, Sniffed), InstallError> {
     let mut head = Vec::new();
     let mut bytes = Vec::with_capacity(SNIFFED_BYTES);
     while bytes.len() < SNIFFED_BYTES {
-        let Some(chunk) = body.next().await else {
+        let Some(chunk) = download.next().await else {
             break;
         };
         let chunk = chunk.map_err(|error| InstallError::Download {
@@ -283,12 +280,10 @@ pub async fn install(
             error,
         }
     };
-    let response = reqwest::get(&image.url)
+    let mut body = Download::start(&image.url)
         .await
-        .and_then(|r| r.error_for_status())
         .map_err(download("fetching"))?;
-    let announced = response.content_length();
-    let mut body = response.bytes_stream();
+    let announced = body.announced();
     let (head, sniffed) = sniff(&mut body, &image.url).await?;
     let format = match (sniffed, named) {
         (Sniffed::Unwritable(what), _) => return Err(InstallError::UnwritableFormat(what)),
@@ -374,18 +369,15 @@ struct Streamed {
 
 /// Streams the image (its first chunks `head`, then the rest of `body`) onto `file`, the disk
 /// `disk`, hashing what is served; checks that the server served what it announced.
-async fn stream<S>(
+async fn stream(
     image: &ImageInstallationRequest,
     head: Vec<Bytes>,
-    body: S,
+    mut body: Download,
     file: std::fs::File,
     format: ImageFormat,
     disk: &DiskFacts,
     announced: Option<u64>,
-) -> Result<Streamed, InstallError>
-where
-    S: futures::Stream<Item = reqwest::Result<Bytes>> + Unpin,
-{
+) -> Result<Streamed, InstallError> {
     let write_error = |failure| InstallError::Write {
         device: disk.name.clone(),
         failure,
@@ -394,8 +386,13 @@ where
     let mut hasher = Sha256::new();
     let mut served = 0u64;
     let mut broke_off = None;
-    let mut chunks = futures::stream::iter(head.into_iter().map(Ok)).chain(body);
-    while let Some(chunk) = chunks.next().await {
+    let mut head = head.into_iter();
+    loop {
+        let next = match head.next() {
+            Some(chunk) => Some(Ok(chunk)),
+            None => body.next().await,
+        };
+        let Some(chunk) = next else { break };
         let chunk = match chunk {
             Ok(chunk) => chunk,
             Err(error) => {

@@ -9,6 +9,7 @@ mod blank;
 pub mod clock;
 pub mod connection;
 mod disks;
+mod download;
 mod ethtool;
 pub mod hardware;
 pub mod heartbeat;
