@@ -211,6 +211,9 @@ pub async fn run_agent(
     // machine look silent (and get it power-cycled mid-write by the recoverer).
     let mut installing: Option<(i64, Receiver<Result<(), InstallError>>)> = None;
     let mut reboot_after_ack = false;
+    // Installations in a row that failed for the image's server, told in each report so
+    // that Shepherd waits longer before asking again.
+    let mut unavailable_in_a_row = 0u32;
     // Whether the running installation reboots the machine once reported (Shepherd's bare
     // machines are booted from their disk by their BMC instead).
     let mut reboot_when_installed = true;
@@ -256,6 +259,7 @@ pub async fn run_agent(
                                 &mut persist,
                                 req.generation,
                                 Err(error),
+                                &mut unavailable_in_a_row,
                             ));
                             installed_generation = req.generation;
                             continue; // report right away
@@ -281,7 +285,12 @@ pub async fn run_agent(
         if let Some(outcome) = ended {
             let (generation, _) = installing.take().expect("an installation was running");
             reboot_after_ack = outcome.is_ok() && reboot_when_installed;
-            installation_report = Some(finish_installation(&mut persist, generation, outcome));
+            installation_report = Some(finish_installation(
+                &mut persist,
+                generation,
+                outcome,
+                &mut unavailable_in_a_row,
+            ));
             installed_generation = generation;
         }
     }
@@ -329,7 +338,17 @@ fn finish_installation(
     persist: &mut Option<(std::path::PathBuf, AgentState)>,
     generation: i64,
     outcome: Result<(), InstallError>,
+    unavailable_in_a_row: &mut u32,
 ) -> OsInstallationReport {
+    let unavailable = outcome
+        .as_ref()
+        .err()
+        .is_some_and(InstallError::is_unavailable);
+    *unavailable_in_a_row = if unavailable {
+        unavailable_in_a_row.saturating_add(1)
+    } else {
+        0
+    };
     if let Some((path, st)) = persist.as_mut() {
         st.installed_generation = generation;
         if let Err(e) = state::save(path, st) {
@@ -342,6 +361,9 @@ fn finish_installation(
             Ok(()) => os_installation_report::Result::Success(os_installation_report::Success {}),
             Err(error) => os_installation_report::Result::Error(os_installation_report::Error {
                 error: error.to_string(),
+                unavailable,
+                disk_written: error.disk_written(),
+                unavailable_in_a_row: *unavailable_in_a_row,
             }),
         }),
     }

@@ -58,6 +58,8 @@ pub enum InstallError {
         url: String,
         /// What went wrong.
         error: DownloadError,
+        /// Whether part of the image was written onto the disk before.
+        disk_written: bool,
     },
     /// The image's server sent fewer or more bytes than it announced.
     #[error("{url} announced {announced} bytes and served {served}")]
@@ -129,6 +131,35 @@ pub enum InstallError {
     /// The installation's thread or runtime could not run it to the end.
     #[error("the installation could not run: {0}")]
     NotRun(String),
+}
+
+impl InstallError {
+    /// Whether the image's server failed, not the machine nor the request: unreachable, a
+    /// timeout, a 5xx, 408 or 429 answer, a body that broke off for good or came short. Such
+    /// an installation may be asked again.
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            InstallError::Download { error, .. } => match error {
+                DownloadError::Http(e) => e.status().is_none_or(|status| {
+                    status.is_server_error() || matches!(status.as_u16(), 408 | 429)
+                }),
+                DownloadError::NotResumable { .. } | DownloadError::GaveUp { .. } => true,
+            },
+            InstallError::ShortBody { .. } => true,
+            _ => false,
+        }
+    }
+
+    /// Whether part of an image was written onto the disk before the installation failed.
+    pub fn disk_written(&self) -> bool {
+        match self {
+            InstallError::Download { disk_written, .. } => *disk_written,
+            InstallError::ShortBody { .. }
+            | InstallError::Write { .. }
+            | InstallError::Mismatch { .. } => true,
+            _ => false,
+        }
+    }
 }
 
 /// Starts [`install`] on a thread of its own, with a runtime of its own, at the lowest CPU
@@ -217,6 +248,7 @@ async fn sniff(download: &mut Download, url: &str) -> Result<(Vec<Bytes>, Sniffe
             doing: "downloading",
             url: url.to_string(),
             error,
+            disk_written: false,
         })?;
         let wanted = SNIFFED_BYTES - bytes.len();
         bytes.extend_from_slice(&chunk[..wanted.min(chunk.len())]);
@@ -278,6 +310,7 @@ pub async fn install(
             doing,
             url: image.url.clone(),
             error,
+            disk_written: false,
         }
     };
     let mut body = Download::start(&image.url)
@@ -412,6 +445,7 @@ async fn stream(
             doing: "downloading",
             url: image.url.clone(),
             error,
+            disk_written: true,
         });
     }
     let written = written.map_err(write_error)?;
@@ -475,6 +509,21 @@ mod tests {
             }
         });
         (url, served)
+    }
+
+    /// Answers one request with `head` and the first `cut` bytes of `body`, then closes.
+    fn serve_once(head: String, body: Vec<u8>, cut: usize) -> String {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/image", listener.local_addr().unwrap());
+        std::thread::spawn(move || {
+            if let Ok((mut conn, _)) = listener.accept() {
+                let mut request = [0u8; 4096];
+                let _ = conn.read(&mut request);
+                let _ = conn.write_all(head.as_bytes());
+                let _ = conn.write_all(&body[..cut]);
+            }
+        });
+        url
     }
 
     /// Whether the disk at `path` holds nothing but zeros.
@@ -666,6 +715,42 @@ mod tests {
                 std::fs::metadata(&vda).unwrap().len(),
                 4 << 20,
                 "nothing past the end"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_failing_image_server_is_told_apart_from_a_wrong_request() {
+        let dir = tempfile::tempdir().unwrap();
+        let (m, _) = two_disks(dir.path());
+        let image = vec![4u8; 100_000];
+        let closed = {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            format!("http://{}/image", listener.local_addr().unwrap())
+        };
+        let answer = |status: &str, cut: usize| {
+            let head = format!(
+                "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                image.len()
+            );
+            serve_once(head, image.clone(), cut)
+        };
+        // (URL, unavailable, disk written)
+        let cases = [
+            (closed, true, false),
+            (answer("503 Service Unavailable", image.len()), true, false),
+            (answer("404 Not Found", image.len()), false, false),
+            // A body that breaks off, from a server that takes no ranges.
+            (answer("200 OK", 60_000), true, true),
+        ];
+        for (url, unavailable, written) in cases {
+            let mut request = request(&url, &image, "/dev/vda", "");
+            request.wipe_allowed = true;
+            let err = install(&request, &m.roots).await.unwrap_err();
+            assert_eq!(
+                (err.is_unavailable(), err.disk_written()),
+                (unavailable, written),
+                "{err}"
             );
         }
     }

@@ -67,6 +67,10 @@ pub struct BareMetal {
     pub media_expires_at: Option<DateTime<Utc>>,
     /// Its config drive's files (JSON), as the media server splices them into the image.
     pub config: Option<String>,
+    /// The URL secret of the grant during which an installation began writing its disk before
+    /// the image's server failed: during that grant's live boot (while it is `media_token`),
+    /// Shepherd may write the disk again without a wipe permission.
+    pub rewrite_grant: Option<String>,
     /// Who allowed its disk to be overwritten besides its inventory entry (an operator's
     /// reimage), if anyone.
     pub wipe_by: Option<String>,
@@ -88,6 +92,8 @@ pub struct PhaseWrites {
     /// heartbeat and its pinned SSH host key (a live environment and an installed OS have
     /// host keys of their own), and, with `installation`, its installation request and report.
     pub forget_system: Option<ForgetSystem>,
+    /// Shepherd began writing the disk during the current grant ([`BareMetal::rewrite_grant`]).
+    pub began_writing: bool,
 }
 
 /// What [`PhaseWrites::forget_system`] forgets besides the agent, its heartbeat and the host

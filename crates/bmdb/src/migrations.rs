@@ -76,7 +76,7 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
     // Expand: a table. A binary of schema 3 to 10 neither reads nor writes it (its servers
     // keep no audit trail).
     Migration::new(11, "audit_events", 3, scripts!("0011_audit_events.sql")),
-    Migration::new(12, "live_proof", 3, scripts!("0012_live_proof.sql")), // Expand: the script says.
+    Migration::new(12, "live_boot", 3, scripts!("0012_live_boot.sql")), // Expand: the script says.
 ];
 
 /// The schema version this binary needs and writes.

@@ -653,13 +653,54 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
                     .await?;
                 return Ok(None);
             }
-            Some(r) => format!("the installation failed: {}", report_error(&r.report_raw)),
+            Some(r) => {
+                let failure = reported_failure(&r.report_raw);
+                if failure.unavailable {
+                    return Ok(Some(self.image_server_failed(step, &failure).await?));
+                }
+                format!("the installation failed: {}", failure.cause)
+            }
             None => format!(
                 "the installation did not report within {}",
                 humantime::format_duration(self.settings.timeouts.install)
             ),
         };
         Ok(Some(self.give_up(step, plan, &cause).await?))
+    }
+
+    /// The image's server failed the installation: nothing is wrong with the machine. Its live
+    /// environment stays up, and is asked again after a backoff that grows with each such
+    /// failure in a row. If the agent had begun writing the disk, Shepherd allows itself to
+    /// write it again during this live boot (the disk was blank, or might be wiped, before).
+    async fn image_server_failed(
+        &self,
+        step: &mut Step<'_, P>,
+        failure: &ReportedFailure,
+    ) -> Result<TagWrites, BareError> {
+        let mut interval = None;
+        for _ in 0..failure.in_a_row.max(1) {
+            interval = Some(self.settings.backoff.next_interval_seconds(interval));
+        }
+        let interval = interval.unwrap_or_default();
+        let wait = self.settings.backoff.delay_with_jitter(interval);
+        let generation = step.bare.install_generation.unwrap_or_default();
+        let began = match failure.disk_written {
+            true => format!("; installation {generation} began writing the disk, so Shepherd may write it again during this live boot"),
+            false => String::new(),
+        };
+        let detail = format!(
+            "the image's server failed the installation ({}): nothing is wrong with the machine; its live environment stays up and is asked again in {}{began}",
+            failure.cause,
+            humantime::format_duration(Duration::from_secs(wait.as_secs()))
+        );
+        tracing::warn!(machine = %step.machine, "{detail}");
+        let writes = PhaseWrites {
+            began_writing: failure.disk_written,
+            ..PhaseWrites::default()
+        };
+        step.enter(BarePhase::LiveBoot, writes, detail.clone())
+            .await?;
+        Ok(TagWrites::none().hold_back(Process::ShepherdBareMetal, wait, interval, &detail))
     }
 
     /// The live environment is done: the machine is powered off, its media ejected and its
@@ -730,9 +771,15 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
         let asked = known.request.as_ref().map(|r| r.generation);
         let generation = asked.max(bare.install_generation).unwrap_or(0) + 1;
         let entry = &plan.entry;
+        // Shepherd began writing the disk during this very live boot, then the image's
+        // server failed: the disk holds part of Shepherd's image, not the machine's data.
+        let rewriting = bare.rewrite_grant.is_some() && bare.rewrite_grant == bare.media_token;
         let allowed_by = match (&bare.wipe_by, entry.wipe) {
             (Some(who), _) => Some(who.clone()),
             (None, true) => Some("the inventory entry (Bare.Wipe)".to_string()),
+            (None, false) if rewriting => Some(
+                "Shepherd itself, since an installation of this live boot began writing it before the image's server failed".to_string(),
+            ),
             (None, false) => None,
         };
         let disk = entry.disk_choice()?;
@@ -842,14 +889,37 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
 /// What an agent's failed installation report (`report_raw`, as the BMDB keeps it) says, as
 /// one bounded line: the agent's text goes into a log line and the machine's history, where a
 /// newline or an escape sequence of its own would forge a line or move a terminal.
-fn report_error(report_raw: &[u8]) -> String {
+/// What an agent's report of a failed installation says.
+struct ReportedFailure {
+    /// Its error, one line, bounded.
+    cause: String,
+    /// The image's server failed, not the machine: it may be asked again.
+    unavailable: bool,
+    /// The agent had begun writing the disk.
+    disk_written: bool,
+    /// With `unavailable`, the installations in a row that failed so.
+    in_a_row: u32,
+}
+
+/// The failure an agent's report (`report_raw`) tells of.
+fn reported_failure(report_raw: &[u8]) -> ReportedFailure {
     const MAX_CHARS: usize = 500;
     match proto::OsInstallationReport::decode(report_raw) {
         Ok(proto::OsInstallationReport {
             result: Some(proto::os_installation_report::Result::Error(e)),
             ..
-        }) => shepherd_bmdb::one_line_cut(&e.error, MAX_CHARS),
-        _ => "the agent's report gives no reason".into(),
+        }) => ReportedFailure {
+            cause: shepherd_bmdb::one_line_cut(&e.error, MAX_CHARS),
+            unavailable: e.unavailable,
+            disk_written: e.disk_written,
+            in_a_row: e.unavailable_in_a_row,
+        },
+        _ => ReportedFailure {
+            cause: "the agent's report gives no reason".into(),
+            unavailable: false,
+            disk_written: false,
+            in_a_row: 0,
+        },
     }
 }
 
@@ -869,7 +939,10 @@ mod tests {
         let report = |error: String| {
             proto::OsInstallationReport {
                 result: Some(proto::os_installation_report::Result::Error(
-                    proto::os_installation_report::Error { error },
+                    proto::os_installation_report::Error {
+                        error,
+                        ..Default::default()
+                    },
                 )),
                 ..Default::default()
             }
@@ -877,16 +950,19 @@ mod tests {
         };
         let forged = "disk full\n2030-01-01T00:00:00Z WARN forged\x1b[2K\x1b[1A".to_string();
         assert_eq!(
-            report_error(&report(forged)),
+            reported_failure(&report(forged)).cause,
             "disk full\\n2030-01-01T00:00:00Z WARN forged\\u{1b}[2K\\u{1b}[1A"
         );
-        let long = report_error(&report("x".repeat(10_000)));
+        let long = reported_failure(&report("x".repeat(10_000))).cause;
         assert_eq!(
             long.chars().count(),
             501,
             "500 characters and the mark of the cut"
         );
-        assert_eq!(report_error(b"\xff"), "the agent's report gives no reason");
+        assert_eq!(
+            reported_failure(b"\xff").cause,
+            "the agent's report gives no reason"
+        );
     }
 
     #[test]

@@ -101,7 +101,10 @@ fn heartbeat_messages() {
             installation_report: Some(OsInstallationReport {
                 generation: 3,
                 result: Some(os_installation_report::Result::Error(
-                    os_installation_report::Error { error: "e".into() },
+                    os_installation_report::Error {
+                        error: "e".into(),
+                        ..Default::default()
+                    },
                 )),
             }),
         },

@@ -213,6 +213,9 @@ struct Machine {
     falls_through: bool,
     /// Its agent's report: `None` a success, else this error.
     install_error: Option<&'static str>,
+    /// Its first installations fail for the image's server (the first after writing part of
+    /// the disk), then it installs.
+    image_server_fails: i64,
     /// Its installed OS heartbeats once it booted from its disk.
     installed_heartbeats: bool,
 }
@@ -221,6 +224,7 @@ const WORKING: Machine = Machine {
     live_answers: true,
     falls_through: false,
     install_error: None,
+    image_server_fails: 0,
     installed_heartbeats: true,
 };
 
@@ -309,6 +313,12 @@ async fn site(knobs: Knobs) -> Site {
 }
 
 impl Site {
+    /// Whether each installation asked so far allowed a wipe.
+    fn wipes_allowed(&self) -> Vec<bool> {
+        let installed = self.installed.lock().unwrap();
+        installed.iter().map(|r| r.wipe_allowed).collect()
+    }
+
     /// Runs a replica of the bare-metal loop with `settings` until the token is cancelled.
     fn replica(&self, settings: BareSettings) -> (CancellationToken, tokio::task::JoinHandle<()>) {
         let task = BareMetalLoop::new(self.provider.clone(), settings).unwrap();
@@ -460,10 +470,23 @@ async fn act_as_machine(
             let Some(request) = tx.os_installation_request(machine).await? else {
                 return Ok(None);
             };
-            if tx.os_installation_report(machine).await?.is_some() {
+            let reported = tx.os_installation_report(machine).await?;
+            if reported.is_some_and(|r| r.generation == request.generation) {
                 return Ok(None);
             }
+            let unavailable = request.generation <= m.image_server_fails;
             let (result, raw) = match m.install_error {
+                None if unavailable => (
+                    InstallationResult::Error,
+                    proto::os_installation_report::Result::Error(
+                        proto::os_installation_report::Error {
+                            error: "fetching http://images.test/os.img: connection refused".into(),
+                            unavailable: true,
+                            disk_written: request.generation == 1,
+                            unavailable_in_a_row: request.generation as u32,
+                        },
+                    ),
+                ),
                 None => (
                     InstallationResult::Success,
                     proto::os_installation_report::Result::Success(Default::default()),
@@ -471,7 +494,10 @@ async fn act_as_machine(
                 Some(e) => (
                     InstallationResult::Error,
                     proto::os_installation_report::Result::Error(
-                        proto::os_installation_report::Error { error: e.into() },
+                        proto::os_installation_report::Error {
+                            error: e.into(),
+                            ..Default::default()
+                        },
                     ),
                 ),
             };
@@ -607,13 +633,7 @@ async fn an_installed_machine_goes_live_again_only_when_an_operator_reimages_it(
     // Running its installed OS, it is powered off before the CD goes in.
     let again = [&ITS_ACTIONS[..], &["power ForceOff"], &ITS_ACTIONS].concat();
     assert_eq!(s.log(), again);
-    let wipes: Vec<bool> = s
-        .installed
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|r| r.wipe_allowed)
-        .collect();
+    let wipes = s.wipes_allowed();
     assert_eq!(wipes, [false, true]);
     let (tag, steps, _) = s.seen().await;
     assert_eq!(
@@ -700,6 +720,63 @@ fn off_and_ejected_after_each_live_boot() -> Vec<&'static str> {
     [each, each].concat()
 }
 
+/// The image's server fails the first two installations (the first after the agent began
+/// writing the disk): the machine is never failed; its live environment is asked again after
+/// each backoff, the second and third time allowed to overwrite what Shepherd itself began
+/// writing during this live boot, and it is installed.
+#[tokio::test]
+async fn an_image_server_outage_is_waited_out_and_the_disk_shepherd_began_is_written_again() {
+    let outage = Machine {
+        image_server_fails: 2,
+        ..WORKING
+    };
+    let s = site(Knobs::default()).await;
+    let steps = s.run_until(outage, Duration::from_secs(60), Done).await;
+    let the_way = the_way();
+    let installing = &the_way[..5];
+    let rest = &the_way[5..];
+    let expected = [
+        installing,
+        &[LiveBoot, Installing],
+        &[LiveBoot, Installing],
+        rest,
+    ]
+    .concat();
+    assert_eq!(phases(&steps), expected);
+    let again: Vec<&BareHistoryEntry> = steps
+        .iter()
+        .skip(4)
+        .filter(|s| s.phase == LiveBoot)
+        .collect();
+    assert!(
+        again[0]
+            .detail
+            .contains("the image's server failed the installation")
+            && again[0]
+                .detail
+                .contains("installation 1 began writing the disk"),
+        "{}",
+        again[0].detail
+    );
+    assert!(
+        !again[1].detail.contains("began writing"),
+        "{}",
+        again[1].detail
+    );
+    let wipes = s.wipes_allowed();
+    assert_eq!(
+        wipes,
+        [false, true, true],
+        "the disk Shepherd began may be written again"
+    );
+    let asked: Vec<&BareHistoryEntry> = steps.iter().filter(|s| s.phase == Installing).collect();
+    assert!(
+        asked[2].detail.contains("allowed by Shepherd itself"),
+        "{}",
+        asked[2].detail
+    );
+}
+
 /// The CD boot falls through to the disk's installed OS, which lets Shepherd in: its agent is
 /// taken over but shows no proof of the live boot, so nothing is asked of it; the machine is
 /// powered off and ejected, booted again, and failed with that cause after its last attempt.
@@ -769,6 +846,7 @@ async fn a_failed_installation_fails_the_machine_with_the_agents_cause() {
     let error = "/dev/vda holds an MBR partition table; it is overwritten only if the installation allows a wipe";
     let refusing = Machine {
         install_error: Some(error),
+        image_server_fails: 0,
         ..WORKING
     };
     let steps = s.run_until(refusing, Duration::from_secs(30), Failed).await;

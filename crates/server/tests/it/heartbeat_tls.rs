@@ -330,6 +330,7 @@ async fn installation_requests_until_reported(db: Bmdb) {
         result: Some(match error {
             Some(e) => os_installation_report::Result::Error(os_installation_report::Error {
                 error: e.into(),
+                ..Default::default()
             }),
             None => os_installation_report::Result::Success(os_installation_report::Success {}),
         }),
