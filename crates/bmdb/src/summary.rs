@@ -50,8 +50,10 @@ pub enum Lifecycle {
     InBackoff,
     /// Its current installation request was fulfilled successfully.
     Installed,
-    /// An installation request waits for a successful report of its generation.
+    /// An installation request waits for a report of its generation.
     Installing,
+    /// The agent reported that its current installation request failed (or refused it).
+    InstallFailed,
     /// Heartbeating, the last heartbeat within the stale threshold.
     Heartbeating,
     /// Heartbeated, but not within the stale threshold (the recoverer's silence threshold).
@@ -66,12 +68,13 @@ pub enum Lifecycle {
 
 impl Lifecycle {
     /// Every state, in precedence order.
-    pub const ALL: [Lifecycle; 10] = [
+    pub const ALL: [Lifecycle; 11] = [
         Lifecycle::Maintenance,
         Lifecycle::InWork,
         Lifecycle::InBackoff,
         Lifecycle::Installed,
         Lifecycle::Installing,
+        Lifecycle::InstallFailed,
         Lifecycle::Heartbeating,
         Lifecycle::Stale,
         Lifecycle::AgentStarting,
@@ -87,6 +90,7 @@ impl Lifecycle {
             Lifecycle::InBackoff => "in backoff",
             Lifecycle::Installed => "installed",
             Lifecycle::Installing => "installing",
+            Lifecycle::InstallFailed => "install failed",
             Lifecycle::Heartbeating => "heartbeating",
             Lifecycle::Stale => "stale",
             Lifecycle::AgentStarting => "agent starting",
@@ -103,6 +107,7 @@ impl Lifecycle {
             Lifecycle::InBackoff => "in-backoff",
             Lifecycle::Installed => "installed",
             Lifecycle::Installing => "installing",
+            Lifecycle::InstallFailed => "install-failed",
             Lifecycle::Heartbeating => "heartbeating",
             Lifecycle::Stale => "stale",
             Lifecycle::AgentStarting => "agent-starting",
@@ -135,11 +140,15 @@ impl FromStr for Lifecycle {
 }
 
 impl MachineSummary {
-    /// Whether the current installation request has a successful report of its generation
-    /// (`Some(true)`), waits for one (`Some(false)`), or there is no request (`None`).
-    pub fn installation_done(&self) -> Option<bool> {
+    /// The report of the current installation request's generation: its result, or `None`
+    /// while it waits for one; `None` as well when there is no request.
+    pub fn installation_result(&self) -> Option<Option<InstallationResult>> {
         let generation = self.request_generation?;
-        Some(self.report == Some((generation, InstallationResult::Success)))
+        Some(
+            self.report
+                .filter(|(reported, _)| *reported == generation)
+                .map(|(_, result)| result),
+        )
     }
 
     /// Whether its last heartbeat is within `stale_after` of `now`.
@@ -165,10 +174,12 @@ impl MachineSummary {
             Lifecycle::InWork
         } else if self.held_back(now, stale_after) {
             Lifecycle::InBackoff
-        } else if self.installation_done() == Some(true) {
-            Lifecycle::Installed
-        } else if self.installation_done() == Some(false) {
-            Lifecycle::Installing
+        } else if let Some(result) = self.installation_result() {
+            match result {
+                Some(InstallationResult::Success) => Lifecycle::Installed,
+                Some(InstallationResult::Error) => Lifecycle::InstallFailed,
+                None => Lifecycle::Installing,
+            }
         } else if self.heartbeat_at.is_some() {
             if self.heartbeats(now, stale_after) {
                 Lifecycle::Heartbeating
@@ -275,7 +286,7 @@ mod tests {
         m.report = Some((1, InstallationResult::Success));
         assert_eq!(m.lifecycle(now, STALE), Lifecycle::Installing);
         m.report = Some((2, InstallationResult::Error));
-        assert_eq!(m.lifecycle(now, STALE), Lifecycle::Installing);
+        assert_eq!(m.lifecycle(now, STALE), Lifecycle::InstallFailed);
         m.report = Some((2, InstallationResult::Success));
         assert_eq!(m.lifecycle(now, STALE), Lifecycle::Installed);
         m.backoff_until = Some(now - chrono::Duration::seconds(1));

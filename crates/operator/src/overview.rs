@@ -96,6 +96,7 @@ fn colour(series: &str) -> &'static str {
         "stale" => "#ea580c",
         "installing" => "#ca8a04",
         "installed" => "#16a34a",
+        "install failed" => "#b91c1c",
         "in work" => "#2563eb",
         "in backoff" => "#dc2626",
         "maintenance" => "#d97706",
