@@ -7,14 +7,14 @@ use std::sync::atomic::Ordering::SeqCst;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::over_real_ironic::stopped_unplaced;
 use serde_json::json;
 use shepherd_bmdb::{testing, Bmdb, Processor, ProviderStatus, Session};
 use shepherd_ironic::testing::{
     recorded, test_config, test_provider, FaultProxy, IronicServer, TestAuth,
 };
-use shepherd_ironic::{ApiError, Auth, ConnectError, IronicError, IronicProvider, RetryPolicy};
+use shepherd_ironic::{ApiError, Auth, ConnectError, IronicProvider, RetryPolicy};
 use shepherd_loops::limiter::RateSpec;
-use shepherd_loops::provisioner::ProvisionerError;
 use shepherd_loops::testing::unpaced_provisioner as provisioner;
 use shepherd_loops::updater::Updater;
 use shepherd_provider::{Provider, ProviderError, Rebooter};
@@ -195,21 +195,14 @@ async fn a_failed_deploy_is_a_failed_machine_with_ironics_last_error_and_a_refus
         let r = match provisioner(p.clone(), 50).iterate(&s).await {
             Ok(r) => r,
             // A conductor still busy with the failing node's deploy may leave the other
-            // node's allocation unplaced past the provider's wait (seen once on CI): the
-            // pass stops as Ironic unavailable, the allocation is deleted, and the next pass
-            // claims the node again.
-            Err(ProvisionerError::ProviderUnavailable {
-                created: c,
-                error: ProviderError::Unavailable(failure),
-            }) if matches!(
-                failure.downcast_ref::<IronicError>(),
-                Some(IronicError::AllocationStuck { .. })
-            ) =>
-            {
-                created += c;
-                continue;
-            }
-            Err(e) => panic!("{e}; Ironic: {}", ironic.log_tail()),
+            // node's allocation unplaced past the provider's wait (seen once on CI).
+            Err(e) => match stopped_unplaced(&e) {
+                Some(c) => {
+                    created += c;
+                    continue;
+                }
+                None => panic!("{e}; Ironic: {}", ironic.log_tail()),
+            },
         };
         assert_eq!(r.failed, 0, "{r:?}");
         (created, refusals) = (created + r.created, refusals + r.refused);

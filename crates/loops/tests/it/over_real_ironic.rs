@@ -15,7 +15,9 @@ use shepherd_ironic::{
     ApiError, Auth, Client, ConnectError, IronicConfig, IronicError, IronicProvider, RetryPolicy,
 };
 use shepherd_loops::limiter::RateSpec;
-use shepherd_loops::provisioner::{Provisioner, ProvisionerConfig};
+use shepherd_loops::provisioner::{
+    IterationReport, Provisioner, ProvisionerConfig, ProvisionerError,
+};
 use shepherd_loops::reconcile::Limits;
 use shepherd_loops::testing::{unpaced_parallel_provisioner, unpaced_provisioner as provisioner};
 use shepherd_loops::updater::Updater;
@@ -592,6 +594,45 @@ async fn a_direct_deploy_node_without_an_image_is_refused_at_start_up() {
     t.cleanup().await;
 }
 
+/// What a provisioner pass created before an allocation Ironic left unplaced past the
+/// provider's wait stopped it, if that is what stopped it. A busy conductor (another node's
+/// deploy, a loaded CI machine) does that: the pass stops as Ironic unavailable, the
+/// allocation is deleted, and the next pass claims the node again.
+pub(crate) fn stopped_unplaced(error: &ProvisionerError) -> Option<usize> {
+    match error {
+        ProvisionerError::ProviderUnavailable {
+            created,
+            error: ProviderError::Unavailable(failure),
+        } if matches!(
+            failure.downcast_ref::<IronicError>(),
+            Some(IronicError::AllocationStuck { .. })
+        ) =>
+        {
+            Some(*created)
+        }
+        _ => None,
+    }
+}
+
+/// Passes of `provisioner` until one is not stopped by an unplaced allocation
+/// ([`stopped_unplaced`]), at most ten: the last pass's report, counting what each created.
+async fn iterate_placing<P: Provider>(
+    provisioner: &Provisioner<P>,
+    s: &Session,
+) -> IterationReport {
+    let mut created = 0;
+    for _ in 0..10 {
+        match provisioner.iterate(s).await {
+            Ok(mut r) => {
+                r.created += created;
+                return r;
+            }
+            Err(e) => created += stopped_unplaced(&e).unwrap_or_else(|| panic!("{e}")),
+        }
+    }
+    panic!("ten passes in a row stopped by allocations Ironic did not place");
+}
+
 /// Deletes node `id` from Ironic, as an operator would (maintenance first: Ironic deletes a
 /// deployed node only then).
 async fn delete_node(ironic: &IronicServer, id: &str) {
@@ -614,12 +655,12 @@ async fn a_held_node_deleted_at_ironic_stops_nothing_else() {
     let p = provider(&ironic, config("site-a")).await;
     let t = testing::sqlite().await;
     let s = session(&t.db).await;
-    let r = provisioner(p.clone(), 50).iterate(&s).await.unwrap();
+    let r = iterate_placing(&provisioner(p.clone(), 50), &s).await;
     assert_eq!(r.created, 3, "{r:?}\n{}", ironic.log_tail());
     ironic.wait_for_state(&held[0], "active").await;
     delete_node(&ironic, &held[0]).await;
     let fresh = ironic.fake_nodes(2, |_| json!({})).await;
-    let r = provisioner(p.clone(), 50).iterate(&s).await.unwrap();
+    let r = iterate_placing(&provisioner(p.clone(), 50), &s).await;
     assert_eq!((r.created, r.missing, r.managed), (2, 1, 2), "{r:?}");
     let recorded_now = recorded(&t.db).await;
     for id in &fresh {
