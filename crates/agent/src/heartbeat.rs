@@ -15,7 +15,7 @@ use tokio::sync::oneshot::Receiver;
 
 use crate::clock::CertificateTime;
 use crate::connection::{AgentClient, HeartbeatError, ServerConnector};
-use crate::install::InstallError;
+use crate::install::{InstallError, Installed};
 use crate::{hardware, identity, install, state, RunArgs};
 
 /// Default cap on the delay between failed heartbeats.
@@ -209,7 +209,7 @@ pub async fn run_agent(
     let mut installation_report: Option<OsInstallationReport> = None;
     // An installation runs beside the heartbeats, so a long download does not make the
     // machine look silent (and get it power-cycled mid-write by the recoverer).
-    let mut installing: Option<(i64, Receiver<Result<(), InstallError>>)> = None;
+    let mut installing: Option<(i64, Receiver<Result<Installed, InstallError>>)> = None;
     let mut reboot_after_ack = false;
     // Installations in a row that failed for the image's server, told in each report so
     // that Shepherd waits longer before asking again.
@@ -337,7 +337,7 @@ fn wait_after_failure(
 fn finish_installation(
     persist: &mut Option<(std::path::PathBuf, AgentState)>,
     generation: i64,
-    outcome: Result<(), InstallError>,
+    outcome: Result<Installed, InstallError>,
     unavailable_in_a_row: &mut u32,
 ) -> OsInstallationReport {
     let unavailable = outcome
@@ -358,7 +358,14 @@ fn finish_installation(
     OsInstallationReport {
         generation,
         result: Some(match outcome {
-            Ok(()) => os_installation_report::Result::Success(os_installation_report::Success {}),
+            Ok(installed) => {
+                os_installation_report::Result::Success(os_installation_report::Success {
+                    written_onto: format!(
+                        "{} ({} bytes of a {} image)",
+                        installed.disk, installed.written, installed.format
+                    ),
+                })
+            }
             Err(error) => os_installation_report::Result::Error(os_installation_report::Error {
                 error: error.to_string(),
                 unavailable,

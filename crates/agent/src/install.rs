@@ -170,7 +170,7 @@ impl InstallError {
 /// takes only the CPU the heartbeats leave.
 pub fn spawn(
     image: ImageInstallationRequest,
-) -> tokio::sync::oneshot::Receiver<Result<(), InstallError>> {
+) -> tokio::sync::oneshot::Receiver<Result<Installed, InstallError>> {
     let (done, outcome) = tokio::sync::oneshot::channel();
     let started = std::thread::Builder::new()
         .name("install".into())
@@ -182,7 +182,7 @@ pub fn spawn(
             {
                 Ok(rt) => rt
                     .block_on(install(&image, &DiskRoots::from_env()))
-                    .map(|installed| {
+                    .inspect(|installed| {
                         eprintln!(
                             "shepherd-agent: wrote {} bytes ({}) onto {}",
                             installed.written, installed.format, installed.disk

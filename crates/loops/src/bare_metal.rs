@@ -648,7 +648,12 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
         let reported = reported.filter(|r| Some(r.generation) == generation);
         let cause = match reported {
             Some(r) if r.result == shepherd_bmdb::InstallationResult::Success => {
-                let detail = "the agent wrote the image and checked its sha256".into();
+                let detail = match written_onto(&r.report_raw) {
+                    Some(disk) => format!(
+                        "the agent wrote the image onto {disk} and checked its sha256 as served"
+                    ),
+                    None => "the agent wrote the image and checked its sha256".into(),
+                };
                 step.enter(BarePhase::Ejecting, PhaseWrites::default(), detail)
                     .await?;
                 return Ok(None);
@@ -889,6 +894,18 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
 /// What an agent's failed installation report (`report_raw`, as the BMDB keeps it) says, as
 /// one bounded line: the agent's text goes into a log line and the machine's history, where a
 /// newline or an escape sequence of its own would forge a line or move a terminal.
+/// The disk an agent's report of a successful installation says it wrote (one line,
+/// bounded), if it says.
+fn written_onto(report_raw: &[u8]) -> Option<String> {
+    match proto::OsInstallationReport::decode(report_raw) {
+        Ok(proto::OsInstallationReport {
+            result: Some(proto::os_installation_report::Result::Success(s)),
+            ..
+        }) if !s.written_onto.is_empty() => Some(shepherd_bmdb::one_line_cut(&s.written_onto, 300)),
+        _ => None,
+    }
+}
+
 /// What an agent's report of a failed installation says.
 struct ReportedFailure {
     /// Its error, one line, bounded.

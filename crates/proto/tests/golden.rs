@@ -132,7 +132,7 @@ fn heartbeat_messages() {
         OsInstallationReport {
             generation: 2,
             result: Some(os_installation_report::Result::Success(
-                os_installation_report::Success {},
+                os_installation_report::Success::default(),
             )),
         },
         "0802 1200",

@@ -489,7 +489,11 @@ async fn act_as_machine(
                 ),
                 None => (
                     InstallationResult::Success,
-                    proto::os_installation_report::Result::Success(Default::default()),
+                    proto::os_installation_report::Result::Success(
+                        proto::os_installation_report::Success {
+                            written_onto: "/dev/vda (480.0 GiB, serial S3YJNX0K)".into(),
+                        },
+                    ),
                 ),
                 Some(e) => (
                     InstallationResult::Error,
@@ -591,6 +595,10 @@ async fn a_bare_machine_goes_its_way_and_each_bmc_step_is_taken_once() {
         b.image.is_none() && b.power_on && b.booted_from == Some("Hdd"),
         "{b:?}"
     );
+    // The history names the disk the agent chose.
+    let ejecting = &steps.iter().find(|s| s.phase == Ejecting).unwrap().detail;
+    let chosen = "onto /dev/vda (480.0 GiB, serial S3YJNX0K)";
+    assert!(ejecting.contains(chosen), "{ejecting}");
     // The entry's disk goes to the agent as the hints it wrote, and its format by name.
     let installed = s.installed.lock().unwrap();
     let [request] = installed.as_slice() else {

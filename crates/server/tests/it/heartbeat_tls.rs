@@ -332,7 +332,7 @@ async fn installation_requests_until_reported(db: Bmdb) {
                 error: e.into(),
                 ..Default::default()
             }),
-            None => os_installation_report::Result::Success(os_installation_report::Success {}),
+            None => os_installation_report::Result::Success(Default::default()),
         }),
     };
     let resp = c
