@@ -129,10 +129,10 @@ chmod 755 "$initrd/init"
 cat > "$initrd/etc/shepherd/setup" <<'EOF'
 #!/bin/sh
 # Loads the drivers, finds this machine's config drive (an ISO 9660 volume or a FAT partition
-# labelled config-2), and configures from it the network (OpenStack network_data.json: DHCP,
-# or static addresses with routes and DNS), the keys root accepts (meta_data.json
-# public_keys) and the agent's settings (meta_data.json meta, as SHEPHERD_* variables of SSH
-# sessions).
+# labelled config-2; in the live environment only a whole device, its boot medium), and
+# configures from it the network (OpenStack network_data.json: DHCP, or static addresses with
+# routes and DNS), the keys root accepts (meta_data.json public_keys) and the agent's settings
+# (meta_data.json meta, as SHEPHERD_* variables of SSH sessions).
 mode="live environment"
 grep -q shepherd.installed /proc/cmdline && mode="installed OS"
 say() { echo "shepherd $mode: $*" > /dev/console; }
@@ -157,6 +157,10 @@ mkdir -p /media/config
 found=
 for try in $(seq 1 30); do
     for dev in $(ls /sys/class/block); do
+        # The live environment reads its own boot medium's config drive, a whole device (the
+        # virtual CD, or a USB disk holding the ISO). A local disk's config-2 partition (an
+        # installed OS's, or one Ironic wrote) is never it, though its name may sort first.
+        [ "$mode" = "live environment" ] && [ -e "/sys/class/block/$dev/partition" ] && continue
         case "$(label_of "/dev/$dev" | tr -d ' \000')" in
         *config-2*|*CONFIG-2*)
             for fs in iso9660 vfat; do

@@ -34,7 +34,8 @@ pub struct DomainSpec {
     pub index: u8,
     /// The size of its blank disk (`/dev/vda` in the guest).
     pub disk_bytes: u64,
-    /// The size of a second blank disk (`/dev/vdb`), if it has one.
+    /// The size of a second blank disk, if it has one: a SCSI disk (`/dev/sda` in the guest,
+    /// behind virtio-scsi), named before the virtual CD (`/dev/sr0`) as a server's disks are.
     pub second_disk_bytes: Option<u64>,
     /// Memory in MiB.
     pub memory_mib: u32,
@@ -87,8 +88,9 @@ impl Domain {
         });
         let more_disks = match &second_disk {
             Some((path, serial)) => format!(
-                "\n    <disk type='file' device='disk'><driver name='qemu' type='raw'/>\
-                 <source file='{}'/><target dev='vdb' bus='virtio'/><serial>{serial}</serial></disk>",
+                "\n    <controller type='scsi' index='0' model='virtio-scsi'/>\
+                 <disk type='file' device='disk'><driver name='qemu' type='raw'/>\
+                 <source file='{}'/><target dev='sda' bus='scsi'/><serial>{serial}</serial></disk>",
                 path.display()
             ),
             None => String::new(),

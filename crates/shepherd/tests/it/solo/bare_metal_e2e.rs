@@ -11,7 +11,9 @@
 //! table, and its inventory entry does not allow a wipe: its agent refuses to write it, the
 //! disk is untouched (its sha256 before and after), and the machine fails with that cause,
 //! powered off with its CD empty. The second domain has two disks, and its entry names the
-//! one to install onto by root device hints (its serial): the other disk stays blank. With `SHEPHERD_BARE_FIGURES` set, no replica is killed, and
+//! one to install onto by root device hints (its serial); the other, a SCSI disk the kernel
+//! names before the virtual CD, holds an installed OS's config drive: the live environment
+//! reads the CD's all the same, and that disk is untouched. With `SHEPHERD_BARE_FIGURES` set, no replica is killed, and
 //! the run's figures are printed as `key = value` lines (`scripts/bare-figures.sh` writes them
 //! to bench/results/baremetal.md).
 
@@ -192,6 +194,21 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
             )
         })
         .collect();
+    // The hinted machine's other disk holds an installed OS's config drive (a FAT partition
+    // labelled CONFIG-2, as the test OS image has, with no live proof), on a disk the kernel
+    // names before the virtual CD: its live environment must still read the CD's.
+    let hinted = &domains[usize::from(HINTED) - 1];
+    let (other_disk, _) = hinted.second_disk.as_ref().unwrap();
+    let os_image = std::fs::read(&build.target).unwrap();
+    {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(other_disk)
+            .unwrap();
+        f.write_all(&os_image).unwrap();
+    }
+    let other_disk_sha256 = sha256_hex(&std::fs::read(other_disk).unwrap());
     let partitioned = &domains[usize::from(PARTITIONED) - 1];
     write_partition_table(&partitioned.disk);
     let partitioned_sha256 = sha256_hex(&std::fs::read(&partitioned.disk).unwrap());
@@ -333,10 +350,16 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
             d.name
         );
         if let Some((second, _)) = &d.second_disk {
-            let second = std::fs::read(second).unwrap();
-            assert!(
-                second.iter().all(|b| *b == 0),
+            assert_eq!(
+                sha256_hex(&std::fs::read(second).unwrap()),
+                other_disk_sha256,
                 "{}: the disk the hints leave out is untouched",
+                d.name
+            );
+            let console = d.serial_log();
+            assert!(
+                console.contains("shepherd live environment: config drive on /dev/sr0"),
+                "{}: its live environment read the CD's config drive: {console}",
                 d.name
             );
             let asked = steps
