@@ -673,6 +673,17 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
         Ok(Some(self.give_up(step, plan, &cause).await?))
     }
 
+    /// The `n`th wait in a row (the first for `n` ≤ 1) of the loop's backoff: its interval in
+    /// seconds, and the wait with jitter.
+    fn nth_backoff(&self, n: u32) -> (i64, Duration) {
+        let mut interval = None;
+        for _ in 0..n.max(1) {
+            interval = Some(self.settings.backoff.next_interval_seconds(interval));
+        }
+        let interval = interval.unwrap_or_default();
+        (interval, self.settings.backoff.delay_with_jitter(interval))
+    }
+
     /// The image's server failed the installation: nothing is wrong with the machine. Its live
     /// environment stays up, and is asked again after a backoff that grows with each such
     /// failure in a row. If the agent had begun writing the disk, Shepherd allows itself to
@@ -682,12 +693,7 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
         step: &mut Step<'_, P>,
         failure: &ReportedFailure,
     ) -> Result<TagWrites, BareError> {
-        let mut interval = None;
-        for _ in 0..failure.in_a_row.max(1) {
-            interval = Some(self.settings.backoff.next_interval_seconds(interval));
-        }
-        let interval = interval.unwrap_or_default();
-        let wait = self.settings.backoff.delay_with_jitter(interval);
+        let (interval, wait) = self.nth_backoff(failure.in_a_row);
         let generation = step.bare.install_generation.unwrap_or_default();
         let began = match failure.disk_written {
             true => format!("; installation {generation} began writing the disk, so Shepherd may write it again during this live boot"),
@@ -851,12 +857,7 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
             return self.give_up(step, plan, &cause).await;
         }
         let off = step.quiesce(&plan.bmc, None).await?;
-        let mut interval = None;
-        for _ in 0..attempts.max(1) {
-            interval = Some(self.settings.backoff.next_interval_seconds(interval));
-        }
-        let interval = interval.unwrap_or_default();
-        let wait = self.settings.backoff.delay_with_jitter(interval);
+        let (interval, wait) = self.nth_backoff(u32::try_from(attempts).unwrap_or(0));
         let detail = format!(
             "{happened} (live boot {attempts} of {max}); {off}; the next live boot in {}",
             humantime::format_duration(Duration::from_secs(wait.as_secs()))
