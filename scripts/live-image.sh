@@ -19,7 +19,8 @@
 # their times from it), and packages.txt lists every package and version it was made of.
 #   live.iso          the live image (BIOS and UEFI; El Torito and hybrid MBR/GPT)
 #   target.img        a small OS image for the tests to install: the live kernel and
-#                     initramfs on a bootable disk whose FAT partition, labelled CONFIG-2,
+#                     initramfs on a disk that boots from BIOS (syslinux) and UEFI (GRUB at
+#                     EFI/BOOT/BOOTX64.EFI), whose FAT partition, labelled CONFIG-2,
 #                     carries its own config drive (DHCP, the key in test_id_ed25519.pub), so
 #                     that the installed OS answers SSH as "shepherd installed OS"
 #   target.img.sha256 its sha256
@@ -136,7 +137,9 @@ cat > "$initrd/etc/shepherd/setup" <<'EOF'
 mode="live environment"
 grep -q shepherd.installed /proc/cmdline && mode="installed OS"
 say() { echo "shepherd $mode: $*" > /dev/console; }
-say "starting (kernel $(uname -r))"
+firmware=BIOS
+[ -d /sys/firmware/efi ] && firmware=UEFI
+say "starting (kernel $(uname -r), booted by $firmware)"
 hostname shepherd-live
 # Cold plug: every device's driver, again as buses behind drivers loaded meanwhile appear.
 for round in 1 2 3; do
@@ -318,6 +321,22 @@ touch -d "@$SOURCE_DATE_EPOCH" "$work/syslinux.cfg" "$work/meta_data.json" "$wor
 mcopy -m -i "$fat" "$kernel" ::vmlinuz
 mcopy -m -i "$fat" "$work/initrd.img" ::initrd.img
 mcopy -m -i "$fat" "$work/syslinux.cfg" ::syslinux.cfg
+# The same for UEFI: a GRUB at the removable-media path the firmware looks for on any FAT
+# partition, which boots the same kernel from the partition it was loaded from ($cmdpath is
+# "(hd0,msdos1)/EFI/BOOT"), never from another disk's copy.
+cat > "$work/target-grub.cfg" <<GRUB
+set timeout=0
+regexp --set=1:root '^\(([^)]*)\)' "\$cmdpath"
+linux /vmlinuz $append shepherd.installed=1
+initrd /initrd.img
+boot
+GRUB
+touch -d "@$SOURCE_DATE_EPOCH" "$work/target-grub.cfg"
+faketime "@$SOURCE_DATE_EPOCH" grub-mkstandalone -O x86_64-efi -o "$work/target-bootx64.efi" \
+    --modules="part_msdos fat regexp linux normal" \
+    --locales= --fonts= --themes= "boot/grub/grub.cfg=$work/target-grub.cfg"
+mmd -i "$fat" ::EFI ::EFI/BOOT
+mcopy -m -i "$fat" "$work/target-bootx64.efi" ::EFI/BOOT/BOOTX64.EFI
 mmd -i "$fat" ::openstack ::openstack/latest
 mcopy -m -i "$fat" "$work/meta_data.json" ::openstack/latest/meta_data.json
 mcopy -m -i "$fat" "$work/network_data.json" ::openstack/latest/network_data.json

@@ -11,6 +11,8 @@ use std::path::{Path, PathBuf};
 
 use shepherd_disks::DiskFacts;
 
+use crate::wipe::Region;
+
 /// Where the agent reads disks and opens them: sysfs and the device directory. Tests point
 /// both at trees of their own (`SHEPHERD_AGENT_SYSFS`, `SHEPHERD_AGENT_DEV`).
 #[derive(Debug, Clone)]
@@ -64,6 +66,37 @@ pub fn whole_disks(roots: &DiskRoots) -> Vec<DiskFacts> {
         .collect();
     disks.sort_by(|a, b| a.name.cmp(&b.name));
     disks
+}
+
+/// What a wipe of `disk` clears: each partition the kernel found on it (sysfs lists them
+/// under the disk, with their first sector and length in 512-byte sectors), by name, then
+/// the whole disk.
+pub fn wipe_regions(roots: &DiskRoots, disk: &DiskFacts) -> Vec<Region> {
+    let name = disk.name.strip_prefix("/dev/").unwrap_or(&disk.name);
+    let sectors = |path: &Path, file: &str| -> Option<u64> { read(path.join(file))?.parse().ok() };
+    let mut regions: Vec<Region> = std::fs::read_dir(roots.sys.join("block").join(name))
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().join("partition").exists())
+        .filter_map(|e| {
+            let path = e.path();
+            let start = sectors(&path, "start")? * 512;
+            let len = sectors(&path, "size")? * 512;
+            (len > 0 && start + len <= disk.size_bytes).then(|| Region {
+                name: format!("/dev/{}", e.file_name().to_string_lossy()),
+                start,
+                len,
+            })
+        })
+        .collect();
+    regions.sort_by_key(|r| r.start);
+    regions.push(Region {
+        name: disk.name.clone(),
+        start: 0,
+        len: disk.size_bytes,
+    });
+    regions
 }
 
 /// The facts of block device `name` at sysfs `path`, if it is a whole disk that counts.

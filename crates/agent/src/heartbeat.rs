@@ -4,6 +4,7 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use shepherd_disks::RootDeviceHints;
 use shepherd_proto::bmaas::{
     os_installation_report, os_installation_request, AgentHardwareReport, HeartbeatRequest,
     OsInstallationReport,
@@ -15,7 +16,7 @@ use tokio::sync::oneshot::Receiver;
 
 use crate::clock::CertificateTime;
 use crate::connection::{AgentClient, HeartbeatError, ServerConnector};
-use crate::install::{InstallError, Installed};
+use crate::install::{Attempt, InstallError};
 use crate::{hardware, identity, install, state, RunArgs};
 
 /// Default cap on the delay between failed heartbeats.
@@ -209,7 +210,7 @@ pub async fn run_agent(
     let mut installation_report: Option<OsInstallationReport> = None;
     // An installation runs beside the heartbeats, so a long download does not make the
     // machine look silent (and get it power-cycled mid-write by the recoverer).
-    let mut installing: Option<(i64, Receiver<Result<Installed, InstallError>>)> = None;
+    let mut installing: Option<(i64, Receiver<Attempt>)> = None;
     let mut reboot_after_ack = false;
     // Installations in a row that failed for the image's server, told in each report so
     // that Shepherd waits longer before asking again.
@@ -258,7 +259,7 @@ pub async fn run_agent(
                             installation_report = Some(finish_installation(
                                 &mut persist,
                                 req.generation,
-                                Err(error),
+                                Attempt::failed(error),
                                 &mut unavailable_in_a_row,
                             ));
                             installed_generation = req.generation;
@@ -274,7 +275,7 @@ pub async fn run_agent(
         // goes out at once, and the reboot follows the server's acknowledgement.
         let ended = match installing.as_mut() {
             Some((_, task)) => tokio::select! {
-                r = task => Some(r.unwrap_or_else(|_| Err(InstallError::NotRun("its thread ended without an outcome".into())))),
+                r = task => Some(r.unwrap_or_else(|_| Attempt::failed(InstallError::NotRun("its thread ended without an outcome".into())))),
                 _ = tokio::time::sleep(wait) => None,
             },
             None => {
@@ -282,13 +283,13 @@ pub async fn run_agent(
                 None
             }
         };
-        if let Some(outcome) = ended {
+        if let Some(attempt) = ended {
             let (generation, _) = installing.take().expect("an installation was running");
-            reboot_after_ack = outcome.is_ok() && reboot_when_installed;
+            reboot_after_ack = attempt.outcome.is_ok() && reboot_when_installed;
             installation_report = Some(finish_installation(
                 &mut persist,
                 generation,
-                outcome,
+                attempt,
                 &mut unavailable_in_a_row,
             ));
             installed_generation = generation;
@@ -337,9 +338,10 @@ fn wait_after_failure(
 fn finish_installation(
     persist: &mut Option<(std::path::PathBuf, AgentState)>,
     generation: i64,
-    outcome: Result<Installed, InstallError>,
+    attempt: Attempt,
     unavailable_in_a_row: &mut u32,
 ) -> OsInstallationReport {
+    let Attempt { chosen, outcome } = attempt;
     let unavailable = outcome
         .as_ref()
         .err()
@@ -355,8 +357,14 @@ fn finish_installation(
             eprintln!("shepherd-agent: saving state: {e}");
         }
     }
+    let chosen_disk = chosen
+        .as_ref()
+        .and_then(RootDeviceHints::identifying)
+        .map(|hints| hints.to_json())
+        .unwrap_or_default();
     OsInstallationReport {
         generation,
+        chosen_disk,
         result: Some(match outcome {
             Ok(installed) => {
                 os_installation_report::Result::Success(os_installation_report::Success {
@@ -364,6 +372,11 @@ fn finish_installation(
                         "{} ({} bytes of a {} image)",
                         installed.disk, installed.written, installed.format
                     ),
+                    wiped: installed
+                        .wiped
+                        .filter(|w| !w.cleared.is_empty())
+                        .map(|w| w.to_string())
+                        .unwrap_or_default(),
                 })
             }
             Err(error) => os_installation_report::Result::Error(os_installation_report::Error {

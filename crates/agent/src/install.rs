@@ -14,6 +14,7 @@ use crate::blank;
 use crate::disks::{self, DiskRoots};
 use crate::download::{Download, DownloadError};
 use crate::image_writer::{ImageWriter, WriteFailure};
+use crate::wipe::{self, Wiped};
 
 /// Why an installation failed; its message is the report's error the server records. Only
 /// the errors after the disk was opened (a download that broke off, a write, a checksum) may
@@ -89,6 +90,14 @@ pub enum InstallError {
         /// What the system said.
         error: std::io::Error,
     },
+    /// Clearing the disk's signatures before the image failed; they may be partly cleared.
+    #[error("clearing the signatures on {device} before the image: {error}")]
+    Wipe {
+        /// The disk.
+        device: String,
+        /// What the system said.
+        error: std::io::Error,
+    },
     /// Writing the image onto the disk failed.
     #[error("writing onto {device}: {failure}")]
     Write {
@@ -155,6 +164,7 @@ impl InstallError {
         match self {
             InstallError::Download { disk_written, .. } => *disk_written,
             InstallError::ShortBody { .. }
+            | InstallError::Wipe { .. }
             | InstallError::Write { .. }
             | InstallError::Mismatch { .. } => true,
             _ => false,
@@ -168,29 +178,28 @@ impl InstallError {
 /// would then keep the agent's heartbeats from running for longer than the recoverer waits
 /// before it power-cycles a silent machine, mid-write. At the lowest priority the installation
 /// takes only the CPU the heartbeats leave.
-pub fn spawn(
-    image: ImageInstallationRequest,
-) -> tokio::sync::oneshot::Receiver<Result<Installed, InstallError>> {
+pub fn spawn(image: ImageInstallationRequest) -> tokio::sync::oneshot::Receiver<Attempt> {
     let (done, outcome) = tokio::sync::oneshot::channel();
     let started = std::thread::Builder::new()
         .name("install".into())
         .spawn(move || {
             lowest_cpu_priority();
-            let result = match tokio::runtime::Builder::new_current_thread()
+            let attempt = match tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
             {
-                Ok(rt) => rt
-                    .block_on(install(&image, &DiskRoots::from_env()))
-                    .inspect(|installed| {
-                        eprintln!(
-                            "shepherd-agent: wrote {} bytes ({}) onto {}",
-                            installed.written, installed.format, installed.disk
-                        );
-                    }),
-                Err(e) => Err(InstallError::NotRun(format!("starting its runtime: {e}"))),
+                Ok(rt) => rt.block_on(install(&image, &DiskRoots::from_env())),
+                Err(e) => {
+                    Attempt::failed(InstallError::NotRun(format!("starting its runtime: {e}")))
+                }
             };
-            let _ = done.send(result);
+            if let Ok(installed) = &attempt.outcome {
+                eprintln!(
+                    "shepherd-agent: wrote {} bytes ({}) onto {}",
+                    installed.written, installed.format, installed.disk
+                );
+            }
+            let _ = done.send(attempt);
         });
     if let Err(e) = started {
         // The sender went with the closure: the receiver reports the failure as a closed channel.
@@ -221,6 +230,8 @@ pub struct Installed {
     pub format: ImageFormat,
     /// The bytes written onto the disk (after decompression).
     pub written: u64,
+    /// What the wipe before the image cleared, if the installation allowed one.
+    pub wiped: Option<Wiped>,
 }
 
 /// The disk `image` names: its root device hints, or else its target device.
@@ -263,9 +274,38 @@ async fn sniff(download: &mut Download, url: &str) -> Result<(Vec<Bytes>, Sniffe
 /// opened exclusively: a mounted disk is refused by the kernel), and the image is in a format
 /// the agent writes (and the one the request names). Once writing started, an error means the
 /// disk may hold a partial image; it is never reported as success.
-pub async fn install(
+pub async fn install(image: &ImageInstallationRequest, roots: &DiskRoots) -> Attempt {
+    let mut chosen = None;
+    let outcome = write_image(image, roots, &mut chosen).await;
+    Attempt { chosen, outcome }
+}
+
+/// One installation as it went: the disk the agent chose, if it got so far, and how it ended.
+/// The report names the chosen disk by its identity either way, so that Shepherd's next
+/// request after a failure (an image server that was down) names that very disk.
+#[derive(Debug)]
+pub struct Attempt {
+    /// The disk chosen.
+    pub chosen: Option<DiskFacts>,
+    /// What was written, or why not.
+    pub outcome: Result<Installed, InstallError>,
+}
+
+impl Attempt {
+    /// An installation that failed before it chose a disk.
+    pub fn failed(error: InstallError) -> Attempt {
+        Attempt {
+            chosen: None,
+            outcome: Err(error),
+        }
+    }
+}
+
+/// [`install`], noting the disk in `chosen` once it is chosen.
+async fn write_image(
     image: &ImageInstallationRequest,
     roots: &DiskRoots,
+    chosen: &mut Option<DiskFacts>,
 ) -> Result<Installed, InstallError> {
     let want = image.sha256.trim().to_ascii_lowercase();
     if want.len() != 64 || !want.bytes().all(|b| b.is_ascii_hexdigit()) {
@@ -280,6 +320,7 @@ pub async fn install(
     let disk = shepherd_disks::choose(&choice, &disks)
         .map_err(InstallError::NoDisk)?
         .clone();
+    *chosen = Some(disk.clone());
     let node = roots.node(&disk);
     let device = disk.name.clone();
     let device_error = |doing| {
@@ -335,6 +376,10 @@ pub async fn install(
         }
     }
     let file = open_exclusively(&node, &device)?;
+    let (file, wiped) = match image.wipe_allowed {
+        true => clear(file, roots, &disk).await.map(|(f, w)| (f, Some(w)))?,
+        false => (file, None),
+    };
     eprintln!(
         "shepherd-agent: writing {} ({format}) onto {disk}, which is {choice}",
         image.url
@@ -366,14 +411,36 @@ pub async fn install(
         disk,
         format,
         written: streamed.written,
+        wiped,
     })
 }
 
+/// Clears the signatures on `disk` (opened as `file`) and its partitions, off the runtime's
+/// thread; gives the file back with what was cleared.
+async fn clear(
+    file: std::fs::File,
+    roots: &DiskRoots,
+    disk: &DiskFacts,
+) -> Result<(std::fs::File, Wiped), InstallError> {
+    let regions = disks::wipe_regions(roots, disk);
+    let wiped = tokio::task::spawn_blocking(move || wipe::wipe(&file, &regions).map(|w| (file, w)))
+        .await
+        .map_err(|e| InstallError::NotRun(format!("wiping the disk: {e}")))?;
+    let (file, wiped) = wiped.map_err(|error| InstallError::Wipe {
+        device: disk.name.clone(),
+        error,
+    })?;
+    eprintln!("shepherd-agent: cleared from {}: {wiped}", disk.name);
+    Ok((file, wiped))
+}
+
 /// Opens `node` (the disk `device`) for writing, exclusively: the kernel refuses a block
-/// device that is mounted or held by md, LVM or multipath.
+/// device that is mounted or held by md, LVM or multipath. It is opened for reading too, for
+/// a wipe to read what it clears.
 fn open_exclusively(node: &std::path::Path, device: &str) -> Result<std::fs::File, InstallError> {
     use std::os::unix::fs::OpenOptionsExt;
     let opened = std::fs::OpenOptions::new()
+        .read(true)
         .write(true)
         .custom_flags(libc::O_EXCL)
         .open(node);
@@ -579,7 +646,11 @@ mod tests {
         let image = vec![7u8; 64 << 10];
         let (url, served) = serve(image.clone(), true);
         let mut request = request(&url, &image, "/dev/vda", "");
-        let err = install(&request, &m.roots).await.unwrap_err().to_string();
+        let err = install(&request, &m.roots)
+            .await
+            .outcome
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("holds an MBR partition table") && err.contains("wipe"),
             "{err}"
@@ -592,9 +663,42 @@ mod tests {
         );
 
         request.wipe_allowed = true;
-        let installed = install(&request, &m.roots).await.unwrap();
+        let installed = install(&request, &m.roots).await.outcome.unwrap();
         assert_eq!(installed.disk.name, "/dev/vda");
         assert!(begins_with(&vda, &image));
+    }
+
+    /// A wipe clears what lies past the image's end: here an md 1.0 superblock at the end of
+    /// a partition and a GPT's backup header at the end of the disk, which an image of 64 KiB
+    /// never reaches; and the report says so.
+    #[tokio::test]
+    async fn a_wipe_clears_the_signatures_the_image_does_not_cover() {
+        let dir = tempfile::tempdir().unwrap();
+        let (m, [vda, _]) = two_disks(dir.path());
+        let partition = m.roots.sys.join("block/vda/vda1");
+        std::fs::create_dir_all(&partition).unwrap();
+        for (file, text) in [("partition", "1"), ("start", "2048"), ("size", "4096")] {
+            std::fs::write(partition.join(file), text).unwrap();
+        }
+        let md_10 = (1 << 20) + ((4096 - 16) & !7) * 512;
+        let backup_gpt = (4 << 20) - 512;
+        let mut data = std::fs::read(&vda).unwrap();
+        data[md_10..md_10 + 4].copy_from_slice(&[0xfc, 0x4e, 0x2b, 0xa9]);
+        data[backup_gpt..backup_gpt + 8].copy_from_slice(b"EFI PART");
+        std::fs::write(&vda, &data).unwrap();
+        let image = vec![7u8; 64 << 10];
+        let (url, _) = serve(image.clone(), true);
+        let mut request = request(&url, &image, "/dev/vda", "");
+        request.wipe_allowed = true;
+        let installed = install(&request, &m.roots).await.outcome.unwrap();
+        let data = std::fs::read(&vda).unwrap();
+        assert!(data.starts_with(&image));
+        assert!(data[image.len()..].iter().all(|b| *b == 0), "both are gone");
+        assert_eq!(
+            installed.wiped.unwrap().to_string(),
+            "a Linux RAID member (md 1.0) on /dev/vda1; \
+             a GPT partition table's backup header on /dev/vda"
+        );
     }
 
     #[tokio::test]
@@ -608,6 +712,7 @@ mod tests {
             &m.roots,
         )
         .await
+        .outcome
         .unwrap();
         assert_eq!(installed.disk.name, "/dev/vdb");
         assert_eq!(installed.written, image.len() as u64);
@@ -629,6 +734,7 @@ mod tests {
         ] {
             let err = install(&request(&url, &image, device, hints), &m.roots)
                 .await
+                .outcome
                 .unwrap_err()
                 .to_string();
             assert!(
@@ -673,7 +779,11 @@ mod tests {
             let (url, _) = serve(image.clone(), true);
             let mut request = request(&url, image, "/dev/vda", "");
             request.format = format.into();
-            let err = install(&request, &m.roots).await.unwrap_err().to_string();
+            let err = install(&request, &m.roots)
+                .await
+                .outcome
+                .unwrap_err()
+                .to_string();
             assert!(err.contains(want), "{err}");
             assert!(is_blank(&vda), "{want}");
         }
@@ -688,7 +798,7 @@ mod tests {
         let (url, _) = serve(served.clone(), true);
         let mut request = request(&url, &served, "/dev/vda", "");
         request.format = "zstd".into();
-        let installed = install(&request, &m.roots).await.unwrap();
+        let installed = install(&request, &m.roots).await.outcome.unwrap();
         assert_eq!(
             (installed.format, installed.written),
             (ImageFormat::Zstd, image.len() as u64)
@@ -708,6 +818,7 @@ mod tests {
             let (url, _) = serve(image.clone(), announce);
             let err = install(&request(&url, &image, "/dev/vda", ""), &m.roots)
                 .await
+                .outcome
                 .unwrap_err()
                 .to_string();
             assert!(err.contains(want), "{err}");
@@ -746,12 +857,15 @@ mod tests {
         for (url, unavailable, written) in cases {
             let mut request = request(&url, &image, "/dev/vda", "");
             request.wipe_allowed = true;
-            let err = install(&request, &m.roots).await.unwrap_err();
+            let attempt = install(&request, &m.roots).await;
+            let err = attempt.outcome.unwrap_err();
             assert_eq!(
                 (err.is_unavailable(), err.disk_written()),
                 (unavailable, written),
                 "{err}"
             );
+            // The disk was chosen before anything was fetched, and the report names it.
+            assert_eq!(attempt.chosen.map(|d| d.serial), Some("FIRST".into()));
         }
     }
 }

@@ -18,6 +18,7 @@ mod image_writer;
 mod install;
 pub mod state;
 pub mod takeover;
+mod wipe;
 
 use std::path::PathBuf;
 use std::time::Duration;

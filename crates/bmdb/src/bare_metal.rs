@@ -71,6 +71,9 @@ pub struct BareMetal {
     /// the image's server failed: during that grant's live boot (while it is `media_token`),
     /// Shepherd may write the disk again without a wipe permission.
     pub rewrite_grant: Option<String>,
+    /// Root device hints (JSON) naming by its serial and WWN the disk the agent chose during
+    /// this way, as its report gave them: later requests of the way name the disk so.
+    pub chosen_disk: Option<String>,
     /// Who allowed its disk to be overwritten besides its inventory entry (an operator's
     /// reimage), if anyone.
     pub wipe_by: Option<String>,
@@ -94,6 +97,9 @@ pub struct PhaseWrites {
     pub forget_system: Option<ForgetSystem>,
     /// Shepherd began writing the disk during the current grant ([`BareMetal::rewrite_grant`]).
     pub began_writing: bool,
+    /// The disk the agent chose, by its identity ([`BareMetal::chosen_disk`]); `None` keeps
+    /// what is recorded.
+    pub chosen_disk: Option<String>,
 }
 
 /// What [`PhaseWrites::forget_system`] forgets besides the agent, its heartbeat and the host

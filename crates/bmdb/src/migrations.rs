@@ -77,10 +77,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
     // keep no audit trail).
     Migration::new(11, "audit_events", 3, scripts!("0011_audit_events.sql")),
     Migration::new(12, "live_boot", 3, scripts!("0012_live_boot.sql")), // Expand: the script says.
+    Migration::new(13, "chosen_disk", 3, scripts!("0013_chosen_disk.sql")), // Expand: the script says.
 ];
 
 /// The schema version this binary needs and writes.
-pub const SCHEMA_VERSION: i64 = 12;
+pub const SCHEMA_VERSION: i64 = 13;
 
 /// Which binaries may run on a database: its schema version, and the oldest binary schema
 /// that its newest migration declared compatible (design.md §18).

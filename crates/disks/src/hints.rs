@@ -354,6 +354,23 @@ impl RootDeviceHints {
         }
     }
 
+    /// Hints that name `disk` by its identity, its serial and WWN (where it has them), which
+    /// a reboot does not change as it may change the disk's kernel name: Shepherd pins the
+    /// disk an agent chose with them, so that a retry writes that very disk. `None` for a disk
+    /// with neither.
+    pub fn identifying(disk: &DiskFacts) -> Option<RootDeviceHints> {
+        let mut written = serde_json::Map::new();
+        for (hint, value) in [("serial", &disk.serial), ("wwn", &disk.wwn)] {
+            if !value.trim().is_empty() {
+                written.insert(hint.into(), format!("s== {}", value.trim()).into());
+            }
+        }
+        if written.is_empty() {
+            return None;
+        }
+        RootDeviceHints::parse(&written).ok()
+    }
+
     /// The hints as JSON text, as the operator wrote them.
     pub fn to_json(&self) -> String {
         serde_json::Value::Object(self.written.clone()).to_string()
@@ -418,6 +435,40 @@ mod tests {
 
     fn hints(json: &str) -> Result<RootDeviceHints, HintError> {
         RootDeviceHints::from_json(json)
+    }
+
+    #[test]
+    fn a_disk_is_pinned_by_its_serial_and_wwn_and_by_nothing_else() {
+        let chosen = disk();
+        let pin = RootDeviceHints::identifying(&chosen).unwrap();
+        assert_eq!(
+            pin.to_json(),
+            r#"{"serial":"s== S3YJNX0K","wwn":"s== 0x5002538e40a1b2c3"}"#
+        );
+        assert!(pin.matches(&chosen));
+        // Renamed by a reboot, it is still the disk pinned; another of its model is not.
+        let renamed = DiskFacts {
+            name: "/dev/sda".into(),
+            ..disk()
+        };
+        assert!(pin.matches(&renamed));
+        let sibling = DiskFacts {
+            serial: "S3YJNX0L".into(),
+            wwn: "0x5002538e40a1b2c4".into(),
+            ..disk()
+        };
+        assert!(!pin.matches(&sibling));
+        let only_serial = DiskFacts {
+            wwn: String::new(),
+            ..disk()
+        };
+        let pin = RootDeviceHints::identifying(&only_serial).unwrap();
+        assert_eq!(pin.to_json(), r#"{"serial":"s== S3YJNX0K"}"#);
+        let anonymous = DiskFacts {
+            serial: String::new(),
+            ..only_serial
+        };
+        assert_eq!(RootDeviceHints::identifying(&anonymous), None);
     }
 
     #[test]

@@ -29,7 +29,7 @@ use shepherd_bmdb::{
     MediaGrant, OsInstallationReport, OsInstallationRequest, PhaseWrites, Process, Provided,
     Retrieval, Session, TagWrites, Tx,
 };
-use shepherd_disks::DiskChoice;
+use shepherd_disks::{DiskChoice, RootDeviceHints};
 use shepherd_proto::bmaas as proto;
 use shepherd_proto::Message;
 /// The variable that carries each live boot's proof to its agent; never an operator's.
@@ -42,6 +42,7 @@ use shepherd_provider::virtual_media::BootTarget;
 use shepherd_provider::{look_up, BarePlan, LookupFailed, ProviderError, Rebooter};
 use uuid::Uuid;
 
+use crate::install_report::{self, ReportedFailure};
 use crate::runner::{MachineTask, OnError};
 
 /// What the bare-metal loop needs besides its provider.
@@ -646,22 +647,27 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
         let generation = step.bare.install_generation;
         let reported = step.known.report.as_ref();
         let reported = reported.filter(|r| Some(r.generation) == generation);
-        let cause = match reported {
-            Some(r) if r.result == shepherd_bmdb::InstallationResult::Success => {
-                let detail = match written_onto(&r.report_raw) {
+        let cause = match reported.map(|r| (r.result, install_report::read(&r.report_raw))) {
+            Some((shepherd_bmdb::InstallationResult::Success, report)) => {
+                let wiped = report
+                    .wiped
+                    .map(|w| format!("cleared {w}, then "))
+                    .unwrap_or_default();
+                let detail = match report.written_onto {
                     Some(disk) => format!(
-                        "the agent wrote the image onto {disk} and checked its sha256 as served"
+                        "the agent {wiped}wrote the image onto {disk} and checked its sha256 as served"
                     ),
-                    None => "the agent wrote the image and checked its sha256".into(),
+                    None => format!("the agent {wiped}wrote the image and checked its sha256"),
                 };
                 step.enter(BarePhase::Ejecting, PhaseWrites::default(), detail)
                     .await?;
                 return Ok(None);
             }
-            Some(r) => {
-                let failure = reported_failure(&r.report_raw);
+            Some((_, report)) => {
+                let failure = &report.failure;
                 if failure.unavailable {
-                    return Ok(Some(self.image_server_failed(step, &failure).await?));
+                    let failed = self.image_server_failed(step, failure, report.chosen_disk);
+                    return Ok(Some(failed.await?));
                 }
                 format!("the installation failed: {}", failure.cause)
             }
@@ -692,6 +698,7 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
         &self,
         step: &mut Step<'_, P>,
         failure: &ReportedFailure,
+        chosen_disk: Option<String>,
     ) -> Result<TagWrites, BareError> {
         let (interval, wait) = self.nth_backoff(failure.in_a_row);
         let generation = step.bare.install_generation.unwrap_or_default();
@@ -707,6 +714,7 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
         tracing::warn!(machine = %step.machine, "{detail}");
         let writes = PhaseWrites {
             began_writing: failure.disk_written,
+            chosen_disk,
             ..PhaseWrites::default()
         };
         step.enter(BarePhase::LiveBoot, writes, detail.clone())
@@ -793,7 +801,19 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
             ),
             (None, false) => None,
         };
-        let disk = entry.disk_choice()?;
+        let named = entry.disk_choice()?;
+        // The disk its agent chose before in this way, by its identity: a retry writes that
+        // very disk, whatever kernel name a reboot gave it.
+        let pinned = bare.chosen_disk.as_deref();
+        let pinned = pinned.and_then(|hints| RootDeviceHints::from_json(hints).ok());
+        let (disk, onto) = match pinned {
+            Some(hints) => {
+                let onto =
+                    format!("the disk its agent chose before, {hints} (the entry names {named})");
+                (DiskChoice::Hints(hints), onto)
+            }
+            None => (named.clone(), named.to_string()),
+        };
         let format = entry.image_format()?;
         let (target_device, root_device_hints) = match &disk {
             DiskChoice::Path(path) => (path.clone(), String::new()),
@@ -818,8 +838,8 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
             None => "the disk is written only if it is blank".into(),
         };
         let detail = format!(
-            "its live environment was taken over; asked its agent (installation {generation}) to write {} (sha256 {}) onto {}: {wipe}",
-            entry.image_url, entry.image_sha256, disk
+            "its live environment was taken over; asked its agent (installation {generation}) to write {} (sha256 {}) onto {onto}: {wipe}",
+            entry.image_url, entry.image_sha256
         );
         Ok((
             OsInstallationRequest {
@@ -892,55 +912,6 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
     }
 }
 
-/// What an agent's failed installation report (`report_raw`, as the BMDB keeps it) says, as
-/// one bounded line: the agent's text goes into a log line and the machine's history, where a
-/// newline or an escape sequence of its own would forge a line or move a terminal.
-/// The disk an agent's report of a successful installation says it wrote (one line,
-/// bounded), if it says.
-fn written_onto(report_raw: &[u8]) -> Option<String> {
-    match proto::OsInstallationReport::decode(report_raw) {
-        Ok(proto::OsInstallationReport {
-            result: Some(proto::os_installation_report::Result::Success(s)),
-            ..
-        }) if !s.written_onto.is_empty() => Some(shepherd_bmdb::one_line_cut(&s.written_onto, 300)),
-        _ => None,
-    }
-}
-
-/// What an agent's report of a failed installation says.
-struct ReportedFailure {
-    /// Its error, one line, bounded.
-    cause: String,
-    /// The image's server failed, not the machine: it may be asked again.
-    unavailable: bool,
-    /// The agent had begun writing the disk.
-    disk_written: bool,
-    /// With `unavailable`, the installations in a row that failed so.
-    in_a_row: u32,
-}
-
-/// The failure an agent's report (`report_raw`) tells of.
-fn reported_failure(report_raw: &[u8]) -> ReportedFailure {
-    const MAX_CHARS: usize = 500;
-    match proto::OsInstallationReport::decode(report_raw) {
-        Ok(proto::OsInstallationReport {
-            result: Some(proto::os_installation_report::Result::Error(e)),
-            ..
-        }) => ReportedFailure {
-            cause: shepherd_bmdb::one_line_cut(&e.error, MAX_CHARS),
-            unavailable: e.unavailable,
-            disk_written: e.disk_written,
-            in_a_row: e.unavailable_in_a_row,
-        },
-        _ => ReportedFailure {
-            cause: "the agent's report gives no reason".into(),
-            unavailable: false,
-            disk_written: false,
-            in_a_row: 0,
-        },
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -950,37 +921,6 @@ mod tests {
             "https://shepherd.example:8443/".parse().unwrap(),
             vec!["ssh-ed25519 AAAA shepherd".into()],
         )
-    }
-
-    #[test]
-    fn an_agents_error_is_one_bounded_line() {
-        let report = |error: String| {
-            proto::OsInstallationReport {
-                result: Some(proto::os_installation_report::Result::Error(
-                    proto::os_installation_report::Error {
-                        error,
-                        ..Default::default()
-                    },
-                )),
-                ..Default::default()
-            }
-            .encode_to_vec()
-        };
-        let forged = "disk full\n2030-01-01T00:00:00Z WARN forged\x1b[2K\x1b[1A".to_string();
-        assert_eq!(
-            reported_failure(&report(forged)).cause,
-            "disk full\\n2030-01-01T00:00:00Z WARN forged\\u{1b}[2K\\u{1b}[1A"
-        );
-        let long = reported_failure(&report("x".repeat(10_000))).cause;
-        assert_eq!(
-            long.chars().count(),
-            501,
-            "500 characters and the mark of the cut"
-        );
-        assert_eq!(
-            reported_failure(b"\xff").cause,
-            "the agent's report gives no reason"
-        );
     }
 
     #[test]

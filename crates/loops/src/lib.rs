@@ -10,6 +10,7 @@ pub mod bounded;
 pub mod brake;
 pub mod fleet;
 pub mod initializer;
+mod install_report;
 pub mod limiter;
 pub mod periodic;
 pub mod provisioner;

@@ -106,6 +106,7 @@ fn heartbeat_messages() {
                         ..Default::default()
                     },
                 )),
+                chosen_disk: String::new(),
             }),
         },
         "0a016d \
@@ -134,6 +135,7 @@ fn heartbeat_messages() {
             result: Some(os_installation_report::Result::Success(
                 os_installation_report::Success::default(),
             )),
+            chosen_disk: String::new(),
         },
         "0802 1200",
     );

@@ -17,7 +17,8 @@ fn record_sql(engine: Engine) -> String {
          VALUES ($1, 'Bare', {now}, $2)
          ON CONFLICT (machine_id) DO UPDATE SET phase = 'Bare', phase_at = {now},
             attempts = 0, media_token = NULL, media_expires_at = NULL, config = NULL,
-            wipe_by = excluded.wipe_by, install_generation = NULL, rewrite_grant = NULL"
+            wipe_by = excluded.wipe_by, install_generation = NULL, rewrite_grant = NULL,
+            chosen_disk = NULL"
     )
 }
 
@@ -30,9 +31,10 @@ fn enter_sql(engine: Engine) -> String {
             media_expires_at = CASE WHEN $5 THEN $7 ELSE media_expires_at END,
             config = CASE WHEN $5 THEN $8 ELSE config END,
             install_generation = coalesce($9, install_generation),
-            rewrite_grant = CASE WHEN $10 THEN media_token ELSE rewrite_grant END
+            rewrite_grant = CASE WHEN $10 THEN media_token ELSE rewrite_grant END,
+            chosen_disk = coalesce($11, chosen_disk)
          WHERE machine_id = $1 AND phase = $2",
-        now = now_in(engine, 11)
+        now = now_in(engine, 12)
     )
 }
 
@@ -58,7 +60,7 @@ from_columns! {
     BareMetal {
         phase: parsed, phase_at: time, attempts: get, media_token: get,
         media_expires_at: opt_time, config: get, wipe_by: get, install_generation: get,
-        rewrite_grant: get,
+        rewrite_grant: get, chosen_disk: get,
     }
     BareHistoryEntry { id: get, machine_id: get, at: time, phase: parsed, session_id: get, detail: get }
     MediaGrant { token: get, expires_at: time, config: get }
@@ -95,7 +97,7 @@ impl Tx {
     /// The machine's `machine_bare_metal` tag, if it was recorded bare.
     pub async fn bare_metal(&mut self, machine: Uuid) -> Result<Option<BareMetal>> {
         let sql = "SELECT phase, phase_at, attempts, media_token, media_expires_at, config,
-                          wipe_by, install_generation, rewrite_grant
+                          wipe_by, install_generation, rewrite_grant, chosen_disk
                      FROM machine_bare_metal WHERE machine_id = $1";
         self.conn().row(sql, &[Arg::Uuid(machine)]).await
     }
@@ -132,6 +134,7 @@ impl Tx {
             Arg::OptText(grant.map(|g| g.config.as_str())),
             Arg::OptInt(writes.install_generation),
             Arg::Bool(writes.began_writing),
+            Arg::OptText(writes.chosen_disk.as_deref()),
             Arg::Now,
         ];
         let sql = enter_sql(self.engine());

@@ -269,6 +269,10 @@ fn settings(live_boot: Duration) -> BareSettings {
     s
 }
 
+/// The root device hints a real agent's report names the machine's disk by: its serial and
+/// WWN.
+const CHOSEN_DISK: &str = r#"{"serial":"s== S3YJNX0K","wwn":"s== 0x5002538e40a1b2c3"}"#;
+
 /// A site with one machine whose BMC behaves as `knobs` say, recorded bare.
 async fn site(knobs: Knobs) -> Site {
     let t = testing::sqlite().await;
@@ -474,6 +478,11 @@ async fn act_as_machine(
             if reported.is_some_and(|r| r.generation == request.generation) {
                 return Ok(None);
             }
+            let decoded = proto::OsInstallationRequest::decode(request.request_raw.as_slice());
+            let image = match decoded.map(|r| r.r#type) {
+                Ok(Some(proto::os_installation_request::Type::Image(image))) => image,
+                other => panic!("not an image installation: {other:?}"),
+            };
             let unavailable = request.generation <= m.image_server_fails;
             let (result, raw) = match m.install_error {
                 None if unavailable => (
@@ -492,6 +501,11 @@ async fn act_as_machine(
                     proto::os_installation_report::Result::Success(
                         proto::os_installation_report::Success {
                             written_onto: "/dev/vda (480.0 GiB, serial S3YJNX0K)".into(),
+                            wiped: if image.wipe_allowed {
+                                "a GPT partition table on /dev/vda".into()
+                            } else {
+                                String::new()
+                            },
                         },
                     ),
                 ),
@@ -508,6 +522,8 @@ async fn act_as_machine(
             let report_raw = proto::OsInstallationReport {
                 generation: request.generation,
                 result: Some(raw),
+                // The agent chose its disk (by the entry's hints) and names it by identity.
+                chosen_disk: CHOSEN_DISK.into(),
             }
             .encode_to_vec();
             let report = OsInstallationReport {
@@ -516,11 +532,7 @@ async fn act_as_machine(
                 report_raw,
             };
             tx.set_os_installation_report(machine, &report).await?;
-            let decoded = proto::OsInstallationRequest::decode(request.request_raw.as_slice());
-            return match decoded.map(|r| r.r#type) {
-                Ok(Some(proto::os_installation_request::Type::Image(image))) => Ok(Some(image)),
-                other => panic!("not an image installation: {other:?}"),
-            };
+            return Ok(Some(image));
         }
         (BarePhase::DiskBoot, Some("Hdd")) if m.installed_heartbeats => {
             tx.set_agent_started(machine, &[8; AGENT_KEY_LEN]).await?;
@@ -661,6 +673,10 @@ async fn an_installed_machine_goes_live_again_only_when_an_operator_reimages_it(
             .contains("overwriting a disk that holds data is allowed by alice (reimage: new disk)"),
         "{installing:?}"
     );
+    // And so is what the agent's wipe cleared.
+    let ejecting = again.iter().find(|s| s.phase == Ejecting).unwrap();
+    let cleared = "the agent cleared a GPT partition table on /dev/vda, then wrote the image onto";
+    assert!(ejecting.detail.contains(cleared), "{ejecting:?}");
 }
 
 #[tokio::test]
@@ -783,6 +799,20 @@ async fn an_image_server_outage_is_waited_out_and_the_disk_shepherd_began_is_wri
         "{}",
         asked[2].detail
     );
+    // The first request names the disk as the entry does; once the agent chose it, the
+    // retries name that very disk by its serial and WWN.
+    let hints: Vec<String> = s
+        .installed
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|r| r.root_device_hints.clone())
+        .collect();
+    let entry = r#"{"serial":"S3YJNX0K","size":">= 100"}"#;
+    assert_eq!(hints, [entry, CHOSEN_DISK, CHOSEN_DISK]);
+    let retry = &asked[1].detail;
+    let pinned = format!("onto the disk its agent chose before, the hints {CHOSEN_DISK} (the entry names the hints {entry})");
+    assert!(retry.contains(&pinned), "{retry}");
 }
 
 /// The CD boot falls through to the disk's installed OS, which lets Shepherd in: its agent is

@@ -137,6 +137,7 @@ async fn reports_are_stored_as_received(db: Bmdb) {
         result: Some(os_installation_report::Result::Success(
             os_installation_report::Success::default(),
         )),
+        chosen_disk: String::new(),
     });
     send_raw(
         &server,
@@ -334,6 +335,7 @@ async fn installation_requests_until_reported(db: Bmdb) {
             }),
             None => os_installation_report::Result::Success(Default::default()),
         }),
+        chosen_disk: String::new(),
     };
     let resp = c
         .heartbeat(HeartbeatRequest {
@@ -363,6 +365,7 @@ async fn installation_requests_until_reported(db: Bmdb) {
             installation_report: Some(OsInstallationReport {
                 generation: 2,
                 result: None,
+                chosen_disk: String::new(),
             }),
             ..Default::default()
         })

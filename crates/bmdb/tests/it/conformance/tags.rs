@@ -373,7 +373,60 @@ async fn a_live_proof_is_recorded_with_its_start_and_no_later_start_inherits_it(
     s.close().await.unwrap();
 }
 
+/// The disk an agent chose lasts for its machine's way: a phase entered without one keeps
+/// it, one entered with another replaces it, and a new way (the machine recorded bare again,
+/// as a reimage does) forgets it.
+async fn a_chosen_disk_lasts_for_its_way(db: Bmdb) {
+    use BarePhase::*;
+    let id = testing::provision(&db, 1, ProviderKind::Sim).await[0];
+    let record = || {
+        db.transact(move |tx| Box::pin(async move { tx.record_bare(id, None, "bare", None).await }))
+    };
+    record().await.unwrap();
+    let s = db
+        .start_session(SessionConfig::new("bare", Processor::ShepherdBareMetal))
+        .await
+        .unwrap();
+    let retrieval = Retrieval::BareMetal {
+        provider: ProviderKind::Sim,
+        timeouts: BareTimeouts::default(),
+    };
+    let w = claimed(s.work(Process::ShepherdBareMetal, retrieval).await.unwrap());
+    let session = s.id();
+    let enter = |from, to, chosen: Option<&str>| {
+        let writes = PhaseWrites {
+            chosen_disk: chosen.map(String::from),
+            ..PhaseWrites::default()
+        };
+        db.transact(move |tx| {
+            let writes = writes.clone();
+            Box::pin(async move {
+                tx.enter_bare_phase(session, id, (from, to), &writes, "step")
+                    .await
+            })
+        })
+    };
+    let chosen = || {
+        db.read(move |tx| {
+            Box::pin(async move { Ok(tx.bare_metal(id).await?.unwrap().chosen_disk) })
+        })
+    };
+    let (first, second) = (r#"{"serial":"s== A"}"#, r#"{"wwn":"s== 0x5"}"#);
+    enter(Bare, Inserting, None).await.unwrap();
+    assert_eq!(chosen().await.unwrap(), None);
+    enter(Inserting, LiveBoot, Some(first)).await.unwrap();
+    enter(LiveBoot, Installing, None).await.unwrap();
+    assert_eq!(chosen().await.unwrap().as_deref(), Some(first));
+    enter(Installing, LiveBoot, Some(second)).await.unwrap();
+    assert_eq!(chosen().await.unwrap().as_deref(), Some(second));
+    drop(w);
+    record().await.unwrap();
+    assert_eq!(chosen().await.unwrap(), None, "a new way chooses anew");
+    s.close().await.unwrap();
+}
+
 shepherd_bmdb::conformance_tests!(
+    a_chosen_disk_lasts_for_its_way,
     a_live_proof_is_recorded_with_its_start_and_no_later_start_inherits_it,
     tags_round_trip,
     agent_heartbeats,

@@ -37,6 +37,8 @@ pub struct DomainSpec {
     /// The size of a second blank disk, if it has one: a SCSI disk (`/dev/sda` in the guest,
     /// behind virtio-scsi), named before the virtual CD (`/dev/sr0`) as a server's disks are.
     pub second_disk_bytes: Option<u64>,
+    /// Whether it boots by UEFI (Debian's OVMF, Secure Boot off) rather than a BIOS.
+    pub uefi: bool,
     /// Memory in MiB.
     pub memory_mib: u32,
     /// The loopback port of `shepherd server`, forwarded to [`SERVER_IN_GUEST`].
@@ -65,6 +67,8 @@ pub struct Domain {
     pub ssh_port: u16,
     /// Its NIC's MAC address.
     pub mac: String,
+    /// Whether it boots by UEFI: it then has an NVRAM file to undefine with it.
+    pub uefi: bool,
 }
 
 impl Domain {
@@ -104,6 +108,15 @@ impl Domain {
              guestfwd=tcp:{IMAGES_IN_GUEST}-cmd:socat STDIO TCP:127.0.0.1:{}",
             spec.server_port, spec.images_port
         );
+        // OVMF keeps its variables (boot entries among them) in a copy of its template.
+        let loader = match spec.uefi {
+            true => format!(
+                "<loader readonly='yes' type='pflash'>/usr/share/OVMF/OVMF_CODE_4M.fd</loader>\
+                 <nvram template='/usr/share/OVMF/OVMF_VARS_4M.fd'>{}</nvram>",
+                dir.join(format!("{name}_VARS.fd")).display()
+            ),
+            false => String::new(),
+        };
         let template = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/bare-domain.xml");
         let xml = std::fs::read_to_string(template)
             .unwrap()
@@ -113,6 +126,7 @@ impl Domain {
             .replace("@DISK@", &disk.display().to_string())
             .replace("@DISK_SERIAL@", &disk_serial)
             .replace("@MORE_DISKS@", &more_disks)
+            .replace("@LOADER@", &loader)
             .replace("@SERIAL@", &serial.display().to_string())
             .replace("@NETDEV@", &netdev)
             .replace("@MAC@", &mac);
@@ -128,6 +142,7 @@ impl Domain {
             serial,
             ssh_port,
             mac,
+            uefi: spec.uefi,
         }
     }
 
@@ -158,7 +173,10 @@ impl Drop for Domain {
             let _ = Command::new("virsh").args(["-c", URI]).args(args).output();
         };
         quiet(&["destroy", &self.name]);
-        quiet(&["undefine", &self.name]);
+        match self.uefi {
+            true => quiet(&["undefine", "--nvram", &self.name]),
+            false => quiet(&["undefine", &self.name]),
+        }
         // sushy-tools names each image it puts into the pool after the domain's UUID.
         if let Ok(out) = Command::new("virsh")
             .args(["-c", URI, "vol-list", "default"])

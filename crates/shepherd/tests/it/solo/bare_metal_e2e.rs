@@ -36,8 +36,13 @@ use uuid::Uuid;
 const MACHINES: u8 = 2;
 /// The index of the domain whose disk holds a partition table.
 const PARTITIONED: u8 = MACHINES + 1;
+/// The index of the domain with two disks that its entry's hints both match: refused too.
+const AMBIGUOUS: u8 = PARTITIONED + 1;
 /// The index of the domain with two disks, whose entry names its disk by root device hints.
 const HINTED: u8 = 2;
+/// The index of the domain whose entry allows a wipe, and whose disk holds signatures past
+/// the end of the image that only a wipe clears; it boots by UEFI.
+const WIPED: u8 = 1;
 
 /// What `scripts/live-image.sh` built: the live image, the OS image the tests install, its
 /// sha256, and the key that OS lets in (copied with mode 0400, as `shepherd run` wants it).
@@ -178,7 +183,7 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
     };
     let server_port = free_port();
     let (images_port, downloads) = file_server(&build.target, "/target.img").await;
-    let domains: Vec<Domain> = (1..=PARTITIONED)
+    let domains: Vec<Domain> = (1..=AMBIGUOUS)
         .map(|index| {
             Domain::define(
                 dir.path(),
@@ -186,7 +191,9 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
                     index,
                     disk_bytes: 256 << 20,
                     // The second machine has a second disk, which its hints leave out.
-                    second_disk_bytes: (index == HINTED).then_some(64 << 20),
+                    second_disk_bytes: matches!(index, HINTED | AMBIGUOUS).then_some(64 << 20),
+                    // The wiped machine boots by UEFI, the others from a BIOS.
+                    uefi: index == WIPED,
                     memory_mib: 512,
                     server_port,
                     images_port,
@@ -211,7 +218,12 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
     let other_disk_sha256 = sha256_hex(&std::fs::read(other_disk).unwrap());
     let partitioned = &domains[usize::from(PARTITIONED) - 1];
     write_partition_table(&partitioned.disk);
-    let partitioned_sha256 = sha256_hex(&std::fs::read(&partitioned.disk).unwrap());
+    let wiped = &domains[usize::from(WIPED) - 1];
+    let stale = write_stale_signatures(&wiped.disk);
+    let partitioned_disks = as_they_are(&[&partitioned.disk]);
+    let ambiguous = &domains[usize::from(AMBIGUOUS) - 1];
+    let ambiguous_disks =
+        as_they_are(&[&ambiguous.disk, &ambiguous.second_disk.as_ref().unwrap().0]);
     let uuids: Vec<String> = domains.iter().map(|d| d.uuid.clone()).collect();
     let bmc = start_libvirt_emulator(dir.path(), CertForm::SelfSigned, &uuids);
     let _server = server_for_guests(&t.url, server_port, dir.path());
@@ -223,7 +235,9 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
         .map(|d| {
             // The hinted machine's disk is named by its serial (in another case than the
             // disk's: Ironic's hints are compared in lower case) among two whole disks.
+            // The ambiguous machine's hints match both its disks.
             let disk = match &d.second_disk {
+                Some(_) if d.name == ambiguous.name => serde_json::json!({"size": "<= 1"}),
                 Some(_) => serde_json::json!({"serial": d.disk_serial.to_lowercase(), "size": "<= 1"}),
                 None => serde_json::json!("/dev/vda"),
             };
@@ -231,7 +245,8 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
                 "BMC": {"URL": bmc.url, "Username": "admin", "PasswordFile": bmc.password_file,
                         "CA": bmc.ca, "System": format!("/redfish/v1/Systems/{}", d.uuid)},
                 "Bare": {"ImageURL": format!("http://{}/target.img", IMAGES_IN_GUEST.trim_end_matches(":80")),
-                         "ImageSHA256": build.target_sha256, "Disk": disk}})
+                         "ImageSHA256": build.target_sha256, "Disk": disk,
+                         "Wipe": d.name == wiped.name}})
         })
         .collect();
     std::fs::write(&inventory, serde_json::to_string(&entries).unwrap()).unwrap();
@@ -284,7 +299,7 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
         drop(a.take());
     }
 
-    // Both reach heartbeating from their installed OS, and the partitioned one fails; the
+    // Both reach heartbeating from their installed OS, and the other two fail; the
     // first heartbeat of each after its disk boot is noted as it comes.
     let mut heartbeat_at: BTreeMap<Uuid, f64> = BTreeMap::new();
     testing::eventually_every(
@@ -294,9 +309,13 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
         async || {
             let mut done = 0;
             let mut seen = vec![];
-            let mut refused = false;
-            if let Some(m) = machine_of(&db, partitioned).await {
-                refused = state(&db, m).await.0 == Some(BarePhase::Failed);
+            let mut refused = true;
+            for d in [partitioned, ambiguous] {
+                let failed = match machine_of(&db, d).await {
+                    Some(m) => state(&db, m).await.0 == Some(BarePhase::Failed),
+                    None => false,
+                };
+                refused &= failed;
             }
             for d in &domains[..usize::from(MACHINES)] {
                 let Some(m) = machine_of(&db, d).await else {
@@ -322,6 +341,7 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
     for d in &domains[..usize::from(MACHINES)] {
         let m = machine_of(&db, d).await.unwrap();
         let steps = steps(&db, m).await;
+        let step = |phase: BarePhase| steps.iter().find(|s| s.phase == phase).unwrap();
         let phases: Vec<BarePhase> = steps.iter().map(|s| s.phase).collect();
         let the_way: Vec<BarePhase> = BarePhase::ALL
             .iter()
@@ -362,10 +382,7 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
                 "{}: its live environment read the CD's config drive: {console}",
                 d.name
             );
-            let asked = steps
-                .iter()
-                .find(|s| s.phase == BarePhase::Installing)
-                .unwrap();
+            let asked = step(BarePhase::Installing);
             assert!(
                 asked.detail.contains(&format!(
                     r#"onto the hints {{"serial":"{}","size":"<= 1"}}"#,
@@ -374,16 +391,39 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
                 "{asked:?}"
             );
         }
+        if d.name == wiped.name {
+            for (offset, what) in &stale {
+                let at = *offset as usize;
+                assert!(
+                    disk[at..at + 8].iter().all(|b| *b == 0),
+                    "{}: {what} is cleared",
+                    d.name
+                );
+            }
+            let ejecting = step(BarePhase::Ejecting);
+            let cleared = "the agent cleared a Linux RAID member (md 1.0) on /dev/vda1; \
+                           an MBR partition table and a GPT partition table's backup header \
+                           on /dev/vda, then wrote the image onto /dev/vda";
+            assert!(ejecting.detail.contains(cleared), "{ejecting:?}");
+        }
         // The last boot was from the disk, and the virtual CD is empty.
         let serial = d.serial_log();
         let last_boot = serial
             .lines()
             .rfind(|l| l.contains(": starting (kernel"))
             .unwrap_or_default()
+            // The firmware's output may leave a carriage return before it.
+            .trim()
             .to_string();
         assert!(
             last_boot.starts_with("shepherd installed OS"),
             "{}: the last boot: {last_boot:?}\n{serial}",
+            d.name
+        );
+        let firmware = if d.uefi { "UEFI" } else { "BIOS" };
+        assert!(
+            last_boot.contains(&format!("booted by {firmware})")),
+            "{}: the installed OS booted by {firmware}: {last_boot:?}",
             d.name
         );
         assert_eq!(
@@ -435,7 +475,7 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
         }
 
         use BarePhase::*;
-        let entered = |phase| at(steps.iter().find(|s| s.phase == phase).unwrap());
+        let entered = |phase| at(step(phase));
         let greeted = greetings
             .lock()
             .unwrap()
@@ -457,33 +497,25 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
         downloads.load(std::sync::atomic::Ordering::Relaxed),
         usize::from(MACHINES)
     );
-    let m = machine_of(&db, partitioned).await.unwrap();
-    let steps = steps(&db, m).await;
-    let failed = steps.last().unwrap();
-    assert_eq!(failed.phase, BarePhase::Failed, "{steps:#?}");
-    assert!(
-        failed
-            .detail
-            .contains("/dev/vda holds an MBR partition table")
-            && failed.detail.contains("wipe"),
-        "a clear cause: {steps:#?}"
-    );
-    assert!(
-        !steps.iter().any(|s| s.phase == BarePhase::Ejecting),
-        "{steps:#?}"
-    );
-    assert!(!partitioned.is_running(), "it is left off");
-    assert!(
-        !partitioned.xml().contains("device='cdrom'"),
-        "its CD is empty"
-    );
-    assert_eq!(
-        sha256_hex(&std::fs::read(&partitioned.disk).unwrap()),
-        partitioned_sha256,
-        "its disk is untouched"
-    );
-    // The surviving replica counted what it did: both machines' last steps, the third's
-    // failure (all after the other was killed).
+    refused(
+        &db,
+        partitioned,
+        &["/dev/vda holds an MBR partition table", "wipe"],
+        &partitioned_disks,
+    )
+    .await;
+    // Hints that match both disks: the cause lists both, by name and serial.
+    let both = [
+        "2 whole disks match the hints".to_string(),
+        "/dev/vda (".to_string(),
+        format!("serial {}", ambiguous.disk_serial),
+        "/dev/sda (".to_string(),
+        format!("serial {}", ambiguous.second_disk.as_ref().unwrap().1),
+    ];
+    let both: Vec<&str> = both.iter().map(String::as_str).collect();
+    refused(&db, ambiguous, &both, &ambiguous_disks).await;
+    // The surviving replica counted what it did: both machines' last steps, the other two's
+    // failures (all after the other was killed).
     let metrics = common::get_text(&b.metrics).await;
     let entered = |phase: &str| {
         let name = format!("shepherd_bare_metal_phases_entered_total{{phase=\"{phase}\"}}");
@@ -491,7 +523,7 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
     };
     if !figures {
         assert_eq!(entered("Done"), Some(f64::from(MACHINES)), "{metrics}");
-        assert_eq!(entered("Failed"), Some(1.0), "{metrics}");
+        assert_eq!(entered("Failed"), Some(2.0), "{metrics}");
     }
     if figures {
         let mean = |i: usize| parts.iter().map(|p| p[i]).sum::<f64>() / parts.len() as f64;
@@ -509,6 +541,46 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
     }
 }
 
+/// Each of `disks` with the sha256 of what it holds now.
+fn as_they_are(disks: &[&Path]) -> Vec<(PathBuf, String)> {
+    disks
+        .iter()
+        .map(|d| (d.to_path_buf(), sha256_hex(&std::fs::read(d).unwrap())))
+        .collect()
+}
+
+/// `d`'s agent refused its installation before it wrote anything: the machine failed with a
+/// cause that says each of `cause`, it never went on to eject, it is left off with its CD
+/// empty, and each of its `disks` holds what it held before.
+async fn refused(db: &Bmdb, d: &Domain, cause: &[&str], disks: &[(PathBuf, String)]) {
+    let m = machine_of(db, d).await.unwrap();
+    let steps = steps(db, m).await;
+    let failed = steps.last().unwrap();
+    assert_eq!(failed.phase, BarePhase::Failed, "{}: {steps:#?}", d.name);
+    for part in cause {
+        assert!(
+            failed.detail.contains(part),
+            "{}: {part:?} in {steps:#?}",
+            d.name
+        );
+    }
+    assert!(
+        !steps.iter().any(|s| s.phase == BarePhase::Ejecting),
+        "{}: {steps:#?}",
+        d.name
+    );
+    assert!(!d.is_running(), "{}: it is left off", d.name);
+    assert!(
+        !d.xml().contains("device='cdrom'"),
+        "{}: its CD is empty",
+        d.name
+    );
+    for (disk, sha256) in disks {
+        let now = sha256_hex(&std::fs::read(disk).unwrap());
+        assert_eq!(&now, sha256, "{}: {} is untouched", d.name, disk.display());
+    }
+}
+
 /// Writes an MBR with one Linux partition at `disk`'s start, as a disk with an OS has.
 fn write_partition_table(disk: &Path) {
     use std::io::{Seek, SeekFrom, Write};
@@ -521,6 +593,31 @@ fn write_partition_table(disk: &Path) {
     let mut f = std::fs::OpenOptions::new().write(true).open(disk).unwrap();
     f.seek(SeekFrom::Start(0)).unwrap();
     f.write_all(&mbr).unwrap();
+}
+
+/// Leaves on `disk` (256 MiB) what a disk that was once an md 1.0 RAID member under a GPT
+/// keeps past an image's end: an MBR whose one partition lies from 128 MiB to 248 MiB with an
+/// md 1.0 superblock at its end, and a GPT's backup header in the disk's last sector. Returns
+/// where each lies, and what it is.
+fn write_stale_signatures(disk: &Path) -> [(u64, &'static str); 2] {
+    use std::os::unix::fs::FileExt;
+    let (start, sectors) = (262_144u32, 245_760u32);
+    let mut mbr = [0u8; 512];
+    mbr[446 + 4] = 0x83;
+    mbr[446 + 8..446 + 12].copy_from_slice(&start.to_le_bytes());
+    mbr[446 + 12..446 + 16].copy_from_slice(&sectors.to_le_bytes());
+    mbr[510..].copy_from_slice(&[0x55, 0xaa]);
+    let md_10 = (u64::from(start) + ((u64::from(sectors) - 16) & !7)) * 512;
+    let backup_gpt = (256 << 20) - 512;
+    let f = std::fs::OpenOptions::new().write(true).open(disk).unwrap();
+    f.write_all_at(&mbr, 0).unwrap();
+    f.write_all_at(&[0xfc, 0x4e, 0x2b, 0xa9, 1, 0, 0, 0], md_10)
+        .unwrap();
+    f.write_all_at(b"EFI PART", backup_gpt).unwrap();
+    [
+        (md_10, "the md 1.0 superblock"),
+        (backup_gpt, "the backup GPT header"),
+    ]
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {

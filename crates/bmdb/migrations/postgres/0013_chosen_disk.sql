@@ -1,0 +1,13 @@
+-- Schema v13 (Postgres): the disk a bare machine's agent chose (design.md §21).
+--
+-- machine_bare_metal.chosen_disk: root device hints (JSON) naming, by its serial and WWN, the
+-- disk the agent chose for the machine's installation, as its report gave them. Shepherd's
+-- later requests of the same way (a retry after the image's server failed, a later live
+-- boot) name the disk so, whatever kernel name a reboot gives it. NULL: none chosen yet, or
+-- a disk with neither a serial nor a WWN. A new way (recorded bare, reimaged) clears it.
+--
+-- Expand: binaries of schema 3 to 12 neither read nor write it, and a request of theirs names
+-- the disk as the entry does, as they always did. A new way they record leaves it set: a
+-- later request of this schema then names the disk chosen before, and if that disk is gone
+-- the agent writes nothing and the machine fails with every disk it saw.
+ALTER TABLE machine_bare_metal ADD COLUMN chosen_disk TEXT;
