@@ -23,7 +23,10 @@
 #                     EFI/BOOT/BOOTX64.EFI), whose FAT partition, labelled CONFIG-2,
 #                     carries its own config drive (DHCP, the key in test_id_ed25519.pub), so
 #                     that the installed OS answers SSH as "shepherd installed OS"
-#   target.img.sha256 its sha256
+#   target-stock.img  the same OS as a stock cloud image is: no config drive nor key of its
+#                     own (its FAT partition is labelled SHEPHERD), so that it lets in only
+#                     whoever wrote a config-2 partition beside it (Shepherd's agent does)
+#   target.img.sha256, target-stock.img.sha256 their sha256
 #   test_id_ed25519{,.pub} the key the target image lets in (test use only)
 #   packages.txt      every package the image was made of, with its version
 # Needs root (mmdebstrap) and scripts/test-deps.sh's live image packages.
@@ -31,7 +34,7 @@ set -euo pipefail
 
 out="${SHEPHERD_LIVE_DIR:-$HOME/.cache/shepherd/live}"
 . "$(dirname "$0")/debian-build.sh"
-debian_build "$out" "live image" live.iso target.img
+debian_build "$out" "live image" live.iso target.img target-stock.img
 
 root="$work/root"
 debian_bootstrap "$root" \
@@ -306,21 +309,15 @@ xorriso -as mkisofs -quiet -iso-level 3 -full-iso9660-filenames -J -joliet-long 
     -o "$work/live.iso" "$iso" 2>&1 | grep -v 'UPDATE' || true
 [[ -s "$work/live.iso" ]] || { say "xorriso made no ISO" >&2; exit 1; }
 
-say "making the target image the tests install"
+say "making the target images the tests install"
 [[ -f "$out/test_id_ed25519" ]] || ssh-keygen -q -t ed25519 -N '' -C shepherd-live-tests -f "$out/test_id_ed25519"
 target_mib=48
-fat="$work/target.fat"
-mkfs.vfat -n CONFIG-2 -i 5e9e1002 --invariant -C "$fat" $(((target_mib - 1) * 1024)) >/dev/null
 printf 'DEFAULT installed\nPROMPT 0\nTIMEOUT 0\nLABEL installed\n  KERNEL vmlinuz\n  APPEND initrd=initrd.img %s shepherd.installed=1\n' "$append" \
     > "$work/syslinux.cfg"
 jq -n --arg key "$(cat "$out/test_id_ed25519.pub")" \
     '{uuid: "5e9e0000-0000-4000-8000-00000000face", hostname: "shepherd-installed", public_keys: {test: $key}}' \
     > "$work/meta_data.json"
 echo '{"links": [], "networks": [], "services": []}' > "$work/network_data.json"
-touch -d "@$SOURCE_DATE_EPOCH" "$work/syslinux.cfg" "$work/meta_data.json" "$work/network_data.json"
-mcopy -m -i "$fat" "$kernel" ::vmlinuz
-mcopy -m -i "$fat" "$work/initrd.img" ::initrd.img
-mcopy -m -i "$fat" "$work/syslinux.cfg" ::syslinux.cfg
 # The same for UEFI: a GRUB at the removable-media path the firmware looks for on any FAT
 # partition, which boots the same kernel from the partition it was loaded from ($cmdpath is
 # "(hd0,msdos1)/EFI/BOOT"), never from another disk's copy.
@@ -331,24 +328,43 @@ linux /vmlinuz $append shepherd.installed=1
 initrd /initrd.img
 boot
 GRUB
-touch -d "@$SOURCE_DATE_EPOCH" "$work/target-grub.cfg"
+touch -d "@$SOURCE_DATE_EPOCH" "$work/syslinux.cfg" "$work/meta_data.json" "$work/network_data.json" \
+    "$work/target-grub.cfg"
 faketime "@$SOURCE_DATE_EPOCH" grub-mkstandalone -O x86_64-efi -o "$work/target-bootx64.efi" \
     --modules="part_msdos fat regexp linux normal" \
     --locales= --fonts= --themes= "boot/grub/grub.cfg=$work/target-grub.cfg"
-mmd -i "$fat" ::EFI ::EFI/BOOT
-mcopy -m -i "$fat" "$work/target-bootx64.efi" ::EFI/BOOT/BOOTX64.EFI
-mmd -i "$fat" ::openstack ::openstack/latest
-mcopy -m -i "$fat" "$work/meta_data.json" ::openstack/latest/meta_data.json
-mcopy -m -i "$fat" "$work/network_data.json" ::openstack/latest/network_data.json
-faketime "@$SOURCE_DATE_EPOCH" syslinux --install "$fat"
-truncate -s "${target_mib}M" "$work/target.img"
-printf 'label: dos\nlabel-id: 0x5e9e1002\nstart=2048, type=c, bootable\n' | sfdisk --quiet "$work/target.img"
-dd if=/usr/lib/syslinux/mbr/mbr.bin of="$work/target.img" bs=440 count=1 conv=notrunc status=none
-dd if="$fat" of="$work/target.img" bs=512 seek=2048 conv=notrunc status=none
+# target_image NAME LABEL [own]: $work/NAME, a disk image of one bootable FAT partition
+# labelled LABEL with the kernel, the initramfs and both boot loaders; with "own", the
+# partition is its own config drive too (openstack/latest/, the test key, DHCP).
+target_image() {
+    local fat="$work/$1.fat"
+    mkfs.vfat -n "$2" -i 5e9e1002 --invariant -C "$fat" $(((target_mib - 1) * 1024)) >/dev/null
+    mcopy -m -i "$fat" "$kernel" ::vmlinuz
+    mcopy -m -i "$fat" "$work/initrd.img" ::initrd.img
+    mcopy -m -i "$fat" "$work/syslinux.cfg" ::syslinux.cfg
+    mmd -i "$fat" ::EFI ::EFI/BOOT
+    mcopy -m -i "$fat" "$work/target-bootx64.efi" ::EFI/BOOT/BOOTX64.EFI
+    if [[ "${3:-}" = own ]]; then
+        mmd -i "$fat" ::openstack ::openstack/latest
+        mcopy -m -i "$fat" "$work/meta_data.json" ::openstack/latest/meta_data.json
+        mcopy -m -i "$fat" "$work/network_data.json" ::openstack/latest/network_data.json
+    fi
+    faketime "@$SOURCE_DATE_EPOCH" syslinux --install "$fat"
+    truncate -s "${target_mib}M" "$work/$1"
+    printf 'label: dos\nlabel-id: 0x5e9e1002\nstart=2048, type=c, bootable\n' | sfdisk --quiet "$work/$1"
+    dd if=/usr/lib/syslinux/mbr/mbr.bin of="$work/$1" bs=440 count=1 conv=notrunc status=none
+    dd if="$fat" of="$work/$1" bs=512 seek=2048 conv=notrunc status=none
+}
+target_image target.img CONFIG-2 own
+# As a stock cloud image is: no key of its own, so that only a config drive someone else wrote
+# (the one Shepherd's agent adds after the image) lets anyone in.
+target_image target-stock.img SHEPHERD
 
 mv "$work/live.iso" "$out/live.iso"
-mv "$work/target.img" "$out/target.img"
-(cd "$out" && sha256sum target.img | cut -d' ' -f1 > target.img.sha256)
+for image in target.img target-stock.img; do
+    mv "$work/$image" "$out/$image"
+    (cd "$out" && sha256sum "$image" | cut -d' ' -f1 > "$image.sha256")
+done
 mv "$work/packages.txt" "$out/packages.txt"
 echo "$stamp" > "$out/stamp"
-say "$out/live.iso ($(du -h --apparent-size "$out/live.iso" | cut -f1)), target.img ($(du -h --apparent-size "$out/target.img" | cut -f1))"
+say "$out/live.iso ($(du -h --apparent-size "$out/live.iso" | cut -f1)), target.img and target-stock.img ($(du -h --apparent-size "$out/target.img" | cut -f1) each)"

@@ -373,9 +373,15 @@ fn finish_installation(
                         installed.disk, installed.written, installed.format
                     ),
                     wiped: installed
+                        .around
                         .wiped
                         .filter(|w| !w.cleared.is_empty())
                         .map(|w| w.to_string())
+                        .unwrap_or_default(),
+                    config_drive: installed
+                        .around
+                        .config_drive
+                        .map(|d| d.to_string())
                         .unwrap_or_default(),
                 })
             }

@@ -8,9 +8,10 @@ use shepherd_disks::format::SNIFFED_BYTES;
 use shepherd_disks::{
     DiskChoice, DiskFacts, FormatError, HintError, ImageFormat, NoDisk, RootDeviceHints, Sniffed,
 };
-use shepherd_proto::bmaas::ImageInstallationRequest;
+use shepherd_proto::bmaas::{ConfigDriveFile, ImageInstallationRequest};
 
 use crate::blank;
+use crate::config_drive::{self, Drive, DriveError};
 use crate::disks::{self, DiskRoots};
 use crate::download::{Download, DownloadError};
 use crate::image_writer::{ImageWriter, WriteFailure};
@@ -98,6 +99,16 @@ pub enum InstallError {
         /// What the system said.
         error: std::io::Error,
     },
+    /// The image was written, and its config drive could not be added to the disk.
+    #[error(
+        "the image was written onto {device}, and its config drive could not be added: {error}"
+    )]
+    ConfigDrive {
+        /// The disk.
+        device: String,
+        /// Why not.
+        error: DriveError,
+    },
     /// Writing the image onto the disk failed.
     #[error("writing onto {device}: {failure}")]
     Write {
@@ -165,6 +176,7 @@ impl InstallError {
             InstallError::Download { disk_written, .. } => *disk_written,
             InstallError::ShortBody { .. }
             | InstallError::Wipe { .. }
+            | InstallError::ConfigDrive { .. }
             | InstallError::Write { .. }
             | InstallError::Mismatch { .. } => true,
             _ => false,
@@ -230,8 +242,17 @@ pub struct Installed {
     pub format: ImageFormat,
     /// The bytes written onto the disk (after decompression).
     pub written: u64,
+    /// What the agent did to the disk around the image.
+    pub around: AroundImage,
+}
+
+/// What an installation did to the disk around the image.
+#[derive(Debug, Clone, Default)]
+pub struct AroundImage {
     /// What the wipe before the image cleared, if the installation allowed one.
     pub wiped: Option<Wiped>,
+    /// The config drive added after the image, if the request carried one.
+    pub config_drive: Option<Drive>,
 }
 
 /// The disk `image` names: its root device hints, or else its target device.
@@ -385,34 +406,40 @@ async fn write_image(
         image.url
     );
     let streamed = stream(image, head, body, file, format, &disk, announced).await?;
-    let got: String = streamed
-        .hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    if got != want {
-        return Err(InstallError::Mismatch {
-            got,
-            served: streamed.served,
-            want,
-        });
-    }
-    if format == ImageFormat::Raw && streamed.written != streamed.served {
-        return Err(InstallError::Write {
-            device,
-            failure: WriteFailure::Thread(format!(
-                "wrote {} of {} bytes",
-                streamed.written, streamed.served
-            )),
-        });
-    }
+    let written = streamed.check(&want, format, &device)?;
+    let config_drive = match image.config_drive.is_empty() {
+        true => None,
+        false => Some(add_config_drive(&node, &disk, &image.config_drive).await?),
+    };
     Ok(Installed {
         disk,
         format,
-        written: streamed.written,
-        wiped,
+        written,
+        around: AroundImage {
+            wiped,
+            config_drive,
+        },
     })
+}
+
+/// Adds the installed OS's config drive holding `files` to `disk` (its node `node`), which
+/// now holds the image, off the runtime's thread.
+async fn add_config_drive(
+    node: &std::path::Path,
+    disk: &DiskFacts,
+    files: &[ConfigDriveFile],
+) -> Result<Drive, InstallError> {
+    let file = open_exclusively(node, &disk.name)?;
+    let (size, files) = (disk.size_bytes, files.to_vec());
+    let written = tokio::task::spawn_blocking(move || config_drive::write(&file, size, &files))
+        .await
+        .map_err(|e| InstallError::NotRun(format!("writing the config drive: {e}")))?;
+    let drive = written.map_err(|error| InstallError::ConfigDrive {
+        device: disk.name.clone(),
+        error,
+    })?;
+    eprintln!("shepherd-agent: added {drive} on {}", disk.name);
+    Ok(drive)
 }
 
 /// Clears the signatures on `disk` (opened as `file`) and its partitions, off the runtime's
@@ -465,6 +492,36 @@ struct Streamed {
     served: u64,
     /// The bytes written onto the disk.
     written: u64,
+}
+
+impl Streamed {
+    /// The bytes written onto `device`, if what was served has the sha256 `want` and, for a
+    /// raw image, all of it was written.
+    fn check(self, want: &str, format: ImageFormat, device: &str) -> Result<u64, InstallError> {
+        let got: String = self
+            .hasher
+            .finalize()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        if got != want {
+            return Err(InstallError::Mismatch {
+                got,
+                served: self.served,
+                want: want.to_string(),
+            });
+        }
+        if format == ImageFormat::Raw && self.written != self.served {
+            return Err(InstallError::Write {
+                device: device.to_string(),
+                failure: WriteFailure::Thread(format!(
+                    "wrote {} of {} bytes",
+                    self.written, self.served
+                )),
+            });
+        }
+        Ok(self.written)
+    }
 }
 
 /// Streams the image (its first chunks `head`, then the rest of `body`) onto `file`, the disk
@@ -695,9 +752,56 @@ mod tests {
         assert!(data.starts_with(&image));
         assert!(data[image.len()..].iter().all(|b| *b == 0), "both are gone");
         assert_eq!(
-            installed.wiped.unwrap().to_string(),
+            installed.around.wiped.unwrap().to_string(),
             "a Linux RAID member (md 1.0) on /dev/vda1; \
              a GPT partition table's backup header on /dev/vda"
+        );
+    }
+
+    /// A request with a config drive gets it after the image, in the image's partition
+    /// table; an image with no table fails, saying the image was written.
+    #[tokio::test]
+    async fn a_config_drive_follows_the_image_into_its_partition_table() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = FakeMachine::new(dir.path());
+        let vda = m.add(FakeDisk {
+            name: "vda",
+            place: "pci0000:00/0000:00:05.0/virtio5",
+            sectors: 100 << 11,
+            device: None,
+            files: &[("serial", b"ONE")],
+        });
+        let mut image = vec![0u8; 1 << 20];
+        image[446 + 4] = 0x83;
+        image[446 + 8..446 + 12].copy_from_slice(&2048u32.to_le_bytes());
+        image[446 + 12..446 + 16].copy_from_slice(&2048u32.to_le_bytes());
+        image[510..512].copy_from_slice(&[0x55, 0xaa]);
+        let (url, _) = serve(image.clone(), true);
+        let mut request = request(&url, &image, "/dev/vda", "");
+        let meta = br#"{"uuid":"m","public_keys":{"shepherd-0":"ssh-ed25519 AAAA"}}"#;
+        request.config_drive = vec![ConfigDriveFile {
+            path: "openstack/latest/meta_data.json".into(),
+            content: meta.to_vec(),
+        }];
+        let installed = install(&request, &m.roots).await.outcome.unwrap();
+        let drive = installed.around.config_drive.unwrap();
+        assert_eq!((drive.table, drive.partition), ("MBR", 2));
+        let disk = std::fs::File::open(&vda).unwrap();
+        let read = config_drive::read_back(&disk, &drive, "openstack/latest/meta_data.json");
+        assert_eq!(read, meta);
+
+        let raw = vec![5u8; 64 << 10];
+        let (url, _) = serve(raw.clone(), true);
+        let mut again = self::request(&url, &raw, "/dev/vda", "");
+        again.wipe_allowed = true;
+        again.config_drive = request.config_drive.clone();
+        let err = install(&again, &m.roots).await.outcome.unwrap_err();
+        assert!(err.disk_written(), "{err}");
+        let text = err.to_string();
+        assert!(
+            text.contains("the image was written onto /dev/vda")
+                && text.contains("no partition table"),
+            "{text}"
         );
     }
 

@@ -7,6 +7,7 @@
 
 mod blank;
 pub mod clock;
+mod config_drive;
 pub mod connection;
 mod disks;
 mod download;

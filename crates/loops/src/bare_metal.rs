@@ -34,7 +34,7 @@ use shepherd_proto::bmaas as proto;
 use shepherd_proto::Message;
 /// The variable that carries each live boot's proof to its agent; never an operator's.
 pub use shepherd_proto::LIVE_PROOF_VAR;
-use shepherd_provider::bare::{config_drive, ConfigTooLarge, LiveFacts};
+use shepherd_provider::bare::{config_drive, installed_config_drive, ConfigTooLarge, LiveFacts};
 use shepherd_provider::metrics::register_at_zero;
 use shepherd_provider::redfish::{Bmc, BmcError};
 use shepherd_provider::settings::InvalidSetting;
@@ -653,11 +653,15 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
                     .wiped
                     .map(|w| format!("cleared {w}, then "))
                     .unwrap_or_default();
+                let drive = report
+                    .config_drive
+                    .map(|d| format!(", then added {d}"))
+                    .unwrap_or_default();
                 let detail = match report.written_onto {
                     Some(disk) => format!(
-                        "the agent {wiped}wrote the image onto {disk} and checked its sha256 as served"
+                        "the agent {wiped}wrote the image onto {disk} and checked its sha256 as served{drive}"
                     ),
-                    None => format!("the agent {wiped}wrote the image and checked its sha256"),
+                    None => format!("the agent {wiped}wrote the image and checked its sha256{drive}"),
                 };
                 step.enter(BarePhase::Ejecting, PhaseWrites::default(), detail)
                     .await?;
@@ -819,6 +823,17 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
             DiskChoice::Path(path) => (path.clone(), String::new()),
             DiskChoice::Hints(hints) => (String::new(), hints.to_json()),
         };
+        let keys = &self.settings.public_keys;
+        let hostname = &step.provided.provider_id;
+        let config_drive: Vec<proto::ConfigDriveFile> =
+            installed_config_drive(step.machine, hostname, keys, entry)
+                .into_iter()
+                .map(|(path, content)| proto::ConfigDriveFile { path, content })
+                .collect();
+        let drive = match config_drive.is_empty() {
+            true => "no config drive (the entry's ConfigDrive is false)",
+            false => "then a config drive with Shepherd's keys",
+        };
         let image = proto::ImageInstallationRequest {
             url: entry.image_url.clone(),
             sha256: entry.image_sha256.to_ascii_lowercase(),
@@ -827,6 +842,7 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
             format: format.map(|f| f.name().to_string()).unwrap_or_default(),
             wipe_allowed: allowed_by.is_some(),
             no_reboot: true,
+            config_drive,
         };
         let request_raw = proto::OsInstallationRequest {
             generation,
@@ -838,7 +854,7 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
             None => "the disk is written only if it is blank".into(),
         };
         let detail = format!(
-            "its live environment was taken over; asked its agent (installation {generation}) to write {} (sha256 {}) onto {onto}: {wipe}",
+            "its live environment was taken over; asked its agent (installation {generation}) to write {} (sha256 {}) onto {onto}, {drive}: {wipe}",
             entry.image_url, entry.image_sha256
         );
         Ok((

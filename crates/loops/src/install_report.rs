@@ -23,6 +23,8 @@ pub(crate) struct InstallReport {
     pub written_onto: Option<String>,
     /// What the wipe before the image cleared (a success).
     pub wiped: Option<String>,
+    /// The config drive added after the image (a success).
+    pub config_drive: Option<String>,
     /// Why it failed (a failure).
     pub failure: ReportedFailure,
     /// Root device hints naming the disk the agent chose by its identity, if it chose one
@@ -48,6 +50,7 @@ pub(crate) fn read(report_raw: &[u8]) -> InstallReport {
     let mut report = InstallReport {
         written_onto: None,
         wiped: None,
+        config_drive: None,
         failure: ReportedFailure {
             cause: "the agent's report gives no reason".into(),
             unavailable: false,
@@ -67,6 +70,7 @@ pub(crate) fn read(report_raw: &[u8]) -> InstallReport {
         Some(proto::os_installation_report::Result::Success(s)) => {
             report.written_onto = line(&s.written_onto, MAX_WRITTEN_CHARS);
             report.wiped = line(&s.wiped, MAX_WRITTEN_CHARS);
+            report.config_drive = line(&s.config_drive, MAX_WRITTEN_CHARS);
         }
         Some(proto::os_installation_report::Result::Error(e)) => {
             report.failure = ReportedFailure {

@@ -58,6 +58,8 @@ impl InstallImage {
             format: String::new(),
             wipe_allowed: self.wipe,
             no_reboot: false,
+            // An operator's own image brings its own way in: no config drive is added.
+            config_drive: Vec::new(),
         };
         proto::OsInstallationRequest {
             generation,

@@ -40,9 +40,25 @@ pub struct BareEntry {
     #[serde(default)]
     pub wipe: bool,
     /// The live environment's network: a static address on a BMC network without DHCP.
-    /// Left out, every NIC asks DHCP.
+    /// Left out, every NIC asks DHCP. The installed OS's config drive carries it too.
     pub network: Option<BareNetwork>,
+    /// Whether the agent adds a config drive to the installed disk after the image: a
+    /// partition labelled `config-2` at the disk's end with Shepherd's SSH keys, the network
+    /// and `UserData`, which cloud-init in a stock cloud image reads. `false` for an image that
+    /// brings its own way in. Left out: true.
+    #[serde(default = "config_drive_by_default")]
+    pub config_drive: bool,
+    /// cloud-init user data for the installed OS (`#cloud-config …`), on its config drive.
+    pub user_data: Option<String>,
 }
+
+/// An entry that says nothing of `ConfigDrive` gets one.
+fn config_drive_by_default() -> bool {
+    true
+}
+
+/// The most user data an entry may carry, as OpenStack allows.
+pub const MAX_USER_DATA_BYTES: usize = 65535;
 
 /// A static IPv4 network for the live environment.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -80,7 +96,18 @@ impl BareEntry {
             n.parsed()
                 .map_err(|(field, problem)| bad(&format!("Network.{field}"), problem))?;
         }
-        Ok(())
+        match &self.user_data {
+            Some(u) if u.len() > MAX_USER_DATA_BYTES => Err(bad(
+                "UserData",
+                format!("is {} bytes, more than {MAX_USER_DATA_BYTES}", u.len()),
+            )),
+            Some(_) if !self.config_drive => Err(bad(
+                "UserData",
+                "reaches the installed OS on its config drive, which ConfigDrive false turns off"
+                    .into(),
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// The disk the entry names, parsed.
@@ -196,12 +223,7 @@ pub struct ConfigTooLarge {
 /// The config drive of a machine: a JSON object of its files by name (`meta_data.json`,
 /// `network_data.json`), each a JSON text in OpenStack's config-2 format.
 pub fn config_drive(facts: &LiveFacts<'_>, entry: &BareEntry) -> Result<String, ConfigTooLarge> {
-    let keys: serde_json::Map<String, serde_json::Value> = facts
-        .public_keys
-        .iter()
-        .enumerate()
-        .map(|(i, k)| (format!("shepherd-{i}"), serde_json::Value::from(k.as_str())))
-        .collect();
+    let keys = public_keys(facts.public_keys);
     let meta: serde_json::Map<String, serde_json::Value> = facts
         .agent_env
         .iter()
@@ -230,6 +252,48 @@ pub fn config_drive(facts: &LiveFacts<'_>, entry: &BareEntry) -> Result<String, 
         files.insert(file.to_string(), serde_json::Value::from(text));
     }
     Ok(serde_json::Value::Object(files).to_string())
+}
+
+/// `public_keys` of `meta_data.json`: Shepherd's keys, each named.
+fn public_keys(keys: &[String]) -> serde_json::Map<String, serde_json::Value> {
+    keys.iter()
+        .enumerate()
+        .map(|(i, k)| (format!("shepherd-{i}"), serde_json::Value::from(k.as_str())))
+        .collect()
+}
+
+/// The installed OS's config drive (design.md §21): OpenStack's config-2 files the agent adds
+/// to the installed disk, by path: `meta_data.json` with the machine's id and name and
+/// Shepherd's keys (and nothing of the live environment's: no agent settings, no proof),
+/// `network_data.json` when the entry names a static network (without it cloud-init asks
+/// DHCP), and the entry's `user_data`. None when the entry turns it off.
+pub fn installed_config_drive(
+    machine: uuid::Uuid,
+    hostname: &str,
+    keys: &[String],
+    entry: &BareEntry,
+) -> Vec<(String, Vec<u8>)> {
+    if !entry.config_drive {
+        return Vec::new();
+    }
+    let meta_data = serde_json::json!({
+        "uuid": machine.to_string(),
+        "hostname": hostname,
+        "name": hostname,
+        "public_keys": public_keys(keys),
+    });
+    let mut files = vec![("meta_data.json", meta_data.to_string().into_bytes())];
+    if entry.network.is_some() {
+        let network = network_data(entry.network.as_ref()).to_string();
+        files.push(("network_data.json", network.into_bytes()));
+    }
+    if let Some(user_data) = &entry.user_data {
+        files.push(("user_data", user_data.clone().into_bytes()));
+    }
+    files
+        .into_iter()
+        .map(|(name, content)| (format!("openstack/latest/{name}"), content))
+        .collect()
 }
 
 /// `network_data.json`: nothing (DHCP on every NIC), or the static network on one link.
@@ -275,6 +339,8 @@ mod tests {
             format: None,
             wipe: false,
             network: None,
+            config_drive: true,
+            user_data: None,
         }
     }
 
@@ -444,5 +510,74 @@ mod tests {
             err.contains("meta_data.json") && err.contains("slot"),
             "{err}"
         );
+    }
+
+    /// The installed OS's config drive: the machine's id and name and Shepherd's keys, none of
+    /// the live environment's settings, the network only when the entry names one, the user
+    /// data; nothing when the entry turns it off, and user data it cannot carry is refused.
+    #[test]
+    fn the_installed_config_drive_says_keys_network_and_user_data_and_nothing_of_the_live_one() {
+        let keys = vec!["ssh-ed25519 AAAA shepherd".to_string()];
+        let id = uuid::Uuid::from_u128(7);
+        let files = |e: &BareEntry| -> Vec<(String, serde_json::Value)> {
+            installed_config_drive(id, "r1-u07", &keys, e)
+                .into_iter()
+                .map(|(path, bytes)| {
+                    let text = String::from_utf8(bytes).unwrap();
+                    let value = serde_json::from_str(&text).unwrap_or(text.into());
+                    (path, value)
+                })
+                .collect()
+        };
+        let dhcp = files(&entry());
+        let [(path, meta)] = dhcp.as_slice() else {
+            panic!("{dhcp:?}")
+        };
+        assert_eq!(path, "openstack/latest/meta_data.json");
+        assert_eq!(
+            *meta,
+            serde_json::json!({"uuid": id.to_string(), "hostname": "r1-u07", "name": "r1-u07",
+                "public_keys": {"shepherd-0": "ssh-ed25519 AAAA shepherd"}}),
+            "no agent settings, no proof: those are the live environment's"
+        );
+        let full = BareEntry {
+            network: Some(BareNetwork {
+                address: "10.0.0.7/24".into(),
+                gateway: None,
+                dns: vec![],
+                mac: Some("52:54:00:ab:cd:01".into()),
+            }),
+            user_data: Some("#cloud-config\npackages: [htop]\n".into()),
+            ..entry()
+        };
+        let paths: Vec<String> = files(&full).into_iter().map(|(p, _)| p).collect();
+        assert_eq!(
+            paths,
+            [
+                "openstack/latest/meta_data.json",
+                "openstack/latest/network_data.json",
+                "openstack/latest/user_data"
+            ]
+        );
+        assert_eq!(files(&full)[2].1, "#cloud-config\npackages: [htop]\n");
+        let off = BareEntry {
+            config_drive: false,
+            ..entry()
+        };
+        assert!(files(&off).is_empty());
+        let refused = |e: BareEntry| e.validate().unwrap_err().to_string();
+        let no_drive = refused(BareEntry {
+            user_data: Some("x".into()),
+            ..off
+        });
+        assert!(
+            no_drive.contains("Bare.UserData") && no_drive.contains("ConfigDrive"),
+            "{no_drive}"
+        );
+        let huge = refused(BareEntry {
+            user_data: Some("x".repeat(MAX_USER_DATA_BYTES + 1)),
+            ..entry()
+        });
+        assert!(huge.contains("65535"), "{huge}");
     }
 }

@@ -506,6 +506,10 @@ async fn act_as_machine(
                             } else {
                                 String::new()
                             },
+                            config_drive: match image.config_drive.is_empty() {
+                                true => String::new(),
+                                false => "a config drive as partition 2 of its GPT".into(),
+                            },
                         },
                     ),
                 ),
@@ -611,6 +615,8 @@ async fn a_bare_machine_goes_its_way_and_each_bmc_step_is_taken_once() {
     let ejecting = &steps.iter().find(|s| s.phase == Ejecting).unwrap().detail;
     let chosen = "onto /dev/vda (480.0 GiB, serial S3YJNX0K)";
     assert!(ejecting.contains(chosen), "{ejecting}");
+    let drive = "then added a config drive as partition 2 of its GPT";
+    assert!(ejecting.contains(drive), "{ejecting}");
     // The entry's disk goes to the agent as the hints it wrote, and its format by name.
     let installed = s.installed.lock().unwrap();
     let [request] = installed.as_slice() else {
@@ -624,6 +630,18 @@ async fn a_bare_machine_goes_its_way_and_each_bmc_step_is_taken_once() {
             request.format.as_str()
         ),
         ("", json!({"serial": "S3YJNX0K", "size": ">= 100"}), "zstd")
+    );
+    // The installed OS's config drive: the machine's id and Shepherd's key, nothing else
+    // (the entry names no network and no user data).
+    let [meta] = request.config_drive.as_slice() else {
+        panic!("{:?}", request.config_drive)
+    };
+    assert_eq!(meta.path, "openstack/latest/meta_data.json");
+    let meta: serde_json::Value = serde_json::from_slice(&meta.content).unwrap();
+    assert_eq!(meta["uuid"], s.machine.to_string());
+    assert_eq!(
+        meta["public_keys"]["shepherd-0"],
+        "ssh-ed25519 AAAA shepherd"
     );
 }
 

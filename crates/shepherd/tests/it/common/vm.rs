@@ -434,28 +434,30 @@ pub async fn power_follower(
 pub async fn image_server(
     image: &GuestImage,
 ) -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
-    file_server(&image.installable, "/installable.img").await
+    file_server(&[(&image.installable, "/installable.img")]).await
 }
 
-/// Serves the file at `path` as `route` over plain HTTP on a free loopback port (returned, to
-/// forward to [`IMAGES_IN_GUEST`]); counts the downloads.
+/// Serves each file at its path as its route over plain HTTP on a free loopback port
+/// (returned, to forward to [`IMAGES_IN_GUEST`]); counts the downloads of them all.
 pub async fn file_server(
-    path: &Path,
-    route: &'static str,
+    files: &[(&Path, &'static str)],
 ) -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
-    let bytes = axum::body::Bytes::from(std::fs::read(path).unwrap());
     let downloads = Arc::new(AtomicUsize::new(0));
-    let counted = downloads.clone();
-    let app = axum::Router::new().route(
-        route,
-        axum::routing::get(move || {
-            counted.fetch_add(1, Ordering::Relaxed);
-            let bytes = bytes.clone();
-            async move { bytes }
-        }),
-    );
+    let mut app = axum::Router::new();
+    for (path, route) in files {
+        let bytes = axum::body::Bytes::from(std::fs::read(path).unwrap());
+        let counted = downloads.clone();
+        app = app.route(
+            route,
+            axum::routing::get(move || {
+                counted.fetch_add(1, Ordering::Relaxed);
+                let bytes = bytes.clone();
+                async move { bytes }
+            }),
+        );
+    }
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     tokio::spawn(async move { axum::serve(listener, app).await });

@@ -41,15 +41,19 @@ const AMBIGUOUS: u8 = PARTITIONED + 1;
 /// The index of the domain with two disks, whose entry names its disk by root device hints.
 const HINTED: u8 = 2;
 /// The index of the domain whose entry allows a wipe, and whose disk holds signatures past
-/// the end of the image that only a wipe clears; it boots by UEFI.
+/// the end of the image that only a wipe clears; it boots by UEFI, and installs the stock
+/// image, which only the config drive Shepherd's agent adds lets Shepherd into.
 const WIPED: u8 = 1;
 
-/// What `scripts/live-image.sh` built: the live image, the OS image the tests install, its
-/// sha256, and the key that OS lets in (copied with mode 0400, as `shepherd run` wants it).
+/// What `scripts/live-image.sh` built: the live image, the OS images the tests install (with
+/// a config drive of its own, and one as a stock cloud image is, without) and their sha256,
+/// and the key the first lets in (copied with mode 0400, as `shepherd run` wants it).
 struct LiveBuild {
     iso: PathBuf,
     target: PathBuf,
     target_sha256: String,
+    stock: PathBuf,
+    stock_sha256: String,
     key: PathBuf,
 }
 
@@ -60,6 +64,8 @@ impl LiveBuild {
             iso: built.path("live.iso"),
             target: built.path("target.img"),
             target_sha256: built.sha256_of("target.img"),
+            stock: built.path("target-stock.img"),
+            stock_sha256: built.sha256_of("target-stock.img"),
             key: built.private_key("test_id_ed25519", &dir.join("id_ed25519")),
         }
     }
@@ -182,7 +188,11 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
         return;
     };
     let server_port = free_port();
-    let (images_port, downloads) = file_server(&build.target, "/target.img").await;
+    let images = [
+        (build.target.as_path(), "/target.img"),
+        (build.stock.as_path(), "/target-stock.img"),
+    ];
+    let (images_port, downloads) = file_server(&images).await;
     let domains: Vec<Domain> = (1..=AMBIGUOUS)
         .map(|index| {
             Domain::define(
@@ -238,14 +248,21 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
             // The ambiguous machine's hints match both its disks.
             let disk = match &d.second_disk {
                 Some(_) if d.name == ambiguous.name => serde_json::json!({"size": "<= 1"}),
-                Some(_) => serde_json::json!({"serial": d.disk_serial.to_lowercase(), "size": "<= 1"}),
+                Some(_) => {
+                    serde_json::json!({"serial": d.disk_serial.to_lowercase(), "size": "<= 1"})
+                }
                 None => serde_json::json!("/dev/vda"),
             };
+            let (image, sha256) = match d.name == wiped.name {
+                true => ("target-stock.img", &build.stock_sha256),
+                false => ("target.img", &build.target_sha256),
+            };
+            let images = IMAGES_IN_GUEST.trim_end_matches(":80");
             serde_json::json!({"ID": d.name, "Addr": d.ssh_addr(), "Location": "libvirt",
                 "BMC": {"URL": bmc.url, "Username": "admin", "PasswordFile": bmc.password_file,
                         "CA": bmc.ca, "System": format!("/redfish/v1/Systems/{}", d.uuid)},
-                "Bare": {"ImageURL": format!("http://{}/target.img", IMAGES_IN_GUEST.trim_end_matches(":80")),
-                         "ImageSHA256": build.target_sha256, "Disk": disk,
+                "Bare": {"ImageURL": format!("http://{images}/{image}"),
+                         "ImageSHA256": sha256, "Disk": disk,
                          "Wipe": d.name == wiped.name}})
         })
         .collect();
@@ -360,15 +377,27 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
         );
         let inserts = emulator_log.lines().filter(|l| l.contains(&insert)).count();
         assert_eq!(inserts, 1, "{}: {emulator_log}", d.name);
-        // The disk holds the image.
-        let target = std::fs::read(&build.target).unwrap();
+        // The disk holds the image, but for its MBR's second entry: the config drive the
+        // agent added, in the disk's last 64 MiB.
+        let stock = d.name == wiped.name;
+        let image = std::fs::read(if stock { &build.stock } else { &build.target }).unwrap();
         let disk = std::fs::read(&d.disk).unwrap();
-        let written = sha256_hex(&disk[..target.len()]);
-        assert_eq!(
-            written, build.target_sha256,
+        assert!(
+            disk[..462] == image[..462] && disk[478..image.len()] == image[478..],
             "{}: the disk holds the image",
             d.name
         );
+        let entry = |at: usize| u32::from_le_bytes(disk[at..at + 4].try_into().unwrap());
+        assert_eq!(
+            (entry(462 + 8), entry(462 + 12)),
+            ((256 - 64) << 11, 64 << 11),
+            "{}: the config drive's partition",
+            d.name
+        );
+        let ejecting = step(BarePhase::Ejecting);
+        let drive =
+            "then added a config drive (FAT, label config-2, 64 MiB) as partition 2 of its MBR";
+        assert!(ejecting.detail.contains(drive), "{ejecting:?}");
         if let Some((second, _)) = &d.second_disk {
             assert_eq!(
                 sha256_hex(&std::fs::read(second).unwrap()),
@@ -400,11 +429,20 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
                     d.name
                 );
             }
-            let ejecting = step(BarePhase::Ejecting);
             let cleared = "the agent cleared a Linux RAID member (md 1.0) on /dev/vda1; \
                            an MBR partition table and a GPT partition table's backup header \
                            on /dev/vda, then wrote the image onto /dev/vda";
             assert!(ejecting.detail.contains(cleared), "{ejecting:?}");
+        }
+        // The stock image, with no key of its own, let Shepherd in by the config drive the
+        // agent added.
+        if stock {
+            let console = d.serial_log();
+            assert!(
+                console.contains("shepherd installed OS: config drive on /dev/vda2"),
+                "{}: {console}",
+                d.name
+            );
         }
         // The last boot was from the disk, and the virtual CD is empty.
         let serial = d.serial_log();
