@@ -87,8 +87,12 @@ async fn a_healthy_lease_never_nears_its_deadline(db: Bmdb) {
         least = least.min(lease.left().expect("a healthy lease holds"));
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    // Renewed every third of the interval: at least about half the interval stays left.
-    assert!(least > Duration::from_millis(400), "least left: {least:?}");
+    // Renewed every third of the interval, so about two thirds stay left after each renewal,
+    // and a third or more when the next is due. A busy machine delays a renewal's transaction
+    // (a CI run under load saw 380 ms left with a floor of 400), so the floor is a tenth of
+    // the interval: a session that renewed only near its deadline would come down to about
+    // nothing, and still fails here.
+    assert!(least > Duration::from_millis(100), "least left: {least:?}");
     assert!(
         tokio::time::timeout(Duration::from_millis(200), lease.lost())
             .await
