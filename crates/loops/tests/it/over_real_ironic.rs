@@ -76,9 +76,9 @@ async fn available_nodes_are_reserved_deployed_once_with_our_key_and_recorded() 
     let t = testing::sqlite().await;
     let s = session(&t.db).await;
     let p = provider(&ironic, config("site-a")).await;
-    let report = provisioner(p.clone(), 3).iterate(&s).await.unwrap();
+    let report = iterate_placing(&provisioner(p.clone(), 3), &s).await;
     assert_eq!((report.created, report.failed), (3, 0), "{report:?}");
-    let report = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    let report = iterate_placing(&provisioner(p.clone(), 10), &s).await;
     assert_eq!((report.created, report.managed), (2, 3), "{report:?}");
 
     let seen = recorded(&t.db).await;
@@ -211,7 +211,7 @@ async fn orphans_are_adopted_without_a_second_deploy_and_other_clients_nodes_are
         (0, 2, 0),
         "orphans changed moments ago are left to their creator: {report:?}"
     );
-    let report = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    let report = iterate_placing(&provisioner(p.clone(), 10), &s).await;
     assert_eq!(
         (report.created, report.failed),
         (2, 0),
@@ -238,7 +238,7 @@ async fn orphans_are_adopted_without_a_second_deploy_and_other_clients_nodes_are
         assert_eq!(ironic.deploys_started(other).await, 0);
     }
     // Passes after that change nothing.
-    let report = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    let report = iterate_placing(&provisioner(p.clone(), 10), &s).await;
     assert_eq!(
         (report.created, report.adopted, report.managed),
         (0, 0, 2),
@@ -332,7 +332,7 @@ async fn two_replicas_racing_for_the_same_nodes_deploy_each_node_once() {
 async fn maintenance_is_marked_and_never_power_cycled_and_reboots_go_through_ironic() {
     let _one = one_at_a_time().await;
     let (ironic, nodes, t, s, p) = site(2, quick_retries()).await;
-    provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    iterate_placing(&provisioner(p.clone(), 10), &s).await;
     for id in &nodes {
         ironic.wait_for_state(id, "active").await;
     }
@@ -429,7 +429,7 @@ async fn credentials_are_checked_at_start_up_and_the_password_is_never_shown() {
 async fn decommissioned_nodes_are_released_and_torn_down_only_when_asked() {
     let _one = one_at_a_time().await;
     let (ironic, nodes, t, s, p) = site(2, quick_retries()).await;
-    let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    let r = iterate_placing(&provisioner(p.clone(), 10), &s).await;
     assert_eq!(r.created, 2, "{r:?}");
     for id in &nodes {
         ironic.wait_for_state(id, "active").await;
@@ -476,7 +476,7 @@ async fn decommissioned_nodes_are_released_and_torn_down_only_when_asked() {
         "both nodes handed back",
         Duration::from_secs(60),
         async || {
-            let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+            let r = iterate_placing(&provisioner(p.clone(), 10), &s).await;
             assert_eq!(r.created, 0, "a decommissioned node was taken again: {r:?}");
             handed_back += r.handed_back;
             let (kept, torn) = (ironic.node(&nodes[0]).await, ironic.node(&nodes[1]).await);
@@ -517,7 +517,7 @@ async fn decommissioned_nodes_are_released_and_torn_down_only_when_asked() {
         .unwrap();
     assert_eq!(status, 404, "tearing the node down ended its allocation");
     assert_eq!(ironic.deploys_started(&nodes[1]).await, 1);
-    let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    let r = iterate_placing(&provisioner(p.clone(), 10), &s).await;
     assert_eq!((r.created, r.decommissioned), (0, 1), "{r:?}");
     assert!(recorded(&t.db).await.is_empty());
     operator.close().await.unwrap();
@@ -583,7 +583,7 @@ async fn a_direct_deploy_node_without_an_image_is_refused_at_start_up() {
     );
     let t = testing::sqlite().await;
     let s = session(&t.db).await;
-    let r = provisioner(p, 10).iterate(&s).await.unwrap();
+    let r = iterate_placing(&provisioner(p, 10), &s).await;
     assert_eq!((r.created, r.failed), (2, 0), "{r:?}");
     let node = ironic.node(&nodes[1]).await;
     assert_eq!(
@@ -692,7 +692,7 @@ async fn a_held_node_deleted_at_ironic_stops_nothing_else() {
         creation_parallelism: 1,
     };
     let allowing_two = Provisioner::new(p.clone(), config);
-    let r = allowing_two.iterate(&s).await.unwrap();
+    let r = iterate_placing(&allowing_two, &s).await;
     assert_eq!((r.created, r.missing), (1, 2), "{r:?}");
     s.close().await.unwrap();
     t.cleanup().await;
@@ -798,7 +798,7 @@ async fn claims_go_through_named_allocations_with_traits_and_failed_ones_are_cle
     // DELETE under load: that claim is deferred and a later pass makes it.)
     let mut passes = Vec::new();
     for _ in 0..5 {
-        let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+        let r = iterate_placing(&provisioner(p.clone(), 10), &s).await;
         passes.push((r.created, r.taken, r.deferred, r.managed));
         if r.managed + r.created == 2 {
             break;
@@ -897,7 +897,7 @@ async fn reservations_from_before_allocations_and_claims_cut_short_are_adopted()
         assert_eq!(a["state"], "active", "{a}");
     }
 
-    let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    let r = iterate_placing(&provisioner(p.clone(), 10), &s).await;
     assert_eq!((r.created, r.failed), (2, 0), "{r:?}");
     let mut want = vec![nodes[0].clone(), nodes[1].clone()];
     want.sort();
@@ -925,7 +925,7 @@ async fn reservations_from_before_allocations_and_claims_cut_short_are_adopted()
     // The old reservation is served like a new one: looked up, and handed back on request.
     let m = p.get_machine(&nodes[0]).await.unwrap();
     assert_eq!(m.status, Some(ProviderStatus::Running));
-    let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    let r = iterate_placing(&provisioner(p.clone(), 10), &s).await;
     assert_eq!((r.created, r.managed), (0, 2), "{r:?}");
     s.close().await.unwrap();
     t.cleanup().await;
@@ -948,7 +948,7 @@ async fn machine_of_node(db: &Bmdb) -> std::collections::BTreeMap<String, uuid::
 async fn an_undeployed_node_comes_back_as_a_new_machine() {
     let _one = one_at_a_time().await;
     let (ironic, nodes, t, s, p) = site(3, quick_retries()).await;
-    let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    let r = iterate_placing(&provisioner(p.clone(), 10), &s).await;
     assert_eq!(r.created, 3, "{r:?}");
     for id in &nodes {
         ironic.wait_for_state(id, "active").await;
@@ -960,7 +960,7 @@ async fn an_undeployed_node_comes_back_as_a_new_machine() {
         .provision_all(&nodes[..1], "deleted", "available")
         .await;
 
-    let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    let r = iterate_placing(&provisioner(p.clone(), 10), &s).await;
     assert_eq!(
         (r.created, r.managed, r.missing),
         (1, 2, 1),
@@ -988,7 +988,7 @@ async fn an_undeployed_node_comes_back_as_a_new_machine() {
         node["instance_uuid"]
     );
     // Later passes see three machines of ours and nothing missing.
-    let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    let r = iterate_placing(&provisioner(p.clone(), 10), &s).await;
     assert_eq!((r.created, r.managed, r.missing), (0, 3, 0), "{r:?}");
     s.close().await.unwrap();
     t.cleanup().await;
@@ -1032,7 +1032,7 @@ async fn a_refused_deploy_is_skipped_by_every_replica_and_after_a_restart() {
     let mut skipping = config("site-a");
     skipping.refused_penalty = Duration::from_secs(10);
     let (a, _) = counted_provider(&ironic, skipping.clone()).await;
-    let r = provisioner(a, 10).iterate(&s).await.unwrap();
+    let r = iterate_placing(&provisioner(a, 10), &s).await;
     assert_eq!((r.created, r.refused), (1, 1), "{r:?}");
     let node = ironic.node(&nodes[1]).await;
     assert!(
@@ -1051,7 +1051,7 @@ async fn a_refused_deploy_is_skipped_by_every_replica_and_after_a_restart() {
     // Another replica, or this one restarted: nothing of the first provider's memory.
     let (b, calls) = counted_provider(&ironic, skipping).await;
     let s2 = session(&t.db).await;
-    let r = provisioner(b.clone(), 10).iterate(&s2).await.unwrap();
+    let r = iterate_placing(&provisioner(b.clone(), 10), &s2).await;
     assert_eq!((r.created, r.refused, r.skipped), (0, 0, 1), "{r:?}");
     let claims = |result| calls.count("create_allocation", result);
     assert_eq!(
@@ -1062,7 +1062,7 @@ async fn a_refused_deploy_is_skipped_by_every_replica_and_after_a_restart() {
 
     // Once the skip ends, the node is a candidate again (and refused again).
     testing::eventually("the skip ended", Duration::from_secs(60), async || {
-        let r = provisioner(b.clone(), 10).iterate(&s2).await.unwrap();
+        let r = iterate_placing(&provisioner(b.clone(), 10), &s2).await;
         if r.refused == 1 {
             Ok(r)
         } else {
@@ -1084,7 +1084,7 @@ async fn a_node_locked_by_a_conductor_is_tried_again_next_pass_not_skipped() {
     let _one = one_at_a_time().await;
     let (ironic, nodes, t, s, p) = site(1, quick_retries()).await;
     ironic.set_in_database(&nodes, "reservation", Some("another-conductor"));
-    let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    let r = iterate_placing(&provisioner(p.clone(), 10), &s).await;
     let skips = t
         .db
         .read(|tx| Box::pin(async move { tx.skipped_provider_ids(ProviderKind::Ironic).await }))
@@ -1094,7 +1094,7 @@ async fn a_node_locked_by_a_conductor_is_tried_again_next_pass_not_skipped() {
     assert_eq!((r.created, r.refused, r.deferred), (0, 0, 1), "{r:?}");
 
     ironic.set_in_database(&nodes, "reservation", None);
-    let r = provisioner(p, 10).iterate(&s).await.unwrap();
+    let r = iterate_placing(&provisioner(p, 10), &s).await;
     assert_eq!((r.created, r.skipped), (1, 0), "{r:?}");
     s.close().await.unwrap();
     t.cleanup().await;
@@ -1116,7 +1116,7 @@ async fn an_ironic_on_postgres_takes_overlapping_creations() {
     let s = session(&t.db).await;
     let four = unpaced_parallel_provisioner(p, 10, 4);
     testing::eventually("every node created", Duration::from_secs(60), async || {
-        four.iterate(&s).await.unwrap();
+        iterate_placing(&four, &s).await;
         let recorded = recorded(&t.db).await;
         testing::when(recorded.len() == nodes.len(), recorded.len())
     })
@@ -1167,7 +1167,7 @@ async fn a_live_pass_deploys_it_once(
 ) {
     proxy.faults.delay_ms.store(0, SeqCst);
     let s = session(&t.db).await;
-    let r = provisioner(p, 10).iterate(&s).await.unwrap();
+    let r = iterate_placing(&provisioner(p, 10), &s).await;
     assert_eq!((r.created, r.failed), (1, 0), "{r:?}");
     ironic.assert_deployed_once(node).await;
     s.close().await.unwrap();
@@ -1307,14 +1307,14 @@ async fn an_allocation_of_ours_stuck_allocating_is_deleted_and_the_node_claimed(
         &json!({"at": ten_minutes_ago.to_string(), "name": name}),
     );
 
-    let first = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+    let first = iterate_placing(&provisioner(p.clone(), 10), &s).await;
     assert_eq!((first.created, first.deferred), (0, 1), "{first:?}");
     let (status, _) = ironic
         .get(&format!("/v1/allocations/{name}"))
         .await
         .unwrap();
     assert_eq!(status, 404, "the lost allocation is deleted");
-    let second = provisioner(p, 10).iterate(&s).await.unwrap();
+    let second = iterate_placing(&provisioner(p, 10), &s).await;
     assert_eq!(second.created, 1, "{second:?}");
     ironic.assert_deployed_once(&nodes[0]).await;
     s.close().await.unwrap();
@@ -1356,7 +1356,7 @@ async fn a_conductor_group_given_in_another_case_matches() {
     // again by the next pass.
     let mut created = 0;
     for _ in 0..10 {
-        let r = provisioner(p.clone(), 10).iterate(&s).await.unwrap();
+        let r = iterate_placing(&provisioner(p.clone(), 10), &s).await;
         assert_eq!((r.failed, r.refused), (0, 0), "{r:?}");
         created += r.created;
         if created == 2 {
@@ -1408,7 +1408,7 @@ async fn a_claim_placed_by_its_first_look_is_one_allocation_one_patch_and_the_de
         .hold_node_patches_until_placed
         .store(true, SeqCst);
     proxy.faults.seen.lock().unwrap().clear();
-    let r = provisioner(p, 10).iterate(&s).await.unwrap();
+    let r = iterate_placing(&provisioner(p, 10), &s).await;
     assert_eq!((r.created, r.failed), (1, 0), "{r:?}");
     assert_eq!(
         claim_requests(&proxy, &nodes[0]),
@@ -1484,7 +1484,7 @@ impl Provider for ListedBeforeAnotherPass {
 
     async fn list_machines(&self) -> Result<Vec<ProviderMachine>, ProviderError> {
         let listed = self.inner.list_machines().await?;
-        let r = self.other.iterate(&self.other_session).await.unwrap();
+        let r = iterate_placing(&self.other, &self.other_session).await;
         assert_eq!(r.created, 3, "{r:?}");
         Ok(listed)
     }
@@ -1523,7 +1523,7 @@ async fn candidates_recorded_since_the_listing_cost_ironic_nothing() {
     };
     let replica_b = Provisioner::new(Arc::new(stale), config);
     let s_b = session(&t.db).await;
-    let r = replica_b.iterate(&s_b).await.unwrap();
+    let r = iterate_placing(&replica_b, &s_b).await;
     assert_eq!((r.created, r.taken, r.failed), (0, 3, 0), "{r:?}");
     use shepherd_provider::metrics::CallResult;
     for call in ["create_allocation", "get_allocation", "mark_node"] {
@@ -1576,7 +1576,7 @@ async fn an_allocation_deleted_while_its_claim_waits_is_claimed_again_next_pass(
     assert!(extra.keys().all(|k| !k.starts_with("shepherd_")), "{node}");
 
     proxy.faults.delay_ms.store(0, SeqCst);
-    let r = provisioner(p, 10).iterate(&s).await.unwrap();
+    let r = iterate_placing(&provisioner(p, 10), &s).await;
     assert_eq!((r.created, r.failed), (1, 0), "{r:?}");
     ironic.assert_deployed_once(&nodes[0]).await;
     s.close().await.unwrap();
