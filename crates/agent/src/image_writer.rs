@@ -1,4 +1,5 @@
-//! Writes an image onto a disk on a thread of its own, decompressing it as it arrives, and
+//! Writes an image onto a disk on a thread of its own, decompressing or unpacking it as it
+//! arrives, and
 //! tells of every write and flush error: the download hands it chunks and goes on fetching
 //! while the disk writes. Nothing past the disk's end is written, and the written length is
 //! counted, so an image larger than its disk is a failure, never a truncated success.
@@ -7,6 +8,8 @@ use std::io::{Read, Write};
 
 use bytes::{Buf, Bytes};
 use shepherd_disks::ImageFormat;
+
+use crate::qcow2::{self, UnpackError};
 
 /// Chunks in flight between the download and the disk (each as large as the network's reads).
 const CHUNKS_IN_FLIGHT: usize = 64;
@@ -39,9 +42,33 @@ pub enum WriteFailure {
         /// What the decoder said.
         error: std::io::Error,
     },
+    /// The qcow2 image is not what its tables say (cut short, a cluster that does not
+    /// inflate).
+    #[error("the qcow2 image: {0}")]
+    Qcow2(qcow2::Qcow2Error),
     /// The writer's thread could not be started, or ended without an outcome.
     #[error("the writer's thread: {0}")]
     Thread(String),
+}
+
+/// How the image as served becomes the disk's bytes.
+pub enum Unpack {
+    /// Written as it comes, decompressed if it is compressed (any format but qcow2).
+    Stream(ImageFormat),
+    /// Each cluster written at its place, as its tables (read before) say.
+    Qcow2(Box<qcow2::Layout>),
+}
+
+impl From<UnpackError> for WriteFailure {
+    fn from(error: UnpackError) -> WriteFailure {
+        match error {
+            UnpackError::Write(error) => WriteFailure::Device {
+                doing: "writing",
+                error,
+            },
+            UnpackError::Image(error) => WriteFailure::Qcow2(error),
+        }
+    }
 }
 
 /// A running writer: hand it chunks with [`ImageWriter::write`], then [`ImageWriter::finish`].
@@ -51,10 +78,10 @@ pub struct ImageWriter {
 }
 
 impl ImageWriter {
-    /// Starts writing an image of `format` onto `disk`, at most `capacity` bytes of it.
+    /// Starts writing an image onto `disk` as `unpack` says, at most `capacity` bytes of it.
     pub fn start(
         disk: std::fs::File,
-        format: ImageFormat,
+        unpack: Unpack,
         capacity: u64,
     ) -> Result<ImageWriter, WriteFailure> {
         let (chunks, received) = tokio::sync::mpsc::channel(CHUNKS_IN_FLIGHT);
@@ -62,7 +89,18 @@ impl ImageWriter {
         std::thread::Builder::new()
             .name("image-writer".into())
             .spawn(move || {
-                let _ = done.send(write_all(disk, format, capacity, received));
+                let written = match unpack {
+                    Unpack::Stream(format) => write_all(&disk, format, capacity, received),
+                    Unpack::Qcow2(layout) => unpack_qcow2(&disk, *layout, capacity, received),
+                };
+                let flushed = written.and_then(|written| {
+                    disk.sync_all().map_err(|error| WriteFailure::Device {
+                        doing: "flushing",
+                        error,
+                    })?;
+                    Ok(written)
+                });
+                let _ = done.send(flushed);
             })
             .map_err(|e| WriteFailure::Thread(e.to_string()))?;
         Ok(ImageWriter { chunks, outcome })
@@ -107,7 +145,7 @@ impl Read for Chunks {
 
 /// Writes `bytes` at the disk's current end of what was written, within `capacity`.
 fn put(
-    disk: &mut std::fs::File,
+    mut disk: &std::fs::File,
     bytes: &[u8],
     written: &mut u64,
     capacity: u64,
@@ -124,8 +162,26 @@ fn put(
     Ok(())
 }
 
+/// Writes a qcow2 image described by `layout` as its file arrives, within `capacity`.
+fn unpack_qcow2(
+    disk: &std::fs::File,
+    layout: qcow2::Layout,
+    capacity: u64,
+    mut received: tokio::sync::mpsc::Receiver<Bytes>,
+) -> Result<u64, WriteFailure> {
+    if layout.virtual_size() > capacity {
+        return Err(WriteFailure::Overflow { capacity });
+    }
+    let mut unpacker = qcow2::Unpacker::new(layout);
+    while let Some(chunk) = received.blocking_recv() {
+        unpacker.feed(disk, &chunk)?;
+    }
+    Ok(unpacker.finish(disk)?)
+}
+
+/// Writes a raw or compressed image as it arrives, within `capacity`.
 fn write_all(
-    mut disk: std::fs::File,
+    disk: &std::fs::File,
     format: ImageFormat,
     capacity: u64,
     mut received: tokio::sync::mpsc::Receiver<Bytes>,
@@ -133,7 +189,7 @@ fn write_all(
     let mut written = 0u64;
     if format == ImageFormat::Raw {
         while let Some(chunk) = received.blocking_recv() {
-            put(&mut disk, &chunk, &mut written, capacity)?;
+            put(disk, &chunk, &mut written, capacity)?;
         }
     } else {
         let chunks = Chunks {
@@ -148,6 +204,11 @@ fn write_all(
                 Box::new(zstd::stream::read::Decoder::new(chunks).map_err(decode)?)
             }
             ImageFormat::Raw => unreachable!("raw images are written as they come"),
+            ImageFormat::Qcow2 => {
+                return Err(WriteFailure::Thread(
+                    "a qcow2 image is unpacked by its layout, not streamed".into(),
+                ))
+            }
         };
         let mut buf = vec![0u8; WRITE_BYTES];
         loop {
@@ -157,13 +218,9 @@ fn write_all(
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(decode(e)),
             };
-            put(&mut disk, &buf[..n], &mut written, capacity)?;
+            put(disk, &buf[..n], &mut written, capacity)?;
         }
     }
-    disk.sync_all().map_err(|error| WriteFailure::Device {
-        doing: "flushing",
-        error,
-    })?;
     Ok(written)
 }
 
@@ -177,7 +234,7 @@ mod tests {
         capacity: u64,
         image: &[u8],
     ) -> Result<u64, WriteFailure> {
-        let writer = ImageWriter::start(disk, format, capacity).unwrap();
+        let writer = ImageWriter::start(disk, Unpack::Stream(format), capacity).unwrap();
         for chunk in image.chunks(1000) {
             if !writer.write(Bytes::copy_from_slice(chunk)).await {
                 break;

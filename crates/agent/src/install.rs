@@ -1,5 +1,6 @@
 //! OS installation (design.md §13, §21): find the one whole disk the request names, stream
-//! the image onto it (decompressing raw images compressed with gzip, xz or zstd), verify the
+//! the image onto it (decompressing raw images compressed with gzip, xz or zstd, unpacking
+//! qcow2 ones cluster by cluster), verify the
 //! sha256 and length of what was served and every write, then report (and reboot).
 
 use bytes::Bytes;
@@ -14,7 +15,8 @@ use crate::blank;
 use crate::config_drive::{self, Drive, DriveError};
 use crate::disks::{self, DiskRoots};
 use crate::download::{Download, DownloadError};
-use crate::image_writer::{ImageWriter, WriteFailure};
+use crate::image_writer::{ImageWriter, Unpack, WriteFailure};
+use crate::qcow2::{self, Qcow2Error};
 use crate::wipe::{self, Wiped};
 
 /// Why an installation failed; its message is the report's error the server records. Only
@@ -38,7 +40,7 @@ pub enum InstallError {
     #[error("the installation's format: {0}")]
     BadFormat(FormatError),
     /// The image is of a format the agent does not write. Nothing was written.
-    #[error("the image is {0}, which the agent does not write: serve it raw, or raw compressed with gzip, xz or zstd; nothing was written")]
+    #[error("the image is {0}, which the agent does not write: serve it raw, raw compressed with gzip, xz or zstd, or qcow2; nothing was written")]
     UnwritableFormat(&'static str),
     /// The image is not of the format the request names. Nothing was written.
     #[error("the image is {found}, and the installation says {named}; nothing was written")]
@@ -47,6 +49,14 @@ pub enum InstallError {
         named: ImageFormat,
         /// What the image's magic bytes say.
         found: ImageFormat,
+    },
+    /// The qcow2 image cannot be written as it is. Nothing was written.
+    #[error("the qcow2 image {url}: {error}; nothing was written")]
+    Qcow2 {
+        /// The image's URL.
+        url: String,
+        /// Why not.
+        error: Qcow2Error,
     },
     /// The request asks for an installation this agent cannot do.
     #[error("{0}")]
@@ -164,6 +174,7 @@ impl InstallError {
                     status.is_server_error() || matches!(status.as_u16(), 408 | 429)
                 }),
                 DownloadError::NotResumable { .. } | DownloadError::GaveUp { .. } => true,
+                DownloadError::NoRange { .. } => false,
             },
             InstallError::ShortBody { .. } => true,
             _ => false,
@@ -396,6 +407,12 @@ async fn write_image(
             });
         }
     }
+    let unpack = match format {
+        ImageFormat::Qcow2 => {
+            Unpack::Qcow2(Box::new(qcow2_layout(&body, &image.url, &disk).await?))
+        }
+        other => Unpack::Stream(other),
+    };
     let file = open_exclusively(&node, &device)?;
     let (file, wiped) = match image.wipe_allowed {
         true => clear(file, roots, &disk).await.map(|(f, w)| (f, Some(w)))?,
@@ -405,7 +422,7 @@ async fn write_image(
         "shepherd-agent: writing {} ({format}) onto {disk}, which is {choice}",
         image.url
     );
-    let streamed = stream(image, head, body, file, format, &disk, announced).await?;
+    let streamed = stream(image, head, body, file, unpack, &disk, announced).await?;
     let written = streamed.check(&want, format, &device)?;
     let config_drive = match image.config_drive.is_empty() {
         true => None,
@@ -420,6 +437,42 @@ async fn write_image(
             config_drive,
         },
     })
+}
+
+/// Reads the qcow2 image's header and tables with range requests beside its download, and
+/// maps it; refuses it if it does not fit `disk` or cannot be written faithfully.
+async fn qcow2_layout(
+    body: &Download,
+    url: &str,
+    disk: &DiskFacts,
+) -> Result<qcow2::Layout, InstallError> {
+    let refused = |error| InstallError::Qcow2 {
+        url: url.to_string(),
+        error,
+    };
+    let fetched = |error| InstallError::Download {
+        doing: "reading the qcow2 tables of",
+        url: url.to_string(),
+        error,
+        disk_written: false,
+    };
+    let head = body.range(0, qcow2::HEADER_BYTES).await.map_err(fetched)?;
+    let header = qcow2::Header::parse(&head).map_err(refused)?;
+    if header.virtual_size() > disk.size_bytes {
+        return Err(InstallError::TooSmall {
+            device: disk.name.clone(),
+            size: disk.size_bytes,
+            image: header.virtual_size(),
+        });
+    }
+    let (at, len) = header.l1_table();
+    let l1 = body.range(at, len).await.map_err(fetched)?;
+    let mut tables = Vec::new();
+    for (index, at) in header.l2_tables(&l1).map_err(refused)? {
+        let table = body.range(at, header.cluster_size()).await;
+        tables.push((index, table.map_err(fetched)?));
+    }
+    qcow2::Layout::build(&header, &tables).map_err(refused)
 }
 
 /// Adds the installed OS's config drive holding `files` to `disk` (its node `node`), which
@@ -531,7 +584,7 @@ async fn stream(
     head: Vec<Bytes>,
     mut body: Download,
     file: std::fs::File,
-    format: ImageFormat,
+    unpack: Unpack,
     disk: &DiskFacts,
     announced: Option<u64>,
 ) -> Result<Streamed, InstallError> {
@@ -539,7 +592,7 @@ async fn stream(
         device: disk.name.clone(),
         failure,
     };
-    let writer = ImageWriter::start(file, format, disk.size_bytes).map_err(write_error)?;
+    let writer = ImageWriter::start(file, unpack, disk.size_bytes).map_err(write_error)?;
     let mut hasher = Sha256::new();
     let mut served = 0u64;
     let mut broke_off = None;
@@ -609,8 +662,9 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
 
-    /// Serves `body` over plain HTTP on loopback to any number of requests, announcing its
-    /// length if `announce`; counts the requests.
+    /// Serves `body` over plain HTTP on loopback to any number of requests; counts the
+    /// requests. If `announce`, it announces the body's length and answers byte ranges
+    /// (`bytes=a-b` or `bytes=a-`), as every static file server does.
     fn serve(body: Vec<u8>, announce: bool) -> (String, Arc<AtomicUsize>) {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}/image", listener.local_addr().unwrap());
@@ -621,15 +675,34 @@ mod tests {
                 let Ok(mut conn) = conn else { return };
                 count.fetch_add(1, Ordering::SeqCst);
                 let mut request = [0u8; 4096];
-                let _ = conn.read(&mut request);
-                let length = if announce {
-                    format!("Content-Length: {}\r\n", body.len())
-                } else {
-                    String::new()
+                let len = conn.read(&mut request).unwrap_or(0);
+                let request = String::from_utf8_lossy(&request[..len]).to_lowercase();
+                let range = request
+                    .lines()
+                    .find_map(|l| l.strip_prefix("range: bytes="))
+                    .and_then(|r| r.trim().split_once('-'))
+                    .map(|(from, to)| {
+                        let from: usize = from.parse().unwrap();
+                        let to = to.parse().map_or(body.len(), |to: usize| to + 1);
+                        (from, to.min(body.len()))
+                    })
+                    .filter(|_| announce);
+                let head = match range {
+                    Some((from, to)) => format!(
+                        "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {from}-{}/{}\r\nContent-Length: {}\r\n",
+                        to - 1,
+                        body.len(),
+                        to - from
+                    ),
+                    None if announce => format!(
+                        "HTTP/1.1 200 OK\r\nAccept-Ranges: bytes\r\nContent-Length: {}\r\n",
+                        body.len()
+                    ),
+                    None => "HTTP/1.1 200 OK\r\n".to_string(),
                 };
-                let head = format!("HTTP/1.1 200 OK\r\n{length}Connection: close\r\n\r\n");
-                let _ = conn.write_all(head.as_bytes());
-                let _ = conn.write_all(&body);
+                let (from, to) = range.unwrap_or((0, body.len()));
+                let _ = conn.write_all(format!("{head}Connection: close\r\n\r\n").as_bytes());
+                let _ = conn.write_all(&body[from..to]);
             }
         });
         (url, served)
@@ -864,23 +937,40 @@ mod tests {
     async fn an_image_of_another_format_than_named_or_one_not_written_writes_nothing() {
         let dir = tempfile::tempdir().unwrap();
         let (m, [vda, _]) = two_disks(dir.path());
-        let mut qcow2 = b"QFI\xfb\x00\x00\x00\x03".to_vec();
-        qcow2.resize(4096, 0);
+        let mut vmdk = b"KDMV\x01\x00\x00\x00".to_vec();
+        vmdk.resize(4096, 0);
+        let mut bad_qcow2 = b"QFI\xfb\x00\x00\x00\x03".to_vec();
+        bad_qcow2.resize(4096, 0);
+        let qcow2 = qemu_img_qcow2(&[3u8; 65_536]);
         let raw = vec![5u8; 4096];
-        for (image, format, want) in [
+        for (image, format, ranges, want) in [
+            (
+                &vmdk,
+                "",
+                true,
+                "the image is VMDK, which the agent does not write",
+            ),
+            (&bad_qcow2, "", true, "its clusters are 2^0 bytes"),
             (
                 &qcow2,
                 "",
-                "the image is qcow2, which the agent does not write",
+                false,
+                "its server answered 200 OK (it takes no byte ranges",
             ),
             (
                 &raw,
                 "zstd",
+                true,
                 "the image is raw, and the installation says zstd",
             ),
-            (&raw, "qcow2", "qcow2 is not written yet"),
+            (
+                &raw,
+                "qcow2",
+                true,
+                "the image is raw, and the installation says qcow2",
+            ),
         ] {
-            let (url, _) = serve(image.clone(), true);
+            let (url, _) = serve(image.clone(), ranges);
             let mut request = request(&url, image, "/dev/vda", "");
             request.format = format.into();
             let err = install(&request, &m.roots)
@@ -891,6 +981,40 @@ mod tests {
             assert!(err.contains(want), "{err}");
             assert!(is_blank(&vda), "{want}");
         }
+    }
+
+    /// `raw` made a compressed qcow2 image by qemu-img, not by anything of ours.
+    fn qemu_img_qcow2(raw: &[u8]) -> Vec<u8> {
+        crate::qcow2::tests::qemu_img(raw, &["-c"])
+    }
+
+    #[tokio::test]
+    async fn a_qcow2_image_is_checked_as_served_and_unpacked_onto_the_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        let (m, [vda, _]) = two_disks(dir.path());
+        let mut image: Vec<u8> = (0..2_000_384u32).map(|i| (i % 13) as u8).collect();
+        image[300_000..1_200_000].fill(0);
+        let served = qemu_img_qcow2(&image);
+        let (url, requests) = serve(served.clone(), true);
+        let installed = install(&request(&url, &served, "/dev/vda", ""), &m.roots)
+            .await
+            .outcome
+            .unwrap();
+        assert_eq!(
+            (installed.format, installed.written),
+            (ImageFormat::Qcow2, image.len() as u64)
+        );
+        assert!(begins_with(&vda, &image));
+        // The header, the L1 table and one L2 table by ranges, then the file once.
+        assert_eq!(requests.load(Ordering::SeqCst), 4);
+        let mut wrong = request(&url, &served, "/dev/vda", "");
+        wrong.sha256 = sha256_hex(b"another image");
+        wrong.wipe_allowed = true;
+        let err = install(&wrong, &m.roots).await.outcome.unwrap_err();
+        assert!(
+            matches!(err, InstallError::Mismatch { served: n, .. } if n == served.len() as u64),
+            "{err}"
+        );
     }
 
     #[tokio::test]

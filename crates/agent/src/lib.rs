@@ -17,6 +17,7 @@ pub mod heartbeat;
 pub mod identity;
 mod image_writer;
 mod install;
+mod qcow2;
 pub mod state;
 pub mod takeover;
 mod wipe;

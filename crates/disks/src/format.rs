@@ -1,5 +1,5 @@
-//! The formats of the OS images written onto a disk (design.md §21): raw, and raw compressed
-//! with gzip, xz or zstd, told apart by their magic bytes. An entry may name the format; the
+//! The formats of the OS images written onto a disk (design.md §21): raw, raw compressed
+//! with gzip, xz or zstd, and qcow2, told apart by their magic bytes. An entry may name the format; the
 //! agent then refuses an image of another before it writes anything.
 
 use std::fmt;
@@ -15,16 +15,15 @@ pub enum ImageFormat {
     Xz,
     /// A raw image compressed with zstd (`.img.zst`).
     Zstd,
+    /// QEMU's copy-on-write format (most distributions' cloud `.img`, `.qcow2`).
+    Qcow2,
 }
 
 /// A format name that is not one the agent writes.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FormatError {
-    /// qcow2, which the agent does not write yet.
-    #[error("qcow2 is not written yet: convert the image (qemu-img convert -O raw), and compress it with zstd or xz if its size matters; the formats are raw, gzip, xz, zstd")]
-    Qcow2,
     /// No format at all.
-    #[error("{0:?} is not a format; the formats are raw, gzip, xz, zstd")]
+    #[error("{0:?} is not a format; the formats are raw, gzip, xz, zstd, qcow2")]
     Unknown(String),
 }
 
@@ -41,8 +40,7 @@ pub enum Sniffed {
 pub const SNIFFED_BYTES: usize = 8;
 
 /// Magic bytes of formats the agent does not write, and what to say of them.
-const UNWRITABLE: [(&[u8], &str); 5] = [
-    (b"QFI\xfb", "qcow2"),
+const UNWRITABLE: [(&[u8], &str); 4] = [
     (b"BZh", "bzip2"),
     (b"KDMV", "VMDK"),
     (b"vhdxfile", "VHDX"),
@@ -51,21 +49,23 @@ const UNWRITABLE: [(&[u8], &str); 5] = [
 
 impl ImageFormat {
     /// Every format.
-    pub const ALL: [ImageFormat; 4] = [
+    pub const ALL: [ImageFormat; 5] = [
         ImageFormat::Raw,
         ImageFormat::Gzip,
         ImageFormat::Xz,
         ImageFormat::Zstd,
+        ImageFormat::Qcow2,
     ];
 
-    /// The format named `name` (`raw`, `gzip`, `xz`, `zstd`), as an entry's `Format` says it.
+    /// The format named `name` (`raw`, `gzip`, `xz`, `zstd`, `qcow2`), as an entry's `Format`
+    /// says it.
     pub fn parse(name: &str) -> Result<ImageFormat, FormatError> {
         match name.trim().to_ascii_lowercase().as_str() {
             "raw" => Ok(ImageFormat::Raw),
             "gzip" | "gz" => Ok(ImageFormat::Gzip),
             "xz" => Ok(ImageFormat::Xz),
             "zstd" | "zst" => Ok(ImageFormat::Zstd),
-            "qcow2" => Err(FormatError::Qcow2),
+            "qcow2" => Ok(ImageFormat::Qcow2),
             other => Err(FormatError::Unknown(other.to_string())),
         }
     }
@@ -77,6 +77,7 @@ impl ImageFormat {
             ImageFormat::Gzip => "gzip",
             ImageFormat::Xz => "xz",
             ImageFormat::Zstd => "zstd",
+            ImageFormat::Qcow2 => "qcow2",
         }
     }
 
@@ -92,6 +93,8 @@ impl ImageFormat {
             ImageFormat::Xz
         } else if head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
             ImageFormat::Zstd
+        } else if head.starts_with(b"QFI\xfb") {
+            ImageFormat::Qcow2
         } else {
             ImageFormat::Raw
         };
@@ -118,7 +121,10 @@ mod tests {
                 &[0x28, 0xb5, 0x2f, 0xfd, 0],
                 Sniffed::Writable(ImageFormat::Zstd),
             ),
-            (b"QFI\xfb\x00\x00\x00\x03", Sniffed::Unwritable("qcow2")),
+            (
+                b"QFI\xfb\x00\x00\x00\x03",
+                Sniffed::Writable(ImageFormat::Qcow2),
+            ),
             (b"BZh91AY&", Sniffed::Unwritable("bzip2")),
             (&[0xeb, 0x63, 0x90, 0], Sniffed::Writable(ImageFormat::Raw)),
             (&[0; 8], Sniffed::Writable(ImageFormat::Raw)),
@@ -135,11 +141,9 @@ mod tests {
             assert_eq!(ImageFormat::parse(f.name()), Ok(f));
         }
         assert_eq!(ImageFormat::parse(" ZST "), Ok(ImageFormat::Zstd));
-        let qcow2 = ImageFormat::parse("qcow2").unwrap_err().to_string();
-        assert!(qcow2.contains("qemu-img convert -O raw"), "{qcow2}");
         let other = ImageFormat::parse("iso").unwrap_err().to_string();
         assert!(
-            other.contains("the formats are raw, gzip, xz, zstd"),
+            other.contains("the formats are raw, gzip, xz, zstd, qcow2"),
             "{other}"
         );
     }

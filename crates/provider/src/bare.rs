@@ -19,8 +19,8 @@ pub const MAX_CONFIG_FILE_BYTES: usize = 16 << 10;
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "PascalCase")]
 pub struct BareEntry {
-    /// The OS image to write onto the disk, as the machine reaches it (http or https): raw, or
-    /// raw compressed with gzip, xz or zstd.
+    /// The OS image to write onto the disk, as the machine reaches it (http or https): raw,
+    /// raw compressed with gzip, xz or zstd, or qcow2.
     #[serde(rename = "ImageURL")]
     pub image_url: String,
     /// Its sha256 as served, 64 hex digits: the agent checks every byte it received against it.
@@ -413,10 +413,10 @@ mod tests {
             ),
             (
                 BareEntry {
-                    format: Some("qcow2".into()),
+                    format: Some("vmdk".into()),
                     ..entry()
                 },
-                "Bare.Format: qcow2 is not written yet",
+                "Bare.Format: \"vmdk\" is not a format; the formats are raw, gzip, xz, zstd, qcow2",
             ),
         ];
         let net = |address: &str, gateway: Option<&str>, mac: Option<&str>| BareEntry {
