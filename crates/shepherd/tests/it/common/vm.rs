@@ -431,30 +431,107 @@ pub async fn power_follower(
 
 /// Serves the installable image at `http://IMAGES_IN_GUEST/installable.img` through the
 /// loopback port returned (give it to [`VmSpec::install_target`]); counts the downloads.
-pub async fn image_server(
-    image: &GuestImage,
-) -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
-    file_server(&[(&image.installable, "/installable.img")]).await
+pub async fn image_server(image: &GuestImage) -> (u16, Downloads) {
+    let file = Served {
+        bytes: std::fs::read(&image.installable).unwrap(),
+        route: "/installable.img",
+        cut_once: false,
+    };
+    serve_files(vec![file]).await
 }
 
-/// Serves each file at its path as its route over plain HTTP on a free loopback port
-/// (returned, to forward to [`IMAGES_IN_GUEST`]); counts the downloads of them all.
-pub async fn file_server(
-    files: &[(&Path, &'static str)],
-) -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Arc;
-    let downloads = Arc::new(AtomicUsize::new(0));
+/// A file [`serve_files`] serves.
+pub struct Served {
+    /// What it holds.
+    pub bytes: Vec<u8>,
+    /// Its route.
+    pub route: &'static str,
+    /// Its first whole download breaks off halfway, and the two requests after it are
+    /// answered 503: an image server that stopped in the middle of a download, then started
+    /// again.
+    pub cut_once: bool,
+}
+
+/// The whole downloads (answered 200, not a byte range) begun of each route.
+pub type Downloads = std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<String, usize>>>;
+
+/// Serves `files` over plain HTTP on a free loopback port (returned), as a static file server
+/// does: whole, or by the byte range asked (`bytes=a-b`, `bytes=a-`), with an ETag.
+pub async fn serve_files(files: Vec<Served>) -> (u16, Downloads) {
+    use axum::http::{header, HeaderMap, StatusCode};
+    use axum::response::IntoResponse;
+    let downloads = Downloads::default();
     let mut app = axum::Router::new();
-    for (path, route) in files {
-        let bytes = axum::body::Bytes::from(std::fs::read(path).unwrap());
+    for file in files {
+        let bytes = axum::body::Bytes::from(file.bytes);
         let counted = downloads.clone();
+        // The requests still to fail: the first is cut, the two after it are refused.
+        let failing =
+            std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(match file.cut_once {
+                true => 3,
+                false => 0,
+            }));
+        let route = file.route;
         app = app.route(
             route,
-            axum::routing::get(move || {
-                counted.fetch_add(1, Ordering::Relaxed);
+            axum::routing::get(move |headers: HeaderMap| {
                 let bytes = bytes.clone();
-                async move { bytes }
+                let (counted, failing) = (counted.clone(), failing.clone());
+                async move {
+                    let len = bytes.len();
+                    let range = headers
+                        .get(header::RANGE)
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.strip_prefix("bytes="))
+                        .and_then(|v| v.split_once('-'))
+                        .and_then(|(from, to)| {
+                            let from: usize = from.parse().ok()?;
+                            let to = to.parse().map_or(len, |to: usize| (to + 1).min(len));
+                            (from < to).then_some((from, to))
+                        });
+                    let left = failing.load(std::sync::atomic::Ordering::SeqCst);
+                    if left > 0 {
+                        failing.store(left - 1, std::sync::atomic::Ordering::SeqCst);
+                    }
+                    let etag = [(header::ETAG, "\"v1\""), (header::ACCEPT_RANGES, "bytes")];
+                    match (left, range) {
+                        (1 | 2, _) => StatusCode::SERVICE_UNAVAILABLE.into_response(),
+                        (3, None) => {
+                            *counted
+                                .lock()
+                                .unwrap()
+                                .entry(route.to_string())
+                                .or_default() += 1;
+                            let half = bytes.slice(..len / 2);
+                            let broken = futures::stream::iter([
+                                Ok(half),
+                                Err(std::io::Error::other("the image server stopped")),
+                            ]);
+                            let body = axum::body::Body::from_stream(broken);
+                            (etag, [(header::CONTENT_LENGTH, len.to_string())], body)
+                                .into_response()
+                        }
+                        (_, Some((from, to))) => {
+                            let range = format!("bytes {from}-{}/{len}", to - 1);
+                            let headers = [(header::CONTENT_RANGE, range)];
+                            (
+                                StatusCode::PARTIAL_CONTENT,
+                                etag,
+                                headers,
+                                bytes.slice(from..to),
+                            )
+                                .into_response()
+                        }
+                        (_, None) => {
+                            *counted
+                                .lock()
+                                .unwrap()
+                                .entry(route.to_string())
+                                .or_default() += 1;
+                            (etag, bytes).into_response()
+                        }
+                    }
+                }
             }),
         );
     }

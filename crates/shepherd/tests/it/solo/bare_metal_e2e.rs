@@ -10,7 +10,12 @@
 //! was from the disk, and the virtual CD is empty. A third domain's disk holds a partition
 //! table, and its inventory entry does not allow a wipe: its agent refuses to write it, the
 //! disk is untouched (its sha256 before and after), and the machine fails with that cause,
-//! powered off with its CD empty. The second domain has two disks, and its entry names the
+//! powered off with its CD empty; so do a domain whose hints match both its disks, one whose
+//! `Disk` is a path to no disk (`/dev/sdz`) and one whose hints match none. The images come in
+//! the forms distributions ship: the stock image as compressed qcow2, the test image as zstd
+//! and as xz, and the server of the xz one stops in the middle of its first download and then
+//! starts again: that machine backs off and finishes with no wipe permission and no failure.
+//! The second domain has two disks, and its entry names the
 //! one to install onto by root device hints (its serial); the other, a SCSI disk the kernel
 //! names before the virtual CD, holds an installed OS's config drive: the live environment
 //! reads the CD's all the same, and that disk is untouched. With `SHEPHERD_BARE_FIGURES` set, no replica is killed, and
@@ -27,17 +32,26 @@ use std::time::{Duration, SystemTime};
 
 use common::libvirt::{Domain, DomainSpec};
 use common::sushy::{start_libvirt_emulator, CertForm};
-use common::vm::{file_server, run_for_guests, server_for_guests, Built, IMAGES_IN_GUEST};
+use common::vm::{run_for_guests, serve_files, server_for_guests, Built, Served, IMAGES_IN_GUEST};
 use common::{announced_all, free_port, ChildGuard};
 use shepherd_bmdb::{testing, BareHistoryEntry, BarePhase, Bmdb};
 use uuid::Uuid;
 
 /// Machines that get their OS installed.
-const MACHINES: u8 = 2;
+const MACHINES: u8 = 3;
 /// The index of the domain whose disk holds a partition table.
 const PARTITIONED: u8 = MACHINES + 1;
 /// The index of the domain with two disks that its entry's hints both match: refused too.
 const AMBIGUOUS: u8 = PARTITIONED + 1;
+/// The index of the domain whose entry's `Disk` is a path that names no disk.
+const NO_SUCH_DISK: u8 = AMBIGUOUS + 1;
+/// The index of the domain whose entry's hints match none of its disks.
+const NO_MATCH: u8 = NO_SUCH_DISK + 1;
+/// The domains.
+const DOMAINS: u8 = NO_MATCH;
+/// The index of the domain whose image (xz) its server stops serving halfway through its
+/// first download, and refuses the two requests after.
+const INTERRUPTED: u8 = 3;
 /// The index of the domain with two disks, whose entry names its disk by root device hints.
 const HINTED: u8 = 2;
 /// The index of the domain whose entry allows a wipe, and whose disk holds signatures past
@@ -46,14 +60,12 @@ const HINTED: u8 = 2;
 const WIPED: u8 = 1;
 
 /// What `scripts/live-image.sh` built: the live image, the OS images the tests install (with
-/// a config drive of its own, and one as a stock cloud image is, without) and their sha256,
-/// and the key the first lets in (copied with mode 0400, as `shepherd run` wants it).
+/// a config drive of its own, and one as a stock cloud image is, without), and the key the
+/// first lets in (copied with mode 0400, as `shepherd run` wants it).
 struct LiveBuild {
     iso: PathBuf,
     target: PathBuf,
-    target_sha256: String,
     stock: PathBuf,
-    stock_sha256: String,
     key: PathBuf,
 }
 
@@ -63,10 +75,57 @@ impl LiveBuild {
         LiveBuild {
             iso: built.path("live.iso"),
             target: built.path("target.img"),
-            target_sha256: built.sha256_of("target.img"),
             stock: built.path("target-stock.img"),
-            stock_sha256: built.sha256_of("target-stock.img"),
             key: built.private_key("test_id_ed25519", &dir.join("id_ed25519")),
+        }
+    }
+}
+
+/// An OS image in the form it is served: its route, its bytes, and the raw image the disk
+/// must hold after.
+struct Form {
+    route: &'static str,
+    served: Vec<u8>,
+    raw: PathBuf,
+}
+
+impl Form {
+    /// `raw` as qcow2 with compressed clusters, by qemu-img (as distributions make theirs).
+    fn qcow2(raw: &Path, dir: &Path, route: &'static str) -> Form {
+        let to = dir.join("image.qcow2");
+        let status = std::process::Command::new("qemu-img")
+            .args(["convert", "-c", "-f", "raw", "-O", "qcow2"])
+            .arg(raw)
+            .arg(&to)
+            .status()
+            .expect("qemu-img (qemu-utils) is installed by scripts/test-deps.sh");
+        assert!(status.success());
+        Form {
+            route,
+            served: std::fs::read(&to).unwrap(),
+            raw: raw.to_path_buf(),
+        }
+    }
+
+    /// `raw` compressed with zstd.
+    fn zstd(raw: &Path, route: &'static str) -> Form {
+        let bytes = std::fs::read(raw).unwrap();
+        Form {
+            route,
+            served: zstd::encode_all(bytes.as_slice(), 3).unwrap(),
+            raw: raw.to_path_buf(),
+        }
+    }
+
+    /// `raw` compressed with xz.
+    fn xz(raw: &Path, route: &'static str) -> Form {
+        use std::io::Write;
+        let mut xz = liblzma::write::XzEncoder::new(Vec::new(), 3);
+        xz.write_all(&std::fs::read(raw).unwrap()).unwrap();
+        Form {
+            route,
+            served: xz.finish().unwrap(),
+            raw: raw.to_path_buf(),
         }
     }
 }
@@ -112,6 +171,8 @@ fn replica(
             .arg("--bare-media-key")
             .arg(certs.join("media/server.key"))
             .args(["--bare-boot-wait", "10s", "--bare-db-rate", "200ms,4"])
+            // The interrupted machine's image server is back at once: a short backoff.
+            .args(["--bare-retry-wait", "5s"])
             .args(["--bare-live-boot-timeout=6m", "--bare-install-timeout=6m"])
             .args(["--bare-disk-boot-timeout=6m"])
             .args(["--bare-agent-env", "SHEPHERD_AGENT_HEARTBEAT_INTERVAL=2s"])
@@ -188,12 +249,29 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
         return;
     };
     let server_port = free_port();
-    let images = [
-        (build.target.as_path(), "/target.img"),
-        (build.stock.as_path(), "/target-stock.img"),
-    ];
-    let (images_port, downloads) = file_server(&images).await;
-    let domains: Vec<Domain> = (1..=AMBIGUOUS)
+    // The image each domain installs, by index; the others install the raw test image.
+    let forms: BTreeMap<u8, Form> = [
+        (WIPED, Form::qcow2(&build.stock, dir.path(), "/stock.qcow2")),
+        (HINTED, Form::zstd(&build.target, "/target.img.zst")),
+        (INTERRUPTED, Form::xz(&build.target, "/target.img.xz")),
+    ]
+    .into_iter()
+    .collect();
+    let mut served: Vec<Served> = forms
+        .iter()
+        .map(|(index, form)| Served {
+            bytes: form.served.clone(),
+            route: form.route,
+            cut_once: *index == INTERRUPTED,
+        })
+        .collect();
+    served.push(Served {
+        bytes: std::fs::read(&build.target).unwrap(),
+        route: "/target.img",
+        cut_once: false,
+    });
+    let (images_port, downloads) = serve_files(served).await;
+    let domains: Vec<Domain> = (1..=DOMAINS)
         .map(|index| {
             Domain::define(
                 dir.path(),
@@ -234,6 +312,9 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
     let ambiguous = &domains[usize::from(AMBIGUOUS) - 1];
     let ambiguous_disks =
         as_they_are(&[&ambiguous.disk, &ambiguous.second_disk.as_ref().unwrap().0]);
+    let no_such_disk = &domains[usize::from(NO_SUCH_DISK) - 1];
+    let no_match = &domains[usize::from(NO_MATCH) - 1];
+    let unmatched_disks = as_they_are(&[&no_such_disk.disk, &no_match.disk]);
     let uuids: Vec<String> = domains.iter().map(|d| d.uuid.clone()).collect();
     let bmc = start_libvirt_emulator(dir.path(), CertForm::SelfSigned, &uuids);
     let _server = server_for_guests(&t.url, server_port, dir.path());
@@ -251,17 +332,23 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
                 Some(_) => {
                     serde_json::json!({"serial": d.disk_serial.to_lowercase(), "size": "<= 1"})
                 }
+                None if d.name == no_such_disk.name => serde_json::json!("/dev/sdz"),
+                None if d.name == no_match.name => serde_json::json!({"serial": "not-there"}),
                 None => serde_json::json!("/dev/vda"),
             };
-            let (image, sha256) = match d.name == wiped.name {
-                true => ("target-stock.img", &build.stock_sha256),
-                false => ("target.img", &build.target_sha256),
+            let index = domains.iter().position(|o| o.name == d.name).unwrap() as u8 + 1;
+            let (route, sha256) = match forms.get(&index) {
+                Some(form) => (form.route, sha256_hex(&form.served)),
+                None => (
+                    "/target.img",
+                    sha256_hex(&std::fs::read(&build.target).unwrap()),
+                ),
             };
             let images = IMAGES_IN_GUEST.trim_end_matches(":80");
             serde_json::json!({"ID": d.name, "Addr": d.ssh_addr(), "Location": "libvirt",
                 "BMC": {"URL": bmc.url, "Username": "admin", "PasswordFile": bmc.password_file,
                         "CA": bmc.ca, "System": format!("/redfish/v1/Systems/{}", d.uuid)},
-                "Bare": {"ImageURL": format!("http://{images}/{image}"),
+                "Bare": {"ImageURL": format!("http://{images}{route}"),
                          "ImageSHA256": sha256, "Disk": disk,
                          "Wipe": d.name == wiped.name}})
         })
@@ -320,14 +407,14 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
     // first heartbeat of each after its disk boot is noted as it comes.
     let mut heartbeat_at: BTreeMap<Uuid, f64> = BTreeMap::new();
     testing::eventually_every(
-        "both machines to heartbeat from their installed OS, and the third to fail",
+        "three machines to heartbeat from their installed OS, and the other four to fail",
         Duration::from_secs(900),
         Duration::from_millis(250),
         async || {
             let mut done = 0;
             let mut seen = vec![];
             let mut refused = true;
-            for d in [partitioned, ambiguous] {
+            for d in [partitioned, ambiguous, no_such_disk, no_match] {
                 let failed = match machine_of(&db, d).await {
                     Some(m) => state(&db, m).await.0 == Some(BarePhase::Failed),
                     None => false,
@@ -355,7 +442,7 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
 
     let emulator_log = std::fs::read_to_string(&bmc.log).unwrap_or_default();
     let mut parts = vec![];
-    for d in &domains[..usize::from(MACHINES)] {
+    for (index, d) in (1..).zip(&domains[..usize::from(MACHINES)]) {
         let m = machine_of(&db, d).await.unwrap();
         let steps = steps(&db, m).await;
         let step = |phase: BarePhase| steps.iter().find(|s| s.phase == phase).unwrap();
@@ -365,8 +452,19 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
             .copied()
             .filter(|p| *p != BarePhase::Failed)
             .collect();
+        // The interrupted machine went back from Installing to LiveBoot while its image's
+        // server was down; its way is otherwise the same.
+        let mut once = vec![];
+        for phase in &phases {
+            if index != INTERRUPTED || !once.contains(phase) {
+                once.push(*phase);
+            }
+        }
+        if index == INTERRUPTED {
+            interrupted_and_asked_again(&steps);
+        }
         assert_eq!(
-            phases, the_way,
+            once, the_way,
             "{}: each step once, in order: {steps:#?}",
             d.name
         );
@@ -380,7 +478,7 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
         // The disk holds the image, but for its MBR's second entry: the config drive the
         // agent added, in the disk's last 64 MiB.
         let stock = d.name == wiped.name;
-        let image = std::fs::read(if stock { &build.stock } else { &build.target }).unwrap();
+        let image = std::fs::read(forms.get(&index).map_or(&build.target, |f| &f.raw)).unwrap();
         let disk = std::fs::read(&d.disk).unwrap();
         assert!(
             disk[..462] == image[..462] && disk[478..image.len()] == image[478..],
@@ -522,6 +620,10 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
             .unwrap_or_default();
         let first_greeting_after = |t: f64| greeted.iter().copied().find(|g| *g >= t).unwrap();
         let heartbeat = heartbeat_at[&m];
+        // The interrupted machine's installation waited for its image's server.
+        if index == INTERRUPTED {
+            continue;
+        }
         parts.push([
             heartbeat - entered(Bare),
             first_greeting_after(entered(LiveBoot)) - entered(LiveBoot),
@@ -529,12 +631,20 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
             heartbeat - entered(DiskBoot),
         ]);
     }
-    // Each machine downloaded the image once: it was asked to install it once. The agent on
-    // the partitioned disk refused before it fetched anything.
-    assert_eq!(
-        downloads.load(std::sync::atomic::Ordering::Relaxed),
-        usize::from(MACHINES)
-    );
+    // Each machine downloaded its image once (the interrupted one twice: the download that
+    // broke off, and the one after its server came back), besides the qcow2 tables' ranges.
+    // The agents that refused did so before they fetched anything.
+    let whole: BTreeMap<String, usize> = downloads.lock().unwrap().clone();
+    let want: BTreeMap<String, usize> = forms
+        .values()
+        .map(|f| {
+            (
+                f.route.to_string(),
+                1 + usize::from(f.route.ends_with(".xz")),
+            )
+        })
+        .collect();
+    assert_eq!(whole, want);
     refused(
         &db,
         partitioned,
@@ -552,6 +662,24 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
     ];
     let both: Vec<&str> = both.iter().map(String::as_str).collect();
     refused(&db, ambiguous, &both, &ambiguous_disks).await;
+    // A path to no disk, and hints that match none: the cause lists the disks seen, nothing
+    // is written (nothing went into the live environment's /dev either: the disk boot never
+    // came).
+    for (d, wanted) in [(no_such_disk, "/dev/sdz"), (no_match, "the hints")] {
+        let cause = [
+            format!("no whole disk is {wanted}"),
+            "the whole disks this machine has: /dev/vda (".to_string(),
+            format!("serial {}", d.disk_serial),
+            "nothing was written".to_string(),
+        ];
+        let cause: Vec<&str> = cause.iter().map(String::as_str).collect();
+        let disk = unmatched_disks
+            .iter()
+            .filter(|(p, _)| *p == d.disk)
+            .cloned()
+            .collect::<Vec<_>>();
+        refused(&db, d, &cause, &disk).await;
+    }
     // The surviving replica counted what it did: both machines' last steps, the other two's
     // failures (all after the other was killed).
     let metrics = common::get_text(&b.metrics).await;
@@ -561,7 +689,7 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
     };
     if !figures {
         assert_eq!(entered("Done"), Some(f64::from(MACHINES)), "{metrics}");
-        assert_eq!(entered("Failed"), Some(2.0), "{metrics}");
+        assert_eq!(entered("Failed"), Some(4.0), "{metrics}");
     }
     if figures {
         let mean = |i: usize| parts.iter().map(|p| p[i]).sum::<f64>() / parts.len() as f64;
@@ -577,6 +705,40 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
         let mb = std::fs::metadata(&build.iso).unwrap().len() as f64 / 1e6;
         println!("live_image_mb = {mb:.1}");
     }
+}
+
+/// The interrupted machine's installation: its image's server failed it after the agent had
+/// begun writing, so Shepherd backed off and asked again, allowing itself to write the disk
+/// again without any wipe permission; and it never failed.
+fn interrupted_and_asked_again(steps: &[BareHistoryEntry]) {
+    let installing: Vec<&BareHistoryEntry> = steps
+        .iter()
+        .filter(|s| s.phase == BarePhase::Installing)
+        .collect();
+    assert!(installing.len() >= 2, "asked again: {steps:#?}");
+    let began = "began writing the disk, so Shepherd may write it again during this live boot";
+    assert!(
+        steps
+            .iter()
+            .any(|s| s.phase == BarePhase::LiveBoot && s.detail.contains(began)),
+        "{steps:#?}"
+    );
+    let last = installing.last().unwrap();
+    assert!(
+        last.detail.contains("Shepherd itself"),
+        "the last request allows the rewrite: {last:?}"
+    );
+    assert!(
+        installing[0]
+            .detail
+            .contains("the disk is written only if it is blank"),
+        "the first request allows no wipe: {:?}",
+        installing[0]
+    );
+    assert!(
+        !steps.iter().any(|s| s.phase == BarePhase::Failed),
+        "{steps:#?}"
+    );
 }
 
 /// Each of `disks` with the sha256 of what it holds now.

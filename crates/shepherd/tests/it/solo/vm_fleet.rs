@@ -250,7 +250,7 @@ async fn a_vm_fleet_is_taken_over_installed_recovered_and_pins_host_keys() {
     };
     assert_eq!(report["result"], "Success", "{report}");
     assert_eq!(report["generation"], 1);
-    assert_eq!(downloads.load(std::sync::atomic::Ordering::Relaxed), 1);
+    assert_eq!(downloads.lock().unwrap()["/installable.img"], 1);
     wait_for("the installed OS to run", 120, async || {
         installing
             .serial_log()
