@@ -77,6 +77,21 @@ ensure_promtool() {
   promtool --version 2>&1 | head -n 1 | sed 's/^/test-deps: /' || true
 }
 
+ensure_cloud_init() {
+  # The config drive the agent adds to an installed OS is read back by cloud-init's own code
+  # (Debian's package), as a stock cloud image's cloud-init reads it. It never runs on this
+  # machine: /etc/cloud/cloud-init.disabled, written first, keeps it from running at boot.
+  if [ ! -d /usr/lib/python3/dist-packages/cloudinit ]; then
+    echo "test-deps: installing cloud-init (its code, for the tests; disabled on this machine)"
+    as_root mkdir -p /etc/cloud
+    as_root touch /etc/cloud/cloud-init.disabled
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive RUNLEVEL=1 apt-get install -y -qq \
+      --no-install-recommends cloud-init >/dev/null
+  fi
+  echo "test-deps: cloud-init $(dpkg-query -W -f '${Version}' cloud-init)"
+}
+
 ensure_patroni() {
   # The failover tests run a Patroni cluster of their own (three Postgres nodes, one etcd,
   # HAProxy in front), all on loopback ports they pick. Debian's packages; RUNLEVEL=1 keeps the
@@ -330,6 +345,7 @@ ensure_postgres
 ensure_sshd
 ensure_chromium
 ensure_promtool
+ensure_cloud_init
 ensure_patroni
 ensure_sushy
 ensure_ironic

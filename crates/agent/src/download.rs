@@ -227,9 +227,23 @@ fn starts_at(response: &reqwest::Response) -> Option<u64> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::io::{Read, Write};
+
+    /// Reads a test server's request from `conn`: the byte range it asks for, as its first byte
+    /// and the byte after its last (`len`, the image's length, when open-ended), if it asks for one.
+    pub(crate) fn read_range(conn: &mut std::net::TcpStream, len: usize) -> Option<(usize, usize)> {
+        let mut request = [0u8; 4096];
+        let got = conn.read(&mut request).unwrap_or(0);
+        let request = String::from_utf8_lossy(&request[..got]).to_lowercase();
+        let range = request
+            .lines()
+            .find_map(|l| l.strip_prefix("range: bytes="))?;
+        let (from, to) = range.trim().split_once('-')?;
+        let to = to.parse().map_or(len, |to: usize| to + 1);
+        Some((from.parse().ok()?, to.min(len)))
+    }
 
     /// How the test's image server behaves.
     #[derive(Clone, Copy)]
@@ -249,13 +263,7 @@ mod tests {
         std::thread::spawn(move || {
             for (n, conn) in listener.incoming().take(8).enumerate() {
                 let Ok(mut conn) = conn else { return };
-                let mut request = [0u8; 4096];
-                let len = conn.read(&mut request).unwrap_or(0);
-                let request = String::from_utf8_lossy(&request[..len]).to_lowercase();
-                let from = request
-                    .lines()
-                    .find_map(|l| l.strip_prefix("range: bytes="))
-                    .and_then(|r| r.trim_end_matches('-').trim().parse::<usize>().ok());
+                let from = read_range(&mut conn, image.len()).map(|(from, _)| from);
                 let etag = how
                     .etag
                     .map(|e| format!("ETag: \"{e}\"\r\nAccept-Ranges: bytes\r\n"));

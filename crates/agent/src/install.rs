@@ -16,6 +16,7 @@ use crate::config_drive::{self, Drive, DriveError};
 use crate::disks::{self, DiskRoots};
 use crate::download::{Download, DownloadError};
 use crate::image_writer::{ImageWriter, Unpack, WriteFailure};
+use crate::nic_macs::{self, NicError};
 use crate::qcow2::{self, Qcow2Error};
 use crate::wipe::{self, Wiped};
 
@@ -58,6 +59,9 @@ pub enum InstallError {
         /// Why not.
         error: Qcow2Error,
     },
+    /// The installed OS's network cannot be tied to a NIC. Nothing was written.
+    #[error("{0}; nothing was written")]
+    Network(NicError),
     /// The request asks for an installation this agent cannot do.
     #[error("{0}")]
     Unsupported(&'static str),
@@ -339,15 +343,9 @@ async fn write_image(
     roots: &DiskRoots,
     chosen: &mut Option<DiskFacts>,
 ) -> Result<Installed, InstallError> {
-    let want = image.sha256.trim().to_ascii_lowercase();
-    if want.len() != 64 || !want.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err(InstallError::BadChecksum(image.sha256.clone()));
-    }
+    let (want, named) = (wanted_sha256(image)?, named_format(image)?);
     let choice = disk_choice(image)?;
-    let named = match image.format.trim() {
-        "" => None,
-        name => Some(ImageFormat::parse(name).map_err(InstallError::BadFormat)?),
-    };
+    let drive_files = with_nic_macs(&image.config_drive)?;
     let disks = disks::whole_disks(roots);
     let disk = shepherd_disks::choose(&choice, &disks)
         .map_err(InstallError::NoDisk)?
@@ -378,17 +376,94 @@ async fn write_image(
             });
         }
     }
-    let download = |doing| {
-        move |error| InstallError::Download {
-            doing,
+    let fetched = fetch(image, named, &disk).await?;
+    let file = open_exclusively(&node, &device)?;
+    let (file, wiped) = match image.wipe_allowed {
+        true => clear(file, roots, &disk).await.map(|(f, w)| (f, Some(w)))?,
+        false => (file, None),
+    };
+    eprintln!(
+        "shepherd-agent: writing {} ({}) onto {disk}, which is {choice}",
+        image.url, fetched.format
+    );
+    let (format, written) = fetched.write_onto(image, file, &disk, &want).await?;
+    let config_drive = match image.config_drive.is_empty() {
+        true => None,
+        false => Some(add_config_drive(&node, &disk, &drive_files).await?),
+    };
+    Ok(Installed {
+        disk,
+        format,
+        written,
+        around: AroundImage {
+            wiped,
+            config_drive,
+        },
+    })
+}
+
+/// The installed OS's config drive `files`, its `network_data.json` completed with the MAC of
+/// the live environment's NIC that holds each static address whose link names none.
+fn with_nic_macs(files: &[ConfigDriveFile]) -> Result<Vec<ConfigDriveFile>, InstallError> {
+    let mut files = files.to_vec();
+    let network = files
+        .iter_mut()
+        .find(|f| f.path.ends_with("openstack/latest/network_data.json"));
+    if let Some(network) = network {
+        let nics = nic_macs::live_nics(std::path::Path::new("/sys/class/net"));
+        let completed = nic_macs::complete(&network.content, &nics);
+        if let Some(completed) = completed.map_err(InstallError::Network)? {
+            network.content = completed;
+        }
+    }
+    Ok(files)
+}
+
+/// The request's sha256, checked to be one.
+fn wanted_sha256(image: &ImageInstallationRequest) -> Result<String, InstallError> {
+    let want = image.sha256.trim().to_ascii_lowercase();
+    if want.len() != 64 || !want.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(InstallError::BadChecksum(image.sha256.clone()));
+    }
+    Ok(want)
+}
+
+/// The format the request names, if it names one.
+fn named_format(image: &ImageInstallationRequest) -> Result<Option<ImageFormat>, InstallError> {
+    match image.format.trim() {
+        "" => Ok(None),
+        name => Ok(Some(
+            ImageFormat::parse(name).map_err(InstallError::BadFormat)?,
+        )),
+    }
+}
+
+/// An image whose download has begun, its format told (and, for qcow2, its tables read),
+/// known to fit its disk: ready to be written once the disk is opened. Nothing is written yet.
+struct Fetched {
+    body: Download,
+    /// The chunks read to tell its format.
+    head: Vec<Bytes>,
+    format: ImageFormat,
+    unpack: Unpack,
+    announced: Option<u64>,
+}
+
+/// Begins downloading `image.url` for `disk`, and tells its format (which must be `named`, if
+/// given).
+async fn fetch(
+    image: &ImageInstallationRequest,
+    named: Option<ImageFormat>,
+    disk: &DiskFacts,
+) -> Result<Fetched, InstallError> {
+    let mut body = Download::start(&image.url)
+        .await
+        .map_err(|error| InstallError::Download {
+            doing: "fetching",
             url: image.url.clone(),
             error,
             disk_written: false,
-        }
-    };
-    let mut body = Download::start(&image.url)
-        .await
-        .map_err(download("fetching"))?;
+        })?;
     let announced = body.announced();
     let (head, sniffed) = sniff(&mut body, &image.url).await?;
     let format = match (sniffed, named) {
@@ -401,42 +476,89 @@ async fn write_image(
     if let (ImageFormat::Raw, Some(len)) = (format, announced) {
         if len > disk.size_bytes {
             return Err(InstallError::TooSmall {
-                device,
+                device: disk.name.clone(),
                 size: disk.size_bytes,
                 image: len,
             });
         }
     }
     let unpack = match format {
-        ImageFormat::Qcow2 => {
-            Unpack::Qcow2(Box::new(qcow2_layout(&body, &image.url, &disk).await?))
-        }
+        ImageFormat::Qcow2 => Unpack::Qcow2(Box::new(qcow2_layout(&body, &image.url, disk).await?)),
         other => Unpack::Stream(other),
     };
-    let file = open_exclusively(&node, &device)?;
-    let (file, wiped) = match image.wipe_allowed {
-        true => clear(file, roots, &disk).await.map(|(f, w)| (f, Some(w)))?,
-        false => (file, None),
-    };
-    eprintln!(
-        "shepherd-agent: writing {} ({format}) onto {disk}, which is {choice}",
-        image.url
-    );
-    let streamed = stream(image, head, body, file, unpack, &disk, announced).await?;
-    let written = streamed.check(&want, format, &device)?;
-    let config_drive = match image.config_drive.is_empty() {
-        true => None,
-        false => Some(add_config_drive(&node, &disk, &image.config_drive).await?),
-    };
-    Ok(Installed {
-        disk,
+    Ok(Fetched {
+        body,
+        head,
         format,
-        written,
-        around: AroundImage {
-            wiped,
-            config_drive,
-        },
+        unpack,
+        announced,
     })
+}
+
+impl Fetched {
+    /// Writes the image onto `file`, the disk `disk`, and checks that what was served has the
+    /// sha256 `want` and its announced length: its format and the bytes written.
+    async fn write_onto(
+        self,
+        image: &ImageInstallationRequest,
+        file: std::fs::File,
+        disk: &DiskFacts,
+        want: &str,
+    ) -> Result<(ImageFormat, u64), InstallError> {
+        let streamed = stream(
+            image,
+            self.head,
+            self.body,
+            file,
+            self.unpack,
+            disk,
+            self.announced,
+        );
+        let written = streamed.await?.check(want, self.format, &disk.name)?;
+        Ok((self.format, written))
+    }
+}
+
+/// Writes the image at `url` (its sha256 `sha256`, of `format` if named) onto `target`, a file
+/// or a block device an operator names, as an installation writes its disk: opened
+/// exclusively, its format told by its magic bytes, the sha256 and the length as served
+/// checked, and every write. Nothing chooses the target, checks that it is blank, wipes it or
+/// adds a config drive: the operator who names it decides, as with `dd`. A file or device
+/// is written up to its size (a file of size 0, without bound). Its format and the bytes
+/// written. The agent's `write-image` mode, for a rescue shell and for the benchmark that
+/// compares the agent's writing with `curl | dd`.
+pub async fn write_image_onto(
+    url: &str,
+    sha256: &str,
+    format: &str,
+    target: &std::path::Path,
+) -> Result<(ImageFormat, u64), InstallError> {
+    use std::io::{Seek, SeekFrom};
+    let image = ImageInstallationRequest {
+        url: url.to_string(),
+        sha256: sha256.to_string(),
+        format: format.to_string(),
+        ..Default::default()
+    };
+    let (want, named) = (wanted_sha256(&image)?, named_format(&image)?);
+    let name = target.display().to_string();
+    let mut file = open_exclusively(target, &name)?;
+    let size = file.seek(SeekFrom::End(0)).and_then(|size| {
+        file.seek(SeekFrom::Start(0))?;
+        Ok(size)
+    });
+    let size = size.map_err(|error| InstallError::Device {
+        doing: "reading the size of",
+        device: name.clone(),
+        error,
+    })?;
+    let disk = DiskFacts {
+        name,
+        size_bytes: if size == 0 { u64::MAX } else { size },
+        ..DiskFacts::default()
+    };
+    let fetched = fetch(&image, named, &disk).await?;
+    fetched.write_onto(&image, file, &disk, &want).await
 }
 
 /// Reads the qcow2 image's header and tables with range requests beside its download, and
@@ -674,19 +796,8 @@ mod tests {
             for conn in listener.incoming() {
                 let Ok(mut conn) = conn else { return };
                 count.fetch_add(1, Ordering::SeqCst);
-                let mut request = [0u8; 4096];
-                let len = conn.read(&mut request).unwrap_or(0);
-                let request = String::from_utf8_lossy(&request[..len]).to_lowercase();
-                let range = request
-                    .lines()
-                    .find_map(|l| l.strip_prefix("range: bytes="))
-                    .and_then(|r| r.trim().split_once('-'))
-                    .map(|(from, to)| {
-                        let from: usize = from.parse().unwrap();
-                        let to = to.parse().map_or(body.len(), |to: usize| to + 1);
-                        (from, to.min(body.len()))
-                    })
-                    .filter(|_| announce);
+                let range = crate::download::tests::read_range(&mut conn, body.len());
+                let range = range.filter(|_| announce);
                 let head = match range {
                     Some((from, to)) => format!(
                         "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {from}-{}/{}\r\nContent-Length: {}\r\n",
@@ -986,6 +1097,30 @@ mod tests {
     /// `raw` made a compressed qcow2 image by qemu-img, not by anything of ours.
     fn qemu_img_qcow2(raw: &[u8]) -> Vec<u8> {
         crate::qcow2::tests::qemu_img(raw, &["-c"])
+    }
+
+    #[tokio::test]
+    async fn write_image_writes_onto_the_file_named_up_to_its_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let image: Vec<u8> = (0..1_000_448u32).map(|i| (i % 7) as u8).collect();
+        let served = qemu_img_qcow2(&image);
+        let (url, _) = serve(served.clone(), true);
+        let onto = dir.path().join("new-file");
+        std::fs::File::create(&onto).unwrap();
+        let written = write_image_onto(&url, &sha256_hex(&served), "", &onto).await;
+        assert_eq!(written.unwrap(), (ImageFormat::Qcow2, image.len() as u64));
+        assert!(std::fs::read(&onto).unwrap() == image);
+        let small = dir.path().join("small");
+        std::fs::File::create(&small)
+            .unwrap()
+            .set_len(4096)
+            .unwrap();
+        let (url, _) = serve(image.clone(), true);
+        let err = write_image_onto(&url, &sha256_hex(&image), "raw", &small).await;
+        let err = err.unwrap_err().to_string();
+        assert!(err.contains("and "), "{err}");
+        assert!(err.contains("only 4096; nothing was written"), "{err}");
+        assert_eq!(std::fs::metadata(&small).unwrap().len(), 4096);
     }
 
     #[tokio::test]

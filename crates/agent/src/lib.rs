@@ -17,6 +17,7 @@ pub mod heartbeat;
 pub mod identity;
 mod image_writer;
 mod install;
+mod nic_macs;
 mod qcow2;
 pub mod state;
 pub mod takeover;
@@ -24,6 +25,8 @@ mod wipe;
 
 use std::path::PathBuf;
 use std::time::Duration;
+
+pub use install::{write_image_onto, InstallError};
 
 /// Settings of the background agent.
 #[derive(Debug, Clone)]

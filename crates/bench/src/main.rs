@@ -6,6 +6,7 @@ mod api;
 mod binaries;
 mod bmdb;
 mod heartbeat;
+mod image_write;
 mod ironic;
 mod scale;
 mod ssh;
@@ -34,6 +35,9 @@ enum Bench {
     Scale(scale::Args),
     /// The operator API at 100,000 machines: its page against the web UI's, and a JWT's cost.
     Api(api::Args),
+    /// The agent writing raw, zstd and qcow2 images against `curl | dd` (figures for
+    /// bench/results/baremetal.md, which scripts/bare-figures.sh writes).
+    ImageWrite(image_write::Args),
 }
 
 #[tokio::main(flavor = "multi_thread")]
@@ -45,5 +49,6 @@ async fn main() -> anyhow::Result<()> {
         Bench::Scale(args) => scale::run(args).await,
         Bench::Ironic(args) => ironic::run(args).await,
         Bench::Api(args) => api::run(args).await,
+        Bench::ImageWrite(args) => image_write::run(args).await,
     }
 }

@@ -344,6 +344,16 @@ mod tests {
         }
     }
 
+    /// A static network on the NIC of a MAC, with a gateway and a name server.
+    fn fixed_network() -> BareNetwork {
+        BareNetwork {
+            address: "10.0.0.7/22".into(),
+            gateway: Some("10.0.0.1".into()),
+            dns: vec!["10.0.0.2".into()],
+            mac: Some("52:54:00:AB:CD:01".into()),
+        }
+    }
+
     #[test]
     fn entries_are_checked_field_by_field() {
         entry().validate().unwrap();
@@ -479,12 +489,7 @@ mod tests {
         );
 
         let fixed = BareEntry {
-            network: Some(BareNetwork {
-                address: "10.0.0.7/22".into(),
-                gateway: Some("10.0.0.1".into()),
-                dns: vec!["10.0.0.2".into()],
-                mac: Some("52:54:00:AB:CD:01".into()),
-            }),
+            network: Some(fixed_network()),
             ..entry()
         };
         let files: serde_json::Value =
@@ -509,6 +514,45 @@ mod tests {
         assert!(
             err.contains("meta_data.json") && err.contains("slot"),
             "{err}"
+        );
+    }
+
+    /// cloud-init's own code (Debian's package, as a stock cloud image runs it; from
+    /// scripts/test-deps.sh) reads the installed OS's config drive as Shepherd means it: the
+    /// machine's id and name, Shepherd's key, the user data, and the static network on the NIC
+    /// of the entry's MAC.
+    #[test]
+    fn cloud_init_reads_the_installed_config_drive_as_meant() {
+        let keys = vec!["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBfake shepherd".to_string()];
+        let id = uuid::Uuid::from_u128(7);
+        let entry = BareEntry {
+            network: Some(fixed_network()),
+            user_data: Some("#cloud-config\npackages: [htop]\n".into()),
+            ..entry()
+        };
+        let files = installed_config_drive(id, "r1-u07", &keys, &entry);
+        let read = crate::testing::cloud_init::read(&files, &[("52:54:00:ab:cd:01", "enp1s0")]);
+        assert_eq!(read["instance_id"], id.to_string(), "{read}");
+        assert_eq!(read["hostname"], "r1-u07", "{read}");
+        assert_eq!(read["public_keys"], serde_json::json!(keys), "{read}");
+        assert_eq!(
+            read["user_data"], "#cloud-config\npackages: [htop]\n",
+            "{read}"
+        );
+        let nic = &read["network"]["config"][0];
+        assert_eq!(
+            (&nic["name"], &nic["type"]),
+            (&"enp1s0".into(), &"physical".into()),
+            "{read}"
+        );
+        let subnet = &nic["subnets"][0];
+        assert_eq!(subnet["type"], "static", "{read}");
+        assert_eq!(subnet["address"], "10.0.0.7", "{read}");
+        assert_eq!(subnet["netmask"], "255.255.252.0", "{read}");
+        assert_eq!(subnet["routes"][0]["gateway"], "10.0.0.1", "{read}");
+        assert!(
+            read["network"].to_string().contains("\"10.0.0.2\""),
+            "{read}"
         );
     }
 
