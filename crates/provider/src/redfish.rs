@@ -67,7 +67,7 @@ pub enum BmcError {
         path: String,
         /// The status.
         status: reqwest::StatusCode,
-        /// The answer, one bounded line.
+        /// What it said, one bounded line: a Redfish error's messages, else the answer.
         body: String,
     },
     /// The BMC's answer is not the Redfish JSON expected.
@@ -321,6 +321,38 @@ impl std::fmt::Debug for Bmc {
 
 /// A BMC's answer body as one bounded line for a log or a failure cause: runs of white space
 /// become one space, and what could still move text (an escape sequence) is escaped.
+/// What a Redfish error answer says, one bounded line: the messages of its
+/// `@Message.ExtendedInfo` (else its `message`), else the answer as it is.
+fn error_line(bytes: &[u8]) -> String {
+    let error = serde_json::from_slice::<serde_json::Value>(bytes).ok();
+    let error = error.as_ref().map(|v| &v["error"]);
+    let extended = error
+        .and_then(|e| e["@Message.ExtendedInfo"].as_array())
+        .map(|infos| {
+            let messages = infos.iter().filter_map(|i| i["Message"].as_str());
+            messages.collect::<Vec<_>>().join("; ")
+        })
+        .filter(|m| !m.is_empty());
+    let message = error
+        .and_then(|e| e["message"].as_str())
+        .map(str::to_string);
+    match extended.or(message) {
+        Some(said) => body_line(said.as_bytes()),
+        None => body_line(bytes),
+    }
+}
+
+/// Whether a BMC's error `status` will be its answer again, however long one waits: it refused
+/// the request as such (400, 404, 405, 406, 415, 422, 501 and every other 4xx), rather than
+/// for the moment (408, 409, 425, 429, and 5xx but 501). design.md §21 lists them.
+pub fn lasting(status: reqwest::StatusCode) -> bool {
+    match status.as_u16() {
+        408 | 409 | 425 | 429 => false,
+        501 => true,
+        code => (400..500).contains(&code),
+    }
+}
+
 fn body_line(bytes: &[u8]) -> String {
     const MAX_CHARS: usize = 200;
     let text = String::from_utf8_lossy(bytes);
@@ -435,7 +467,7 @@ impl Bmc {
                 base: self.base.clone(),
                 path: path.to_string(),
                 status,
-                body: body_line(&bytes),
+                body: error_line(&bytes),
             });
         }
         Ok(bytes)
@@ -538,6 +570,34 @@ impl Bmc {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refusal_as_such_lasts_and_a_moments_trouble_does_not() {
+        let lasting_ones = [400, 403, 404, 405, 406, 415, 422, 501];
+        let passing = [408, 409, 425, 429, 500, 502, 503, 504];
+        for (codes, want) in [(&lasting_ones[..], true), (&passing[..], false)] {
+            for code in codes {
+                let status = reqwest::StatusCode::from_u16(*code).unwrap();
+                assert_eq!(lasting(status), want, "{code}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_redfish_error_is_told_by_its_messages() {
+        let extended = br#"{"error": {"code": "Base.1.8.GeneralError", "message": "A general error has occurred.",
+            "@Message.ExtendedInfo": [{"Message": "The property Inserted is unknown."}, {"Message": "Try again."}]}}"#;
+        assert_eq!(
+            error_line(extended),
+            "The property Inserted is unknown.; Try again."
+        );
+        let plain = br#"{"error": {"code": "x", "message": "Not allowed."}}"#;
+        assert_eq!(error_line(plain), "Not allowed.");
+        assert_eq!(
+            error_line(b"<html>\n<h1>500</h1></html>"),
+            "<html> <h1>500</h1></html>"
+        );
+    }
 
     #[test]
     fn reset_types_fall_back_in_order() {

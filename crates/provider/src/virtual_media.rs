@@ -98,10 +98,13 @@ struct Media {
 
 impl BmcError {
     /// Whether the failure is the configuration's (the inventory entry, the credentials, what
-    /// the BMC offers): trying again changes nothing until an operator does. Else it is the
-    /// BMC's answer of the moment (unreachable, a timeout, an error status), which the
-    /// machine backs off on.
+    /// the BMC offers, a request it refuses as such): trying again changes nothing until an
+    /// operator does. Else it is the BMC's answer of the moment (unreachable, a timeout, a
+    /// 5xx, 409 or 429), which the machine backs off on.
     pub fn is_configuration(&self) -> bool {
+        if let BmcError::Status { status, .. } = self {
+            return crate::redfish::lasting(*status);
+        }
         matches!(
             self,
             BmcError::Entry(_)

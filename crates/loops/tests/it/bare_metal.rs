@@ -727,6 +727,40 @@ async fn a_bmc_without_virtual_media_fails_its_machine_once_with_what_it_lacks()
     );
 }
 
+/// A Redfish error answer, as BMCs give it: its code, message and extended info.
+const REFUSED_INSERT: &str = r#"{"error": {"code": "Base.1.8.GeneralError", "message": "A general error has occurred. See ExtendedInfo for more information.", "@Message.ExtendedInfo": [{"MessageId": "Base.1.8.PropertyUnknown", "Message": "The property Inserted is not in the list of valid properties for the resource.", "Severity": "Warning"}]}}"#;
+
+/// A request the BMC refuses as such (400, 404, 405, 501...) will be refused again: the machine
+/// fails at once, quoting what the BMC said, instead of backing off for ever.
+#[tokio::test]
+async fn a_request_the_bmc_refuses_as_such_fails_its_machine_quoting_the_bmc() {
+    for status in [400, 405] {
+        let s = site(Knobs {
+            fail: vec![("insert", status, REFUSED_INSERT)],
+            ..Knobs::default()
+        })
+        .await;
+        let (stop, _) = s.replica(settings(Duration::from_secs(30)));
+        s.reaches(Failed).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        stop.cancel();
+        let steps = s.steps().await;
+        assert_eq!(phases(&steps), [Bare, Inserting, Failed]);
+        let cause = &steps[2].detail;
+        assert!(
+            cause.contains(&status.to_string())
+                && cause.contains("The property Inserted is not in the list of valid properties")
+                && cause.contains("reimage"),
+            "{cause}"
+        );
+        assert!(
+            !cause.contains("\"Severity\""),
+            "the BMC's message, not its JSON: {cause}"
+        );
+        assert!(s.failures().await.is_empty(), "said once, not retried");
+    }
+}
+
 #[tokio::test]
 async fn a_bmc_that_cannot_fetch_the_image_backs_its_machine_off_with_its_answer() {
     let refusal = "Cannot download virtual media: got error 404 from the server";
