@@ -30,6 +30,16 @@ const MAX_RUNS: usize = 1 << 20;
 /// How many zeros are written at once.
 const ZEROS: usize = 1 << 20;
 
+/// The most inflated clusters' bytes held at once: compressed clusters are inflated in
+/// batches, on as many threads as the machine has (at most [`INFLATING_THREADS`]).
+const BATCH_BYTES: u64 = 4 << 20;
+
+/// The most threads that inflate a batch.
+const INFLATING_THREADS: usize = 4;
+
+/// The most file bytes held back for a batch before it is inflated whatever its size.
+const MAX_KEPT: usize = 8 << 20;
+
 /// L2 entry: the cluster is compressed.
 const COMPRESSED: u64 = 1 << 62;
 
@@ -411,23 +421,31 @@ pub struct Unpacker {
     /// The first run not yet written whole.
     next: usize,
     /// The file's bytes from `kept_from` up to the stream's end so far, which a run may
-    /// still need: at most a compressed cluster's, and a chunk.
+    /// still need: the batch's compressed clusters (at most [`MAX_KEPT`]), and a chunk.
     kept: Vec<u8>,
     kept_from: u64,
-    /// A cluster, inflated.
-    inflated: Vec<u8>,
+    /// Compressed clusters whose bytes have arrived, in the file's order, to be inflated
+    /// together.
+    batch: Vec<Run>,
+    /// A buffer per cluster of a full batch.
+    inflated: Vec<Vec<u8>>,
+    threads: usize,
     written: u64,
 }
 
 impl Unpacker {
     /// Starts unpacking the image `layout` describes.
     pub fn new(layout: Layout) -> Unpacker {
+        let batch = (BATCH_BYTES / layout.cluster_size).max(1) as usize;
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         Unpacker {
-            inflated: vec![0; layout.cluster_size as usize],
+            inflated: vec![vec![0; layout.cluster_size as usize]; batch],
             layout,
             next: 0,
             kept: Vec::new(),
             kept_from: 0,
+            batch: Vec::with_capacity(batch),
+            threads: threads.min(INFLATING_THREADS),
             written: 0,
         }
     }
@@ -456,25 +474,14 @@ impl Unpacker {
                 if run.host + run.len > end && !ended {
                     break;
                 }
-                let to = ((run.host + run.len).min(end) - self.kept_from) as usize;
-                inflate(
-                    self.layout.compression,
-                    &self.kept[from..to],
-                    &mut self.inflated,
-                )
-                .map_err(|why| {
-                    UnpackError::Image(Qcow2Error::Inflate {
-                        host: run.host,
-                        cluster: self.layout.cluster_size,
-                        why,
-                    })
-                })?;
-                let len = self.layout.cluster_size.min(self.layout.size - run.guest);
-                disk.write_all_at(&self.inflated[..len as usize], run.guest)
-                    .map_err(UnpackError::Write)?;
-                self.written += len;
+                self.batch.push(run);
                 self.next += 1;
+                if self.batch.len() == self.inflated.len() || self.kept.len() > MAX_KEPT {
+                    self.inflate_batch(disk)?;
+                }
             } else {
+                // The batch holds back the bytes before this run: it goes first.
+                self.inflate_batch(disk)?;
                 let have = (run.host + run.len).min(end) - run.host;
                 disk.write_all_at(&self.kept[from..from + have as usize], run.guest)
                     .map_err(UnpackError::Write)?;
@@ -488,13 +495,55 @@ impl Unpacker {
                 self.next += 1;
             }
         }
-        let needed = self
-            .layout
-            .runs
-            .get(self.next)
-            .map_or(end, |r| r.host.min(end));
+        let next = self.batch.first().or(self.layout.runs.get(self.next));
+        let needed = next.map_or(end, |r| r.host.min(end));
         self.kept.drain(..(needed - self.kept_from) as usize);
         self.kept_from = needed;
+        Ok(())
+    }
+
+    /// Inflates the batch's clusters, on threads of their own when there are several cores,
+    /// and writes them at their places.
+    fn inflate_batch(&mut self, disk: &std::fs::File) -> Result<(), UnpackError> {
+        if self.batch.is_empty() {
+            return Ok(());
+        }
+        let held = Held {
+            kept: &self.kept,
+            from: self.kept_from,
+            compression: self.layout.compression,
+            cluster: self.layout.cluster_size,
+        };
+        let outs = &mut self.inflated[..self.batch.len()];
+        let per_thread = self.batch.len().div_ceil(self.threads);
+        if per_thread == self.batch.len() {
+            held.inflate_all(&self.batch, outs)?;
+        } else {
+            std::thread::scope(|scope| {
+                let inflating: Vec<_> = self
+                    .batch
+                    .chunks(per_thread)
+                    .zip(outs.chunks_mut(per_thread))
+                    .map(|(runs, outs)| scope.spawn(move || held.inflate_all(runs, outs)))
+                    .collect();
+                inflating.into_iter().try_for_each(|thread| {
+                    thread.join().unwrap_or_else(|_| {
+                        Err(UnpackError::Image(Qcow2Error::Inflate {
+                            host: 0,
+                            cluster: held.cluster,
+                            why: "the thread inflating it panicked".into(),
+                        }))
+                    })
+                })
+            })?;
+        }
+        for (run, out) in self.batch.iter().zip(&self.inflated) {
+            let len = self.layout.cluster_size.min(self.layout.size - run.guest);
+            disk.write_all_at(&out[..len as usize], run.guest)
+                .map_err(UnpackError::Write)?;
+            self.written += len;
+        }
+        self.batch.clear();
         Ok(())
     }
 
@@ -502,6 +551,7 @@ impl Unpacker {
     /// disk received (the guest disk's size), or why the image was not whole.
     pub fn finish(mut self, disk: &std::fs::File) -> Result<u64, UnpackError> {
         self.write_runs(disk, true)?;
+        self.inflate_batch(disk)?;
         if let Some(run) = self.layout.runs.get(self.next) {
             return Err(UnpackError::Image(Qcow2Error::Truncated {
                 at: self.end(),
@@ -520,6 +570,36 @@ impl Unpacker {
             self.written += len;
         }
         Ok(self.written)
+    }
+}
+
+/// The file's bytes a batch is inflated from.
+#[derive(Clone, Copy)]
+struct Held<'a> {
+    kept: &'a [u8],
+    /// Where `kept` starts in the file.
+    from: u64,
+    compression: Compression,
+    cluster: u64,
+}
+
+impl Held<'_> {
+    /// Inflates each of `runs` (compressed clusters, their bytes held, up to the stream's end
+    /// at the end of the file) into its buffer of `outs`.
+    fn inflate_all(self, runs: &[Run], outs: &mut [Vec<u8>]) -> Result<(), UnpackError> {
+        let end = self.from + self.kept.len() as u64;
+        for (run, out) in runs.iter().zip(outs) {
+            let from = (run.host - self.from) as usize;
+            let to = ((run.host + run.len).min(end) - self.from) as usize;
+            inflate(self.compression, &self.kept[from..to], out).map_err(|why| {
+                UnpackError::Image(Qcow2Error::Inflate {
+                    host: run.host,
+                    cluster: self.cluster,
+                    why,
+                })
+            })?;
+        }
+        Ok(())
     }
 }
 

@@ -4,7 +4,7 @@
 //! onto the same preallocated file by the release agent's `write-image` mode (the code an
 //! installation runs: format by magic bytes, sha256 as served, every write checked, one fsync)
 //! and by `curl | dd conv=fsync`, in turns, `--repeat` times each; medians are kept. The
-//! agent's peak RSS is read from the kernel's account of each run (`wait4`).
+//! agent's peak RSS is the kernel's high-water mark of each run (`VmHWM`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -67,20 +67,31 @@ async fn serve(dir: &Path) -> Result<u16> {
     Ok(port)
 }
 
-/// One run of `command`: how long it took, and its peak RSS in MiB.
+/// One run of `command`: how long it took, and its peak RSS in MiB, as the kernel keeps it for
+/// the program run (`VmHWM`, read until it exits; the rusage of a child would count the pages
+/// it shared with this process before its exec).
 fn timed(command: &mut Command) -> Result<(Duration, f64)> {
     let started = Instant::now();
-    let child = command.spawn().context("starting a writer")?;
-    let mut status = 0;
-    // SAFETY: an all-zero rusage is a valid value for wait4 to fill in.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: the pid is our own child's, and both pointers are to live locals.
-    let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
+    let mut child = command.spawn().context("starting a writer")?;
+    let status_file = format!("/proc/{}/status", child.id());
+    let mut peak_kib = 0u64;
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        let status = std::fs::read_to_string(&status_file).unwrap_or_default();
+        let hwm = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok());
+        peak_kib = peak_kib.max(hwm.unwrap_or(0));
+        std::thread::sleep(Duration::from_millis(5));
+    };
     let took = started.elapsed();
-    if pid < 0 || !libc::WIFEXITED(status) || libc::WEXITSTATUS(status) != 0 {
-        bail!("{command:?} failed (status {status})");
+    if !status.success() {
+        bail!("{command:?} failed: {status}");
     }
-    Ok((took, usage.ru_maxrss as f64 / 1024.0))
+    Ok((took, peak_kib as f64 / 1024.0))
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -88,85 +99,101 @@ fn median(mut values: Vec<f64>) -> f64 {
     values[values.len() / 2]
 }
 
-pub async fn run(args: Args) -> Result<()> {
-    let agent = crate::binaries::release_binary("shepherd-agent")?;
-    let dir = tempfile::tempdir_in(std::env::temp_dir())?;
-    let size = args.size_mib << 20;
-    let raw = dir.path().join("image.raw");
-    eprintln!("image-write: making a {} MiB image", args.size_mib);
-    make_image(&raw, size)?;
-    let zst = dir.path().join("image.raw.zst");
-    let encoded = zstd::encode_all(std::fs::File::open(&raw)?, 3)?;
-    std::fs::write(&zst, encoded)?;
-    let qcow2 = dir.path().join("image.qcow2");
+/// `raw` converted to qcow2 at `to` by qemu-img with `options`.
+fn qemu_img(raw: &Path, to: &Path, options: &[&str]) -> Result<()> {
     let status = Command::new("qemu-img")
-        .args(["convert", "-c", "-f", "raw", "-O", "qcow2"])
-        .arg(&raw)
-        .arg(&qcow2)
+        .args(["convert", "-f", "raw", "-O", "qcow2"])
+        .args(options)
+        .arg(raw)
+        .arg(to)
         .status()
         .context("qemu-img (scripts/test-deps.sh installs it)")?;
     if !status.success() {
         bail!("qemu-img convert failed");
     }
+    Ok(())
+}
+
+/// A form of the image the agent writes: its name in the figures and its file.
+struct Form {
+    name: &'static str,
+    file: PathBuf,
+    sha256: String,
+    seconds: Vec<f64>,
+    peak_rss_mib: f64,
+}
+
+pub async fn run(args: Args) -> Result<()> {
+    let agent = crate::binaries::release_binary("shepherd-agent")?;
+    let dir = tempfile::tempdir_in(std::env::temp_dir())?;
+    let size = args.size_mib << 20;
+    let file = |name: &str| dir.path().join(name);
+    eprintln!(
+        "image-write: making a {} MiB image and its forms",
+        args.size_mib
+    );
+    make_image(&file("raw"), size)?;
+    zstd::stream::copy_encode(
+        std::fs::File::open(file("raw"))?,
+        std::fs::File::create(file("zstd"))?,
+        3,
+    )?;
+    qemu_img(&file("raw"), &file("qcow2"), &["-c"])?;
+    qemu_img(&file("raw"), &file("qcow2_plain"), &[])?;
+    let mut forms = Vec::new();
+    for name in ["raw", "zstd", "qcow2", "qcow2_plain"] {
+        forms.push(Form {
+            name,
+            file: file(name),
+            sha256: sha256_of(&file(name))?,
+            seconds: vec![],
+            peak_rss_mib: 0.0,
+        });
+    }
     let port = serve(dir.path()).await?;
-    let target = dir.path().join("target");
+    let target = file("target");
     std::fs::File::create(&target)?.set_len(size)?;
     let url = |name: &str| format!("http://127.0.0.1:{port}/{name}");
-    let sums = [
-        (&raw, sha256_of(&raw)?),
-        (&zst, sha256_of(&zst)?),
-        (&qcow2, sha256_of(&qcow2)?),
-    ];
-    let agent_writes = |name: &str, file: &PathBuf| -> Result<Command> {
-        let sum = &sums.iter().find(|(f, _)| *f == file).context("a sum")?.1;
-        let mut command = Command::new(&agent);
-        command
-            .args(["write-image", "--url", &url(name), "--sha256"])
-            .arg(sum)
-            .arg("--onto")
-            .arg(&target);
-        Ok(command)
-    };
     let mut dd = Command::new("sh");
     dd.args([
         "-c",
         &format!(
             "curl -sSf {} | dd of={} bs=1M conv=notrunc,fsync iflag=fullblock status=none",
-            url("image.raw"),
+            url("raw"),
             target.display()
         ),
     ]);
-    let (mut dd_s, mut raw_s, mut zstd_s, mut qcow2_s, mut rss) =
-        (vec![], vec![], vec![], vec![], 0f64);
+    let mut dd_s = vec![];
     for round in 1..=args.repeat {
         eprintln!("image-write: round {round} of {}", args.repeat);
         dd_s.push(timed(&mut dd)?.0.as_secs_f64());
-        raw_s.push(
-            timed(&mut agent_writes("image.raw", &raw)?)?
-                .0
-                .as_secs_f64(),
-        );
-        zstd_s.push(
-            timed(&mut agent_writes("image.raw.zst", &zst)?)?
-                .0
-                .as_secs_f64(),
-        );
-        let (took, peak) = timed(&mut agent_writes("image.qcow2", &qcow2)?)?;
-        qcow2_s.push(took.as_secs_f64());
-        rss = rss.max(peak);
+        for form in &mut forms {
+            let mut agent_writes = Command::new(&agent);
+            agent_writes
+                .args(["write-image", "--url", &url(form.name), "--sha256"])
+                .arg(&form.sha256)
+                .arg("--onto")
+                .arg(&target);
+            let (took, peak) = timed(&mut agent_writes)?;
+            form.seconds.push(took.as_secs_f64());
+            form.peak_rss_mib = form.peak_rss_mib.max(peak);
+        }
     }
-    let (dd_s, raw_s, zstd_s, qcow2_s) =
-        (median(dd_s), median(raw_s), median(zstd_s), median(qcow2_s));
+    let dd_s = median(dd_s);
+    let raw_s = median(forms[0].seconds.clone());
     let mib = args.size_mib as f64;
-    let served = |p: &Path| std::fs::metadata(p).map(|m| m.len() as f64 / (1 << 20) as f64);
     println!("image_mib = {mib:.0}");
-    println!("image_zstd_mib = {:.0}", served(&zst)?);
-    println!("image_qcow2_mib = {:.0}", served(&qcow2)?);
     println!("dd_mib_s = {:.0}", mib / dd_s);
     println!("agent_raw_mib_s = {:.0}", mib / raw_s);
     println!("install_vs_dd = {:.2}", dd_s / raw_s);
-    println!("zstd_install_vs_raw = {:.2}", zstd_s / raw_s);
-    println!("qcow2_install_vs_raw = {:.2}", qcow2_s / raw_s);
-    println!("qcow2_agent_peak_rss_mb = {rss:.1}");
+    for form in &forms {
+        let served = std::fs::metadata(&form.file)?.len() as f64 / (1 << 20) as f64;
+        println!("image_{}_mib = {served:.0}", form.name);
+        if form.name != "raw" {
+            let ratio = median(form.seconds.clone()) / raw_s;
+            println!("{}_install_vs_raw = {ratio:.2}", form.name);
+        }
+        println!("{}_agent_peak_rss_mb = {:.1}", form.name, form.peak_rss_mib);
+    }
     Ok(())
 }
