@@ -64,18 +64,10 @@ ones. Means over the two machines not interrupted.
   cores (deflate for qcow2's clusters, inflated on both). \`*_agent_peak_rss_mb\`: the agent's
   peak RSS in each form's runs, as the kernel kept it (\`VmHWM\`).
 
-bare_to_heartbeating_s = $(value bare_to_heartbeating_s)
-live_boot_to_ssh_s = $(value live_boot_to_ssh_s)
-install_s = $(value install_s)
-disk_boot_to_heartbeat_s = $(value disk_boot_to_heartbeat_s)
-bare_overhead_ratio = $(value bare_overhead_ratio)
-live_image_mb = $(value live_image_mb)
-install_vs_dd = $(value install_vs_dd)
-zstd_install_vs_raw = $(value zstd_install_vs_raw)
-qcow2_install_vs_raw = $(value qcow2_install_vs_raw)
-qcow2_plain_install_vs_raw = $(value qcow2_plain_install_vs_raw)
-raw_agent_peak_rss_mb = $(value raw_agent_peak_rss_mb)
-zstd_agent_peak_rss_mb = $(value zstd_agent_peak_rss_mb)
-qcow2_agent_peak_rss_mb = $(value qcow2_agent_peak_rss_mb)
+$(for key in bare_to_heartbeating_s live_boot_to_ssh_s install_s disk_boot_to_heartbeat_s \
+    bare_overhead_ratio live_image_mb install_vs_dd zstd_install_vs_raw qcow2_install_vs_raw \
+    qcow2_plain_install_vs_raw raw_agent_peak_rss_mb zstd_agent_peak_rss_mb qcow2_agent_peak_rss_mb; do
+  echo "$key = $(value "$key")"
+done)
 MD
 echo "bare-figures: wrote bench/results/baremetal.md"
