@@ -99,6 +99,21 @@ pub enum BmcError {
         /// What it allows (empty: it offers no `ComputerSystem.Reset` at all).
         allowed: Vec<String>,
     },
+    /// The BMC accepted an insert, and its virtual CD does not show the image: it could not
+    /// fetch it (it may distrust the media server's certificate, or not reach it).
+    #[error("BMC {base}: {path} accepted the insert, and {seconds} s later does not show the image (Image {image:?}, Inserted {inserted:?}): it may not have fetched it; check that the BMC reaches the media URL and trusts its certificate")]
+    NotShown {
+        /// The BMC.
+        base: String,
+        /// The virtual CD.
+        path: String,
+        /// How long it was read back for.
+        seconds: u32,
+        /// The image it shows instead.
+        image: Option<String>,
+        /// What it says of `Inserted`.
+        inserted: Option<bool>,
+    },
     /// The BMC offers no virtual CD for the system: neither the system nor its managers list
     /// virtual media with a CD or DVD device. A configuration error: asking again will not help.
     #[error("BMC {base}: {path} has no virtual CD (no VirtualMedia device with MediaTypes CD or DVD under the system or its managers)")]

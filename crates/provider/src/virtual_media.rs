@@ -15,23 +15,31 @@ pub struct VirtualCd {
     pub path: String,
     /// The image URL it holds, if any.
     pub image: Option<String>,
-    /// Whether the image is inserted.
-    pub inserted: bool,
+    /// Whether the image is inserted, if the BMC says (`Inserted` is optional in Redfish's
+    /// schema, and many BMCs leave it out).
+    pub inserted: Option<bool>,
     insert: Option<String>,
     eject: Option<String>,
 }
 
 impl VirtualCd {
-    /// Whether it holds `url`, inserted.
+    /// Whether it holds `url`: it names that image, and does not say it is not inserted.
     pub fn holds(&self, url: &str) -> bool {
-        self.inserted && self.image.as_deref() == Some(url)
+        self.inserted != Some(false) && self.image.as_deref() == Some(url)
     }
 
-    /// Whether it holds any image.
+    /// Whether it holds nothing: it names no image (or says it is not inserted), and does not
+    /// say something is inserted.
     pub fn is_empty(&self) -> bool {
-        !self.inserted || self.image.as_deref().is_none_or(str::is_empty)
+        match self.inserted {
+            Some(inserted) => !inserted,
+            None => self.image.is_none(),
+        }
     }
 }
+
+/// How many times, a second apart, a CD is read back after an insert until it shows the image.
+const INSERT_SHOWN_READS: u32 = 5;
 
 /// Where the system boots from next, once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,7 +153,7 @@ impl Bmc {
                     return Ok(VirtualCd {
                         path: device.id,
                         image: media.image.filter(|i| !i.is_empty()),
-                        inserted: media.inserted.unwrap_or(false),
+                        inserted: media.inserted,
                         insert: media.actions.insert.map(|t| t.target),
                         eject: media.actions.eject.map(|t| t.target),
                     });
@@ -158,13 +166,34 @@ impl Bmc {
         })
     }
 
-    /// Inserts the image at `url` into `cd`, write-protected (the BMC fetches it from there).
+    /// Inserts the image at `url` into `cd`, write-protected (the BMC fetches it from there),
+    /// then reads the CD back until it shows the image: a BMC may accept the insert and fail
+    /// to fetch the image, which a boot would find out only as a live environment that never
+    /// answered.
     pub async fn insert_media(&self, cd: &VirtualCd, url: &str) -> Result<(), BmcError> {
         let target = self.media_action(cd, cd.insert.as_deref(), "VirtualMedia.InsertMedia")?;
         let body = serde_json::json!({ "Image": url, "Inserted": true, "WriteProtected": true });
         self.request(reqwest::Method::POST, target, Some(body))
-            .await
-            .map(drop)
+            .await?;
+        let mut read = 1;
+        loop {
+            let media: Media = self.get(&cd.path).await?;
+            let (image, inserted) = (media.image.filter(|i| !i.is_empty()), media.inserted);
+            if inserted != Some(false) && image.as_deref() == Some(url) {
+                return Ok(());
+            }
+            if read == INSERT_SHOWN_READS {
+                return Err(BmcError::NotShown {
+                    base: self.base().to_string(),
+                    path: cd.path.clone(),
+                    seconds: INSERT_SHOWN_READS - 1,
+                    image,
+                    inserted,
+                });
+            }
+            read += 1;
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        }
     }
 
     /// Ejects whatever `cd` holds.

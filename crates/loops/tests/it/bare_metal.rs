@@ -39,6 +39,13 @@ struct Knobs {
     /// The `n`th request of this action (`insert`, `eject`, `boot`, `power`) is carried out
     /// and never answered.
     hang_at: Option<(&'static str, usize)>,
+    /// Its CD says nothing of `Inserted` (the property is optional in Redfish's schema).
+    omits_inserted: bool,
+    /// Its CD holds this image at the start, left by someone else.
+    stale_image: Option<&'static str>,
+    /// It answers an insert with success, and its CD never shows the image (it could not
+    /// fetch it).
+    insert_not_shown: bool,
 }
 
 /// The scripted BMC's system: power, virtual CD, boot override, what it booted from, and a
@@ -119,7 +126,7 @@ async fn media_collection() -> Json<Value> {
 
 async fn cd(State(bmc): State<Shared>) -> Json<Value> {
     let b = bmc.lock().unwrap();
-    Json(json!({
+    let mut cd = json!({
         "MediaTypes": ["CD", "DVD"],
         "Image": b.image.clone().unwrap_or_default(),
         "Inserted": b.image.is_some(),
@@ -127,14 +134,20 @@ async fn cd(State(bmc): State<Shared>) -> Json<Value> {
             "#VirtualMedia.InsertMedia": { "target": format!("{CD}/Actions/VirtualMedia.InsertMedia") },
             "#VirtualMedia.EjectMedia": { "target": format!("{CD}/Actions/VirtualMedia.EjectMedia") },
         },
-    }))
+    });
+    if b.knobs.omits_inserted {
+        cd.as_object_mut().unwrap().remove("Inserted");
+    }
+    Json(cd)
 }
 
 async fn insert(State(bmc): State<Shared>, Json(body): Json<Value>) -> (StatusCode, String) {
     let url = body["Image"].as_str().unwrap_or_default().to_string();
     act(&bmc, "insert", |b| {
         b.log.push("insert".into());
-        b.image = Some(url);
+        if !b.knobs.insert_not_shown {
+            b.image = Some(url);
+        }
     })
     .await
 }
@@ -177,6 +190,7 @@ async fn reset(State(bmc): State<Shared>, Json(body): Json<Value>) -> (StatusCod
 /// Starts a scripted BMC with `knobs` on a free loopback port; its URL and state.
 async fn start_bmc(knobs: Knobs) -> (String, Shared) {
     let bmc: Shared = Arc::new(Mutex::new(Bmc {
+        image: knobs.stale_image.map(String::from),
         knobs,
         ..Bmc::default()
     }));
@@ -563,11 +577,17 @@ async fn failing(
     status: u16,
     body: &'static str,
 ) -> (Site, CancellationToken, CancellationToken, String) {
-    let s = site(Knobs {
+    failing_with(Knobs {
         fail: vec![(action, status, body)],
         ..Knobs::default()
     })
-    .await;
+    .await
+}
+
+/// A site whose BMC behaves as `knobs` say, its machine played and one replica running, once
+/// a step failed: the site, the machine, the replica, and the first cause.
+async fn failing_with(knobs: Knobs) -> (Site, CancellationToken, CancellationToken, String) {
+    let s = site(knobs).await;
     let machine = s.play(WORKING);
     let (replica, _) = s.replica(settings(Duration::from_secs(30)));
     let cause = s.first_failure().await;
@@ -727,6 +747,61 @@ async fn failed_at_once(knobs: Knobs) -> (Site, String) {
     let failures = s.failures().await;
     assert!(failures.is_empty(), "said once, not retried: {failures:?}");
     (s, cause)
+}
+
+/// A CD that says nothing of `Inserted` (optional in Redfish's schema) but names an image
+/// holds that image: someone else's is ejected before the live image goes in.
+#[tokio::test]
+async fn a_cd_that_omits_inserted_is_read_by_its_image_and_a_stale_one_ejected_first() {
+    let s = site(Knobs {
+        omits_inserted: true,
+        stale_image: Some("https://elsewhere.example/old.iso"),
+        ..Knobs::default()
+    })
+    .await;
+    let steps = s.run_until(WORKING, Duration::from_secs(30), Done).await;
+    assert_eq!(phases(&steps), the_way());
+    let mut actions = vec!["eject"];
+    actions.extend(ITS_ACTIONS);
+    assert_eq!(
+        s.log(),
+        actions,
+        "the stale image ejected first, then the way"
+    );
+    let inserting = &steps
+        .iter()
+        .find(|s| s.phase == StartingLive)
+        .unwrap()
+        .detail;
+    assert!(
+        inserting.contains("ejected what its virtual CD held"),
+        "{inserting}"
+    );
+}
+
+/// A BMC that accepts an insert and never shows the image (it could not fetch it, distrusting
+/// the media server's certificate, say) is found out within the step, with a cause that says
+/// so, not as a live environment that never answered, a live-boot timeout later.
+#[tokio::test]
+async fn an_insert_the_bmc_accepts_and_never_shows_is_a_clear_cause_at_once() {
+    let (s, _machine, stop, cause) = failing_with(Knobs {
+        insert_not_shown: true,
+        ..Knobs::default()
+    })
+    .await;
+    stop.cancel();
+    assert!(
+        cause.contains("insert the live image")
+            && cause.contains("accepted the insert")
+            && cause.contains("does not show the image"),
+        "{cause}"
+    );
+    assert_eq!(s.phase().await, Some(Inserting), "it is tried again");
+    assert!(
+        !s.log().iter().any(|a| a.starts_with("power On")),
+        "{:?}",
+        s.log()
+    );
 }
 
 /// A Redfish error answer, as BMCs give it: its code, message and extended info.
