@@ -28,8 +28,8 @@ text_enum! {
         Installing,
         /// The OS is on the disk: the media is ejected and the machine powered off.
         Ejecting,
-        /// A one-time boot from the disk is set and the machine powered on (only if it is still
-        /// off).
+        /// The disk is set as the boot device from now on and the machine powered on (only
+        /// if it is still off).
         StartingDisk,
         /// Booting its installed OS: the initializer takes it over again.
         DiskBoot,

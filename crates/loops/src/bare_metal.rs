@@ -220,7 +220,7 @@ const STEPS: [&str; 9] = [
     "boot once from the CD",
     "power on",
     "eject the live image",
-    "boot once from the disk",
+    "boot from the disk from now on",
     "read the virtual CD",
     "inventory",
     "config drive",
@@ -429,7 +429,8 @@ impl<P: Rebooter> Step<'_, P> {
         Ok(format!("powered off ({off}){ejected}"))
     }
 
-    /// Powers the machine on after a one-time boot from `target`, unless it is on already
+    /// Powers the machine on after setting its boot from `target` (the CD once, the disk from
+    /// now on), unless it is on already
     /// (which it is only because this step was done before: it was powered off first).
     async fn start(&self, bmc: &Bmc, target: BootTarget) -> Result<String, BareError> {
         let state = self.bmc("power on", bmc.power_state()).await?;
@@ -438,9 +439,9 @@ impl<P: Rebooter> Step<'_, P> {
         }
         let boot = match target {
             BootTarget::Cd => "boot once from the CD",
-            BootTarget::Hdd => "boot once from the disk",
+            BootTarget::Hdd => "boot from the disk from now on",
         };
-        self.bmc(boot, bmc.boot_once(target)).await?;
+        self.bmc(boot, bmc.boot_from(target)).await?;
         let done = self.bmc("power on", bmc.power_on()).await?;
         Ok(format!("powered on ({done})"))
     }
@@ -763,14 +764,18 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
     ) -> Result<TagWrites, BareError> {
         let (from, next, booting) = match target {
             BootTarget::Cd => (
-                "the virtual CD",
+                "a one-time boot from the virtual CD",
                 BarePhase::LiveBoot,
                 "its live environment",
             ),
-            BootTarget::Hdd => ("the disk", BarePhase::DiskBoot, "its installed OS"),
+            BootTarget::Hdd => (
+                "the disk set as its boot device from now on",
+                BarePhase::DiskBoot,
+                "its installed OS",
+            ),
         };
         let on = step.start(&plan.bmc, target).await?;
-        let detail = format!("one-time boot from {from}; {on}");
+        let detail = format!("{from}; {on}");
         step.enter(next, PhaseWrites::default(), detail).await?;
         let wait = self.settings.boot_wait;
         if wait.is_zero() {

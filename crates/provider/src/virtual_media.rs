@@ -41,12 +41,14 @@ impl VirtualCd {
 /// How many times, a second apart, a CD is read back after an insert until it shows the image.
 const INSERT_SHOWN_READS: u32 = 5;
 
-/// Where the system boots from next, once.
+/// Where the system boots from next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BootTarget {
-    /// Its virtual CD.
+    /// Its virtual CD, once (the live environment).
     Cd,
-    /// Its disk.
+    /// Its disk, from now on (the installed OS): every later boot, the recoverer's power
+    /// cycles and a power failure's included, starts the installed OS, whatever the
+    /// firmware's own order (often the network first, or the CD drive).
     Hdd,
 }
 
@@ -55,6 +57,14 @@ impl BootTarget {
         match self {
             BootTarget::Cd => "Cd",
             BootTarget::Hdd => "Hdd",
+        }
+    }
+
+    /// `BootSourceOverrideEnabled`: once for the CD, continuous for the disk.
+    fn enabled(self) -> &'static str {
+        match self {
+            BootTarget::Cd => "Once",
+            BootTarget::Hdd => "Continuous",
         }
     }
 }
@@ -217,12 +227,12 @@ impl Bmc {
         })
     }
 
-    /// Has the system boot from `target` at its next boot, once.
-    pub async fn boot_once(&self, target: BootTarget) -> Result<(), BmcError> {
+    /// Has the system boot from `target`: the CD at its next boot only, the disk from now on.
+    pub async fn boot_from(&self, target: BootTarget) -> Result<(), BmcError> {
         let system = self.system_path().await?;
         let body = serde_json::json!({ "Boot": {
             "BootSourceOverrideTarget": target.redfish(),
-            "BootSourceOverrideEnabled": "Once",
+            "BootSourceOverrideEnabled": target.enabled(),
         }});
         self.request(reqwest::Method::PATCH, &system, Some(body))
             .await

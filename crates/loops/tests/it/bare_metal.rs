@@ -54,7 +54,10 @@ struct Knobs {
 struct Bmc {
     power_on: bool,
     image: Option<String>,
+    /// The boot override: its target, and whether it lasts (`Continuous`) or is used up by
+    /// the next boot (`Once`).
     boot: Option<String>,
+    boot_lasts: bool,
     booted_from: Option<&'static str>,
     log: Vec<String>,
     knobs: Knobs,
@@ -73,11 +76,18 @@ impl Bmc {
     }
 
     /// Powers on: the system boots from its CD when it holds an image and the boot override
-    /// says so, else from its disk.
+    /// says so, from its disk when the override says so, else from the network (the firmware's
+    /// own order, as a server's that PXE-boots first). A one-time override is used up.
     fn boot(&mut self) {
         self.power_on = true;
-        let cd = self.image.is_some() && self.boot.as_deref() == Some("Cd");
-        self.booted_from = Some(if cd { "Cd" } else { "Hdd" });
+        self.booted_from = Some(match self.boot.as_deref() {
+            Some("Cd") if self.image.is_some() => "Cd",
+            Some("Hdd") => "Hdd",
+            _ => "Pxe",
+        });
+        if !self.boot_lasts {
+            self.boot = None;
+        }
     }
 }
 
@@ -165,9 +175,11 @@ async fn patch(State(bmc): State<Shared>, Json(body): Json<Value>) -> (StatusCod
         .as_str()
         .unwrap_or_default()
         .to_string();
+    let lasts = body["Boot"]["BootSourceOverrideEnabled"] == "Continuous";
     act(&bmc, "boot", |b| {
         b.log.push(format!("boot {target}"));
         b.boot = Some(target);
+        b.boot_lasts = lasts;
     })
     .await
 }
@@ -626,11 +638,16 @@ async fn a_bare_machine_goes_its_way_and_each_bmc_step_is_taken_once() {
     let steps = s.run_until(WORKING, Duration::from_secs(30), Done).await;
     assert_eq!(phases(&steps), the_way());
     assert_eq!(s.log(), ITS_ACTIONS);
-    let b = s.bmc.lock().unwrap();
+    let mut b = s.bmc.lock().unwrap();
     assert!(
         b.image.is_none() && b.power_on && b.booted_from == Some("Hdd"),
         "{b:?}"
     );
+    // The disk stays the boot device: a later power cycle (the recoverer's, a power failure)
+    // boots the installed OS again, not the firmware's first choice.
+    b.boot();
+    assert_eq!(b.booted_from, Some("Hdd"), "{b:?}");
+    drop(b);
     // The history names the disk the agent chose.
     let ejecting = &steps.iter().find(|s| s.phase == Ejecting).unwrap().detail;
     let chosen = "onto /dev/vda (480.0 GiB, serial S3YJNX0K)";
