@@ -2,7 +2,9 @@
 //! (`openstack/latest/meta_data.json`, `network_data.json`) whose bytes, at the start of an ISO
 //! sector, name them (`{"shepherd_slot":"meta_data.json","bytes":16384}`, padded with spaces).
 //! A machine's image is the file as it is, with its own config drive's files in the slots:
-//! streamed from disk a chunk at a time, never read whole, never copied per machine.
+//! streamed from disk a chunk at a time, never read whole, never copied per machine. The file
+//! opened at start-up is the one served until the server restarts: an image rebuilt and moved
+//! into place meanwhile is never mixed into it (its length and slots are the old file's).
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -10,7 +12,6 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use futures::Stream;
-use tokio::io::{AsyncReadExt, AsyncSeekExt};
 
 /// ISO 9660 files start at sector boundaries.
 const SECTOR: u64 = 2048;
@@ -73,10 +74,11 @@ struct Slot {
     len: u64,
 }
 
-/// A live image: its file, its length and its slots.
+/// A live image: its file, held open, its length and its slots.
 #[derive(Debug)]
 pub struct LiveImage {
     path: PathBuf,
+    file: Arc<std::fs::File>,
     len: u64,
     slots: Vec<Slot>,
 }
@@ -129,6 +131,7 @@ impl LiveImage {
         }
         Ok(LiveImage {
             path: path.to_path_buf(),
+            file: Arc::new(file),
             len,
             slots: found,
         })
@@ -184,28 +187,22 @@ impl LiveImage {
         filled: Arc<Filled>,
         range: Range<u64>,
     ) -> impl Stream<Item = std::io::Result<Bytes>> + Send + 'static {
-        let state = (self.clone(), filled, range, None::<tokio::fs::File>);
-        futures::stream::try_unfold(state, |(image, filled, range, file)| async move {
+        let state = (self.clone(), filled, range);
+        futures::stream::try_unfold(state, |(image, filled, range)| async move {
             if range.is_empty() {
                 return Ok(None);
             }
-            let mut file = match file {
-                Some(f) => f,
-                None => {
-                    let mut f = tokio::fs::File::open(&image.path).await?;
-                    f.seek(std::io::SeekFrom::Start(range.start)).await?;
-                    f
-                }
-            };
             let want = (range.end - range.start).min(CHUNK as u64) as usize;
-            let mut chunk = vec![0u8; want];
-            file.read_exact(&mut chunk).await?;
+            let (file, at) = (image.file.clone(), range.start);
+            let chunk = tokio::task::spawn_blocking(move || {
+                use std::os::unix::fs::FileExt;
+                let mut chunk = vec![0u8; want];
+                file.read_exact_at(&mut chunk, at).map(|()| chunk)
+            });
+            let mut chunk = chunk.await.map_err(std::io::Error::other)??;
             filled.overlay(range.start, &mut chunk);
             let rest = range.start + want as u64..range.end;
-            Ok(Some((
-                Bytes::from(chunk),
-                (image, filled, rest, Some(file)),
-            )))
+            Ok(Some((Bytes::from(chunk), (image, filled, rest))))
         })
     }
 }
@@ -278,6 +275,29 @@ mod tests {
 
     fn config(meta: &str) -> String {
         serde_json::json!({"meta_data.json": meta, "network_data.json": "{}"}).to_string()
+    }
+
+    /// A live image rebuilt and moved into place (as scripts/live-image.sh does, with `mv`)
+    /// while BMCs read the old one: every request, in progress or new, reads the image opened
+    /// at start-up whole, never the new file's bytes at the old one's offsets.
+    #[tokio::test]
+    async fn an_image_moved_into_place_meanwhile_is_never_mixed_into_the_one_served() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = fake_image(dir.path(), 40);
+        let old = std::fs::read(&path).unwrap();
+        let image = Arc::new(LiveImage::open(&path).unwrap());
+        let filled = Arc::new(image.fill(&config("{}")).unwrap());
+        let whole = collect(image.stream(filled.clone(), 0..image.len())).await;
+        let rebuilt = dir.path().join("live.iso.new");
+        std::fs::write(&rebuilt, vec![b'y'; old.len() + 4096]).unwrap();
+        std::fs::rename(&rebuilt, &path).unwrap();
+        let again = collect(image.stream(filled.clone(), 0..image.len())).await;
+        assert!(again == whole, "a request after the move read the new file");
+        let part = collect(image.stream(filled, 8192..20_000)).await;
+        assert!(
+            part == whole[8192..20_000],
+            "a range after the move read the new file"
+        );
     }
 
     #[tokio::test]
