@@ -1,6 +1,6 @@
-//! The agent's image writing against `curl | dd` (issue 63's figures in
-//! bench/results/baremetal.md): one raw image, its zstd form and its qcow2 form (compressed
-//! clusters, by qemu-img) are served over loopback HTTP by a static file server, and written
+//! The agent's image writing against `curl | dd` (figures for
+//! bench/results/baremetal.md): one raw image, its zstd form and its qcow2 forms (with and
+//! without compressed clusters, by qemu-img) are served over loopback HTTP by a static file server, and written
 //! onto the same preallocated file by the release agent's `write-image` mode (the code an
 //! installation runs: format by magic bytes, sha256 as served, every write checked, one fsync)
 //! and by `curl | dd conv=fsync`, in turns, `--repeat` times each; medians are kept. The
