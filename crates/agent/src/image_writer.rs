@@ -59,6 +59,16 @@ pub enum Unpack {
     Qcow2(Box<qcow2::Layout>),
 }
 
+impl Unpack {
+    /// The image's format.
+    pub fn format(&self) -> ImageFormat {
+        match self {
+            Unpack::Stream(format) => *format,
+            Unpack::Qcow2(_) => ImageFormat::Qcow2,
+        }
+    }
+}
+
 impl From<UnpackError> for WriteFailure {
     fn from(error: UnpackError) -> WriteFailure {
         match error {

@@ -384,7 +384,8 @@ async fn write_image(
     };
     eprintln!(
         "shepherd-agent: writing {} ({}) onto {disk}, which is {choice}",
-        image.url, fetched.format
+        image.url,
+        fetched.unpack.format()
     );
     let (format, written) = fetched.write_onto(image, file, &disk, &want).await?;
     let config_drive = match image.config_drive.is_empty() {
@@ -444,7 +445,6 @@ struct Fetched {
     body: Download,
     /// The chunks read to tell its format.
     head: Vec<Bytes>,
-    format: ImageFormat,
     unpack: Unpack,
     announced: Option<u64>,
 }
@@ -489,7 +489,6 @@ async fn fetch(
     Ok(Fetched {
         body,
         head,
-        format,
         unpack,
         announced,
     })
@@ -505,6 +504,7 @@ impl Fetched {
         disk: &DiskFacts,
         want: &str,
     ) -> Result<(ImageFormat, u64), InstallError> {
+        let format = self.unpack.format();
         let streamed = stream(
             image,
             self.head,
@@ -514,8 +514,8 @@ impl Fetched {
             disk,
             self.announced,
         );
-        let written = streamed.await?.check(want, self.format, &disk.name)?;
-        Ok((self.format, written))
+        let written = streamed.await?.check(want, format, &disk.name)?;
+        Ok((format, written))
     }
 }
 

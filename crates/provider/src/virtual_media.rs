@@ -23,6 +23,17 @@ pub struct VirtualCd {
 }
 
 impl VirtualCd {
+    /// The CD at `path`, as the BMC describes it in `media`.
+    fn read(path: String, media: Media) -> VirtualCd {
+        VirtualCd {
+            path,
+            image: media.image.filter(|i| !i.is_empty()),
+            inserted: media.inserted,
+            insert: media.actions.insert.map(|t| t.target),
+            eject: media.actions.eject.map(|t| t.target),
+        }
+    }
+
     /// Whether it holds `url`: it names that image, and does not say it is not inserted.
     pub fn holds(&self, url: &str) -> bool {
         self.inserted != Some(false) && self.image.as_deref() == Some(url)
@@ -160,13 +171,7 @@ impl Bmc {
                     .iter()
                     .any(|t| t.eq_ignore_ascii_case("CD") || t.eq_ignore_ascii_case("DVD"));
                 if cd {
-                    return Ok(VirtualCd {
-                        path: device.id,
-                        image: media.image.filter(|i| !i.is_empty()),
-                        inserted: media.inserted,
-                        insert: media.actions.insert.map(|t| t.target),
-                        eject: media.actions.eject.map(|t| t.target),
-                    });
+                    return Ok(VirtualCd::read(device.id, media));
                 }
             }
         }
@@ -187,18 +192,17 @@ impl Bmc {
             .await?;
         let mut read = 1;
         loop {
-            let media: Media = self.get(&cd.path).await?;
-            let (image, inserted) = (media.image.filter(|i| !i.is_empty()), media.inserted);
-            if inserted != Some(false) && image.as_deref() == Some(url) {
+            let now = VirtualCd::read(cd.path.clone(), self.get(&cd.path).await?);
+            if now.holds(url) {
                 return Ok(());
             }
             if read == INSERT_SHOWN_READS {
                 return Err(BmcError::NotShown {
                     base: self.base().to_string(),
-                    path: cd.path.clone(),
+                    path: now.path,
                     seconds: INSERT_SHOWN_READS - 1,
-                    image,
-                    inserted,
+                    image: now.image,
+                    inserted: now.inserted,
                 });
             }
             read += 1;
