@@ -27,9 +27,10 @@ const RESUME_DELAYS: Delays = Delays::new(Duration::from_secs(1), Duration::from
 /// Why a download failed.
 #[derive(Debug, thiserror::Error)]
 pub enum DownloadError {
-    /// The HTTP client's error: unreachable, an error status, a body that broke off.
+    /// The HTTP client's error: unreachable, an error status, a body that broke off; without
+    /// its URL (which may carry a secret: the installation's error names the URL as shown).
     #[error(transparent)]
-    Http(#[from] reqwest::Error),
+    Http(reqwest::Error),
     /// The body broke off and the server cannot resume it where it stopped.
     #[error("it broke off after {served} bytes and cannot be resumed: {why}")]
     NotResumable {
@@ -53,9 +54,15 @@ pub enum DownloadError {
     GaveUp {
         /// The resumes tried.
         resumes: u32,
-        /// The last break's error.
+        /// The last break's error, without its URL.
         last: reqwest::Error,
     },
+}
+
+impl From<reqwest::Error> for DownloadError {
+    fn from(error: reqwest::Error) -> Self {
+        DownloadError::Http(error.without_url())
+    }
 }
 
 /// A download in progress.
@@ -168,6 +175,7 @@ impl Download {
 
     /// Asks for the rest of the image, from the byte where it broke off with `error`.
     async fn resume(&mut self, error: reqwest::Error) -> Result<(), DownloadError> {
+        let error = error.without_url();
         let served = self.served;
         let not_resumable = |why: &str| DownloadError::NotResumable {
             served,
@@ -186,8 +194,9 @@ impl Download {
         }
         let wait = self.breaks.failed();
         eprintln!(
-            "shepherd-agent: the download of {} broke off after {served} bytes ({error}); resuming in {} ms",
-            self.url,
+            "shepherd-agent: the download of {} broke off after {served} bytes ({}); resuming in {} ms",
+            shepherd_disks::url_shown(&self.url),
+            error,
             wait.as_millis()
         );
         tokio::time::sleep(wait).await;

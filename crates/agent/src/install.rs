@@ -7,7 +7,8 @@ use bytes::Bytes;
 use sha2::{Digest, Sha256};
 use shepherd_disks::format::SNIFFED_BYTES;
 use shepherd_disks::{
-    DiskChoice, DiskFacts, FormatError, HintError, ImageFormat, NoDisk, RootDeviceHints, Sniffed,
+    url_shown, DiskChoice, DiskFacts, FormatError, HintError, ImageFormat, NoDisk, RootDeviceHints,
+    Sniffed,
 };
 use shepherd_proto::bmaas::{ConfigDriveFile, ImageInstallationRequest};
 
@@ -283,7 +284,8 @@ fn disk_choice(image: &ImageInstallationRequest) -> Result<DiskChoice, InstallEr
     DiskChoice::path(&image.target_device).map_err(InstallError::BadDisk)
 }
 
-/// The image's first chunks, enough to tell its format, and the format they show.
+/// The image's first chunks, enough to tell its format, and the format they show; `url` is the
+/// image's URL as shown, for errors.
 async fn sniff(download: &mut Download, url: &str) -> Result<(Vec<Bytes>, Sniffed), InstallError> {
     let mut head = Vec::new();
     let mut bytes = Vec::with_capacity(SNIFFED_BYTES);
@@ -384,7 +386,7 @@ async fn write_image(
     };
     eprintln!(
         "shepherd-agent: writing {} ({}) onto {disk}, which is {choice}",
-        image.url,
+        url_shown(&image.url),
         fetched.unpack.format()
     );
     let (format, written) = fetched.write_onto(image, file, &disk, &want).await?;
@@ -456,16 +458,17 @@ async fn fetch(
     named: Option<ImageFormat>,
     disk: &DiskFacts,
 ) -> Result<Fetched, InstallError> {
+    let shown = url_shown(&image.url);
     let mut body = Download::start(&image.url)
         .await
         .map_err(|error| InstallError::Download {
             doing: "fetching",
-            url: image.url.clone(),
+            url: shown.clone(),
             error,
             disk_written: false,
         })?;
     let announced = body.announced();
-    let (head, sniffed) = sniff(&mut body, &image.url).await?;
+    let (head, sniffed) = sniff(&mut body, &shown).await?;
     let format = match (sniffed, named) {
         (Sniffed::Unwritable(what), _) => return Err(InstallError::UnwritableFormat(what)),
         (Sniffed::Writable(found), Some(named)) if found != named => {
@@ -483,7 +486,7 @@ async fn fetch(
         }
     }
     let unpack = match format {
-        ImageFormat::Qcow2 => Unpack::Qcow2(Box::new(qcow2_layout(&body, &image.url, disk).await?)),
+        ImageFormat::Qcow2 => Unpack::Qcow2(Box::new(qcow2_layout(&body, &shown, disk).await?)),
         other => Unpack::Stream(other),
     };
     Ok(Fetched {
@@ -562,7 +565,8 @@ pub async fn write_image_onto(
 }
 
 /// Reads the qcow2 image's header and tables with range requests beside its download, and
-/// maps it; refuses it if it does not fit `disk` or cannot be written faithfully.
+/// maps it; refuses it if it does not fit `disk` or cannot be written faithfully (`url` is
+/// the image's URL as shown, for errors).
 async fn qcow2_layout(
     body: &Download,
     url: &str,
@@ -742,7 +746,7 @@ async fn stream(
     if let Some(error) = broke_off {
         return Err(InstallError::Download {
             doing: "downloading",
-            url: image.url.clone(),
+            url: url_shown(&image.url),
             error,
             disk_written: true,
         });
@@ -750,7 +754,7 @@ async fn stream(
     let written = written.map_err(write_error)?;
     if let Some(len) = announced.filter(|len| *len != served) {
         return Err(InstallError::ShortBody {
-            url: image.url.clone(),
+            url: url_shown(&image.url),
             served,
             announced: len,
         });
@@ -1218,6 +1222,9 @@ mod tests {
             (answer("200 OK", 60_000), true, true),
         ];
         for (url, unavailable, written) in cases {
+            // The URL carries a password and a presigned query's signature, as an image
+            // server's basic auth and an object store's do: the error names neither.
+            let url = url.replace("http://", "http://admin:hunter2@") + "?X-Amz-Signature=s3cr3t";
             let mut request = request(&url, &image, "/dev/vda", "");
             request.wipe_allowed = true;
             let attempt = install(&request, &m.roots).await;
@@ -1226,6 +1233,13 @@ mod tests {
                 (err.is_unavailable(), err.disk_written()),
                 (unavailable, written),
                 "{err}"
+            );
+            let said = err.to_string();
+            assert!(
+                !said.contains("hunter2")
+                    && !said.contains("s3cr3t")
+                    && said.contains("http://…@127.0.0.1:"),
+                "{said}"
             );
             // The disk was chosen before anything was fetched, and the report names it.
             assert_eq!(attempt.chosen.map(|d| d.serial), Some("FIRST".into()));

@@ -4,17 +4,20 @@
 //! exactly one, or nothing is written and the cause lists every disk it saw. Checked once when
 //! the inventory is read ([`DiskChoice`] deserializes and validates), matched on the machine.
 //! The formats of the images written onto a disk are here too ([`format`]): the entry names
-//! one, the agent checks the image against it.
+//! one, the agent checks the image against it; and how an image's URL is shown, without its
+//! secrets ([`url_shown`]).
 
 mod facts;
 pub mod format;
 pub mod hints;
+mod url_shown;
 
 use std::fmt;
 
 pub use facts::DiskFacts;
 pub use format::{FormatError, ImageFormat, Sniffed};
 pub use hints::{HintError, RootDeviceHints};
+pub use url_shown::url_shown;
 
 /// Which disk an OS goes onto: an inventory entry's `Disk`, a JSON string (a device path) or
 /// a JSON object (root device hints).

@@ -385,7 +385,7 @@ impl Provider for StaticProvider {
         let bare = inv.get(id).and_then(|e| e.bare.as_ref()).map(|b| {
             format!(
                 "recorded bare: {} (sha256 {}) goes onto {}, which {}",
-                b.image_url,
+                shepherd_disks::url_shown(&b.image_url),
                 b.image_sha256,
                 b.disk_choice()
                     .map(|d| d.to_string())
