@@ -41,6 +41,14 @@ impl Backoff {
         }
     }
 
+    /// The backoff after a server asked to be left alone for `wait` (`Retry-After`): that
+    /// long, at least this backoff's first interval and at most an hour (a wait longer than
+    /// that is a server's mistake, or a hostile one's), with this backoff's jitter.
+    pub fn as_asked(self, wait: Duration) -> Self {
+        let wait = wait.min(Duration::from_secs(3600)).max(self.initial);
+        Backoff::constant(wait).with_jitter(self.jitter)
+    }
+
     /// The same backoff with `fraction` of random extra delay.
     pub fn with_jitter(self, fraction: f64) -> Self {
         Backoff {
@@ -196,5 +204,17 @@ mod tests {
             assert!(d >= secs(10) && d <= secs(15), "{d:?}");
         }
         assert_eq!(Backoff::constant(secs(10)).delay_with_jitter(10), secs(10));
+    }
+
+    /// A server's `Retry-After` is waited as asked, within this backoff's first interval and
+    /// an hour, after any previous interval, with the same jitter.
+    #[test]
+    fn a_wait_as_asked_is_bounded() {
+        let b = Backoff::exponential(secs(5), secs(1800), 2.0).with_jitter(0.1);
+        let asked = |wait: u64| b.as_asked(secs(wait)).next_interval_seconds(Some(960));
+        assert_eq!((asked(120), asked(1), asked(86_400)), (120, 5, 3600));
+        assert_eq!(b.as_asked(secs(120)).jitter, 0.1);
+        let long = Backoff::constant(secs(7200));
+        assert_eq!(long.as_asked(secs(1)).next_interval_seconds(None), 7200);
     }
 }

@@ -69,12 +69,7 @@ pub async fn exchange_json<T: DeserializeOwned>(
 /// Reads `resp` whole, refusing a body of more than `max` bytes.
 async fn read_bounded(mut resp: reqwest::Response, max: usize) -> Result<BoundedAnswer, Failure> {
     let status = resp.status();
-    let retry_after = resp
-        .headers()
-        .get("retry-after")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .map(Duration::from_secs);
+    let retry_after = crate::retry_after::retry_after(resp.headers());
     let mut body = Vec::new();
     while let Some(chunk) = resp
         .chunk()

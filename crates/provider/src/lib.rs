@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod penalty;
 pub mod redfish;
 pub mod retry;
+pub mod retry_after;
 pub mod settings;
 pub mod static_inventory;
 pub mod static_provider;

@@ -69,6 +69,8 @@ pub enum BmcError {
         status: reqwest::StatusCode,
         /// What it said, one bounded line: a Redfish error's messages, else the answer.
         body: String,
+        /// How long it asked to be left alone (`Retry-After`, in seconds), if it did.
+        retry_after: Option<std::time::Duration>,
     },
     /// The BMC's answer is not the Redfish JSON expected.
     #[error("BMC {base}: {path}: not the Redfish JSON expected: {error}")]
@@ -463,6 +465,7 @@ impl Bmc {
         }
         let mut resp = req.send().await.map_err(|e| self.unreachable(e))?;
         let status = resp.status();
+        let retry_after = crate::retry_after::retry_after(resp.headers());
         let mut bytes = Vec::new();
         while let Some(chunk) = resp.chunk().await.map_err(|e| self.unreachable(e))? {
             if bytes.len() + chunk.len() > MAX_BODY_BYTES {
@@ -483,6 +486,7 @@ impl Bmc {
                 path: path.to_string(),
                 status,
                 body: error_line(&bytes),
+                retry_after,
             });
         }
         Ok(bytes)
