@@ -7,8 +7,9 @@
 # ConfigDriveReader (with the keys as its ConfigDrive data source takes them from a v2
 # drive), converts its network_data.json to cloud-init's network config as the
 # ConfigDrive data source does, on a machine whose NICs are the MAC=NAME pairs given, and
-# prints one JSON object: instance_id, hostname, public_keys, user_data, network (or
-# network_error: what cloud-init refused).
+# prints one JSON object: instance_id, hostname, public_keys, user_data, vendor_data (the
+# cloud-config cloud-init takes from vendor_data.json), network (or network_error: what
+# cloud-init refused).
 import json
 import sys
 
@@ -24,6 +25,7 @@ out = {
     "hostname": metadata.get("local-hostname"),
     "public_keys": sources.normalize_pubkey_data(metadata.get("public_keys")),
     "user_data": user_data.decode() if isinstance(user_data, bytes) else user_data,
+    "vendor_data": sources.convert_vendordata(read.get("vendordata")),
 }
 try:
     out["network"] = openstack.convert_net_json(read.get("networkdata"), known_macs=nics)

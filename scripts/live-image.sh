@@ -19,7 +19,8 @@
 # their times from it), and packages.txt lists every package and version it was made of.
 #   live.iso          the live image (BIOS and UEFI; El Torito and hybrid MBR/GPT)
 #   target.img        a small OS image for the tests to install: the live kernel and
-#                     initramfs on a disk that boots from BIOS (syslinux) and UEFI (GRUB at
+#                     initramfs on a disk that boots from BIOS (syslinux) and UEFI, Secure
+#                     Boot on or off (Debian's signed shim, GRUB and kernel at
 #                     EFI/BOOT/BOOTX64.EFI), whose FAT partition, labelled CONFIG-2,
 #                     carries its own config drive (DHCP, the key in test_id_ed25519.pub), so
 #                     that the installed OS answers SSH as "shepherd installed OS"
@@ -38,7 +39,7 @@ debian_build "$out" "live image" live.iso target.img target-stock.img
 
 root="$work/root"
 debian_bootstrap "$root" \
-    linux-image-amd64,openssh-server,openssh-sftp-server,busybox-static,jq,kmod,cpio,xz-utils \
+    linux-image-amd64,openssh-server,openssh-sftp-server,busybox-static,jq,kmod,cpio,xz-utils,shim-signed,grub-efi-amd64-signed \
     'mkdir -p "$1/etc/initramfs-tools/conf.d"; echo MODULES=list > "$1/etc/initramfs-tools/conf.d/modules"'
 kernel="$(ls "$root"/boot/vmlinuz-* | head -1)"
 kver="${kernel##*/vmlinuz-}"
@@ -133,7 +134,8 @@ chmod 755 "$initrd/init"
 cat > "$initrd/etc/shepherd/setup" <<'EOF'
 #!/bin/sh
 # Loads the drivers, finds this machine's config drive (an ISO 9660 volume or a FAT partition
-# labelled config-2; in the live environment only a whole device, its boot medium), and
+# labelled config-2; in the live environment only a whole device, its boot medium, and in the
+# installed OS only a partition), and
 # configures from it the network (OpenStack network_data.json: DHCP, or static addresses with
 # routes and DNS), the keys root accepts (meta_data.json public_keys) and the agent's settings
 # (meta_data.json meta, as SHEPHERD_* variables of SSH sessions).
@@ -167,6 +169,9 @@ for try in $(seq 1 30); do
         # virtual CD, or a USB disk holding the ISO). A local disk's config-2 partition (an
         # installed OS's, or one Ironic wrote) is never it, though its name may sort first.
         [ "$mode" = "live environment" ] && [ -e "/sys/class/block/$dev/partition" ] && continue
+        # The installed OS reads its own disk's, a partition, and never a CD's: a live image
+        # may still be inserted when a CD boot falls through to it.
+        [ "$mode" = "installed OS" ] && [ ! -e "/sys/class/block/$dev/partition" ] && continue
         case "$(label_of "/dev/$dev" | tr -d ' \000')" in
         *config-2*|*CONFIG-2*)
             for fs in iso9660 vfat; do
@@ -318,9 +323,11 @@ jq -n --arg key "$(cat "$out/test_id_ed25519.pub")" \
     '{uuid: "5e9e0000-0000-4000-8000-00000000face", hostname: "shepherd-installed", public_keys: {test: $key}}' \
     > "$work/meta_data.json"
 echo '{"links": [], "networks": [], "services": []}' > "$work/network_data.json"
-# The same for UEFI: a GRUB at the removable-media path the firmware looks for on any FAT
-# partition, which boots the same kernel from the partition it was loaded from ($cmdpath is
-# "(hd0,msdos1)/EFI/BOOT"), never from another disk's copy.
+# The same for UEFI, with Secure Boot on or off: Debian's signed boot chain at the
+# removable-media path the firmware looks for on any FAT partition. Its shim (signed by
+# Microsoft's UEFI CA) loads grubx64.efi beside it, Debian's signed GRUB, which reads
+# EFI/debian/grub.cfg from the partition it was loaded from and boots Debian's signed kernel
+# from there too ($cmdpath is "(hd0,msdos1)/EFI/BOOT"), never another disk's copy.
 cat > "$work/target-grub.cfg" <<GRUB
 set timeout=0
 regexp --set=1:root '^\(([^)]*)\)' "\$cmdpath"
@@ -330,9 +337,6 @@ boot
 GRUB
 touch -d "@$SOURCE_DATE_EPOCH" "$work/syslinux.cfg" "$work/meta_data.json" "$work/network_data.json" \
     "$work/target-grub.cfg"
-faketime "@$SOURCE_DATE_EPOCH" grub-mkstandalone -O x86_64-efi -o "$work/target-bootx64.efi" \
-    --modules="part_msdos fat regexp linux normal" \
-    --locales= --fonts= --themes= "boot/grub/grub.cfg=$work/target-grub.cfg"
 # target_image NAME LABEL [own]: $work/NAME, a disk image of one bootable FAT partition
 # labelled LABEL with the kernel, the initramfs and both boot loaders; with "own", the
 # partition is its own config drive too (openstack/latest/, the test key, DHCP).
@@ -342,8 +346,10 @@ target_image() {
     mcopy -m -i "$fat" "$kernel" ::vmlinuz
     mcopy -m -i "$fat" "$work/initrd.img" ::initrd.img
     mcopy -m -i "$fat" "$work/syslinux.cfg" ::syslinux.cfg
-    mmd -i "$fat" ::EFI ::EFI/BOOT
-    mcopy -m -i "$fat" "$work/target-bootx64.efi" ::EFI/BOOT/BOOTX64.EFI
+    mmd -i "$fat" ::EFI ::EFI/BOOT ::EFI/debian
+    mcopy -m -i "$fat" "$root/usr/lib/shim/shimx64.efi.signed" ::EFI/BOOT/BOOTX64.EFI
+    mcopy -m -i "$fat" "$root/usr/lib/grub/x86_64-efi-signed/grubx64.efi.signed" ::EFI/BOOT/grubx64.efi
+    mcopy -m -i "$fat" "$work/target-grub.cfg" ::EFI/debian/grub.cfg
     if [[ "${3:-}" = own ]]; then
         mmd -i "$fat" ::openstack ::openstack/latest
         mcopy -m -i "$fat" "$work/meta_data.json" ::openstack/latest/meta_data.json

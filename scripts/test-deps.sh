@@ -8,7 +8,8 @@
 # (SHEPHERD_IRONIC_VENV); QEMU and the tools that build the VM tests' guest
 # image, and the image itself (scripts/vm-image.sh, cached under ~/.cache/shepherd/vm);
 # libvirt (virtlogd and libvirtd, started here and stopped by `test-deps.sh stop-libvirt` when
-# this script started them) and Shepherd's live image (scripts/live-image.sh).
+# this script started them), Shepherd's live image (scripts/live-image.sh) and a stock cloud
+# image (scripts/cloud-image.sh).
 set -euo pipefail
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
@@ -244,6 +245,10 @@ ensure_live_image() {
   # (scripts/live-image.sh, cached under ~/.cache/shepherd/live).
   as_root env HOME="$HOME" SHEPHERD_LIVE_DIR="${SHEPHERD_LIVE_DIR:-$HOME/.cache/shepherd/live}" \
     "$(dirname "$0")/live-image.sh" | sed 's/^/test-deps: /'
+  # A stock cloud image with cloud-init and no key, for them to install too
+  # (scripts/cloud-image.sh, cached under ~/.cache/shepherd/cloud).
+  as_root env HOME="$HOME" SHEPHERD_CLOUD_DIR="${SHEPHERD_CLOUD_DIR:-$HOME/.cache/shepherd/cloud}" \
+    "$(dirname "$0")/cloud-image.sh" | sed 's/^/test-deps: /'
 }
 
 ensure_packaging() {

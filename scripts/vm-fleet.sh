@@ -77,7 +77,7 @@ bare_fleet() {
         uuid="$(cat /proc/sys/kernel/random/uuid)"
         ssh_port="$(free_port)"
         truncate -s 256M "$work/$name.img"
-        sed -e "s|@NAME@|$name|; s|@UUID@|$uuid|; s|@MEMORY_MIB@|512|; s|@DISK@|$work/$name.img|; s|@DISK_SERIAL@|$name|; s|@MORE_DISKS@||; s|@LOADER@||" \
+        sed -e "s|@NAME@|$name|; s|@UUID@|$uuid|; s|@MEMORY_MIB@|512|; s|@DISK@|$work/$name.img|; s|@DISK_SERIAL@|$name|; s|@MORE_DISKS@||; s|@LOADER@||; s|@FEATURES@||" \
             -e "s|@SERIAL@|$work/$name.serial|g; s|@MAC@|52:54:00:5e:02:$(printf %02x "$i")|" \
             -e "s|@NETDEV@|user,id=n0,restrict=on,hostfwd=tcp:127.0.0.1:$ssh_port-:22,guestfwd=tcp:10.0.2.100:4443-cmd:socat STDIO TCP:127.0.0.1:$server_port,guestfwd=tcp:10.0.2.101:80-cmd:socat STDIO TCP:127.0.0.1:$images_port|" \
             scripts/bare-domain.xml >"$work/$name.xml"

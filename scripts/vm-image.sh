@@ -22,8 +22,6 @@ set -euo pipefail
 out="${SHEPHERD_VM_DIR:-$HOME/.cache/shepherd/vm}"
 . "$(dirname "$0")/debian-build.sh"
 debian_build "$out" "guest image" guest.img
-# mke2fs stamps its superblocks and inodes with this time instead of the clock.
-export E2FSPROGS_FAKE_TIME="$SOURCE_DATE_EPOCH"
 
 [[ -f "$out/id_ed25519" ]] || ssh-keygen -q -t ed25519 -N '' -C shepherd-vm-tests -f "$out/id_ed25519"
 
@@ -49,31 +47,15 @@ install -d -m 700 "$root/root/.ssh"
 install -m 600 "$out/id_ed25519.pub" "$root/root/.ssh/authorized_keys"
 # A serial console, and no waiting for a network that user-mode networking answers at once.
 chroot "$root" systemctl mask systemd-networkd-wait-online.service >/dev/null 2>&1
-chroot "$root" update-initramfs -u -k all >/dev/null 2>&1
-rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
+boot_files "$root"
 
 say "making the disk"
-kernel="$(ls "$root"/boot/vmlinuz-* | head -1)"
-initrd="$(ls "$root"/boot/initrd.img-* | head -1)"
 boot_mib=64
 root_mib=1024
-mkfs.vfat -n BOOT -i 5e9e0001 --invariant -C "$work/boot.img" $((boot_mib * 1024)) >/dev/null
-printf 'DEFAULT linux\nPROMPT 0\nTIMEOUT 0\nLABEL linux\n  KERNEL vmlinuz\n  APPEND initrd=initrd.img root=/dev/vda2 rw console=ttyS0 net.ifnames=1 quiet\n' \
-    > "$work/syslinux.cfg"
-touch -d "@$SOURCE_DATE_EPOCH" "$work/syslinux.cfg"
-mcopy -m -i "$work/boot.img" "$kernel" ::vmlinuz
-mcopy -m -i "$work/boot.img" "$initrd" ::initrd.img
-mcopy -m -i "$work/boot.img" "$work/syslinux.cfg" ::syslinux.cfg
-faketime "@$SOURCE_DATE_EPOCH" syslinux --install "$work/boot.img"
-# Files made since the release (configuration, initramfs, logs) get its time, as packages do.
-find "$root" -newermt "@$SOURCE_DATE_EPOCH" -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} +
-mke2fs -q -t ext4 -L root -U 5e9e0000-0000-4000-8000-000000000002 \
-    -E hash_seed=5e9e0000-0000-4000-8000-000000000003 -d "$root" "$work/root.img" "${root_mib}M"
-# mke2fs copies each file's ctime, which only the clock sets, and its atime, which reading it
-# for the copy may have just set; give them the release's time too.
-(cd "$root" && find . -printf "sif \"/%P\" ctime @$SOURCE_DATE_EPOCH\nsif \"/%P\" atime @$SOURCE_DATE_EPOCH\n") \
-    > "$work/times"
-debugfs -w -f "$work/times" "$work/root.img" >/dev/null 2>&1
+syslinux_fat "$work/boot.img" "$boot_mib" 5e9e0001 "$kernel" "$initrd" \
+    "root=/dev/vda2 rw console=ttyS0 net.ifnames=1 quiet"
+ext4_root "$root" "$root_mib" 5e9e0000-0000-4000-8000-000000000002 \
+    5e9e0000-0000-4000-8000-000000000003 "$work/root.img"
 
 # A FAT-partitioned disk image of $2 MiB at $1 whose partition holds syslinux and the files
 # given as NAME=PATH, booting with kernel command line $3.
@@ -123,18 +105,7 @@ printf '#!ipxe\nkernel tftp://10.0.2.2/vmlinuz initrd=initrd.img root=/dev/vda2 
     > "$work/tftp/boot.ipxe"
 
 disk="$work/guest.img"
-start1=2048
-start2=$((start1 + boot_mib * 2048))
-truncate -s $(((start2 + root_mib * 2048) * 512)) "$disk"
-sfdisk --quiet "$disk" <<EOF
-label: dos
-label-id: 0x5e9e0001
-start=$start1, size=$((boot_mib * 2048)), type=c, bootable
-start=$start2, size=$((root_mib * 2048)), type=83
-EOF
-dd if=/usr/lib/syslinux/mbr/mbr.bin of="$disk" bs=440 count=1 conv=notrunc status=none
-dd if="$work/boot.img" of="$disk" bs=512 seek=$start1 conv=notrunc,sparse status=none
-dd if="$work/root.img" of="$disk" bs=512 seek=$start2 conv=notrunc,sparse status=none
+boot_and_root_disk "$disk" 0x5e9e0001 "$work/boot.img" "$boot_mib" "$work/root.img" "$root_mib"
 rm -rf "$out/tftp"
 mv "$work/tftp" "$out/tftp"
 mv "$work/installable.img" "$out/installable.img"

@@ -174,7 +174,13 @@ mod tests {
             .unwrap()
         };
         let keys = ["ssh-ed25519 AAAA shepherd".to_string()];
-        shepherd_provider::bare::installed_config_drive(uuid::Uuid::nil(), "r1", &keys, &entry)
+        shepherd_provider::bare::installed_config_drive(
+            uuid::Uuid::nil(),
+            "r1",
+            &keys,
+            "root",
+            &entry,
+        )
     }
 
     /// The live environment's NICs: MAC, name, the address it holds.

@@ -38,7 +38,7 @@ use shepherd_provider::bare::{config_drive, installed_config_drive, ConfigTooLar
 use shepherd_provider::metrics::register_at_zero;
 use shepherd_provider::redfish::{Bmc, BmcError};
 use shepherd_provider::settings::InvalidSetting;
-use shepherd_provider::virtual_media::BootTarget;
+use shepherd_provider::virtual_media::{BootMode, BootTarget};
 use shepherd_provider::{look_up, BarePlan, LookupFailed, ProviderError, Rebooter};
 use uuid::Uuid;
 
@@ -63,6 +63,9 @@ pub struct BareSettings {
     pub boot_wait: Duration,
     /// The SSH public keys the live environment lets in (Shepherd's), OpenSSH lines.
     pub public_keys: Vec<String>,
+    /// The user Shepherd logs in to machines as (`--ssh-user`): when it is root, the
+    /// installed OS's config drive asks cloud-init to let Shepherd's keys in as root.
+    pub ssh_user: String,
     /// The agent's settings in the live environment (`SHEPHERD_AGENT_*`).
     pub agent_env: Vec<(String, String)>,
 }
@@ -70,7 +73,7 @@ pub struct BareSettings {
 impl BareSettings {
     /// Settings for the media server at `media_url`, letting in `public_keys`: 2 h URLs,
     /// [`BareTimeouts::default`], three live boots, 1 min doubling to 30 min between them
-    /// (±10 %), and 30 s before the first takeover attempt after a boot.
+    /// (±10 %), 30 s before the first takeover attempt after a boot, and logging in as root.
     pub fn new(media_url: url::Url, public_keys: Vec<String>) -> Self {
         BareSettings {
             media_url,
@@ -81,6 +84,7 @@ impl BareSettings {
                 .with_jitter(0.1),
             boot_wait: Duration::from_secs(30),
             public_keys,
+            ssh_user: "root".to_string(),
             agent_env: Vec::new(),
         }
     }
@@ -430,9 +434,14 @@ impl<P: Rebooter> Step<'_, P> {
     }
 
     /// Powers the machine on after setting its boot from `target` (the CD once, the disk from
-    /// now on), unless it is on already
-    /// (which it is only because this step was done before: it was powered off first).
-    async fn start(&self, bmc: &Bmc, target: BootTarget) -> Result<String, BareError> {
+    /// now on) in boot mode `mode` (else the system's), unless it is on already (which it is
+    /// only because this step was done before: it was powered off first).
+    async fn start(
+        &self,
+        bmc: &Bmc,
+        target: BootTarget,
+        mode: Option<BootMode>,
+    ) -> Result<String, BareError> {
         let state = self.bmc("power on", bmc.power_state()).await?;
         if state.as_deref() == Some("On") {
             return Ok("it was on already: powered on before".into());
@@ -441,9 +450,9 @@ impl<P: Rebooter> Step<'_, P> {
             BootTarget::Cd => "boot once from the CD",
             BootTarget::Hdd => "boot from the disk from now on",
         };
-        self.bmc(boot, bmc.boot_from(target)).await?;
+        let mode = self.bmc(boot, bmc.boot_from(target, mode)).await?;
         let done = self.bmc("power on", bmc.power_on()).await?;
-        Ok(format!("powered on ({done})"))
+        Ok(format!("{mode}; powered on ({done})"))
     }
 }
 
@@ -453,14 +462,22 @@ impl<P: Rebooter + 'static> MachineTask for BareMetalLoop<P> {
 
     /// A lost lease is fenced; the BMDB failing, or the machine's phase moved by someone
     /// else, releases the machine; a provider that cannot be reached makes the worker wait;
-    /// a BMC's answer backs the machine off (configuration errors never get here: the
-    /// machine is failed with them).
+    /// a BMC's answer backs the machine off, as long as it asked (`Retry-After`) if it did
+    /// (configuration errors never get here: the machine is failed with them).
     fn error_policy(&self, error: &BareError) -> OnError {
         match error {
             BareError::LeaseLost { .. } => OnError::Fenced,
             BareError::Bmdb(e) if e.is_transient() => OnError::Cancel,
             BareError::Bmdb(shepherd_bmdb::Error::BarePhaseMoved { .. }) => OnError::Cancel,
             BareError::Lookup(l) if l.error.is_unavailable() => OnError::Wait,
+            BareError::Bmc {
+                error:
+                    BmcError::Status {
+                        retry_after: Some(wait),
+                        ..
+                    },
+                ..
+            } => OnError::Backoff(self.settings.backoff.as_asked(*wait)),
             _ => OnError::Backoff(self.settings.backoff),
         }
     }
@@ -774,7 +791,7 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
                 "its installed OS",
             ),
         };
-        let on = step.start(&plan.bmc, target).await?;
+        let on = step.start(&plan.bmc, target, plan.entry.boot_mode).await?;
         let detail = format!("{from}; {on}");
         step.enter(next, PhaseWrites::default(), detail).await?;
         let wait = self.settings.boot_wait;
@@ -831,7 +848,7 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
         let keys = &self.settings.public_keys;
         let hostname = &step.provided.provider_id;
         let config_drive: Vec<proto::ConfigDriveFile> =
-            installed_config_drive(step.machine, hostname, keys, entry)
+            installed_config_drive(step.machine, hostname, keys, &self.settings.ssh_user, entry)
                 .into_iter()
                 .map(|(path, content)| proto::ConfigDriveFile { path, content })
                 .collect();
@@ -860,7 +877,8 @@ impl<P: Rebooter + 'static> BareMetalLoop<P> {
         };
         let detail = format!(
             "its live environment was taken over; asked its agent (installation {generation}) to write {} (sha256 {}) onto {onto}, {drive}: {wipe}",
-            entry.image_url, entry.image_sha256
+            shepherd_disks::url_shown(&entry.image_url),
+            entry.image_sha256
         );
         Ok((
             OsInstallationRequest {

@@ -50,6 +50,35 @@ pub struct BareEntry {
     pub config_drive: bool,
     /// cloud-init user data for the installed OS (`#cloud-config …`), on its config drive.
     pub user_data: Option<String>,
+    /// The firmware boot mode every boot override asks for (`"UEFI"` or `"Legacy"`); left
+    /// out, the system's own.
+    pub boot_mode: Option<BootMode>,
+}
+
+/// A system's firmware boot mode (`BootSourceOverrideMode`), as an entry's `BootMode` names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub enum BootMode {
+    /// UEFI.
+    #[serde(rename = "UEFI")]
+    Uefi,
+    /// A BIOS, or UEFI's compatibility module.
+    Legacy,
+}
+
+impl BootMode {
+    /// Its name in Redfish.
+    pub fn redfish(self) -> &'static str {
+        match self {
+            BootMode::Uefi => "UEFI",
+            BootMode::Legacy => "Legacy",
+        }
+    }
+}
+
+impl std::fmt::Display for BootMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.redfish())
+    }
 }
 
 /// An entry that says nothing of `ConfigDrive` gets one.
@@ -81,8 +110,10 @@ impl BareEntry {
     pub fn validate(&self) -> Result<(), InvalidSetting> {
         let bad =
             |field: &str, problem: String| InvalidSetting::new(format!("Bare.{field}"), problem);
-        let url = url::Url::parse(&self.image_url)
-            .map_err(|e| bad("ImageURL", format!("{:?}: {e}", self.image_url)))?;
+        let url = url::Url::parse(&self.image_url).map_err(|e| {
+            let shown = shepherd_disks::url_shown(&self.image_url);
+            bad("ImageURL", format!("{shown:?}: {e}"))
+        })?;
         if !matches!(url.scheme(), "http" | "https") {
             return Err(bad("ImageURL", "must be http(s)".into()));
         }
@@ -254,6 +285,14 @@ pub fn config_drive(facts: &LiveFacts<'_>, entry: &BareEntry) -> Result<String, 
     Ok(serde_json::Value::Object(files).to_string())
 }
 
+/// The vendor data (`vendor_data.json`'s `cloud-init`) of an installed OS that Shepherd logs
+/// in to as root: a stock cloud image's cloud-init gives the config drive's keys to its
+/// default user (`debian`, `ubuntu`) and, with `disable_root` (Debian's and Ubuntu's
+/// default), refuses them for root. Vendor data is what the provider of a machine says; the
+/// entry's user data, which cloud-init merges over it, still has the last word.
+pub const ROOT_LOGIN_VENDOR_DATA: &str =
+    "#cloud-config\n# Shepherd logs in as root with the keys of meta_data.json.\ndisable_root: false\n";
+
 /// `public_keys` of `meta_data.json`: Shepherd's keys, each named.
 fn public_keys(keys: &[String]) -> serde_json::Map<String, serde_json::Value> {
     keys.iter()
@@ -266,11 +305,13 @@ fn public_keys(keys: &[String]) -> serde_json::Map<String, serde_json::Value> {
 /// to the installed disk, by path: `meta_data.json` with the machine's id and name and
 /// Shepherd's keys (and nothing of the live environment's: no agent settings, no proof),
 /// `network_data.json` when the entry names a static network (without it cloud-init asks
-/// DHCP), and the entry's `user_data`. None when the entry turns it off.
+/// DHCP), [`ROOT_LOGIN_VENDOR_DATA`] when Shepherd logs in as `user` root, and the entry's
+/// `user_data`. None when the entry turns it off.
 pub fn installed_config_drive(
     machine: uuid::Uuid,
     hostname: &str,
     keys: &[String],
+    user: &str,
     entry: &BareEntry,
 ) -> Vec<(String, Vec<u8>)> {
     if !entry.config_drive {
@@ -286,6 +327,10 @@ pub fn installed_config_drive(
     if entry.network.is_some() {
         let network = network_data(entry.network.as_ref()).to_string();
         files.push(("network_data.json", network.into_bytes()));
+    }
+    if user == "root" {
+        let vendor_data = serde_json::json!({ "cloud-init": ROOT_LOGIN_VENDOR_DATA });
+        files.push(("vendor_data.json", vendor_data.to_string().into_bytes()));
     }
     if let Some(user_data) = &entry.user_data {
         files.push(("user_data", user_data.clone().into_bytes()));
@@ -341,6 +386,7 @@ mod tests {
             network: None,
             config_drive: true,
             user_data: None,
+            boot_mode: None,
         }
     }
 
@@ -352,6 +398,21 @@ mod tests {
             dns: vec!["10.0.0.2".into()],
             mac: Some("52:54:00:AB:CD:01".into()),
         }
+    }
+
+    /// `BootMode` is UEFI or Legacy, as Redfish spells them; anything else is refused when
+    /// the inventory is read.
+    #[test]
+    fn a_boot_mode_is_uefi_or_legacy() {
+        let parse = |mode: &str| {
+            serde_json::from_value::<BareEntry>(serde_json::json!({
+                "ImageURL": "https://images.example/os.img", "ImageSHA256": "a".repeat(64),
+                "Disk": "/dev/vda", "BootMode": mode}))
+        };
+        assert_eq!(parse("UEFI").unwrap().boot_mode, Some(BootMode::Uefi));
+        assert_eq!(parse("Legacy").unwrap().boot_mode, Some(BootMode::Legacy));
+        let bios = parse("BIOS").unwrap_err().to_string();
+        assert!(bios.contains("expected `UEFI` or `Legacy`"), "{bios}");
     }
 
     #[test]
@@ -530,8 +591,9 @@ mod tests {
             user_data: Some("#cloud-config\npackages: [htop]\n".into()),
             ..entry()
         };
-        let files = installed_config_drive(id, "r1-u07", &keys, &entry);
+        let files = installed_config_drive(id, "r1-u07", &keys, "root", &entry);
         let read = crate::testing::cloud_init::read(&files, &[("52:54:00:ab:cd:01", "enp1s0")]);
+        assert_eq!(read["vendor_data"], ROOT_LOGIN_VENDOR_DATA, "{read}");
         assert_eq!(read["instance_id"], id.to_string(), "{read}");
         assert_eq!(read["hostname"], "r1-u07", "{read}");
         assert_eq!(read["public_keys"], serde_json::json!(keys), "{read}");
@@ -564,7 +626,7 @@ mod tests {
         let keys = vec!["ssh-ed25519 AAAA shepherd".to_string()];
         let id = uuid::Uuid::from_u128(7);
         let files = |e: &BareEntry| -> Vec<(String, serde_json::Value)> {
-            installed_config_drive(id, "r1-u07", &keys, e)
+            installed_config_drive(id, "r1-u07", &keys, "debian", e)
                 .into_iter()
                 .map(|(path, bytes)| {
                     let text = String::from_utf8(bytes).unwrap();

@@ -6,6 +6,7 @@
 
 use serde::Deserialize;
 
+pub use crate::bare::BootMode;
 use crate::redfish::{Bmc, BmcError, Collection, OdataId, System};
 
 /// A system's virtual CD and what is in it.
@@ -61,6 +62,43 @@ pub enum BootTarget {
     /// cycles and a power failure's included, starts the installed OS, whatever the
     /// firmware's own order (often the network first, or the CD drive).
     Hdd,
+}
+
+/// What a system's `Boot` shows of its boot mode.
+#[derive(Deserialize, Default)]
+struct BootShown {
+    #[serde(rename = "BootSourceOverrideMode")]
+    mode: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct SystemBoot {
+    #[serde(rename = "Boot", default)]
+    boot: BootShown,
+}
+
+/// The `BootSourceOverrideMode` to send, if any, for a boot in mode `wanted` (the entry's)
+/// on a system that shows mode `shown`, and the history's words for the mode. The mode is
+/// written only when it changes what the system shows, as Ironic's `sync_boot_mode` does:
+/// some BMCs rebuild the firmware's setup on every write of it (sushy-tools' libvirt driver
+/// replaces the loader and its variables, Secure Boot's keys among them), and one that shows
+/// no mode may not take the property at all.
+fn boot_mode_to_send(wanted: Option<BootMode>, shown: Option<&str>) -> (Option<BootMode>, String) {
+    match (wanted, shown) {
+        (Some(want), Some(now)) if now == want.redfish() => {
+            (None, format!("in {want} mode, as the system is"))
+        }
+        (Some(want), Some(now)) => (Some(want), format!("in {want} mode, changed from {now}")),
+        (Some(want), None) => (
+            Some(want),
+            format!("in {want} mode (the BMC showed no mode)"),
+        ),
+        (None, Some(now)) => (None, format!("in the system's {now} mode")),
+        (None, None) => (
+            None,
+            "in the firmware's own mode (the BMC shows none)".to_string(),
+        ),
+    }
 }
 
 impl BootTarget {
@@ -231,16 +269,28 @@ impl Bmc {
         })
     }
 
-    /// Has the system boot from `target`: the CD at its next boot only, the disk from now on.
-    pub async fn boot_from(&self, target: BootTarget) -> Result<(), BmcError> {
+    /// Has the system boot from `target`: the CD at its next boot only, the disk from now on;
+    /// in boot mode `mode` (the entry's) when it names one, else in the system's. Returns the
+    /// mode as the history says it.
+    pub async fn boot_from(
+        &self,
+        target: BootTarget,
+        mode: Option<BootMode>,
+    ) -> Result<String, BmcError> {
         let system = self.system_path().await?;
-        let body = serde_json::json!({ "Boot": {
+        let shown: SystemBoot = self.get(&system).await?;
+        let (send, said) = boot_mode_to_send(mode, shown.boot.mode.as_deref());
+        let mut boot = serde_json::json!({
             "BootSourceOverrideTarget": target.redfish(),
             "BootSourceOverrideEnabled": target.enabled(),
-        }});
+        });
+        if let Some(mode) = send {
+            boot["BootSourceOverrideMode"] = mode.redfish().into();
+        }
+        let body = serde_json::json!({ "Boot": boot });
         self.request(reqwest::Method::PATCH, &system, Some(body))
-            .await
-            .map(drop)
+            .await?;
+        Ok(said)
     }
 
     /// Starts the system: powers it on if it is off (and waits until it reports On), else

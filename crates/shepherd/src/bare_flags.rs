@@ -115,11 +115,13 @@ impl BareArgs {
 
     /// Checks the settings and opens what they name (the live image, the TLS files, the
     /// listener), when the inventory has a bare entry (`needed`) or the settings are given;
-    /// `None` when neither. `public_key` is what the live environment lets in.
+    /// `None` when neither. `public_key` is what the live environment lets in; `ssh_user`, whom
+    /// Shepherd logs in as.
     pub async fn prepare(
         &self,
         needed: bool,
         public_key: Option<String>,
+        ssh_user: &str,
         db: &Bmdb,
         registry: &mut Registry,
     ) -> Result<Option<Bare>> {
@@ -161,6 +163,7 @@ impl BareArgs {
         )
         .with_jitter(0.1);
         settings.agent_env = self.bare_agent_env.clone();
+        settings.ssh_user = ssh_user.to_string();
         settings.validate()?;
         let image = Arc::new(LiveImage::open(image).context("bare-live-image")?);
         let tls = shepherd_server::load_https_config(cert, key).context("bare-media-cert")?;

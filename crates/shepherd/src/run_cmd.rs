@@ -271,7 +271,13 @@ pub async fn run(database: &str, args: RunArgs) -> Result<()> {
         let needed = provider.has_bare().await;
         bare = args
             .bare
-            .prepare(needed, public_key.clone(), &db, registry)
+            .prepare(
+                needed,
+                public_key.clone(),
+                &args.ssh.ssh_user,
+                &db,
+                registry,
+            )
             .await?;
         if bare.is_some() {
             crate::bare_flags::probe_new_bmcs(provider, &db).await?;

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
@@ -46,6 +47,13 @@ struct Knobs {
     /// It answers an insert with success, and its CD never shows the image (it could not
     /// fetch it).
     insert_not_shown: bool,
+    /// The boot mode its system shows at the start (`BootSourceOverrideMode`); none, if
+    /// `None`.
+    shows_mode: Option<&'static str>,
+    /// The inventory entry's `BootMode`.
+    entry_boot_mode: Option<&'static str>,
+    /// The `Retry-After` its scripted failures carry, in seconds.
+    retry_after: Option<u64>,
 }
 
 /// The scripted BMC's system: power, virtual CD, boot override, what it booted from, and a
@@ -58,6 +66,8 @@ struct Bmc {
     /// the next boot (`Once`).
     boot: Option<String>,
     boot_lasts: bool,
+    /// The boot mode it shows.
+    mode: Option<String>,
     booted_from: Option<&'static str>,
     log: Vec<String>,
     knobs: Knobs,
@@ -92,15 +102,16 @@ impl Bmc {
 }
 
 /// Carries out `action` unless it is scripted to fail; then hangs if it is scripted to.
-async fn act(
-    bmc: &Shared,
-    action: &'static str,
-    apply: impl FnOnce(&mut Bmc),
-) -> (StatusCode, String) {
+async fn act(bmc: &Shared, action: &'static str, apply: impl FnOnce(&mut Bmc)) -> Response {
     let hang = {
         let mut b = bmc.lock().unwrap();
         if let Some(failure) = b.failure(action) {
-            return failure;
+            return match b.knobs.retry_after {
+                Some(wait) => {
+                    (failure.0, [("Retry-After", wait.to_string())], failure.1).into_response()
+                }
+                None => failure.into_response(),
+            };
         }
         apply(&mut b);
         let done = b.log.iter().filter(|l| l.starts_with(action)).count();
@@ -109,7 +120,7 @@ async fn act(
     if hang {
         std::future::pending::<()>().await;
     }
-    (StatusCode::NO_CONTENT, String::new())
+    StatusCode::NO_CONTENT.into_response()
 }
 
 async fn system(State(bmc): State<Shared>) -> (StatusCode, Json<Value>) {
@@ -126,6 +137,9 @@ async fn system(State(bmc): State<Shared>) -> (StatusCode, Json<Value>) {
     });
     if !b.knobs.no_virtual_media {
         system["VirtualMedia"] = json!({ "@odata.id": format!("{SYSTEM}/VirtualMedia") });
+    }
+    if let Some(mode) = &b.mode {
+        system["Boot"] = json!({ "BootSourceOverrideMode": mode });
     }
     (StatusCode::OK, Json(system))
 }
@@ -151,7 +165,7 @@ async fn cd(State(bmc): State<Shared>) -> Json<Value> {
     Json(cd)
 }
 
-async fn insert(State(bmc): State<Shared>, Json(body): Json<Value>) -> (StatusCode, String) {
+async fn insert(State(bmc): State<Shared>, Json(body): Json<Value>) -> Response {
     let url = body["Image"].as_str().unwrap_or_default().to_string();
     act(&bmc, "insert", |b| {
         b.log.push("insert".into());
@@ -162,7 +176,7 @@ async fn insert(State(bmc): State<Shared>, Json(body): Json<Value>) -> (StatusCo
     .await
 }
 
-async fn eject(State(bmc): State<Shared>) -> (StatusCode, String) {
+async fn eject(State(bmc): State<Shared>) -> Response {
     act(&bmc, "eject", |b| {
         b.log.push("eject".into());
         b.image = None;
@@ -170,21 +184,28 @@ async fn eject(State(bmc): State<Shared>) -> (StatusCode, String) {
     .await
 }
 
-async fn patch(State(bmc): State<Shared>, Json(body): Json<Value>) -> (StatusCode, String) {
+async fn patch(State(bmc): State<Shared>, Json(body): Json<Value>) -> Response {
     let target = body["Boot"]["BootSourceOverrideTarget"]
         .as_str()
         .unwrap_or_default()
         .to_string();
     let lasts = body["Boot"]["BootSourceOverrideEnabled"] == "Continuous";
+    let mode = body["Boot"]["BootSourceOverrideMode"]
+        .as_str()
+        .map(String::from);
     act(&bmc, "boot", |b| {
-        b.log.push(format!("boot {target}"));
+        match &mode {
+            Some(mode) => b.log.push(format!("boot {target} in {mode}")),
+            None => b.log.push(format!("boot {target}")),
+        }
         b.boot = Some(target);
         b.boot_lasts = lasts;
+        b.mode = mode.or(b.mode.take());
     })
     .await
 }
 
-async fn reset(State(bmc): State<Shared>, Json(body): Json<Value>) -> (StatusCode, String) {
+async fn reset(State(bmc): State<Shared>, Json(body): Json<Value>) -> Response {
     let reset = body["ResetType"].as_str().unwrap_or_default().to_string();
     act(&bmc, "power", |b| {
         b.log.push(format!("power {reset}"));
@@ -203,6 +224,7 @@ async fn reset(State(bmc): State<Shared>, Json(body): Json<Value>) -> (StatusCod
 async fn start_bmc(knobs: Knobs) -> (String, Shared) {
     let bmc: Shared = Arc::new(Mutex::new(Bmc {
         image: knobs.stale_image.map(String::from),
+        mode: knobs.shows_mode.map(String::from),
         knobs,
         ..Bmc::default()
     }));
@@ -303,14 +325,18 @@ const CHOSEN_DISK: &str = r#"{"serial":"s== S3YJNX0K","wwn":"s== 0x5002538e40a1b
 async fn site(knobs: Knobs) -> Site {
     let t = testing::sqlite().await;
     let dir = tempfile::tempdir().unwrap();
+    let boot_mode = knobs.entry_boot_mode;
     let (url, bmc) = start_bmc(knobs).await;
     let password = dir.path().join("bmc-password");
     std::fs::write(&password, "x\n").unwrap();
     let inventory = dir.path().join("inventory.json");
-    let entry = json!([{"ID": "r1-u01", "Addr": "127.0.0.1:9",
+    let mut entry = json!([{"ID": "r1-u01", "Addr": "127.0.0.1:9",
         "BMC": {"URL": url, "System": SYSTEM, "Username": "admin", "PasswordFile": password},
         "Bare": {"ImageURL": "https://images.test/os.img", "ImageSHA256": "a".repeat(64),
             "Disk": {"serial": "S3YJNX0K", "size": ">= 100"}, "Format": "zstd"}}]);
+    if let Some(mode) = boot_mode {
+        entry[0]["Bare"]["BootMode"] = mode.into();
+    }
     std::fs::write(&inventory, entry.to_string()).unwrap();
     let url = format!("file://{}", inventory.display());
     let provider = StaticProvider::new(&url, ProviderKind::Static)
@@ -668,18 +694,86 @@ async fn a_bare_machine_goes_its_way_and_each_bmc_step_is_taken_once() {
         ),
         ("", json!({"serial": "S3YJNX0K", "size": ">= 100"}), "zstd")
     );
-    // The installed OS's config drive: the machine's id and Shepherd's key, nothing else
-    // (the entry names no network and no user data).
-    let [meta] = request.config_drive.as_slice() else {
+    // The installed OS's config drive: the machine's id and Shepherd's key, and the vendor
+    // data that lets the key in as root (Shepherd logs in as root); nothing else (the entry
+    // names no network and no user data).
+    let [meta, vendor] = request.config_drive.as_slice() else {
         panic!("{:?}", request.config_drive)
     };
     assert_eq!(meta.path, "openstack/latest/meta_data.json");
+    assert_eq!(vendor.path, "openstack/latest/vendor_data.json");
+    let vendor: serde_json::Value = serde_json::from_slice(&vendor.content).unwrap();
+    assert_eq!(
+        vendor["cloud-init"],
+        shepherd_provider::bare::ROOT_LOGIN_VENDOR_DATA
+    );
     let meta: serde_json::Value = serde_json::from_slice(&meta.content).unwrap();
     assert_eq!(meta["uuid"], s.machine.to_string());
     assert_eq!(
         meta["public_keys"]["shepherd-0"],
         "ssh-ed25519 AAAA shepherd"
     );
+}
+
+/// Each boot asks for the entry's boot mode where that changes what the system shows, and
+/// only there (a write of the mode rebuilds some BMCs' firmware setup); without one, the
+/// system's mode stays. The history says the mode of each boot.
+#[tokio::test]
+async fn the_entrys_boot_mode_is_written_only_where_the_system_shows_another() {
+    let cases = [
+        (
+            Some("UEFI"),
+            Some("Legacy"),
+            ["boot Cd in Legacy", "boot Hdd"],
+            [
+                "in Legacy mode, changed from UEFI",
+                "in Legacy mode, as the system is",
+            ],
+        ),
+        (
+            Some("UEFI"),
+            None,
+            ["boot Cd", "boot Hdd"],
+            ["in the system's UEFI mode", "in the system's UEFI mode"],
+        ),
+        (
+            None,
+            Some("UEFI"),
+            ["boot Cd in UEFI", "boot Hdd"],
+            [
+                "in UEFI mode (the BMC showed no mode)",
+                "in UEFI mode, as the system is",
+            ],
+        ),
+        (
+            None,
+            None,
+            ["boot Cd", "boot Hdd"],
+            [
+                "in the firmware's own mode (the BMC shows none)",
+                "in the firmware's own mode (the BMC shows none)",
+            ],
+        ),
+    ];
+    for (shows_mode, entry_boot_mode, sent, said) in cases {
+        let knobs = Knobs {
+            shows_mode,
+            entry_boot_mode,
+            ..Knobs::default()
+        };
+        let s = site(knobs).await;
+        let steps = s.run_until(WORKING, Duration::from_secs(30), Done).await;
+        let boots: Vec<String> = s
+            .log()
+            .into_iter()
+            .filter(|l| l.starts_with("boot"))
+            .collect();
+        assert_eq!(boots, sent, "{shows_mode:?} {entry_boot_mode:?}");
+        for (phase, words) in [LiveBoot, DiskBoot].into_iter().zip(said) {
+            let step = steps.iter().find(|s| s.phase == phase).unwrap();
+            assert!(step.detail.contains(words), "{words}: {}", step.detail);
+        }
+    }
 }
 
 /// A machine that is installed and heartbeats is left alone by the loop however long it runs;
@@ -1113,6 +1207,36 @@ async fn a_bmc_that_fails_or_hangs_backs_its_machine_off_with_its_answer() {
         cause.contains("power on") && cause.contains("timed out"),
         "{cause}"
     );
+}
+
+/// A BMC that answers 503 with `Retry-After` is left alone that long, not the loop's own
+/// backoff (one second here), and the machine is not failed.
+#[tokio::test]
+async fn a_bmc_that_asks_to_be_left_alone_is_left_alone_as_long_as_it_asked() {
+    let knobs = Knobs {
+        fail: vec![("insert", 503, "busy updating its firmware")],
+        retry_after: Some(120),
+        ..Knobs::default()
+    };
+    let s = site(knobs).await;
+    let (stop, _) = s.replica(settings(Duration::from_secs(30)));
+    let cause = s.first_failure().await;
+    stop.cancel();
+    assert!(
+        cause.contains("503") && cause.contains("busy updating"),
+        "{cause}"
+    );
+    let m = s.machine;
+    let backoffs =
+        s.t.db
+            .read(move |tx| Box::pin(async move { tx.machine_backoffs(m).await }));
+    let backoffs = backoffs.await.unwrap();
+    let waits: Vec<(Process, i64)> = backoffs
+        .iter()
+        .map(|b| (b.process, b.last_interval_seconds))
+        .collect();
+    assert_eq!(waits, [(Process::ShepherdBareMetal, 120)], "{backoffs:?}");
+    assert_eq!(s.phase().await, Some(Inserting), "not failed");
 }
 
 /// A replica is stopped at each BMC step, right after the BMC carried it out and before it

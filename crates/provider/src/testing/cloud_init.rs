@@ -5,7 +5,7 @@
 
 /// cloud-init's reading of the config drive `files` (paths under `openstack/latest/`, as
 /// [`crate::bare::installed_config_drive`] gives them) on a machine whose NICs are `nics`
-/// (MAC, name): `instance_id`, `hostname`, `public_keys`, `user_data`, and `network` (its
+/// (MAC, name): `instance_id`, `hostname`, `public_keys`, `user_data`, `vendor_data`, and `network` (its
 /// network config) or `network_error` (what it refused).
 pub fn read(files: &[(String, Vec<u8>)], nics: &[(&str, &str)]) -> serde_json::Value {
     let dir = tempfile::tempdir().unwrap();

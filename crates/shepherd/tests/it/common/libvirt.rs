@@ -37,14 +37,57 @@ pub struct DomainSpec {
     /// The size of a second blank disk, if it has one: a SCSI disk (`/dev/sda` in the guest,
     /// behind virtio-scsi), named before the virtual CD (`/dev/sr0`) as a server's disks are.
     pub second_disk_bytes: Option<u64>,
-    /// Whether it boots by UEFI (Debian's OVMF, Secure Boot off) rather than a BIOS.
-    pub uefi: bool,
+    /// What it boots by.
+    pub firmware: Firmware,
     /// Memory in MiB.
     pub memory_mib: u32,
     /// The loopback port of `shepherd server`, forwarded to [`SERVER_IN_GUEST`].
     pub server_port: u16,
     /// The loopback port of the test's image server, forwarded to [`IMAGES_IN_GUEST`].
     pub images_port: u16,
+}
+
+/// What a domain boots by.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Firmware {
+    /// SeaBIOS.
+    Bios,
+    /// Debian's OVMF, Secure Boot off.
+    Uefi,
+    /// Debian's OVMF with Secure Boot on and Microsoft's keys enrolled, as a server ships:
+    /// it starts only loaders signed by Microsoft's UEFI CA (Debian's shim is), and tries the
+    /// next boot option when one is refused.
+    SecureBoot,
+}
+
+impl Firmware {
+    /// The domain's `<loader>` and `<nvram>` (OVMF keeps its variables, boot entries among
+    /// them, in a copy of its template at `vars`), and the features it needs.
+    fn loader_and_features(self, vars: &Path) -> (String, &'static str) {
+        let ovmf = |code: &str, secure: &str, template: &str| {
+            format!(
+                "<loader readonly='yes' secure='{secure}' type='pflash'>/usr/share/OVMF/{code}</loader>\
+                 <nvram template='/usr/share/OVMF/{template}'>{}</nvram>",
+                vars.display()
+            )
+        };
+        match self {
+            Firmware::Bios => (String::new(), ""),
+            Firmware::Uefi => (ovmf("OVMF_CODE_4M.fd", "no", "OVMF_VARS_4M.fd"), ""),
+            Firmware::SecureBoot => (
+                ovmf("OVMF_CODE_4M.secboot.fd", "yes", "OVMF_VARS_4M.ms.fd"),
+                "<smm state='on'/>",
+            ),
+        }
+    }
+
+    /// How the installed test OS names it on its console (`booted by …`).
+    pub fn shown(self) -> &'static str {
+        match self {
+            Firmware::Bios => "BIOS",
+            Firmware::Uefi | Firmware::SecureBoot => "UEFI",
+        }
+    }
 }
 
 /// A defined (not started) domain with a blank disk and an empty SATA bus for virtual media;
@@ -67,8 +110,8 @@ pub struct Domain {
     pub ssh_port: u16,
     /// Its NIC's MAC address.
     pub mac: String,
-    /// Whether it boots by UEFI: it then has an NVRAM file to undefine with it.
-    pub uefi: bool,
+    /// What it boots by: by UEFI, it has an NVRAM file to undefine with it.
+    pub firmware: Firmware,
 }
 
 impl Domain {
@@ -108,15 +151,9 @@ impl Domain {
              guestfwd=tcp:{IMAGES_IN_GUEST}-cmd:socat STDIO TCP:127.0.0.1:{}",
             spec.server_port, spec.images_port
         );
-        // OVMF keeps its variables (boot entries among them) in a copy of its template.
-        let loader = match spec.uefi {
-            true => format!(
-                "<loader readonly='yes' type='pflash'>/usr/share/OVMF/OVMF_CODE_4M.fd</loader>\
-                 <nvram template='/usr/share/OVMF/OVMF_VARS_4M.fd'>{}</nvram>",
-                dir.join(format!("{name}_VARS.fd")).display()
-            ),
-            false => String::new(),
-        };
+        let (loader, features) = spec
+            .firmware
+            .loader_and_features(&dir.join(format!("{name}_VARS.fd")));
         let template = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/bare-domain.xml");
         let xml = std::fs::read_to_string(template)
             .unwrap()
@@ -127,6 +164,7 @@ impl Domain {
             .replace("@DISK_SERIAL@", &disk_serial)
             .replace("@MORE_DISKS@", &more_disks)
             .replace("@LOADER@", &loader)
+            .replace("@FEATURES@", features)
             .replace("@SERIAL@", &serial.display().to_string())
             .replace("@NETDEV@", &netdev)
             .replace("@MAC@", &mac);
@@ -142,7 +180,7 @@ impl Domain {
             serial,
             ssh_port,
             mac,
-            uefi: spec.uefi,
+            firmware: spec.firmware,
         }
     }
 
@@ -173,9 +211,9 @@ impl Drop for Domain {
             let _ = Command::new("virsh").args(["-c", URI]).args(args).output();
         };
         quiet(&["destroy", &self.name]);
-        match self.uefi {
-            true => quiet(&["undefine", "--nvram", &self.name]),
-            false => quiet(&["undefine", &self.name]),
+        match self.firmware {
+            Firmware::Bios => quiet(&["undefine", &self.name]),
+            Firmware::Uefi | Firmware::SecureBoot => quiet(&["undefine", "--nvram", &self.name]),
         }
         // sushy-tools names each image it puts into the pool after the domain's UUID.
         if let Ok(out) = Command::new("virsh")

@@ -18,7 +18,14 @@
 //! The second domain has two disks, and its entry names the
 //! one to install onto by root device hints (its serial); the other, a SCSI disk the kernel
 //! names before the virtual CD, holds an installed OS's config drive: the live environment
-//! reads the CD's all the same, and that disk is untouched. With `SHEPHERD_BARE_FIGURES` set, no replica is killed, and
+//! reads the CD's all the same, and that disk is untouched. A domain with Secure Boot on, being
+//! reimaged (its disk holds an installed OS that lets Shepherd in, and its entry allows a
+//! wipe), refuses the live image's unsigned loader and boots its disk instead: the OS that
+//! answers is asked nothing, and after two live boots the machine fails with that cause, its
+//! disk as it was. A last domain installs a Debian cloud image as distributions build theirs
+//! (`scripts/cloud-image.sh`: cloud-init, no key, no network), with a static address in its
+//! entry: cloud-init takes the config drive the agent added, and the machine heartbeats from
+//! it at that address, Shepherd logged in as root. With `SHEPHERD_BARE_FIGURES` set, no replica is killed, and
 //! the run's figures are printed as `key = value` lines (`scripts/bare-figures.sh` writes them
 //! to bench/results/baremetal.md).
 
@@ -30,7 +37,7 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use common::libvirt::{Domain, DomainSpec};
+use common::libvirt::{Domain, DomainSpec, Firmware};
 use common::sushy::{start_libvirt_emulator, CertForm};
 use common::vm::{run_for_guests, serve_files, server_for_guests, Built, Served, IMAGES_IN_GUEST};
 use common::{announced_all, free_port, ChildGuard};
@@ -47,8 +54,17 @@ const AMBIGUOUS: u8 = PARTITIONED + 1;
 const NO_SUCH_DISK: u8 = AMBIGUOUS + 1;
 /// The index of the domain whose entry's hints match none of its disks.
 const NO_MATCH: u8 = NO_SUCH_DISK + 1;
+/// The index of the domain with Secure Boot on whose disk holds an installed OS that lets
+/// Shepherd in: its firmware refuses the live image's unsigned loader and boots the disk.
+const FELL_THROUGH: u8 = NO_MATCH + 1;
+/// The index of the domain that installs the stock cloud image (cloud-init, no key) with a
+/// static network.
+const CLOUD: u8 = FELL_THROUGH + 1;
 /// The domains.
-const DOMAINS: u8 = NO_MATCH;
+const DOMAINS: u8 = CLOUD;
+/// The static address the cloud image's entry gives it: QEMU's user network forwards SSH to
+/// this address.
+const CLOUD_ADDRESS: &str = "10.0.2.15/24";
 /// The index of the domain whose image (xz) its server stops serving halfway through its
 /// first download, and refuses the two requests after.
 const INTERRUPTED: u8 = 3;
@@ -61,12 +77,14 @@ const WIPED: u8 = 1;
 
 /// What `scripts/live-image.sh` built: the live image, the OS images the tests install (with
 /// a config drive of its own, and one as a stock cloud image is, without), and the key the
-/// first lets in (copied with mode 0400, as `shepherd run` wants it).
+/// first lets in (copied with mode 0400, as `shepherd run` wants it); and the Debian cloud
+/// image of `scripts/cloud-image.sh`.
 struct LiveBuild {
     iso: PathBuf,
     target: PathBuf,
     stock: PathBuf,
     key: PathBuf,
+    cloud: PathBuf,
 }
 
 impl LiveBuild {
@@ -77,6 +95,13 @@ impl LiveBuild {
             target: built.path("target.img"),
             stock: built.path("target-stock.img"),
             key: built.private_key("test_id_ed25519", &dir.join("id_ed25519")),
+            cloud: Built::locate(
+                "SHEPHERD_CLOUD_DIR",
+                "cloud",
+                "cloud.img",
+                "the cloud image",
+            )
+            .path("cloud.img"),
         }
     }
 }
@@ -173,8 +198,9 @@ fn replica(
             .args(["--bare-boot-wait", "10s", "--bare-db-rate", "200ms,4"])
             // The interrupted machine's image server is back at once: a short backoff.
             .args(["--bare-retry-wait", "5s"])
-            .args(["--bare-live-boot-timeout=6m", "--bare-install-timeout=6m"])
-            .args(["--bare-disk-boot-timeout=6m"])
+            // The cloud image is a few hundred MiB, written by an emulated CPU.
+            .args(["--bare-live-boot-timeout=6m", "--bare-install-timeout=12m"])
+            .args(["--bare-disk-boot-timeout=6m", "--bare-live-boot-attempts=2"])
             .args(["--bare-agent-env", "SHEPHERD_AGENT_HEARTBEAT_INTERVAL=2s"])
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(log).unwrap())
@@ -254,6 +280,7 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
         (WIPED, Form::qcow2(&build.stock, dir.path(), "/stock.qcow2")),
         (HINTED, Form::zstd(&build.target, "/target.img.zst")),
         (INTERRUPTED, Form::xz(&build.target, "/target.img.xz")),
+        (CLOUD, Form::zstd(&build.cloud, "/cloud.img.zst")),
     ]
     .into_iter()
     .collect();
@@ -277,11 +304,19 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
                 dir.path(),
                 &DomainSpec {
                     index,
-                    disk_bytes: 256 << 20,
+                    disk_bytes: match index {
+                        CLOUD => 768 << 20,
+                        _ => 256 << 20,
+                    },
                     // The second machine has a second disk, which its hints leave out.
                     second_disk_bytes: matches!(index, HINTED | AMBIGUOUS).then_some(64 << 20),
-                    // The wiped machine boots by UEFI, the others from a BIOS.
-                    uefi: index == WIPED,
+                    // The wiped machine boots by UEFI, the one the boot falls through on by
+                    // UEFI with Secure Boot on, the others from a BIOS.
+                    firmware: match index {
+                        WIPED => Firmware::Uefi,
+                        FELL_THROUGH => Firmware::SecureBoot,
+                        _ => Firmware::Bios,
+                    },
                     memory_mib: 512,
                     server_port,
                     images_port,
@@ -304,6 +339,17 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
         f.write_all(&os_image).unwrap();
     }
     let other_disk_sha256 = sha256_hex(&std::fs::read(other_disk).unwrap());
+    // The machine being reimaged holds an installed OS (the test OS image, which boots with
+    // Secure Boot on and lets Shepherd in), and its entry allows the wipe a reimage needs.
+    let fell_through = &domains[usize::from(FELL_THROUGH) - 1];
+    std::fs::write(&fell_through.disk, &os_image).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&fell_through.disk)
+        .unwrap()
+        .set_len(256 << 20)
+        .unwrap();
+    let fell_through_disks = as_they_are(&[&fell_through.disk]);
     let partitioned = &domains[usize::from(PARTITIONED) - 1];
     write_partition_table(&partitioned.disk);
     let wiped = &domains[usize::from(WIPED) - 1];
@@ -345,12 +391,17 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
                 ),
             };
             let images = IMAGES_IN_GUEST.trim_end_matches(":80");
+            let mut bare = serde_json::json!({"ImageURL": format!("http://{images}{route}"),
+                "ImageSHA256": sha256, "Disk": disk,
+                "Wipe": d.name == wiped.name || d.name == fell_through.name});
+            if index == CLOUD {
+                bare["Network"] = serde_json::json!({"Address": CLOUD_ADDRESS,
+                    "Gateway": "10.0.2.2", "DNS": ["10.0.2.3"], "MAC": d.mac});
+            }
             serde_json::json!({"ID": d.name, "Addr": d.ssh_addr(), "Location": "libvirt",
                 "BMC": {"URL": bmc.url, "Username": "admin", "PasswordFile": bmc.password_file,
                         "CA": bmc.ca, "System": format!("/redfish/v1/Systems/{}", d.uuid)},
-                "Bare": {"ImageURL": format!("http://{images}{route}"),
-                         "ImageSHA256": sha256, "Disk": disk,
-                         "Wipe": d.name == wiped.name}})
+                "Bare": bare})
         })
         .collect();
     std::fs::write(&inventory, serde_json::to_string(&entries).unwrap()).unwrap();
@@ -403,25 +454,30 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
         drop(a.take());
     }
 
-    // Both reach heartbeating from their installed OS, and the other two fail; the
+    let cloud = &domains[usize::from(CLOUD) - 1];
+    let installed: Vec<&Domain> = domains[..usize::from(MACHINES)]
+        .iter()
+        .chain([cloud])
+        .collect();
+    // Four reach heartbeating from their installed OS, and the other five fail; the
     // first heartbeat of each after its disk boot is noted as it comes.
     let mut heartbeat_at: BTreeMap<Uuid, f64> = BTreeMap::new();
     testing::eventually_every(
-        "three machines to heartbeat from their installed OS, and the other four to fail",
-        Duration::from_secs(900),
+        "four machines to heartbeat from their installed OS, and the other five to fail",
+        Duration::from_secs(1500),
         Duration::from_millis(250),
         async || {
             let mut done = 0;
             let mut seen = vec![];
             let mut refused = true;
-            for d in [partitioned, ambiguous, no_such_disk, no_match] {
+            for d in [partitioned, ambiguous, no_such_disk, no_match, fell_through] {
                 let failed = match machine_of(&db, d).await {
                     Some(m) => state(&db, m).await.0 == Some(BarePhase::Failed),
                     None => false,
                 };
                 refused &= failed;
             }
-            for d in &domains[..usize::from(MACHINES)] {
+            for d in installed.iter().copied() {
                 let Some(m) = machine_of(&db, d).await else {
                     continue;
                 };
@@ -434,7 +490,7 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
                 assert_ne!(phase, Some(BarePhase::Failed), "{}", tail());
                 seen.push(phase);
             }
-            testing::when(done == usize::from(MACHINES) && refused, (seen, tail()))
+            testing::when(done == installed.len() && refused, (seen, tail()))
         },
     )
     .await;
@@ -556,7 +612,20 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
             "{}: the last boot: {last_boot:?}\n{serial}",
             d.name
         );
-        let firmware = if d.uefi { "UEFI" } else { "BIOS" };
+        // Each boot kept the mode the system shows (the entries name none): sushy-tools
+        // shows UEFI for a domain with a UEFI loader, and no mode for one without.
+        let kept = match d.firmware {
+            Firmware::Bios => "in the firmware's own mode (the BMC shows none)",
+            Firmware::Uefi | Firmware::SecureBoot => "in the system's UEFI mode",
+        };
+        // (The live boot of a machine replica A had powered on before it was killed says
+        // only that.)
+        let live = step(BarePhase::LiveBoot);
+        let again = live.detail.contains("it was on already: powered on before");
+        assert!(live.detail.contains(kept) || again, "{}: {live:?}", d.name);
+        let disk = step(BarePhase::DiskBoot);
+        assert!(disk.detail.contains(kept), "{}: {disk:?}", d.name);
+        let firmware = d.firmware.shown();
         assert!(
             last_boot.contains(&format!("booted by {firmware})")),
             "{}: the installed OS booted by {firmware}: {last_boot:?}",
@@ -680,6 +749,8 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
             .collect::<Vec<_>>();
         refused(&db, d, &cause, &disk).await;
     }
+    fell_through_twice(&db, fell_through, &fell_through_disks).await;
+    cloud_init_let_shepherd_in(&db, cloud, &build.key, &t.url).await;
     // The surviving replica counted what it did: both machines' last steps, the other two's
     // failures (all after the other was killed).
     let metrics = common::get_text(&b.metrics).await;
@@ -688,8 +759,8 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
         common::sample(&metrics, &name)
     };
     if !figures {
-        assert_eq!(entered("Done"), Some(f64::from(MACHINES)), "{metrics}");
-        assert_eq!(entered("Failed"), Some(4.0), "{metrics}");
+        assert_eq!(entered("Done"), Some(f64::from(MACHINES + 1)), "{metrics}");
+        assert_eq!(entered("Failed"), Some(5.0), "{metrics}");
     }
     if figures {
         let mean = |i: usize| parts.iter().map(|p| p[i]).sum::<f64>() / parts.len() as f64;
@@ -738,6 +809,97 @@ fn interrupted_and_asked_again(steps: &[BareHistoryEntry]) {
     assert!(
         !steps.iter().any(|s| s.phase == BarePhase::Failed),
         "{steps:#?}"
+    );
+}
+
+/// The stock cloud image, which holds no key and no network of its own, booted from the disk
+/// its agent wrote: cloud-init read the config drive the agent added, brought up the entry's
+/// static address (no DHCP lease), and let Shepherd in as root with its key, so the agent
+/// heartbeats from it and reported its NIC.
+async fn cloud_init_let_shepherd_in(db: &Bmdb, d: &Domain, key: &Path, url: &str) {
+    let m = machine_of(db, d).await.unwrap();
+    let steps = steps(db, m).await;
+    let ejecting = steps
+        .iter()
+        .find(|s| s.phase == BarePhase::Ejecting)
+        .unwrap();
+    let drive = "then added a config drive (FAT, label config-2, 64 MiB) as partition 3 of its MBR";
+    assert!(ejecting.detail.contains(drive), "{ejecting:?}");
+    let console = d.serial_log();
+    assert!(
+        console.contains("Datasource DataSourceConfigDrive"),
+        "{}: cloud-init read a config drive: {console}",
+        d.name
+    );
+    let out = std::process::Command::new("ssh")
+        .args(["-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no"])
+        .args(["-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"])
+        .arg("-i")
+        .arg(key)
+        .args(["-p", &d.ssh_port.to_string(), "root@127.0.0.1"])
+        .arg("id -u; hostname; ip -o -4 addr show scope global; ip -4 route show default")
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}: {shown}{}",
+        d.name,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<&str> = shown.lines().collect();
+    assert_eq!(lines.first(), Some(&"0"), "{}: root: {shown}", d.name);
+    assert_eq!(lines.get(1), Some(&d.name.as_str()), "{shown}");
+    let address = lines.get(2).copied().unwrap_or_default();
+    assert!(
+        address.contains(&format!("inet {CLOUD_ADDRESS}")) && !address.contains("dynamic"),
+        "{}: the entry's static address, not a lease: {shown}",
+        d.name
+    );
+    assert!(
+        lines
+            .get(3)
+            .is_some_and(|r| r.starts_with("default via 10.0.2.2")),
+        "{}: the entry's gateway: {shown}",
+        d.name
+    );
+    let reported = common::machine_json(url, m);
+    let macs: Vec<&str> = reported["hardware_report"]["nics"]
+        .as_array()
+        .map(|nics| nics.iter().filter_map(|n| n["mac"].as_str()).collect())
+        .unwrap_or_default();
+    assert_eq!(macs, [d.mac.as_str()], "{}: {reported}", d.name);
+}
+
+/// Secure Boot refused the live image's loader each time, so the firmware booted the disk's
+/// installed OS, which let Shepherd in: its agent, showing no proof of the live boot, was
+/// asked nothing, the machine was ejected and booted again, and failed after its second live
+/// boot with that cause; its disk is as it was, though its entry allows a wipe.
+async fn fell_through_twice(db: &Bmdb, d: &Domain, disks: &[(PathBuf, String)]) {
+    let cause = [
+        "the CD boot fell through to the installed OS",
+        "2 times",
+        "Secure Boot",
+        "nothing was written",
+    ];
+    refused(db, d, &cause, disks).await;
+    let m = machine_of(db, d).await.unwrap();
+    let steps = steps(db, m).await;
+    let fell = "the CD boot fell through to the installed OS: what answered SSH showed no proof \
+                of this live boot, so no installation was asked of it (live boot 1 of 2)";
+    let fell_then = steps
+        .iter()
+        .any(|s| s.phase == BarePhase::Bare && s.detail.contains(fell));
+    let asked = steps.iter().any(|s| s.phase == BarePhase::Installing);
+    assert!(fell_then && !asked, "{}: {steps:#?}", d.name);
+    let request = db.read(move |tx| Box::pin(async move { tx.os_installation_request(m).await }));
+    assert_eq!(request.await.unwrap(), None, "{}", d.name);
+    let console = d.serial_log();
+    assert!(
+        console.matches("shepherd installed OS: starting").count() >= 2
+            && !console.contains("shepherd live environment: starting"),
+        "{}: the installed OS booted each time, the live environment never: {console}",
+        d.name
     );
 }
 
