@@ -34,11 +34,13 @@ use shepherd_proto::bmaas as proto;
 use shepherd_proto::Message;
 /// The variable that carries each live boot's proof to its agent; never an operator's.
 pub use shepherd_proto::LIVE_PROOF_VAR;
-use shepherd_provider::bare::{config_drive, installed_config_drive, ConfigTooLarge, LiveFacts};
+use shepherd_provider::bare::{
+    config_drive, installed_config_drive, BootMode, ConfigTooLarge, LiveFacts,
+};
 use shepherd_provider::metrics::register_at_zero;
 use shepherd_provider::redfish::{Bmc, BmcError};
 use shepherd_provider::settings::InvalidSetting;
-use shepherd_provider::virtual_media::{BootMode, BootTarget};
+use shepherd_provider::virtual_media::BootTarget;
 use shepherd_provider::{look_up, BarePlan, LookupFailed, ProviderError, Rebooter};
 use uuid::Uuid;
 

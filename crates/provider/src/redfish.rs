@@ -315,6 +315,15 @@ pub(crate) struct System {
     pub(crate) actions: Actions,
     #[serde(rename = "PowerState", default)]
     pub(crate) power_state: Option<String>,
+    #[serde(rename = "Boot", default)]
+    pub(crate) boot: Boot,
+}
+
+/// What a system's `Boot` shows of its boot mode.
+#[derive(Deserialize, Default)]
+pub(crate) struct Boot {
+    #[serde(rename = "BootSourceOverrideMode")]
+    pub(crate) mode: Option<String>,
 }
 
 /// A session with one BMC.

@@ -6,7 +6,7 @@
 
 use serde::Deserialize;
 
-pub use crate::bare::BootMode;
+use crate::bare::BootMode;
 use crate::redfish::{Bmc, BmcError, Collection, OdataId, System};
 
 /// A system's virtual CD and what is in it.
@@ -62,19 +62,6 @@ pub enum BootTarget {
     /// cycles and a power failure's included, starts the installed OS, whatever the
     /// firmware's own order (often the network first, or the CD drive).
     Hdd,
-}
-
-/// What a system's `Boot` shows of its boot mode.
-#[derive(Deserialize, Default)]
-struct BootShown {
-    #[serde(rename = "BootSourceOverrideMode")]
-    mode: Option<String>,
-}
-
-#[derive(Deserialize)]
-struct SystemBoot {
-    #[serde(rename = "Boot", default)]
-    boot: BootShown,
 }
 
 /// The `BootSourceOverrideMode` to send, if any, for a boot in mode `wanted` (the entry's)
@@ -278,7 +265,7 @@ impl Bmc {
         mode: Option<BootMode>,
     ) -> Result<String, BmcError> {
         let system = self.system_path().await?;
-        let shown: SystemBoot = self.get(&system).await?;
+        let shown: System = self.get(&system).await?;
         let (send, said) = boot_mode_to_send(mode, shown.boot.mode.as_deref());
         let mut boot = serde_json::json!({
             "BootSourceOverrideTarget": target.redfish(),

@@ -647,11 +647,12 @@ async fn blank_vms_go_from_their_bmcs_to_heartbeating_from_their_installed_os() 
         assert!(d.is_running(), "{}", d.name);
         // The installed OS's agent reported the machine's hardware: its NIC.
         let shown = common::machine_json(&t.url, m);
-        let macs: Vec<&str> = shown["hardware_report"]["nics"]
-            .as_array()
-            .map(|nics| nics.iter().filter_map(|n| n["mac"].as_str()).collect())
-            .unwrap_or_default();
-        assert_eq!(macs, [d.mac.as_str()], "{}: {shown}", d.name);
+        assert_eq!(
+            reported_macs(&shown),
+            [d.mac.as_str()],
+            "{}: {shown}",
+            d.name
+        );
         // `machines show` and the web UI list its steps with the time spent in each.
         let shown_steps: Vec<(&str, f64)> = shown["bare_steps"]
             .as_array()
@@ -864,11 +865,20 @@ async fn cloud_init_let_shepherd_in(db: &Bmdb, d: &Domain, key: &Path, url: &str
         d.name
     );
     let reported = common::machine_json(url, m);
-    let macs: Vec<&str> = reported["hardware_report"]["nics"]
+    assert_eq!(
+        reported_macs(&reported),
+        [d.mac.as_str()],
+        "{}: {reported}",
+        d.name
+    );
+}
+
+/// The MACs of the NICs in the hardware report of `machines show`'s JSON `shown`.
+fn reported_macs(shown: &serde_json::Value) -> Vec<&str> {
+    shown["hardware_report"]["nics"]
         .as_array()
         .map(|nics| nics.iter().filter_map(|n| n["mac"].as_str()).collect())
-        .unwrap_or_default();
-    assert_eq!(macs, [d.mac.as_str()], "{}: {reported}", d.name);
+        .unwrap_or_default()
 }
 
 /// Secure Boot refused the live image's loader each time, so the firmware booted the disk's
